@@ -1,0 +1,1 @@
+"""SpecChat's engine: models, SpecExec speculative decoding, model store. Never imports Qt."""

@@ -1,0 +1,141 @@
+"""SpecExec tree growth with the draft model.
+
+The tree SpecExec wants is (approximately) the B most likely continuations under the draft: the
+B nodes with the highest cumulative draft log-probability. We grow it best-first, in batches:
+
+  pass 0   the draft reads its pending tokens (the root and any accepted tokens it has not
+           seen); the root's distribution gives its top-k children.
+  pass t   the m best nodes of the current tree that the draft has not read yet are read in one
+           forward pass (tree mask over the draft's cache, depth-based positions); each yields
+           its top-k children (unique tokens, score = parent score + log q(child)).
+  after each pass only the B best nodes survive. A child never scores above its parent and the
+           B-th best score only rises, so an evicted node can never come back, and the
+           survivors are closed under "parent of" (ties go to the older node, the parent).
+
+Growth stops when no unread node is left above max depth, when a pass on a full tree adds no
+node to it (the best new candidates cannot enter the budget), or after max_depth passes.
+Survivors are kept in creation order, which is parent-before-child; re-sorting by score (as the
+reference code does after its top-k) breaks that order and with it the verification pass.
+
+The draft's K/V for every node it reads is appended to its cache; `DraftTrace.slots` records
+where, so the caller can keep the accepted path's entries and drop the rest.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .cache import KVCache
+from .causal_lm import CausalLM, causal_allowed
+from .sampling import process_logits
+from .tree import Tree, ancestor_mask
+from .types import SamplingSettings, SpeculationSettings
+
+
+@dataclass(frozen=True)
+class DraftTrace:
+    tree: Tree
+    slots: torch.Tensor  # (N,) long: draft cache slot of each node, -1 if the draft never read it
+    passes: int
+    seconds: float
+
+
+MIN_PASS_GAIN = 0.0
+
+
+def default_expand_per_pass(budget: int) -> int:
+    """Nodes read per draft pass: enough that a budget fills in ~8 passes (fewer, larger
+    passes amortise per-pass overhead), at least 1."""
+    return max(1, math.ceil(budget / 8))
+
+
+def grow_tree(
+    draft: CausalLM,
+    cache: KVCache,
+    pending: torch.Tensor,  # (p,) tokens the draft has not read; the last one is the root
+    spec: SpeculationSettings,
+    sampling: SamplingSettings,
+    vocab_limit: int,
+) -> DraftTrace:
+    """Grow a tree of at most `spec.budget` draft tokens below the root. `cache` holds the
+    committed prefix before the call; after it, also the pending tokens and every node read."""
+    t0 = time.perf_counter()
+    budget, max_depth, k = spec.budget, spec.max_depth, spec.branching
+    per_pass = spec.expand_per_pass or default_expand_per_pass(budget)
+    device = draft.device
+
+    # pass 0: pending chain; the root's slot is the chain's last entry
+    start = cache.length
+    hidden = draft.forward(pending, torch.arange(start, start + pending.shape[0]), cache, None)
+    root_pos = cache.length - 1
+    tokens = pending[-1:].to(device).long()
+    parents = torch.tensor([-1], device=device)
+    depths = torch.tensor([0], device=device)
+    logp = torch.zeros(1, device=device)
+    slots = torch.tensor([root_pos], device=device)
+    to_expand = torch.tensor([0], device=device)
+    expand_hidden = hidden[-1:]
+    passes = 1
+
+    while True:
+        # children of the nodes just read
+        q = process_logits(draft.logits(expand_hidden)[:, :vocab_limit], sampling)  # (m, V)
+        kk = min(k, q.shape[-1])
+        child_lp, child_tok = torch.topk(q, kk, dim=-1)  # (m, kk)
+        child_lp = child_lp + logp[to_expand][:, None]
+        ok = torch.isfinite(child_lp)
+        n_old = tokens.shape[0]
+        tokens = torch.cat([tokens, child_tok[ok]])
+        parents = torch.cat([parents, to_expand[:, None].expand(-1, kk)[ok]])
+        depths = torch.cat([depths, (depths[to_expand] + 1)[:, None].expand(-1, kk)[ok]])
+        logp = torch.cat([logp, child_lp[ok]])
+        slots = torch.cat([slots, torch.full((int(ok.sum()),), -1, device=device)])
+
+        # keep the root and the `budget` best other nodes, in creation order
+        n = tokens.shape[0]
+        if n - 1 > budget:
+            order = torch.sort(-logp[1:], stable=True).indices[:budget] + 1
+            keep = torch.cat([torch.zeros(1, dtype=torch.long, device=device), order.sort().values])
+            remap = torch.full((n,), -1, dtype=torch.long, device=device)
+            remap[keep] = torch.arange(keep.shape[0], device=device)
+            new_parents = parents[keep]
+            new_parents[1:] = remap[new_parents[1:]]
+            assert bool((new_parents[1:] >= 0).all()), "a kept node lost its parent"
+            added = int((keep >= n_old).sum())
+            tokens, parents, depths, logp, slots = tokens[keep], new_parents, depths[keep], logp[keep], slots[keep]
+        else:
+            added = n - n_old
+        full = tokens.shape[0] - 1 >= budget
+
+        if passes > max_depth or (full and added == 0):
+            break
+        useful = (slots < 0) & (depths < max_depth)
+        if full:  # a child scores below its parent: only nodes above the worst survivor can add one
+            useful &= logp > logp[1:].min()
+        unread = useful.nonzero()[:, 0]
+        if unread.numel() == 0:
+            break
+        best = torch.sort(-logp[unread], stable=True).indices[:per_pass]
+        if float(logp[unread[best]].exp().sum()) < MIN_PASS_GAIN:
+            break
+        to_expand = unread[best].sort().values  # (m,) parent-before-child order
+
+        # one batched draft pass over the chosen nodes
+        m = to_expand.shape[0]
+        past = cache.length
+        anc = ancestor_mask(parents, to_expand, max_depth)  # (m, N) node j is ancestor-or-self
+        allowed = torch.zeros((m, past + m), dtype=torch.bool, device=device)
+        allowed[:, : root_pos + 1] = True  # committed prefix and the root
+        rows, cols = (anc & (slots >= 0)[None]).nonzero(as_tuple=True)
+        allowed[rows, slots[cols]] = True
+        allowed[torch.arange(m, device=device), past + torch.arange(m, device=device)] = True
+        expand_hidden = draft.forward(tokens[to_expand], root_pos + depths[to_expand], cache, allowed)
+        slots[to_expand] = past + torch.arange(m, device=device)
+        passes += 1
+
+    tree = Tree(tokens=tokens, parents=parents, depths=depths, logp=logp)
+    return DraftTrace(tree=tree, slots=slots, passes=passes, seconds=time.perf_counter() - t0)

@@ -1,0 +1,57 @@
+"""Errors a user can hit. Each carries a `user_message` that says what happened and what to do;
+the CLI prints it on one line (exit code 2) and the app shows it in a banner as it is.
+
+Internal invariants use `assert`; only conditions a user can cause or fix raise these.
+"""
+
+from __future__ import annotations
+
+
+class EngineError(Exception):
+    """Base class. `user_message` is complete, plain English, shown as-is."""
+
+    def __init__(self, user_message: str) -> None:
+        super().__init__(user_message)
+        self.user_message = user_message
+
+
+class ModelNotFound(EngineError):
+    """A model path or id that does not exist."""
+
+
+class UnsupportedModel(EngineError):
+    """A model that exists but cannot be used: bad config, unknown architecture, corrupt file,
+    pickle checkpoint, or a draft whose tokenizer does not match the target's."""
+
+
+class InvalidRequest(EngineError):
+    """Settings or prompts that cannot be honoured (budget < 1, empty prompt, ...)."""
+
+
+class OutOfMemory(EngineError):
+    """A pass or a load did not fit in GPU or host memory."""
+
+
+class DownloadFailed(EngineError):
+    """A download that could not complete after retries."""
+
+
+class ChecksumMismatch(DownloadFailed):
+    """A downloaded file whose SHA-256 does not match the hub's metadata."""
+
+
+class DiskFull(EngineError):
+    """Not enough free disk space for a download or import."""
+
+
+class Cancelled(EngineError):
+    """The user cancelled the operation."""
+
+
+class GatedRepo(DownloadFailed):
+    """The hub answered 401/403: the repo is gated (licence not accepted) or the token is missing
+    or wrong."""
+
+
+class HubUnreachable(DownloadFailed):
+    """The Hugging Face hub could not be reached at all (no connection, DNS, firewall)."""

@@ -1,0 +1,146 @@
+"""Load a target or draft model from a local Hugging Face folder or a .gguf file.
+
+Accepted: a folder with config.json, *.safetensors weights and tokenizer files, of a supported
+decoder-only architecture; or a GGUF file (transformers de-quantises it). Refused with a clear
+message: missing paths, folders without config.json, pickle checkpoints (*.bin, *.pt: loading
+them can run arbitrary code), unknown architectures, corrupt files, and a draft whose tokenizer
+vocabulary differs from the target's. trust_remote_code stays off.
+
+What this does not do yet: place weights on the meta device and stream them tensor by tensor
+into GPU / pinned host / NF4 storage (the offloaded target, issue 3). `load_model` is the single
+entry point both the engine and that work go through, so the offloaded path replaces its body.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .causal_lm import SUPPORTED_MODEL_TYPES, CausalLM
+from .errors import ModelNotFound, UnsupportedModel
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model: CausalLM
+    tokenizer: object
+    path: Path
+
+
+def resolve_path(spec: str) -> Path:
+    """A --target/--draft value -> a local path: an existing path, else a model from the store."""
+    path = Path(spec).expanduser()
+    if path.exists():
+        return path
+    try:
+        from .store import resolve_model  # the model store (catalog ids, owner/name repo ids)
+    except ImportError:
+        resolve_model = None
+    if resolve_model is not None:
+        found = resolve_model(spec)
+        if found is not None:
+            return Path(found)
+    raise ModelNotFound(
+        f"No model at '{spec}'. Give a folder with config.json and .safetensors files, a .gguf "
+        "file, or the id of a downloaded model (see `specchat models list`)."
+    )
+
+
+def check_folder(path: Path) -> dict:
+    """Validate a Hugging Face folder without loading weights; return its config dict."""
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise UnsupportedModel(
+            f"'{path}' has no config.json, so it is not a Hugging Face model folder. "
+            "Point to the folder that holds config.json and the .safetensors files."
+        )
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise UnsupportedModel(f"'{config_file}' is not valid JSON ({exc}); re-download the model.") from exc
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModel(
+            f"'{path.name}' is a '{model_type}' model; SpecChat runs {', '.join(SUPPORTED_MODEL_TYPES)} "
+            "models. Pick a model of one of those families."
+        )
+    if config.get("use_sliding_window"):
+        raise UnsupportedModel(f"'{path.name}' uses sliding-window attention, which SpecChat does not run yet.")
+    if not any(path.glob("*.safetensors")):
+        pickles = [p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt")]
+        if pickles:
+            raise UnsupportedModel(
+                f"'{path.name}' has only pickle weights ({pickles[0]}); they can run code when "
+                "loaded, so SpecChat refuses them. Download the .safetensors version of the model."
+            )
+        raise UnsupportedModel(f"'{path}' holds no .safetensors weights; re-download the model.")
+    return config
+
+
+def check_gguf(path: Path) -> None:
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as exc:
+        raise ModelNotFound(f"Cannot read '{path}': {exc.strerror}.") from exc
+    if magic != b"GGUF":
+        raise UnsupportedModel(f"'{path.name}' is not a GGUF file (bad header); it may be corrupt — re-download it.")
+
+
+def load_model(spec: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> LoadedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_path(str(spec))
+    try:
+        if path.is_dir():
+            check_folder(path)
+            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+            hf = AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype, trust_remote_code=False, use_safetensors=True
+            )
+        elif path.suffix.lower() == ".gguf":
+            check_gguf(path)
+            tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+            hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+            if hf.config.model_type not in SUPPORTED_MODEL_TYPES:
+                raise UnsupportedModel(f"'{path.name}' is a '{hf.config.model_type}' model; SpecChat runs "
+                                       f"{', '.join(SUPPORTED_MODEL_TYPES)} models.")
+        elif path.suffix.lower() in (".bin", ".pt", ".pth", ".ckpt"):
+            raise UnsupportedModel(f"'{path.name}' is a pickle checkpoint; SpecChat loads only .safetensors "
+                                   "folders and .gguf files.")
+        else:
+            raise UnsupportedModel(f"'{path}' is neither a model folder nor a .gguf file.")
+    except (UnsupportedModel, ModelNotFound):
+        raise
+    except torch.OutOfMemoryError as exc:
+        from .errors import OutOfMemory
+
+        raise OutOfMemory(f"Not enough memory to load '{path.name}'. Close other programs or pick a smaller model.") from exc
+    except (OSError, ValueError, KeyError, RuntimeError, EOFError) as exc:
+        log.debug("load failed", exc_info=True)
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        raise UnsupportedModel(f"Could not load '{path.name}': {first}. The files may be corrupt or incomplete; "
+                               "re-download the model.") from exc
+    hf = hf.to(device)
+    return LoadedModel(model=CausalLM(hf), tokenizer=tokenizer, path=path)
+
+
+def check_pair(target: LoadedModel, draft: LoadedModel) -> None:
+    """Target and draft must share a tokenizer vocabulary (token -> id); their embedding
+    matrices may still differ in padding rows."""
+    tv = target.tokenizer.get_vocab()  # type: ignore[attr-defined]
+    dv = draft.tokenizer.get_vocab()  # type: ignore[attr-defined]
+    if tv != dv:
+        only_t = len(set(tv.items()) - set(dv.items()))
+        raise UnsupportedModel(
+            f"The draft '{draft.path.name}' does not share the target's tokenizer "
+            f"({only_t} of {len(tv)} target tokens differ). Choose a draft from the same model family."
+        )

@@ -1,0 +1,28 @@
+"""Where SpecChat keeps its files. Every function takes an explicit override (tests pass
+tmp_path); environment variables let a user or CI move the folders without code changes."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import platformdirs
+
+APP_NAME = "specchat"
+
+
+def data_dir() -> Path:
+    """User data: conversations, hardware profile, the models folder by default."""
+    env = os.environ.get("SPECCHAT_DATA_DIR")
+    return Path(env) if env else Path(platformdirs.user_data_dir(APP_NAME, appauthor=False))
+
+
+def cache_dir() -> Path:
+    """Rebuildable files: the starter model's wheel and converted folders, test models."""
+    env = os.environ.get("SPECCHAT_CACHE_DIR")
+    return Path(env) if env else Path(platformdirs.user_cache_dir(APP_NAME, appauthor=False))
+
+
+def models_dir() -> Path:
+    env = os.environ.get("SPECCHAT_MODELS_DIR")
+    return Path(env) if env else data_dir() / "models"

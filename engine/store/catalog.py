@@ -1,0 +1,162 @@
+"""The curated catalog (resources/catalog.json): target/draft pairs that share a tokenizer.
+
+Loads and validates the JSON into frozen dataclasses. The catalog only *describes* models;
+it is never written by the app. Sizes in it are for display and planning; the downloader
+takes exact sizes and checksums from the hub at download time.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.errors import UnsupportedModel
+
+SCHEMA_VERSION = 1
+DEFAULT_CATALOG_PATH = Path(__file__).resolve().parents[2] / "resources" / "catalog.json"
+
+
+@dataclass(frozen=True)
+class MemoryNeed:
+    """Estimated memory for one quantisation, in GB (10**9 bytes)."""
+
+    quantisation: str
+    ram_gb: float
+    vram_min_gb: float
+    vram_full_gb: float
+
+
+@dataclass(frozen=True)
+class FallbackSource:
+    """A second source for a model when the hub cannot be reached (a GGUF inside a PyPI wheel)."""
+
+    kind: str
+    package: str
+    version: str
+    file: str
+    download_bytes: int
+
+
+@dataclass(frozen=True)
+class CatalogModel:
+    id: str
+    repo_id: str
+    revision: str
+    role: str
+    files: tuple[str, ...]
+    shards: int
+    download_bytes: int
+    parameters: int
+    layers: int
+    vocab_rows: int
+    dtype: str
+    prequantised: str | None
+    memory: tuple[MemoryNeed, ...]
+    license: str
+    gated: bool
+    template: str
+    description: str
+    fallback: FallbackSource | None = None
+
+    @property
+    def licence_url(self) -> str:
+        return f"https://huggingface.co/{self.repo_id}"
+
+
+@dataclass(frozen=True)
+class CatalogPair:
+    id: str
+    target: str
+    draft: str
+    description: str
+    note: str
+
+
+@dataclass(frozen=True)
+class Catalog:
+    schema_version: int
+    checked_on: str
+    starter: str
+    models: tuple[CatalogModel, ...]
+    pairs: tuple[CatalogPair, ...]
+
+    def find(self, spec: str) -> CatalogModel | None:
+        """A model by catalog id or by repo id (repo ids compare case-insensitively, as on the hub)."""
+        lowered = spec.lower()
+        for model in self.models:
+            if model.id == spec or model.repo_id.lower() == lowered:
+                return model
+        return None
+
+    def pair(self, pair_id: str) -> CatalogPair | None:
+        return next((p for p in self.pairs if p.id == pair_id), None)
+
+
+def load_catalog(path: Path | None = None) -> Catalog:
+    """Read and validate the catalog; a malformed file raises UnsupportedModel naming the entry."""
+    source = path or DEFAULT_CATALOG_PATH
+    try:
+        raw = json.loads(source.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UnsupportedModel(
+            f"The model catalog {source} cannot be read ({exc}). Reinstall SpecChat to restore it."
+        ) from exc
+    if raw.get("schema_version") != SCHEMA_VERSION:
+        raise UnsupportedModel(
+            f"The model catalog {source} has schema version {raw.get('schema_version')!r}; this "
+            f"SpecChat reads version {SCHEMA_VERSION}. Update SpecChat."
+        )
+    models = tuple(_parse_model(entry, source) for entry in raw["models"])
+    ids = {m.id for m in models}
+    if len(ids) != len(models):
+        raise UnsupportedModel(f"The model catalog {source} lists a model id twice.")
+    pairs = tuple(
+        CatalogPair(p["id"], p["target"], p["draft"], p["description"], p.get("note", ""))
+        for p in raw.get("pairs", [])
+    )
+    for pair in pairs:
+        if pair.target not in ids or pair.draft not in ids:
+            raise UnsupportedModel(f"Catalog pair {pair.id!r} names a model that is not in the catalog.")
+    if raw["starter"] not in ids:
+        raise UnsupportedModel(f"The catalog's starter {raw['starter']!r} is not one of its models.")
+    return Catalog(raw["schema_version"], raw["checked_on"], raw["starter"], models, pairs)
+
+
+def _parse_model(entry: dict[str, Any], source: Path) -> CatalogModel:
+    try:
+        fallback = entry.get("fallback")
+        return CatalogModel(
+            id=entry["id"],
+            repo_id=entry["repo_id"],
+            revision=entry.get("revision", "main"),
+            role=entry["role"],
+            files=tuple(entry["files"]),
+            shards=int(entry["shards"]),
+            download_bytes=int(entry["download_bytes"]),
+            parameters=int(entry["parameters"]),
+            layers=int(entry["layers"]),
+            vocab_rows=int(entry["vocab_rows"]),
+            dtype=entry["dtype"],
+            prequantised=entry.get("prequantised"),
+            memory=tuple(
+                MemoryNeed(q, float(m["ram_gb"]), float(m["vram_min_gb"]), float(m["vram_full_gb"]))
+                for q, m in entry["memory"].items()
+            ),
+            license=entry["license"],
+            gated=bool(entry["gated"]),
+            template=entry["template"],
+            description=entry["description"],
+            fallback=FallbackSource(
+                fallback["kind"], fallback["package"], fallback["version"], fallback["file"],
+                int(fallback["download_bytes"]),
+            )
+            if fallback
+            else None,
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise UnsupportedModel(
+            f"Catalog entry {entry.get('id', '?')!r} in {source} is malformed ({exc!r}). "
+            "Reinstall SpecChat to restore the catalog."
+        ) from exc

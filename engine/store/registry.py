@@ -1,0 +1,221 @@
+"""The registry of local models: what is in the models folder, plus what the HF cache holds.
+
+Each registered model is a folder `<models dir>/<slug>/` holding a manifest
+(`specchat-model.json`) and usually the model files themselves. A model is registered only by
+writing its manifest last (downloads build it in `.partial/` and rename the whole folder in), so a
+half-finished model is never listed. Imports may point at files elsewhere (no copy); removing
+those unregisters them and frees nothing, which `LocalModel.owns_files` says up front.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from engine.errors import DiskFull, InvalidRequest, ModelNotFound, UnsupportedModel
+from engine.store.catalog import Catalog
+from engine.store.hub_cache import find_cached_repo, list_cached_repos
+from engine.store.paths import is_repo_id
+
+logger = logging.getLogger(__name__)
+
+MANIFEST_NAME = "specchat-model.json"
+MANIFEST_VERSION = 1
+PARTIAL_DIR = ".partial"
+
+
+@dataclass(frozen=True)
+class LocalModel:
+    """A model usable now. `path` is what the loader takes: a HF folder or a .gguf file."""
+
+    model_id: str
+    repo_id: str | None
+    source: str  # "hub" | "import" | "pypi-wheel" | "hf-cache"
+    path: Path
+    size_bytes: int
+    files: tuple[str, ...]
+    revision: str | None
+    folder: Path | None  # registry folder; None for HF-cache models
+    owns_files: bool  # removing it frees size_bytes
+
+
+def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    """Write JSON so a crash leaves either the old file or the new one, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            json.dump(data, handle, indent=1)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def manifest_data(
+    *, model_id: str, repo_id: str | None, source: str, path: str, revision: str | None,
+    files: list[dict[str, Any]],
+) -> dict[str, Any]:
+    return {
+        "manifest_version": MANIFEST_VERSION,
+        "model_id": model_id,
+        "repo_id": repo_id,
+        "source": source,
+        "path": path,
+        "revision": revision,
+        "files": files,
+        "registered_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def read_manifest(folder: Path) -> LocalModel | None:
+    """The model registered in `folder`, or None if there is no valid manifest."""
+    manifest = folder / MANIFEST_NAME
+    try:
+        data = json.loads(manifest.read_text(encoding="utf-8"))
+        target = Path(data["path"])
+        path = target if target.is_absolute() else (folder / target)
+        files = tuple(f["name"] for f in data["files"])
+        size = sum(int(f["size"]) for f in data["files"])
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        logger.warning("ignoring unreadable manifest %s: %s", manifest, exc)
+        return None
+    owns = not Path(data["path"]).is_absolute()
+    return LocalModel(
+        data["model_id"], data.get("repo_id"), data["source"], path.resolve(), size, files,
+        data.get("revision"), folder, owns,
+    )
+
+
+def list_local_models(models_dir: Path, hf_cache_dir: Path | None = None) -> list[LocalModel]:
+    """Registered models, then HF-cache models not already registered under the same repo id."""
+    found: list[LocalModel] = []
+    if models_dir.is_dir():
+        for folder in sorted(models_dir.iterdir()):
+            if folder.is_dir() and not folder.name.startswith("."):
+                model = read_manifest(folder)
+                if model is not None:
+                    found.append(model)
+    if hf_cache_dir is not None:
+        known = {m.repo_id.lower() for m in found if m.repo_id}
+        for cached in list_cached_repos(hf_cache_dir):
+            if cached.repo_id.lower() not in known:
+                found.append(_from_cache(cached.repo_id, cached))
+    return found
+
+
+def find_local_model(
+    spec: str, models_dir: Path, hf_cache_dir: Path | None, catalog: Catalog | None
+) -> LocalModel | None:
+    """A local model by catalog id, repo id or import name; registry first, then the HF cache."""
+    entry = catalog.find(spec) if catalog is not None else None
+    repo_id = entry.repo_id if entry is not None else (spec if is_repo_id(spec) else None)
+    names = {spec.lower()} | ({entry.id.lower()} if entry else set())
+    for model in list_local_models(models_dir):
+        if model.model_id.lower() in names or (repo_id and (model.repo_id or "").lower() == repo_id.lower()):
+            return model
+    if hf_cache_dir is not None and repo_id is not None:
+        cached = find_cached_repo(repo_id, hf_cache_dir, entry.revision if entry else "main")
+        if cached is not None:
+            return _from_cache(entry.id if entry else repo_id, cached)
+    return None
+
+
+def _from_cache(model_id: str, cached: Any) -> LocalModel:
+    return LocalModel(
+        model_id, cached.repo_id, "hf-cache", cached.path, cached.size_bytes, cached.files,
+        cached.commit, None, False,
+    )
+
+
+def import_model(path: Path, models_dir: Path, name: str | None = None, copy: bool = False) -> LocalModel:
+    """Register a local HF folder or .gguf file; with `copy` its files move under the models folder."""
+    source = path.expanduser().resolve()
+    if not source.exists():
+        raise ModelNotFound(f"Nothing to import at {source}: check the path.")
+    if source.is_file():
+        if source.suffix.lower() != ".gguf":
+            raise UnsupportedModel(
+                f"{source.name} is not a .gguf file. Import a .gguf file or a Hugging Face folder "
+                "(config.json + *.safetensors + tokenizer files)."
+            )
+        files = [source]
+    else:
+        if not (source / "config.json").is_file() or not any(source.glob("*.safetensors")):
+            raise UnsupportedModel(
+                f"{source} is not a Hugging Face model folder: it needs config.json and *.safetensors "
+                "weights (pickle .bin checkpoints are not loaded, for safety)."
+            )
+        files = sorted(p for p in source.iterdir() if p.is_file())
+    model_name = name or (source.stem if source.is_file() else source.name)
+    if is_repo_id(model_name) or "/" in model_name or model_name.startswith("."):
+        raise InvalidRequest(f"{model_name!r} cannot be an import name: use letters, digits, '-', '_' or '.'.")
+    folder = models_dir / f"local--{model_name}"
+    if (folder / MANIFEST_NAME).exists():
+        raise InvalidRequest(
+            f"A model named {model_name!r} is already imported. Remove it first "
+            f"(specchat models remove {model_name}) or pass another --name."
+        )
+    entries = [{"name": p.name, "size": p.stat().st_size} for p in files]
+    if copy:
+        needed = sum(e["size"] for e in entries)
+        models_dir.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(models_dir).free
+        if needed > free:
+            raise DiskFull(
+                f"Copying {model_name} needs {format_bytes(needed)} but only {format_bytes(free)} is free "
+                f"on {models_dir} ({format_bytes(needed - free)} short). Free space, or import without copying."
+            )
+        staging = models_dir / PARTIAL_DIR / folder.name
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        for p in files:
+            shutil.copy2(p, staging / p.name)
+        target = files[0].name if source.is_file() else "."
+        write_json_atomic(staging / MANIFEST_NAME, manifest_data(
+            model_id=model_name, repo_id=None, source="import", path=target, revision=None, files=entries))
+        os.replace(staging, folder)
+    else:
+        write_json_atomic(folder / MANIFEST_NAME, manifest_data(
+            model_id=model_name, repo_id=None, source="import", path=str(source), revision=None, files=entries))
+    model = read_manifest(folder)
+    assert model is not None
+    logger.info("imported %s from %s (copy=%s)", model_name, source, copy)
+    return model
+
+
+def remove_model(model: LocalModel) -> int:
+    """Delete a registered model's folder; returns the bytes freed (0 for imports by reference)."""
+    if model.folder is None:
+        raise InvalidRequest(
+            f"{model.model_id} lives in the Hugging Face cache ({model.path}), which other apps share. "
+            "Remove it with `hf cache delete` (huggingface_hub's CLI)."
+        )
+    freed = model.size_bytes if model.owns_files else 0
+    # Unregister first (manifest gone), then delete the files: a crash in between leaves an
+    # unlisted folder, never a listed model with missing files.
+    (model.folder / MANIFEST_NAME).unlink(missing_ok=True)
+    shutil.rmtree(model.folder, ignore_errors=True)
+    logger.info("removed %s (%d bytes freed)", model.model_id, freed)
+    return freed
+
+
+def format_bytes(count: int | float) -> str:
+    """1.5 GB style, decimal units as the hub shows sizes."""
+    value = float(count)
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(value) < 1000 or unit == "TB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1000
+    raise AssertionError("unreachable")

@@ -1,0 +1,129 @@
+"""Frozen dataclasses that cross the engine's API (to the CLI and to the Qt app).
+
+Plain data only: no tensors, no models, no Qt. Change settings with `dataclasses.replace`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["eos", "length", "stop", "cancelled"]
+DecodeMode = Literal["specexec", "autoregressive"]
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """How a token is chosen from logits. temperature 0 means greedy (argmax).
+
+    top_k 0 and top_p 1.0 and min_p 0.0 and repetition_penalty 1.0 each mean "off".
+    `seed` None draws a fresh seed per request.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+@dataclass(frozen=True)
+class SpeculationSettings:
+    """Shape of the SpecExec draft tree.
+
+    budget: most tree tokens verified by one target pass (B in the paper).
+    max_depth: most tokens on one root-to-leaf path of the tree.
+    branching: most children per expanded node (top-k of the draft distribution).
+    expand_per_pass: most nodes expanded by one batched draft pass; None = derived from budget.
+    """
+
+    mode: DecodeMode = "specexec"
+    budget: int = 64
+    max_depth: int = 16
+    branching: int = 8
+    expand_per_pass: int | None = None
+
+
+@dataclass(frozen=True)
+class Message:
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One completion. Exactly one of `messages` (chat-templated) or `raw_prompt` (plain text)."""
+
+    messages: tuple[Message, ...] = ()
+    raw_prompt: str | None = None
+    max_new_tokens: int = 256
+    stop: tuple[str, ...] = ()
+    sampling: SamplingSettings = field(default_factory=SamplingSettings)
+    speculation: SpeculationSettings = field(default_factory=SpeculationSettings)
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """Tokens accepted by one decoding step and the text they add (may be empty while a
+    multi-byte character is incomplete, or held back while it could start a stop string)."""
+
+    token_ids: tuple[int, ...]
+    text: str
+
+
+@dataclass(frozen=True)
+class GenerationStats:
+    prompt_tokens: int
+    new_tokens: int
+    target_passes: int
+    tokens_per_pass: float
+    draft_passes: int
+    budget: int
+    seconds: float
+    ttft_seconds: float
+    tokens_per_second: float
+    peak_rss_bytes: int
+    draft_seconds: float = 0.0
+    target_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    mode: DecodeMode = "specexec"
+
+    @property
+    def overhead_seconds(self) -> float:
+        """Everything in the decode loop but model passes (tree bookkeeping, sampling, ...)."""
+        return max(0.0, self.seconds - self.prefill_seconds - self.draft_seconds - self.target_seconds)
+
+
+@dataclass(frozen=True)
+class Completion:
+    """The final event of a generation."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason
+    stats: GenerationStats
+
+
+@dataclass(frozen=True)
+class DownloadProgress:
+    """Progress of one model download, safe to send across threads.
+
+    state: "checking" | "downloading" | "verifying" | "retrying" | "paused" | "done" |
+    "failed" | "cancelled". Speeds are rolling averages in bytes/s; eta None when unknown.
+    """
+
+    model_id: str
+    state: str
+    file_name: str = ""
+    file_bytes_done: int = 0
+    file_bytes_total: int = 0
+    bytes_done: int = 0
+    bytes_total: int = 0
+    bytes_per_second: float = 0.0
+    eta_seconds: float | None = None
+    message: str = ""

@@ -1,0 +1,44 @@
+"""Engine test fixtures: real tiny models (built once, cached) and the starter pair."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.generation import Engine
+from engine.loading import LoadedModel, load_model
+from engine.testmodels import tiny_model
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _deterministic_threads() -> None:
+    torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def tiny_target() -> LoadedModel:
+    return load_model(tiny_model("llama", seed=0))
+
+
+@pytest.fixture(scope="session")
+def tiny_close_draft() -> LoadedModel:
+    """A perturbed copy of tiny_target: agrees often, so trees are accepted deep."""
+    return load_model(tiny_model("llama", seed=0, noise=0.05))
+
+
+@pytest.fixture(scope="session")
+def tiny_random_draft() -> LoadedModel:
+    """An unrelated random model with the same tokenizer: most drafts are rejected."""
+    return load_model(tiny_model("llama", seed=5, vocab_pad=13))
+
+
+@pytest.fixture(scope="session")
+def close_engine(tiny_target: LoadedModel, tiny_close_draft: LoadedModel) -> Engine:
+    return Engine(tiny_target.model, tiny_target.tokenizer, tiny_close_draft.model)
+
+
+@pytest.fixture(scope="session")
+def starter_pair() -> tuple[LoadedModel, LoadedModel]:
+    from engine.testmodels import ensure
+
+    return load_model(ensure("starter")), load_model(ensure("proxy-draft"))

@@ -1,0 +1,85 @@
+"""Fixtures for the model store: an isolated environment per test and a local fake hub."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from engine.store.transfer import DownloadSettings
+from hub_server import FakeRepo, HubServer
+
+STARTER_REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(autouse=True)
+def isolated_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """HF cache, HF home and the models folder all under tmp_path; no token from the machine."""
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+    monkeypatch.setenv("SPECCHAT_MODELS_DIR", str(tmp_path / "models"))
+    monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
+    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE", "HUGGINGFACE_HUB_CACHE", "HF_ENDPOINT"):
+        monkeypatch.delenv(name, raising=False)
+    return tmp_path
+
+
+@pytest.fixture
+def models_dir(tmp_path: Path) -> Path:
+    return tmp_path / "models"
+
+
+@pytest.fixture
+def hub(monkeypatch: pytest.MonkeyPatch) -> Iterator[HubServer]:
+    server = HubServer().start()
+    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def settings() -> DownloadSettings:
+    """Short timeouts and backoff so fault tests run in well under a second each."""
+    return DownloadSettings(
+        stall_timeout_s=0.5, connect_timeout_s=2.0, max_retries=3, backoff_initial_s=0.01,
+        backoff_max_s=0.05, progress_interval_s=0.0, free_space_margin_bytes=0,
+        metadata_retries=1,
+    )
+
+
+def make_model_files(weights_bytes: int = 300_000, seed: int = 1) -> dict[str, bytes]:
+    """A small HF-folder-shaped repo: config, tokenizer files and one safetensors-named blob."""
+    weights = bytes((i * 131 + seed * 17 + (i >> 7)) % 251 for i in range(weights_bytes))
+    return {
+        "config.json": b'{"model_type": "llama", "vocab_size": 49152}',
+        "generation_config.json": b'{"eos_token_id": 2}',
+        "tokenizer.json": b'{"version": "1.0", "model": {"type": "BPE"}}' + b" " * 5000,
+        "tokenizer_config.json": b'{"chat_template": "{{ messages }}"}',
+        "model.safetensors": weights,
+        "README.md": b"# not downloaded: not a model file\n",
+        "original/consolidated.pth": b"pickle, never fetched",
+    }
+
+
+@pytest.fixture
+def starter_repo(hub: HubServer) -> FakeRepo:
+    return hub.add_repo(FakeRepo(STARTER_REPO, make_model_files()))
+
+
+@pytest.fixture
+def closed_port_endpoint() -> str:
+    """An endpoint on 127.0.0.1 where nothing listens: connection refused at once."""
+    import socket
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    return f"http://127.0.0.1:{port}"
+
+
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")

@@ -1,0 +1,65 @@
+"""`specchat models ...` through add_models_parser/run_models, as engine/cli.py will call them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import STARTER_REPO
+from engine.store.cli import add_models_parser, run_models
+from hub_server import FakeRepo, HubServer
+
+
+def run(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="specchat")
+    add_models_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(argv)
+    assert args.handler is run_models
+    return run_models(args)
+
+
+def test_download_list_remove_roundtrip(
+    hub: HubServer, starter_repo: FakeRepo, models_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    hub.bytes_per_second = 1_500_000
+    assert run(["models", "download", "smollm2-135m-instruct", "--models-dir", str(models_dir)]) == 0
+    out, err = capsys.readouterr()
+    path = Path(out.strip().splitlines()[-1])
+    assert path == models_dir / "smollm2-135m-instruct" and (path / "model.safetensors").is_file()
+    assert "100.0%" in err and "[" in err and "]" in err and "done: Saved to" in err
+
+    assert run(["models", "list", "--json", "--models-dir", str(models_dir)]) == 0
+    listing = json.loads(capsys.readouterr().out)
+    assert [m["id"] for m in listing["local"]] == ["smollm2-135m-instruct"]
+    assert next(m for m in listing["catalog"] if m["id"] == "smollm2-135m-instruct")["local"]
+
+    assert run(["models", "list", "--models-dir", str(models_dir)]) == 0
+    assert STARTER_REPO in capsys.readouterr().out
+
+    assert run(["models", "remove", "smollm2-135m-instruct", "--models-dir", str(models_dir)]) == 2
+    out, err = capsys.readouterr()
+    assert "frees 30" in out and "--yes" in err  # size shown first; no silent delete without a tty
+    assert run(["models", "remove", "smollm2-135m-instruct", "--yes", "--models-dir", str(models_dir)]) == 0
+    assert "removed" in capsys.readouterr().out
+    assert not path.exists()
+
+
+def test_errors_print_user_message_and_exit_2(
+    hub: HubServer, models_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    hub.add_repo(FakeRepo("meta-llama/Llama-3.2-1B-Instruct", {"config.json": b"{}", "model.safetensors": b"w" * 100}, gated=True, token="t"))
+    assert run(["models", "download", "meta-llama/Llama-3.2-1B-Instruct", "--models-dir", str(models_dir)]) == 2
+    err = capsys.readouterr().err
+    last = err.splitlines()[-1]
+    assert last.startswith("error: ") and "accept the licence" in last
+    assert run(["models", "remove", "nothing-here", "--yes", "--models-dir", str(models_dir)]) == 2
+
+
+def test_import_via_cli(tmp_path: Path, models_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    gguf = tmp_path / "x.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(10))
+    assert run(["models", "import", str(gguf), "--models-dir", str(models_dir)]) == 0
+    assert capsys.readouterr().out.strip().endswith("x.gguf")

