@@ -40,6 +40,7 @@ class KVCache:
         self.values: list[torch.Tensor] = []
         self._grow(capacity)
 
+    @torch.inference_mode()  # buffers are inference tensors: passes run in inference mode
     def _grow(self, capacity: int) -> None:
         shape = (1, self.num_kv_heads, capacity, self.head_dim)
         keys = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
@@ -70,6 +71,7 @@ class KVCache:
         self.length += n
         assert self.length <= self.capacity
 
+    @torch.inference_mode()
     def keep(self, indices: torch.Tensor) -> None:
         """Keep only the entries at `indices` (ascending), moved to positions [0, len(indices))."""
         indices = indices.to(self.device)

@@ -13,7 +13,10 @@ B nodes with the highest cumulative draft log-probability. We grow it best-first
            survivors are closed under "parent of" (ties go to the older node, the parent).
 
 Growth stops when no unread node is left above max depth, when a pass on a full tree adds no
-node to it (the best new candidates cannot enter the budget), or after max_depth passes.
+node to it (the best new candidates cannot enter the budget), when the nodes the next pass
+would read hold less than `min_pass_gain` draft probability in total (a child's probability is
+at most its parent's, so that bounds the expected accepted tokens the pass could add), or
+after max_depth passes. On a full tree only nodes scoring above the worst survivor are read.
 Survivors are kept in creation order, which is parent-before-child; re-sorting by score (as the
 reference code does after its top-k) breaks that order and with it the verification pass.
 
@@ -42,9 +45,6 @@ class DraftTrace:
     slots: torch.Tensor  # (N,) long: draft cache slot of each node, -1 if the draft never read it
     passes: int
     seconds: float
-
-
-MIN_PASS_GAIN = 0.0
 
 
 def default_expand_per_pass(budget: int) -> int:
@@ -120,7 +120,7 @@ def grow_tree(
         if unread.numel() == 0:
             break
         best = torch.sort(-logp[unread], stable=True).indices[:per_pass]
-        if float(logp[unread[best]].exp().sum()) < MIN_PASS_GAIN:
+        if float(logp[unread[best]].exp().sum()) < spec.min_pass_gain:
             break
         to_expand = unread[best].sort().values  # (m,) parent-before-child order
 

@@ -10,9 +10,11 @@ from engine.loading import LoadedModel, load_model
 from engine.testmodels import tiny_model
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _deterministic_threads() -> None:
-    torch.set_num_threads(2)
+@pytest.fixture(autouse=True)
+def _torch_threads(request: pytest.FixtureRequest) -> None:
+    """Tiny models gain nothing from threads and suffer from oversubscription when another
+    process shares the 2 cores; the starter model (tests marked slow) uses both cores."""
+    torch.set_num_threads(2 if request.node.get_closest_marker("slow") else 1)
 
 
 @pytest.fixture(scope="session")
