@@ -11,12 +11,16 @@ target); tokens per pass and the time split are.
 
 from __future__ import annotations
 
+import argparse
+import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from .errors import InvalidRequest
 from .generation import Engine
 from .types import Completion, GenerationRequest, Message, SamplingSettings, SpeculationSettings
 
@@ -119,3 +123,74 @@ def format_table(rows: Sequence[BenchRow]) -> str:
         lines.append(f"{r.method:<15}{r.temperature:>5.1f}{r.budget or '-':>7}{r.tokens_per_pass:>9.2f}"
                      f"{r.draft_passes / steps:>12.1f}{timing}{r.tokens_per_second:>7.2f}{speed:>7}")
     return "\n".join(lines)
+
+
+# ---- CLI: specchat bench speculation ------------------------------------------------------------
+def add_bench_parser(commands: argparse._SubParsersAction) -> None:
+    bench = commands.add_parser("bench", help="benchmarks that print tables")
+    kinds = bench.add_subparsers(dest="bench_kind", metavar="KIND", required=True)
+    spec = kinds.add_parser("speculation", help="tokens per pass and time split per budget, one run",
+                            description="Autoregressive, SpecExec at each budget and Hugging Face assisted "
+                            "generation on the same pair and prompts, in one process.")
+    spec.add_argument("--target", required=True, metavar="MODEL")
+    spec.add_argument("--draft", required=True, metavar="MODEL")
+    spec.add_argument("--prompts", type=Path, metavar="FILE", help="one chat prompt per line (default: 4 built in)")
+    spec.add_argument("--budgets", default="16,64,256", metavar="LIST", help="comma-separated (default: 16,64,256)")
+    spec.add_argument("--temperatures", default="0,0.6", metavar="LIST",
+                      help="comma-separated; T > 0 samples with top-p 0.9 (default: 0,0.6)")
+    spec.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
+    spec.add_argument("--max-depth", type=int, default=SpeculationSettings().max_depth, metavar="D")
+    spec.add_argument("--no-hf-assisted", action="store_true", help="skip the transformers assisted-generation row")
+    spec.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    spec.add_argument("--json", action="store_true", help="also print the rows as one JSON object")
+    spec.set_defaults(handler=run_bench_speculation)
+
+
+def _parse_list(text: str, kind: type, what: str) -> list:
+    try:
+        values = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values:
+        raise InvalidRequest(f"--{what} must be a comma-separated list of numbers, got '{text}'.")
+    return values
+
+
+def run_bench_speculation(args: argparse.Namespace) -> int:
+    from .loading import check_pair, load_model
+
+    budgets = _parse_list(args.budgets, int, "budgets")
+    if min(budgets) < 1:
+        raise InvalidRequest("Every budget must be at least 1.")
+    temperatures = _parse_list(args.temperatures, float, "temperatures")
+    prompts: Sequence[str] = DEFAULT_PROMPTS
+    if args.prompts is not None:
+        try:
+            prompts = [line.strip() for line in args.prompts.read_text(encoding="utf-8").splitlines() if line.strip()]
+        except OSError as exc:
+            raise InvalidRequest(f"Cannot read the prompts file '{args.prompts}': {exc.strerror}.") from exc
+        if not prompts:
+            raise InvalidRequest(f"The prompts file '{args.prompts}' has no prompts (one per line).")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from .cli import _quiet_libraries
+
+    _quiet_libraries(args.verbose)
+    target, draft = load_model(args.target), load_model(args.draft)
+    check_pair(target, draft)
+    engine = Engine(target.model, target.tokenizer, draft.model)
+    rows: list[BenchRow] = []
+    for temperature in temperatures:
+        rows.append(run_engine_row(engine, prompts, "autoregressive", 1, temperature, args.max_new_tokens))
+        for budget in budgets:
+            rows.append(run_engine_row(engine, prompts, "specexec", budget, temperature, args.max_new_tokens,
+                                       args.max_depth))
+        if not args.no_hf_assisted:
+            rows.append(run_hf_assisted_row(engine, prompts, temperature, args.max_new_tokens))
+    print(f"{len(prompts)} chat prompts x {args.max_new_tokens} new tokens; target {target.path.name}, "
+          f"draft {draft.path.name}; {torch.get_num_threads()} CPU threads" if target.model.device.type == "cpu"
+          else f"{len(prompts)} prompts x {args.max_new_tokens} tokens on {target.model.device}")
+    print(format_table(rows))
+    if args.json:
+        print(json.dumps({"rows": [r.as_dict() for r in rows]}))
+    return 0

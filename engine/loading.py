@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,9 +125,10 @@ def load_model(spec: str | Path, device: str = "cpu", dtype: torch.dtype = torch
         from .errors import OutOfMemory
 
         raise OutOfMemory(f"Not enough memory to load '{path.name}'. Close other programs or pick a smaller model.") from exc
-    except (OSError, ValueError, KeyError, RuntimeError, EOFError) as exc:
+    except (OSError, ValueError, KeyError, RuntimeError, EOFError, IndexError, struct.error) as exc:
+        # a truncated or corrupt file surfaces as any of these from safetensors / gguf readers
         log.debug("load failed", exc_info=True)
-        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        first = str(exc).strip().splitlines()[0][:200].rstrip(".") if str(exc).strip() else type(exc).__name__
         raise UnsupportedModel(f"Could not load '{path.name}': {first}. The files may be corrupt or incomplete; "
                                "re-download the model.") from exc
     hf = hf.to(device)

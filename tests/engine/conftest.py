@@ -1,6 +1,9 @@
-"""Engine test fixtures: real tiny models (built once, cached) and the starter pair."""
+"""Engine test fixtures: real tiny models (built once per session in a temporary cache) and the
+starter pair (cached in the user cache: it is ~1 GB of conversions worth keeping)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,20 +21,21 @@ def _torch_threads(request: pytest.FixtureRequest) -> None:
 
 
 @pytest.fixture(scope="session")
-def tiny_target() -> LoadedModel:
-    return load_model(tiny_model("llama", seed=0))
+def tiny_target(tiny_target_path: Path) -> LoadedModel:
+    return load_model(tiny_target_path)
 
 
 @pytest.fixture(scope="session")
-def tiny_close_draft() -> LoadedModel:
+def tiny_close_draft(tiny_draft_path: Path) -> LoadedModel:
     """A perturbed copy of tiny_target: agrees often, so trees are accepted deep."""
-    return load_model(tiny_model("llama", seed=0, noise=0.05))
+    return load_model(tiny_draft_path)
 
 
 @pytest.fixture(scope="session")
-def tiny_random_draft() -> LoadedModel:
-    """An unrelated random model with the same tokenizer: most drafts are rejected."""
-    return load_model(tiny_model("llama", seed=5, vocab_pad=13))
+def tiny_random_draft(model_cache: Path) -> LoadedModel:
+    """An unrelated random model with the same tokenizer (and 13 padding rows): most drafts
+    are rejected."""
+    return load_model(tiny_model("llama", seed=5, vocab_pad=13, cache_dir=model_cache))
 
 
 @pytest.fixture(scope="session")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -53,9 +54,9 @@ def test_greedy_specexec_equals_transformers_generate(
             assert got.stats.tokens_per_pass > 1.5, "a close draft should be accepted beyond the root"
 
 
-def test_qwen2_with_padded_draft_vocab() -> None:
-    target = load_model(tiny_model("qwen2", seed=2))
-    draft = load_model(tiny_model("qwen2", seed=2, noise=0.05, vocab_pad=64))
+def test_qwen2_with_padded_draft_vocab(model_cache: Path) -> None:
+    target = load_model(tiny_model("qwen2", seed=2, cache_dir=model_cache))
+    draft = load_model(tiny_model("qwen2", seed=2, noise=0.05, vocab_pad=64, cache_dir=model_cache))
     assert draft.model.shape.vocab_size != target.model.shape.vocab_size
     engine = Engine(target.model, target.tokenizer, draft.model)
     req = GenerationRequest(raw_prompt=PROMPTS[0], max_new_tokens=30, speculation=SpeculationSettings(budget=32))

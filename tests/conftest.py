@@ -1,0 +1,28 @@
+"""Fixtures shared by the whole suite. Keep this small: fixtures used by one area live next to it
+(e.g. tests/engine/store/conftest.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine.testmodels import tiny_model
+
+
+@pytest.fixture(scope="session")
+def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A SPECCHAT_CACHE_DIR for this test session: tests never write the user's cache."""
+    return tmp_path_factory.mktemp("specchat-cache")
+
+
+@pytest.fixture(scope="session")
+def tiny_target_path(model_cache: Path) -> Path:
+    """Folder of a tiny random Llama (2 layers, hidden 64, byte-level BPE, ChatML template)."""
+    return tiny_model("llama", seed=0, cache_dir=model_cache)
+
+
+@pytest.fixture(scope="session")
+def tiny_draft_path(model_cache: Path) -> Path:
+    """The tiny target with 5% weight noise: same tokenizer, high agreement, so trees go deep."""
+    return tiny_model("llama", seed=0, noise=0.05, cache_dir=model_cache)
