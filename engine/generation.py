@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import psutil
 import torch
@@ -100,7 +100,20 @@ class Engine:
             raise InvalidRequest("max new tokens must be at least 1.")
         use_spec = spec.mode == "specexec" and self.draft is not None
         prompt = self.encode(request)
+        context = self.context_length
+        if len(prompt) >= context:
+            raise InvalidRequest(
+                f"The conversation is {len(prompt)} tokens long but the model reads at most {context}. "
+                "Start a new conversation or shorten the messages."
+            )
+        if len(prompt) + request.max_new_tokens > context:  # the answer stops at the context's end
+            request = replace(request, max_new_tokens=context - len(prompt))
         return self._decode(request, prompt, use_spec, cancel or threading.Event())
+
+    @property
+    def context_length(self) -> int:
+        """Most tokens (prompt + answer) the target was trained to read."""
+        return int(getattr(self.target.config, "max_position_embeddings", None) or 1 << 30)
 
     def _decode(
         self, request: GenerationRequest, prompt: list[int], use_spec: bool, cancel: threading.Event

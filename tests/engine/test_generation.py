@@ -149,3 +149,21 @@ def test_bad_settings_raise_user_errors(close_engine: Engine, bad: SpeculationSe
 def test_empty_prompt_is_refused(close_engine: Engine) -> None:
     with pytest.raises(InvalidRequest):
         list(close_engine.generate(GenerationRequest()))
+
+
+def test_prompt_longer_than_context_is_refused_and_answer_capped(close_engine: Engine) -> None:
+    context = close_engine.context_length
+
+    def n_tokens(reps: int) -> int:
+        return len(close_engine.encode(GenerationRequest(raw_prompt="water " * reps)))
+
+    per = (n_tokens(200) - n_tokens(100)) // 100
+    with pytest.raises(InvalidRequest) as info:
+        close_engine.generate(GenerationRequest(raw_prompt="water " * (context // per + 10)))
+    assert "reads at most" in info.value.user_message
+    reps = (context - 20 - n_tokens(0 + 1)) // per
+    room = context - n_tokens(reps)
+    assert 0 < room < 40
+    got = run(close_engine, GenerationRequest(raw_prompt="water " * reps, max_new_tokens=500,
+                                              speculation=SpeculationSettings(budget=16)))
+    assert len(got.token_ids) <= room

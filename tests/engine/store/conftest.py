@@ -20,6 +20,7 @@ def isolated_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
     monkeypatch.setenv("SPECCHAT_MODELS_DIR", str(tmp_path / "models"))
+    monkeypatch.setenv("SPECCHAT_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
     for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE", "HUGGINGFACE_HUB_CACHE", "HF_ENDPOINT"):
         monkeypatch.delenv(name, raising=False)
