@@ -58,13 +58,15 @@ class BenchRow:
 
 
 def run_engine_row(engine: Engine, prompts: Sequence[str], method: str, budget: int, temperature: float,
-                   new_tokens: int, max_depth: int = 16) -> BenchRow:
+                   new_tokens: int, max_depth: int = 16, min_pass_gain: float | None = None) -> BenchRow:
     totals = dict(n=0, tp=0, dp=0, d=0.0, t=0.0, o=0.0, s=0.0)
     for i, prompt in enumerate(prompts):
         req = GenerationRequest(
             messages=(Message("user", prompt),), max_new_tokens=new_tokens,
             sampling=SamplingSettings(temperature=temperature, top_p=0.9 if temperature else 1.0, seed=i),
-            speculation=SpeculationSettings(mode=method, budget=budget, max_depth=max_depth),  # type: ignore[arg-type]
+            speculation=SpeculationSettings(mode=method, budget=budget, max_depth=max_depth,  # type: ignore[arg-type]
+                                            min_pass_gain=SpeculationSettings().min_pass_gain
+                                            if min_pass_gain is None else min_pass_gain),
         )
         final = list(engine.generate(req))[-1]
         assert isinstance(final, Completion)
@@ -140,6 +142,9 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
                       help="comma-separated; T > 0 samples with top-p 0.9 (default: 0,0.6)")
     spec.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
     spec.add_argument("--max-depth", type=int, default=SpeculationSettings().max_depth, metavar="D")
+    spec.add_argument("--min-pass-gain", type=float, default=None, metavar="G",
+                      help=f"stop tree growth below this expected gain per draft pass "
+                      f"(default: {SpeculationSettings().min_pass_gain:g}; 0 grows every budget to the full)")
     spec.add_argument("--no-hf-assisted", action="store_true", help="skip the transformers assisted-generation row")
     spec.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     spec.add_argument("--json", action="store_true", help="also print the rows as one JSON object")
@@ -184,7 +189,7 @@ def run_bench_speculation(args: argparse.Namespace) -> int:
         rows.append(run_engine_row(engine, prompts, "autoregressive", 1, temperature, args.max_new_tokens))
         for budget in budgets:
             rows.append(run_engine_row(engine, prompts, "specexec", budget, temperature, args.max_new_tokens,
-                                       args.max_depth))
+                                       args.max_depth, args.min_pass_gain))
         if not args.no_hf_assisted:
             rows.append(run_hf_assisted_row(engine, prompts, temperature, args.max_new_tokens))
     print(f"{len(prompts)} chat prompts x {args.max_new_tokens} new tokens; target {target.path.name}, "
