@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -67,6 +67,13 @@ def grow_tree(
     budget, max_depth, k = spec.budget, spec.max_depth, spec.branching
     per_pass = spec.expand_per_pass or default_expand_per_pass(budget)
     device = draft.device
+    # Node scores estimate the chance the target accepts the path: under sampling that is the
+    # target's processed distribution, which the draft imitates with the same settings; under
+    # greedy decoding it is the chance of being the argmax, sharper than the draft's softmax.
+    if sampling.greedy:
+        scoring = SamplingSettings(temperature=spec.greedy_draft_temperature)
+    else:
+        scoring = replace(sampling, repetition_penalty=1.0)  # per-node histories are not worth it
 
     # pass 0: pending chain; the root's slot is the chain's last entry
     start = cache.length
@@ -83,7 +90,7 @@ def grow_tree(
 
     while True:
         # children of the nodes just read
-        q = process_logits(draft.logits(expand_hidden)[:, :vocab_limit], sampling)  # (m, V)
+        q = process_logits(draft.logits(expand_hidden)[:, :vocab_limit], scoring)  # (m, V)
         kk = min(k, q.shape[-1])
         child_lp, child_tok = torch.topk(q, kk, dim=-1)  # (m, kk)
         child_lp = child_lp + logp[to_expand][:, None]

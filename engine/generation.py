@@ -94,8 +94,8 @@ class Engine:
             raise InvalidRequest(f"The tree budget must be at least 1 (got {spec.budget}).")
         if spec.max_depth < 1:
             raise InvalidRequest(f"The tree depth must be at least 1 (got {spec.max_depth}).")
-        if spec.branching < 1 or spec.min_pass_gain < 0:
-            raise InvalidRequest("The tree branching must be at least 1 and the pass gain at least 0.")
+        if spec.branching < 1 or spec.min_pass_gain < 0 or spec.greedy_draft_temperature <= 0:
+            raise InvalidRequest("The tree branching must be at least 1, the pass gain at least 0 and the draft temperature above 0.")
         if request.max_new_tokens < 1:
             raise InvalidRequest("max new tokens must be at least 1.")
         use_spec = spec.mode == "specexec" and self.draft is not None

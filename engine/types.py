@@ -44,6 +44,11 @@ class SpeculationSettings:
         this total draft probability (their children can add at most that many expected
         accepted tokens). Halves draft passes per step on the starter pair at no cost in
         tokens per pass (0.1 vs 0.0, budgets 64 and 256).
+    greedy_draft_temperature: when the target decodes greedily, the draft's distribution is
+        sharpened to this temperature before scoring nodes: the chance that a draft token is
+        the target's argmax grows faster than its draft probability. On the starter pair
+        (4 chat prompts, budget 64, full growth) tokens per pass were 4.88 at 1.0, 5.71 at 0.7,
+        5.56 at 0.5, 4.76 at 0.3.
     """
 
     mode: DecodeMode = "specexec"
@@ -52,6 +57,7 @@ class SpeculationSettings:
     branching: int = 32
     expand_per_pass: int | None = None
     min_pass_gain: float = 0.1
+    greedy_draft_temperature: float = 0.7
 
 
 @dataclass(frozen=True)
