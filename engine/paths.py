@@ -25,4 +25,4 @@ def cache_dir() -> Path:
 
 def models_dir() -> Path:
     env = os.environ.get("SPECCHAT_MODELS_DIR")
-    return Path(env) if env else data_dir() / "models"
+    return Path(env).expanduser() if env else data_dir() / "models"

@@ -11,19 +11,17 @@ import os
 import re
 from pathlib import Path
 
-import platformdirs
 
-MODELS_DIR_ENV = "SPECCHAT_MODELS_DIR"
 DEFAULT_ENDPOINT = "https://huggingface.co"
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.\-]{0,95}$")
 
 
 def default_models_dir() -> Path:
-    """$SPECCHAT_MODELS_DIR, else `<user data dir>/SpecChat/models` (movable: pass another)."""
-    configured = os.environ.get(MODELS_DIR_ENV)
-    if configured:
-        return Path(configured).expanduser()
-    return platformdirs.user_data_path("SpecChat", appauthor=False) / "models"
+    """$SPECCHAT_MODELS_DIR, else `<user data dir>/specchat/models` (movable: pass another).
+    One definition for the whole app: engine.paths."""
+    from engine import paths
+
+    return paths.models_dir()
 
 
 def hf_hub_cache_dir() -> Path:
