@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .cache import KVCache
-from .causal_lm import CausalLM, causal_allowed
+from .causal_lm import CausalLM
 from .sampling import process_logits
 from .tree import Tree, ancestor_mask
 from .types import SamplingSettings, SpeculationSettings

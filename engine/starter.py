@@ -114,7 +114,6 @@ def proxy_draft_folder(cache_dir: Path | None = None) -> Path:
     if (final / "config.json").is_file():
         return final
     source = starter_folder(cache_dir)
-    import torch
     from bitsandbytes.functional import dequantize_4bit, quantize_4bit
     from safetensors.torch import load_file, save_file
 
