@@ -285,19 +285,14 @@ def _request(args: argparse.Namespace, setup: _Setup, messages: tuple[Message, .
 def _load_engine(target: str, draft: str | None, args: argparse.Namespace, setup: _Setup,
                  status: Callable[[str], None]) -> Engine:
     _quiet_libraries(args.verbose)
-    from .generation import Engine
-    from .loading import check_pair, load_model
+    from .loading import load_engine
+    from .types import LoadSettings
 
-    status(f"loading {target} on {setup.device}")
-    loaded_target = load_model(target, device=setup.device, dtype=setup.dtype)
-    loaded_draft = None
-    if draft is not None and args.mode == "specexec":
-        status(f"loading draft {draft}")
-        loaded_draft = load_model(draft, device=setup.device, dtype=setup.dtype)
-        check_pair(loaded_target, loaded_draft)
-    elif draft is not None:
+    if draft is not None and args.mode != "specexec":
         log.info("--mode autoregressive: the draft %s is not loaded", draft)
-    return Engine(loaded_target.model, loaded_target.tokenizer, loaded_draft.model if loaded_draft else None)
+        draft = None
+    settings = LoadSettings(device=setup.device, quant=args.quant, offload=args.offload)  # type: ignore[arg-type]
+    return load_engine(target, draft, settings, progress=lambda p: status(p.message) if p.stage != "ready" else None)
 
 
 # ---- running one generation ------------------------------------------------------------------

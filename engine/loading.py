@@ -16,13 +16,20 @@ from __future__ import annotations
 import json
 import logging
 import struct
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from .causal_lm import SUPPORTED_MODEL_TYPES, CausalLM
-from .errors import ModelNotFound, UnsupportedModel
+from .errors import Cancelled, InvalidRequest, ModelNotFound, UnsupportedModel
+from .types import LoadProgress, LoadSettings
+
+if TYPE_CHECKING:
+    from .generation import Engine
 
 log = logging.getLogger(__name__)
 
@@ -146,3 +153,51 @@ def check_pair(target: LoadedModel, draft: LoadedModel) -> None:
             f"The draft '{draft.path.name}' does not share the target's tokenizer "
             f"({only_t} of {len(tv)} target tokens differ). Choose a draft from the same model family."
         )
+
+
+def resolve_device(device: str) -> tuple[str, torch.dtype]:
+    """--device value -> (device, compute dtype): bf16 (fp16 without bf16 support) on CUDA,
+    fp32 on CPU (CPU matmuls in 16-bit are slow and the tests compare against fp32)."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif device == "cuda" and not torch.cuda.is_available():
+        raise InvalidRequest("PyTorch sees no CUDA GPU here (a CPU-only build of torch, or no driver); "
+                             "choose the CPU device.")
+    if device not in ("cpu", "cuda"):
+        raise InvalidRequest(f"Unknown device '{device}'; choose auto, cpu or cuda.")
+    if device == "cuda":
+        return device, torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return device, torch.float32
+
+
+def load_engine(
+    target: str | Path,
+    draft: str | Path | None = None,
+    settings: LoadSettings = LoadSettings(),
+    progress: Callable[[LoadProgress], None] | None = None,
+    cancel: threading.Event | None = None,
+) -> Engine:
+    """Load a target (and optional draft) and return a ready Engine: the one entry point the
+    CLI and the app share. `progress` is called from the calling thread; `cancel` is checked
+    between loading steps and raises Cancelled."""
+    from .generation import Engine
+
+    def report(stage: str, fraction: float, message: str) -> None:
+        if cancel is not None and cancel.is_set():
+            raise Cancelled("Loading was cancelled.")
+        if progress is not None:
+            progress(LoadProgress(stage, fraction, message))
+
+    if settings.quant != "none" or settings.offload == "all":
+        raise InvalidRequest("NF4 weights and streamed (offloaded) layers are not implemented yet; "
+                             "use quantisation none and offload auto or none.")
+    device, dtype = resolve_device(settings.device)
+    report("target", 0.0, f"loading {target} on {device}")
+    loaded_target = load_model(target, device=device, dtype=dtype)
+    loaded_draft = None
+    if draft is not None:
+        report("draft", 0.8, f"loading draft {draft}")
+        loaded_draft = load_model(draft, device=device, dtype=dtype)
+        check_pair(loaded_target, loaded_draft)
+    report("ready", 1.0, "ready")
+    return Engine(loaded_target.model, loaded_target.tokenizer, loaded_draft.model if loaded_draft else None)

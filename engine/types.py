@@ -10,6 +10,9 @@ from typing import Literal
 
 FinishReason = Literal["eos", "length", "stop", "cancelled"]
 DecodeMode = Literal["specexec", "autoregressive"]
+Device = Literal["auto", "cpu", "cuda"]
+Quant = Literal["none", "nf4"]
+Offload = Literal["auto", "none", "all"]
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,61 @@ class SpeculationSettings:
 
 
 @dataclass(frozen=True)
+class LoadSettings:
+    """Where and how a target/draft pair is loaded (the CLI's --device/--quant/--offload).
+
+    device "auto" = CUDA when PyTorch sees a GPU, else CPU. quant applies to the target's
+    decoder layers (the draft stays 16-bit). offload: "none" keeps every target layer on the
+    device, "all" streams every decoder layer from host memory each pass, "auto" keeps as many
+    as fit (issue 3's placement). ram_limit_bytes caps the host store (None = measured
+    available RAM less a margin); layers past it go to the disk tier. context_length is the
+    KV cache the placement reserves room for (None = the model's maximum, capped at 8192).
+    """
+
+    device: Device = "auto"
+    quant: Quant = "none"
+    offload: Offload = "auto"
+    ram_limit_bytes: int | None = None
+    context_length: int | None = None
+
+
+@dataclass(frozen=True)
+class LoadProgress:
+    """Progress of loading a pair: stage is "target" | "draft" | "ready"; fraction in 0..1 of
+    the whole load; message is one line a user can read ("layer 12 of 80 -> RAM")."""
+
+    stage: str
+    fraction: float
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the target's decoder layers live. layer_bytes is one decoder layer as stored and
+    streamed (packed NF4 counts its packed size plus scales)."""
+
+    num_layers: int
+    gpu_layers: int
+    ram_layers: int = 0
+    disk_layers: int = 0
+    layer_bytes: int = 0
+    quant: Quant = "none"
+    device: str = "cpu"
+
+    def describe(self) -> str:
+        """"18 of 80 layers on GPU, 62 in RAM" (the status bar's and the CLI's wording)."""
+        where = "GPU" if self.device.startswith("cuda") else self.device.upper()
+        parts = [f"{self.gpu_layers} of {self.num_layers} layers on {where}"]
+        if self.ram_layers:
+            parts.append(f"{self.ram_layers} in RAM")
+        if self.disk_layers:
+            parts.append(f"{self.disk_layers} on disk")
+        if self.gpu_layers == self.num_layers:
+            parts = [f"all {self.num_layers} layers on {where}"]
+        return ", ".join(parts) + (" (NF4)" if self.quant == "nf4" else "")
+
+
+@dataclass(frozen=True)
 class Message:
     role: Literal["system", "user", "assistant"]
     content: str
@@ -103,6 +161,8 @@ class GenerationStats:
     target_seconds: float = 0.0
     prefill_seconds: float = 0.0
     mode: DecodeMode = "specexec"
+    placement: Placement | None = None
+    oom_retries: int = 0  # steps re-run with a smaller budget after a device out-of-memory
 
     @property
     def overhead_seconds(self) -> float:
