@@ -1,8 +1,13 @@
 """Speculation benchmark: one process, one pair of loaded models, the same prompts for every
 row, so the rows compare. Prints a table (and returns the rows for --json).
 
-Rows: autoregressive; SpecExec at each budget; Hugging Face assisted generation
-(`assistant_model=`) on the same pair as an outside anchor for tokens per target pass.
+Rows: autoregressive; SpecExec at each budget; Sequoia static trees at each budget (built from
+the pair's acceptance by rank, measured on the autoregressive row's own outputs); Hugging Face
+assisted generation (`assistant_model=`) on the same pair as an outside anchor for tokens per
+target pass. With a hardware profile, a column of the planner's predicted tok/s and a line on
+how the planner's choice fares against the measured best. `--out DIR` writes JSON and a PNG.
+Also here: `bench hardware` (measure and save the profile) and `bench plan` (the planner's
+prediction for a catalog pair on a profile or a reference GPU).
 Columns: tokens per target pass, draft passes per step, seconds per step split into draft /
 target / engine overhead, tok/s and speed-up against autoregressive. On CPU with a proxy draft
 as large as the target the speed-up column is not meaningful (the draft costs as much as the
@@ -15,14 +20,29 @@ import argparse
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from .errors import InvalidRequest
 from .generation import Engine
-from .types import Completion, GenerationRequest, Message, SamplingSettings, SpeculationSettings
+from .hardware import (
+    LAYER_SHAPES,
+    REFERENCE_GPUS,
+    load_profile,
+    measure_hardware,
+    profile_path,
+    reference_profile,
+    save_profile,
+)
+from .types import (
+    Completion,
+    GenerationRequest,
+    Message,
+    SamplingSettings,
+    SpeculationSettings,
+)
 
 DEFAULT_PROMPTS = (
     "What is the capital of France?",
@@ -58,18 +78,27 @@ class BenchRow:
 
 
 def run_engine_row(engine: Engine, prompts: Sequence[str], method: str, budget: int, temperature: float,
-                   new_tokens: int, max_depth: int = 16, min_pass_gain: float | None = None) -> BenchRow:
+                   new_tokens: int, max_depth: int = 16, min_pass_gain: float | None = None,
+                   rank_acceptance: Sequence[float] | None = None,
+                   outputs: list[list[int]] | None = None) -> BenchRow:
+    """method: "autoregressive", "specexec" or "sequoia" (a static tree from `rank_acceptance`).
+    The generated token ids of each prompt are appended to `outputs` when given."""
     totals = dict(n=0, tp=0, dp=0, d=0.0, t=0.0, o=0.0, s=0.0)
+    base = SpeculationSettings()
+    spec = replace(base, mode="autoregressive" if method == "autoregressive" else "specexec", budget=budget,
+                   max_depth=max_depth, tree_mode="sequoia" if method == "sequoia" else "specexec",
+                   min_pass_gain=base.min_pass_gain if min_pass_gain is None else min_pass_gain,
+                   rank_acceptance=tuple(rank_acceptance) if rank_acceptance else base.rank_acceptance)
     for i, prompt in enumerate(prompts):
         req = GenerationRequest(
             messages=(Message("user", prompt),), max_new_tokens=new_tokens,
             sampling=SamplingSettings(temperature=temperature, top_p=0.9 if temperature else 1.0, seed=i),
-            speculation=SpeculationSettings(mode=method, budget=budget, max_depth=max_depth,  # type: ignore[arg-type]
-                                            min_pass_gain=SpeculationSettings().min_pass_gain
-                                            if min_pass_gain is None else min_pass_gain),
+            speculation=spec,
         )
         final = list(engine.generate(req))[-1]
         assert isinstance(final, Completion)
+        if outputs is not None:
+            outputs.append(list(final.token_ids))
         s = final.stats
         totals["n"] += s.new_tokens
         totals["tp"] += s.target_passes
@@ -78,7 +107,7 @@ def run_engine_row(engine: Engine, prompts: Sequence[str], method: str, budget: 
         totals["t"] += s.target_seconds
         totals["o"] += s.overhead_seconds
         totals["s"] += s.seconds - s.prefill_seconds
-    return BenchRow(method, budget if method == "specexec" else 0, temperature, int(totals["n"]), int(totals["tp"]),
+    return BenchRow(method, budget if method != "autoregressive" else 0, temperature, int(totals["n"]), int(totals["tp"]),
                     int(totals["dp"]), totals["d"], totals["t"], totals["o"], totals["s"])
 
 
@@ -111,10 +140,35 @@ def run_hf_assisted_row(engine: Engine, prompts: Sequence[str], temperature: flo
     return BenchRow("hf-assisted", 0, temperature, n, passes, dpasses, 0.0, 0.0, 0.0, seconds)
 
 
-def format_table(rows: Sequence[BenchRow]) -> str:
+@torch.inference_mode()
+def measure_rank_acceptance(engine: Engine, prompts: Sequence[str], outputs: Sequence[Sequence[int]],
+                            ranks: int = 16) -> tuple[float, ...]:
+    """Acceptance by rank for Sequoia trees: the share of the target's own tokens (its
+    autoregressive outputs on `prompts`) that are the draft's 1st, 2nd, ... likeliest token at
+    that position, with the draft reading the same text (teacher forcing)."""
+    assert engine.draft is not None
+    counts = torch.zeros(ranks)
+    total = 0
+    for prompt, out in zip(prompts, outputs):
+        if not out:
+            continue
+        ids = engine.encode(GenerationRequest(messages=(Message("user", prompt),)))
+        seq = torch.tensor([ids + list(out)], device=engine.draft.device)
+        logits = engine.draft.hf_model(seq, use_cache=False).logits[0, len(ids) - 1 : -1, : engine.draft_vocab_limit]
+        chosen = torch.tensor(out, device=logits.device)  # (L,)
+        rank = (logits > logits.gather(1, chosen[:, None])).sum(dim=1).cpu()  # (L,) 0 = the draft's top token
+        counts += torch.bincount(rank[rank < ranks], minlength=ranks)[:ranks].float()
+        total += len(out)
+    return tuple(float(c) / max(total, 1) for c in counts)
+
+
+def format_table(rows: Sequence[BenchRow], predicted: dict[tuple[str, int], float] | None = None) -> str:
+    """The table; `predicted` adds the planner's tok/s for (method, budget) rows it priced."""
+    predicted = predicted or {}
     ar = {r.temperature: r.tokens_per_second for r in rows if r.method == "autoregressive"}
     head = (f"{'method':<15}{'T':>5}{'budget':>7}{'tok/pass':>9}{'drafts/step':>12}"
-            f"{'draft s/step':>13}{'target s/step':>14}{'other s/step':>13}{'tok/s':>7}{'vs AR':>7}")
+            f"{'draft s/step':>13}{'target s/step':>14}{'other s/step':>13}{'tok/s':>7}{'vs AR':>7}"
+            + (f"{'pred tok/s':>11}" if predicted else ""))
     lines = [head, "-" * len(head)]
     for r in rows:
         steps = max(r.target_passes, 1)
@@ -122,18 +176,58 @@ def format_table(rows: Sequence[BenchRow]) -> str:
         speed = f"{r.tokens_per_second / base:.2f}x" if base else "-"
         timing = (f"{r.draft_s / steps:>13.3f}{r.target_s / steps:>14.3f}{r.overhead_s / steps:>13.4f}"
                   if r.method != "hf-assisted" else f"{'-':>13}{'-':>14}{'-':>13}")
+        pred = predicted.get((r.method, r.budget))
         lines.append(f"{r.method:<15}{r.temperature:>5.1f}{r.budget or '-':>7}{r.tokens_per_pass:>9.2f}"
-                     f"{r.draft_passes / steps:>12.1f}{timing}{r.tokens_per_second:>7.2f}{speed:>7}")
+                     f"{r.draft_passes / steps:>12.1f}{timing}{r.tokens_per_second:>7.2f}{speed:>7}"
+                     + ((f"{pred:>11.2f}" if pred is not None else f"{'-':>11}") if predicted else ""))
     return "\n".join(lines)
 
 
-# ---- CLI: specchat bench speculation ------------------------------------------------------------
+def write_plot(rows: Sequence[BenchRow], path: Path, predicted: dict[tuple[str, int], float] | None = None) -> Path:
+    """PNG: tok/s and tokens per pass vs budget, one line per method and temperature;
+    autoregressive and HF assisted as horizontal references, the planner's prediction dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+
+    fig, (ax_speed, ax_pass) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for temperature in sorted({r.temperature for r in rows}):
+        for method, style in (("specexec", "o-"), ("sequoia", "s-")):
+            pts = sorted((r.budget, r.tokens_per_second, r.tokens_per_pass) for r in rows
+                         if r.method == method and r.temperature == temperature)
+            if pts:
+                label = f"{method} T={temperature:g}"
+                ax_speed.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label)
+                ax_pass.plot([p[0] for p in pts], [p[2] for p in pts], style, label=label)
+        for r in rows:
+            if r.temperature == temperature and r.method in ("autoregressive", "hf-assisted"):
+                ax_speed.axhline(r.tokens_per_second, linestyle=":", color="grey" if r.method == "autoregressive" else "tab:red")
+                ax_speed.annotate(f"{r.method} T={temperature:g}", (1, r.tokens_per_second), fontsize=7)
+    if predicted:
+        pts = sorted((b, v) for (m, b), v in predicted.items() if m == "specexec")
+        ax_speed.plot([p[0] for p in pts], [p[1] for p in pts], "k--", label="planner (predicted)")
+    for ax, label in ((ax_speed, "tokens / s"), (ax_pass, "tokens per target pass")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tree budget")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    ax_pass.legend(fontsize=8)
+    ax_speed.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ---- CLI: specchat bench speculation | hardware | plan -------------------------------------------
 def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     bench = commands.add_parser("bench", help="benchmarks that print tables")
     kinds = bench.add_subparsers(dest="bench_kind", metavar="KIND", required=True)
     spec = kinds.add_parser("speculation", help="tokens per pass and time split per budget, one run",
-                            description="Autoregressive, SpecExec at each budget and Hugging Face assisted "
-                            "generation on the same pair and prompts, in one process.")
+                            description="Autoregressive, SpecExec and Sequoia trees at each budget and Hugging "
+                            "Face assisted generation on the same pair and prompts, in one process.")
     spec.add_argument("--target", required=True, metavar="MODEL")
     spec.add_argument("--draft", required=True, metavar="MODEL")
     spec.add_argument("--prompts", type=Path, metavar="FILE", help="one chat prompt per line (default: 4 built in)")
@@ -145,10 +239,40 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     spec.add_argument("--min-pass-gain", type=float, default=None, metavar="G",
                       help=f"stop tree growth below this expected gain per draft pass "
                       f"(default: {SpeculationSettings().min_pass_gain:g}; 0 grows every budget to the full)")
+    spec.add_argument("--no-sequoia", action="store_true", help="skip the static Sequoia tree rows")
     spec.add_argument("--no-hf-assisted", action="store_true", help="skip the transformers assisted-generation row")
+    spec.add_argument("--profile", type=Path, metavar="FILE",
+                      help="hardware profile for the planner's prediction column (default: the saved profile)")
+    spec.add_argument("--out", type=Path, metavar="DIR", help="write speculation.json and speculation.png here")
     spec.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     spec.add_argument("--json", action="store_true", help="also print the rows as one JSON object")
     spec.set_defaults(handler=run_bench_speculation)
+
+    hw = kinds.add_parser("hardware", help="measure this machine and save the hardware profile",
+                          description="Measure CPU, RAM, disk, GPU and one decoder layer's timing curve "
+                          "(about a minute), save the profile in the user data folder and print it.")
+    hw.add_argument("--layer-shape", default="llama-70b", choices=sorted(LAYER_SHAPES), help="decoder layer to time")
+    hw.add_argument("--quick", action="store_true", help="small buffers and a tiny layer (seconds; rough)")
+    hw.add_argument("--output", type=Path, metavar="FILE", help="save here instead of the user data folder")
+    hw.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    hw.add_argument("--json", action="store_true", help="print the profile as JSON instead of text")
+    hw.set_defaults(handler=run_bench_hardware)
+
+    plan = kinds.add_parser("plan", help="predicted tok/s per budget for a catalog pair on a profile",
+                            description="The planner's prediction for a catalog target/draft pair on a saved "
+                            "profile (--profile) or a reference GPU from datasheet figures (--gpu).")
+    plan.add_argument("--target", required=True, metavar="ID", help="catalog id, e.g. llama-3.1-70b-instruct")
+    plan.add_argument("--draft", metavar="ID", help="catalog id of the draft (none: autoregressive only)")
+    where = plan.add_mutually_exclusive_group()
+    where.add_argument("--profile", type=Path, metavar="FILE", help="a saved profile (default: this machine's)")
+    where.add_argument("--gpu", choices=sorted(REFERENCE_GPUS), help="a reference GPU instead of a profile")
+    plan.add_argument("--pcie-gbps", type=float, default=25.0, metavar="GB/s",
+                      help="with --gpu: pinned host-to-GPU rate (PCIe 4 x16 ~ 25, PCIe 3 x16 ~ 12; default 25)")
+    plan.add_argument("--ram-gb", type=float, default=None, metavar="GB",
+                      help="RAM of the machine (with --gpu: default 128; with a profile: what if it had this much)")
+    plan.add_argument("--quant", choices=("auto", "none", "nf4"), default="auto")
+    plan.add_argument("--json", action="store_true", help="print the prediction as JSON")
+    plan.set_defaults(handler=run_bench_plan)
 
 
 def _parse_list(text: str, kind: type, what: str) -> list:
@@ -161,6 +285,18 @@ def _parse_list(text: str, kind: type, what: str) -> list:
     return values
 
 
+def _read_prompts(path: Path | None) -> Sequence[str]:
+    if path is None:
+        return DEFAULT_PROMPTS
+    try:
+        prompts = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except OSError as exc:
+        raise InvalidRequest(f"Cannot read the prompts file '{path}': {exc.strerror}.") from exc
+    if not prompts:
+        raise InvalidRequest(f"The prompts file '{path}' has no prompts (one per line).")
+    return prompts
+
+
 def run_bench_speculation(args: argparse.Namespace) -> int:
     from .loading import check_pair, load_model
 
@@ -168,14 +304,7 @@ def run_bench_speculation(args: argparse.Namespace) -> int:
     if min(budgets) < 1:
         raise InvalidRequest("Every budget must be at least 1.")
     temperatures = _parse_list(args.temperatures, float, "temperatures")
-    prompts: Sequence[str] = DEFAULT_PROMPTS
-    if args.prompts is not None:
-        try:
-            prompts = [line.strip() for line in args.prompts.read_text(encoding="utf-8").splitlines() if line.strip()]
-        except OSError as exc:
-            raise InvalidRequest(f"Cannot read the prompts file '{args.prompts}': {exc.strerror}.") from exc
-        if not prompts:
-            raise InvalidRequest(f"The prompts file '{args.prompts}' has no prompts (one per line).")
+    prompts = _read_prompts(args.prompts)
     if args.threads:
         torch.set_num_threads(args.threads)
     from .cli import _quiet_libraries
@@ -185,17 +314,138 @@ def run_bench_speculation(args: argparse.Namespace) -> int:
     check_pair(target, draft)
     engine = Engine(target.model, target.tokenizer, draft.model)
     rows: list[BenchRow] = []
+    rank_acceptance: dict[float, tuple[float, ...]] = {}
     for temperature in temperatures:
-        rows.append(run_engine_row(engine, prompts, "autoregressive", 1, temperature, args.max_new_tokens))
+        outputs: list[list[int]] = []
+        rows.append(run_engine_row(engine, prompts, "autoregressive", 1, temperature, args.max_new_tokens,
+                                   outputs=outputs))
         for budget in budgets:
             rows.append(run_engine_row(engine, prompts, "specexec", budget, temperature, args.max_new_tokens,
                                        args.max_depth, args.min_pass_gain))
+        if not args.no_sequoia:
+            accept = measure_rank_acceptance(engine, prompts, outputs)
+            rank_acceptance[temperature] = accept
+            for budget in budgets:
+                rows.append(run_engine_row(engine, prompts, "sequoia", budget, temperature, args.max_new_tokens,
+                                           args.max_depth, rank_acceptance=accept))
         if not args.no_hf_assisted:
             rows.append(run_hf_assisted_row(engine, prompts, temperature, args.max_new_tokens))
+    predicted, plan_text = _planner_view(engine, args.profile, budgets, rows)
     print(f"{len(prompts)} chat prompts x {args.max_new_tokens} new tokens; target {target.path.name}, "
           f"draft {draft.path.name}; {torch.get_num_threads()} CPU threads" if target.model.device.type == "cpu"
           else f"{len(prompts)} prompts x {args.max_new_tokens} tokens on {target.model.device}")
-    print(format_table(rows))
+    print(format_table(rows, predicted))
+    for temperature, accept in rank_acceptance.items():
+        print(f"acceptance by rank (T={temperature:g}, for Sequoia trees): "
+              + " ".join(f"{a:.3f}" for a in accept[:8]) + f" (top-8 sum {sum(accept[:8]):.3f})")
+    for line in plan_text:
+        print(line)
+    result = {"rows": [r.as_dict() for r in rows],
+              "rank_acceptance": {str(t): list(a) for t, a in rank_acceptance.items()},
+              "predicted_tokens_per_second": {f"{m}:{b}": v for (m, b), v in predicted.items()},
+              "planner": plan_text}
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "speculation.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
+        write_plot(rows, args.out / "speculation.png", predicted)
+        print(f"wrote {args.out / 'speculation.json'} and {args.out / 'speculation.png'}")
     if args.json:
-        print(json.dumps({"rows": [r.as_dict() for r in rows]}))
+        print(json.dumps(result))
+    return 0
+
+
+def _planner_view(engine: Engine, profile_file: Path | None, budgets: Sequence[int],
+                  rows: Sequence[BenchRow]) -> tuple[dict[tuple[str, int], float], list[str]]:
+    """The planner's prediction per budget for this loaded pair (prior acceptance curve, no
+    calibration from this run) and how its choice fares against the measured sweep."""
+    from . import planner
+
+    profile = load_profile(profile_file)
+    if profile is None:
+        return {}, ["planner: no hardware profile (run `specchat bench hardware`), no prediction column"]
+    plan = planner.plan_for_engine(engine, profile, planner.AcceptanceCurve(), budgets=budgets)
+    if plan is None:
+        return {}, ["planner: the profile was measured on another device than the models run on"]
+    predicted = {("specexec", p.budget): p.tokens_per_second for p in plan.curve}
+    predicted[("autoregressive", 0)] = plan.autoregressive_tokens_per_second
+    device = profile.cpu_model if profile.gpu is None else profile.gpu.name
+    choice = "autoregressive" if plan.mode == "autoregressive" else f"budget {plan.budget}, depth {plan.max_depth}"
+    lines = [f"planner (prior acceptance curve, profile of {device}): {choice} - {plan.reason}"]
+    for temperature in sorted({r.temperature for r in rows}):
+        measured = [r for r in rows if r.temperature == temperature and r.method in ("autoregressive", "specexec")]
+        best = max(measured, key=lambda r: r.tokens_per_second)
+        chosen = next((r for r in measured if (r.method == "autoregressive") == (plan.mode == "autoregressive")
+                       and (plan.mode == "autoregressive" or r.budget == plan.budget)), None)
+        if chosen is None:
+            lines.append(f"  T={temperature:g}: the planner's budget {plan.budget} was not in the sweep")
+            continue
+        lines.append(f"  T={temperature:g}: measured best {best.method} {best.budget or ''} {best.tokens_per_second:.2f} tok/s; "
+                     f"the planner's choice measured {chosen.tokens_per_second:.2f} tok/s "
+                     f"({100 * chosen.tokens_per_second / best.tokens_per_second:.0f}% of the best)")
+    return predicted, lines
+
+
+def run_bench_hardware(args: argparse.Namespace) -> int:
+    import sys
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    def progress(fraction: float, message: str) -> None:
+        if not args.json:
+            print(f"\r[{fraction * 100:3.0f}%] {message:<60}", end="", file=sys.stderr, flush=True)
+
+    profile = measure_hardware(progress, layer_shape=args.layer_shape, quick=args.quick)
+    if not args.json:
+        print(file=sys.stderr)
+    path = save_profile(profile, args.output)
+    if args.json:
+        print(json.dumps(profile.to_json()))
+    else:
+        print("\n".join(profile.summary_lines()))
+        print(f"measured in {profile.measure_seconds:.0f} s; saved to {path}")
+    return 0
+
+
+def run_bench_plan(args: argparse.Namespace) -> int:
+    from . import planner
+    from .store.catalog import load_catalog
+
+    catalog = load_catalog()
+    target = catalog.find(args.target)
+    draft = catalog.find(args.draft) if args.draft else None
+    for spec, found in ((args.target, target), (args.draft, draft)):
+        if spec and found is None:
+            raise InvalidRequest(f"'{spec}' is not in the catalog; `specchat models list` shows the ids.")
+    if args.gpu:
+        ram_gb = args.ram_gb or 128.0
+        profile = reference_profile(args.gpu, pinned_gbps=args.pcie_gbps, ram_gb=ram_gb)
+        where = f"{args.gpu} (datasheet roofline), {args.pcie_gbps:g} GB/s host->GPU, {ram_gb:g} GB RAM"
+    else:
+        loaded = load_profile(args.profile)
+        if loaded is None:
+            raise InvalidRequest("No hardware profile: run `specchat bench hardware` first, or pass --gpu NAME.")
+        profile, where = loaded, f"profile {args.profile or profile_path()}"
+        if args.ram_gb:
+            ram = int(args.ram_gb * 1e9)
+            profile = replace(profile, ram_total=ram, ram_available=ram - (profile.ram_total - profile.ram_available))
+            where += f", as if it had {args.ram_gb:g} GB RAM"
+    assert target is not None
+    pred = planner.predict_pair(profile, target, draft, quant=args.quant)
+    curve = planner.predict_curve(profile, target, draft, quant=args.quant) if draft is not None else []
+    if args.json:
+        print(json.dumps({"target": target.id, "draft": draft.id if draft else None, "where": where,
+                          "mode": pred.mode, "budget": pred.budget, "max_depth": pred.max_depth,
+                          "tokens_per_second": pred.tokens_per_second, "fit": pred.fit, "quant": pred.quant,
+                          "autoregressive_tokens_per_second": pred.autoregressive_tokens_per_second,
+                          "placement": pred.placement.describe(), "reason": pred.reason, "curve": curve}))
+        return 0
+    print(f"{target.id} + {draft.id if draft else 'no draft'} on {where}")
+    print(f"{'budget':>7}{'pred tok/s':>12}")
+    for budget, tps in curve:
+        print(f"{budget:>7}{tps:>12.3g}{'  <- chosen' if budget == pred.budget and pred.mode == 'specexec' else ''}")
+    print(f"{'AR':>7}{pred.autoregressive_tokens_per_second:>12.3g}{'  <- chosen' if pred.mode == 'autoregressive' else ''}")
+    print(f"choice: {pred.mode}" + (f", budget {pred.budget}, depth {pred.max_depth}" if pred.mode == "specexec" else "")
+          + f"; {pred.tokens_per_second:.3g} tok/s predicted; quantisation {pred.quant}; fit: {pred.fit}")
+    print(f"why: {pred.reason}")
     return 0

@@ -15,11 +15,16 @@ things to the two.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from .cache import KVCache
+
+if TYPE_CHECKING:
+    from .offload import LayerStreamer
+    from .types import Placement
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -35,10 +40,16 @@ class ModelShape:
 
 class CausalLM:
     """Wraps a loaded `*ForCausalLM` (llama-family layout: model.embed_tokens, model.layers,
-    model.norm, model.rotary_emb, lm_head)."""
+    model.norm, model.rotary_emb, lm_head).
 
-    def __init__(self, hf_model: nn.Module) -> None:
+    `streamer` (offload.py) runs the decoder layers when some of them are not resident (their
+    modules in `hf_model` then stay on the meta device); `placement` says where they live."""
+
+    def __init__(self, hf_model: nn.Module, streamer: LayerStreamer | None = None,
+                 placement: Placement | None = None) -> None:
         self.hf_model = hf_model.eval()
+        self.streamer = streamer
+        self.placement = placement
         cfg = hf_model.config
         self.config = cfg
         inner = hf_model.model
@@ -86,11 +97,20 @@ class CausalLM:
         pos = positions.to(self.device)[None]  # (1, n)
         hidden = self.embed(input_ids.to(self.device)[None])  # (1, n, H)
         rope = self.rotary(hidden, position_ids=pos)
-        for layer in self.layers:
-            hidden = layer(hidden, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                           position_embeddings=rope)
-            if isinstance(hidden, tuple):  # older layer signatures return (hidden, ...)
-                hidden = hidden[0]
+        if self.streamer is None:
+            for layer in self.layers:
+                hidden = layer(hidden, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                               position_embeddings=rope)
+                if isinstance(hidden, tuple):  # older layer signatures return (hidden, ...)
+                    hidden = hidden[0]
+        else:
+            def call(layer: nn.Module, index: int, h: torch.Tensor) -> torch.Tensor:
+                layer.self_attn.layer_idx = index  # a streamed template serves every layer index
+                out = layer(h, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                            position_embeddings=rope)
+                return out[0] if isinstance(out, tuple) else out
+
+            hidden = self.streamer.run(hidden, call)
         cache.commit(n)
         return self.norm(hidden[0])  # (n, H)
 

@@ -12,7 +12,7 @@ model is loaded where it can be checked that early. Ctrl+C sets the generation's
 the partial answer is kept (generate then exits 130, chat returns to the prompt).
 
 What this module does not do: choose budgets (`--budget auto` is a fixed default until the
-planner exists), quantise or offload weights (`--quant nf4`, `--offload all`: later issues).
+planner exists). Weights are quantised and offloaded by loading.py (--quant, --offload).
 """
 
 from __future__ import annotations
@@ -47,8 +47,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# `--budget auto` until the planner (a later issue) picks the budget from a hardware profile:
-# a fixed default, not tuned to this machine.
+# `--budget auto` when there is no hardware profile for the planner: a fixed default.
 AUTO_BUDGET = 64
 JSON_STATS_FIELDS = ("prompt_tokens", "new_tokens", "target_passes", "tokens_per_pass", "draft_passes",
                      "budget", "seconds", "ttft_seconds", "tokens_per_second", "peak_rss_bytes")
@@ -126,10 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="auto: cuda if PyTorch sees a GPU, else cpu (default: auto)")
     models.add_argument("--quant", choices=("none", "nf4"), default="none",
-                        help="weight quantisation; nf4 is not implemented yet (default: none)")
+                        help="quantisation of the target's decoder layers: nf4 = 4-bit NormalFloat, "
+                        "blocksize 64 (default: none)")
     models.add_argument("--offload", choices=("auto", "none", "all"), default="auto",
-                        help="keep target weights in CPU RAM and stream them; 'all' is not implemented "
-                        "yet, auto and none load the whole target on --device (default: auto)")
+                        help="auto: keep as many target layers on --device as fit and stream the rest "
+                        "from RAM (then disk); all: stream every layer; none: all on --device (default: auto)")
     text = common.add_argument_group("text")
     text.add_argument("--system", metavar="TEXT", help="system message (chat template only)")
     text.add_argument("--max-new-tokens", type=_int_at_least(1), default=request.max_new_tokens, metavar="N",
@@ -153,11 +153,14 @@ def build_parser() -> argparse.ArgumentParser:
     decoding.add_argument("--mode", choices=("specexec", "autoregressive"), default=spec.mode,
                           help=f"decoding mode; autoregressive ignores --draft (default: {spec.mode})")
     decoding.add_argument("--budget", type=_budget, default="auto", metavar="N|auto",
-                          help="most draft-tree tokens the target verifies per pass. 'auto' is a fixed "
-                          f"{AUTO_BUDGET} until the planner picks it from a hardware profile; it is not "
-                          "tuned to this machine (default: auto)")
+                          help="most draft-tree tokens the target verifies per pass. 'auto': the planner "
+                          "picks budget and depth (or autoregressive decoding) from the saved hardware profile "
+                          f"(`specchat bench hardware`); {AUTO_BUDGET} without one (default: auto)")
     decoding.add_argument("--max-depth", type=_int_at_least(1), default=spec.max_depth, metavar="D",
                           help=f"most tokens on one path of the tree (default: {spec.max_depth})")
+    decoding.add_argument("--tree", choices=("specexec", "sequoia"), default=spec.tree_mode,
+                          help="specexec: the draft grows the tree best-first each step; sequoia: a static "
+                          "tree shape from a prior acceptance-by-rank vector (default: specexec)")
 
     generate = commands.add_parser("generate", parents=[common], help="complete one prompt",
                                    description="Complete one prompt: stream text to stdout, or print "
@@ -182,6 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_models_parser(commands)
     add_bench_parser(commands)
+    from .bench_offload import add_offload_bench
+
+    add_offload_bench(commands.choices["bench"])
     return parser
 
 
@@ -245,16 +251,13 @@ class _Setup:
     device: str
     dtype: torch.dtype
     budget: int
+    auto: bool = False  # --budget auto: the planner may change budget, depth and mode after loading
+    mode: str | None = None  # the planner's mode (None: --mode)
+    max_depth: int | None = None  # the planner's depth (None: --max-depth)
 
 
 def _setup(args: argparse.Namespace) -> _Setup:
     """Everything that can be refused without loading a model."""
-    if args.quant == "nf4":
-        raise UsageError("--quant nf4 is not implemented yet (NF4 weights come with the offloaded "
-                         "target, a later issue); use --quant none.")
-    if args.offload == "all":
-        raise UsageError("--offload all is not implemented yet (the offloaded target is a later issue); "
-                         "use --offload auto or none.")
     if getattr(args, "raw_prompt", None) is not None and args.system is not None:
         raise UsageError("--system applies to --prompt (the chat template), not to --raw-prompt.")
     import torch
@@ -270,14 +273,38 @@ def _setup(args: argparse.Namespace) -> _Setup:
     else:
         dtype = torch.float32
     budget = AUTO_BUDGET if args.budget == "auto" else int(args.budget)
-    return _Setup(device=device, dtype=dtype, budget=budget)
+    return _Setup(device=device, dtype=dtype, budget=budget, auto=args.budget == "auto")
+
+
+def _plan(engine: Engine, setup: _Setup, status: Callable[[str], None],
+          notice: Callable[[str], None] | None = None) -> _Setup:
+    """--budget auto: the planner's budget and depth for this pair on the saved hardware
+    profile, or autoregressive when speculation does not pay (always said, through `notice`,
+    default `status`). Without a profile the fixed AUTO_BUDGET stays, with a hint."""
+    if not setup.auto or engine.draft is None:
+        return setup
+    from . import planner
+    from .hardware import load_profile
+
+    profile = load_profile()
+    plan = planner.plan_for_engine(engine, profile) if profile is not None else None
+    if plan is None:
+        status(f"budget {AUTO_BUDGET} (no hardware profile for this device; `specchat bench hardware` "
+               "measures one so --budget auto can plan)")
+        return setup
+    if plan.mode == "autoregressive":
+        (notice or status)(f"planner: autoregressive decoding, the draft is not used ({plan.reason})")
+        return replace(setup, mode="autoregressive")
+    status(f"planner: budget {plan.budget}, depth {plan.max_depth}, ~{plan.tokens_per_second:.1f} tok/s predicted")
+    return replace(setup, budget=plan.budget, max_depth=plan.max_depth, mode=None)
 
 
 def _request(args: argparse.Namespace, setup: _Setup, messages: tuple[Message, ...] = (),
              raw_prompt: str | None = None, seed: int | None = None) -> GenerationRequest:
     sampling = SamplingSettings(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                 min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=seed)
-    speculation = replace(SpeculationSettings(), mode=args.mode, budget=setup.budget, max_depth=args.max_depth)
+    speculation = replace(SpeculationSettings(), mode=setup.mode or args.mode, budget=setup.budget,
+                          max_depth=setup.max_depth or args.max_depth, tree_mode=args.tree)
     return GenerationRequest(messages=messages, raw_prompt=raw_prompt, max_new_tokens=args.max_new_tokens,
                              stop=tuple(args.stop), sampling=sampling, speculation=speculation)
 
@@ -371,6 +398,10 @@ def stats_line(stats: GenerationStats, finish_reason: str, seed: int | None = No
               finish_reason]
     if seed is not None:
         parts.append(f"seed {seed}")
+    if stats.placement is not None and stats.placement.gpu_layers < stats.placement.num_layers:
+        parts.append(stats.placement.describe())
+    if stats.oom_retries:
+        parts.append(f"{stats.oom_retries} out-of-memory retries")
     return "[" + " · ".join(parts) + "]"
 
 
@@ -401,6 +432,7 @@ def run_generate(args: argparse.Namespace) -> int:
     base_seed = args.seed if args.seed is not None else secrets.randbelow(2**31)
     sampled = args.temperature > 0
     engine = _load_engine(args.target, args.draft, args, setup, log.info)
+    setup = _plan(engine, setup, log.info, None if args.json else _status_printer())
     for i in range(args.samples):
         seed = base_seed + i
         log.info("sample %d: seed %d", i, seed)
@@ -435,12 +467,13 @@ def run_chat(args: argparse.Namespace) -> int:
         # The starter has no real draft: its FP4 proxy costs as much as the model itself, so
         # speculation would only slow it down. Pass --draft to try it anyway.
     engine = _load_engine(target, draft, args, setup, status)
+    setup = _plan(engine, setup, status)
     if interactive:
         try:
             import readline  # noqa: F401  (line editing and history for input())
         except ImportError:  # Windows
             pass
-    mode = f"specexec, budget {setup.budget}" if engine.draft is not None else "autoregressive"
+    mode = f"specexec, budget {setup.budget}" if engine.draft is not None and setup.mode is None else "autoregressive"
     status(f"ready ({mode}). {CHAT_HELP}")
     system = (Message("system", args.system),) if args.system else ()
     messages: list[Message] = []
@@ -474,6 +507,7 @@ def run_chat(args: argparse.Namespace) -> int:
         messages.append(Message("assistant", completion.text))  # a stopped answer stays, as shown
         note = stats_line(completion.stats, completion.finish_reason)
         print(_dim(note, sys.stderr), file=sys.stderr, flush=True)
+        setup = _plan(engine, setup, log.info)  # --budget auto: re-plan with this answer's passes
     if interactive:
         print(file=sys.stderr)
     return 0

@@ -1,4 +1,4 @@
-"""SpecExec tree growth with the draft model.
+"""Draft trees: SpecExec's dynamic tree (grow_tree) and static Sequoia trees (grow_static_tree).
 
 The tree SpecExec wants is (approximately) the B most likely continuations under the draft: the
 B nodes with the highest cumulative draft log-probability. We grow it best-first, in batches:
@@ -35,6 +35,7 @@ import torch
 from .cache import KVCache
 from .causal_lm import CausalLM
 from .sampling import process_logits
+from .sequoia import StaticTree
 from .tree import Tree, ancestor_mask
 from .types import SamplingSettings, SpeculationSettings
 
@@ -45,6 +46,32 @@ class DraftTrace:
     slots: torch.Tensor  # (N,) long: draft cache slot of each node, -1 if the draft never read it
     passes: int
     seconds: float
+
+
+def _scoring(sampling: SamplingSettings, spec: SpeculationSettings) -> SamplingSettings:
+    if sampling.greedy:
+        return SamplingSettings(temperature=spec.greedy_draft_temperature)
+    return replace(sampling, repetition_penalty=1.0)  # per-node histories are not worth it
+
+
+def _read_nodes(draft: CausalLM, cache: KVCache, tokens: torch.Tensor, parents: torch.Tensor,
+                depths: torch.Tensor, slots: torch.Tensor, to_expand: torch.Tensor, root_pos: int,
+                max_depth: int) -> torch.Tensor:
+    """One batched draft pass over the nodes `to_expand` (parent-before-child order; every
+    ancestor already read): tree mask over the draft's cache, depth-based positions. Records
+    their cache slots in `slots` (in place) and returns their hidden states (m, H)."""
+    device = tokens.device
+    m = to_expand.shape[0]
+    past = cache.length
+    anc = ancestor_mask(parents, to_expand, max_depth)  # (m, N) node j is ancestor-or-self
+    allowed = torch.zeros((m, past + m), dtype=torch.bool, device=device)
+    allowed[:, : root_pos + 1] = True  # committed prefix and the root
+    rows, cols = (anc & (slots >= 0)[None]).nonzero(as_tuple=True)
+    allowed[rows, slots[cols]] = True
+    allowed[torch.arange(m, device=device), past + torch.arange(m, device=device)] = True
+    hidden = draft.forward(tokens[to_expand], root_pos + depths[to_expand], cache, allowed)
+    slots[to_expand] = past + torch.arange(m, device=device)
+    return hidden
 
 
 def default_expand_per_pass(budget: int) -> int:
@@ -70,10 +97,7 @@ def grow_tree(
     # Node scores estimate the chance the target accepts the path: under sampling that is the
     # target's processed distribution, which the draft imitates with the same settings; under
     # greedy decoding it is the chance of being the argmax, sharper than the draft's softmax.
-    if sampling.greedy:
-        scoring = SamplingSettings(temperature=spec.greedy_draft_temperature)
-    else:
-        scoring = replace(sampling, repetition_penalty=1.0)  # per-node histories are not worth it
+    scoring = _scoring(sampling, spec)
 
     # pass 0: pending chain; the root's slot is the chain's last entry
     start = cache.length
@@ -131,18 +155,58 @@ def grow_tree(
             break
         to_expand = unread[best].sort().values  # (m,) parent-before-child order
 
-        # one batched draft pass over the chosen nodes
-        m = to_expand.shape[0]
-        past = cache.length
-        anc = ancestor_mask(parents, to_expand, max_depth)  # (m, N) node j is ancestor-or-self
-        allowed = torch.zeros((m, past + m), dtype=torch.bool, device=device)
-        allowed[:, : root_pos + 1] = True  # committed prefix and the root
-        rows, cols = (anc & (slots >= 0)[None]).nonzero(as_tuple=True)
-        allowed[rows, slots[cols]] = True
-        allowed[torch.arange(m, device=device), past + torch.arange(m, device=device)] = True
-        expand_hidden = draft.forward(tokens[to_expand], root_pos + depths[to_expand], cache, allowed)
-        slots[to_expand] = past + torch.arange(m, device=device)
+        expand_hidden = _read_nodes(draft, cache, tokens, parents, depths, slots, to_expand, root_pos, max_depth)
         passes += 1
 
+    tree = Tree(tokens=tokens, parents=parents, depths=depths, logp=logp)
+    return DraftTrace(tree=tree, slots=slots, passes=passes, seconds=time.perf_counter() - t0)
+
+
+def grow_static_tree(
+    draft: CausalLM,
+    cache: KVCache,
+    pending: torch.Tensor,  # (p,) tokens the draft has not read; the last one is the root
+    shape: StaticTree,
+    spec: SpeculationSettings,
+    sampling: SamplingSettings,
+    vocab_limit: int,
+) -> DraftTrace:
+    """Fill a static Sequoia tree shape (sequoia.build_tree) with draft tokens: one draft pass
+    per level; the child of rank r of a node carries the node's (r+1)-th likeliest draft token
+    (deterministic top-k, so siblings are distinct). Only nodes with children are read, so the
+    read nodes of any root path form a prefix of it (the engine's cache pruning relies on it).
+    Verification is the same walk as for SpecExec trees, hence lossless."""
+    t0 = time.perf_counter()
+    scoring = _scoring(sampling, spec)
+    device = draft.device
+    start = cache.length
+    hidden = draft.forward(pending, torch.arange(start, start + pending.shape[0]), cache, None)
+    root_pos = cache.length - 1
+    n = len(shape.parents)
+    parents = torch.tensor(shape.parents, device=device)
+    ranks = torch.tensor(shape.ranks, device=device)
+    depths = torch.tensor(shape.depths, device=device)
+    tokens = torch.zeros(n, dtype=torch.long, device=device)
+    tokens[0] = pending[-1]
+    logp = torch.zeros(n, device=device)
+    slots = torch.full((n,), -1, device=device)
+    slots[0] = root_pos
+    has_children = torch.bincount(parents[1:], minlength=n) > 0 if n > 1 else torch.zeros(1, dtype=torch.bool)
+    kmax = int(ranks.max()) + 1 if n > 1 else 1
+    expand, expand_hidden, passes = torch.tensor([0], device=device), hidden[-1:], 1
+    row_of = torch.full((n,), -1, dtype=torch.long, device=device)
+    for level in range(1, shape.max_depth + 1):
+        q = process_logits(draft.logits(expand_hidden)[:, :vocab_limit], scoring)  # (m, V)
+        child_lp, child_tok = torch.topk(q, min(kmax, q.shape[-1]), dim=-1)  # (m, k)
+        kids = (depths == level).nonzero()[:, 0]
+        row_of[expand] = torch.arange(expand.shape[0], device=device)
+        rows, r = row_of[parents[kids]], ranks[kids].clamp(max=child_tok.shape[-1] - 1)
+        tokens[kids] = child_tok[rows, r]
+        logp[kids] = logp[parents[kids]] + child_lp[rows, r]
+        expand = kids[has_children[kids]]
+        if expand.numel() == 0:
+            break
+        expand_hidden = _read_nodes(draft, cache, tokens, parents, depths, slots, expand, root_pos, shape.max_depth)
+        passes += 1
     tree = Tree(tokens=tokens, parents=parents, depths=depths, logp=logp)
     return DraftTrace(tree=tree, slots=slots, passes=passes, seconds=time.perf_counter() - t0)

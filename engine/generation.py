@@ -6,14 +6,15 @@ that adds text and ends with one Completion (text, token ids, finish reason, sta
 
 Decoding modes share everything but the step:
 - autoregressive: one target pass per token (the baseline for every comparison);
-- specexec: the draft grows a tree (drafting.grow_tree), the target reads it in one pass
+- specexec: the draft grows a tree (drafting.grow_tree, or a static Sequoia shape filled by
+  drafting.grow_static_tree when spec.tree_mode is "sequoia"), the target reads it in one pass
   (verification.run_tree), the acceptance walk emits 1..depth+1 tokens, and both KV caches are
   pruned to the accepted path.
 
 Cache invariant between steps: the target cache holds every committed token but the last (the
 "root", fed with the next pass); the draft cache holds a prefix of the committed tokens and
 `draft_pending` the rest. The engine does not load models (loading.py) or choose budgets
-(planner, later): it takes both as given.
+(engine/planner.py): it takes both as given.
 """
 
 from __future__ import annotations
@@ -30,15 +31,37 @@ import torch
 
 from .cache import KVCache
 from .causal_lm import CausalLM
-from .drafting import grow_tree
-from .errors import InvalidRequest
+from .drafting import grow_static_tree, grow_tree
+from .errors import InvalidRequest, OutOfMemory
 from .sampling import choose_token, make_generator
-from .types import Completion, GenerationRequest, GenerationStats, TokenEvent
+from .sequoia import StaticTree, build_tree
+from .types import (
+    Completion,
+    GenerationRequest,
+    GenerationStats,
+    SpeculationSettings,
+    TokenEvent,
+)
 from .verification import accept, run_tree
 
 log = logging.getLogger(__name__)
 
 PREFILL_CHUNK = 512
+
+
+@dataclass(frozen=True)
+class PassTotals:
+    """Decode passes of one (tree mode, budget), summed over generations."""
+
+    passes: int = 0
+    tokens: int = 0
+    draft_passes: int = 0
+    draft_seconds: float = 0.0
+    target_seconds: float = 0.0
+
+    @property
+    def tokens_per_pass(self) -> float:
+        return self.tokens / self.passes if self.passes else 0.0
 
 
 @dataclass
@@ -62,6 +85,10 @@ class Engine:
         vocab = len(tokenizer)  # type: ignore[arg-type]
         self.draft_vocab_limit = min(vocab, target.shape.vocab_size, draft.shape.vocab_size if draft else vocab)
         self.eos_ids = _eos_ids(tokenizer, target)
+        # decode passes per (tree mode, budget) over this engine's life: the planner calibrates
+        # its tokens-per-pass curve and draft/target pass times from these
+        self.pass_record: dict[tuple[str, int], PassTotals] = {}
+        self._static_trees: dict[tuple[tuple[float, ...], int, int], StaticTree] = {}
 
     # ---- prompts -------------------------------------------------------------------------
     def encode(self, request: GenerationRequest) -> list[int]:
@@ -96,6 +123,8 @@ class Engine:
             raise InvalidRequest(f"The tree depth must be at least 1 (got {spec.max_depth}).")
         if spec.branching < 1 or spec.min_pass_gain < 0 or spec.greedy_draft_temperature <= 0:
             raise InvalidRequest("The tree branching must be at least 1, the pass gain at least 0 and the draft temperature above 0.")
+        if spec.tree_mode not in ("specexec", "sequoia") or not spec.rank_acceptance:
+            raise InvalidRequest("The tree mode must be 'specexec' or 'sequoia' (with an acceptance-by-rank vector).")
         if request.max_new_tokens < 1:
             raise InvalidRequest("max new tokens must be at least 1.")
         use_spec = spec.mode == "specexec" and self.draft is not None
@@ -137,6 +166,7 @@ class Engine:
         detok = _Detokenizer(self.tokenizer, request.stop)
         ttft = None
         finish = "length"
+        oom_retries = 0
 
         def choose(logits: torch.Tensor, step_tokens: list[int]) -> int:
             hist = None
@@ -151,7 +181,16 @@ class Engine:
             limit = request.max_new_tokens - len(new)
             if use_spec:
                 assert dcache is not None
-                step = self._spec_step(seq, tcache, dcache, request, choose, limit, timers)
+                draft_length = dcache.length
+                try:
+                    step = self._spec_step(seq, tcache, dcache, request, choose, limit, timers)
+                except torch.OutOfMemoryError:
+                    # roll both caches back to before the step, free what the pass held, retry smaller
+                    tcache.truncate(len(seq) - 1)
+                    dcache.truncate(draft_length)
+                    request, use_spec = _shrink_after_oom(request, self.target.device)
+                    oom_retries += 1
+                    continue
             else:
                 step = self._ar_step(seq, tcache, choose, timers)
             seq.extend(step)
@@ -179,6 +218,8 @@ class Engine:
                 yield TokenEvent(token_ids=(), text=text)
         seconds = time.perf_counter() - t_start
         passes = max(timers.target_passes, 1)
+        if use_spec and timers.target_passes:
+            self._record_passes(request.speculation, len(new), timers)  # the budget after any OOM shrink
         stats = GenerationStats(
             prompt_tokens=len(prompt),
             new_tokens=len(new),
@@ -194,13 +235,41 @@ class Engine:
             target_seconds=timers.target,
             prefill_seconds=timers.prefill,
             mode="specexec" if use_spec else "autoregressive",
+            placement=self.target.placement,
+            oom_retries=oom_retries,
         )
         yield Completion(text=detok.text, token_ids=tuple(new), finish_reason=finish, stats=stats)  # type: ignore[arg-type]
 
+    def _static_tree(self, spec: SpeculationSettings) -> StaticTree:
+        key = (spec.rank_acceptance, spec.budget, spec.max_depth)
+        if key not in self._static_trees:  # the DP takes up to seconds for large budgets: build once
+            self._static_trees[key] = build_tree(spec.rank_acceptance, spec.budget, spec.max_depth)
+        return self._static_trees[key]
+
+    def _record_passes(self, spec: SpeculationSettings, new_tokens: int, timers: _Timers) -> None:
+        """Add this generation's decode passes to `pass_record` (the planner's calibration)."""
+        key = (spec.tree_mode, spec.budget)
+        old = self.pass_record.get(key, PassTotals())
+        self.pass_record[key] = PassTotals(old.passes + timers.target_passes, old.tokens + new_tokens,
+                                           old.draft_passes + timers.draft_passes,
+                                           old.draft_seconds + timers.draft, old.target_seconds + timers.target)
+
     def _prefill(self, model: CausalLM, cache: KVCache, ids: list[int]) -> None:
-        for start in range(0, len(ids), PREFILL_CHUNK):
-            chunk = torch.tensor(ids[start : start + PREFILL_CHUNK])
-            model.forward(chunk, torch.arange(cache.length, cache.length + chunk.shape[0]), cache, None)
+        start, size = 0, PREFILL_CHUNK
+        while start < len(ids):
+            chunk = torch.tensor(ids[start : start + size])
+            try:
+                model.forward(chunk, torch.arange(cache.length, cache.length + chunk.shape[0]), cache, None)
+            except torch.OutOfMemoryError as exc:  # the cache commits only after a whole pass
+                if size == 1:
+                    raise OutOfMemory("The device ran out of memory reading the prompt. Start a new "
+                                      "conversation, or load the model with a shorter context.") from exc
+                if model.device.type == "cuda":
+                    torch.cuda.empty_cache()
+                size //= 2
+                log.warning("out of device memory in the prefill: chunks of %d tokens now", size)
+                continue
+            start += chunk.shape[0]
 
     def _ar_step(self, seq: list[int], tcache: KVCache, choose, timers: _Timers) -> list[int]:  # type: ignore[no-untyped-def]
         t0 = time.perf_counter()
@@ -214,8 +283,12 @@ class Engine:
     def _spec_step(self, seq, tcache, dcache, request, choose, limit, timers) -> list[int]:  # type: ignore[no-untyped-def]
         assert self.draft is not None
         pending = torch.tensor(seq[dcache.length :])  # (p,) committed tokens the draft has not read
-        trace = grow_tree(self.draft, dcache, pending, request.speculation, request.sampling,
-                          self.draft_vocab_limit)
+        spec = request.speculation
+        if spec.tree_mode == "sequoia":
+            trace = grow_static_tree(self.draft, dcache, pending, self._static_tree(spec), spec,
+                                     request.sampling, self.draft_vocab_limit)
+        else:
+            trace = grow_tree(self.draft, dcache, pending, spec, request.sampling, self.draft_vocab_limit)
         timers.draft += trace.seconds
         timers.draft_passes += trace.passes
         t0 = time.perf_counter()
@@ -232,6 +305,19 @@ class Engine:
         root_slot = int(trace.slots[0])
         dcache.keep(torch.cat([torch.arange(root_slot + 1), read.cpu()]))
         return result.tokens
+
+
+def _shrink_after_oom(request: GenerationRequest, device: torch.device) -> tuple[GenerationRequest, bool]:
+    """After a device out-of-memory in a step: free cached blocks and halve the tree budget for
+    the rest of the generation; below 1, decode autoregressively. Returns (request, use_spec)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    budget = request.speculation.budget
+    if budget <= 1:
+        log.warning("out of device memory at tree budget 1: continuing autoregressively")
+        return request, False
+    log.warning("out of device memory at tree budget %d: retrying the step with %d", budget, budget // 2)
+    return replace(request, speculation=replace(request.speculation, budget=budget // 2)), True
 
 
 class _Detokenizer:

@@ -6,9 +6,9 @@ message: missing paths, folders without config.json, pickle checkpoints (*.bin, 
 them can run arbitrary code), unknown architectures, corrupt files, and a draft whose tokenizer
 vocabulary differs from the target's. trust_remote_code stays off.
 
-What this does not do yet: place weights on the meta device and stream them tensor by tensor
-into GPU / pinned host / NF4 storage (the offloaded target, issue 3). `load_model` is the single
-entry point both the engine and that work go through, so the offloaded path replaces its body.
+Folders are built on the meta device and filled tensor by tensor from the memory-mapped shards
+straight into their final place (materialise.py): peak RAM is the final footprint plus about a
+layer. GGUF files are de-quantised by transformers and stay resident.
 """
 
 from __future__ import annotations
@@ -25,8 +25,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from .causal_lm import SUPPORTED_MODEL_TYPES, CausalLM
-from .errors import Cancelled, InvalidRequest, ModelNotFound, UnsupportedModel
-from .types import LoadProgress, LoadSettings
+from .errors import (
+    Cancelled,
+    EngineError,
+    InvalidRequest,
+    ModelNotFound,
+    OutOfMemory,
+    UnsupportedModel,
+)
+from .types import LoadProgress, LoadSettings, Offload, Quant
 
 if TYPE_CHECKING:
     from .generation import Engine
@@ -49,7 +56,9 @@ def resolve_path(spec: str) -> Path:
     if path.exists():
         return path
     try:
-        from .store import resolve_model  # the model store (catalog ids, owner/name repo ids)
+        from .store import (
+            resolve_model,  # the model store (catalog ids, owner/name repo ids)
+        )
     except ImportError:
         resolve_model = None
     if resolve_model is not None:
@@ -103,43 +112,64 @@ def check_gguf(path: Path) -> None:
         raise UnsupportedModel(f"'{path.name}' is not a GGUF file (bad header); it may be corrupt — re-download it.")
 
 
-def load_model(spec: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> LoadedModel:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_model(
+    spec: str | Path,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    *,
+    quant: Quant = "none",
+    offload: Offload = "none",
+    ram_limit_bytes: int | None = None,
+    context_length: int | None = None,
+    reserve_bytes: int = 0,
+    report: Callable[[float, str], None] | None = None,
+) -> LoadedModel:
+    """Load one model. Folders are built on the meta device and filled tensor by tensor
+    (materialise.py): resident layers as transformers modules, the others packed (NF4 when
+    `quant` is "nf4" or the checkpoint is bitsandbytes 4-bit) in the host store. GGUF files go
+    through transformers (de-quantised in RAM) and stay resident."""
+    from transformers import AutoTokenizer
 
     path = resolve_path(str(spec))
     try:
         if path.is_dir():
-            check_folder(path)
+            config = check_folder(path)
             tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
-            hf = AutoModelForCausalLM.from_pretrained(
-                path, dtype=dtype, trust_remote_code=False, use_safetensors=True
-            )
-        elif path.suffix.lower() == ".gguf":
+            from .materialise import MaterialiseSettings, materialise
+
+            model = materialise(path, config, MaterialiseSettings(
+                device=device, dtype=dtype, quant=quant, offload=offload, ram_limit_bytes=ram_limit_bytes,
+                context_length=context_length, reserve_bytes=reserve_bytes), report)
+            return LoadedModel(model=model, tokenizer=tokenizer, path=path)
+        if path.suffix.lower() == ".gguf":
+            from transformers import AutoModelForCausalLM
+
+            if quant != "none" or offload == "all":
+                raise InvalidRequest("NF4 and streamed layers need a Hugging Face folder of .safetensors "
+                                     "weights; a .gguf file loads only with quantisation none and offload "
+                                     "auto or none.")
             check_gguf(path)
             tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
             hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
             if hf.config.model_type not in SUPPORTED_MODEL_TYPES:
                 raise UnsupportedModel(f"'{path.name}' is a '{hf.config.model_type}' model; SpecChat runs "
                                        f"{', '.join(SUPPORTED_MODEL_TYPES)} models.")
-        elif path.suffix.lower() in (".bin", ".pt", ".pth", ".ckpt"):
+            return LoadedModel(model=CausalLM(hf.to(device)), tokenizer=tokenizer, path=path)
+        if path.suffix.lower() in (".bin", ".pt", ".pth", ".ckpt"):
             raise UnsupportedModel(f"'{path.name}' is a pickle checkpoint; SpecChat loads only .safetensors "
                                    "folders and .gguf files.")
-        else:
-            raise UnsupportedModel(f"'{path}' is neither a model folder nor a .gguf file.")
-    except (UnsupportedModel, ModelNotFound):
+        raise UnsupportedModel(f"'{path}' is neither a model folder nor a .gguf file.")
+    except (EngineError, KeyboardInterrupt):
         raise
     except torch.OutOfMemoryError as exc:
-        from .errors import OutOfMemory
-
-        raise OutOfMemory(f"Not enough memory to load '{path.name}'. Close other programs or pick a smaller model.") from exc
+        raise OutOfMemory(f"Not enough memory to load '{path.name}'. Close other programs, pick a smaller "
+                          "model, or use --offload auto / --quant nf4.") from exc
     except (OSError, ValueError, KeyError, RuntimeError, EOFError, IndexError, struct.error) as exc:
         # a truncated or corrupt file surfaces as any of these from safetensors / gguf readers
         log.debug("load failed", exc_info=True)
         first = str(exc).strip().splitlines()[0][:200].rstrip(".") if str(exc).strip() else type(exc).__name__
         raise UnsupportedModel(f"Could not load '{path.name}': {first}. The files may be corrupt or incomplete; "
                                "re-download the model.") from exc
-    hf = hf.to(device)
-    return LoadedModel(model=CausalLM(hf), tokenizer=tokenizer, path=path)
 
 
 def check_pair(target: LoadedModel, draft: LoadedModel) -> None:
@@ -188,12 +218,17 @@ def load_engine(
         if progress is not None:
             progress(LoadProgress(stage, fraction, message))
 
-    if settings.quant != "none" or settings.offload == "all":
-        raise InvalidRequest("NF4 weights and streamed (offloaded) layers are not implemented yet; "
-                             "use quantisation none and offload auto or none.")
     device, dtype = resolve_device(settings.device)
     report("target", 0.0, f"loading {target} on {device}")
-    loaded_target = load_model(target, device=device, dtype=dtype)
+    reserve = 0
+    if draft is not None and device == "cuda":  # the draft is loaded after, fully on the GPU
+        from .materialise import resident_bytes
+
+        reserve = resident_bytes(resolve_path(str(draft)), dtype)
+    loaded_target = load_model(
+        target, device=device, dtype=dtype, quant=settings.quant, offload=settings.offload,
+        ram_limit_bytes=settings.ram_limit_bytes, context_length=settings.context_length,
+        reserve_bytes=reserve, report=lambda f, m: report("target", 0.8 * f, m))
     loaded_draft = None
     if draft is not None:
         report("draft", 0.8, f"loading draft {draft}")

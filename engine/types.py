@@ -13,6 +13,8 @@ DecodeMode = Literal["specexec", "autoregressive"]
 Device = Literal["auto", "cpu", "cuda"]
 Quant = Literal["none", "nf4"]
 Offload = Literal["auto", "none", "all"]
+TreeMode = Literal["specexec", "sequoia"]
+DEFAULT_RANK_ACCEPTANCE = (0.73, 0.12, 0.05, 0.025, 0.015, 0.01, 0.007, 0.005)
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,11 @@ class SpeculationSettings:
         the target's argmax grows faster than its draft probability. On the starter pair
         (4 chat prompts, budget 64, full growth) tokens per pass were 4.88 at 1.0, 5.71 at 0.7,
         5.56 at 0.5, 4.76 at 0.3.
+    tree_mode: "specexec" grows the dynamic tree above; "sequoia" fills a static tree shape
+        built once per (budget, depth) by sequoia.build_tree from `rank_acceptance`.
+    rank_acceptance: chance that the target's token is the draft's 1st, 2nd, ... likeliest
+        token (Sequoia trees only). The default is a prior near the starter pair's measured
+        top-1 agreement 0.73, top-4 0.93; `specchat bench speculation` measures the pair's own.
     """
 
     mode: DecodeMode = "specexec"
@@ -61,6 +68,8 @@ class SpeculationSettings:
     expand_per_pass: int | None = None
     min_pass_gain: float = 0.1
     greedy_draft_temperature: float = 0.7
+    tree_mode: TreeMode = "specexec"
+    rank_acceptance: tuple[float, ...] = DEFAULT_RANK_ACCEPTANCE
 
 
 @dataclass(frozen=True)

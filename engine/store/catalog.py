@@ -15,6 +15,7 @@ from typing import Any
 from engine.errors import UnsupportedModel
 
 SCHEMA_VERSION = 1
+_SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_kv_heads", "head_dim")
 DEFAULT_CATALOG_PATH = Path(__file__).resolve().parents[2] / "resources" / "catalog.json"
 
 
@@ -59,6 +60,12 @@ class CatalogModel:
     template: str
     description: str
     fallback: FallbackSource | None = None
+    # decoder-layer shape from the model's published config.json (the planner's cost model)
+    hidden_size: int | None = None
+    intermediate_size: int | None = None
+    num_attention_heads: int | None = None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
 
     @property
     def licence_url(self) -> str:
@@ -154,6 +161,7 @@ def _parse_model(entry: dict[str, Any], source: Path) -> CatalogModel:
             )
             if fallback
             else None,
+            **{k: int(v) for k, v in entry.get("shape", {}).items() if k in _SHAPE_KEYS},
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise UnsupportedModel(
