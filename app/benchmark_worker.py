@@ -1,0 +1,238 @@
+"""Measurements off the GUI thread: the hardware benchmark and the short calibration run.
+
+Same pattern as the engine and download workers: a worker QObject lives in its own QThread, the
+request arrives by a queued signal, cancel is a `threading.Event` the engine checks, and signals
+carry plain data (floats, strings, frozen dataclasses). `TaskRunner` is the GUI-side handle:
+`start(arg)`, `cancel()`, `shutdown()`.
+
+- `BenchmarkWorker`: `engine.hardware.measure_hardware(...)`, then `save_profile`; its result
+  is the `HardwareProfile`.
+- `CalibrationWorker`: loads a pair with `engine.loading.load_engine`, generates a few tokens
+  greedily and reports tokens per pass and tokens per second (`CalibrationResult`). The engine
+  is dropped afterwards: the chat worker loads its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from PySide6.QtCore import QCoreApplication, QObject, QThread, Signal, Slot
+
+from engine.errors import Cancelled, EngineError
+from engine.types import (
+    Completion,
+    GenerationRequest,
+    LoadProgress,
+    LoadSettings,
+    SamplingSettings,
+    SpeculationSettings,
+)
+
+log = logging.getLogger(__name__)
+
+
+class TaskWorker(QObject):
+    """One kind of long task run in a worker thread. Subclasses implement `work`.
+
+    Signals:
+        progressed(float, str): fraction 0..1 and a line for the user.
+        finished(object): the task's result.
+        failed(str): a message the user can act on.
+        cancelled(): the task stopped at the user's request.
+    """
+
+    progressed = Signal(float, str)
+    finished = Signal(object)
+    failed = Signal(str)
+    cancelled = Signal()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cancel_event = threading.Event()
+
+    def work(self, arg: Any) -> object:
+        raise NotImplementedError
+
+    @Slot(object)
+    def run(self, arg: object) -> None:
+        try:
+            result = self.work(arg)
+        except Cancelled:
+            self.cancelled.emit()
+        except EngineError as exc:
+            self.failed.emit(exc.user_message)
+        except Exception as exc:  # keep the thread alive and tell the user
+            log.exception("%s failed", type(self).__name__)
+            self.failed.emit(f"{type(exc).__name__}: {exc}")
+        else:
+            self.finished.emit(result)
+
+
+class TaskRunner(QObject):
+    """Owns one TaskWorker and its thread.
+
+    Signals: progressed(float, str), finished(object), failed(str), cancelled() — forwarded
+    from the worker, delivered in the GUI thread.
+    """
+
+    progressed = Signal(float, str)
+    finished = Signal(object)
+    failed = Signal(str)
+    cancelled = Signal()
+    _requested = Signal(object)
+
+    def __init__(self, worker: TaskWorker, name: str, parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self._running = False
+        self._worker = worker
+        self._thread = QThread()
+        self._thread.setObjectName(name)
+        worker.moveToThread(self._thread)
+        self._requested.connect(worker.run)
+        worker.progressed.connect(self.progressed)
+        for signal, slot in ((worker.finished, self.finished), (worker.failed, self.failed),
+                             (worker.cancelled, self.cancelled)):
+            signal.connect(self._on_worker_done)
+            signal.connect(slot)
+        self._thread.finished.connect(worker.deleteLater)
+        self._thread.start()
+        app = QCoreApplication.instance()
+        if app is not None:
+            app.aboutToQuit.connect(self.shutdown)
+
+    @property
+    def running(self) -> bool:
+        return self._running
+
+    def start(self, arg: object = None) -> bool:
+        """Start the task; False if it is already running."""
+        if self._running:
+            return False
+        self._running = True
+        self._worker.cancel_event.clear()
+        self._requested.emit(arg)
+        return True
+
+    def cancel(self) -> None:
+        self._worker.cancel_event.set()
+
+    def shutdown(self) -> None:
+        """Cancel and join the thread. Idempotent."""
+        self._worker.cancel_event.set()
+        if self._thread.isRunning():
+            self._thread.quit()
+            self._thread.wait()
+
+    def _on_worker_done(self, *args: object) -> None:
+        self._running = False
+
+
+class BenchmarkWorker(TaskWorker):
+    """`run(options)`: options is a mapping of extra keyword arguments for measure_hardware
+    (e.g. a quick layer shape in tests), or None."""
+
+    def work(self, arg: Any) -> object:
+        from engine import hardware  # lazy: probes CUDA and NVML
+
+        options: Mapping[str, Any] = arg or {}
+        profile = hardware.measure_hardware(
+            progress=lambda fraction, text: self.progressed.emit(float(fraction), str(text)),
+            cancel=self.cancel_event, **options,
+        )
+        hardware.save_profile(profile)
+        return profile
+
+
+@dataclass(frozen=True)
+class CalibrationRequest:
+    target: Path
+    draft: Path | None = None
+    load_settings: LoadSettings = field(default_factory=LoadSettings)
+    speculation: SpeculationSettings = field(default_factory=SpeculationSettings)
+    max_new_tokens: int = 24
+    prompt: str = "The three most useful things to know about a new city are"
+
+
+@dataclass(frozen=True)
+class CalibrationResult:
+    new_tokens: int
+    tokens_per_pass: float
+    tokens_per_second: float
+    seconds: float
+    load_seconds: float
+    text: str
+    placement: str = ""
+
+
+class CalibrationWorker(TaskWorker):
+    """`run(CalibrationRequest)`: load the pair, generate a few tokens, report the speed."""
+
+    def work(self, arg: Any) -> object:
+        import time
+
+        from engine.loading import load_engine
+
+        request: CalibrationRequest = arg
+        started = time.monotonic()
+
+        def on_load(event: LoadProgress) -> None:
+            self.progressed.emit(0.8 * event.fraction, event.message or f"Loading the {event.stage}")
+
+        engine = load_engine(request.target, request.draft, request.load_settings, progress=on_load,
+                             cancel=self.cancel_event)
+        load_seconds = time.monotonic() - started
+        self.progressed.emit(0.8, "Generating a few test tokens")
+        generation = GenerationRequest(
+            raw_prompt=request.prompt, max_new_tokens=request.max_new_tokens,
+            sampling=SamplingSettings(temperature=0.0),
+            speculation=request.speculation if request.draft is not None
+            else SpeculationSettings(mode="autoregressive"),
+        )
+        produced = 0
+        completion: Completion | None = None
+        for event in engine.generate(generation, self.cancel_event):
+            if isinstance(event, Completion):
+                completion = event
+            else:
+                produced += len(event.token_ids)
+                fraction = 0.8 + 0.2 * min(1.0, produced / request.max_new_tokens)
+                self.progressed.emit(fraction, f"{produced} of {request.max_new_tokens} test tokens")
+        assert completion is not None, "generate() always ends with a Completion"
+        if completion.finish_reason == "cancelled":
+            raise Cancelled("The calibration was cancelled.")
+        stats = completion.stats
+        _feed_planner(stats)
+        self.progressed.emit(1.0, "Done")
+        return CalibrationResult(
+            new_tokens=stats.new_tokens, tokens_per_pass=stats.tokens_per_pass,
+            tokens_per_second=stats.tokens_per_second, seconds=stats.seconds, load_seconds=load_seconds,
+            text=completion.text, placement=stats.placement.describe() if stats.placement else "",
+        )
+
+
+def _feed_planner(stats: object) -> None:
+    """Give the measured acceptance to the planner when it can learn from it."""
+    try:
+        from engine import planner
+    except ImportError:
+        return
+    record = getattr(planner, "record_calibration", None)
+    if record is None:
+        return
+    try:
+        record(stats)
+    except Exception:  # the calibration result is shown either way
+        log.exception("the planner could not record the calibration")
+
+
+def benchmark_runner(parent: QObject | None = None) -> TaskRunner:
+    return TaskRunner(BenchmarkWorker(), "benchmark", parent)
+
+
+def calibration_runner(parent: QObject | None = None) -> TaskRunner:
+    return TaskRunner(CalibrationWorker(), "calibration", parent)

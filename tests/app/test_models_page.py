@@ -1,0 +1,219 @@
+"""The models page against a real local hub server and a real download thread."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pages_hub import STARTER_REPO, FakeRepo, HubServer
+from pytestqt.qtbot import QtBot
+
+from app.models_page import ModelsPage
+from app.preferences import PreferencesStore
+from engine.store import list_local_models
+from engine.store.transfer import DownloadSettings
+from engine.testmodels import tiny_model
+from engine.types import DownloadProgress
+
+pytest_plugins = ("pages_fixtures",)  # app_env, prefs_store, hub, slow_hub, ... fixtures
+
+STARTER = "smollm2-135m-instruct"
+
+
+def make_page(qtbot: QtBot, store: PreferencesStore, hub: HubServer, settings: DownloadSettings) -> ModelsPage:
+    page = ModelsPage(store, endpoint=hub.url, download_settings=settings)
+    qtbot.addWidget(page)
+    page.resize(1100, 750)
+    page.show()
+    return page
+
+
+def test_download_from_catalog_with_progress_then_use_it(
+    qtbot: QtBot, prefs_store: PreferencesStore, slow_hub: HubServer, download_settings: DownloadSettings,
+    tiny_starter_files: dict[str, bytes], app_env: Path,
+) -> None:
+    repo = slow_hub.add_repo(FakeRepo(STARTER_REPO, tiny_starter_files))
+    page = make_page(qtbot, prefs_store, slow_hub, download_settings)
+    try:
+        assert not page.is_local(STARTER)
+        page.select_pair("starter")
+        assert page.download_button.isEnabled() and not page.catalog_use_button.isEnabled()
+        seen: list[DownloadProgress] = []
+        page.queue.progressed.connect(seen.append)
+        with qtbot.waitSignal(page.download_finished, timeout=60_000) as done:
+            qtbot.mouseClick(page.download_button, _left())
+            assert STARTER in page.rows and page.no_downloads.isHidden()
+        spec, path = done.args
+        assert spec == STARTER
+        weights = Path(path) / "model.safetensors"
+        assert weights.read_bytes() == repo.files["model.safetensors"]
+
+        fractions = [e.bytes_done for e in seen if e.state == "downloading"]
+        assert len(fractions) > 3 and fractions == sorted(fractions)  # the bar moved forward, in steps
+        row = page.rows[STARTER]
+        assert row.bar.value() == row.bar.maximum() and row.state == "done"
+
+        # The local tab and the catalog both know it now; the starter alone can be used.
+        assert [m.model_id for m in page.local_models()] == [STARTER]
+        assert page.local_table.rowCount() == 1 and page.local_table.item(0, 0).text() == STARTER
+        page.select_pair("starter")
+        assert page.catalog_use_button.isEnabled() and not page.download_button.isEnabled()
+        with qtbot.waitSignal(page.active_pair_changed) as chosen:
+            qtbot.mouseClick(page.catalog_use_button, _left())
+        assert chosen.args == [STARTER, ""]
+        prefs = prefs_store.load()
+        assert (prefs.target, prefs.draft) == (STARTER, "")
+        assert STARTER in page.active_label.text()
+    finally:
+        page.shutdown()
+
+
+def test_pause_resume_and_cancel_a_download(
+    qtbot: QtBot, prefs_store: PreferencesStore, slow_hub: HubServer, download_settings: DownloadSettings,
+    tiny_starter_files: dict[str, bytes], app_env: Path,
+) -> None:
+    files = dict(tiny_starter_files)
+    files["model.safetensors"] = bytes(range(256)) * 16_000  # 4 MB at 2 MB/s: time to act
+    slow_hub.add_repo(FakeRepo(STARTER_REPO, files))
+    page = make_page(qtbot, prefs_store, slow_hub, download_settings)
+    try:
+        states: list[str] = []
+        page.queue.progressed.connect(lambda e: states.append(e.state))
+        assert page.download(STARTER)
+        assert not page.download(STARTER)  # already queued
+        row = page.rows[STARTER]
+        qtbot.waitUntil(lambda: row.bar.value() > 0, timeout=30_000)
+
+        qtbot.mouseClick(row.pause_button, _left())
+        qtbot.waitUntil(lambda: row.state == "paused", timeout=30_000)
+        assert row.pause_button.text() == "Resume" and "Paused" in row.detail.text()
+        paused_at = row.bar.value()
+
+        qtbot.mouseClick(row.pause_button, _left())
+        qtbot.waitUntil(lambda: row.state == "downloading" and row.bar.value() > paused_at, timeout=30_000)
+
+        with qtbot.waitSignal(page.queue.cancelled, timeout=30_000):
+            qtbot.mouseClick(row.cancel_button, _left())
+        assert row.state == "cancelled" and row.cancel_button.text() == "Clear"
+        assert not page.is_local(STARTER)
+        partial = app_env / "models" / ".partial" / STARTER
+        assert any(partial.glob("*.part"))  # kept for a later resume
+        assert states.index("paused") < len(states) - 1
+
+        qtbot.mouseClick(row.cancel_button, _left())  # clear the finished row
+        assert STARTER not in page.rows and page.no_downloads.isVisibleTo(page)
+    finally:
+        page.shutdown()
+
+
+def test_import_remove_and_choose_a_pair_from_local_models(
+    qtbot: QtBot, prefs_store: PreferencesStore, hub: HubServer, download_settings: DownloadSettings,
+    app_env: Path,
+) -> None:
+    target = tiny_model("llama", seed=0, cache_dir=app_env / "cache")
+    draft = tiny_model("llama", seed=0, noise=0.05, cache_dir=app_env / "cache")
+    page = make_page(qtbot, prefs_store, hub, download_settings)
+    try:
+        assert page.import_path(target) is not None
+        assert page.import_path(draft) is not None
+        names = sorted(m.model_id for m in page.local_models())
+        assert names == sorted([target.name, draft.name]) and page.local_table.rowCount() == 2
+
+        page.target_combo.setCurrentIndex(page.target_combo.findData(target.name))
+        page.draft_combo.setCurrentIndex(page.draft_combo.findData(draft.name))
+        with qtbot.waitSignal(page.active_pair_changed) as chosen:
+            qtbot.mouseClick(page.use_button, _left())
+        assert chosen.args == [target.name, draft.name]
+        assert (prefs_store.load().target, prefs_store.load().draft) == (target.name, draft.name)
+
+        page.local_table.selectRow(next(r for r in range(2) if page.local_table.item(r, 0).text() == draft.name))
+        assert page.remove_button.isEnabled()
+        assert page.remove_local(page.selected_local(), confirm=False)  # type: ignore[arg-type]
+        assert [m.model_id for m in list_local_models(app_env / "models")] == [target.name]
+        assert draft.is_dir()  # imported by reference: the files stay
+        # The removed draft is still the preference; the combo says it is missing.
+        assert "not downloaded" in page.draft_combo.currentText()
+    finally:
+        page.shutdown()
+
+
+def test_every_control_has_an_accessible_name(
+    qtbot: QtBot, prefs_store: PreferencesStore, hub: HubServer, download_settings: DownloadSettings,
+) -> None:
+    from PySide6.QtWidgets import QAbstractButton, QComboBox, QLineEdit, QTableWidget
+
+    page = make_page(qtbot, prefs_store, hub, download_settings)
+    try:
+        page.download(STARTER)  # a download row too (it fails: the hub has no such repo)
+        controls = [w for kind in (QAbstractButton, QComboBox, QLineEdit, QTableWidget)
+                    for w in page.findChildren(kind) if w.isVisibleTo(page)]
+        unnamed = [w for w in controls if not w.accessibleName() and not getattr(w, "text", lambda: "")()]
+        assert controls and unnamed == []
+        with qtbot.waitSignal(page.queue.failed, timeout=30_000) as failed:
+            pass
+        assert "not found" in failed.args[1].lower() or failed.args[1]
+    finally:
+        page.shutdown()
+
+
+def test_fit_and_speed_columns_follow_the_hardware_profile(
+    qtbot: QtBot, prefs_store: PreferencesStore, hub: HubServer, download_settings: DownloadSettings,
+) -> None:
+    import torch
+
+    from engine import hardware, planner
+    from engine.store import load_catalog
+
+    torch.set_num_threads(1)
+    page = make_page(qtbot, prefs_store, hub, download_settings)
+    try:
+        speeds = {page.catalog_table.item(r, 0).data(256): page.catalog_table.item(r, 5).text()
+                  for r in range(page.catalog_table.rowCount())}
+        assert set(speeds.values()) == {"benchmark needed"} and "Benchmark needed" in page.profile_label.text()
+
+        hardware.save_profile(hardware.measure_hardware(quick=True))  # this machine, measured for real
+        page.refresh()
+        catalog = load_catalog()
+        expected = planner.predict_pair(hardware.load_profile(), catalog.find(STARTER), None)
+        row = next(r for r in range(page.catalog_table.rowCount())
+                   if page.catalog_table.item(r, 0).data(256) == "starter")
+        assert page.catalog_table.item(row, 4).text() == {"fits": "Fits", "slow": "Slow", "too big": "Too big"}[expected.fit]
+        assert page.catalog_table.item(row, 5).text().endswith("tok/s")
+        assert "CPU:" in page.profile_label.text()
+    finally:
+        page.shutdown()
+
+
+def test_progress_wording() -> None:
+    from app.download_worker import (
+        describe_progress,
+        format_duration,
+        progress_fraction,
+    )
+
+    event = DownloadProgress("m", "downloading", bytes_done=1_200_000_000, bytes_total=4_000_000_000,
+                             bytes_per_second=35_100_000.0, eta_seconds=80.0)
+    assert describe_progress(event) == "1.2 GB of 4.0 GB · 35.1 MB/s · 1 min 20 s left"
+    assert progress_fraction(event) == 0.3
+    paused = DownloadProgress("m", "paused", bytes_done=1_000, bytes_total=4_000)
+    assert describe_progress(paused) == "Paused at 1.0 kB of 4.0 kB"
+    assert describe_progress(DownloadProgress("m", "done")) == "Done" and progress_fraction(DownloadProgress("m", "done")) == 1.0
+    assert [format_duration(s) for s in (5, 3600 * 2 + 60 * 3)] == ["5 s", "2 h 03 min"]
+
+
+def _left():  # type: ignore[no-untyped-def]
+    from PySide6.QtCore import Qt
+
+    return Qt.MouseButton.LeftButton
+
+
+@pytest.fixture(autouse=True)
+def _no_dialogs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A message box would block the test: fail loudly instead."""
+    from PySide6.QtWidgets import QMessageBox
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError(f"unexpected dialog: {args[1:3]}")
+
+    monkeypatch.setattr(QMessageBox, "warning", refuse)
+    monkeypatch.setattr(QMessageBox, "question", refuse)

@@ -1,0 +1,153 @@
+"""The settings dialog saves into a real QSettings INI file; the benchmark runs in a real thread."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from PySide6.QtCore import QSettings
+from PySide6.QtWidgets import (
+    QAbstractButton,
+    QComboBox,
+    QDialogButtonBox,
+    QLineEdit,
+    QSpinBox,
+)
+from pytestqt.qtbot import QtBot
+
+from app.preferences import Preferences, PreferencesStore
+from app.settings_dialog import SettingsDialog
+
+pytest_plugins = ("pages_fixtures",)  # app_env, prefs_store fixtures
+
+
+def open_dialog(qtbot: QtBot, store: PreferencesStore, **kwargs: object) -> SettingsDialog:
+    dialog = SettingsDialog(store, **kwargs)  # type: ignore[arg-type]
+    qtbot.addWidget(dialog)
+    dialog.show()
+    return dialog
+
+
+def test_settings_persist_across_restarts(qtbot: QtBot, prefs_store: PreferencesStore, app_env: Path) -> None:
+    prefs_store.save(replace(Preferences(), target="smollm2-135m-instruct", first_run_done=True))
+    dialog = open_dialog(qtbot, prefs_store)
+    dialog.temperature.setValue(0.25)
+    dialog.top_p.setValue(0.8)
+    dialog.top_k.setValue(40)
+    dialog.min_p.setValue(0.05)
+    dialog.repetition_penalty.setValue(1.15)
+    dialog.max_new_tokens.setValue(512)
+    dialog.context_length.setValue(8192)
+    dialog.device.setCurrentIndex(dialog.device.findData("cpu"))
+    dialog.offload.setCurrentIndex(dialog.offload.findData("none"))
+    dialog.budget_auto.setChecked(False)
+    assert dialog.budget.isEnabled()
+    dialog.budget.setValue(96)
+    dialog.max_depth.setValue(10)
+    dialog.tree_mode.setCurrentIndex(dialog.tree_mode.findData("autoregressive"))
+    dialog.models_dir.setText(str(app_env / "elsewhere"))
+    dialog.theme.setCurrentIndex(dialog.theme.findData("dark"))
+    dialog.font_size.setValue(14)
+    with qtbot.waitSignal(prefs_store.changed) as saved:
+        qtbot.mouseClick(dialog.buttons.button(QDialogButtonBox.StandardButton.Ok), _left())
+
+    expected = replace(
+        Preferences(), temperature=0.25, top_p=0.8, top_k=40, min_p=0.05, repetition_penalty=1.15,
+        max_new_tokens=512, context_length=8192, device="cpu", offload="none", budget=96, max_depth=10,
+        tree_mode="autoregressive", models_dir=str(app_env / "elsewhere"), theme="dark", font_size=14,
+        target="smollm2-135m-instruct", first_run_done=True,  # kept: not edited here
+    )
+    assert saved.args == [expected]
+    # A new store on the same file (the app restarted) reads the same, and a new dialog shows it.
+    reopened = PreferencesStore(QSettings(str(app_env / "specchat.ini"), QSettings.Format.IniFormat))
+    assert reopened.load() == expected
+    again = open_dialog(qtbot, reopened)
+    assert again.preferences() == expected
+    assert not again.budget_auto.isChecked() and again.budget.value() == 96
+    assert again.theme.currentData() == "dark"
+
+
+def test_cancel_discards_and_defaults_restore(qtbot: QtBot, prefs_store: PreferencesStore) -> None:
+    prefs_store.save(replace(Preferences(), font_size=13, budget=128))
+    dialog = open_dialog(qtbot, prefs_store)
+    dialog.font_size.setValue(20)
+    qtbot.mouseClick(dialog.buttons.button(QDialogButtonBox.StandardButton.Cancel), _left())
+    assert prefs_store.load().font_size == 13
+
+    dialog = open_dialog(qtbot, prefs_store)
+    qtbot.mouseClick(dialog.buttons.button(QDialogButtonBox.StandardButton.RestoreDefaults), _left())
+    assert dialog.budget_auto.isChecked() and not dialog.budget.isEnabled()
+    dialog.accept()
+    assert prefs_store.load() == Preferences()
+
+
+def test_system_prompt_presets_are_edited_and_saved(qtbot: QtBot, prefs_store: PreferencesStore) -> None:
+    dialog = open_dialog(qtbot, prefs_store)
+    dialog.tabs.setCurrentIndex(3)
+    before = dialog.presets.rowCount()
+    dialog._add_preset("Pirate", "Talk like a pirate.")
+    dialog.presets.selectRow(0)
+    dialog._on_remove_preset_clicked()
+    dialog.accept()
+    presets = prefs_store.load().system_presets
+    assert len(presets) == before and presets[-1] == ("Pirate", "Talk like a pirate.")
+    assert presets[0] == Preferences().system_presets[1]
+
+
+def test_every_control_has_an_accessible_name(qtbot: QtBot, prefs_store: PreferencesStore) -> None:
+    dialog = open_dialog(qtbot, prefs_store)
+    unnamed = []
+    for index in range(dialog.tabs.count()):
+        dialog.tabs.setCurrentIndex(index)
+        for kind in (QAbstractButton, QComboBox, QLineEdit, QSpinBox):
+            for w in dialog.tabs.currentWidget().findChildren(kind):
+                if not w.accessibleName() and not isinstance(w.parent(), (QComboBox, QSpinBox)) \
+                        and not w.objectName().startswith("qt_"):
+                    unnamed.append(w)
+    assert unnamed == []
+
+
+def _left():  # type: ignore[no-untyped-def]
+    from PySide6.QtCore import Qt
+
+    return Qt.MouseButton.LeftButton
+
+
+def test_benchmark_runs_in_a_thread_then_the_plot_shows_predictions(
+    qtbot: QtBot, prefs_store: PreferencesStore, app_env: Path,
+) -> None:
+    import torch
+
+    from engine import hardware, planner
+    from engine.store import load_catalog
+
+    torch.set_num_threads(1)
+    dialog = open_dialog(qtbot, prefs_store, benchmark_options={"quick": True})
+    dialog.tabs.setCurrentIndex(4)
+    assert hardware.load_profile() is None
+    assert "Benchmark needed" in dialog.plot.message() and "No hardware profile" in dialog.profile_text.toPlainText()
+
+    with qtbot.waitSignal(dialog.runner.finished, timeout=180_000):
+        qtbot.mouseClick(dialog.benchmark_button, _left())
+        assert not dialog.benchmark_button.isEnabled() and dialog.cancel_benchmark_button.isEnabled()
+    assert dialog.benchmark_bar.value() == 1000 and dialog.benchmark_button.isEnabled()
+    profile = hardware.load_profile()
+    assert profile is not None  # saved by the worker
+    assert profile.summary_lines()[1] in dialog.profile_text.toPlainText()
+
+    # The plot is the planner's curve for the selected pair, on the measured profile.
+    catalog = load_catalog()
+    pair = catalog.pair(dialog.plot_pair.currentData())
+    assert pair is not None
+    expected = planner.predict_curve(profile, catalog.find(pair.target), catalog.find(pair.draft))
+    assert dialog.plot.message() == "" and dialog.plot.points == [(b, t) for b, t in expected]
+    dialog.plot_pair.setCurrentIndex(1)  # another pair redraws
+    other = catalog.pair(dialog.plot_pair.currentData())
+    assert dialog.plot.points == planner.predict_curve(profile, catalog.find(other.target), catalog.find(other.draft))
+
+    # A second run can be stopped; the saved profile stays.
+    with qtbot.waitSignal(dialog.runner.cancelled, timeout=60_000):
+        dialog.start_benchmark()
+        qtbot.mouseClick(dialog.cancel_benchmark_button, _left())
+    assert "Stopped" in dialog.benchmark_status.text() and hardware.load_profile() == profile
+    dialog.reject()

