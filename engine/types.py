@@ -115,16 +115,28 @@ class Placement:
     device: str = "cpu"
 
     def describe(self) -> str:
-        """"18 of 80 layers on GPU, 62 in RAM" (the status bar's and the CLI's wording)."""
-        where = "GPU" if self.device.startswith("cuda") else self.device.upper()
-        parts = [f"{self.gpu_layers} of {self.num_layers} layers on {where}"]
-        if self.ram_layers:
-            parts.append(f"{self.ram_layers} in RAM")
-        if self.disk_layers:
-            parts.append(f"{self.disk_layers} on disk")
-        if self.gpu_layers == self.num_layers:
-            parts = [f"all {self.num_layers} layers on {where}"]
-        return ", ".join(parts) + (" (NF4)" if self.quant == "nf4" else "")
+        """Where the layers live, in the status bar's and the CLI's words: "18 of 80 layers on
+        GPU, 62 in RAM" on a GPU; on a CPU, where the device memory is the RAM, "3 of 5 layers
+        resident, 2 streamed from disk"."""
+        n = self.num_layers
+        nf4 = " (NF4)" if self.quant == "nf4" else ""
+        if self.device.startswith("cuda"):
+            if self.gpu_layers == n:
+                return f"all {n} layers on GPU{nf4}"
+            parts = [f"{self.gpu_layers} of {n} layers on GPU"]
+            parts += [f"{self.ram_layers} in RAM"] if self.ram_layers else []
+            parts += [f"{self.disk_layers} on disk"] if self.disk_layers else []
+            return ", ".join(parts) + nf4
+        if self.gpu_layers == n:
+            return f"all {n} layers resident in RAM{nf4}"
+        tiers = [(k, where) for k, where in ((self.ram_layers, "RAM"), (self.disk_layers, "disk")) if k]
+        if len(tiers) == 1:
+            how = f"streamed from {tiers[0][1]}"
+        else:
+            how = "streamed (" + ", ".join(f"{k} from {where}" for k, where in tiers) + ")"
+        if not self.gpu_layers:
+            return f"all {n} layers {how}{nf4}"
+        return f"{self.gpu_layers} of {n} layers resident, {self.ram_layers + self.disk_layers} {how}{nf4}"
 
 
 @dataclass(frozen=True)

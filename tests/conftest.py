@@ -3,11 +3,27 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from engine.testmodels import tiny_model
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_user_data(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """No test reads or writes the user's data folder (hardware profile, conversations,
+    downloaded models): a saved profile there would change what `--budget auto` picks. Child
+    processes inherit the variable. Tests that need their own folder set it again."""
+    old = os.environ.get("SPECCHAT_DATA_DIR")
+    os.environ["SPECCHAT_DATA_DIR"] = str(tmp_path_factory.mktemp("specchat-data"))
+    yield
+    if old is None:
+        os.environ.pop("SPECCHAT_DATA_DIR", None)
+    else:
+        os.environ["SPECCHAT_DATA_DIR"] = old
 
 
 @pytest.fixture(scope="session")

@@ -99,7 +99,7 @@ def test_send_stream_stop_regenerate(qtbot: QtBot, open_window, chat_prefs: Pref
     assert "tokens/pass" in stats.per_pass.text() and "first token" in stats.ttft.text()
     assert stats.budget.text() == "budget: 8"
     assert "tiny-llama" in stats.pair.text() and "draft" in stats.pair.text()
-    assert "layers on CPU" in stats.placement.text()
+    assert "layers resident in RAM" in stats.placement.text()
 
 
 def test_edit_and_resend_the_last_user_message(qtbot: QtBot, open_window, chat_prefs: PreferencesStore,

@@ -118,7 +118,7 @@ def test_auto_on_cpu_keeps_what_fits_and_puts_the_rest_on_disk(five_layer_path: 
     capped = load_model(five_layer_path, quant=quant, offload="auto", ram_limit_bytes=3 * layer)  # type: ignore[arg-type]
     p = capped.model.placement
     assert p is not None and (p.gpu_layers, p.ram_layers, p.disk_layers) == (3, 0, 2)
-    assert p.describe() == "3 of 5 layers on CPU, 2 on disk" + (" (NF4)" if quant == "nf4" else "")
+    assert p.describe() == "3 of 5 layers resident, 2 streamed from disk" + (" (NF4)" if quant == "nf4" else "")
     assert (chunked_logits(capped) - chunked_logits(full)).abs().max().item() <= 1e-5
 
 
@@ -205,7 +205,7 @@ def test_cli_generate_with_offload_all_and_nf4_reports_the_placement(
                "--device", "cpu", "--offload", "all", "--quant", "nf4"])
     out, err = capsys.readouterr()
     assert rc == 0, err
-    assert "0 of 5 layers on CPU, 5 in RAM (NF4)" in err
+    assert "all 5 layers streamed from RAM (NF4)" in err
     rc = main(["generate", "--target", str(five_layer_path), "--raw-prompt", "Paris is", "--max-new-tokens", "5",
                "--device", "cpu", "--offload", "all", "--json"])
     out, err = capsys.readouterr()
