@@ -127,7 +127,8 @@ def load_model(
     """Load one model. Folders are built on the meta device and filled tensor by tensor
     (materialise.py): resident layers as transformers modules, the others packed (NF4 when
     `quant` is "nf4" or the checkpoint is bitsandbytes 4-bit) in the host store. GGUF files go
-    through transformers (de-quantised in RAM) and stay resident."""
+    are converted once into a cached folder when small (gguf.py), else go through transformers
+    (de-quantised in RAM) and stay resident."""
     from transformers import AutoTokenizer
 
     path = resolve_path(str(spec))
@@ -144,11 +145,22 @@ def load_model(
         if path.suffix.lower() == ".gguf":
             from transformers import AutoModelForCausalLM
 
+            from .gguf import cached_folder
+
+            check_gguf(path)
+            folder = cached_folder(path)  # small GGUFs: converted once, then loaded as a folder
+            if folder is not None:
+                try:
+                    loaded = load_model(folder, device=device, dtype=dtype, quant=quant, offload=offload,
+                                        ram_limit_bytes=ram_limit_bytes, context_length=context_length,
+                                        reserve_bytes=reserve_bytes, report=report)
+                except UnsupportedModel as exc:  # name the user's file, not the cache folder
+                    raise UnsupportedModel(exc.user_message.replace(folder.name, path.name)) from exc
+                return LoadedModel(model=loaded.model, tokenizer=loaded.tokenizer, path=path)
             if quant != "none" or offload == "all":
                 raise InvalidRequest("NF4 and streamed layers need a Hugging Face folder of .safetensors "
-                                     "weights; a .gguf file loads only with quantisation none and offload "
-                                     "auto or none.")
-            check_gguf(path)
+                                     "weights; a .gguf file this large loads only with quantisation none "
+                                     "and offload auto or none.")
             tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
             hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
             if hf.config.model_type not in SUPPORTED_MODEL_TYPES:

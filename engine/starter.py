@@ -84,27 +84,9 @@ def starter_folder(cache_dir: Path | None = None) -> Path:
     final = root / "SmolLM2-135M-Instruct"
     if (final / "config.json").is_file():
         return final
-    gguf = starter_gguf(cache_dir)
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from .gguf import convert_gguf
 
-    log.info("converting %s to a Hugging Face folder (once)", gguf.name)
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix=".build-"))
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    config = model.config
-    config.quantization_config = None
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    config.save_pretrained(tmp)
-    model.generation_config.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    return _publish(tmp, final)
+    return convert_gguf(starter_gguf(cache_dir), final)
 
 
 def proxy_draft_folder(cache_dir: Path | None = None) -> Path:
