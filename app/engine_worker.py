@@ -177,6 +177,12 @@ class EngineWorker(QObject):
 
             import engine.generation  # noqa: F401
             import engine.loading  # noqa: F401
+            # and the modules a load and its plan import lazily (~70 ms of imports; without
+            # cached .pyc files each compile() holds the GIL for 5-10 ms): imported in the first
+            # load they stalled the GUI thread for 40-60 ms as that load started
+            import engine.hardware  # noqa: F401
+            import engine.materialise  # noqa: F401
+            import engine.planner  # noqa: F401
             from engine.causal_lm import SUPPORTED_MODEL_TYPES
 
             for name in SUPPORTED_MODEL_TYPES:
