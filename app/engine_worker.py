@@ -102,8 +102,8 @@ class EngineWorker(QObject):
             return
         self._engine = engine
         placement = getattr(engine, "placement", None) or getattr(getattr(engine, "target", None), "placement", None)
+        self._plan()  # before `loaded`: a message sent the moment the pair is ready uses its plan
         self.loaded.emit(load_id, target, draft, placement)
-        self._plan()
 
     @Slot(int)
     def prepare_starter(self, load_id: int) -> None:
