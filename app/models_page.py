@@ -419,11 +419,8 @@ class ModelsPage(QWidget):
         self.use_button.setEnabled(self.target_combo.count() > 0)
 
     def selected_option(self) -> PairOption | None:
-        rows = self.catalog_table.selectionModel().selectedRows() if self.catalog_table.selectionModel() else []
-        if not rows:
-            return None
-        pair_id = self.catalog_table.item(rows[0].row(), 0).data(Qt.ItemDataRole.UserRole)
-        return next((o for o in self._options if o.pair_id == pair_id), None)
+        pair_id = _selected_key(self.catalog_table)
+        return next((o for o in self._options if o.pair_id == pair_id), None) if pair_id is not None else None
 
     def select_pair(self, pair_id: str) -> None:
         for row in range(self.catalog_table.rowCount()):
@@ -432,11 +429,8 @@ class ModelsPage(QWidget):
                 return
 
     def selected_local(self) -> LocalModel | None:
-        rows = self.local_table.selectionModel().selectedRows() if self.local_table.selectionModel() else []
-        if not rows:
-            return None
-        name = self.local_table.item(rows[0].row(), 0).data(Qt.ItemDataRole.UserRole)
-        return next((m for m in self._local if m.model_id == name), None)
+        name = _selected_key(self.local_table)
+        return next((m for m in self._local if m.model_id == name), None) if name is not None else None
 
     # ---- actions ---------------------------------------------------------------------------
     def download(self, spec: str) -> bool:
@@ -575,3 +569,10 @@ def _short_name(spec: str) -> str:
     """A model as the page names it: a local path by its folder or file name (the full path is
     in the tooltip), a catalog or repo id as it is."""
     return Path(spec).name if spec and ("/" in spec or "\\" in spec) and Path(spec).expanduser().exists() else spec
+
+
+def _selected_key(table: QTableWidget) -> str | None:
+    """The key (UserRole data of column 0) of a table's selected row, or None."""
+    model = table.selectionModel()
+    rows = model.selectedRows() if model is not None else []
+    return table.item(rows[0].row(), 0).data(Qt.ItemDataRole.UserRole) if rows else None
