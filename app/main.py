@@ -19,6 +19,7 @@ import os
 import sys
 
 from PySide6.QtCore import QTimer
+from PySide6.QtGui import QIcon
 from PySide6.QtWidgets import QApplication
 
 from engine import paths
@@ -61,6 +62,20 @@ def _run_wizard(window: MainWindow, store: PreferencesStore) -> None:
     wizard.exec()
 
 
+ICON_SIZES = (16, 24, 32, 48, 64, 128, 256, 512)
+DESKTOP_FILE_NAME = "specchat"  # the installer's specchat.desktop: Wayland app id, taskbar grouping
+
+
+def app_icon() -> QIcon:
+    """The window and taskbar icon, from the PNG set the installer also uses."""
+    icon = QIcon()
+    for size in ICON_SIZES:
+        path = paths.resource(f"icons/specchat-{size}.png")
+        if path.is_file():
+            icon.addFile(str(path))
+    return icon
+
+
 def configure_runtime() -> None:
     """Process-wide settings the app needs before torch is first imported (in the worker).
 
@@ -81,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     app.setApplicationName("SpecChat")
     app.setOrganizationName("SpecChat")
     app.setApplicationDisplayName("SpecChat")
+    app.setDesktopFileName(DESKTOP_FILE_NAME)
+    app.setWindowIcon(app_icon())
     data = paths.data_dir()
     instance = acquire(data)
     if instance is None:

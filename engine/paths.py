@@ -4,6 +4,7 @@ tmp_path); environment variables let a user or CI move the folders without code 
 from __future__ import annotations
 
 import os
+from importlib import resources as _resources
 from pathlib import Path
 
 import platformdirs
@@ -26,3 +27,15 @@ def cache_dir() -> Path:
 def models_dir() -> Path:
     env = os.environ.get("SPECCHAT_MODELS_DIR")
     return Path(env).expanduser() if env else data_dir() / "models"
+
+
+def resource(name: str) -> Path:
+    """A file shipped in resources/ (the catalog, icons), wherever SpecChat is installed from.
+
+    A wheel installs resources/ as the package `specchat_resources`; a bare source checkout
+    (no install at all) reads the folder beside `engine/`. Both are plain files on disk."""
+    try:
+        root = Path(str(_resources.files("specchat_resources")))
+    except ModuleNotFoundError:
+        root = Path(__file__).resolve().parents[1] / "resources"
+    return root / name

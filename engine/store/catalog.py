@@ -13,10 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import UnsupportedModel
+from engine.paths import resource
 
 SCHEMA_VERSION = 1
 _SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_kv_heads", "head_dim")
-DEFAULT_CATALOG_PATH = Path(__file__).resolve().parents[2] / "resources" / "catalog.json"
+DEFAULT_CATALOG_PATH = resource("catalog.json")
 
 
 @dataclass(frozen=True)
