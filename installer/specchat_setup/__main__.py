@@ -1,0 +1,5 @@
+import sys
+
+from specchat_setup.cli import main
+
+sys.exit(main())
