@@ -130,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("--offload", choices=("auto", "none", "all"), default="auto",
                         help="auto: keep as many target layers on --device as fit and stream the rest "
                         "from RAM (then disk); all: stream every layer; none: all on --device (default: auto)")
+    models.add_argument("--ram-limit", type=_float_in(0.0, 1e6), default=None, metavar="GB",
+                        help="most RAM (GB, 10^9 bytes) the target's offloaded layers may take; the "
+                        "rest go to a memory-mapped file on disk (default: what is free, less a margin)")
     text = common.add_argument_group("text")
     text.add_argument("--system", metavar="TEXT", help="system message (chat template only)")
     text.add_argument("--max-new-tokens", type=_int_at_least(1), default=request.max_new_tokens, metavar="N",
@@ -318,7 +321,9 @@ def _load_engine(target: str, draft: str | None, args: argparse.Namespace, setup
     if draft is not None and args.mode != "specexec":
         log.info("--mode autoregressive: the draft %s is not loaded", draft)
         draft = None
-    settings = LoadSettings(device=setup.device, quant=args.quant, offload=args.offload)  # type: ignore[arg-type]
+    ram_limit = None if args.ram_limit is None else int(args.ram_limit * 1e9)
+    settings = LoadSettings(device=setup.device, quant=args.quant, offload=args.offload,  # type: ignore[arg-type]
+                            ram_limit_bytes=ram_limit)
     return load_engine(target, draft, settings, progress=lambda p: status(p.message) if p.stage != "ready" else None)
 
 

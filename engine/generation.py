@@ -226,7 +226,7 @@ class Engine:
             target_passes=timers.target_passes,
             tokens_per_pass=len(new) / passes,
             draft_passes=timers.draft_passes,
-            budget=spec.budget if use_spec else 0,
+            budget=request.speculation.budget if use_spec else 0,  # after any OOM shrink
             seconds=seconds,
             ttft_seconds=ttft if ttft is not None else seconds,
             tokens_per_second=len(new) / seconds if seconds > 0 else 0.0,

@@ -275,3 +275,15 @@ def test_models_is_delegated_to_the_store(capsys: pytest.CaptureFixture[str], mo
     rc, out, _ = cli(capsys, "models", "list", "--json", "--models-dir", tmp_path / "models")
     assert rc == 0
     assert json.loads(out)["local"] == []
+
+
+def test_ram_limit_puts_streamed_layers_on_disk_with_the_same_answer(
+        capsys: pytest.CaptureFixture[str], tiny_target_path: Path) -> None:
+    common = ["generate", "--target", tiny_target_path, "--raw-prompt", "Paris is", "--max-new-tokens", 12]
+    rc, plain, _ = cli(capsys, *common)
+    assert rc == 0
+    rc, out, err = cli(capsys, *common, "--offload", "all", "--ram-limit", "0")
+    assert rc == 0 and out == plain
+    assert "streamed from disk" in stats_lines(err)[0], err
+    rc, _, err = cli(capsys, *common, "--ram-limit", "-1")
+    assert rc == 2 and "--ram-limit" in err

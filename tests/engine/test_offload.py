@@ -186,6 +186,7 @@ def test_out_of_memory_in_a_step_retries_smaller_and_keeps_the_answer(
     assert list(final.token_ids) == expected
     assert final.stats.oom_retries == 1
     assert final.stats.mode == ("autoregressive" if budget == 1 else "specexec")
+    assert final.stats.budget == budget // 2  # the budget the answer finished with (0: autoregressive)
 
 
 def test_out_of_memory_in_the_prefill_retries_in_smaller_chunks(tiny_target: LoadedModel) -> None:
