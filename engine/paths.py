@@ -4,7 +4,6 @@ tmp_path); environment variables let a user or CI move the folders without code 
 from __future__ import annotations
 
 import os
-from importlib import resources as _resources
 from pathlib import Path
 
 import platformdirs
@@ -32,10 +31,14 @@ def models_dir() -> Path:
 def resource(name: str) -> Path:
     """A file shipped in resources/ (the catalog, icons), wherever SpecChat is installed from.
 
-    A wheel installs resources/ as the package `specchat_resources`; a bare source checkout
-    (no install at all) reads the folder beside `engine/`. Both are plain files on disk."""
+    A wheel installs resources/ as the package `specchat_resources` (a frozen build bundles it
+    the same way); a bare source checkout (no install at all) reads the folder beside `engine/`.
+    The package's own folder is used, never importlib.resources' view of it, which is not a
+    real path when the package is found as a namespace."""
     try:
-        root = Path(str(_resources.files("specchat_resources")))
-    except ModuleNotFoundError:
+        import specchat_resources
+
+        root = Path(specchat_resources.__file__).resolve().parent
+    except (ModuleNotFoundError, TypeError):  # TypeError: a namespace package has no __file__
         root = Path(__file__).resolve().parents[1] / "resources"
     return root / name
