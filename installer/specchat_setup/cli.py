@@ -167,17 +167,22 @@ def check_qt_libraries(layout: Layout, pyside_dir: Path, args: argparse.Namespac
     say(f"\nQt needs system libraries this computer lacks: {', '.join(report.missing)}.")
     say("Without them SpecChat cannot open its window on X11 "
         "(\"could not load the Qt platform plugin xcb\").")
+    warnings: list[str] = []
+    if report.unmapped:
+        warnings.append(f"install the packages that provide {', '.join(report.unmapped)} with your "
+                        "package manager")
     if not command:
-        return [f"install the packages that provide {', '.join(report.missing)} with your package manager"]
+        return warnings
     shown = " ".join(command)
     say(f"They are installed by:\n    {shown}")
     if args.install_system_deps or (not args.yes and ask("Run that command now?", False)):
         done = subprocess.run(command, check=False)
-        if done.returncode == 0 and qt_libs.check(pyside_dir).ok:
+        after = qt_libs.check(pyside_dir)
+        if done.returncode == 0 and not set(after.missing) - set(report.unmapped):
             say("Qt's system libraries: installed.")
-            return []
-        return [f"installing Qt's system libraries failed; run: {shown}"]
-    return [f"before the first start, run: {shown}"]
+            return warnings
+        return warnings + [f"installing Qt's system libraries failed; run: {shown}"]
+    return warnings + [f"before the first start, run: {shown}"]
 
 
 VERIFY_CODE = """

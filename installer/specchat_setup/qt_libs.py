@@ -70,9 +70,10 @@ DISTRO_FAMILIES = {
 class QtLibReport:
     missing: tuple[str, ...]  # library file names the linker could not find
     manager: str | None  # apt, dnf, pacman, zypper or None (unknown distribution)
-    packages: tuple[str, ...]  # what to install, in the manager's names (or the libraries)
+    packages: tuple[str, ...]  # what to install, in the manager's names
     checked: tuple[Path, ...]  # the Qt files that were checked
     problem: str = ""  # why the check could not run (no ldd, plugin not found)
+    unmapped: tuple[str, ...] = ()  # missing libraries with no known package (or no known manager)
 
     @property
     def ok(self) -> bool:
@@ -107,10 +108,14 @@ def missing_from_ldd(output: str) -> list[str]:
 def report_for(missing: list[str], manager: str | None, checked: tuple[Path, ...] = ()) -> QtLibReport:
     unique = tuple(dict.fromkeys(missing))
     packages: list[str] = []
+    unmapped: list[str] = []
     for lib in unique:
         names = PACKAGES.get(lib)
-        packages.append(names[manager] if names and manager else lib)
-    return QtLibReport(unique, manager, tuple(dict.fromkeys(packages)), checked)
+        if names and manager:
+            packages.append(names[manager])
+        else:
+            unmapped.append(lib)
+    return QtLibReport(unique, manager, tuple(dict.fromkeys(packages)), checked, unmapped=tuple(unmapped))
 
 
 def qt_plugin_files(pyside_dir: Path) -> tuple[Path, ...]:

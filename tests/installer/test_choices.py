@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -94,7 +96,10 @@ def test_missing_qt_libraries_become_the_package_command() -> None:
     assert arch.command(True)[:4] == ["pacman", "-S", "--needed", "--noconfirm"]
     unknown = qt_libs.report_for(missing, qt_libs.package_manager("ID=nixos\n", which={}))
     assert unknown.manager is None and unknown.command(True) == []
-    assert unknown.packages == tuple(missing)
+    assert unknown.unmapped == tuple(missing) and unknown.packages == ()
+    odd = qt_libs.report_for(["libxcb-cursor.so.0", "libfuture-qt-dep.so.3"], "apt")
+    assert odd.command(True) == ["apt-get", "install", "-y", "libxcb-cursor0"]
+    assert odd.unmapped == ("libfuture-qt-dep.so.3",)
 
 
 def test_every_library_qt_names_has_a_package_for_each_manager() -> None:
@@ -129,3 +134,41 @@ def test_windows_and_macos_folders(home: Path, monkeypatch: pytest.MonkeyPatch) 
     assert windows.gui_program.name == "specchat-gui.exe" and windows.venv_bin.name == "Scripts"
     assert windows.uninstaller.name == "uninstall.ps1"
     assert locations.data_dir("macos") == home / "Library" / "Application Support" / "specchat"
+
+
+def fake_plugin(tmp_path: Path) -> Path:
+    """A PySide6 folder whose xcb plugin is a real shared object linked against a library that
+    no longer exists (built with the C compiler, then the library deleted)."""
+    gcc = shutil.which("gcc") or shutil.which("cc")
+    if gcc is None:
+        pytest.skip("no C compiler to build a plugin with a missing dependency")
+    stub = tmp_path / "stub"
+    stub.mkdir()
+    (stub / "dep.c").write_text("int specchat_dep(void) { return 1; }\n")
+    (stub / "plugin.c").write_text("int specchat_dep(void);\nint plugin(void) { return specchat_dep(); }\n")
+    missing = "libspecchat-test-missing.so.0"
+    subprocess.run([gcc, "-shared", "-fPIC", f"-Wl,-soname,{missing}", "-o", str(stub / missing), str(stub / "dep.c")],
+                   check=True)
+    pyside = tmp_path / "PySide6"
+    plugin = pyside / "Qt" / "plugins" / "platforms" / "libqxcb.so"
+    plugin.parent.mkdir(parents=True)
+    subprocess.run([gcc, "-shared", "-fPIC", "-o", str(plugin), str(stub / "plugin.c"), str(stub / missing)],
+                   check=True)
+    (stub / missing).unlink()
+    return pyside
+
+
+def test_a_plugin_with_a_missing_library_is_reported(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from specchat_setup import cli
+
+    pyside = fake_plugin(tmp_path)
+    report = qt_libs.check(pyside)
+    assert report.missing == ("libspecchat-test-missing.so.0",) and not report.ok
+    assert report.unmapped == report.missing
+    args = cli.build_parser().parse_args(["install", "--yes"])
+    layout = locations.Layout("linux", tmp_path / "data", tmp_path / "cache")
+    warnings = cli.check_qt_libraries(layout, pyside, args)
+    shown = capsys.readouterr().out
+    assert "Qt needs system libraries this computer lacks: libspecchat-test-missing.so.0" in shown
+    assert "could not load the Qt platform plugin xcb" in shown
+    assert warnings == ["install the packages that provide libspecchat-test-missing.so.0 with your package manager"]
