@@ -25,7 +25,7 @@ from pathlib import Path
 
 from . import environment, launchers, qt_libs, torch_choice
 from .environment import SetupError
-from .locations import DISPLAY_NAME, Layout, settings_files
+from .locations import DISPLAY_NAME, Layout, chosen_models_folder, settings_files
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 SPACE_CPU = 3_000_000_000  # venv with the CPU build of PyTorch and PySide6, plus pip's cache
@@ -295,6 +295,7 @@ def uninstall(args: argparse.Namespace) -> int:
         return 0
     models = layout.models
     model_bytes = environment.folder_bytes(models) if models.exists() else 0
+    chosen = chosen_models_folder(layout.platform)  # read before the settings may be deleted
     remove_models = args.remove_models
     remove_chats = args.remove_conversations
     if not args.keep_data and not args.yes:
@@ -333,6 +334,8 @@ def uninstall(args: argparse.Namespace) -> int:
         kept.append(f"your conversations and settings (in {layout.data})")
     if layout.data.exists() and not any(layout.data.iterdir()):
         layout.data.rmdir()
+    if chosen is not None and chosen != models and chosen.exists():
+        kept.append(f"the models in the folder you chose ({chosen}; the uninstaller never deletes it)")
     say(f"{DISPLAY_NAME} was removed.")
     if kept:
         say("Kept " + " and ".join(kept) + ". Installing SpecChat again picks them up; "

@@ -80,6 +80,24 @@ def settings_files(platform: str | None = None) -> list[Path]:
     return []
 
 
+def chosen_models_folder(platform: str | None = None) -> Path | None:
+    """The models folder picked in the app's settings, when it is not the default (Linux and
+    macOS-with-INI only: the INI file QSettings writes on Linux; None elsewhere)."""
+    import configparser
+
+    for folder in settings_files(platform):
+        ini = folder / f"{DISPLAY_NAME}.conf"
+        parser = configparser.ConfigParser(interpolation=None)
+        try:
+            parser.read(ini, encoding="utf-8")
+        except (OSError, configparser.Error):
+            continue
+        value = parser.get("preferences", "models_dir", fallback="").strip().strip('"')
+        if value:
+            return Path(value).expanduser()
+    return None
+
+
 @dataclass(frozen=True)
 class Layout:
     """Every path the installer writes or the uninstaller removes, for one user."""

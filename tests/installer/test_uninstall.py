@@ -35,9 +35,11 @@ def installed(home: Path) -> tuple[Layout, list[Path]]:
     (layout.models / "org--model" / "model.safetensors").write_bytes(b"0" * 5000)
     (layout.data / "conversations.sqlite3").write_text("db")
     (layout.data / "hardware_profile.json").write_text("{}")
+    chosen = home / "big disk" / "models"
+    (chosen / "org--big").mkdir(parents=True)
     settings = home / ".config" / "SpecChat" / "SpecChat.conf"
     settings.parent.mkdir(parents=True)
-    settings.write_text("[General]\n")
+    settings.write_text(f"[preferences]\nbudget=0\nmodels_dir={chosen}\n")  # as QSettings writes it
     return layout, [entry, icon]
 
 
@@ -56,6 +58,7 @@ def test_without_a_terminal_it_keeps_models_and_conversations(home: Path) -> Non
     assert (layout.data / "conversations.sqlite3").read_text() == "db"
     assert (home / ".config" / "SpecChat" / "SpecChat.conf").is_file()
     assert "Kept your models" in done.stdout and "conversations and settings" in done.stdout
+    assert f"the folder you chose ({home / 'big disk' / 'models'}" in done.stdout
     again = run_uninstall(home, "--yes")
     assert again.returncode == 0 and "not installed" in again.stdout
 
@@ -66,7 +69,8 @@ def test_flags_remove_everything(home: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert not layout.data.exists()
     assert not (home / ".config" / "SpecChat").exists()
-    assert "Kept" not in done.stdout
+    assert (home / "big disk" / "models" / "org--big").is_dir()  # a folder the user chose: never deleted
+    assert "Kept the models in the folder you chose" in done.stdout
 
 
 def converse(home: Path, answers: list[bytes]) -> tuple[int, str]:
