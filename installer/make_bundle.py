@@ -60,15 +60,16 @@ def build(out: Path, source: Path, target: str | None, python: str | None, torch
     # the rest, resolved against the torch wheel already in the folder
     pip(["download", "--dest", str(wheels), "--find-links", str(wheels), str(next(wheels.glob("specchat-*.whl"))),
          *target_args(target, python)])
-    for name in ("install.sh", "install.ps1", "uninstall.sh", "uninstall.ps1"):
+    for name in ("install.sh", "install.command", "install.cmd", "install.ps1", "uninstall.sh", "uninstall.ps1"):
         shutil.copy2(HERE / name, out / name)
     if (out / "specchat_setup").exists():
         shutil.rmtree(out / "specchat_setup")
     shutil.copytree(HERE / "specchat_setup", out / "specchat_setup", ignore=shutil.ignore_patterns("__pycache__"))
     (out / "README.txt").write_text(
         "SpecChat offline installer\n\n"
-        "Linux, macOS:  sh install.sh\n"
-        "Windows:      right-click install.ps1 > Run with PowerShell\n\n"
+        "Windows:  double-click install.cmd\n"
+        "macOS:    double-click install.command (if macOS refuses, right-click it > Open)\n"
+        "Linux:    open a terminal here and run: sh install.sh\n\n"
         "Nothing is downloaded. Your models, conversations and settings are kept on upgrade.\n",
         encoding="utf-8")
     size = sum(p.stat().st_size for p in wheels.iterdir())

@@ -150,3 +150,19 @@ def test_terminal_command_linked_only_onto_the_path(home: Path, monkeypatch: pyt
     kept = launchers.link_command(layout)
     assert kept.files == () and "left as it is" in kept.notes[0]
     assert (bin_dir / "specchat").read_text() == "someone else's"
+
+
+@pytest.mark.parametrize("script", ["install.sh", "uninstall.sh", "install.command"])
+def test_posix_scripts_parse_and_are_executable(script: str) -> None:
+    path = INSTALLER / script
+    assert os.access(path, os.X_OK)
+    for shell in ("sh", "dash", "bash"):
+        if shutil.which(shell):
+            done = subprocess.run([shell, "-n", str(path)], capture_output=True, text=True, check=False)
+            assert done.returncode == 0, f"{shell}: {done.stderr}"
+
+
+def test_windows_double_click_wrapper() -> None:
+    raw = (INSTALLER / "install.cmd").read_bytes()
+    assert raw.count(b"\r\n") == raw.count(b"\n") > 0  # cmd.exe wants CRLF line ends
+    assert b'-ExecutionPolicy Bypass -File "%~dp0install.ps1" %*' in raw
