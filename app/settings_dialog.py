@@ -42,6 +42,7 @@ from app.benchmark_worker import benchmark_runner
 from app.plot import BudgetPlot
 from app.preferences import Preferences, PreferencesStore
 from app.recommend import load_profile, predicted_curve, profile_lines
+from engine.about import installation
 from engine.store import load_catalog
 
 CHOICE_LABELS: dict[str, list[tuple[str, str]]] = {
@@ -259,6 +260,12 @@ class SettingsDialog(QDialog):
         layout.addWidget(self.profile_text)
         layout.addLayout(pair_row)
         layout.addWidget(self.plot, 1)
+        about = installation()
+        self.about = QLabel(f"{about.summary()}\nInstalled in {about.prefix} · your data in {about.data}")
+        self.about.setAccessibleName("SpecChat version and installation")
+        self.about.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.about.setWordWrap(True)
+        layout.addWidget(self.about)
         return tab
 
     # ---- values ----------------------------------------------------------------------------

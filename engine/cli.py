@@ -114,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="specchat", description="Chat with big open LLMs on one GPU: RAM-offloaded "
                      "target model, SpecExec speculative decoding. Without a subcommand: open the desktop app.")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="log progress (INFO) on stderr")
+    parser.add_argument("--version", action="store_true", help="print SpecChat's version and PyTorch build")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     common = argparse.ArgumentParser(add_help=False)
@@ -203,6 +204,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     _configure_logging(args.verbose)
     handler = getattr(args, "handler", None)
+    if args.version:
+        from .about import installation
+
+        about = installation()
+        print(f"{about.summary()}\nenvironment: {about.prefix}\ndata: {about.data}")
+        return 0
     try:
         if handler is None:
             return _open_app()

@@ -17,6 +17,7 @@ from pytestqt.qtbot import QtBot
 
 from app.preferences import Preferences, PreferencesStore
 from app.settings_dialog import SettingsDialog
+from engine import paths
 
 pytest_plugins = ("pages_fixtures",)  # app_env, prefs_store fixtures
 
@@ -151,3 +152,13 @@ def test_benchmark_runs_in_a_thread_then_the_plot_shows_predictions(
         qtbot.mouseClick(dialog.cancel_benchmark_button, _left())
     assert "Stopped" in dialog.benchmark_status.text() and hardware.load_profile() == profile
     dialog.reject()
+
+
+def test_this_computer_names_the_version_and_pytorch_build(qtbot: QtBot, prefs_store: PreferencesStore) -> None:
+    import importlib.metadata as metadata
+
+    dialog = open_dialog(qtbot, prefs_store)
+    text = dialog.about.text()
+    assert f"SpecChat {metadata.version('specchat')}" in text
+    assert f"PyTorch {metadata.version('torch')}" in text and "build)" in text
+    assert str(paths.data_dir()) in text

@@ -7,6 +7,7 @@ and the whole stderr of a failed load, stdin-driven chat up to EOF, and Ctrl+C (
 
 from __future__ import annotations
 
+import importlib.metadata
 import io
 import json
 import os
@@ -287,3 +288,10 @@ def test_ram_limit_puts_streamed_layers_on_disk_with_the_same_answer(
     assert "streamed from disk" in stats_lines(err)[0], err
     rc, _, err = cli(capsys, *common, "--ram-limit", "-1")
     assert rc == 2 and "--ram-limit" in err
+
+
+def test_version_names_the_pytorch_build(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = cli(capsys, "--version")
+    assert rc == 0
+    assert out.startswith(f"SpecChat {importlib.metadata.version('specchat')} · PyTorch {torch.__version__}")
+    assert "build)" in out and "environment: " in out

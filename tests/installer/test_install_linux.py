@@ -103,8 +103,10 @@ def test_install_launch_upgrade_uninstall(tmp_path: Path) -> None:
     checked = run([validator, str(entry)], env, timeout=60)
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert Path(desktop_field(entry, "Icon")).is_file()
-    terminal = run(["specchat", "--help"], env, timeout=120)  # the command, linked into ~/.local/bin
-    assert terminal.returncode == 0 and "generate" in terminal.stdout, terminal.stderr
+    terminal = run(["specchat", "--version"], env, timeout=120)  # the command, linked into ~/.local/bin
+    assert terminal.returncode == 0, terminal.stderr
+    assert terminal.stdout.startswith("SpecChat 0.1.0 · PyTorch 2.13.0+cpu (CPU build)"), terminal.stdout
+    assert f"environment: {layout.venv}" in terminal.stdout
 
     # start the app the way the desktop does: the Exec line, run as-is
     command = launchers.exec_unquote(desktop_field(entry, "Exec"))
@@ -140,8 +142,8 @@ def test_install_launch_upgrade_uninstall(tmp_path: Path) -> None:
     second = installer(source, env)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert "Upgrading SpecChat 0.1.1 (installed: 0.1.0)" in second.stdout
-    version = run([str(layout.python), "-c", "import importlib.metadata as m; print(m.version('specchat'))"], env, 60)
-    assert version.stdout.strip() == "0.1.1"
+    version = run(["specchat", "--version"], env, 120)
+    assert version.stdout.startswith("SpecChat 0.1.1 · PyTorch 2.13.0+cpu"), version.stdout + version.stderr
     assert desktop_field(entry, "X-SpecChat-Version") == "0.1.1"
     state = run([str(layout.python), "-c", READ_STATE], env, timeout=120)
     assert state.returncode == 0, state.stderr
