@@ -85,7 +85,11 @@ def create_venv(layout: Layout) -> bool:
     try:
         venv.EnvBuilder(with_pip=True, clear=True, upgrade_deps=False).create(layout.venv)
     except (OSError, subprocess.CalledProcessError) as exc:
-        raise SetupError(f"Could not create the Python environment in {layout.venv} ({exc}).") from exc
+        hint = ""
+        if layout.platform == "linux":  # Debian and Ubuntu keep ensurepip in a separate package
+            minor = f"{sys.version_info[0]}.{sys.version_info[1]}"
+            hint = f" On Debian or Ubuntu, install the venv module first: sudo apt install python{minor}-venv."
+        raise SetupError(f"Could not create the Python environment in {layout.venv} ({exc}).{hint}") from exc
     return True
 
 
