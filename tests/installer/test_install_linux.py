@@ -77,16 +77,17 @@ def desktop_field(entry: Path, key: str) -> str:
 
 
 def test_install_launch_upgrade_uninstall(tmp_path: Path) -> None:
-    source = tmp_path / "SpecChat-source"
+    # spaces in every path, as on every Mac ("~/Library/Application Support/specchat/runtime/venv")
+    source = tmp_path / "SpecChat source"
     shutil.copytree(REPO, source, ignore=IGNORED)
-    home = tmp_path / "home"
+    home = tmp_path / "home of Ann"
     (home / "Desktop").mkdir(parents=True)
     env = user_env(home)
     env.pop("PYTHONPATH")
     env["PATH"] = f"{home / '.local' / 'bin'}:{env['PATH']}"
     layout = Layout("linux", home / ".local" / "share" / "specchat", home / ".cache" / "specchat")
 
-    bundle = tmp_path / "SpecChat-bundle"
+    bundle = tmp_path / "SpecChat bundle"
     make_bundle(source, bundle)
     first = run(["sh", str(bundle / "install.sh"), "--yes"], env)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
