@@ -5,9 +5,9 @@ request arrives by a queued signal, cancel is a `threading.Event` the engine che
 carry plain data (floats, strings, frozen dataclasses). `TaskRunner` is the GUI-side handle:
 `start(arg)`, `cancel()`, `shutdown()`.
 
-- `BenchmarkWorker`: `engine.hardware.measure_hardware(...)`, then `save_profile`; its result
+- `BenchmarkWorker`: `engine.planning.profile.measure_hardware(...)`, then `save_profile`; its result
   is the `HardwareProfile`.
-- `CalibrationWorker`: loads a pair with `engine.loading.load_engine`, generates a few tokens
+- `CalibrationWorker`: loads a pair with `engine.loading.load.load_engine`, generates a few tokens
   greedily and reports tokens per pass and tokens per second (`CalibrationResult`). The engine
   is dropped afterwards: the chat worker loads its own.
 """
@@ -16,17 +16,22 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from PySide6.QtCore import QCoreApplication, QObject, QThread, Signal, Slot
+from PySide6.QtCore import QObject, Signal, Slot
 
+from app.worker_host import WorkerHost
 from engine.errors import Cancelled, EngineError
+from engine.planning.calibration import record_calibration
+from engine.planning.profile import save_profile
 from engine.types import (
     Completion,
     GenerationRequest,
+    GenerationStats,
     LoadProgress,
     LoadSettings,
     SamplingSettings,
@@ -73,12 +78,14 @@ class TaskWorker(QObject):
             self.finished.emit(result)
 
 
-class TaskRunner(QObject):
-    """Owns one TaskWorker and its thread.
+class TaskRunner(WorkerHost):
+    """Owns one TaskWorker and its thread (worker_host.WorkerHost).
 
     Signals: progressed(float, str), finished(object), failed(str), cancelled() — forwarded
     from the worker, delivered in the GUI thread.
     """
+
+    worker: TaskWorker
 
     progressed = Signal(float, str)
     finished = Signal(object)
@@ -87,23 +94,15 @@ class TaskRunner(QObject):
     _requested = Signal(object)
 
     def __init__(self, worker: TaskWorker, name: str, parent: QObject | None = None) -> None:
-        super().__init__(parent)
+        super().__init__(worker, name, parent)
         self._running = False
-        self._worker = worker
-        self._thread = QThread()
-        self._thread.setObjectName(name)
-        worker.moveToThread(self._thread)
         self._requested.connect(worker.run)
         worker.progressed.connect(self.progressed)
         for signal, slot in ((worker.finished, self.finished), (worker.failed, self.failed),
                              (worker.cancelled, self.cancelled)):
             signal.connect(self._on_worker_done)
             signal.connect(slot)
-        self._thread.finished.connect(worker.deleteLater)
-        self._thread.start()
-        app = QCoreApplication.instance()
-        if app is not None:
-            app.aboutToQuit.connect(self.shutdown)
+        self._start()
 
     @property
     def running(self) -> bool:
@@ -114,19 +113,15 @@ class TaskRunner(QObject):
         if self._running:
             return False
         self._running = True
-        self._worker.cancel_event.clear()
+        self.worker.cancel_event.clear()
         self._requested.emit(arg)
         return True
 
     def cancel(self) -> None:
-        self._worker.cancel_event.set()
+        self.worker.cancel_event.set()
 
-    def shutdown(self) -> None:
-        """Cancel and join the thread. Idempotent."""
-        self._worker.cancel_event.set()
-        if self._thread.isRunning():
-            self._thread.quit()
-            self._thread.wait()
+    def _cancel(self) -> None:
+        self.worker.cancel_event.set()
 
     def _on_worker_done(self, *args: object) -> None:
         self._running = False
@@ -137,14 +132,16 @@ class BenchmarkWorker(TaskWorker):
     (e.g. a quick layer shape in tests), or None."""
 
     def work(self, arg: Any) -> object:
-        from engine import hardware  # lazy: probes CUDA and NVML
+        from engine.planning.measure import (
+            measure_hardware,  # imports torch: in the worker thread
+        )
 
         options: Mapping[str, Any] = arg or {}
-        profile = hardware.measure_hardware(
+        profile = measure_hardware(
             progress=lambda fraction, text: self.progressed.emit(float(fraction), str(text)),
             cancel=self.cancel_event, **options,
         )
-        hardware.save_profile(profile)
+        save_profile(profile)
         return profile
 
 
@@ -173,9 +170,9 @@ class CalibrationWorker(TaskWorker):
     """`run(CalibrationRequest)`: load the pair, generate a few tokens, report the speed."""
 
     def work(self, arg: Any) -> object:
-        import time
-
-        from engine.loading import load_engine
+        from engine.decoding.generation import (
+            load_engine,  # imports torch: in the worker thread
+        )
 
         request: CalibrationRequest = arg
         started = time.monotonic()
@@ -215,18 +212,11 @@ class CalibrationWorker(TaskWorker):
         )
 
 
-def _feed_planner(stats: object) -> None:
-    """Give the measured acceptance to the planner when it can learn from it."""
+def _feed_planner(stats: GenerationStats) -> None:
+    """Give the measured acceptance to the planner's calibration."""
     try:
-        from engine import planner
-    except ImportError:
-        return
-    record = getattr(planner, "record_calibration", None)
-    if record is None:
-        return
-    try:
-        record(stats)
-    except Exception:  # the calibration result is shown either way
+        record_calibration(stats)
+    except OSError:  # the calibration result is shown either way
         log.exception("the planner could not record the calibration")
 
 

@@ -97,7 +97,7 @@ class ChatPage(QWidget):
         self._editing_id = 0
         self._tokens = 0
         self._started = 0.0
-        self.plan: object | None = None  # engine.planner.Plan for budget "auto", from the worker
+        self.plan: object | None = None  # engine.planning.planner.Plan for budget "auto", from the worker
         self._build()
         host.worker.tokens_generated.connect(self._on_worker_tokens_generated)
         host.worker.generation_finished.connect(self._on_worker_generation_finished)

@@ -19,8 +19,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from PySide6.QtCore import QCoreApplication, QObject, QThread, Signal, Slot
+from PySide6.QtCore import QObject, Signal, Slot
 
+from app.worker_host import WorkerHost
 from engine.errors import Cancelled, EngineError
 from engine.store import DownloadSettings, download_model
 from engine.types import DownloadProgress
@@ -104,7 +105,7 @@ class DownloadWorker(QObject):
             self._controls.pop(spec, None)
 
 
-class DownloadQueue(QObject):
+class DownloadQueue(WorkerHost):
     """The GUI-side handle on one download thread.
 
     Signals:
@@ -122,25 +123,20 @@ class DownloadQueue(QObject):
     cancelled = Signal(str)
     _requested = Signal(str)
 
+    worker: DownloadWorker
+
     def __init__(self, options: DownloadOptions, parent: QObject | None = None) -> None:
-        super().__init__(parent)
-        self._lock = threading.Lock()
-        self._controls: dict[str, _Controls] = {}
+        lock, controls = threading.Lock(), {}
+        super().__init__(DownloadWorker(options, controls, lock), "downloads", parent)
+        self._lock = lock
+        self._controls: dict[str, _Controls] = controls
         self._options = options
-        self._thread = QThread()
-        self._thread.setObjectName("downloads")
-        self._worker = DownloadWorker(options, self._controls, self._lock)
-        self._worker.moveToThread(self._thread)
-        self._requested.connect(self._worker.download)  # queued: the worker lives in the thread
-        self._worker.progressed.connect(self.progressed)
-        self._worker.finished.connect(self.finished)
-        self._worker.failed.connect(self.failed)
-        self._worker.cancelled.connect(self.cancelled)
-        self._thread.finished.connect(self._worker.deleteLater)
-        self._thread.start()
-        app = QCoreApplication.instance()
-        if app is not None:
-            app.aboutToQuit.connect(self.shutdown)
+        self._requested.connect(self.worker.download)  # queued: the worker lives in the thread
+        self.worker.progressed.connect(self.progressed)
+        self.worker.finished.connect(self.finished)
+        self.worker.failed.connect(self.failed)
+        self.worker.cancelled.connect(self.cancelled)
+        self._start()
 
     @property
     def options(self) -> DownloadOptions:
@@ -188,19 +184,16 @@ class DownloadQueue(QObject):
         if controls is not None:
             controls.cancel.set()
 
-    def shutdown(self) -> None:
-        """Cancel every download (partial data kept) and join the thread. Idempotent."""
+    def _cancel(self) -> None:
+        """Cancel every download (partial data is kept for a later resume)."""
         with self._lock:
             for controls in self._controls.values():
                 controls.cancel.set()
-        if self._thread.isRunning():
-            self._thread.quit()
-            self._thread.wait()
 
 
 def describe_progress(event: DownloadProgress) -> str:
     """'1.2 GB of 4.0 GB · 35.1 MB/s · 1 min 20 s left' (the models page's and wizard's wording)."""
-    from engine.store.registry import format_bytes
+    from engine.units import format_bytes
 
     if event.state == "done":
         return "Done"

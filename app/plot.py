@@ -1,6 +1,6 @@
 """The settings' plot: predicted tokens per second against the tree budget (QtCharts).
 
-Plain data in (`[(budget, tok_s), ...]` from `engine.planner.predict_curve`), nothing computed
+Plain data in (`[(budget, tok_s), ...]` from `engine.planning.planner.predict_curve`), nothing computed
 here. With no curve (no hardware profile yet, or a pair the planner cannot price) the chart is
 replaced by a line of text saying what to do.
 """

@@ -1,8 +1,8 @@
 """Which catalog pairs suit this machine: the models page's badges and the wizard's ranking.
 
-Wraps `engine.hardware` (the saved profile) and `engine.planner` (predicted speed and fit) so the
-widgets get plain rows. Both engine modules are imported lazily and every failure degrades to
-"benchmark needed": a missing or unreadable profile never breaks the page.
+Wraps `engine.planning.profile` (the saved profile) and `engine.planning.planner` (predicted
+speed and fit) so the widgets get plain rows. Every failure degrades to "benchmark needed": a
+missing or unreadable profile never breaks the page.
 
 The starter alone (target = the catalog's starter, no draft) is always an option: on a CPU-only
 machine it is the only recommendation, since a draft that costs as much as the target cannot
@@ -14,10 +14,11 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from engine import hardware, planner
 from engine.errors import EngineError
-from engine.hardware import HardwareProfile
-from engine.planner import PairPrediction
+from engine.planning import planner, profile
+from engine.planning.calibration import saved_curve
+from engine.planning.planner import PairPrediction
+from engine.planning.profile import HardwareProfile
 from engine.store.catalog import Catalog, CatalogModel
 
 log = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ def format_speed(tok_s: float) -> str:
 def load_profile() -> HardwareProfile | None:
     """The saved HardwareProfile, or None (not measured yet, unreadable or from an old version)."""
     try:
-        return hardware.load_profile()
+        return profile.load_profile()
     except (OSError, ValueError, KeyError, TypeError) as exc:  # a corrupt profile: ask for a new benchmark
         log.warning("hardware profile unreadable: %s", exc)
         return None
@@ -93,7 +94,7 @@ def _predict(profile: HardwareProfile | None, target: CatalogModel, draft: Catal
     if profile is None:
         return None
     try:  # calibrated from the app's test runs when there are some
-        return planner.predict_pair(profile, target, draft, quant=quant, curve=planner.saved_curve())
+        return planner.predict_pair(profile, target, draft, quant=quant, curve=saved_curve())
     except EngineError as exc:  # a pair the planner cannot price shows "no prediction"
         log.info("no prediction for %s + %s: %s", target.id, draft.id if draft else "-", exc.user_message)
         return None

@@ -43,6 +43,7 @@ from app.plot import BudgetPlot
 from app.preferences import Preferences, PreferencesStore
 from app.recommend import load_profile, predicted_curve, profile_lines
 from engine.about import installation
+from engine.planning import planner
 from engine.store import load_catalog
 
 CHOICE_LABELS: dict[str, list[tuple[str, str]]] = {
@@ -382,7 +383,6 @@ class SettingsDialog(QDialog):
         points = predicted_curve(profile, target, draft, quant=self._prefs.quant if self._prefs.quant != "none" else "auto")
         chosen = None
         try:
-            from engine import planner
             chosen = planner.predict_pair(profile, target, draft).budget
         except Exception:  # noqa: BLE001 — any planner failure shows "no prediction"
             chosen = None

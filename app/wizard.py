@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import (
@@ -33,6 +33,7 @@ from PySide6.QtWidgets import (
 from app.benchmark_worker import (
     CalibrationRequest,
     CalibrationResult,
+    TaskRunner,
     benchmark_runner,
     calibration_runner,
 )
@@ -59,8 +60,10 @@ from engine.store import (
     hf_hub_cache_dir,
     load_catalog,
 )
-from engine.store.registry import format_bytes
 from engine.types import DownloadProgress
+from engine.units import format_bytes
+
+RunState = Literal["idle", "running", "done", "failed", "skipped"]
 
 
 def _label(text: str, name: str) -> QLabel:
@@ -94,79 +97,143 @@ class WelcomePage(QWizardPage):
         layout.addStretch(1)
 
 
-class BenchmarkPage(QWizardPage):
-    """Runs the hardware benchmark when shown; Next is enabled when it is done or skipped."""
+class RunnerPage(QWizardPage):
+    """A page whose step is one task on a TaskRunner (the benchmark, the test run): a progress
+    bar, a status line and a Skip button; Next/Finish is enabled once the task is done, failed
+    or skipped. A start asked for while an earlier run is still stopping waits for it to end.
+    Subclasses start the task in `initializePage` with `_run(arg)` and word its outcome."""
 
-    def __init__(self, wizard: FirstRunWizard) -> None:
+    def __init__(self, runner: TaskRunner, title: str, subtitle: str, what: str, skip_text: str) -> None:
         super().__init__()
-        self._wizard = wizard
-        self.setTitle("Measuring this computer")
-        self.setSubTitle("SpecChat times the memory, disk, GPU and one model layer to predict speeds.")
-        self.state = "idle"  # idle | running | done | failed | skipped
-        self.bar = _bar("Benchmark progress")
-        self.status = _label("", "Benchmark status")
-        self.summary = _label("", "Measured hardware")
-        self.skip_button = QPushButton("&Skip the benchmark")
-        self.skip_button.setAccessibleName("Skip the benchmark")
+        self.runner = runner
+        self.setTitle(title)
+        self.setSubTitle(subtitle)
+        self.state: RunState = "idle"
+        self._queued: object = None  # a run asked for while an earlier one was still stopping
+        self._has_queued = False
+        self.bar = _bar(f"{what} progress")
+        self.status = _label("", f"{what} status")
+        self.skip_button = QPushButton(skip_text)
+        self.skip_button.setAccessibleName(skip_text.replace("&", ""))
         self.skip_button.clicked.connect(self.skip)
-        layout = QVBoxLayout(self)
-        layout.addWidget(self.bar)
-        layout.addWidget(self.status)
-        layout.addWidget(self.summary)
-        layout.addStretch(1)
-        layout.addWidget(self.skip_button, 0, Qt.AlignmentFlag.AlignLeft)
-        runner = wizard.benchmark
+        self.body = QVBoxLayout(self)
+        self.body.addWidget(self.bar)
+        self.body.addWidget(self.status)
         runner.progressed.connect(self._on_runner_progressed)
         runner.finished.connect(self._on_runner_finished)
         runner.failed.connect(self._on_runner_failed)
         runner.cancelled.connect(self._on_runner_cancelled)
 
-    def initializePage(self) -> None:
-        if self.state in ("idle", "failed"):
-            self.state = "running"
-            self.status.setText("Starting…")
-            self.skip_button.setEnabled(True)
-            self._wizard.benchmark.start(self._wizard.benchmark_options)
-            self.completeChanged.emit()
+    def _finish_layout(self) -> None:
+        self.body.addStretch(1)
+        self.body.addWidget(self.skip_button, 0, Qt.AlignmentFlag.AlignLeft)
+
+    # -- what subclasses word --
+    def _done_text(self, result: object) -> str:
+        raise NotImplementedError
+
+    def _failed_text(self, message: str) -> str:
+        raise NotImplementedError
+
+    def _skipped_text(self) -> str:
+        raise NotImplementedError
+
+    # -- the task --
+    def _run(self, arg: object) -> None:
+        self.state = "running"
+        self.bar.setValue(0)
+        self.skip_button.setEnabled(True)
+        self.status.setText("Starting…")
+        if not self.runner.start(arg):
+            self._queued, self._has_queued = arg, True
+        self.completeChanged.emit()
+
+    def _fail(self, text: str) -> None:
+        self.state = "failed"
+        self.status.setText(text)
+        self.completeChanged.emit()
+
+    def _start_queued(self) -> bool:
+        """An earlier run has just ended: start the one asked for meanwhile, if any."""
+        if not self._has_queued:
+            return False
+        arg, self._queued, self._has_queued = self._queued, None, False
+        self.runner.start(arg)
+        return True
 
     def isComplete(self) -> bool:
         return self.state in ("done", "failed", "skipped")
 
+    def cleanupPage(self) -> None:  # Back: stop what this page started
+        if self.state == "running":
+            self.runner.cancel()
+        self._queued, self._has_queued = None, False
+        self.state = "idle"
+
     def skip(self) -> None:
         if self.state == "running":
-            self._wizard.benchmark.cancel()
+            self.runner.cancel()
         self.state = "skipped"
         self.skip_button.setEnabled(False)
-        self.status.setText("Skipped. The small starter model will be recommended; you can measure later "
-                            "in Settings → This computer.")
+        self.status.setText(self._skipped_text())
         self.completeChanged.emit()
 
     def _on_runner_progressed(self, fraction: float, text: str) -> None:
         if self.state == "running":
             self.bar.setValue(int(1000 * fraction))
-            self.status.setText(text.capitalize() if text else "")
+            self.status.setText(text[:1].upper() + text[1:])
 
-    def _on_runner_finished(self, profile: object) -> None:
-        if self.state != "running":
+    def _on_runner_finished(self, result: object) -> None:
+        if self._start_queued() or self.state != "running":
             return
         self.state = "done"
         self.bar.setValue(1000)
         self.skip_button.setEnabled(False)
-        self.status.setText("<b>Done.</b> Press Next to see the models that suit this computer.")
-        self.summary.setText("<br>".join(profile_lines(profile)[1:5]))
+        self.status.setText(self._done_text(result))
         self.completeChanged.emit()
 
     def _on_runner_failed(self, message: str) -> None:
-        if self.state != "running":
+        if self._start_queued() or self.state != "running":
             return
-        self.state = "failed"
-        self.status.setText(f"The benchmark failed: {message} You can go on; the starter model will be recommended.")
-        self.completeChanged.emit()
+        self._fail(self._failed_text(message))
 
     def _on_runner_cancelled(self) -> None:
+        if self._start_queued():
+            return
         if self.state == "running":
             self.state = "skipped"
             self.completeChanged.emit()
+
+
+class BenchmarkPage(RunnerPage):
+    """Runs the hardware benchmark when shown; Next is enabled when it is done or skipped."""
+
+    def __init__(self, wizard: FirstRunWizard) -> None:
+        super().__init__(wizard.benchmark, "Measuring this computer",
+                         "SpecChat times the memory, disk, GPU and one model layer to predict speeds.",
+                         "Benchmark", "&Skip the benchmark")
+        self._wizard = wizard
+        self.summary = _label("", "Measured hardware")
+        self.body.addWidget(self.summary)
+        self._finish_layout()
+
+    def initializePage(self) -> None:
+        if self.state in ("idle", "failed"):
+            self._run(self._wizard.benchmark_options)
+
+    def cleanupPage(self) -> None:  # Back keeps a finished or running measurement
+        pass
+
+    def _done_text(self, result: object) -> str:
+        self.summary.setText("<br>".join(profile_lines(result)[1:5]))  # type: ignore[arg-type]
+        return "<b>Done.</b> Press Next to see the models that suit this computer."
+
+    def _failed_text(self, message: str) -> str:
+        return f"The benchmark failed: {message} You can go on; the starter model will be recommended."
+
+    def _skipped_text(self) -> str:
+        return ("Skipped. The small starter model will be recommended; you can measure later "
+                "in Settings → This computer.")
 
 
 class RecommendPage(QWizardPage):
@@ -343,33 +410,16 @@ class DownloadPage(QWizardPage):
             self.completeChanged.emit()
 
 
-class CalibrationPage(QWizardPage):
+class CalibrationPage(RunnerPage):
     """Loads the pair and generates a few tokens: proves it works and measures the real speed."""
 
     def __init__(self, wizard: FirstRunWizard) -> None:
-        super().__init__()
+        super().__init__(wizard.calibration, "A short test run", "Loading the models and generating a few tokens.",
+                         "Test run", "S&kip the test run")
         self._wizard = wizard
-        self.setTitle("A short test run")
-        self.setSubTitle("Loading the models and generating a few tokens.")
         self.setFinalPage(True)
-        self.state = "idle"
         self.result: CalibrationResult | None = None
-        self._queued: CalibrationRequest | None = None  # waits for an earlier run to stop
-        self.bar = _bar("Test run progress")
-        self.status = _label("", "Test run status")
-        self.skip_button = QPushButton("S&kip the test run")
-        self.skip_button.setAccessibleName("Skip the test run")
-        self.skip_button.clicked.connect(self.skip)
-        layout = QVBoxLayout(self)
-        layout.addWidget(self.bar)
-        layout.addWidget(self.status)
-        layout.addStretch(1)
-        layout.addWidget(self.skip_button, 0, Qt.AlignmentFlag.AlignLeft)
-        runner = wizard.calibration
-        runner.progressed.connect(self._on_runner_progressed)
-        runner.finished.connect(self._on_runner_finished)
-        runner.failed.connect(self._on_runner_failed)
-        runner.cancelled.connect(self._on_runner_cancelled)
+        self._finish_layout()
 
     def initializePage(self) -> None:
         option = self._wizard.chosen()
@@ -377,81 +427,27 @@ class CalibrationPage(QWizardPage):
         target = self._wizard.local_path(option.target)
         draft = self._wizard.local_path(option.draft) if option.draft else None
         if target is None or (option.draft and draft is None):
-            self.state = "failed"
-            self.status.setText("The models are not on this computer; go Back to download them.")
-            self.completeChanged.emit()
+            self._fail("The models are not on this computer; go Back to download them.")
             return
         prefs = self._wizard.store.load()
-        request = CalibrationRequest(
+        self.result = None
+        self._run(CalibrationRequest(
             target=target, draft=draft, load_settings=prefs.load_settings(),
             speculation=prefs.speculation(auto_budget=option.budget), max_new_tokens=self._wizard.calibration_tokens,
-        )
-        self.state = "running"
-        self.result = None
-        self.bar.setValue(0)
-        self.skip_button.setEnabled(True)
-        self.status.setText("Loading…")
-        if not self._wizard.calibration.start(request):
-            self._queued = request
-        self.completeChanged.emit()
+        ))
 
-    def _start_queued(self) -> bool:
-        """An earlier run has just ended: start the one asked for meanwhile, if any."""
-        request, self._queued = self._queued, None
-        if request is None:
-            return False
-        self._wizard.calibration.start(request)
-        return True
-
-    def cleanupPage(self) -> None:
-        if self.state == "running":
-            self._wizard.calibration.cancel()
-        self._queued = None
-        self.state = "idle"
-
-    def isComplete(self) -> bool:
-        return self.state in ("done", "failed", "skipped")
-
-    def skip(self) -> None:
-        if self.state == "running":
-            self._wizard.calibration.cancel()
-        self.state = "skipped"
-        self.skip_button.setEnabled(False)
-        self.status.setText("Skipped. Press Finish to start chatting.")
-        self.completeChanged.emit()
-
-    def _on_runner_progressed(self, fraction: float, text: str) -> None:
-        if self.state == "running":
-            self.bar.setValue(int(1000 * fraction))
-            self.status.setText(text)
-
-    def _on_runner_finished(self, result: object) -> None:
-        if self._start_queued() or self.state != "running":
-            return
+    def _done_text(self, result: object) -> str:
         assert isinstance(result, CalibrationResult)
         self.result = result
-        self.state = "done"
-        self.bar.setValue(1000)
-        self.skip_button.setEnabled(False)
         per_pass = f", {result.tokens_per_pass:.2f} tokens per target pass" if result.tokens_per_pass else ""
-        self.status.setText(
-            f"<b>It works.</b> {result.new_tokens} tokens at {result.tokens_per_second:.1f} tokens/s{per_pass} "
-            f"(loaded in {result.load_seconds:.1f} s). Press Finish to start chatting.")
-        self.completeChanged.emit()
+        return (f"<b>It works.</b> {result.new_tokens} tokens at {result.tokens_per_second:.1f} tokens/s{per_pass} "
+                f"(loaded in {result.load_seconds:.1f} s). Press Finish to start chatting.")
 
-    def _on_runner_failed(self, message: str) -> None:
-        if self._start_queued() or self.state != "running":
-            return
-        self.state = "failed"
-        self.status.setText(f"The test run failed: {message}")
-        self.completeChanged.emit()
+    def _failed_text(self, message: str) -> str:
+        return f"The test run failed: {message}"
 
-    def _on_runner_cancelled(self) -> None:
-        if self._start_queued():
-            return
-        if self.state == "running":
-            self.state = "skipped"
-            self.completeChanged.emit()
+    def _skipped_text(self) -> str:
+        return "Skipped. Press Finish to start chatting."
 
 
 class FirstRunWizard(QWizard):

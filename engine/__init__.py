@@ -1,1 +1,9 @@
-"""SpecChat's engine: models, SpecExec speculative decoding, model store. Never imports Qt."""
+"""SpecChat's engine: big models offloaded to RAM, SpecExec speculative decoding, the model
+store and the command line. Never imports Qt or the app.
+
+Packages by role (each __init__ states its contract): decoding (the paper and the Engine),
+model (the layer-by-layer decoder and its KV cache), offload (packed layers off the device),
+loading (where models come from), planning (the hardware profile and the cost model), store
+(catalog, local models, downloads), cli (`specchat`). types, errors, paths and units are the
+shared vocabulary.
+"""

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from . import paths
+from engine import paths
 
 
 def _version(package: str) -> str:

@@ -4,6 +4,9 @@ tmp_path); environment variables let a user or CI move the folders without code 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import platformdirs
@@ -42,3 +45,19 @@ def resource(name: str) -> Path:
     except (ModuleNotFoundError, TypeError):  # TypeError: a namespace package has no __file__
         root = Path(__file__).resolve().parents[1] / "resources"
     return root / name
+
+
+def publish_folder(final: Path, build: Callable[[Path], None]) -> Path:
+    """Build a folder atomically: `build(tmp)` fills a temporary sibling of `final`, which is
+    then renamed into place, so an interrupted build never leaves a half folder that looks
+    finished. When another process published `final` first, its folder is kept (it is as good
+    as ours) and ours is dropped; so is ours when `build` fails."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=".build-"))
+    try:
+        build(tmp)
+        if not final.exists():
+            os.replace(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final

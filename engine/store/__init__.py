@@ -1,7 +1,14 @@
-"""Model store: catalog, local registry, downloads (see DESIGN.md, store/).
+"""The model store: the curated catalog, the models on this machine, and downloads.
+
+Contract: catalog.py reads resources/catalog.json (pairs that share a tokenizer); registry.py
+lists local models (the models folder, the Hugging Face cache) and imports or removes them;
+download.py fetches a repo or a GGUF resumably, verified against the hub's sizes and SHA-256
+(transfer.py, the HTTP part; remote.py, the hub's listings; hub_cache.py, the HF cache layout).
 
 Public API: `resolve_model`, `download_model`, `DownloadSettings`, `list_local_models`,
 `import_model`, `remove_model`, `load_catalog`.
+
+What it does not do: load models (engine.loading) or import torch.
 """
 
 from __future__ import annotations
@@ -11,7 +18,13 @@ from pathlib import Path
 from engine.store.catalog import Catalog, CatalogModel, load_catalog
 from engine.store.download import download_model
 from engine.store.paths import default_models_dir, hf_hub_cache_dir
-from engine.store.registry import LocalModel, find_local_model, import_model, list_local_models, remove_model
+from engine.store.registry import (
+    LocalModel,
+    find_local_model,
+    import_model,
+    list_local_models,
+    remove_model,
+)
 from engine.store.transfer import DownloadSettings
 
 __all__ = [

@@ -8,12 +8,14 @@ takes exact sizes and checksums from the hub at download time.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from engine.errors import UnsupportedModel
 from engine.paths import resource
+from engine.types import LayerShape, ModelShape
 
 SCHEMA_VERSION = 1
 _SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_kv_heads", "head_dim")
@@ -71,6 +73,18 @@ class CatalogModel:
     @property
     def licence_url(self) -> str:
         return f"https://huggingface.co/{self.repo_id}"
+
+    def shape(self) -> ModelShape:
+        """The model's shape for the cost model: from the entry's shape fields; without them, a
+        layer sized from the parameter count (hidden size from the usual aspect ratio)."""
+        if self.hidden_size and self.intermediate_size and self.num_attention_heads and self.num_kv_heads \
+                and self.head_dim:
+            layer = LayerShape(self.id, self.hidden_size, self.intermediate_size, self.num_attention_heads,
+                               self.num_kv_heads, self.head_dim)
+        else:
+            hidden = 128 * max(1, round(math.sqrt(self.parameters / self.layers / 12) / 128))
+            layer = LayerShape(self.id, hidden, int(3.5 * hidden), hidden // 128, max(1, hidden // 1024), 128)
+        return ModelShape(self.id, self.layers, layer, self.vocab_rows)
 
 
 @dataclass(frozen=True)

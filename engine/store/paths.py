@@ -11,6 +11,7 @@ import os
 import re
 from pathlib import Path
 
+from engine import paths
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.\-]{0,95}$")
@@ -19,8 +20,6 @@ _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,95}/[A-Za-z0-9][A-Za-z0-9_
 def default_models_dir() -> Path:
     """$SPECCHAT_MODELS_DIR, else `<user data dir>/specchat/models` (movable: pass another).
     One definition for the whole app: engine.paths."""
-    from engine import paths
-
     return paths.models_dir()
 
 
@@ -51,3 +50,4 @@ def is_repo_id(spec: str) -> bool:
 def repo_slug(repo_id: str) -> str:
     """Folder name for a repo inside the models folder: `owner--name`."""
     return repo_id.replace("/", "--")
+

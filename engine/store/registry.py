@@ -23,6 +23,7 @@ from engine.errors import DiskFull, InvalidRequest, ModelNotFound, UnsupportedMo
 from engine.store.catalog import Catalog
 from engine.store.hub_cache import find_cached_repo, list_cached_repos
 from engine.store.paths import is_repo_id
+from engine.units import format_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -209,13 +210,3 @@ def remove_model(model: LocalModel) -> int:
     shutil.rmtree(model.folder, ignore_errors=True)
     logger.info("removed %s (%d bytes freed)", model.model_id, freed)
     return freed
-
-
-def format_bytes(count: int | float) -> str:
-    """1.5 GB style, decimal units as the hub shows sizes."""
-    value = float(count)
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(value) < 1000 or unit == "TB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1000
-    raise AssertionError("unreachable")

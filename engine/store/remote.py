@@ -17,7 +17,13 @@ import httpx2
 from huggingface_hub import HfApi
 from huggingface_hub.errors import HfHubHTTPError
 
-from engine.errors import DownloadFailed, GatedRepo, HubUnreachable, ModelNotFound, UnsupportedModel
+from engine.errors import (
+    DownloadFailed,
+    GatedRepo,
+    HubUnreachable,
+    ModelNotFound,
+    UnsupportedModel,
+)
 
 logger = logging.getLogger(__name__)
 

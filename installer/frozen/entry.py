@@ -2,8 +2,8 @@
 
 One script serves both executables of the bundle, told apart by their file name:
 `specchat-gui` (a windowed executable on Windows and macOS) runs the desktop app
-(`app.main:main`); `specchat` runs the command line (`engine.cli:main`), which itself opens
-the app when given no arguments, as the pip-installed `specchat` does.
+(`app.main:main`); `specchat` runs the launcher (`app.launcher:main`): the command line, or the
+app when given no arguments, as the pip-installed `specchat` does.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ def main() -> int:
         from app.main import main as gui_main
 
         return int(gui_main() or 0)
-    from engine.cli import main as cli_main
+    from app.launcher import main as launcher_main
 
-    return int(cli_main())
+    return int(launcher_main())
 
 
 if __name__ == "__main__":

@@ -20,8 +20,8 @@ from pages_hub import HubServer
 from PySide6.QtCore import QSettings
 
 from app.preferences import PreferencesStore
+from engine.loading.synthetic import tiny_model
 from engine.store.transfer import DownloadSettings
-from engine.testmodels import tiny_model
 
 
 @pytest.fixture

@@ -10,9 +10,9 @@ from pytestqt.qtbot import QtBot
 
 from app.models_page import ModelsPage
 from app.preferences import PreferencesStore
+from engine.loading.synthetic import tiny_model
 from engine.store import list_local_models
 from engine.store.transfer import DownloadSettings
-from engine.testmodels import tiny_model
 from engine.types import DownloadProgress
 
 pytest_plugins = ("pages_fixtures",)  # app_env, prefs_store, hub, slow_hub, ... fixtures
@@ -161,7 +161,9 @@ def test_fit_and_speed_columns_follow_the_hardware_profile(
 ) -> None:
     import torch
 
-    from engine import hardware, planner
+    from engine.planning import planner
+    from engine.planning.measure import measure_hardware
+    from engine.planning.profile import load_profile, save_profile
     from engine.store import load_catalog
 
     torch.set_num_threads(1)
@@ -171,10 +173,10 @@ def test_fit_and_speed_columns_follow_the_hardware_profile(
                   for r in range(page.catalog_table.rowCount())}
         assert set(speeds.values()) == {"benchmark needed"} and "Benchmark needed" in page.profile_label.text()
 
-        hardware.save_profile(hardware.measure_hardware(quick=True))  # this machine, measured for real
+        save_profile(measure_hardware(quick=True))  # this machine, measured for real
         page.refresh()
         catalog = load_catalog()
-        expected = planner.predict_pair(hardware.load_profile(), catalog.find(STARTER), None)
+        expected = planner.predict_pair(load_profile(), catalog.find(STARTER), None)
         row = next(r for r in range(page.catalog_table.rowCount())
                    if page.catalog_table.item(r, 0).data(256) == "starter")
         assert page.catalog_table.item(row, 4).text() == {"fits": "Fits", "slow": "Slow", "too big": "Too big"}[expected.fit]

@@ -119,20 +119,21 @@ def test_benchmark_runs_in_a_thread_then_the_plot_shows_predictions(
 ) -> None:
     import torch
 
-    from engine import hardware, planner
+    from engine.planning import planner
+    from engine.planning.profile import load_profile
     from engine.store import load_catalog
 
     torch.set_num_threads(1)
     dialog = open_dialog(qtbot, prefs_store, benchmark_options={"quick": True})
     dialog.tabs.setCurrentIndex(4)
-    assert hardware.load_profile() is None
+    assert load_profile() is None
     assert "Benchmark needed" in dialog.plot.message() and "No hardware profile" in dialog.profile_text.toPlainText()
 
     with qtbot.waitSignal(dialog.runner.finished, timeout=180_000):
         qtbot.mouseClick(dialog.benchmark_button, _left())
         assert not dialog.benchmark_button.isEnabled() and dialog.cancel_benchmark_button.isEnabled()
     assert dialog.benchmark_bar.value() == 1000 and dialog.benchmark_button.isEnabled()
-    profile = hardware.load_profile()
+    profile = load_profile()
     assert profile is not None  # saved by the worker
     assert profile.summary_lines()[1] in dialog.profile_text.toPlainText()
 
@@ -150,7 +151,7 @@ def test_benchmark_runs_in_a_thread_then_the_plot_shows_predictions(
     with qtbot.waitSignal(dialog.runner.cancelled, timeout=60_000):
         dialog.start_benchmark()
         qtbot.mouseClick(dialog.cancel_benchmark_button, _left())
-    assert "Stopped" in dialog.benchmark_status.text() and hardware.load_profile() == profile
+    assert "Stopped" in dialog.benchmark_status.text() and load_profile() == profile
     dialog.reject()
 
 

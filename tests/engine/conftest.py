@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.generation import Engine
-from engine.loading import LoadedModel, load_model
-from engine.testmodels import tiny_model
+from engine.decoding.generation import Engine
+from engine.loading.load import LoadedModel, load_model
+from engine.loading.synthetic import tiny_model
 
 
 @pytest.fixture(autouse=True)
@@ -45,6 +45,6 @@ def close_engine(tiny_target: LoadedModel, tiny_close_draft: LoadedModel) -> Eng
 
 @pytest.fixture(scope="session")
 def starter_pair() -> tuple[LoadedModel, LoadedModel]:
-    from engine.testmodels import ensure
+    from engine.loading.starter import proxy_draft_folder, starter_folder
 
-    return load_model(ensure("starter")), load_model(ensure("proxy-draft"))
+    return load_model(starter_folder()), load_model(proxy_draft_folder())

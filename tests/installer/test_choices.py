@@ -8,10 +8,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from installer_env import REPO
 from specchat_setup import locations, qt_libs, torch_choice
 from specchat_setup.torch_choice import GpuReport, choose, parse_nvidia_smi
-
-from installer_env import REPO
 
 RTX_4090 = "NVIDIA GeForce RTX 4090, 24564, 8.9, 575.64.03\n"
 BANNER_128 = "| NVIDIA-SMI 570.133.07   Driver Version: 570.133.07   CUDA Version: 12.8     |\n"

@@ -10,10 +10,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from installer_env import INSTALLER, REPO
 from specchat_setup import launchers
 from specchat_setup.locations import Layout
-
-from installer_env import INSTALLER, REPO
 
 AWKWARD = ['/home/ann/My Apps/spec"chat$/bin/specchat-gui', "/opt/100%/run", "plain", "tab\there", "back\\slash"]
 

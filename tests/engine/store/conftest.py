@@ -7,11 +7,9 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
+from hub_server import STARTER_REPO, FakeRepo, HubServer, make_model_files
 
 from engine.store.transfer import DownloadSettings
-from hub_server import FakeRepo, HubServer
-
-STARTER_REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
 @pytest.fixture(autouse=True)
@@ -50,20 +48,6 @@ def settings() -> DownloadSettings:
         backoff_max_s=0.05, progress_interval_s=0.0, free_space_margin_bytes=0,
         metadata_retries=1,
     )
-
-
-def make_model_files(weights_bytes: int = 300_000, seed: int = 1) -> dict[str, bytes]:
-    """A small HF-folder-shaped repo: config, tokenizer files and one safetensors-named blob."""
-    weights = bytes((i * 131 + seed * 17 + (i >> 7)) % 251 for i in range(weights_bytes))
-    return {
-        "config.json": b'{"model_type": "llama", "vocab_size": 49152}',
-        "generation_config.json": b'{"eos_token_id": 2}',
-        "tokenizer.json": b'{"version": "1.0", "model": {"type": "BPE"}}' + b" " * 5000,
-        "tokenizer_config.json": b'{"chat_template": "{{ messages }}"}',
-        "model.safetensors": weights,
-        "README.md": b"# not downloaded: not a model file\n",
-        "original/consolidated.pth": b"pickle, never fetched",
-    }
 
 
 @pytest.fixture

@@ -1,23 +1,20 @@
-"""`specchat models ...` through add_models_parser/run_models, as engine/cli.py will call them."""
+"""`specchat models ...` through the CLI's own parser and the models handler."""
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import pytest
+from hub_server import STARTER_REPO, FakeRepo, HubServer
 
-from conftest import STARTER_REPO
-from engine.store.cli import add_models_parser, run_models
-from hub_server import FakeRepo, HubServer
+from engine.cli.models import run_models
+from engine.cli.parser import build_parser
 
 
 def run(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="specchat")
-    add_models_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(argv)
-    assert args.handler is run_models
+    args = build_parser().parse_args(argv)
+    assert args.handler == "engine.cli.models:run_models"
     return run_models(args)
 
 

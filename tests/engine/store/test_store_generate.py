@@ -7,10 +7,10 @@ import json
 from pathlib import Path
 
 import pytest
-
-from engine.cli import main
-from engine.store import download_model, resolve_model
 from hub_server import FakeRepo, HubServer
+
+from engine.cli.main import main
+from engine.store import download_model, resolve_model
 
 
 def test_downloaded_repo_id_works_as_target_and_draft(

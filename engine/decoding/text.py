@@ -1,0 +1,80 @@
+"""Text in and out of the token world: prompts through the model's chat template, streaming
+detokenisation with stop strings, and the model's end-of-sequence ids.
+
+What this module does not do: decide tokens (sampling, verification) or load tokenizers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.errors import InvalidRequest
+from engine.types import GenerationRequest, Tokenizer
+
+
+def encode_prompt(tokenizer: Tokenizer, request: GenerationRequest) -> list[int]:
+    """Token ids of the request's prompt: a raw prompt as it is (with the tokenizer's own
+    special tokens, e.g. BOS), chat messages through the model's chat template with the
+    assistant's turn opened."""
+    if request.raw_prompt is not None:
+        ids = list(tokenizer(request.raw_prompt, add_special_tokens=True)["input_ids"])
+    else:
+        if not request.messages:
+            raise InvalidRequest("The prompt is empty: type a message first.")
+        if not tokenizer.chat_template:
+            raise InvalidRequest("This model has no chat template; use --raw-prompt to feed plain text.")
+        msgs = [{"role": m.role, "content": m.content} for m in request.messages]
+        out = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        ids = list(out if isinstance(out, list) else out["input_ids"])
+    if not ids:
+        raise InvalidRequest("The prompt is empty: type a message first.")
+    return ids
+
+
+def eos_ids(tokenizer: Tokenizer, *configs: Any) -> frozenset[int]:
+    """Every id that ends an answer: `eos_token_id` of each config (int or list; generation
+    configs often list several, e.g. Llama 3's <|eot_id|>) and the tokenizer's own."""
+    ids: set[int] = set()
+    for source in configs:
+        eos = getattr(source, "eos_token_id", None)
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, (list, tuple)):
+            ids.update(int(e) for e in eos)
+    if isinstance(tokenizer.eos_token_id, int):
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
+class Detokenizer:
+    """Incremental text for streaming: holds back an incomplete UTF-8 character and any tail
+    that could be the start of a stop string; cuts the text at the first stop string."""
+
+    def __init__(self, tokenizer: Tokenizer, stops: tuple[str, ...]) -> None:
+        self.tokenizer = tokenizer
+        self.stops = tuple(s for s in stops if s)
+        self.text = ""  # what has been emitted so far
+
+    def push(self, ids: list[int], final: bool) -> tuple[str, bool]:
+        """The new text of the answer `ids` (all of it so far) and whether a stop string ended it."""
+        full = self.tokenizer.decode(ids, skip_special_tokens=True)
+        stopped = False
+        for s in self.stops:
+            at = full.find(s)
+            if at >= 0:
+                full, stopped, final = full[:at], True, True
+        if not final:
+            if full.endswith("\ufffd"):
+                full = full.rstrip("\ufffd")
+            hold = 0
+            for s in self.stops:
+                for k in range(min(len(s) - 1, len(full)), 0, -1):
+                    if full.endswith(s[:k]):
+                        hold = max(hold, k)
+                        break
+            full = full[: len(full) - hold]
+        if not full.startswith(self.text):  # tokenizer re-segmented earlier text; keep what was shown
+            full = self.text + full[len(self.text):]
+        delta = full[len(self.text) :]
+        self.text = full
+        return delta, stopped

@@ -1,0 +1,86 @@
+"""One target pass over a draft tree, and the acceptance walk.
+
+Acceptance (SpecExec, lossless by construction): start at the root; at each node take the
+target's own next token t (argmax at temperature 0, else one draw from the target's processed
+distribution at that node); if a child of the node carries t, descend into it and repeat;
+otherwise emit t and stop. Every emitted token is exactly what autoregressive decoding of the
+target would choose given the same prefix and the same random draw, so greedy output is
+identical and sampled output has the target's distribution; the draft only decides how many
+tokens one pass yields. Logits are computed only for the nodes on the walk (a few rows), never
+for the whole tree. Imports nothing from the engine but the tree and the model wrapper.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine.decoding.tree import Tree, ancestor_mask, child_with_token, tree_positions
+from engine.model.cache import KVCache
+from engine.model.causal_lm import CausalLM
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    path: list[int]  # accepted tree nodes, root first (node indices)
+    tokens: list[int]  # emitted tokens: those of path[1:] plus the target's own next token
+
+
+def run_tree(target: CausalLM, cache: KVCache, tree: Tree) -> torch.Tensor:
+    """Target pass over all tree nodes on top of `cache` (the committed prefix without the
+    root). Returns (N, hidden) final hidden states; node i's K/V sits at slot past + i."""
+    past = cache.length
+    n = len(tree)
+    nodes = torch.arange(n, device=tree.parents.device)
+    anc = ancestor_mask(tree.parents, nodes, tree.max_depth)  # (N, N)
+    allowed = torch.cat([torch.ones((n, past), dtype=torch.bool, device=anc.device), anc], dim=1)
+    return target.forward(tree.tokens, tree_positions(tree.depths, past), cache, allowed)
+
+
+def accept(
+    tree: Tree,
+    hidden: torch.Tensor,  # (N, hidden) from run_tree
+    logits_of: Callable[[torch.Tensor], torch.Tensor],  # (k, hidden) -> (k, V)
+    choose: Callable[[torch.Tensor, list[int]], int],  # ((V,) logits, tokens so far) -> token
+    limit: int,
+    stop_ids: frozenset[int] = frozenset(),
+) -> Acceptance:
+    """Walk the tree as described in the module docstring; emit at most `limit` tokens and stop
+    after a token in `stop_ids` (EOS)."""
+    node, path, out = 0, [0], []
+    while len(out) < limit:
+        token = choose(logits_of(hidden[node : node + 1])[0], out)
+        out.append(token)
+        if token in stop_ids:
+            break
+        child = child_with_token(tree, node, token)
+        if child < 0:
+            break
+        node = child
+        path.append(child)
+    return Acceptance(path=path, tokens=out)
+
+
+def prune_to_accepted(target_cache: KVCache, past: int, draft_cache: KVCache | None, draft_slots: torch.Tensor,
+                      path: list[int]) -> None:
+    """Cut both caches back to the accepted path after a verification pass.
+
+    Cache invariant between steps: the target cache holds every committed token but the last
+    (the root of the next tree, which the next pass reads); the draft cache holds a prefix of
+    the committed tokens, and the engine feeds it the rest (its "pending" tokens) at the start
+    of the next tree. After `run_tree`, the target's entry of tree node i sits at slot past + i:
+    keeping [0, past) and past + path restores the invariant, since the walk emits one token
+    beyond the path (the new root). The draft read the nodes whose `draft_slots` are >= 0; the
+    read nodes of any root path form a prefix of it (a node is read only after its parent), so
+    the draft keeps its prefix up to the root's slot and then the read prefix of the path.
+    """
+    nodes = torch.tensor(path)
+    target_cache.keep(torch.cat([torch.arange(past), past + nodes]))
+    if draft_cache is None:
+        return
+    read = draft_slots[nodes[1:].to(draft_slots.device)]
+    read = read[: int((read >= 0).sum())]
+    root_slot = int(draft_slots[0])
+    draft_cache.keep(torch.cat([torch.arange(root_slot + 1), read.cpu()]))

@@ -1,0 +1,195 @@
+"""Read a safetensors checkpoint one tensor at a time, without holding it in RAM.
+
+Each shard is memory-mapped; a tensor is copied out of the mapping (converted to the dtype the
+caller asks for) and its pages are then dropped from this process with MADV_DONTNEED, so the
+resident set grows by the tensors the caller keeps, never by the checkpoint. The format is
+the documented one: an 8-byte little-endian header length, a JSON header of
+{name: {dtype, shape, data_offsets}}, then the data.
+
+Checkpoints saved by bitsandbytes in 4-bit (Hugging Face repos named *-bnb-4bit) keep each
+quantised Linear weight as packed uint8 codes plus `<name>.absmax`, `.quant_map`, optional
+nested (double-quantised) absmax and a packed `quant_state.bitsandbytes__nf4` record.
+`nf4(name)` returns such a weight as packed codes + fp32 absmax without de-quantising it.
+
+What this module does not do: decide where tensors go (materialise.py) or read pickle files.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import struct
+import warnings
+from pathlib import Path
+
+import torch
+
+DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+_QS_SUFFIXES = (".absmax", ".quant_map", ".nested_absmax", ".nested_quant_map",
+                ".quant_state.bitsandbytes__nf4", ".quant_state.bitsandbytes__fp4")
+
+
+class CorruptCheckpoint(ValueError):
+    """A shard whose header or sizes do not add up (truncated or damaged download)."""
+
+
+class _Shard:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._file = open(path, "rb")  # noqa: SIM115 -- kept open with the mapping
+        size = path.stat().st_size
+        head = self._file.read(8)
+        if len(head) != 8:
+            raise CorruptCheckpoint(f"{path.name} is too short to be a safetensors file")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8:
+            raise CorruptCheckpoint(f"{path.name} has a header longer than the file")
+        try:
+            header = json.loads(self._file.read(n))
+        except ValueError as exc:
+            raise CorruptCheckpoint(f"{path.name} has a damaged header") from exc
+        header.pop("__metadata__", None)
+        self.base = 8 + n
+        self.entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
+        for name, info in header.items():
+            if info["dtype"] not in DTYPES:
+                raise CorruptCheckpoint(f"{path.name}: tensor {name} has unsupported dtype {info['dtype']}")
+            start, end = info["data_offsets"]
+            if self.base + end > size:
+                raise CorruptCheckpoint(f"{path.name} is truncated (tensor {name} runs past the end)")
+            self.entries[name] = (DTYPES[info["dtype"]], tuple(info["shape"]), start, end)
+        self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ) if size > 0 else None
+
+    def read(self, name: str) -> torch.Tensor:
+        dtype, shape, _, _ = self.entries[name]
+        out = torch.empty(shape, dtype=dtype)
+        self.copy_to(name, out)
+        return out
+
+    def copy_to(self, name: str, out: torch.Tensor) -> None:
+        """Copy tensor `name` into `out` (any dtype or device: converted by the copy itself, so
+        no second full-size temporary), then drop its pages from this process."""
+        dtype, shape, start, end = self.entries[name]
+        if end == start:
+            return
+        assert self._map is not None
+        lo, hi = self.base + start, self.base + end
+        with warnings.catch_warnings():  # a read-only mapping: only ever read from
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.frombuffer(self._map, dtype=torch.uint8, count=hi - lo, offset=lo)
+        try:
+            src = raw.view(dtype).reshape(shape)
+        except RuntimeError:  # data not aligned to its dtype in the file: go through a copy
+            src = raw.clone().view(dtype).reshape(shape)
+        out.copy_(src)
+        del raw, src
+        self._drop(lo, hi)
+
+    def _drop(self, lo: int, hi: int) -> None:
+        advice = getattr(mmap, "MADV_DONTNEED", None)
+        if advice is None or self._map is None or not hasattr(self._map, "madvise"):
+            return
+        page = mmap.PAGESIZE
+        start = lo // page * page
+        self._map.madvise(advice, start, hi - start)
+
+    def close(self) -> None:
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:
+                pass
+        self._file.close()
+
+
+class Checkpoint:
+    """All *.safetensors shards of a folder, addressed by tensor name."""
+
+    def __init__(self, folder: Path, config: dict) -> None:
+        files = sorted(folder.glob("*.safetensors"))
+        self._shards = [_Shard(f) for f in files]
+        self._where: dict[str, _Shard] = {}
+        for shard in self._shards:
+            for name in shard.entries:
+                self._where[name] = shard
+        qc = config.get("quantization_config") or {}
+        self.bnb_4bit = qc.get("quant_method") == "bitsandbytes" and bool(qc.get("load_in_4bit"))
+
+    @property
+    def names(self) -> set[str]:
+        return set(self._where)
+
+    def has(self, name: str) -> bool:
+        return name in self._where
+
+    def nbytes(self) -> int:
+        return sum(e[3] - e[2] for s in self._shards for e in s.entries.values())
+
+    def _shard(self, name: str) -> _Shard:
+        try:
+            return self._where[name]
+        except KeyError:
+            raise CorruptCheckpoint(f"the checkpoint has no tensor '{name}'") from None
+
+    def read(self, name: str) -> torch.Tensor:
+        """The stored tensor as it is (CPU, stored dtype)."""
+        return self._shard(name).read(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._shard(name).entries[name][1]
+
+    def load(self, name: str, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The tensor in `dtype` on `device`, read straight into its final buffer (4-bit
+        weights are de-quantised first)."""
+        if self.is_nf4(name):
+            return self.dense(name, dtype).to(device)
+        out = torch.empty(self.shape(name), dtype=dtype, device=device)
+        self._shard(name).copy_to(name, out)
+        return out
+
+    def copy_to(self, name: str, out: torch.Tensor) -> None:
+        """Tensor `name` into an existing tensor of its shape (any dtype/device)."""
+        if self.is_nf4(name):
+            out.copy_(self.dense(name, out.dtype).reshape(out.shape))
+        else:
+            self._shard(name).copy_to(name, out)
+
+    def is_nf4(self, name: str) -> bool:
+        """Whether `name` is a bitsandbytes 4-bit weight (packed codes + quant state)."""
+        return self.bnb_4bit and f"{name}.absmax" in self._where
+
+    def _quant_state(self, name: str):  # type: ignore[no-untyped-def]
+        import bitsandbytes.functional as bnbf
+
+        parts = {s.lstrip("."): self.read(name + s) for s in _QS_SUFFIXES if name + s in self._where}
+        return bnbf.QuantState.from_dict(parts, device=torch.device("cpu"))
+
+    def nf4(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A 4-bit weight as (packed codes, fp32 absmax) when it is NF4 with blocksize 64 (what
+        the store keeps); None when it needs de-quantising (other block sizes, FP4)."""
+        import bitsandbytes.functional as bnbf
+
+        state = self._quant_state(name)
+        if state.quant_type != "nf4" or state.blocksize != 64:
+            return None
+        absmax = state.absmax
+        if state.nested:  # double quantisation: the absmax are themselves 8-bit blockwise codes
+            absmax = bnbf.dequantize_blockwise(absmax, state.state2) + state.offset
+        return self.read(name).reshape(-1, 1), absmax.float()
+
+    def dense(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """The tensor in `dtype`, de-quantising a 4-bit weight if need be."""
+        if self.is_nf4(name):
+            import bitsandbytes.functional as bnbf
+
+            state = self._quant_state(name)
+            return bnbf.dequantize_4bit(self.read(name), state).to(dtype)
+        return self.load(name, dtype)
+
+    def close(self) -> None:
+        for s in self._shards:
+            s.close()

@@ -1,0 +1,195 @@
+"""Load a target or draft model from a local Hugging Face folder or a .gguf file.
+
+Accepted: a folder with config.json, *.safetensors weights and tokenizer files, of a supported
+decoder-only architecture; or a GGUF file (transformers de-quantises it). Refused with a clear
+message: missing paths, folders without config.json, pickle checkpoints (*.bin, *.pt: loading
+them can run arbitrary code), unknown architectures, corrupt files, and a draft whose tokenizer
+vocabulary differs from the target's. trust_remote_code stays off.
+
+Folders are built on the meta device and filled tensor by tensor from the memory-mapped shards
+straight into their final place (materialise.py): peak RAM is the final footprint plus about a
+layer. GGUF files are de-quantised by transformers and stay resident.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from engine.errors import (
+    EngineError,
+    InvalidRequest,
+    ModelNotFound,
+    OutOfMemory,
+    UnsupportedModel,
+)
+from engine.loading.gguf import cached_folder
+from engine.loading.materialise import MaterialiseSettings, materialise
+from engine.model.causal_lm import SUPPORTED_MODEL_TYPES, CausalLM
+from engine.store import resolve_model
+from engine.types import Offload, Quant, Tokenizer
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model: CausalLM
+    tokenizer: Tokenizer
+    path: Path
+
+
+def resolve_path(spec: str) -> Path:
+    """A --target/--draft value -> a local path: an existing path, else a model from the store."""
+    path = Path(spec).expanduser()
+    if path.exists():
+        return path
+    found = resolve_model(spec)  # a catalog id or owner/name repo id in the model store
+    if found is not None:
+        return Path(found)
+    raise ModelNotFound(
+        f"No model at '{spec}'. Give a folder with config.json and .safetensors files, a .gguf "
+        "file, or the id of a downloaded model (see `specchat models list`)."
+    )
+
+
+def check_folder(path: Path) -> dict:
+    """Validate a Hugging Face folder without loading weights; return its config dict."""
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise UnsupportedModel(
+            f"'{path}' has no config.json, so it is not a Hugging Face model folder. "
+            "Point to the folder that holds config.json and the .safetensors files."
+        )
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise UnsupportedModel(f"'{config_file}' is not valid JSON ({exc}); re-download the model.") from exc
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModel(
+            f"'{path.name}' is a '{model_type}' model; SpecChat runs {', '.join(SUPPORTED_MODEL_TYPES)} "
+            "models. Pick a model of one of those families."
+        )
+    if config.get("use_sliding_window"):
+        raise UnsupportedModel(f"'{path.name}' uses sliding-window attention, which SpecChat does not run yet.")
+    if not any(path.glob("*.safetensors")):
+        pickles = [p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt")]
+        if pickles:
+            raise UnsupportedModel(
+                f"'{path.name}' has only pickle weights ({pickles[0]}); they can run code when "
+                "loaded, so SpecChat refuses them. Download the .safetensors version of the model."
+            )
+        raise UnsupportedModel(f"'{path}' holds no .safetensors weights; re-download the model.")
+    return config
+
+
+def check_gguf(path: Path) -> None:
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as exc:
+        raise ModelNotFound(f"Cannot read '{path}': {exc.strerror}.") from exc
+    if magic != b"GGUF":
+        raise UnsupportedModel(f"'{path.name}' is not a GGUF file (bad header); it may be corrupt — re-download it.")
+
+
+def load_model(
+    spec: str | Path,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    *,
+    quant: Quant = "none",
+    offload: Offload = "none",
+    ram_limit_bytes: int | None = None,
+    context_length: int | None = None,
+    reserve_bytes: int = 0,
+    report: Callable[[float, str], None] | None = None,
+) -> LoadedModel:
+    """Load one model. Folders are built on the meta device and filled tensor by tensor
+    (materialise.py): resident layers as transformers modules, the others packed (NF4 when
+    `quant` is "nf4" or the checkpoint is bitsandbytes 4-bit) in the host store. GGUF files go
+    are converted once into a cached folder when small (gguf.py), else go through transformers
+    (de-quantised in RAM) and stay resident."""
+    path = resolve_path(str(spec))
+    try:
+        if path.is_dir():
+            config = check_folder(path)
+            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+            model = materialise(path, config, MaterialiseSettings(
+                device=device, dtype=dtype, quant=quant, offload=offload, ram_limit_bytes=ram_limit_bytes,
+                context_length=context_length, reserve_bytes=reserve_bytes), report)
+            return LoadedModel(model=model, tokenizer=tokenizer, path=path)
+        if path.suffix.lower() == ".gguf":
+            check_gguf(path)
+            folder = cached_folder(path)  # small GGUFs: converted once, then loaded as a folder
+            if folder is not None:
+                try:
+                    loaded = load_model(folder, device=device, dtype=dtype, quant=quant, offload=offload,
+                                        ram_limit_bytes=ram_limit_bytes, context_length=context_length,
+                                        reserve_bytes=reserve_bytes, report=report)
+                except UnsupportedModel as exc:  # name the user's file, not the cache folder
+                    raise UnsupportedModel(exc.user_message.replace(folder.name, path.name)) from exc
+                return LoadedModel(model=loaded.model, tokenizer=loaded.tokenizer, path=path)
+            if quant != "none" or offload == "all":
+                raise InvalidRequest("NF4 and streamed layers need a Hugging Face folder of .safetensors "
+                                     "weights; a .gguf file this large loads only with quantisation none "
+                                     "and offload auto or none.")
+            tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+            hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+            if hf.config.model_type not in SUPPORTED_MODEL_TYPES:
+                raise UnsupportedModel(f"'{path.name}' is a '{hf.config.model_type}' model; SpecChat runs "
+                                       f"{', '.join(SUPPORTED_MODEL_TYPES)} models.")
+            return LoadedModel(model=CausalLM(hf.to(device)), tokenizer=tokenizer, path=path)
+        if path.suffix.lower() in (".bin", ".pt", ".pth", ".ckpt"):
+            raise UnsupportedModel(f"'{path.name}' is a pickle checkpoint; SpecChat loads only .safetensors "
+                                   "folders and .gguf files.")
+        raise UnsupportedModel(f"'{path}' is neither a model folder nor a .gguf file.")
+    except (EngineError, KeyboardInterrupt):
+        raise
+    except torch.OutOfMemoryError as exc:
+        raise OutOfMemory(f"Not enough memory to load '{path.name}'. Close other programs, pick a smaller "
+                          "model, or use --offload auto / --quant nf4.") from exc
+    except (OSError, ValueError, KeyError, RuntimeError, EOFError, IndexError, struct.error) as exc:
+        # a truncated or corrupt file surfaces as any of these from safetensors / gguf readers
+        log.debug("load failed", exc_info=True)
+        first = str(exc).strip().splitlines()[0][:200].rstrip(".") if str(exc).strip() else type(exc).__name__
+        raise UnsupportedModel(f"Could not load '{path.name}': {first}. The files may be corrupt or incomplete; "
+                               "re-download the model.") from exc
+
+
+def check_pair(target: LoadedModel, draft: LoadedModel) -> None:
+    """Target and draft must share a tokenizer vocabulary (token -> id); their embedding
+    matrices may still differ in padding rows."""
+    tv = target.tokenizer.get_vocab()
+    dv = draft.tokenizer.get_vocab()
+    if tv != dv:
+        only_t = len(set(tv.items()) - set(dv.items()))
+        raise UnsupportedModel(
+            f"The draft '{draft.path.name}' does not share the target's tokenizer "
+            f"({only_t} of {len(tv)} target tokens differ). Choose a draft from the same model family."
+        )
+
+
+def resolve_device(device: str) -> tuple[str, torch.dtype]:
+    """--device value -> (device, compute dtype): bf16 (fp16 without bf16 support) on CUDA,
+    fp32 on CPU (CPU matmuls in 16-bit are slow and the tests compare against fp32)."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif device == "cuda" and not torch.cuda.is_available():
+        raise InvalidRequest("PyTorch sees no CUDA GPU here (a CPU-only build of torch, or no driver); "
+                             "choose the CPU device.")
+    if device not in ("cpu", "cuda"):
+        raise InvalidRequest(f"Unknown device '{device}'; choose auto, cpu or cuda.")
+    if device == "cuda":
+        return device, torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return device, torch.float32

@@ -1,0 +1,114 @@
+"""A decoder-only transformers model driven layer by layer.
+
+Why not call the Hugging Face model's forward: (1) SpecExec needs arbitrary tree masks and
+positions on top of a cache it prunes itself (transformers 5.x caches only append);
+(2) the logits of a 2,048-token tree over a 128k vocabulary are 1 GB in fp32, so the head is
+applied only to the rows verification asks for; (3) the offloaded target (engine.offload) streams
+its decoder layers, which needs the layer loop in our hands. The layer modules themselves are
+transformers' own, so numerics match `model.generate` exactly.
+
+Masks are additive float tensors (0 = attend, dtype-min = blocked): transformers passes a float
+mask through unchanged to both eager and SDPA attention, whereas a bool mask means opposite
+things to the two.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from engine.model.cache import KVCache
+from engine.offload.streamer import LayerStreamer
+from engine.types import ModelShape, Placement
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+class CausalLM:
+    """Wraps a loaded `*ForCausalLM` (llama-family layout: model.embed_tokens, model.layers,
+    model.norm, model.rotary_emb, lm_head).
+
+    `streamer` (engine.offload) runs the decoder layers when some of them are not resident
+    (their modules in `hf_model` then stay on the meta device); `placement` says where they
+    live (all resident on the model's device when not given)."""
+
+    def __init__(self, hf_model: nn.Module, streamer: LayerStreamer | None = None,
+                 placement: Placement | None = None) -> None:
+        self.hf_model = hf_model.eval()
+        self.streamer = streamer
+        cfg = hf_model.config
+        self.config = cfg
+        inner = hf_model.model
+        self.embed = inner.embed_tokens
+        self.layers = list(inner.layers)
+        self.norm = inner.norm
+        self.rotary = inner.rotary_emb
+        self.head = hf_model.lm_head
+        # the head's rows, not config.vocab_size: some checkpoints pad the embedding matrix
+        self.shape = replace(ModelShape.from_config(cfg, cfg.model_type), vocab_size=self.head.weight.shape[0])
+        self.dtype = self.embed.weight.dtype
+        self.device = self.embed.weight.device
+        if placement is None:
+            n = self.shape.num_layers
+            layer_bytes = self.shape.layer_params * self.dtype.itemsize
+            placement = Placement(n, n, 0, 0, layer_bytes, "none", str(self.device))
+        self.placement = placement
+
+    def new_cache(self, capacity: int = 256) -> KVCache:
+        s = self.shape
+        return KVCache(s.num_layers, s.num_kv_heads, s.head_dim, self.dtype, self.device, capacity)
+
+    def mask_value(self) -> float:
+        return torch.finfo(self.dtype).min
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (n,) tokens of this pass
+        positions: torch.Tensor,  # (n,) absolute positions
+        cache: KVCache,
+        allowed: torch.Tensor | None,  # (n, cache.length + n) bool; None = causal chain
+    ) -> torch.Tensor:
+        """Run the decoder over n new tokens, append their K/V to `cache`, return the final
+        normed hidden states (n, hidden). Call `logits()` on the rows you need."""
+        n = input_ids.shape[0]
+        past = cache.length
+        cache.reserve(n)
+        if allowed is None:
+            allowed = causal_allowed(past, n, self.device)
+        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)  # (n, past+n)
+        mask.masked_fill_(~allowed.to(self.device), self.mask_value())
+        mask = mask[None, None]  # (1, 1, n, past+n)
+        pos = positions.to(self.device)[None]  # (1, n)
+        hidden = self.embed(input_ids.to(self.device)[None])  # (1, n, H)
+        rope = self.rotary(hidden, position_ids=pos)
+        if self.streamer is None:
+            for layer in self.layers:
+                hidden = layer(hidden, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                               position_embeddings=rope)
+                if isinstance(hidden, tuple):  # older layer signatures return (hidden, ...)
+                    hidden = hidden[0]
+        else:
+            def call(layer: nn.Module, index: int, h: torch.Tensor) -> torch.Tensor:
+                layer.self_attn.layer_idx = index  # a streamed template serves every layer index
+                out = layer(h, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                            position_embeddings=rope)
+                return out[0] if isinstance(out, tuple) else out
+
+            hidden = self.streamer.run(hidden, call)
+        cache.commit(n)
+        return self.norm(hidden[0])  # (n, H)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(k, H) final hidden states -> (k, V) fp32 logits."""
+        return self.head(hidden).float()
+
+
+def causal_allowed(past: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """(n, past + n) bool: token i of a chain sees the whole past and the chain up to itself."""
+    cols = torch.arange(past + n, device=device)
+    rows = torch.arange(n, device=device)[:, None] + past
+    return cols[None, :] <= rows

@@ -1,0 +1,176 @@
+"""The packed layer layout: one offset table for every decoder layer of a model, and NF4.
+
+Every decoder layer of a model has the same parameters, so one offset table (`LayerLayout`)
+describes any layer packed into one flat byte buffer. "Load layer i into ring slot k" is then a
+single contiguous copy, and a template decoder layer whose parameters are views into slot k
+runs it (`bind`). NF4 layers travel packed (4-bit codes + one fp32 absmax per 64 weights, the
+bitsandbytes layout) and are dequantised on the device into one dense buffer just before they
+run (`unpack_into`).
+
+What this module does not do: decide where a layer lives (host_store, streamer) or read
+checkpoints (engine.loading).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import bitsandbytes.functional as bnbf
+import torch
+from torch import nn
+
+from engine.types import Quant
+
+ALIGN = 256  # byte alignment of every entry: safe for any dtype view and for DMA
+NF4_BLOCK = 64
+
+
+# ---- layout ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of a packed layer. kind "dense": a parameter stored in the compute dtype;
+    "nf4": a Linear weight's 4-bit codes (uint8, two per byte, bitsandbytes order) whose
+    per-block absmax is the entry `name + ABSMAX`."""
+
+    name: str
+    kind: str
+    shape: tuple[int, ...]  # the parameter's shape (for nf4 too: the dequantised shape)
+    dtype: torch.dtype  # storage dtype
+    offset: int
+    nbytes: int
+
+
+ABSMAX = "#absmax"
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass(frozen=True)
+class LayerLayout:
+    entries: tuple[Entry, ...]
+    nbytes: int  # one packed layer
+    dense_nbytes: int  # the same layer with every parameter in the compute dtype
+    compute_dtype: torch.dtype
+    quant: Quant
+
+    @classmethod
+    def of(cls, layer: nn.Module, compute_dtype: torch.dtype, quant: Quant) -> LayerLayout:
+        """The layout of a decoder layer (any device, meta included): Linear weights are NF4
+        when quant is "nf4" and their size is a multiple of the block; the rest stays dense."""
+        linear = {f"{name}.weight" for name, m in layer.named_modules() if isinstance(m, nn.Linear)}
+        entries: list[Entry] = []
+        offset = dense = 0
+        esize = torch.empty((), dtype=compute_dtype).element_size()
+        for name, p in layer.named_parameters():
+            numel = p.numel()
+            dense += _aligned(numel * esize)
+            if quant == "nf4" and name in linear and numel % NF4_BLOCK == 0:
+                entries.append(Entry(name, "nf4", tuple(p.shape), torch.uint8, offset, numel // 2))
+                offset += _aligned(numel // 2)
+                n_abs = numel // NF4_BLOCK * 4
+                entries.append(Entry(name + ABSMAX, "absmax", (numel // NF4_BLOCK,), torch.float32, offset, n_abs))
+                offset += _aligned(n_abs)
+            else:
+                entries.append(Entry(name, "dense", tuple(p.shape), compute_dtype, offset, numel * esize))
+                offset += _aligned(numel * esize)
+        return cls(tuple(entries), offset, dense, compute_dtype, quant)
+
+    def dense_layout(self) -> LayerLayout:
+        """The unpacked twin: every parameter dense, in the same order."""
+        entries, offset = [], 0
+        esize = torch.empty((), dtype=self.compute_dtype).element_size()
+        for e in self.entries:
+            if e.kind == "absmax":
+                continue
+            n = _numel(e.shape) * esize
+            entries.append(Entry(e.name, "dense", e.shape, self.compute_dtype, offset, n))
+            offset += _aligned(n)
+        return LayerLayout(tuple(entries), offset, offset, self.compute_dtype, "none")
+
+    def view(self, buf: torch.Tensor, entry: Entry) -> torch.Tensor:
+        """The tensor `entry` inside a packed buffer `buf` (uint8, nbytes long)."""
+        raw = buf[entry.offset : entry.offset + entry.nbytes]
+        if entry.kind == "nf4":
+            return raw.view(-1, 1)  # (numel/2, 1): bitsandbytes' packed shape
+        return raw.view(entry.dtype).view(entry.shape)
+
+    def params(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Dense parameter views (only meaningful for an unquantised layout)."""
+        assert self.quant == "none"
+        return {e.name: self.view(buf, e) for e in self.entries}
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+# ---- NF4 ------------------------------------------------------------------------------------
+def quantize_nf4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight -> (packed codes (numel/2, 1) uint8, absmax (numel/64,) fp32), blocksize 64."""
+    packed, state = bnbf.quantize_4bit(weight.contiguous(), blocksize=NF4_BLOCK, quant_type="nf4")
+    return packed, state.absmax.float()
+
+
+def dequantize_nf4(packed: torch.Tensor, absmax: torch.Tensor, out: torch.Tensor, code: torch.Tensor) -> None:
+    """Write the dequantised weight into `out` (its shape and dtype), on packed's device."""
+    state = bnbf.QuantState(absmax=absmax, shape=out.shape, code=code, blocksize=NF4_BLOCK,
+                            quant_type="nf4", dtype=out.dtype)
+    if out.device.type == "cuda":
+        bnbf.dequantize_4bit(packed, state, out=out)
+    else:  # bitsandbytes' CPU backend has no out= variant
+        out.copy_(bnbf.dequantize_4bit(packed, state))
+
+
+def nf4_code(device: torch.device) -> torch.Tensor:
+    return bnbf.get_4bit_type("nf4", device=device)
+
+
+def pack_entry(layout: LayerLayout, buf: torch.Tensor, name: str, value: torch.Tensor) -> None:
+    """Store parameter `name` (any dtype/device) into packed buffer `buf`, quantising as the
+    layout says."""
+    entry = next(e for e in layout.entries if e.name == name)
+    if entry.kind == "nf4":
+        packed, absmax = quantize_nf4(value.to(layout.compute_dtype))
+        layout.view(buf, entry).copy_(packed.view(-1, 1))
+        layout.view(buf, _absmax_entry(layout, name)).copy_(absmax)
+    else:
+        layout.view(buf, entry).copy_(value.reshape(entry.shape))
+
+
+def pack_prequantized(layout: LayerLayout, buf: torch.Tensor, name: str, packed: torch.Tensor,
+                      absmax: torch.Tensor) -> None:
+    """Store an already-NF4 weight (blocksize 64) as it is."""
+    layout.view(buf, next(e for e in layout.entries if e.name == name)).copy_(packed.reshape(-1, 1))
+    layout.view(buf, _absmax_entry(layout, name)).copy_(absmax.float())
+
+
+def _absmax_entry(layout: LayerLayout, name: str) -> Entry:
+    return next(e for e in layout.entries if e.name == name + ABSMAX)
+
+
+def unpack_into(layout: LayerLayout, packed_buf: torch.Tensor, dense: dict[str, torch.Tensor],
+                code: torch.Tensor) -> None:
+    """Fill dense parameter tensors from a packed buffer (dequantising NF4 entries)."""
+    for e in layout.entries:
+        if e.kind == "nf4":
+            dequantize_nf4(layout.view(packed_buf, e), layout.view(packed_buf, _absmax_entry(layout, e.name)),
+                           dense[e.name], code)
+        elif e.kind == "dense":
+            dense[e.name].copy_(layout.view(packed_buf, e))
+
+
+def set_parameter(module: nn.Module, name: str, value: torch.Tensor) -> None:
+    """Make `value` (no copy) the parameter `name` ("mlp.up_proj.weight") of `module`."""
+    owner, _, attr = name.rpartition(".")
+    setattr(module.get_submodule(owner), attr, nn.Parameter(value, requires_grad=False))
+
+
+def bind(module: nn.Module, params: dict[str, torch.Tensor]) -> None:
+    """Make `module`'s parameters the given tensors (views: no copy)."""
+    for name, t in params.items():
+        set_parameter(module, name, t)

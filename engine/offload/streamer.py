@@ -1,0 +1,191 @@
+"""The streaming executor: runs every decoder layer of a pass in order while the next
+offloaded layers are copied into a ring of device slots.
+
+A layer's home is the device (a resident transformers module, or a packed device buffer for
+NF4), or an index of the host store (RAM or disk). On CUDA, copies run on a side stream ordered
+by events: a slot is overwritten only after the layer that last used it has run, and a layer
+runs only after its copy landed. On CPU the same executor copies with plain `copy_` on a worker
+thread, so the schedule is exercised by tests.
+
+What this module does not do: read checkpoints (engine.loading), decide placement
+(engine.planning.placement) or choose budgets.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine.offload.host_store import HostStore
+from engine.offload.layout import LayerLayout, bind, nf4_code, unpack_into
+
+log = logging.getLogger(__name__)
+
+
+# ---- the executor ---------------------------------------------------------------------------
+LayerCall = Callable[[nn.Module, int, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class LayerHome:
+    """Where model layer i lives: a resident module, a packed device buffer (NF4 resident) or
+    index `store_index` of the host store."""
+
+    module: nn.Module | None = None
+    packed: torch.Tensor | None = None
+    store_index: int | None = None
+
+
+class LayerStreamer:
+    """Runs all decoder layers of a pass in order, streaming the offloaded ones through a ring
+    of device slots. `call(module, layer_idx, hidden)` runs one layer (causal_lm supplies it)."""
+
+    def __init__(self, homes: list[LayerHome], layout: LayerLayout, store: HostStore | None,
+                 make_template: Callable[[], nn.Module], device: torch.device, ring_slots: int) -> None:
+        self.homes = homes
+        self.layout = layout
+        self.store = store
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.streamed = [i for i, h in enumerate(homes) if h.store_index is not None]
+        m = len(self.streamed)
+        self.k = min(ring_slots, m) if m else 0
+        self._slots = [torch.empty(layout.nbytes, dtype=torch.uint8, device=self.device) for _ in range(self.k)]
+        self._code = nf4_code(self.device) if layout.quant == "nf4" else None
+        self.dense_layout = layout.dense_layout()
+        if layout.quant == "nf4":
+            # one dense buffer: the compute stream dequantises into it, then runs the layer
+            self._dense = torch.empty(self.dense_layout.nbytes, dtype=torch.uint8, device=self.device)
+            self._dense_params = self.dense_layout.params(self._dense)
+            self._dense_template = make_template()
+            bind(self._dense_template, self._dense_params)
+            self._templates: list[nn.Module] = []
+        else:
+            self._templates = []
+            for slot in self._slots:
+                t = make_template()
+                bind(t, layout.params(slot))
+                self._templates.append(t)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specchat-offload") if m else None
+        self._copy_stream = torch.cuda.Stream(device=self.device) if self.cuda and m else None
+        self._loaded = [torch.cuda.Event() for _ in range(self.k)] if self._copy_stream else []
+        self._free = [torch.cuda.Event() for _ in range(self.k)] if self._copy_stream else []
+        self._staging = ([torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(self.k)]
+                         if self._copy_stream and store is not None and store.disk_layers else [])
+        self._pending: list[Future[None] | None] = [None] * self.k
+        self._slot_layer: list[int | None] = [None] * self.k  # store index a slot holds (or is getting)
+        self._pos = 0  # position in the cyclic sequence of streamed layers of the next layer to run
+        self._primed = False
+
+    # -- scheduling --
+    def _submit(self, pos: int) -> None:
+        """Start loading streamed position `pos` into its slot (pos % k)."""
+        assert self._pool is not None and self.store is not None
+        k = pos % self.k
+        j = self.homes[self.streamed[pos % len(self.streamed)]].store_index
+        assert j is not None
+        if self._slot_layer[k] == j:  # already there (ring as large as the streamed set)
+            return
+        self._slot_layer[k] = j
+        if self.store.tier(j) == "disk":
+            self.store.will_need(j)
+        self._pending[k] = self._pool.submit(self._load, j, k)
+
+    @torch.inference_mode()
+    def _load(self, j: int, k: int) -> None:
+        assert self.store is not None
+        src = self.store.source(j)
+        disk = self.store.tier(j) == "disk"
+        if self._copy_stream is None:  # CPU: a plain copy (on this worker thread)
+            self._slots[k].copy_(src)
+        else:
+            if disk:  # page in from the file to pinned staging, then DMA
+                staging = self._staging[k]
+                self._loaded[k].synchronize()  # the previous DMA out of this staging buffer
+                staging.copy_(src)
+                src = staging
+            with torch.cuda.stream(self._copy_stream):
+                self._copy_stream.wait_event(self._free[k])  # the slot's previous layer has run
+                self._slots[k].copy_(src, non_blocking=True)
+                self._loaded[k].record(self._copy_stream)
+        if disk:
+            self.store.done_with(j)
+
+    def _acquire(self, pos: int) -> int:
+        k = pos % self.k
+        fut = self._pending[k]
+        if fut is not None:
+            fut.result()
+            self._pending[k] = None
+        if self._copy_stream is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._loaded[k])
+        return k
+
+    def _release(self, k: int) -> None:
+        if self._copy_stream is not None:
+            self._free[k].record(torch.cuda.current_stream(self.device))
+
+    def reset(self) -> None:
+        """Forget the schedule (after a failed pass): wait for copies in flight; the next pass
+        starts from its first layer."""
+        for k, fut in enumerate(self._pending):
+            if fut is not None:
+                try:
+                    fut.result()
+                except Exception:  # noqa: BLE001 -- the next pass reloads the slot
+                    log.debug("a layer copy failed during a failed pass", exc_info=True)
+            self._pending[k] = None
+        self._slot_layer = [None] * self.k
+        self._pos, self._primed = 0, False
+
+    # -- one pass --
+    def run(self, hidden: torch.Tensor, call: LayerCall) -> torch.Tensor:
+        try:
+            return self._run(hidden, call)
+        except BaseException:
+            self.reset()
+            raise
+
+    def _run(self, hidden: torch.Tensor, call: LayerCall) -> torch.Tensor:
+        m = len(self.streamed)
+        if m and not self._primed:
+            for p in range(self.k):
+                self._submit(p)
+            self._primed = True
+        for i, home in enumerate(self.homes):
+            if home.module is not None:
+                hidden = call(home.module, i, hidden)
+                continue
+            if home.packed is not None:  # NF4 resident on the device
+                assert self._code is not None
+                unpack_into(self.layout, home.packed, self._dense_params, self._code)
+                hidden = call(self._dense_template, i, hidden)
+                continue
+            pos = self._pos
+            k = self._acquire(pos)
+            if self._code is not None:
+                unpack_into(self.layout, self._slots[k], self._dense_params, self._code)
+                self._release(k)  # the slot is free once dequantised
+                hidden = call(self._dense_template, i, hidden)
+            else:
+                hidden = call(self._templates[k], i, hidden)
+                self._release(k)
+            self._pos = pos + 1
+            # refill this slot with the layer k positions ahead (wrapping into the next pass)
+            self._submit(pos + self.k)
+        # positions keep counting across passes (each pass consumes exactly m), so a slot
+        # prefetched at the end of one pass is found at the start of the next
+        return hidden
+
+    def close(self) -> None:
+        self.reset()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        if self.store is not None:
+            self.store.close()
+

@@ -1,0 +1,273 @@
+"""The planner: predicted tokens/s of a target/draft pair on a measured machine, and the tree
+budget and depth that maximise it (or plain autoregressive decoding when speculation does not
+pay). `--budget auto`, the models page, the wizard and `specchat bench plan` use it.
+
+Cost model of one speculation step with budget B and depth D (n = B + 1 tree tokens):
+
+    tok/s(B, D) = a(B, D) / (T_draft(B, D) + T_target(n) + a * T_head + overhead)
+
+- T_target(n), from the placement of the target's decoder layers: a layer resident on the
+  device costs compute(n); a layer streamed from RAM costs max(bytes / pinned bandwidth,
+  compute(n)) when copies overlap compute (else the sum); a disk-tier layer costs
+  max(bytes / disk read speed, compute(n)). compute(n) is the profile's measured layer curve
+  (profile.LayerTiming) rescaled to this model's layer size.
+- T_draft = draft passes per step x one draft pass over default_expand_per_pass(B) nodes (the
+  drafter's batch); the draft is resident.
+- a(B, D), expected tokens per target pass, and the draft passes per step: the acceptance
+  curve (calibration.py), a prior refitted to the engine's own recorded passes.
+- autoregressive: 1 / (T_target(1) + T_head + small overhead); chosen when no budget beats it.
+
+Everything here takes plain data (a HardwareProfile, ModelShapes, a Placement, a PassRecord),
+never a loaded model. What this module does not do: measure (measure.py), load models or place
+weights (the loader decides the real placement; `estimate_placement` predicts it for a model
+that is not loaded yet).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from engine.planning.calibration import AcceptanceCurve
+from engine.planning.placement import MemoryNeeds, activation_bytes, plan_placement
+from engine.planning.profile import HardwareProfile
+from engine.store.catalog import CatalogModel
+from engine.types import (
+    DecodeMode,
+    Fit,
+    ModelShape,
+    PassRecord,
+    Placement,
+    Quant,
+    default_expand_per_pass,
+)
+from engine.units import GB
+
+DEFAULT_BUDGETS = tuple(2**i for i in range(12))  # 1 .. 2048
+DEPTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+STEP_OVERHEAD_S = 0.004  # engine bookkeeping per speculation step (README table: 4-9 ms on CPU)
+AR_OVERHEAD_S = 0.0002
+NF4_BYTES_PER_PARAM = 0.5625  # 4-bit codes + one fp16 scale per 64 weights, as in catalog.json
+HOST_MARGIN_BYTES = 2 * GB  # RAM left to the OS and the app when predicting a placement
+PREDICTED_CONTEXT = 4096  # KV cache a prediction reserves room for
+PREDICTED_BUDGET = 512  # tree activations a prediction reserves room for
+
+
+# ---- pass times ---------------------------------------------------------------------------------
+def layer_bytes(shape: ModelShape, quant: str, device: str) -> int:
+    if quant == "nf4":
+        return int(shape.layer_params * NF4_BYTES_PER_PARAM)
+    return shape.layer_params * (4 if device == "cpu" else 2)  # the engine runs fp32 on CPU, 16-bit on GPU
+
+
+def compute_seconds(profile: HardwareProfile, params: int, tokens: int, quant: str = "none") -> float:
+    """One layer of `params` weights over `tokens` tokens on the profile's compute device."""
+    t = profile.layer_timing.scaled_seconds(params, tokens)
+    if quant == "nf4" and profile.gpu is not None:  # dequantise to 16-bit before the matmuls
+        t += 2 * params / (profile.gpu.device_memory_gbps * GB)
+    return t
+
+
+def target_pass_seconds(profile: HardwareProfile, target: ModelShape, placement: Placement, tokens: int) -> float:
+    """One target pass over `tokens` tree tokens (the decoder layers; the head is separate)."""
+    compute = compute_seconds(profile, target.layer_params, tokens, placement.quant)
+    total = placement.gpu_layers * compute
+    gpu = profile.gpu
+    if placement.ram_layers:
+        if gpu is not None and placement.device != "cpu":
+            copy = placement.layer_bytes / (gpu.pinned_h2d_gbps * GB)
+            per = max(copy, compute) if gpu.copy_overlaps_compute else copy + compute
+        else:  # CPU streaming is a RAM copy
+            per = placement.layer_bytes / (profile.ram_copy_gbps * GB) + compute
+        total += placement.ram_layers * per
+    if placement.disk_layers:
+        read = placement.layer_bytes / (profile.disk_read_gbps * GB)
+        total += placement.disk_layers * max(read, compute)
+    return total
+
+
+def head_seconds(profile: HardwareProfile, model: ModelShape, rows: int) -> float:
+    return compute_seconds(profile, model.head_params, rows)
+
+
+def draft_pass_seconds(profile: HardwareProfile, draft: ModelShape, nodes: int) -> float:
+    return (draft.num_layers * compute_seconds(profile, draft.layer_params, nodes)
+            + head_seconds(profile, draft, nodes))
+
+
+# ---- choosing -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BudgetPrediction:
+    budget: int
+    max_depth: int
+    tokens_per_pass: float
+    draft_seconds: float
+    target_seconds: float
+    tokens_per_second: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The planner's choice. mode "autoregressive" has budget 0 and max_depth 0."""
+
+    mode: DecodeMode
+    budget: int
+    max_depth: int
+    tokens_per_second: float
+    autoregressive_tokens_per_second: float
+    curve: tuple[BudgetPrediction, ...]
+    reason: str
+
+
+def predict_budget(profile: HardwareProfile, target: ModelShape, draft: ModelShape, placement: Placement,
+                   budget: int, max_depth: int, curve: AcceptanceCurve = AcceptanceCurve()) -> BudgetPrediction:
+    a = curve.tokens_per_pass(budget, max_depth)
+    per_pass = default_expand_per_pass(budget)
+    t_draft = curve.draft_seconds(budget)
+    if t_draft is None:
+        t_draft = (curve.draft_passes(budget, max_depth) * draft_pass_seconds(profile, draft, per_pass)
+                   * curve.draft_time_scale)
+    t_target = curve.target_time_scale * (target_pass_seconds(profile, target, placement, budget + 1)
+                                          + a * head_seconds(profile, target, 1))
+    return BudgetPrediction(budget, max_depth, a, t_draft, t_target, a / (t_draft + t_target + STEP_OVERHEAD_S))
+
+
+def autoregressive_tokens_per_second(profile: HardwareProfile, target: ModelShape, placement: Placement,
+                                     time_scale: float = 1.0) -> float:
+    step = time_scale * (target_pass_seconds(profile, target, placement, 1) + head_seconds(profile, target, 1))
+    return 1.0 / (step + AR_OVERHEAD_S)
+
+
+def time_scales(profile: HardwareProfile, target: ModelShape, draft: ModelShape, placement: Placement,
+                records: PassRecord) -> tuple[float, float]:
+    """(target, draft) measured / predicted seconds over the engine's recorded SpecExec passes."""
+    t_meas = t_pred = d_meas = d_pred = 0.0
+    for (mode, b), r in records.items():
+        if mode != "specexec" or not r.passes:
+            continue
+        t_meas += r.target_seconds
+        t_pred += r.passes * (target_pass_seconds(profile, target, placement, b + 1)
+                              + r.tokens / r.passes * head_seconds(profile, target, 1))
+        d_meas += r.draft_seconds
+        d_pred += r.draft_passes * draft_pass_seconds(profile, draft, default_expand_per_pass(b))
+    return (t_meas / t_pred if t_meas and t_pred else 1.0, d_meas / d_pred if d_meas and d_pred else 1.0)
+
+
+def choose_budget(profile: HardwareProfile, target: ModelShape, draft: ModelShape | None, placement: Placement,
+                  curve: AcceptanceCurve = AcceptanceCurve(), budgets: Sequence[int] = DEFAULT_BUDGETS,
+                  depths: Sequence[int] = DEPTHS) -> Plan:
+    """The budget and depth with the most predicted tok/s, or autoregressive when none beats it."""
+    ar = autoregressive_tokens_per_second(profile, target, placement, curve.target_time_scale)
+    if draft is None:
+        return Plan("autoregressive", 0, 0, ar, ar, (), "no draft model: one target pass per token")
+    best_per_budget = []
+    for b in budgets:
+        options = [predict_budget(profile, target, draft, placement, b, d, curve) for d in depths if d <= max(b, 1)]
+        best_per_budget.append(max(options, key=lambda p: p.tokens_per_second))
+    best = max(best_per_budget, key=lambda p: p.tokens_per_second)
+    if best.tokens_per_second <= ar:
+        reason = (f"speculation does not pay here: the best tree (budget {best.budget}) would give "
+                  f"{best.tokens_per_second:.2f} tok/s against {ar:.2f} without a draft")
+        return Plan("autoregressive", 0, 0, ar, ar, tuple(best_per_budget), reason)
+    reason = (f"budget {best.budget}, depth {best.max_depth}: {best.tokens_per_pass:.1f} tokens per pass, "
+              f"draft {best.draft_seconds:.3f} s + target {best.target_seconds:.3f} s per step, "
+              f"{best.tokens_per_second / ar:.1f}x autoregressive")
+    return Plan("specexec", best.budget, best.max_depth, best.tokens_per_second, ar, tuple(best_per_budget), reason)
+
+
+# ---- catalog pairs --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PairPrediction:
+    """Predicted speed of a catalog pair on a profile. fit: "fits" (weights in VRAM + RAM, at
+    least 1 tok/s), "slow" (in memory but under 1 tok/s), "too big" (needs the disk tier)."""
+
+    tokens_per_second: float
+    budget: int
+    max_depth: int
+    mode: DecodeMode
+    fit: Fit
+    placement: Placement
+    quant: str
+    reason: str
+    autoregressive_tokens_per_second: float = 0.0
+
+
+def estimate_placement(profile: HardwareProfile, target: ModelShape, quant: Quant,
+                       draft: ModelShape | None = None, context_length: int = PREDICTED_CONTEXT) -> Placement:
+    """Where the loader would put the target's layers on this machine: plan_placement with the
+    memory a model that is not loaded yet is estimated to need."""
+    device = "cpu" if profile.gpu is None else "cuda:0"
+    lbytes = layer_bytes(target, quant, device)
+    dtype_bytes = 4 if device == "cpu" else 2
+    draft_bytes = draft.params * dtype_bytes if draft is not None else 0
+    host_free = max(0, profile.ram_available - HOST_MARGIN_BYTES)
+    layer = target.layer
+    needs = MemoryNeeds(
+        fixed=2 * target.head_params * dtype_bytes + draft_bytes,
+        kv_per_token=target.kv_bytes_per_token(dtype_bytes),
+        activations=activation_bytes(PREDICTED_BUDGET, context_length, layer.hidden_size, layer.intermediate_size,
+                                     layer.num_attention_heads, target.vocab_size, dtype_bytes))
+    device_free = profile.gpu.vram_free if profile.gpu is not None else host_free
+    return plan_placement(num_layers=target.num_layers, layer_bytes=lbytes, dense_layer_bytes=target.layer_params * 2,
+                          quant=quant, offload="auto", device=device, device_free=device_free, needs=needs,
+                          context_length=context_length, host_free=host_free)
+
+
+def _quant_options(profile: HardwareProfile, model: CatalogModel, quant: str) -> list[Quant]:
+    if getattr(model, "prequantised", None):
+        return ["nf4"]
+    if profile.gpu is None:
+        return ["none"]  # CPU runs fp32; NF4 kernels are GPU-only
+    if quant in ("none", "nf4"):
+        return [quant]
+    if quant == "bf16":
+        return ["none"]
+    return ["none", "nf4"]
+
+
+def predict_pair(profile: HardwareProfile, target: CatalogModel, draft: CatalogModel | None, quant: str = "auto",
+                 curve: AcceptanceCurve = AcceptanceCurve()) -> PairPrediction:
+    """Predicted tok/s of catalog models `target` (+ `draft`, None = no draft) on `profile`.
+    quant "auto" tries 16-bit and NF4 and keeps the faster one that avoids the disk tier."""
+    tshape = target.shape()
+    dshape = draft.shape() if draft is not None else None
+    results = []
+    for q in _quant_options(profile, target, quant):
+        placement = estimate_placement(profile, tshape, q, dshape)
+        plan = choose_budget(profile, tshape, dshape, placement, curve)
+        results.append((placement.disk_layers > 0, -plan.tokens_per_second, q, placement, plan))
+    on_disk, _, q, placement, plan = min(results, key=lambda r: (r[0], r[1]))
+    fit: Fit = "too big" if on_disk else "fits" if plan.tokens_per_second >= 1.0 else "slow"
+    where = placement.describe()
+    reason = f"{where}; {plan.reason}" if plan.mode == "specexec" else f"{where}; autoregressive: {plan.reason}"
+    if on_disk:
+        reason = (f"{where}: the weights do not fit in VRAM + RAM, so {placement.disk_layers} layers are read "
+                  f"from disk every pass; {plan.reason}")
+    quant_name = "bf16" if q == "none" and placement.device != "cpu" else "fp32" if q == "none" else q
+    return PairPrediction(plan.tokens_per_second, plan.budget, plan.max_depth, plan.mode, fit, placement,
+                          quant_name, reason, plan.autoregressive_tokens_per_second)
+
+
+def predict_curve(profile: HardwareProfile, target: CatalogModel, draft: CatalogModel, quant: str = "auto",
+                  budgets: Sequence[int] = DEFAULT_BUDGETS) -> list[tuple[int, float]]:
+    """(budget, predicted tok/s at its best depth) for the quantisation predict_pair picks."""
+    chosen = predict_pair(profile, target, draft, quant)
+    tshape, dshape = target.shape(), draft.shape()
+    plan = choose_budget(profile, tshape, dshape, chosen.placement, budgets=budgets)
+    return [(p.budget, p.tokens_per_second) for p in plan.curve]
+
+
+# ---- a loaded pair (`--budget auto`, the app, the bench) -------------------------------------------
+def plan_for_pair(profile: HardwareProfile, target: ModelShape, draft: ModelShape | None, placement: Placement,
+                  records: PassRecord, curve: AcceptanceCurve | None = None,
+                  budgets: Sequence[int] = DEFAULT_BUDGETS) -> Plan | None:
+    """The plan for a loaded pair: its shapes, the target's placement and the passes its engine
+    has recorded. Unless `curve` is given, the acceptance curve and the pass-time scales are
+    calibrated from `records`. None when the profile's layer curve was measured on another kind
+    of device than the one the models run on (its timings would not apply)."""
+    if placement.device.startswith("cuda") != profile.layer_timing.device.startswith("cuda"):
+        return None
+    if curve is None and draft is not None:
+        t_scale, d_scale = time_scales(profile, target, draft, placement, records)
+        curve = replace(AcceptanceCurve.from_records(records), target_time_scale=t_scale, draft_time_scale=d_scale)
+    return choose_budget(profile, target, draft, placement, curve or AcceptanceCurve(), budgets)

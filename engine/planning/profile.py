@@ -1,0 +1,223 @@
+"""The hardware profile: what this machine can do, measured once (measure.py) or taken from
+datasheets (reference.py), saved as versioned JSON in the user data dir, and read by the
+planner and the app's wizard and models page.
+
+It holds: OS, CPU model and cores, RAM total/available and copy bandwidth, read speed of the
+models folder's disk; per GPU: name, VRAM, PCIe link, host-to-device and device bandwidths,
+matmul rates, whether copies overlap compute; and the timing curve of one real decoder layer
+of a given shape over tree sizes (`LayerTiming`: measured points only, extrapolated linearly
+past the last one).
+
+What this module does not do: measure (measure.py), decide anything (planner.py), load models.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from engine import paths
+from engine.types import LayerShape
+from engine.units import GB
+
+log = logging.getLogger(__name__)
+
+PROFILE_VERSION = 1
+GPU_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)  # tree sizes a GPU curve covers
+
+# From the models' published config.json files.
+LAYER_SHAPES = {
+    "llama-70b": LayerShape("llama-70b", 8192, 28672, 64, 8, 128),  # Llama-2/3.x 70B
+    "qwen2.5-72b": LayerShape("qwen2.5-72b", 8192, 29568, 64, 8, 128),
+    "llama-8b": LayerShape("llama-8b", 4096, 14336, 32, 8, 128),
+    "tiny": LayerShape("tiny", 64, 172, 4, 2, 16),  # tests
+}
+
+
+@dataclass(frozen=True)
+class LayerTiming:
+    """Seconds for one decoder layer over n new tokens (256 tokens of context in the cache).
+
+    points: measured (tokens, seconds), ascending; beyond the last one `seconds()` grows
+    linearly with the slope of the last two (compute-bound), below the first it is flat.
+    overhead_s: one tiny layer at 1 token on the same device: the per-layer cost that does not
+    scale with the weights (kernel launches, Python), used to rescale to other shapes."""
+
+    shape: LayerShape
+    device: str
+    dtype: str
+    layer_bytes: int
+    points: tuple[tuple[int, float], ...]
+    overhead_s: float
+
+    def seconds(self, tokens: int) -> float:
+        pts = self.points
+        if tokens <= pts[0][0]:
+            return pts[0][1]
+        for (n0, t0), (n1, t1) in itertools.pairwise(pts):
+            if tokens <= n1:
+                return t0 + (t1 - t0) * (tokens - n0) / (n1 - n0)
+        if len(pts) == 1:
+            return pts[0][1]
+        (n0, t0), (n1, t1) = pts[-2], pts[-1]
+        return t1 + max(t1 - t0, 0.0) / (n1 - n0) * (tokens - n1)
+
+    def scaled_seconds(self, shape_params: int, tokens: int) -> float:
+        """The same device's time for a layer of `shape_params` parameters (same dtype): the
+        weight-proportional part scales with the parameter count, the overhead does not."""
+        base = self.seconds(tokens)
+        return self.overhead_s + max(base - self.overhead_s, 0.0) * shape_params / self.shape.params
+
+    @property
+    def memory_bandwidth(self) -> float:
+        """Bytes/s the layer streams from memory at 1 token (the memory-bound end)."""
+        return self.layer_bytes / max(self.points[0][1] - self.overhead_s, 1e-9)
+
+
+@dataclass(frozen=True)
+class GpuProfile:
+    index: int
+    name: str
+    vram_total: int
+    vram_free: int
+    pcie_gen_current: int | None
+    pcie_width_current: int | None
+    pcie_gen_loaded: int | None  # read while a host-to-device copy runs (links idle down)
+    pcie_width_loaded: int | None
+    pcie_gen_max: int | None
+    pcie_width_max: int | None
+    pinned_h2d_gbps: float
+    pageable_h2d_gbps: float
+    device_memory_gbps: float
+    fp16_tflops: float
+    bf16_tflops: float
+    copy_overlaps_compute: bool
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """One machine, measured. Sizes in bytes, bandwidths in GB/s (10**9 bytes)."""
+
+    version: int
+    created: str
+    os: str
+    cpu_model: str
+    cpu_cores: int
+    cpu_threads: int
+    torch_threads: int
+    ram_total: int
+    ram_available: int
+    ram_copy_gbps: float
+    disk_path: str
+    disk_read_gbps: float
+    disk_read_uncached: bool  # False: the OS could not drop the test file from its cache
+    gpus: tuple[GpuProfile, ...]
+    layer_timing: LayerTiming
+    measure_seconds: float
+    warnings: tuple[str, ...] = ()
+    quick: bool = False
+
+    @property
+    def gpu(self) -> GpuProfile | None:
+        return self.gpus[0] if self.gpus else None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> HardwareProfile:
+        lt = dict(d["layer_timing"])
+        lt["shape"] = LayerShape(**lt["shape"])
+        lt["points"] = tuple((int(n), float(s)) for n, s in lt["points"])
+        fields = dict(d)
+        fields["layer_timing"] = LayerTiming(**lt)
+        fields["gpus"] = tuple(GpuProfile(**g) for g in d.get("gpus", ()))
+        fields["warnings"] = tuple(d.get("warnings", ()))
+        return HardwareProfile(**fields)
+
+    def summary_lines(self) -> list[str]:
+        lt = self.layer_timing
+        lines = [
+            f"OS: {self.os}",
+            (f"CPU: {self.cpu_model}, {self.cpu_cores} cores / {self.cpu_threads} threads "
+             f"(torch uses {self.torch_threads})"),
+            (f"RAM: {self.ram_total / GB:.1f} GB total, {self.ram_available / GB:.1f} GB available, "
+             f"copy {self.ram_copy_gbps:.1f} GB/s"),
+            f"Models disk ({self.disk_path}): read {self.disk_read_gbps:.2f} GB/s"
+            + ("" if self.disk_read_uncached else " (may include the OS cache)"),
+        ]
+        for g in self.gpus:
+            link = (f"PCIe Gen{g.pcie_gen_loaded or g.pcie_gen_current} x{g.pcie_width_loaded or g.pcie_width_current}"
+                    f" (max Gen{g.pcie_gen_max} x{g.pcie_width_max})" if g.pcie_gen_max else "PCIe link unknown")
+            lines.append(f"GPU {g.index}: {g.name}, {g.vram_total / GB:.1f} GB VRAM ({g.vram_free / GB:.1f} free), {link}")
+            lines.append(f"  host->GPU {g.pinned_h2d_gbps:.1f} GB/s pinned, {g.pageable_h2d_gbps:.1f} GB/s pageable; "
+                         f"VRAM {g.device_memory_gbps:.0f} GB/s; fp16 {g.fp16_tflops:.0f} / bf16 {g.bf16_tflops:.0f} "
+                         f"TFLOP/s; copies {'overlap' if g.copy_overlaps_compute else 'do not overlap'} compute")
+        if not self.gpus:
+            lines.append("GPU: none (CUDA not available to PyTorch)")
+        measured = ", ".join(f"{n}: {s * 1e3:.0f} ms" for n, s in lt.points)
+        lines.append(f"One {lt.shape.name} layer ({lt.layer_bytes / GB:.2f} GB {lt.dtype}) on {lt.device}, "
+                     f"tokens: {measured}; per-layer overhead {lt.overhead_s * 1e3:.2f} ms")
+        lines += [f"warning: {w}" for w in self.warnings]
+        return lines
+
+
+# ---- saving -----------------------------------------------------------------------------------
+def profile_path() -> Path:
+    return paths.data_dir() / "hardware_profile.json"
+
+
+def save_profile(profile: HardwareProfile, path: Path | None = None) -> Path:
+    target = path or profile_path()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(".tmp")
+    tmp.write_text(json.dumps(profile.to_json(), indent=1), encoding="utf-8")
+    os.replace(tmp, target)  # a reader never sees half a file
+    return target
+
+
+def load_profile(path: Path | None = None) -> HardwareProfile | None:
+    """The saved profile, or None when there is none, it is unreadable or from another version
+    (the caller measures again)."""
+    source = path or profile_path()
+    try:
+        raw = json.loads(source.read_text(encoding="utf-8"))
+        if raw.get("version") != PROFILE_VERSION:
+            return None
+        return HardwareProfile.from_json(raw)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.info("no usable hardware profile at %s (%s)", source, exc)
+        return None
+
+
+def profile_warnings(profile: HardwareProfile, need_ram_bytes: int | None = None) -> list[str]:
+    """Problems a user can act on. `need_ram_bytes`: the chosen model's host-memory need."""
+    out: list[str] = []
+    for g in profile.gpus:
+        gen = g.pcie_gen_loaded or g.pcie_gen_current
+        width = g.pcie_width_loaded or g.pcie_width_current
+        if width is not None and width < 16:
+            out.append(f"GPU {g.index} ({g.name}) runs on a PCIe x{width} link"
+                       f"{f' (it supports x{g.pcie_width_max})' if g.pcie_width_max and g.pcie_width_max > width else ''}: "
+                       "streaming weights will be slower. Move it to the first x16 slot (see the motherboard manual).")
+        if gen is not None and gen < 4:
+            out.append(f"GPU {g.index} ({g.name}) links at PCIe Gen{gen}"
+                       f"{f' (it supports Gen{g.pcie_gen_max})' if g.pcie_gen_max and g.pcie_gen_max > gen else ''}: "
+                       "about half the bandwidth of Gen4. Check the slot and the PCIe setting in the BIOS.")
+        if g.pinned_h2d_gbps < 10.0:
+            out.append(f"GPU {g.index} ({g.name}) receives only {g.pinned_h2d_gbps:.1f} GB/s from RAM (PCIe 4 x16 "
+                       "gives ~25): it sits on a slow link (chipset slot, riser or Thunderbolt). Offloaded models "
+                       "will be slow; prefer 4-bit models that fit more layers on the GPU.")
+    if not profile.gpus:
+        out.append("No CUDA GPU was found: 70B models would run on the CPU at well under 1 token/s. "
+                   "Use a small model pair, or install the NVIDIA driver and a CUDA build of PyTorch.")
+    if need_ram_bytes is not None and need_ram_bytes > profile.ram_total:
+        out.append(f"The chosen model needs about {need_ram_bytes / GB:.0f} GB of RAM but this machine has "
+                   f"{profile.ram_total / GB:.0f} GB: the rest would be read from disk every pass (very slow). "
+                   "Pick a 4-bit version or a smaller model, or add RAM.")
+    return out

@@ -1,0 +1,64 @@
+"""Reference machines from datasheet figures, for `specchat bench plan --gpu` and the cost
+model's tests against published numbers: a HardwareProfile whose layer curve is a roofline.
+
+What this module does not do: measure anything (measure.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.planning.profile import (
+    GPU_TOKENS,
+    LAYER_SHAPES,
+    PROFILE_VERSION,
+    GpuProfile,
+    HardwareProfile,
+    LayerTiming,
+)
+from engine.units import GB
+
+
+@dataclass(frozen=True)
+class ReferenceGpu:
+    """Datasheet figures of a GPU: VRAM, memory bandwidth, dense fp16 tensor rate (fp32 accumulate)."""
+
+    name: str
+    vram_gb: float
+    memory_gbps: float
+    fp16_tflops: float
+    pcie_gen: int
+
+
+REFERENCE_GPUS = {
+    "rtx4090": ReferenceGpu("NVIDIA GeForce RTX 4090", 24, 1008, 165, 4),
+    "rtx3090": ReferenceGpu("NVIDIA GeForce RTX 3090", 24, 936, 71, 4),
+    "rtx4060ti-16gb": ReferenceGpu("NVIDIA GeForce RTX 4060 Ti 16GB", 16, 288, 44, 4),
+    "l40": ReferenceGpu("NVIDIA L40", 48, 864, 181, 4),
+    "a100-80gb": ReferenceGpu("NVIDIA A100 80GB PCIe", 80, 1935, 312, 4),
+}
+MEMORY_EFFICIENCY = 0.8  # share of datasheet bandwidth a 16-bit GEMV reaches
+COMPUTE_EFFICIENCY = 0.6  # share of datasheet tensor rate a decoder layer's GEMMs reach
+GPU_LAYER_OVERHEAD_S = 1.5e-4  # ~15 kernel launches per decoder layer
+
+
+def reference_profile(gpu: str = "rtx4090", pinned_gbps: float = 25.0, ram_gb: float = 128.0,
+                      disk_gbps: float = 3.0, layer_shape: str = "llama-70b") -> HardwareProfile:
+    """A profile built from datasheet figures instead of measurements: the layer curve is a
+    roofline, overhead + max(bytes / (0.8 x memory bandwidth), flops / (0.6 x tensor rate)).
+    `pinned_gbps` is the host-to-device rate (PCIe 4 x16 pinned copies reach ~25 GB/s)."""
+    ref = REFERENCE_GPUS[gpu]
+    shape = LAYER_SHAPES[layer_shape]
+    nbytes = shape.params * 2
+    points = tuple((n, GPU_LAYER_OVERHEAD_S + max(nbytes / (ref.memory_gbps * GB * MEMORY_EFFICIENCY),
+                                                  shape.flops(n) / (ref.fp16_tflops * 1e12 * COMPUTE_EFFICIENCY)))
+                   for n in GPU_TOKENS)
+    timing = LayerTiming(shape, "cuda:0", "bfloat16", nbytes, points, GPU_LAYER_OVERHEAD_S)
+    card = GpuProfile(0, ref.name, int(ref.vram_gb * GB), int((ref.vram_gb - 0.5) * GB), ref.pcie_gen, 16,
+                      ref.pcie_gen, 16, ref.pcie_gen, 16, pinned_gbps, pinned_gbps * 0.5, ref.memory_gbps * MEMORY_EFFICIENCY,
+                      ref.fp16_tflops, ref.fp16_tflops, True)
+    return HardwareProfile(
+        version=PROFILE_VERSION, created="reference", os="-", cpu_model="reference", cpu_cores=16, cpu_threads=32,
+        torch_threads=16, ram_total=int(ram_gb * GB), ram_available=int((ram_gb - 4) * GB), ram_copy_gbps=20.0,
+        disk_path="-", disk_read_gbps=disk_gbps, disk_read_uncached=True, gpus=(card,), layer_timing=timing,
+        measure_seconds=0.0, warnings=(), quick=False)

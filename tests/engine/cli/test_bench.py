@@ -1,0 +1,42 @@
+"""`specchat bench speculation` end to end on the tiny pair: every row kind, the planner column,
+the JSON and PNG files; and the acceptance-by-rank measurement."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from engine.cli.bench import DEFAULT_PROMPTS, measure_rank_acceptance, run_engine_row
+from engine.cli.main import main
+from engine.decoding.generation import Engine
+from engine.planning.measure import measure_hardware
+from engine.planning.profile import save_profile
+
+
+def test_rank_acceptance_of_a_close_draft(close_engine: Engine) -> None:
+    outputs: list[list[int]] = []
+    run_engine_row(close_engine, DEFAULT_PROMPTS[:2], "autoregressive", 1, 0.0, 12, outputs=outputs)
+    accept = measure_rank_acceptance(close_engine, DEFAULT_PROMPTS[:2], outputs, ranks=8)
+    assert len(accept) == 8 and 0.0 <= sum(accept) <= 1.0 + 1e-6
+    assert accept[0] > 0.5 and accept[0] == max(accept)  # a 5%-noise copy mostly agrees on the top token
+
+
+def test_bench_speculation_writes_table_json_and_plot(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                      tiny_target_path: Path, tiny_draft_path: Path) -> None:
+    profile = save_profile(measure_hardware(quick=True, models_dir=tmp_path), tmp_path / "profile.json")
+    rc = main(["bench", "speculation", "--target", str(tiny_target_path), "--draft", str(tiny_draft_path),
+               "--budgets", "4,16", "--temperatures", "0", "--max-new-tokens", "10", "--profile", str(profile),
+               "--out", str(tmp_path / "out"), "--threads", "1"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    methods = [line.split()[0] for line in out.splitlines() if line.split() and line.split()[0] in
+               ("autoregressive", "specexec", "sequoia", "hf-assisted")]
+    assert methods == ["autoregressive", "specexec", "specexec", "sequoia", "sequoia", "hf-assisted"]
+    assert "pred tok/s" in out and "acceptance by rank" in out and "planner" in out
+    result = json.loads((tmp_path / "out" / "speculation.json").read_text())
+    assert {r["method"] for r in result["rows"]} == {"autoregressive", "specexec", "sequoia", "hf-assisted"}
+    assert all(r["tokens_per_pass"] >= 1.0 for r in result["rows"])
+    png = (tmp_path / "out" / "speculation.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"

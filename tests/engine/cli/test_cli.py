@@ -1,0 +1,292 @@
+"""`specchat generate|chat` against DESIGN.md's CLI contract, on tiny random models.
+
+Most cases call `engine.cli.main([...])` in this process (one torch import for all of them);
+three run `python -m engine` as a real subprocess for what only a process shows: the exit code
+and the whole stderr of a failed load, stdin-driven chat up to EOF, and Ctrl+C (SIGINT).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import io
+import json
+import os
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.cli.common import JSON_STATS_FIELDS
+from engine.cli.main import main
+from engine.cli.parser import AUTO_BUDGET
+from engine.loading.synthetic import tiny_tokenizer_files
+
+REPO = Path(__file__).resolve().parents[3]
+STATS_TYPES = {"prompt_tokens": int, "new_tokens": int, "target_passes": int, "tokens_per_pass": float,
+               "draft_passes": int, "budget": int, "seconds": float, "ttft_seconds": float,
+               "tokens_per_second": float, "peak_rss_bytes": int}
+
+
+def cli(capsys: pytest.CaptureFixture[str], *args: object) -> tuple[int, str, str]:
+    rc = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def spawn(args: list[object], model_cache: Path, **kwargs: object) -> subprocess.Popen[str]:
+    env = {**os.environ, "SPECCHAT_CACHE_DIR": str(model_cache),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    env.pop("NO_COLOR", None)
+    return subprocess.Popen([sys.executable, "-m", "engine", *map(str, args)], cwd=REPO, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kwargs)  # type: ignore[call-overload]
+
+
+def json_lines(out: str) -> list[dict]:
+    return [json.loads(line) for line in out.splitlines()]
+
+
+def stats_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("[") and "tokens/pass" in line]
+
+
+def prompt_tokens(line: str) -> int:
+    return int(line.split("prompt ")[1].split(" tokens")[0])
+
+
+# ---- end to end --------------------------------------------------------------------------------
+def test_json_greedy_specexec_equals_autoregressive_and_plain_transformers(
+    capsys: pytest.CaptureFixture[str], tiny_target_path: Path, tiny_draft_path: Path, model_cache: Path
+) -> None:
+    common = ["generate", "--target", tiny_target_path, "--draft", tiny_draft_path, "--raw-prompt", "The quick brown",
+              "--max-new-tokens", 24, "--json"]
+    proc = spawn(common, model_cache)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert err == ""  # no progress bars or transformers warnings around the JSON
+    [spec] = json_lines(out)
+    assert set(spec) == {"text", "token_ids", "finish_reason", "stats"}
+    assert set(spec["stats"]) == set(JSON_STATS_FIELDS)
+    for key, kind in STATS_TYPES.items():
+        assert isinstance(spec["stats"][key], kind), key
+    assert spec["stats"]["budget"] == AUTO_BUDGET
+    assert spec["stats"]["new_tokens"] == len(spec["token_ids"])
+    assert spec["stats"]["target_passes"] < spec["stats"]["new_tokens"]  # the tiny draft agrees often
+
+    rc, out, _ = cli(capsys, *common, "--mode", "autoregressive")
+    assert rc == 0
+    [ar] = json_lines(out)
+    assert ar["token_ids"] == spec["token_ids"] and ar["text"] == spec["text"]
+    assert ar["stats"]["target_passes"] == ar["stats"]["new_tokens"] and ar["stats"]["budget"] == 0
+
+    # independent reference: transformers' own greedy decoding of the same text
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_target_path)
+    model = AutoModelForCausalLM.from_pretrained(tiny_target_path, dtype=torch.float32)
+    ids = tok("The quick brown", return_tensors="pt")["input_ids"]
+    ref = model.generate(ids, do_sample=False, max_new_tokens=24, pad_token_id=tok.pad_token_id)
+    assert spec["token_ids"] == ref[0, ids.shape[1]:].tolist()
+
+
+def test_chat_over_stdin_answers_each_turn_and_exits_on_eof(tiny_target_path: Path, tiny_draft_path: Path,
+                                                            model_cache: Path) -> None:
+    proc = spawn(["chat", "--target", tiny_target_path, "--draft", tiny_draft_path, "--max-new-tokens", 8],
+                 model_cache, stdin=subprocess.PIPE)
+    out, err = proc.communicate("hello there\nwhat did I say?\n", timeout=120)
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err
+    first, second = stats_lines(err)
+    assert prompt_tokens(second) > prompt_tokens(first) + 1  # the second prompt holds the first turn
+    assert len(out.splitlines()) >= 2
+
+
+def test_ctrl_c_cancels_generate_keeps_partial_answer_and_exits_130(tiny_target_path: Path, model_cache: Path) -> None:
+    # greedy on this prompt runs to the length limit (no EOS), so the signal lands mid-answer
+    proc = spawn(["generate", "--target", tiny_target_path, "--raw-prompt", "Once upon a time",
+                  "--max-new-tokens", 1500, "--mode", "autoregressive"], model_cache)
+    assert proc.stdout is not None
+    first = proc.stdout.read(1)  # the first streamed character: generation is under way
+    assert first
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err
+    [stats] = stats_lines(err)
+    assert "cancelled" in stats
+    new_tokens = int(stats.strip("[").split(" tokens")[0])
+    assert 0 < new_tokens < 1500 and (first + out).strip()
+
+
+# ---- generate options, in process ------------------------------------------------------------
+def test_samples_use_consecutive_seeds(capsys: pytest.CaptureFixture[str], tiny_target_path: Path,
+                                       tiny_draft_path: Path) -> None:
+    common = ["generate", "--target", tiny_target_path, "--draft", tiny_draft_path, "--prompt", "Tell me a story",
+              "--temperature", 1, "--max-new-tokens", 12, "--json"]
+    rc, out, _ = cli(capsys, *common, "--seed", 5, "--samples", 3)
+    assert rc == 0
+    samples = json_lines(out)
+    assert len(samples) == 3
+    assert len({tuple(s["token_ids"]) for s in samples}) == 3
+    rc, out, _ = cli(capsys, *common, "--seed", 7)
+    assert rc == 0
+    assert json_lines(out)[0]["token_ids"] == samples[2]["token_ids"]  # sample i runs with seed+i
+
+
+def test_text_output_streams_the_same_answer_with_one_stats_line(
+    capsys: pytest.CaptureFixture[str], tiny_target_path: Path, tiny_draft_path: Path
+) -> None:
+    common = ["generate", "--target", tiny_target_path, "--draft", tiny_draft_path, "--system", "Be brief.",
+              "--prompt", "Where is Paris?", "--max-new-tokens", 16, "--budget", 8]
+    rc, out, _ = cli(capsys, *common, "--json")
+    assert rc == 0
+    [answer] = json_lines(out)
+    assert answer["stats"]["budget"] == 8
+    rc, out, err = cli(capsys, *common)
+    assert rc == 0
+    assert out == answer["text"] + ("" if answer["text"].endswith("\n") else "\n")
+    [line] = err.splitlines()
+    assert line == stats_lines(err)[0] and "budget 8" in line
+
+
+def test_stop_string_cuts_the_answer(capsys: pytest.CaptureFixture[str], tiny_target_path: Path) -> None:
+    common = ["generate", "--target", tiny_target_path, "--raw-prompt", "Paris is", "--max-new-tokens", 40, "--json"]
+    rc, out, _ = cli(capsys, *common)
+    assert rc == 0
+    full = json_lines(out)[0]["text"]
+    at = next(i for i in range(1, len(full) - 2) if full[i:i + 3].isascii() and full[i:i + 3].isalpha())
+    stop = full[at:at + 3]
+    rc, out, _ = cli(capsys, *common, "--stop", "never-appears", "--stop", stop)
+    assert rc == 0
+    [cut] = json_lines(out)
+    assert cut["finish_reason"] == "stop"
+    assert cut["text"] == full[:full.find(stop)]
+
+
+def test_chat_reset_forgets_and_exit_quits(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+                                           tiny_target_path: Path) -> None:
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\nand more\n/reset\nhello\n/exit\nnever read\n"))
+    rc, out, err = cli(capsys, "chat", "--target", tiny_target_path, "--max-new-tokens", 6)
+    assert rc == 0
+    first, second, third = stats_lines(err)  # three answers: "never read" comes after /exit
+    assert prompt_tokens(second) > prompt_tokens(first)
+    assert prompt_tokens(third) == prompt_tokens(first)
+    answers = out.split("\n")
+    assert answers[0] == answers[2]  # greedy, same conversation after /reset
+    assert "conversation cleared" in err
+
+
+# ---- bad input: exit 2, one `error:` line, nothing on stdout ------------------------------------
+def _gpt2_folder(root: Path) -> Path:
+    folder = root / "gpt2"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 10}))
+    (folder / "model.safetensors").write_bytes(b"\x00" * 64)
+    return folder
+
+
+def _garbage_gguf(root: Path) -> Path:
+    path = root / "x.gguf"
+    path.write_bytes(os.urandom(2048))
+    return path
+
+
+def _mismatched_draft(root: Path, tiny_target_path: Path) -> Path:
+    folder = root / "other-tokenizer"
+    shutil.copytree(tiny_target_path, folder)
+    tiny_tokenizer_files(folder, vocab_size=300)  # same weights, a different vocabulary
+    return folder
+
+
+BAD_INPUTS = {
+    "missing path": lambda root, t: ["--target", root / "nowhere"],
+    "folder without config.json": lambda root, t: ["--target", root],
+    "unsupported architecture": lambda root, t: ["--target", _gpt2_folder(root)],
+    "corrupt gguf": lambda root, t: ["--target", _garbage_gguf(root)],
+    "vocabulary mismatch": lambda root, t: ["--target", t, "--draft", _mismatched_draft(root, t)],
+    "budget 0": lambda root, t: ["--target", t, "--budget", 0],
+    "budget not a number": lambda root, t: ["--target", t, "--budget", "lots"],
+    "samples 0": lambda root, t: ["--target", t, "--samples", 0],
+    "max-new-tokens 0": lambda root, t: ["--target", t, "--max-new-tokens", 0],
+    "top-p 0": lambda root, t: ["--target", t, "--top-p", 0],
+    "no target": lambda root, t: [],
+    "system with raw prompt": lambda root, t: ["--target", t, "--system", "x", "--raw-prompt", "y"],
+    "prompt and raw prompt": lambda root, t: ["--target", t, "--prompt", "x", "--raw-prompt", "y"],
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_bad_input_is_one_error_line_and_exit_2(case: str, capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                tiny_target_path: Path) -> None:
+    args = BAD_INPUTS[case](tmp_path, tiny_target_path)
+    if "--raw-prompt" not in args and "--prompt" not in args:
+        args = [*args, "--prompt", "hi"]
+    rc, out, err = cli(capsys, "generate", *args)
+    assert rc == 2
+    assert out == ""
+    assert len(err.splitlines()) == 1 and err.startswith("error: "), err
+
+
+def test_truncated_gguf_is_one_error_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """A download cut short: a valid GGUF header whose metadata ends early."""
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 5) + struct.pack("<Q", 1000) + b"gen")
+    rc, out, err = cli(capsys, "generate", "--target", path, "--prompt", "hi")
+    assert rc == 2 and out == "" and len(err.splitlines()) == 1 and err.startswith("error: ")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_device_cuda_without_a_gpu_is_refused(capsys: pytest.CaptureFixture[str], tiny_target_path: Path) -> None:
+    rc, out, err = cli(capsys, "generate", "--target", tiny_target_path, "--prompt", "hi", "--device", "cuda")
+    assert rc == 2 and out == "" and err.startswith("error: --device cuda") and len(err.splitlines()) == 1
+
+
+def test_failed_load_in_a_real_process_prints_no_traceback(tmp_path: Path, tiny_target_path: Path,
+                                                           model_cache: Path) -> None:
+    started = time.perf_counter()
+    proc = spawn(["generate", "--target", tiny_target_path, "--draft", _mismatched_draft(tmp_path, tiny_target_path),
+                  "--prompt", "hi"], model_cache)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2
+    assert out == ""
+    assert err.startswith("error: The draft") and len(err.splitlines()) == 1, err
+    assert time.perf_counter() - started < 60
+
+
+# ---- the rest of the command tree ------------------------------------------------------------
+def test_help_documents_budget_auto(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = cli(capsys, "generate", "--help")
+    assert rc == 0
+    assert "planner" in out and f"{AUTO_BUDGET} without one" in " ".join(out.split())
+
+
+def test_models_is_delegated_to_the_store(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+                                          tmp_path: Path) -> None:
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    rc, out, _ = cli(capsys, "models", "list", "--json", "--models-dir", tmp_path / "models")
+    assert rc == 0
+    assert json.loads(out)["local"] == []
+
+
+def test_ram_limit_puts_streamed_layers_on_disk_with_the_same_answer(
+        capsys: pytest.CaptureFixture[str], tiny_target_path: Path) -> None:
+    common = ["generate", "--target", tiny_target_path, "--raw-prompt", "Paris is", "--max-new-tokens", 12]
+    rc, plain, _ = cli(capsys, *common)
+    assert rc == 0
+    rc, out, err = cli(capsys, *common, "--offload", "all", "--ram-limit", "0")
+    assert rc == 0 and out == plain
+    assert "streamed from disk" in stats_lines(err)[0], err
+    rc, _, err = cli(capsys, *common, "--ram-limit", "-1")
+    assert rc == 2 and "--ram-limit" in err
+
+
+def test_version_names_the_pytorch_build(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = cli(capsys, "--version")
+    assert rc == 0
+    assert out.startswith(f"SpecChat {importlib.metadata.version('specchat')} · PyTorch {torch.__version__}")
+    assert "build)" in out and "environment: " in out
