@@ -42,6 +42,7 @@ from engine.store.paths import (
     default_models_dir,
     hf_hub_cache_dir,
     hub_endpoint,
+    inside,
     is_repo_id,
     repo_slug,
 )
@@ -207,15 +208,20 @@ def _reconcile_state(partial_dir: Path, repo_id: str, commit: str, files: tuple[
         old = old_files.get(f.name)
         same = old is not None and all(old.get(k) == v for k, v in expected.items())
         if not same:
-            partial_dir / f.name.unlink(missing_ok=True)
+            _local(partial_dir, f.name).unlink(missing_ok=True)
             if old is not None:  # a .part of other content cannot be resumed
-                partial_dir / f"{f.name}.part".unlink(missing_ok=True)
+                _local(partial_dir, f"{f.name}.part").unlink(missing_ok=True)
         state["files"][f.name] = {**expected, "verified": bool(same and old.get("verified"))}
     return state
 
 
+def _local(partial_dir: Path, name: str) -> Path:
+    """Where a repo's file goes in the partial folder: never outside it (store.paths.inside)."""
+    return inside(partial_dir, name, "The repository")
+
+
 def _present_bytes(partial_dir: Path, f: RemoteFile, state: dict[str, Any]) -> int:
-    final, part = partial_dir / f.name, partial_dir / f"{f.name}.part"
+    final, part = _local(partial_dir, f.name), _local(partial_dir, f"{f.name}.part")
     if state["files"][f.name]["verified"] and final.is_file() and final.stat().st_size == f.size:
         return f.size
     state["files"][f.name]["verified"] = False
@@ -242,13 +248,14 @@ def _fetch_verified(
     settings: DownloadSettings, control: TransferControl, tracker: ProgressTracker, gated_text: str,
 ) -> None:
     """Fetch, check against the hub's checksum, re-fetch once on mismatch, then a clear error."""
-    part = partial_dir / f"{f.name}.part"
+    part = _local(partial_dir, f"{f.name}.part")
+    part.parent.mkdir(parents=True, exist_ok=True)  # a file in a sub-folder of the repo
     for attempt in (1, 2):
         fetch_file(client, url, part, f.size, headers, settings, control, tracker, gated_text)
         # Hashing a multi-GB shard takes seconds: say so; small files verify silently.
         tracker.emit("verifying", f"Checking the SHA-256 of {f.name}" if f.size >= 10_000_000 else "")
         if file_matches(part, f.sha256, f.blob_id, f.size):
-            os.replace(part, partial_dir / f.name)
+            os.replace(part, _local(partial_dir, f.name))
             return
         part.unlink(missing_ok=True)
         tracker.advance(-f.size)

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import os
 import re
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 
 from engine import paths
+from engine.errors import UnsupportedModel
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.\-]{0,95}$")
@@ -51,3 +52,31 @@ def repo_slug(repo_id: str) -> str:
     """Folder name for a repo inside the models folder: `owner--name`."""
     return repo_id.replace("/", "--")
 
+
+def check_file_name(name: str, owner: str) -> str:
+    """A file name from an untrusted listing (a hub repo's file list, an Ollama manifest, an
+    archive): returned when it is a plain relative path ("model.safetensors", "q4/model.gguf");
+    UnsupportedModel naming `owner` when it could point outside its folder (absolute, a drive,
+    "..", empty or "." parts, backslashes, control characters)."""
+    parts = name.split("/")
+    unsafe = (
+        not name or "\\" in name or ":" in name or any(ord(c) < 32 for c in name)
+        or PurePosixPath(name).is_absolute() or PureWindowsPath(name).drive
+        or any(part in ("", ".", "..") for part in parts)
+    )
+    if unsafe:
+        raise UnsupportedModel(
+            f"{owner} lists a file named {name!r}, which points outside the model's own folder. "
+            "SpecChat refuses to download anything from it; the repository may be malicious."
+        )
+    return name
+
+
+def inside(root: Path, name: str, owner: str) -> Path:
+    """`root / name` after check_file_name, and only if it resolves inside `root` (a symlink
+    planted in the folder cannot lead a write elsewhere either)."""
+    path = root / check_file_name(name, owner)
+    base = root.resolve()
+    if not path.resolve().is_relative_to(base):
+        raise UnsupportedModel(f"{owner}: the file {name!r} would be written outside {root}; refused.")
+    return path

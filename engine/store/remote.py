@@ -24,6 +24,7 @@ from engine.errors import (
     ModelNotFound,
     UnsupportedModel,
 )
+from engine.store.paths import check_file_name
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +103,7 @@ def fetch_repo(
     siblings = info.siblings or []
     files = tuple(
         RemoteFile(
-            s.rfilename,
+            check_file_name(s.rfilename, f"The repository {repo_id}"),
             int(s.lfs.size if s.lfs else (s.size or 0)),
             s.lfs.sha256 if s.lfs else None,
             None if s.lfs else s.blob_id,

