@@ -15,16 +15,22 @@ What this does not do: validate the architecture (load.py does, on the converted
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
+import os
 import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine import paths
+from engine.types import Tokenizer
 from engine.units import GIB, MIB
 
 log = logging.getLogger(__name__)
@@ -33,12 +39,39 @@ log = logging.getLogger(__name__)
 CACHE_MAX_FILE_BYTES = 300 * MIB
 
 
+@contextlib.contextmanager
+def isolated(gguf: Path) -> Iterator[Path]:
+    """The GGUF, reached through a fresh folder that holds nothing else. transformers reads a
+    GGUF's folder as well (config.json, tokenizer files, and with an `auto_map` Python code it
+    offers to run), so a file is only ever read from where nothing can lie beside it: its own
+    metadata is the whole model."""
+    with tempfile.TemporaryDirectory(prefix="specchat-gguf-") as tmp:
+        link = Path(tmp) / gguf.name
+        try:
+            link.symlink_to(gguf.resolve())
+        except OSError:  # Windows without the symlink privilege: a hard link, else a copy
+            try:
+                os.link(gguf, link)
+            except OSError:
+                shutil.copy2(gguf, link)
+        yield link
+
+
+def read_gguf(gguf: Path, dtype: torch.dtype) -> tuple[nn.Module, Tokenizer]:
+    """transformers' own reading of a GGUF (every tensor de-quantised into RAM), never trusting
+    remote code and never reading a file beside it."""
+    with isolated(gguf) as src:
+        tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name, trust_remote_code=False)
+        model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=dtype,
+                                                     trust_remote_code=False)
+    return model, tok
+
+
 def convert_gguf(gguf: Path, dest: Path) -> Path:
     """Write the GGUF's model (fp32 safetensors), config, generation config and tokenizer into
     `dest` (published atomically: paths.publish_folder)."""
     log.info("converting %s to a Hugging Face folder (once)", gguf.name)
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    model, tok = read_gguf(gguf, torch.float32)
 
     def build(tmp: Path) -> None:
         state = {k: v.contiguous() for k, v in model.state_dict().items()}

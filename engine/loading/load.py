@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from engine.errors import (
     EngineError,
@@ -30,7 +30,7 @@ from engine.errors import (
     OutOfMemory,
     UnsupportedModel,
 )
-from engine.loading.gguf import cached_folder
+from engine.loading.gguf import cached_folder, read_gguf
 from engine.loading.materialise import MaterialiseSettings, materialise
 from engine.model.causal_lm import SUPPORTED_MODEL_TYPES, CausalLM
 from engine.store import resolve_model
@@ -144,8 +144,7 @@ def load_model(
                 raise InvalidRequest("NF4 and streamed layers need a Hugging Face folder of .safetensors "
                                      "weights; a .gguf file this large loads only with quantisation none "
                                      "and offload auto or none.")
-            tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-            hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+            hf, tokenizer = read_gguf(path, dtype)
             if hf.config.model_type not in SUPPORTED_MODEL_TYPES:
                 raise UnsupportedModel(f"'{path.name}' is a '{hf.config.model_type}' model; SpecChat runs "
                                        f"{', '.join(SUPPORTED_MODEL_TYPES)} models.")
