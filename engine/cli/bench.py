@@ -23,6 +23,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -163,6 +164,20 @@ def measure_rank_acceptance(engine: Engine, prompts: Sequence[str], outputs: Seq
     return tuple(float(c) / max(total, 1) for c in counts)
 
 
+def pyplot() -> ModuleType | None:
+    """matplotlib.pyplot on its file-only backend, or None (with a note) when the optional
+    `bench` extra is not installed: the benchmarks' PNGs are the only use of matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("note: no PNG plot: matplotlib is not installed (pip install 'specchat[bench]')", file=sys.stderr)
+        return None
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def format_table(rows: Sequence[BenchRow], predicted: dict[tuple[str, int], float] | None = None) -> str:
     """The table; `predicted` adds the planner's tok/s for (method, budget) rows it priced."""
     predicted = predicted or {}
@@ -184,13 +199,14 @@ def format_table(rows: Sequence[BenchRow], predicted: dict[tuple[str, int], floa
     return "\n".join(lines)
 
 
-def write_plot(rows: Sequence[BenchRow], path: Path, predicted: dict[tuple[str, int], float] | None = None) -> Path:
+def write_plot(rows: Sequence[BenchRow], path: Path,
+               predicted: dict[tuple[str, int], float] | None = None) -> Path | None:
     """PNG: tok/s and tokens per pass vs budget, one line per method and temperature;
-    autoregressive and HF assisted as horizontal references, the planner's prediction dashed."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display needed
-    import matplotlib.pyplot as plt
+    autoregressive and HF assisted as horizontal references, the planner's prediction dashed.
+    None (and a note on stderr) without matplotlib, the optional `bench` extra."""
+    plt = pyplot()
+    if plt is None:
+        return None
 
     fig, (ax_speed, ax_pass) = plt.subplots(1, 2, figsize=(11, 4.2))
     for temperature in sorted({r.temperature for r in rows}):
@@ -269,8 +285,8 @@ def run_bench_speculation(args: argparse.Namespace) -> int:
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "speculation.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
-        write_plot(rows, args.out / "speculation.png", predicted)
-        print(f"wrote {args.out / 'speculation.json'} and {args.out / 'speculation.png'}")
+        png = write_plot(rows, args.out / "speculation.png", predicted)
+        print(f"wrote {args.out / 'speculation.json'}" + (f" and {png}" if png else ""))
     if args.json:
         print(json.dumps(result))
     return 0

@@ -4,6 +4,7 @@ the JSON and PNG files; and the acceptance-by-rank measurement."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -40,3 +41,13 @@ def test_bench_speculation_writes_table_json_and_plot(capsys: pytest.CaptureFixt
     assert all(r["tokens_per_pass"] >= 1.0 for r in result["rows"])
     png = (tmp_path / "out" / "speculation.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_without_matplotlib_the_plot_is_skipped_with_a_note(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    from engine.cli.bench import BenchRow, write_plot
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as in an install without the `bench` extra
+    row = BenchRow("specexec", 8, 0.0, 10, 4, 8, 0.1, 0.1, 0.0, 0.3)
+    assert write_plot([row], tmp_path / "plot.png") is None
+    assert not (tmp_path / "plot.png").exists() and "specchat[bench]" in capsys.readouterr().err
