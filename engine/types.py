@@ -363,6 +363,8 @@ class GenerationStats:
     mode: DecodeMode = "specexec"
     placement: Placement | None = None
     oom_retries: int = 0  # steps re-run with a smaller budget after a device out-of-memory
+    cached_tokens: int = 0  # prompt tokens whose KV was reused from an earlier turn (not read again)
+    prefill_passes: int = 0  # target passes that read the prompt before the first decoding step
 
     @property
     def overhead_seconds(self) -> float:
