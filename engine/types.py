@@ -240,6 +240,32 @@ def default_expand_per_pass(budget: int) -> int:
 
 
 @dataclass(frozen=True)
+class CacheSettings:
+    """KV caches kept between turns (engine.decoding.prefix_cache) and saved to disk
+    (engine.model.cache_files).
+
+    ram_budget_bytes: most host memory the caches of conversations not being answered may hold
+        (the least recently used leave first: to disk when long enough, else dropped); 0 keeps
+        only the conversation being answered.
+    disk_budget_bytes: most disk the saved caches may take (oldest first out); 0 saves nothing.
+    min_saved_tokens: shorter prefixes are not saved: reading them again costs less than
+        loading a file (see the README's conversation benchmark).
+    disk_dir: where saved caches live (None: <cache dir>/kv).
+    enabled: False starts every request from empty caches (a benchmark's baseline).
+    """
+
+    enabled: bool = True
+    ram_budget_bytes: int = 2 * 10**9  # decimal GB, as Settings shows it
+    disk_budget_bytes: int = 8 * 10**9
+    min_saved_tokens: int = 512
+    disk_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.ram_budget_bytes < 0 or self.disk_budget_bytes < 0 or self.min_saved_tokens < 0:
+            raise InvalidRequest("Cache budgets and the shortest saved prefix must be 0 or more.")
+
+
+@dataclass(frozen=True)
 class LoadSettings:
     """Where and how a target/draft pair is loaded (the CLI's --device/--quant/--offload).
 
@@ -249,6 +275,7 @@ class LoadSettings:
     as fit (engine.planning.placement). ram_limit_bytes caps the host store (None = measured
     available RAM less a margin); layers past it go to the disk tier. context_length is the
     KV cache the placement reserves room for (None = the model's maximum, capped at 8192).
+    cache: the KV caches kept between turns and saved to disk.
     """
 
     device: Device = "auto"
@@ -256,6 +283,7 @@ class LoadSettings:
     offload: Offload = "auto"
     ram_limit_bytes: int | None = None
     context_length: int | None = None
+    cache: CacheSettings = field(default_factory=CacheSettings)
 
     def __post_init__(self) -> None:
         if self.ram_limit_bytes is not None and not self.ram_limit_bytes >= 0:
@@ -325,6 +353,10 @@ class GenerationRequest:
     messages: tuple[Message, ...] = ()
     raw_prompt: str | None = None
     max_new_tokens: int = 256
+    # an opaque key of the conversation (the app's conversation id, a CLI chat session): its KV
+    # cache is reused in place on the next turn, regenerate or edit; other requests reuse a copy
+    # of the longest matching cached prefix (engine.decoding.prefix_cache)
+    conversation: str | None = None
     stop: tuple[str, ...] = ()
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
     speculation: SpeculationSettings = field(default_factory=SpeculationSettings)
