@@ -142,10 +142,14 @@ def build_parser() -> argparse.ArgumentParser:
     prompt = generate.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", metavar="TEXT", help="user message, wrapped in the model's chat template")
     prompt.add_argument("--raw-prompt", metavar="TEXT", help="plain text fed to the model as it is")
+    prompt.add_argument("--messages", metavar="JSON|@FILE",
+                        help='a whole conversation: a JSON list of {"role": "system"|"user"|"assistant", '
+                        '"content": TEXT} objects (or @FILE holding one); the answer is its next assistant turn')
     generate.add_argument("--samples", type=int_at_least(1), default=1, metavar="N",
                           help="N independent completions (default: 1)")
     generate.add_argument("--json", action="store_true", help="one JSON object per sample and line: "
-                          '{"text", "token_ids", "finish_reason", "stats": {...}}')
+                          '{"text", "token_ids", "finish_reason", "stats": {...}} (stats include cached_tokens, '
+                          "the prompt tokens reused from an earlier answer's cache, and prefill_passes)")
     generate.set_defaults(**{HANDLER: "engine.cli.generate:run_generate"})
 
     chat = commands.add_parser("chat", parents=[common], help="chat in the terminal",
@@ -235,6 +239,8 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     plan.add_argument("--json", action="store_true", help="print the prediction as JSON")
     plan.set_defaults(**{HANDLER: "engine.cli.bench:run_bench_plan"})
 
+    _add_bench_conversation(kinds)
+
     offload = kinds.add_parser("offload", help="streamed vs resident pass time; peak RSS of a load",
                                description="Pass time of the resident vs streamed (and disk-tier) target per "
                                "budget; with --load-rss, peak RSS of loading a synthetic ~1.5 GB Llama.")
@@ -248,3 +254,22 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     offload.add_argument("--load-rss", action="store_true",
                          help="measure peak RSS of loading the ~1.5 GB synthetic Llama")
     offload.set_defaults(**{HANDLER: "engine.cli.bench_offload:run_bench_offload"})
+
+
+def _add_bench_conversation(kinds: argparse._SubParsersAction) -> None:
+    conv = kinds.add_parser("conversation", help="what KV-cache reuse saves on an 8-turn chat",
+                            description="Plays an 8-turn conversation twice per turn, keeping KV caches between "
+                            "turns and starting each turn from empty caches; prints prompt and reused tokens, "
+                            "target weight passes before the first token and time to first token per turn.")
+    conv.add_argument("--target", metavar="MODEL", help="default: the starter model")
+    conv.add_argument("--draft", metavar="MODEL", help="default: none (autoregressive)")
+    conv.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    conv.add_argument("--quant", choices=("none", "nf4"), default="none")
+    conv.add_argument("--offload", choices=("auto", "none", "all"), default="all",
+                      help="default: all (every pass streams the target's layers)")
+    conv.add_argument("--turns", type=int_at_least(1), default=8, metavar="N")
+    conv.add_argument("--max-new-tokens", type=int_at_least(1), default=48, metavar="N")
+    conv.add_argument("--budget", type=int_at_least(1), default=32, metavar="N", help="tree budget with --draft")
+    conv.add_argument("--threads", type=int_at_least(1), default=None, help="torch CPU threads")
+    conv.add_argument("--json", action="store_true", help="also print the rows as one JSON object")
+    conv.set_defaults(**{HANDLER: "engine.cli.bench_conversation:run_bench_conversation"})
