@@ -317,6 +317,7 @@ class ChatPage(QWidget):
             max_new_tokens=prefs.max_new_tokens,
             sampling=prefs.sampling(),
             speculation=self._speculation(prefs),
+            conversation=f"conversation-{self.conversation_id}",  # its KV cache continues turn to turn
         )
         self._answer_id = self.store.add_message(self.conversation_id, "assistant", "", complete=False).id
         self._ids.append(self._answer_id)

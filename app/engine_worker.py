@@ -89,7 +89,7 @@ class EngineWorker(QObject):
         self._setup_thread()
         self._engine = None  # free the old pair before loading the next
         try:
-            from engine.decoding.generation import (
+            from engine.decoding.pair import (
                 load_engine,  # imports torch: in this worker thread
             )
 
@@ -175,7 +175,7 @@ class EngineWorker(QObject):
         self._setup_thread()
         try:
             # the whole loading and decoding stack (transformers, bitsandbytes, safetensors)
-            import engine.decoding.generation  # noqa: F401
+            import engine.decoding.pair  # noqa: F401
             import engine.loading.starter  # noqa: F401
             from engine.model.causal_lm import SUPPORTED_MODEL_TYPES
 
@@ -184,6 +184,18 @@ class EngineWorker(QObject):
         except Exception:  # noqa: BLE001 - only an optimisation; loading reports real errors
             log.warning("engine warm-up failed", exc_info=True)
         self.warmed_up.emit()
+
+    @Slot()
+    def persist_caches(self) -> None:
+        """Save the long conversations' KV caches (on closing: they continue after a restart)."""
+        if self._engine is None:
+            return
+        try:
+            saved = self._engine.persist_caches()
+        except Exception:  # noqa: BLE001 - a cache that cannot be saved is read again next time
+            log.warning("saving conversation caches failed", exc_info=True)
+            return
+        log.info("saved %d conversation caches", saved)
 
     @Slot()
     def unload(self) -> None:
@@ -203,6 +215,7 @@ class EngineHost(WorkerHost):
     _starter_requested = Signal(int)
     _generate_requested = Signal(int, object, object)
     _unload_requested = Signal()
+    _persist_requested = Signal()
     _warm_up_requested = Signal()
 
     def __init__(self, parent: QObject | None = None, thread_setup: Callable[[], None] | None = None) -> None:
@@ -215,6 +228,7 @@ class EngineHost(WorkerHost):
         self._starter_requested.connect(self.worker.prepare_starter)
         self._generate_requested.connect(self.worker.generate)
         self._unload_requested.connect(self.worker.unload)
+        self._persist_requested.connect(self.worker.persist_caches)
         self._warm_up_requested.connect(self.worker.warm_up)
         self._next_id = 0
         self._start()
@@ -248,6 +262,10 @@ class EngineHost(WorkerHost):
 
     def unload(self) -> None:
         self._unload_requested.emit()
+
+    def persist_caches(self) -> None:
+        """Queue saving the conversations' KV caches (runs after the current generation)."""
+        self._persist_requested.emit()
 
     def warm_up(self) -> None:
         self._warm_up_requested.emit()

@@ -33,6 +33,9 @@ from .preferences import Preferences, PreferencesStore
 from .status import StatusBar, short_name
 from .theme import apply_theme, markdown_palette
 
+# closing waits this long for the engine thread: it saves the long conversations' caches first
+PERSIST_WAIT_MS = 30_000
+
 log = logging.getLogger(__name__)
 
 
@@ -272,7 +275,8 @@ class MainWindow(QMainWindow):
         self.chat.stop()
         if self.models_page is not None:
             self.models_page.shutdown()  # type: ignore[attr-defined]  # its download thread
-        self.engine_stopped = self.host.shutdown()
+        self.host.persist_caches()  # queued before the thread's quit: long conversations are saved
+        self.engine_stopped = self.host.shutdown(PERSIST_WAIT_MS)
         super().closeEvent(event)
 
 

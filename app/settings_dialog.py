@@ -175,10 +175,20 @@ class SettingsDialog(QDialog):
         budget_label.setBuddy(self.budget)
         folder_label = QLabel("Models &folder:")
         folder_label.setBuddy(self.models_dir)
+        self.kv_ram_gb = _dspin(0.0, 1024.0, 0.5, 1, "Conversation memory in RAM")
+        self.kv_ram_gb.setSuffix(" GB")
+        self.kv_ram_gb.setToolTip("Recent conversations keep what the model has read of them, so their next "
+                                  "message is answered without reading the history again. This much RAM holds "
+                                  "them; the oldest leave first (to disk, below).")
+        self.kv_disk_gb = _dspin(0.0, 10_000.0, 1.0, 0, "Saved conversations on disk")
+        self.kv_disk_gb.setSuffix(" GB")
+        self.kv_disk_gb.setToolTip("Long conversations are saved here when SpecChat closes, so they continue "
+                                   "after a restart without reading them again. 0 saves nothing.")
         form = QFormLayout()
         for label, item in (("&Device:", self.device), ("&Quantisation:", self.quant), ("&Offload:", self.offload),
                             (budget_label, budget_row), ("Max tree &depth:", self.max_depth),
-                            ("&Mode:", self.tree_mode), (folder_label, folder_row)):
+                            ("&Mode:", self.tree_mode), (folder_label, folder_row),
+                            ("Conversation &memory:", self.kv_ram_gb), ("Sa&ved conversations:", self.kv_disk_gb)):
             form.addRow(label, item)
         note = QLabel("Engine changes apply the next time the pair is loaded. An empty models folder uses the default.")
         note.setWordWrap(True)
@@ -271,7 +281,7 @@ class SettingsDialog(QDialog):
 
     # ---- values ----------------------------------------------------------------------------
     def show_preferences(self, prefs: Preferences) -> None:
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "kv_ram_gb", "kv_disk_gb"):
             getattr(self, name).setValue(getattr(prefs, name))
         for name in ("top_k", "max_new_tokens", "context_length", "max_depth", "font_size"):
             getattr(self, name).setValue(getattr(prefs, name))
@@ -297,7 +307,7 @@ class SettingsDialog(QDialog):
                 presets.append((title, text))
         values: dict[str, Any] = {name: getattr(self, name).value() for name in (
             "temperature", "top_p", "min_p", "repetition_penalty", "top_k", "max_new_tokens", "context_length",
-            "max_depth", "font_size")}
+            "max_depth", "font_size", "kv_ram_gb", "kv_disk_gb")}
         values.update({name: getattr(self, name).currentData() for name in CHOICE_LABELS})
         values["budget"] = 0 if self.budget_auto.isChecked() else self.budget.value()
         values["models_dir"] = self.models_dir.text().strip()
