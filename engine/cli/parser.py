@@ -202,8 +202,8 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     spec.add_argument("--max-new-tokens", type=int_at_least(1), default=64, metavar="N")
     spec.add_argument("--max-depth", type=int_at_least(1), default=SpeculationSettings().max_depth, metavar="D")
     spec.add_argument("--min-pass-gain", type=float_in(0.0, 1e9), default=None, metavar="G",
-                      help=f"stop tree growth below this expected gain per draft pass "
-                      f"(default: {SpeculationSettings().min_pass_gain:g}; 0 grows every budget to the full)")
+                      help="stop tree growth below this expected gain per draft pass (default: from the "
+                      "measured costs of a draft pass and a step; 0 grows every budget to the full)")
     spec.add_argument("--no-sequoia", action="store_true", help="skip the static Sequoia tree rows")
     spec.add_argument("--no-hf-assisted", action="store_true", help="skip the transformers assisted-generation row")
     spec.add_argument("--profile", type=Path, metavar="FILE",
