@@ -275,7 +275,8 @@ def _model_sections(report: Report, args: argparse.Namespace, sections: list[str
     try:
         if "profile" in sections or "caps" in sections:  # the caps compare against it
             report.section("profile", BUDGETS["profile"][pick], bench.measure_profile)
-        if report.section("build", BUDGETS["build"][pick], bench.build) is None:
+        if not {"streaming", "caps"} & set(sections) or report.section("build", BUDGETS["build"][pick],
+                                                                    bench.build) is None:
             return
         if "streaming" in sections:
             report.section("streaming", BUDGETS["streaming"][pick], bench.streaming)

@@ -166,7 +166,8 @@ class Workbench:
         return {"target": self.target_shape.name, "draft": self.draft_shape.name, "layers_built": n,
                 "layers_full": full, "layers_note": "" if n == full else f"{n} of {full} layers (RAM); figures "
                 f"scaled to {full}", "layer_bytes": layout.nbytes, "dense_layer_bytes": layout.dense_nbytes,
-                "host_bytes": n * layout.nbytes, "pinned": bool(self.store.pinned),
+                "host_bytes": n * layout.nbytes,
+                "pinned": all(self.store.ram_buffer(j).is_pinned() for j in range(n)),  # every arena, not just one
                 "outer_bytes_on_device": outer, "vocab": self.target_shape.vocab_size,
                 "embeddings": f"{self.target_shape.vocab_size} x {self.target_shape.hidden_size}"
                 + (" (tiny)" if self.s.tiny else " (the real vocabulary)") + ", random, on the device",
