@@ -254,6 +254,7 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     offload.add_argument("--load-rss", action="store_true",
                          help="measure peak RSS of loading the ~1.5 GB synthetic Llama")
     offload.set_defaults(**{HANDLER: "engine.cli.bench_offload:run_bench_offload"})
+    _add_bench_gpu(kinds)
 
 
 def _add_bench_conversation(kinds: argparse._SubParsersAction) -> None:
@@ -273,3 +274,58 @@ def _add_bench_conversation(kinds: argparse._SubParsersAction) -> None:
     conv.add_argument("--threads", type=int_at_least(1), default=None, help="torch CPU threads")
     conv.add_argument("--json", action="store_true", help="also print the rows as one JSON object")
     conv.set_defaults(**{HANDLER: "engine.cli.bench_conversation:run_bench_conversation"})
+
+
+def _add_bench_gpu(kinds: argparse._SubParsersAction) -> None:
+    """`specchat bench gpu`: the one command that proves the GPU path (engine/cli/bench_gpu.py)."""
+    sections = ("tests", "installer", "profile", "streaming", "caps")
+
+    def numbers(kind: type, low: float, what: str) -> Callable[[str], tuple]:
+        def parse(text: str) -> tuple:
+            try:
+                values = tuple(kind(v) for v in text.split(",") if v.strip())
+            except ValueError:
+                values = ()
+            if not values or min(values) < low:
+                raise argparse.ArgumentTypeError(f"expected comma-separated {what} of at least {low:g}, got '{text}'")
+            return values
+
+        return parse
+
+    def names(text: str) -> tuple[str, ...]:
+        chosen = tuple(v.strip() for v in text.split(",") if v.strip())
+        unknown = [v for v in chosen if v not in sections]
+        if unknown or not chosen:
+            raise argparse.ArgumentTypeError(f"sections are {', '.join(sections)}; got '{text}'")
+        return chosen
+
+    gpu = kinds.add_parser(
+        "gpu", help="prove the GPU path: gpu tests, streaming rate, 70B NF4 steps under VRAM caps",
+        description="On a CUDA machine (under 20 minutes; --quick: a few): run the gpu-marked tests; measure a "
+        "streamed pass's host-to-device rate against a plain pinned copy (goal: >= 85 %) and the copy/compute "
+        "overlap; build a Llama-3.1-70B-shaped target in NF4 with random weights straight into pinned RAM and a "
+        "1B-shaped random draft; time autoregressive and SpecExec steps (budgets 64..2048) with the card capped "
+        "like a 24 GB and a 12 GB one, against the planner's prediction (goal: within 20 %); report the "
+        "PyTorch build `installer/install.sh check` picks. Writes gpu_bench.json (as it goes), gpu_bench.png "
+        "and gpu_tests.log in DIR and prints a table. Without CUDA: the CPU dry run on tiny shapes (seconds). "
+        "Exit status 1 when a section or a gpu test failed.")
+    gpu.add_argument("--out", type=Path, required=True, metavar="DIR", help="folder for the JSON, PNG and test log")
+    gpu.add_argument("--quick", action="store_true",
+                     help="one cap (24 GiB), budgets 64,512,2048, fewer repeats: a few minutes on a GPU")
+    gpu.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                     help="cpu: the dry run even on a GPU machine (default: auto)")
+    gpu.add_argument("--caps", type=numbers(float, 0.5, "GiB"), default=None, metavar="LIST",
+                     help="VRAM caps in GiB (default: 24,12; --quick: 24)")
+    gpu.add_argument("--budgets", type=numbers(int, 1, "budgets"), default=None, metavar="LIST",
+                     help="tree budgets (default: 64,128,256,512,1024,2048; --quick: 64,512,2048)")
+    gpu.add_argument("--layers", type=int_at_least(2), default=None, metavar="N",
+                     help="target decoder layers to build (default: all 80, fewer when RAM is short; "
+                     "figures are then also scaled to 80)")
+    gpu.add_argument("--only", type=names, default=None, metavar="LIST", help=f"run only these: {','.join(sections)}")
+    gpu.add_argument("--skip", type=names, default=(), metavar="LIST", help="skip these sections")
+    gpu.add_argument("--tests", type=Path, default=None, metavar="DIR",
+                     help="folder searched for gpu-marked tests (default: this checkout's tests/)")
+    gpu.add_argument("--max-minutes", type=float_in(0.0, 600.0, low_open=True), default=None, metavar="M",
+                     help="start no new work after M minutes (default: 18; --quick: 6)")
+    gpu.add_argument("--threads", type=int_at_least(1), default=None, metavar="N", help="torch CPU threads")
+    gpu.set_defaults(**{HANDLER: "engine.cli.bench_gpu:run_bench_gpu"})
