@@ -196,8 +196,9 @@ def test_disconnect_frees_the_engine_and_queued_clients_are_answered_in_order(
     assert new_tokens < 1900  # cancelled within a step of the disconnect, not run to the end
     after = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
     assert after.usage.completion_tokens == 3
+    tiny_server.wait_for(lambda line: line.startswith("request ") and "+ 3 tokens" in line, start=start)
     lines = tiny_server.request_lines()[seen:]
-    assert any("cancelled" in line for line in lines) and lines[-1].endswith("length")
+    assert [line.rsplit(" ", 1)[-1] for line in lines] == ["cancelled", "length", "length"]  # long, second, after
 
 
 def test_a_network_address_needs_an_api_key(capsys: pytest.CaptureFixture[str]) -> None:

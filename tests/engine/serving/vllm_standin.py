@@ -69,10 +69,10 @@ class VllmStandIn:
 
     def stop(self) -> None:
         """Nothing listens any more (connections are refused)."""
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
+        server, self._server = self._server, None  # a start() right after gets a fresh one
+        if server is not None:
+            server.shutdown()
+            server.server_close()
 
 
 class _Handler(BaseHTTPRequestHandler):
