@@ -4,7 +4,8 @@
     GET  /v1/models/{id}            one model, or 404
     POST /v1/chat/completions       chat messages through the model's chat template
     POST /v1/completions            a plain-text prompt
-    GET  /health                    200 when ready, 503 while loading (no API key needed)
+    GET  /health                    200 when ready, 503 while loading (no API key needed), with
+                                    the queue: {"running": bool, "waiting": n}
 
 Streaming answers are server-sent events (`data: {chunk}` ... `data: [DONE]`). A request's
 status is decided before its first byte: it waits its turn in the queue, the engine validates
@@ -79,8 +80,9 @@ def build_app(queue: GenerationQueue, defaults: Callable[[], RequestDefaults], a
     async def health(request: Request) -> Response:
         model = queue.model
         ready = model.status == "ready"
-        return JSONResponse({"status": "ok" if ready else model.status, "model": model.id, "detail": model.detail},
-                            status_code=200 if ready else 503)
+        state = queue.state()
+        return JSONResponse({"status": "ok" if ready else model.status, "model": model.id, "detail": model.detail,
+                             "running": state.running, "waiting": state.waiting}, status_code=200 if ready else 503)
 
     async def chat(request: Request) -> Response:
         return await _complete(request, "chat")

@@ -61,6 +61,18 @@ class ServeProcess:
                 assert left > 0, "timed out; server said:\n" + "\n".join(self.lines)
                 self._changed.wait(min(left, 0.5))
 
+    def wait_requests(self, count: int, start: int = 0) -> list[str]:
+        """The first `count` per-request lines from line index `start` on (waits for them)."""
+        seen: list[str] = []
+
+        def enough(line: str) -> bool:
+            if line.startswith("request ") and line not in seen:
+                seen.append(line)
+            return len(seen) >= count
+
+        self.wait_for(enough, start)
+        return seen[:count]
+
     def request_lines(self) -> list[str]:
         with self._changed:
             return [line for line in self.lines if line.startswith("request ")]

@@ -176,14 +176,14 @@ def test_disconnect_frees_the_engine_and_queued_clients_are_answered_in_order(
 
     thread = threading.Thread(target=ask_second)
     thread.start()
+    health = tiny_server.url.removesuffix("/v1") + "/health"
     deadline = time.monotonic() + 60
-    while True:  # until the server holds the second request in its queue
-        try:
-            client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=1)
-        except openai.RateLimitError as exc:
-            assert _error(exc)["code"] == "queue_full" and exc.response.headers["retry-after"]
-            break
-        assert time.monotonic() < deadline and thread.is_alive(), "the queue never filled"
+    while httpx2.get(health).json()["waiting"] != 1:  # until the server holds the second request
+        assert time.monotonic() < deadline and thread.is_alive(), "the second request never queued"
+        time.sleep(0.05)
+    with pytest.raises(openai.RateLimitError) as exc:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=1)
+    assert _error(exc.value)["code"] == "queue_full" and exc.value.response.headers["retry-after"]
     assert "chunks" not in second  # still waiting behind the long answer
     next(chunks)
     long.close()  # the client goes away mid-stream
@@ -206,3 +206,22 @@ def test_a_network_address_needs_an_api_key(capsys: pytest.CaptureFixture[str]) 
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith("error: Listening on 0.0.0.0") and "--api-key" in err
     assert "--insecure-no-api-key" in err and len(err.strip().splitlines()) == 1
+
+
+def test_clients_that_give_up_waiting_or_unstreamed_cancel_their_requests(
+        tiny_server: ServeProcess, client: openai.OpenAI, model: str) -> None:
+    start = len(tiny_server.lines)
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"model": model, "messages": [{"role": "user", "content": "go on"}], "max_tokens": 1900}
+    long = client.chat.completions.create(stream=True, **body)
+    chunks = iter(long)
+    next(chunks)
+    with pytest.raises(httpx2.ReadTimeout):  # waits in the queue behind the long answer, then gives up
+        httpx2.post(f"{tiny_server.url}/chat/completions", json=body, headers=headers, timeout=1.0)
+    long.close()
+    with pytest.raises(httpx2.ReadTimeout):  # runs, not streamed; its client gives up before the end
+        httpx2.post(f"{tiny_server.url}/chat/completions", json=body, headers=headers, timeout=2.0)
+    long_line, waited, unstreamed = tiny_server.wait_requests(3, start)
+    assert long_line.endswith("cancelled") and "cancelled while waiting" in waited
+    assert unstreamed.endswith("cancelled") and int(unstreamed.split(" + ")[1].split(" tokens")[0]) < 1900
+    assert client.completions.create(model=model, prompt="The", max_tokens=2).usage.completion_tokens == 2
