@@ -13,6 +13,7 @@ that load models.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -158,9 +159,51 @@ def build_parser() -> argparse.ArgumentParser:
                                "draft, an FP4 proxy, costs as much as the model). " + CHAT_HELP)
     chat.set_defaults(**{HANDLER: "engine.cli.chat:run_chat"})
 
+    _add_serving(commands, common, chat)
     _add_models(commands)
     _add_bench(commands)
     return parser
+
+
+def _add_serving(commands: argparse._SubParsersAction, common: argparse.ArgumentParser,
+                 chat: argparse.ArgumentParser) -> None:
+    """`specchat serve` (the OpenAI-compatible server) and `chat --remote URL --model NAME` (a
+    conversation with a model on another OpenAI-compatible server, torch-free)."""
+    serve = commands.add_parser(
+        "serve", parents=[common], help="serve the model over an OpenAI-compatible HTTP API",
+        description="Serve the target (and draft) over OpenAI's API: GET /v1/models, POST /v1/chat/completions "
+        "and /v1/completions (streamed or not), GET /health. One request is answered at a time, in arrival "
+        "order; the text options below are the defaults for what a request leaves out. Without --target: the "
+        "starter model.")
+    net = serve.add_argument_group("server")
+    net.add_argument("--host", default="127.0.0.1", help="address to listen on: 127.0.0.1 = this computer only, "
+                     "0.0.0.0 = every network (needs --api-key) (default: 127.0.0.1)")
+    net.add_argument("--port", type=int_at_least(0), default=8765, help="TCP port, 0 = any free one (default: 8765)")
+    net.add_argument("--api-key", default=os.environ.get("SPECCHAT_API_KEY") or None, metavar="KEY",
+                     help="clients must send 'Authorization: Bearer KEY' (default: $SPECCHAT_API_KEY, else none)")
+    net.add_argument("--insecure-no-api-key", action="store_true",
+                     help="allow a non-loopback --host without an API key: anyone who reaches the port can use it")
+    net.add_argument("--queue-size", type=int_at_least(0), default=32, metavar="N",
+                     help="most requests waiting behind the one being answered; more get HTTP 429 (default: 32)")
+    net.add_argument("--served-model-name", metavar="NAME",
+                     help="the model id clients use (default: the target's folder or file name)")
+    serve.set_defaults(**{HANDLER: "engine.cli.serve:run_serve"})
+
+    class RemoteChat(argparse.Action):
+        """--remote switches `chat` to the torch-free remote handler."""
+
+        def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                      option_string: str | None = None) -> None:
+            setattr(namespace, self.dest, values)
+            setattr(namespace, HANDLER, "engine.cli.remote_chat:run_remote_chat")
+
+    remote = chat.add_argument_group("remote engine (another OpenAI-compatible server: vLLM, llama.cpp, SpecChat)")
+    remote.add_argument("--remote", action=RemoteChat, metavar="URL",
+                        help="chat with a model on this server instead of loading one, e.g. http://gpu-box:8000/v1")
+    remote.add_argument("--model", metavar="NAME", help="with --remote: the model's id on that server "
+                        "(default: its only model)")
+    remote.add_argument("--api-key", default=os.environ.get("SPECCHAT_REMOTE_API_KEY") or None, metavar="KEY",
+                        help="with --remote: the server's API key (default: $SPECCHAT_REMOTE_API_KEY)")
 
 
 def _add_models(commands: argparse._SubParsersAction) -> None:
