@@ -61,7 +61,11 @@ def test_chat_streamed_and_not_equal_specchat_generate(client: openai.OpenAI, mo
     assert usage.prompt_tokens == reference["stats"]["prompt_tokens"]
     assert usage.completion_tokens == len(reference["token_ids"]) == 24
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
-    assert usage.prompt_tokens_details.cached_tokens == 0  # the engine reuses no KV across requests yet
+    # The engine keeps KV caches between requests: the same messages again read only their last tokens.
+    again = client.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0)
+    assert again.choices[0].message.content == reference["text"]
+    reused = again.usage.prompt_tokens_details.cached_tokens
+    assert 0 < reused < usage.prompt_tokens and reused >= usage.prompt_tokens_details.cached_tokens
     figures = usage.model_extra["specchat"]
     assert figures["budget"] == 8 and figures["mode"] == "specexec"
     assert 0 < figures["target_passes"] < 24  # the close draft is accepted: several tokens per pass
