@@ -84,6 +84,13 @@ class Preferences:
     draft: str = ""
     first_run_done: bool = False
     system_presets: tuple[tuple[str, str], ...] = DEFAULT_SYSTEM_PRESETS
+    # API server (Settings > Server, app/api_server.py): port 0 = any free port (tests)
+    server_enabled: bool = False
+    server_port: int = 8765
+    server_api_key: str = ""
+    server_lan: bool = False  # listen on every network (needs the key), not only this computer
+    # Remote engines (Settings > Engines): JSON, read by app/remote_engines.parse_engines
+    remote_engines: str = ""
 
     def sampling(self, seed: int | None = None) -> SamplingSettings:
         return SamplingSettings(

@@ -39,9 +39,11 @@ from PySide6.QtWidgets import (
 )
 
 from app.benchmark_worker import benchmark_runner
+from app.engines_tab import EnginesTab
 from app.plot import BudgetPlot
 from app.preferences import Preferences, PreferencesStore
 from app.recommend import load_profile, predicted_curve, profile_lines
+from app.server_tab import ServerTab
 from engine.about import installation
 from engine.planning import planner
 from engine.store import load_catalog
@@ -111,6 +113,12 @@ class SettingsDialog(QDialog):
         self.tabs.addTab(self._appearance_tab(), "&Appearance")
         self.tabs.addTab(self._prompts_tab(), "S&ystem prompts")
         self.tabs.addTab(self._hardware_tab(), "This &computer")
+        # tabs in their own modules: show_preferences(prefs) fills them, values() is what they own
+        self.server_tab, self.engines_tab = ServerTab(), EnginesTab()
+        self._own_tabs = (self.server_tab, self.engines_tab)
+        for tab in self._own_tabs:
+            self.tabs.addTab(tab, tab.title)
+        self.finished.connect(self.engines_tab.shutdown)
         self.buttons = QDialogButtonBox(
             QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel
             | QDialogButtonBox.StandardButton.RestoreDefaults)
@@ -296,6 +304,8 @@ class SettingsDialog(QDialog):
         self.presets.setRowCount(0)
         for title, text in prefs.system_presets:
             self._add_preset(title, text)
+        for tab in self._own_tabs:
+            tab.show_preferences(prefs)
 
     def preferences(self) -> Preferences:
         """The preferences as the widgets now show them (fields not shown here are kept)."""
@@ -312,6 +322,8 @@ class SettingsDialog(QDialog):
         values["budget"] = 0 if self.budget_auto.isChecked() else self.budget.value()
         values["models_dir"] = self.models_dir.text().strip()
         values["system_presets"] = tuple(presets) or Preferences().system_presets
+        for tab in self._own_tabs:
+            values.update(tab.values())
         return replace(self._store.load(), **values)
 
     def restore_defaults(self) -> None:

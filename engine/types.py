@@ -6,7 +6,8 @@ Plain data only: no tensors, no models, no Qt. Change settings with `dataclasses
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -437,3 +438,27 @@ class DownloadProgress:
     bytes_per_second: float = 0.0
     eta_seconds: float | None = None
     message: str = ""
+
+
+class GenerationBackend(Protocol):
+    """What runs a GenerationRequest: the local Engine, a remote server's client
+    (engine.serving.remote), or the app's engine thread seen from the API server. generate()
+    validates at once (errors raise from the call) and then yields TokenEvents and one final
+    Completion; `cancel` ends it early with finish_reason "cancelled"."""
+
+    def generate(self, request: GenerationRequest,
+                 cancel: threading.Event | None = None) -> Iterator[TokenEvent | Completion]: ...
+
+
+@dataclass(frozen=True)
+class RemoteModel:
+    """A model on an OpenAI-compatible server (vLLM, llama.cpp's server, another SpecChat).
+
+    url: the API's base URL, usually ending in /v1 ("http://gpu-box:8000/v1"); api_key: sent as
+    a bearer token ("" = none; never printed in a repr); model: the model's id on that server;
+    name: what the user called the server in Settings (shown in the app)."""
+
+    url: str
+    model: str
+    api_key: str = field(default="", repr=False)
+    name: str = ""

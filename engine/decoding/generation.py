@@ -43,7 +43,7 @@ from engine.decoding.sampling import choose_token, make_generator
 from engine.decoding.sequoia import StaticTree, build_tree
 from engine.decoding.text import Detokenizer, encode_prompt, eos_ids
 from engine.decoding.verification import accept, prune_to_accepted, run_tree
-from engine.errors import InvalidRequest, OutOfMemory
+from engine.errors import ContextTooLong, OutOfMemory
 from engine.model.cache import KVCache
 from engine.model.cache_files import CacheFiles
 from engine.model.causal_lm import CausalLM
@@ -158,7 +158,7 @@ class Engine:
         prompt = self.encode(request)
         context = self.context_length
         if len(prompt) >= context:
-            raise InvalidRequest(
+            raise ContextTooLong(
                 f"The conversation is {len(prompt)} tokens long but the model reads at most {context}. "
                 "Start a new conversation or shorten the messages."
             )
