@@ -3,13 +3,16 @@
 Each message is a `MessageWidget`: a role label, the body (a borderless QTextBrowser sized to
 its content, Markdown rendered by app.markdown) and actions (Copy; Edit on the last user
 message; Regenerate on the last answer). While an answer streams, text arrives in small chunks;
-the view re-renders only the last message and at most every RENDER_INTERVAL_MS, so a long answer
-never stalls the GUI thread, and calls `before_render(text)` first: the chat page saves the text
-there, so whatever the window has shown is already in the database.
+the view renders what arrived at most every RENDER_INTERVAL_MS (longer when a render took long,
+so rendering never takes more than about a quarter of the GUI thread), and only the message's
+open piece (app.chunking): the work per update does not grow with the answer. Before each
+render it calls `before_render(text)`: the chat page saves the text there, so whatever the
+window has shown is already in the database.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from PySide6.QtCore import QSize, Qt, QTimer, QUrl, Signal
@@ -26,9 +29,11 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from .markdown import LIGHT, MarkdownPalette, code_blocks, render, split_chunks
+from .chunking import Chunker, Piece
+from .markdown import LIGHT, MarkdownPalette, code_blocks, render
 
 RENDER_INTERVAL_MS = 50
+RENDER_BUSY_FACTOR = 3  # the next render waits at least this many times the last one's duration
 
 
 class _Body(QTextBrowser):
@@ -72,7 +77,7 @@ class MessageWidget(QFrame):
                  parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.role = role
-        self.text = text
+        self._parts = [text]
         self.complete = complete
         self._palette = palette
         self.setObjectName("message")
@@ -91,13 +96,16 @@ class MessageWidget(QFrame):
         header.addWidget(self.note)
         header.addStretch(1)
         layout.addLayout(header)
-        # The text is rendered in chunks (app.markdown.split_chunks), one borderless browser each,
-        # so a streaming answer re-renders and re-lays out only its last chunk.
+        # The text is rendered in pieces (app.chunking), one borderless browser each, so a
+        # streaming answer re-renders and re-lays out only its last piece.
         self._bodies_layout = QVBoxLayout()
         self._bodies_layout.setSpacing(0)
         layout.addLayout(self._bodies_layout)
         self.bodies: list[_Body] = []
-        self._chunks: list[str] = []
+        self._pieces: list[Piece] = []
+        self._chunker = Chunker()
+        self.render_count = 0  # Markdown renders, and the characters they read (tests count them)
+        self.rendered_chars = 0
         actions = QHBoxLayout()
         actions.setSpacing(4)
         self.copy_button = self._action("Copy", "Copy this message as Markdown", self._copy)
@@ -136,25 +144,55 @@ class MessageWidget(QFrame):
         self.bodies.append(body)
         return body
 
+    @property
+    def text(self) -> str:
+        if len(self._parts) > 1:
+            self._parts = ["".join(self._parts)]
+        return self._parts[0]
+
     def set_text(self, text: str, complete: bool | None = None, force: bool = False) -> None:
-        """Show `text`; chunks whose text did not change keep their rendering."""
-        self.text = text
+        """Show `text` (cut into pieces afresh); pieces that did not change keep their rendering."""
+        self._parts = [text]
         if complete is not None:
             self.complete = complete
-        chunks = [text] if self.role == "user" else split_chunks(text)
-        for i, chunk in enumerate(chunks):
-            if i < len(self._chunks) and self._chunks[i] == chunk and not force:
-                continue
+        self._chunker = Chunker()
+        if self.role == "user":
+            pieces = [Piece(text)]
+        else:
+            self._chunker.feed(text)
+            pieces = self._chunker.pieces()
+        self._show(pieces, 0 if force else self._same_prefix(pieces))
+
+    def append(self, delta: str) -> None:
+        """Add streamed text: renders the pieces it closed and the open one, nothing before."""
+        self._parts.append(delta)
+        first = len(self._chunker.closed)
+        self._chunker.feed(delta)
+        self._show(self._chunker.pieces(), first)
+
+    def _same_prefix(self, pieces: list[Piece]) -> int:
+        same = 0
+        while same < min(len(pieces), len(self._pieces)) and pieces[same] == self._pieces[same]:
+            same += 1
+        return same
+
+    def _show(self, pieces: list[Piece], first: int) -> None:
+        """Render pieces[first:] (the earlier ones are shown already) and drop extra bodies."""
+        for i in range(first, len(pieces)):
+            piece = pieces[i]
             body = self.bodies[i] if i < len(self.bodies) else self._new_body()
             if self.role == "user":
-                body.setPlainText(chunk)
+                body.setPlainText(piece.text)
             else:
-                body.setHtml(render(chunk, self._palette) if chunk else "")
-        for body in self.bodies[len(chunks):]:
+                source = piece.markdown()
+                self.render_count += 1
+                self.rendered_chars += len(source)
+                body.setHtml(render(source, self._palette, bool(piece.reopen), bool(piece.close)) if source else "")
+        for body in self.bodies[len(pieces):]:
             body.setParent(None)
             body.deleteLater()
-        del self.bodies[len(chunks):]
-        self._chunks = chunks
+        del self.bodies[len(pieces):]
+        self._pieces = pieces
 
     def set_note(self, note: str) -> None:
         self.note.setText(note)
@@ -163,15 +201,30 @@ class MessageWidget(QFrame):
         self._palette = palette
         self.set_text(self.text, force=True)
 
+    def _code_block(self, piece: int, index: int) -> str | None:
+        """Code block `index` of piece `piece`, joined with its continuations in later pieces."""
+        if not 0 <= piece < len(self._pieces):
+            return None
+        blocks = code_blocks(self._pieces[piece].markdown())
+        if not 0 <= index < len(blocks):
+            return None
+        code = blocks[index]
+        while index == len(blocks) - 1 and self._pieces[piece].close and piece + 1 < len(self._pieces):
+            piece, index = piece + 1, 0
+            blocks = code_blocks(self._pieces[piece].markdown())
+            if not blocks:
+                break
+            code += blocks[0]
+        return code
+
     def _copy(self) -> None:
         QGuiApplication.clipboard().setText(self.text)
 
     def _on_body_anchor_clicked(self, chunk: int, url: QUrl) -> None:
         if url.scheme() == "copy":
-            blocks = code_blocks(self._chunks[chunk]) if chunk < len(self._chunks) else []
-            index = int(url.path() or -1)
-            if 0 <= index < len(blocks):
-                QGuiApplication.clipboard().setText(blocks[index])
+            code = self._code_block(chunk, int(url.path() or -1))
+            if code is not None:
+                QGuiApplication.clipboard().setText(code)
         elif url.scheme() in ("http", "https"):
             from PySide6.QtGui import QDesktopServices
 
@@ -208,6 +261,7 @@ class ChatView(QScrollArea):
         self._palette = LIGHT
         self._streaming: MessageWidget | None = None
         self._stream_text = ""
+        self._pending = ""  # arrived since the last render
         self._busy = False
         self._timer = QTimer(self)
         self._timer.setSingleShot(True)
@@ -282,11 +336,13 @@ class ChatView(QScrollArea):
         widget.set_note("writing…")
         self._streaming = widget
         self._stream_text = text
+        self._pending = ""
         self._stick_to_bottom = True
         return widget
 
     def append_answer(self, chunk: str) -> None:
         self._stream_text += chunk
+        self._pending += chunk
         if not self._timer.isActive():
             self._timer.start()
 
@@ -298,13 +354,17 @@ class ChatView(QScrollArea):
         """Render the streaming answer now (the timer calls this every RENDER_INTERVAL_MS)."""
         self._timer.stop()
         widget = self._streaming
-        if widget is None or widget.text == self._stream_text:
+        if widget is None or not self._pending:
             return
-        text = self._stream_text
+        started = time.perf_counter()
+        text, delta = self._stream_text, self._pending
+        self._pending = ""
         if self.before_render is not None:
             self.before_render(text)
-        widget.set_text(text)
+        widget.append(delta)
         self.rendered.emit(text)
+        spent_ms = (time.perf_counter() - started) * 1000
+        self._timer.setInterval(max(RENDER_INTERVAL_MS, int(RENDER_BUSY_FACTOR * spent_ms)))
 
     def end_answer(self, note: str = "", complete: bool = True) -> None:
         self.flush()

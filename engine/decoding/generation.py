@@ -57,6 +57,9 @@ from engine.types import (
 log = logging.getLogger(__name__)
 
 PREFILL_CHUNK = 512
+PREFILL_FIRST_CHUNK = 32
+PREFILL_MIN_CHUNK = 8
+PREFILL_STEP_S = 0.3  # the time one prefill chunk aims at: a Stop waits for at most one chunk
 
 Choose = Callable[[torch.Tensor, list[int]], int]  # ((V,) logits, tokens of this step so far) -> token
 
@@ -138,7 +141,7 @@ class Engine:
     def _decode(self, request: GenerationRequest, prompt: list[int], use_spec: bool,
                 cancel: threading.Event) -> Iterator[TokenEvent | Completion]:
         t_start = time.perf_counter()
-        run = self._start(request, prompt, use_spec)
+        run = self._start(request, prompt, use_spec, cancel)
         while len(run.new) < run.request.max_new_tokens:
             if cancel.is_set():
                 run.finish = "cancelled"
@@ -158,18 +161,20 @@ class Engine:
         stats = self._stats(run, time.perf_counter() - t_start)
         yield Completion(text=run.detok.text, token_ids=tuple(run.new), finish_reason=run.finish, stats=stats)
 
-    def _start(self, request: GenerationRequest, prompt: list[int], use_spec: bool) -> _Decoding:
-        """Fresh caches holding the prompt but its last token (the first root)."""
+    def _start(self, request: GenerationRequest, prompt: list[int], use_spec: bool,
+               cancel: threading.Event | None = None) -> _Decoding:
+        """Fresh caches holding the prompt but its last token (the first root). A `cancel` set
+        meanwhile stops the prefill between chunks (the decode loop then ends at once)."""
         sampling, spec = request.sampling, request.speculation
         gen = None if sampling.greedy else make_generator(sampling.seed)
         t0 = time.perf_counter()
         tcache = self.target.new_cache(len(prompt) + request.max_new_tokens + spec.budget + 8)
-        prefill(self.target, tcache, prompt[:-1])
+        prefill(self.target, tcache, prompt[:-1], cancel=cancel)
         dcache = None
         if use_spec:
             assert self.draft is not None
             dcache = self.draft.new_cache(len(prompt) + request.max_new_tokens + 4 * spec.budget + 8)
-            prefill(self.draft, dcache, prompt[:-1])
+            prefill(self.draft, dcache, prompt[:-1], cancel=cancel)
         seq = list(prompt)
 
         def choose(logits: torch.Tensor, step_tokens: list[int]) -> int:
@@ -312,12 +317,24 @@ def load_engine(
     return Engine(loaded_target.model, loaded_target.tokenizer, loaded_draft.model if loaded_draft else None)
 
 
-def prefill(model: CausalLM, cache: KVCache, ids: list[int], chunk: int = PREFILL_CHUNK) -> None:
+def prefill(model: CausalLM, cache: KVCache, ids: list[int], chunk: int = PREFILL_CHUNK,
+            cancel: threading.Event | None = None) -> bool:
     """Append `ids` to `cache` in chunks of at most `chunk` tokens; a device out-of-memory
-    halves the chunk and retries (the cache commits only after a whole pass)."""
-    start, size = 0, chunk
+    halves the chunk and retries (the cache commits only after a whole pass). Returns False
+    when `cancel` was set before the last chunk (the cache then holds the chunks done).
+
+    Chunks are sized so that one takes about PREFILL_STEP_S, which bounds how long a Stop
+    waits: where a pass costs mostly its tokens' compute (a CPU: ~20 s for 512 tokens of the
+    starter on 2 cores) chunks shrink towards PREFILL_MIN_CHUNK; where it costs mostly reading
+    the weights (an offloaded target: a chunk of 64 takes as long as one of 512) they grow to
+    `chunk`, since a smaller one would only read the weights more often."""
+    start, size = 0, min(chunk, PREFILL_FIRST_CHUNK)
+    last: tuple[int, float] | None = None  # (size, seconds) of the previous chunk
     while start < len(ids):
+        if cancel is not None and cancel.is_set():
+            return False
         piece = torch.tensor(ids[start : start + size])
+        t0 = time.perf_counter()
         try:
             model.forward(piece, torch.arange(cache.length, cache.length + piece.shape[0]), cache, None)
         except torch.OutOfMemoryError as exc:
@@ -327,9 +344,23 @@ def prefill(model: CausalLM, cache: KVCache, ids: list[int], chunk: int = PREFIL
             if model.device.type == "cuda":
                 torch.cuda.empty_cache()
             size //= 2
+            chunk = size
             log.warning("out of device memory in the prefill: chunks of %d tokens now", size)
             continue
         start += piece.shape[0]
+        seconds = time.perf_counter() - t0
+        size, last = _next_prefill_chunk(piece.shape[0], seconds, last, chunk), (int(piece.shape[0]), seconds)
+    return True
+
+
+def _next_prefill_chunk(size: int, seconds: float, last: tuple[int, float] | None, most: int) -> int:
+    """The next prefill chunk after one of `size` tokens took `seconds` (see prefill)."""
+    if last is not None and last[0] < size and seconds < 1.5 * last[1]:
+        return most  # twice the tokens cost not much more: reading the weights dominates
+    if seconds <= 0:
+        return min(most, size * 2)
+    fit = int(size * PREFILL_STEP_S / seconds)
+    return max(PREFILL_MIN_CHUNK, min(most, fit, size * 2))
 
 
 def _shrink_after_oom(request: GenerationRequest, device: torch.device) -> tuple[GenerationRequest, bool]:

@@ -136,6 +136,47 @@ def test_cancel_stops_between_steps(close_engine: Engine) -> None:
     assert 0 < len(final.token_ids) < 200
 
 
+def test_stop_during_a_long_prompt_starts_no_further_pass(close_engine: Engine, monkeypatch) -> None:
+    """A Stop while the prompt is read takes effect before the next prefill chunk: no target or
+    draft pass starts after it (the prefill of a long conversation used to run to its end)."""
+    cancel = threading.Event()
+    started_after_stop = []
+    for model in (close_engine.target, close_engine.draft):
+        forward = model.forward
+
+        def counted(*args, _forward=forward, **kwargs):  # type: ignore[no-untyped-def]
+            started_after_stop.append(cancel.is_set())
+            if len(started_after_stop) == 2:
+                cancel.set()  # the user presses Stop while the second chunk is being read
+            return _forward(*args, **kwargs)
+
+        monkeypatch.setattr(model, "forward", counted)
+    prompt = " ".join(PROMPTS * 60)  # ~1,100 tokens: several prefill chunks
+    req = GenerationRequest(raw_prompt=prompt, max_new_tokens=50, speculation=SpeculationSettings(budget=4))
+    final = run(close_engine, req, cancel)
+    assert final.finish_reason == "cancelled" and final.token_ids == ()
+    assert len(started_after_stop) == 2 and not any(started_after_stop)
+
+
+def test_prefill_chunks_follow_what_a_pass_costs() -> None:
+    """Compute-bound passes (a CPU) shrink the chunk to about PREFILL_STEP_S of work; passes that
+    cost mostly their weights (twice the tokens, hardly more time) grow it to the largest."""
+    from engine.decoding.generation import (
+        PREFILL_CHUNK,
+        PREFILL_MIN_CHUNK,
+        PREFILL_STEP_S,
+        _next_prefill_chunk,
+    )
+
+    per_token = 0.04  # the starter on this machine's 2 cores: ~20 s for 512 tokens
+    assert _next_prefill_chunk(32, 32 * per_token, None, PREFILL_CHUNK) == max(PREFILL_MIN_CHUNK,
+                                                                                 int(PREFILL_STEP_S / per_token))
+    assert _next_prefill_chunk(16, 0.001, None, PREFILL_CHUNK) == 32  # cheap: grows, doubling
+    weights = 5.0  # an offloaded 70B: each pass streams the weights
+    assert _next_prefill_chunk(64, weights + 0.1, (32, weights), PREFILL_CHUNK) == PREFILL_CHUNK
+    assert _next_prefill_chunk(64, 2 * 64 * per_token, (32, 32 * per_token), PREFILL_CHUNK) == PREFILL_MIN_CHUNK
+
+
 def test_eos_finishes_with_eos_token(tiny_target: LoadedModel, tiny_close_draft: LoadedModel) -> None:
     engine = Engine(tiny_target.model, tiny_target.tokenizer, tiny_close_draft.model)
     eos = tiny_target.tokenizer.eos_token_id
