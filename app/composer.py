@@ -13,6 +13,8 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+PLACEHOLDER = "Message — Enter sends, Shift+Enter adds a line"
+
 
 class _Input(QPlainTextEdit):
     submitted = Signal()
@@ -36,7 +38,7 @@ class Composer(QWidget):
         layout = QHBoxLayout(self)
         layout.setContentsMargins(12, 6, 12, 10)
         self.input = _Input(self)
-        self.input.setPlaceholderText("Message — Enter sends, Shift+Enter adds a line")
+        self.input.setPlaceholderText(PLACEHOLDER)
         self.input.setAccessibleName("Message")
         self.input.setAccessibleDescription("Type a message. Enter sends it, Shift+Enter adds a new line.")
         self.input.setTabChangesFocus(True)
@@ -76,7 +78,10 @@ class Composer(QWidget):
         """No model loaded yet: sending is off and the placeholder says why."""
         self._can_send = can
         self.send_button.setEnabled(can)
-        self.input.setPlaceholderText("Message — Enter sends, Shift+Enter adds a line" if can else reason)
+        self.input.setPlaceholderText(PLACEHOLDER if can else reason)
+        # QPlainTextEdit repaints only when the placeholder appears or disappears, not when its
+        # text changes while shown: without this the box kept saying "Loading the model…"
+        self.input.viewport().update()
 
     def set_text(self, text: str) -> None:
         self.input.setPlainText(text)
