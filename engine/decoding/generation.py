@@ -176,9 +176,13 @@ class Engine:
             dcache = self.draft.new_cache(len(prompt) + request.max_new_tokens + 4 * spec.budget + 8)
             prefill(self.draft, dcache, prompt[:-1], cancel=cancel)
         seq = list(prompt)
+        window, eos = sampling.repetition_window, self.eos_ids
 
         def choose(logits: torch.Tensor, step_tokens: list[int]) -> int:
-            history = torch.tensor(seq + step_tokens) if sampling.repetition_penalty != 1.0 else None
+            history = None
+            if sampling.repetition_penalty != 1.0:
+                recent = (seq[-window:] + step_tokens)[-window:] if window else seq + step_tokens
+                history = torch.tensor([t for t in recent if t not in eos], dtype=torch.long)
             return choose_token(logits, sampling, gen, history)
 
         run = _Decoding(request, prompt, use_spec, tcache, dcache, choose, Detokenizer(self.tokenizer, request.stop),

@@ -24,7 +24,10 @@ def encode_prompt(tokenizer: Tokenizer, request: GenerationRequest) -> list[int]
         if not tokenizer.chat_template:
             raise InvalidRequest("This model has no chat template; use --raw-prompt to feed plain text.")
         msgs = [{"role": m.role, "content": m.content} for m in request.messages]
-        out = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        if request.continue_final:  # the answer's own end-of-turn is left out, so it goes on
+            out = tokenizer.apply_chat_template(msgs, continue_final_message=True, tokenize=True)
+        else:
+            out = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
         ids = list(out if isinstance(out, list) else out["input_ids"])
     if not ids:
         raise InvalidRequest("The prompt is empty: type a message first.")

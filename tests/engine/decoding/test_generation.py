@@ -95,6 +95,47 @@ def test_seeded_sampling_matches_autoregressive(close_engine: Engine, sampling: 
     assert a.stats.target_passes < b.stats.target_passes
 
 
+@pytest.mark.parametrize("mode", ["specexec", "autoregressive"])
+def test_repetition_penalty_looks_at_a_window_and_spares_end_of_turn(close_engine: Engine, tiny_target: LoadedModel,
+                                                                     mode: str) -> None:
+    """Greedy decoding with the penalty equals a from-scratch reference: full forward passes,
+    HF's penalty over the last `repetition_window` tokens with the end-of-turn ids left out."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    sampling = SamplingSettings(temperature=0.0, repetition_penalty=1.8, repetition_window=12)
+    req = GenerationRequest(messages=(Message("user", "Say something twice."),), max_new_tokens=30, sampling=sampling,
+                            speculation=SpeculationSettings(mode=mode, budget=16))  # type: ignore[arg-type]
+    got = run(close_engine, req)
+    ids = close_engine.encode(req)
+    ref: list[int] = []
+    penalty = RepetitionPenaltyLogitsProcessor(1.8)
+    for _ in range(len(got.token_ids)):
+        seq = ids + ref
+        with torch.no_grad():
+            logits = tiny_target.model.hf_model(torch.tensor([seq])).logits[0, -1].float()
+        window = [t for t in seq[-12:] if t not in close_engine.eos_ids]
+        logits = penalty(torch.tensor([window]), logits[None].clone())[0] if window else logits
+        ref.append(int(torch.argmax(logits)))
+    assert list(got.token_ids) == ref
+    plain = run(close_engine, dataclasses.replace(req, sampling=SamplingSettings(temperature=0.0)))
+    assert plain.token_ids != got.token_ids  # the penalty changed something to check
+
+
+def test_continue_writes_on_from_a_cut_answer(close_engine: Engine) -> None:
+    """Continue feeds the cut answer back without its end-of-turn: the prompt is the first
+    prompt followed by the answer's text (re-tokenised as one string, so ids may merge at the
+    seam, as in every engine that continues from text), and the answer goes on from there."""
+    ask = (Message("system", "Be brief."), Message("user", "Tell me a story."))
+    cut = run(close_engine, GenerationRequest(messages=ask, max_new_tokens=8))
+    assert cut.finish_reason == "length" and cut.text
+    more = GenerationRequest(messages=(*ask, Message("assistant", cut.text)), max_new_tokens=16, continue_final=True)
+    decode = close_engine.tokenizer.decode
+    assert decode(close_engine.encode(more)) == decode(close_engine.encode(GenerationRequest(messages=ask))) + cut.text
+    assert run(close_engine, more).token_ids
+    with pytest.raises(InvalidRequest, match="last message must be the assistant"):
+        GenerationRequest(messages=ask, continue_final=True)
+
+
 def test_same_seed_same_text_other_seed_differs(close_engine: Engine) -> None:
     req = GenerationRequest(raw_prompt=PROMPTS[0], max_new_tokens=30,
                             sampling=SamplingSettings(temperature=1.0, seed=1))
