@@ -68,10 +68,13 @@ class _Body(QTextBrowser):
 
 
 class MessageWidget(QFrame):
-    """One message. Signals: edit_clicked(), regenerate_clicked()."""
+    """One message. Signals: edit_clicked(), regenerate_clicked(), continue_clicked().
+
+    `can_continue`: an answer cut by the token limit (the view offers Continue on the last one)."""
 
     edit_clicked = Signal()
     regenerate_clicked = Signal()
+    continue_clicked = Signal()
 
     def __init__(self, role: str, text: str, palette: MarkdownPalette, complete: bool = True,
                  parent: QWidget | None = None) -> None:
@@ -79,6 +82,7 @@ class MessageWidget(QFrame):
         self.role = role
         self._parts = [text]
         self.complete = complete
+        self.can_continue = False
         self._palette = palette
         self.setObjectName("message")
         self.setProperty("role", role)
@@ -111,12 +115,15 @@ class MessageWidget(QFrame):
         self.copy_button = self._action("Copy", "Copy this message as Markdown", self._copy)
         self.edit_button = self._action("Edit", "Edit this message and send it again", self.edit_clicked.emit)
         self.regenerate_button = self._action("Regenerate", "Write this answer again", self.regenerate_clicked.emit)
-        for button in (self.copy_button, self.edit_button, self.regenerate_button):
+        self.continue_button = self._action("Continue", "Write on from where the token limit cut this answer",
+                                            self.continue_clicked.emit)
+        for button in (self.copy_button, self.edit_button, self.regenerate_button, self.continue_button):
             actions.addWidget(button)
         actions.addStretch(1)
         layout.addLayout(actions)
         self.edit_button.hide()
         self.regenerate_button.hide()
+        self.continue_button.hide()
         self.set_text(text, complete)
 
     def _action(self, text: str, tip: str, slot: Callable[[], None]) -> QToolButton:
@@ -237,11 +244,13 @@ class ChatView(QScrollArea):
     Signals:
         edit_requested(): Edit on the last user message.
         regenerate_requested(): Regenerate on the last answer.
+        continue_requested(): Continue on the last answer (cut by the token limit).
         rendered(str): the streaming answer's text just shown (after `before_render`).
     """
 
     edit_requested = Signal()
     regenerate_requested = Signal()
+    continue_requested = Signal()
     rendered = Signal(str)
 
     def __init__(self, parent: QWidget | None = None) -> None:
@@ -296,6 +305,7 @@ class ChatView(QScrollArea):
         widget = MessageWidget(role, text, self._palette, complete, self._inner)
         widget.edit_clicked.connect(self.edit_requested)
         widget.regenerate_clicked.connect(self.regenerate_requested)
+        widget.continue_clicked.connect(self.continue_requested)
         if role == "user":
             widget.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Maximum)
         self._layout.insertWidget(self._layout.count() - 1, widget)
@@ -329,16 +339,30 @@ class ChatView(QScrollArea):
         for i, m in enumerate(self._messages):
             m.edit_button.setVisible(i == last_user and not busy)
             m.regenerate_button.setVisible(i == last and m.role == "assistant" and not busy)
+            m.continue_button.setVisible(i == last and m.can_continue and not busy)
 
     # ---- streaming -----------------------------------------------------------------------
     def begin_answer(self, text: str = "") -> MessageWidget:
-        widget = self.add_message("assistant", text)
+        """A new answer at the bottom that streams (`text`: what it holds already)."""
+        return self.resume_answer(self.add_message("assistant", text))
+
+    def resume_answer(self, widget: MessageWidget) -> MessageWidget:
+        """Stream into `widget` (the last answer: Continue), after the text it shows."""
         widget.set_note("writing…")
+        widget.can_continue = False
         self._streaming = widget
-        self._stream_text = text
+        self._stream_text = widget.text
         self._pending = ""
         self._stick_to_bottom = True
+        self._update_actions()
         return widget
+
+    def detach_answer(self) -> None:
+        """Stop streaming into the view (the answer goes on elsewhere); text not yet rendered is
+        dropped here, its owner keeps it."""
+        self._timer.stop()
+        self._streaming = None
+        self._pending = ""
 
     def append_answer(self, chunk: str) -> None:
         self._stream_text += chunk
@@ -366,10 +390,11 @@ class ChatView(QScrollArea):
         spent_ms = (time.perf_counter() - started) * 1000
         self._timer.setInterval(max(RENDER_INTERVAL_MS, int(RENDER_BUSY_FACTOR * spent_ms)))
 
-    def end_answer(self, note: str = "", complete: bool = True) -> None:
+    def end_answer(self, note: str = "", complete: bool = True, can_continue: bool = False) -> None:
         self.flush()
         if self._streaming is not None:
             self._streaming.complete = complete
+            self._streaming.can_continue = can_continue
             self._streaming.set_note(note)
         self._streaming = None
         self._update_actions()

@@ -134,7 +134,7 @@ class MainWindow(QMainWindow):
             self.addAction(action)  # shortcuts work without a toolbar button
         self.stop_shortcut = QShortcut(QKeySequence(Qt.Key.Key_Escape), self)
         self.stop_shortcut.setContext(Qt.ShortcutContext.WindowShortcut)
-        self.stop_shortcut.activated.connect(self.chat.stop)
+        self.stop_shortcut.activated.connect(self.chat.escape)
         for widget in bar.findChildren(QWidget):
             action = getattr(widget, "defaultAction", lambda: None)()
             if action is not None:
