@@ -29,15 +29,24 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from engine.types import Completion, GenerationRequest, Message, SpeculationSettings
+from engine.errors import RemoteError
+from engine.types import (
+    Completion,
+    GenerationRequest,
+    Message,
+    RemoteModel,
+    SpeculationSettings,
+)
 
 from .chat_view import ChatView
 from .composer import Composer
 from .conversations import ConversationStore, StoredMessage, stats_dict, title_from
 from .empty_state import EmptyState
+from .engine_picker import EnginePicker
 from .engine_worker import EngineHost
 from .markdown import MarkdownPalette
 from .preferences import Preferences, PreferencesStore
+from .remote_engines import LOCAL, RemoteHost, parse_engines, resolve
 from .sidebar import Sidebar
 from .status import ErrorBanner, StatusBar
 from .system_prompt import SystemPromptRow
@@ -73,14 +82,16 @@ class ChatPage(QWidget):
     answer_finished = Signal(str)
 
     def __init__(self, conversations: ConversationStore, host: EngineHost, preferences: PreferencesStore,
-                 status: StatusBar, parent: QWidget | None = None) -> None:
+                 status: StatusBar, parent: QWidget | None = None, remote: RemoteHost | None = None) -> None:
         super().__init__(parent)
         self.store = conversations
         self.host = host
+        self.remote = remote  # answers from remote engines (app/remote_engines.py), same signals as host's
+        self._active: EngineHost | RemoteHost = host  # whichever runs the answer in progress
         self.preferences = preferences
         self.status = status
         self.conversation_id = 0
-        self.model_state = "none"
+        self.model_state, self._model_detail = "none", ""
         self._ids: list[int] = []  # database id of each message in the view
         self._answer: _Answer | None = None
         self._editing_id = 0
@@ -94,6 +105,10 @@ class ChatPage(QWidget):
         host.worker.generation_finished.connect(self._on_worker_generation_finished)
         host.worker.generation_failed.connect(self._on_worker_generation_failed)
         host.worker.planned.connect(self._on_worker_planned)
+        if remote is not None:
+            remote.worker.tokens_generated.connect(self._on_worker_tokens_generated)
+            remote.worker.generation_finished.connect(self._on_worker_generation_finished)
+            remote.worker.generation_failed.connect(self._on_worker_generation_failed)
         self.sidebar.refresh()
         first = self.store.conversations()
         if first:
@@ -126,6 +141,10 @@ class ChatPage(QWidget):
         self.system_row.edited.connect(self._on_system_row_edited)
         self.system_row.save_requested.connect(self.save_preset)
         self.system_edit, self.preset_combo = self.system_row.edit, self.system_row.presets
+        self.engine_picker = EnginePicker()
+        self.engine_picker.reload(self.preferences.load())
+        self.engine_picker.choice_changed.connect(self._on_engine_picker_choice_changed)
+        self.system_row.layout().insertWidget(0, self.engine_picker)
         self.reload_presets()
         column.addWidget(self.system_row)
         self.view = ChatView()
@@ -167,10 +186,13 @@ class ChatPage(QWidget):
 
     def set_model_state(self, state: str, detail: str = "") -> None:
         """"none" (no model chosen: the empty state), "loading", "ready" or "failed"."""
-        self.model_state = state
-        self.stack.setCurrentWidget(self.empty if state == "none" else self.view)
-        self._failed_detail = detail
+        self.model_state, self._model_detail = state, detail
+        shown = "ready" if self.engine_picker.choice() != LOCAL else state  # a remote model answers anyway
+        self.stack.setCurrentWidget(self.empty if shown == "none" else self.view)
         self._update_composer()
+
+    def _can_answer(self) -> bool:
+        return self.model_state == "ready" or self.engine_picker.choice() != LOCAL
 
     def _update_composer(self) -> None:
         answer = self._answer
@@ -181,8 +203,9 @@ class ChatPage(QWidget):
             self.composer.set_can_send(False, elsewhere)
             return
         reasons = {"none": "Choose a model first", "loading": "Loading the model…",
-                   "failed": getattr(self, "_failed_detail", "") or "The model could not be loaded; see the message above"}
-        self.composer.set_can_send(self.model_state == "ready", reasons.get(self.model_state, ""))
+                   "failed": self._model_detail or "The model could not be loaded; see the message above"}
+        can = self._can_answer()
+        self.composer.set_can_send(can, "" if can else reasons.get(self.model_state, ""))
 
     def _elsewhere_text(self, conversation_id: int) -> str:
         conv = self.store.get(conversation_id)
@@ -196,6 +219,7 @@ class ChatPage(QWidget):
         self.banner.show_message(message)
 
     def reload_presets(self) -> None:
+        self.engine_picker.reload(self.preferences.load())  # the settings' servers may have changed
         self.system_row.set_presets(self.preferences.load().system_presets)
 
     def _default_system_prompt(self) -> str:
@@ -225,6 +249,8 @@ class ChatPage(QWidget):
         self.view.clear()
         self._ids = []
         self.system_edit.setText(conv.system_prompt)
+        self.engine_picker.set_choice(conv.engine)
+        self.set_model_state(self.model_state, self._model_detail)
         answer = self._answer if self.answering_here else None
         for m in self.store.messages(conv.id):
             if answer is not None and m.id == answer.message_id:
@@ -257,12 +283,17 @@ class ChatPage(QWidget):
 
     def _on_sidebar_conversation_deleted(self, conversation_id: int) -> None:
         if self.answering_in == conversation_id:  # its row is gone with it: stop writing
-            self.host.cancel_generation()
+            self._active.cancel_generation()
             self._save_timer.stop()
             self._answer = None
             self._update_composer()
         if conversation_id == self.conversation_id:
             self.conversation_id = 0
+
+    def _on_engine_picker_choice_changed(self, choice: str) -> None:
+        if self.conversation_id:
+            self.store.set_engine(self.conversation_id, choice)
+        self.set_model_state(self.model_state, self._model_detail)
 
     def _on_system_row_edited(self, text: str) -> None:
         if self.conversation_id:
@@ -275,35 +306,45 @@ class ChatPage(QWidget):
 
     # ---- a turn --------------------------------------------------------------------------
     def _ready(self) -> bool:
-        return not self.busy and self.model_state == "ready"
+        return not self.busy and self._can_answer()
 
     def send(self, text: str) -> None:
         """Send a user message (or the edited last one) and start the answer."""
         if not self._ready() or not text.strip():
             return
+        ok, remote = self._engine_for_answer()
+        if not ok:
+            return
         self.banner.dismiss()
         if not self.conversation_id:
             self.conversation_id = self.store.create(title_from(text), self.system_edit.text()).id
+            self.store.set_engine(self.conversation_id, self.engine_picker.choice())
         elif self._editing_id:
             self._drop_from(self._editing_id)
         self._set_editing(None)
         self._show(self.store.add_message(self.conversation_id, "user", text))
-        self._start_answer()
+        self._start_answer(remote=remote)
 
     def regenerate(self) -> None:
         """Drop the last answer and write it again."""
         if not self._ready() or not self._ids or self.view.messages[-1].role != "assistant":
             return
+        ok, remote = self._engine_for_answer()
+        if not ok:
+            return
         self._drop_from(self._ids[-1])
-        self._start_answer()
+        self._start_answer(remote=remote)
 
     def continue_answer(self) -> None:
         """Write on from the last answer (cut by the token limit), into the same message."""
         if not self._ready() or not self._ids or self.view.messages[-1].role != "assistant":
             return
+        ok, remote = self._engine_for_answer()
+        if not ok:
+            return
         widget = self.view.messages[-1]
         self.store.update_message(self._ids[-1], widget.text, complete=False)
-        self._start_answer(resume=widget)
+        self._start_answer(resume=widget, remote=remote)
 
     def edit_last(self) -> None:
         """Put the last user message in the composer; sending it replaces it and what followed."""
@@ -333,7 +374,7 @@ class ChatPage(QWidget):
 
     def stop(self) -> None:
         if self.busy:
-            self.host.cancel_generation()
+            self._active.cancel_generation()
 
     def escape(self) -> None:
         """Esc: stop the answer being written, else leave edit mode."""
@@ -354,7 +395,16 @@ class ChatPage(QWidget):
         msgs += [Message(m.role, m.content) for m in self.store.messages(self.conversation_id)]  # type: ignore[arg-type]
         return tuple(msgs)
 
-    def _start_answer(self, resume: object = None) -> None:
+    def _engine_for_answer(self) -> tuple[bool, RemoteModel | None]:
+        """The remote model this conversation runs on (None: the local one); False, with a banner,
+        when its server was removed from the settings."""
+        try:
+            return True, resolve(self.engine_picker.choice(), parse_engines(self.preferences.load().remote_engines))
+        except RemoteError as exc:
+            self.show_error(exc.user_message)
+            return False, None
+
+    def _start_answer(self, resume: object = None, remote: RemoteModel | None = None) -> None:
         prefs = self.preferences.load()
         request = GenerationRequest(
             messages=self._history(),
@@ -362,6 +412,7 @@ class ChatPage(QWidget):
             sampling=prefs.sampling(),
             speculation=self._speculation(prefs),
             continue_final=resume is not None,
+            conversation=f"conversation-{self.conversation_id}",  # its KV cache continues turn to turn
         )
         if resume is None:
             message_id = self.store.add_message(self.conversation_id, "assistant", "", complete=False).id
@@ -370,7 +421,12 @@ class ChatPage(QWidget):
         else:
             message_id = self._ids[-1]
             widget = self.view.resume_answer(resume)  # type: ignore[arg-type]
-        request_id = self.host.generate(request)
+        if remote is not None and self.remote is not None:
+            self._active = self.remote
+            request_id = self.remote.generate(request, remote)
+        else:
+            self._active = self.host
+            request_id = self.host.generate(request)
         self._answer = _Answer(request_id, self.conversation_id, message_id, widget.text, started=time.monotonic())
         self.status.begin_answer()
         self.sidebar.set_writing(self.conversation_id)

@@ -82,7 +82,8 @@ class StatusBar(QStatusBar):
         self.speed = self._field("", "Tokens per second", "Tokens of answer written per second")
         self.per_pass = self._field("", "Tokens per target pass", TOKENS_PER_PASS_TIP)
         self.ttft = self._field("", "Time to first token",
-                                "Seconds from sending until the first token: mostly reading the conversation")
+                                "Seconds from sending until the first token: mostly reading the conversation. "
+                                "Reused prompt tokens were already read in an earlier turn and cost nothing now.")
         self.budget = self._field("", "Speculation budget", BUDGET_TIP)
         for label in (self.pair, self.placement):
             self.addWidget(label)
@@ -158,7 +159,8 @@ class StatusBar(QStatusBar):
     def show_stats(self, stats: GenerationStats, auto_budget: bool) -> None:
         self._set(self.speed, f"{stats.tokens_per_second:.1f} tok/s")
         self._set(self.per_pass, f"{stats.tokens_per_pass:.2f} tokens/pass")
-        self._set(self.ttft, f"first token {stats.ttft_seconds:.2f} s")
+        reused = f", {stats.cached_tokens:,} of {stats.prompt_tokens:,} prompt tokens reused" if stats.cached_tokens else ""
+        self._set(self.ttft, f"first token {stats.ttft_seconds:.2f} s{reused}")
         self._set(self.budget, budget_text(stats.budget, auto_budget) if stats.mode == "specexec" else "no speculation")
         if stats.placement is not None:
             self._set(self.placement, stats.placement.describe())
