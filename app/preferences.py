@@ -62,7 +62,7 @@ class Preferences:
     top_p: float = 0.9
     top_k: int = 0
     min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    repetition_penalty: float = 1.1  # as LM Studio and Ollama: the small starter loops without it
     max_new_tokens: int = 1024
     context_length: int = 4096
     # Engine

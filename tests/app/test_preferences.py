@@ -23,9 +23,16 @@ def test_defaults_when_nothing_stored(tmp_path: Path, qtbot: QtBot) -> None:
     assert PreferencesStore(_ini(tmp_path / "p.ini")).load() == Preferences()
 
 
+def test_default_sampling_penalises_recent_repeats() -> None:
+    """Without a penalty the small starter loops on a phrase; the default is LM Studio's and
+    Ollama's 1.1 over the last 64 tokens."""
+    sampling = Preferences().sampling()
+    assert sampling.repetition_penalty == 1.1 and sampling.repetition_window == 64
+
+
 def test_every_field_survives_a_new_store_on_the_same_file(tmp_path: Path, qtbot: QtBot) -> None:
     changed = Preferences(
-        temperature=0.3, top_p=0.8, top_k=40, min_p=0.05, repetition_penalty=1.1,
+        temperature=0.3, top_p=0.8, top_k=40, min_p=0.05, repetition_penalty=1.25,
         max_new_tokens=333, context_length=2048, device="cpu", quant="nf4", offload="all",
         budget=128, max_depth=8, tree_mode="autoregressive", models_dir=str(tmp_path / "m"),
         theme="dark", font_size=14, target="llama-3.1-70b-instruct", draft="llama-3.2-1b",
