@@ -19,6 +19,7 @@ class EmptyState(QWidget):
         title = QLabel("Choose a model to start chatting")
         title.setObjectName("emptyTitle")
         title.setAlignment(Qt.AlignmentFlag.AlignCenter)
+        title.setWordWrap(True)
         text = QLabel("The starter model (SmolLM2-135M-Instruct, ~93 MB) runs on any machine and works without "
                       "the Hugging Face hub.\nFor 70B models with speculative decoding, pick a pair on the Models page.")
         text.setObjectName("emptyText")

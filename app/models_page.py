@@ -48,6 +48,7 @@ from app.download_worker import (
 )
 from app.preferences import Preferences, PreferencesStore
 from app.recommend import PairOption, load_profile, pair_options, profile_headline
+from app.status import ElidedLabel
 from engine.errors import EngineError
 from engine.store import (
     DownloadSettings,
@@ -187,7 +188,7 @@ class ModelsPage(QWidget):
 
     def _build(self) -> None:
         title = QLabel("<h2>Models</h2>")
-        self.folder_label = QLabel()
+        self.folder_label = ElidedLabel()  # a long path elides (full in its tooltip): the page fits half a screen
         self.folder_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.folder_label.setAccessibleName("Models folder")
         header = QHBoxLayout()
@@ -215,11 +216,14 @@ class ModelsPage(QWidget):
         draft_label = QLabel("&Draft:")
         draft_label.setBuddy(self.draft_combo)
         pair_box = QGroupBox("Active pair")
-        pair_row = QHBoxLayout(pair_box)
+        pair_column = QVBoxLayout(pair_box)
+        pair_row = QHBoxLayout()
         for w in (target_label, self.target_combo, draft_label, self.draft_combo, self.use_button):
             pair_row.addWidget(w)
         pair_row.addStretch(1)
-        pair_row.addWidget(self.active_label)
+        pair_column.addLayout(pair_row)
+        self.active_label.setWordWrap(True)
+        pair_column.addWidget(self.active_label)
 
         self.profile_label = QLabel()
         self.profile_label.setWordWrap(True)
@@ -244,7 +248,7 @@ class ModelsPage(QWidget):
         scroll.setWidgetResizable(True)
         scroll.setFrameShape(QFrame.Shape.NoFrame)
         scroll.setWidget(inner)
-        scroll.setMinimumHeight(150)
+        scroll.setMinimumHeight(60)
         box_layout = QVBoxLayout(downloads)
         box_layout.addWidget(scroll)
 
@@ -331,6 +335,7 @@ class ModelsPage(QWidget):
         table.setAlternatingRowColors(True)
         table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
         table.horizontalHeader().setStretchLastSection(True)
+        table.setMinimumHeight(110)  # a few rows stay visible in a small window
 
     # ---- state -----------------------------------------------------------------------------
     @property
@@ -358,6 +363,7 @@ class ModelsPage(QWidget):
         """Re-read the local models and the hardware profile; redraw everything."""
         self._prefs = self._store.load()
         self.folder_label.setText(f"Folder: {self.models_dir}")
+        self.folder_label.setToolTip(str(self.models_dir))
         cache = self._hf_cache if self._hf_cache is not None else hf_hub_cache_dir()
         try:
             self._local = list_local_models(self.models_dir, cache)

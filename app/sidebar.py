@@ -107,7 +107,9 @@ class Sidebar(QWidget):
             row.addWidget(button)
         row.addStretch(1)
         layout.addLayout(row)
-        self.setMinimumWidth(150)
+        margins = layout.contentsMargins()
+        # never narrower than its buttons: below that they elided to "R…e D…e" (the list elides instead)
+        self.setMinimumWidth(max(150, row.sizeHint().width() + margins.left() + margins.right()))
         self._quiet = False
 
     def _tool(self, text: str, tip: str, slot) -> QToolButton:  # type: ignore[no-untyped-def]

@@ -223,3 +223,31 @@ def test_stop_starts_no_further_target_pass(qtbot: QtBot, open_window, chat_pref
             assert stats["prompt_tokens"] > 1000  # a prompt of several prefill chunks
     finally:
         engine.target.forward = forward
+
+
+def test_the_window_fits_half_a_screen_and_long_status_text_never_widens_it(
+        qtbot: QtBot, open_window, make_prefs, conversations: ConversationStore) -> None:
+    """It used to demand 1129x572, overlap the models page at 640x480, elide the sidebar's
+    buttons to "R…e", and widen itself to fit a loading message."""
+    from PySide6.QtWidgets import QAbstractButton
+
+    from engine.types import LoadProgress
+
+    conversations.create("A conversation with a title far longer than the sidebar is wide")
+    window = open_window(make_prefs(), wait_loaded=False)
+    window.resize(640, 480)
+    for show in (window.show_chat, window.show_models, window.show_chat):
+        show()
+        qtbot.waitUntil(lambda: window.size().toTuple() == (640, 480), timeout=5_000)
+        hint = window.minimumSizeHint()
+        assert hint.width() <= 640 and hint.height() <= 480, (show.__name__, hint)
+    buttons = window.chat.sidebar.findChildren(QAbstractButton)
+    assert buttons and all(b.width() >= b.sizeHint().width() for b in buttons if b.isVisible())
+    window.show_models()
+    assert window.models_page.catalog_table.rowCount() > 0
+    table = window.models_page.catalog_table
+    assert table.viewport().height() >= 2 * table.rowHeight(0)  # rows show, not just a header
+    window.show_chat()
+    window.statusBar().show_load_progress(LoadProgress("target", 0.5, "streaming " + "layer weights " * 40))
+    qtbot.wait(50)
+    assert window.width() == 640
