@@ -40,6 +40,7 @@ from PySide6.QtWidgets import (
 
 from app.benchmark_worker import benchmark_runner
 from app.engines_tab import EnginesTab
+from app.logfile import current_log_file
 from app.plot import BudgetPlot
 from app.preferences import Preferences, PreferencesStore
 from app.recommend import load_profile, predicted_curve, profile_lines
@@ -280,7 +281,9 @@ class SettingsDialog(QDialog):
         layout.addLayout(pair_row)
         layout.addWidget(self.plot, 1)
         about = installation()
-        self.about = QLabel(f"{about.summary()}\nInstalled in {about.prefix} · your data in {about.data}")
+        log = current_log_file()
+        self.about = QLabel(f"{about.summary()}\nInstalled in {about.prefix} · your data in {about.data}"
+                            + (f"\nLog file: {log}" if log is not None else ""))
         self.about.setAccessibleName("SpecChat version and installation")
         self.about.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.about.setWordWrap(True)

@@ -20,10 +20,13 @@ from PySide6.QtWidgets import (
     QSizePolicy,
     QStatusBar,
     QToolButton,
+    QVBoxLayout,
     QWidget,
 )
 
 from engine.types import GenerationStats, LoadProgress, Placement
+
+from .logfile import current_log_file
 
 TOKENS_PER_PASS_TIP = ("Answer tokens per pass over the big model's weights. Plain decoding makes 1; with "
                        "speculation each pass checks a tree of the draft's guesses and keeps every one the big "
@@ -180,7 +183,16 @@ class ErrorBanner(QFrame):
         self.label = QLabel("")
         self.label.setWordWrap(True)
         self.label.setAccessibleName("Error message")
-        layout.addWidget(self.label, 1)
+        self.log_label = QLabel("")  # where the details are: the log file (app/logfile.py)
+        self.log_label.setObjectName("errorBannerLog")
+        self.log_label.setAccessibleName("Log file")
+        self.log_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.log_label.setWordWrap(True)
+        text = QVBoxLayout()
+        text.setSpacing(2)
+        text.addWidget(self.label)
+        text.addWidget(self.log_label)
+        layout.addLayout(text, 1)
         self.close_button = QToolButton()
         self.close_button.setText("✕")
         self.close_button.setAccessibleName("Dismiss error")
@@ -191,6 +203,9 @@ class ErrorBanner(QFrame):
 
     def show_message(self, message: str) -> None:
         self.label.setText(message)
+        log = current_log_file()
+        self.log_label.setText(f"Details in the log: {log}" if log is not None else "")
+        self.log_label.setVisible(log is not None)
         self.show()
 
     def dismiss(self) -> None:

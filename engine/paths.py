@@ -26,6 +26,13 @@ def cache_dir() -> Path:
     return Path(env) if env else Path(platformdirs.user_cache_dir(APP_NAME, appauthor=False))
 
 
+def log_dir() -> Path:
+    """The app's log files (the platform's log folder: ~/.local/state/specchat/log on Linux,
+    %LOCALAPPDATA%\\specchat\\Logs on Windows, ~/Library/Logs/specchat on macOS)."""
+    env = os.environ.get("SPECCHAT_LOG_DIR")
+    return Path(env) if env else Path(platformdirs.user_log_dir(APP_NAME, appauthor=False))
+
+
 def models_dir() -> Path:
     env = os.environ.get("SPECCHAT_MODELS_DIR")
     return Path(env).expanduser() if env else data_dir() / "models"
