@@ -40,6 +40,7 @@ from PySide6.QtWidgets import (
 
 from app.benchmark_worker import benchmark_runner
 from app.engines_tab import EnginesTab
+from app.hub_tab import HubTab
 from app.logfile import current_log_file
 from app.plot import BudgetPlot
 from app.preferences import Preferences, PreferencesStore
@@ -115,8 +116,8 @@ class SettingsDialog(QDialog):
         self.tabs.addTab(self._prompts_tab(), "S&ystem prompts")
         self.tabs.addTab(self._hardware_tab(), "This &computer")
         # tabs in their own modules: show_preferences(prefs) fills them, values() is what they own
-        self.server_tab, self.engines_tab = ServerTab(), EnginesTab()
-        self._own_tabs = (self.server_tab, self.engines_tab)
+        self.server_tab, self.engines_tab, self.hub_tab = ServerTab(), EnginesTab(), HubTab()
+        self._own_tabs = (self.server_tab, self.engines_tab, self.hub_tab)
         for tab in self._own_tabs:
             self.tabs.addTab(tab, tab.title)
         self.finished.connect(self.engines_tab.shutdown)

@@ -163,3 +163,26 @@ def test_this_computer_names_the_version_and_pytorch_build(qtbot: QtBot, prefs_s
     assert f"SpecChat {metadata.version('specchat')}" in text
     assert f"PyTorch {metadata.version('torch')}" in text and "build)" in text
     assert str(paths.data_dir()) in text
+
+
+def test_the_hugging_face_token_field_saves_where_hf_tools_read_it(
+        qtbot: QtBot, prefs_store: PreferencesStore, app_env: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from huggingface_hub import constants, get_token
+    from PySide6.QtCore import Qt
+
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(app_env / "hf" / "token"))
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.delenv("HF_TOKEN_PATH", raising=False)
+    dialog = open_dialog(qtbot, prefs_store)
+    tab = dialog.hub_tab
+    dialog.tabs.setCurrentWidget(tab)
+    assert "meta-llama/" in tab.licences.text()  # the gated catalog models' licence pages
+    assert "No token" in tab.status.text() and not tab.forget_button.isEnabled()
+    qtbot.keyClicks(tab.token, "not a token")
+    qtbot.keyClick(tab.token, Qt.Key.Key_Return)
+    assert "not a Hugging Face token" in tab.status.text() and get_token() is None
+    tab.token.setText("hf_" + "x1" * 16)
+    qtbot.mouseClick(tab.save_button, Qt.MouseButton.LeftButton)
+    assert get_token() == "hf_" + "x1" * 16 and tab.token.text() == "" and tab.forget_button.isEnabled()
+    qtbot.mouseClick(tab.forget_button, Qt.MouseButton.LeftButton)
+    assert get_token() is None and "No token" in tab.status.text()
