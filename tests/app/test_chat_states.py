@@ -251,3 +251,14 @@ def test_the_window_fits_half_a_screen_and_long_status_text_never_widens_it(
     window.statusBar().show_load_progress(LoadProgress("target", 0.5, "streaming " + "layer weights " * 40))
     qtbot.wait(50)
     assert window.width() == 640
+
+
+def test_the_starter_size_is_one_figure(qtbot: QtBot, open_window, make_prefs) -> None:
+    from PySide6.QtWidgets import QLabel
+
+    from engine.store.pypi import STARTER_GGUF_BYTES
+    from engine.units import format_bytes
+
+    window = open_window(make_prefs(), wait_loaded=False)
+    texts = " ".join(label.text() for label in window.chat.empty.findChildren(QLabel))
+    assert f"{format_bytes(STARTER_GGUF_BYTES)} from PyPI" in texts and "~93" not in texts

@@ -12,7 +12,7 @@ import torch
 
 from engine.loading.gguf import cache_key, cached_folder
 from engine.loading.load import load_model
-from engine.store.pypi import starter_gguf
+from engine.store.pypi import STARTER_GGUF_BYTES, starter_gguf
 
 
 def test_cache_key_changes_with_the_file_and_its_place(tmp_path: Path) -> None:
@@ -36,6 +36,7 @@ def test_starter_gguf_loads_like_transformers_and_converts_once(
     gguf = tmp_path / "models" / "starter.gguf"
     gguf.parent.mkdir()
     shutil.copy2(starter_gguf(), gguf)  # a copy: the test changes its modification time
+    assert gguf.stat().st_size == STARTER_GGUF_BYTES  # the size the app and README state
     monkeypatch.setenv("SPECCHAT_CACHE_DIR", str(tmp_path / "cache"))
 
     loaded = load_model(gguf)
