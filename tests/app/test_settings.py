@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from PySide6.QtCore import QSettings
+from PySide6.QtCore import QSettings, Qt
 from PySide6.QtWidgets import (
     QAbstractButton,
     QComboBox,
@@ -186,3 +186,18 @@ def test_the_hugging_face_token_field_saves_where_hf_tools_read_it(
     assert get_token() == "hf_" + "x1" * 16 and tab.token.text() == "" and tab.forget_button.isEnabled()
     qtbot.mouseClick(tab.forget_button, Qt.MouseButton.LeftButton)
     assert get_token() is None and "No token" in tab.status.text()
+
+
+def test_the_plot_labels_small_speeds_and_keeps_its_points_inside(qtbot: QtBot) -> None:
+    from app.plot import BudgetPlot, label_format
+
+    for top in (0.012, 0.04, 0.3, 3.0, 30.0):  # every tick label differs from the next
+        ticks = [label_format(top) % (top * i / 5) for i in range(6)]
+        assert len(set(ticks)) == 6, (top, ticks)
+    plot = BudgetPlot()
+    qtbot.addWidget(plot)
+    points = [(8, 0.011), (32, 0.026), (128, 0.031), (512, 0.024)]
+    plot.set_curve(points, chosen=128)
+    x_axis, y_axis = plot._chart.axes(Qt.Orientation.Horizontal)[0], plot._chart.axes(Qt.Orientation.Vertical)[0]
+    assert x_axis.min() < 8 and x_axis.max() > 512 and y_axis.max() > 0.031  # no point on an edge
+    assert y_axis.labelFormat() != "%.1f"
