@@ -46,6 +46,7 @@ from app.plot import BudgetPlot
 from app.preferences import Preferences, PreferencesStore
 from app.recommend import load_profile, predicted_curve, profile_lines
 from app.server_tab import ServerTab
+from app.setting_tips import TIPS
 from engine.about import installation
 from engine.planning import planner
 from engine.store import load_catalog
@@ -136,6 +137,8 @@ class SettingsDialog(QDialog):
         layout.addWidget(self.buttons)
         for index in range(self.tabs.count()):  # Alt+1..5 jump between sections
             QShortcut(QKeySequence(f"Alt+{index + 1}"), self, activated=lambda i=index: self.tabs.setCurrentIndex(i))
+        for name, tip in TIPS.items():
+            getattr(self, name).setToolTip(tip)
         self.show_preferences(self._prefs)
         self._show_profile()
 

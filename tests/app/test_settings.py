@@ -201,3 +201,12 @@ def test_the_plot_labels_small_speeds_and_keeps_its_points_inside(qtbot: QtBot) 
     x_axis, y_axis = plot._chart.axes(Qt.Orientation.Horizontal)[0], plot._chart.axes(Qt.Orientation.Vertical)[0]
     assert x_axis.min() < 8 and x_axis.max() > 512 and y_axis.max() > 0.031  # no point on an edge
     assert y_axis.labelFormat() != "%.1f"
+
+
+def test_every_setting_explains_itself(qtbot: QtBot, prefs_store: PreferencesStore) -> None:
+    dialog = open_dialog(qtbot, prefs_store)
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "budget", "max_depth", "offload",
+                 "quant", "device", "tree_mode"):
+        widget = getattr(dialog, name)
+        tip = widget.toolTip()
+        assert len(tip.split()) >= 8 and tip.lower() != widget.accessibleName().lower(), name
