@@ -8,6 +8,7 @@ from pathlib import Path
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
+import pytest
 from PySide6.QtCore import QSettings
 from pytestqt.qtbot import QtBot
 
@@ -80,3 +81,25 @@ def test_models_path(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("SPECCHAT_MODELS_DIR", str(tmp_path / "env-models"))
     assert Preferences().models_path() == tmp_path / "env-models"
     assert Preferences(models_dir=str(tmp_path / "mine")).models_path() == tmp_path / "mine"
+
+
+def test_the_models_folder_chosen_in_the_app_is_the_clis(tmp_path: Path, qtbot: QtBot,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The app's choice goes to the settings file the CLI reads too (engine.paths.models_dir)."""
+    import subprocess
+    import sys
+
+    from engine import paths
+
+    monkeypatch.delenv("SPECCHAT_MODELS_DIR", raising=False)
+    chosen = tmp_path / "my models"
+    store = PreferencesStore(_ini(tmp_path / "p.ini"))
+    store.update(models_dir=str(chosen))
+    assert paths.models_dir() == chosen == store.load().models_path()
+    cli = subprocess.run([sys.executable, "-c", "from engine.store import default_models_dir; "
+                          "print(default_models_dir())"], capture_output=True, text=True, check=True)
+    assert cli.stdout.strip() == str(chosen)  # a fresh process, as the CLI is
+    paths.settings_file().write_text('{"models_dir": ["not", "a", "path"]}')  # a damaged file: ignored
+    assert paths.models_dir() == paths.data_dir() / "models"
+    store.update(models_dir="")  # back to the default, for both
+    assert paths.shared_setting("models_dir") == "" and paths.models_dir() == paths.data_dir() / "models"
