@@ -82,8 +82,9 @@ class StatusBar(QStatusBar):
         self.placement = self._field("", "Where the weights live",
                                      "Where the target's layers live: layers on the GPU run at full speed, the "
                                      "others are streamed from RAM (or disk) for every pass")
-        self.speed = self._field("", "Tokens per second", "Tokens of answer written per second")
-        self.per_pass = self._field("", "Tokens per target pass", TOKENS_PER_PASS_TIP)
+        # the two figures a user watches never elide (they are short); the long fields give way
+        self.speed = self._field("", "Tokens per second", "Tokens of answer written per second", elide=False)
+        self.per_pass = self._field("", "Tokens per target pass", TOKENS_PER_PASS_TIP, elide=False)
         self.ttft = self._field("", "Time to first token",
                                 "Seconds from sending until the first token: mostly reading the conversation. "
                                 "Reused prompt tokens were already read in an earlier turn and cost nothing now.")
@@ -105,8 +106,8 @@ class StatusBar(QStatusBar):
             self.addWidget(widget)
             widget.hide()
 
-    def _field(self, text: str, name: str, tip: str) -> ElidedLabel:
-        label = ElidedLabel(text)
+    def _field(self, text: str, name: str, tip: str, elide: bool = True) -> QLabel:
+        label = ElidedLabel(text) if elide else QLabel(text)
         label.setObjectName("statusField")
         label.setAccessibleName(name)
         label.setToolTip(tip)
