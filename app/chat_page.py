@@ -15,10 +15,9 @@ BACKGROUND_SAVE_MS. A finished answer is marked complete with its stats and fini
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtWidgets import (
@@ -38,6 +37,7 @@ from engine.types import (
     SpeculationSettings,
 )
 
+from .answer import Answer, length_note, message_meta
 from .chat_view import ChatView
 from .composer import Composer
 from .conversations import ConversationStore, StoredMessage, stats_dict, title_from
@@ -54,24 +54,6 @@ from .system_prompt import SystemPromptRow
 log = logging.getLogger(__name__)
 
 BACKGROUND_SAVE_MS = 500
-
-
-@dataclass
-class _Answer:
-    """The answer being written: whose it is and what it holds so far."""
-
-    request_id: int
-    conversation_id: int
-    message_id: int
-    text: str = ""
-    tokens: int = 0
-    started: float = 0.0
-    first_token: bool = False
-
-
-def length_note(tokens: int) -> str:
-    """The note on an answer the token limit cut (`tokens`: what its last run wrote)."""
-    return f"cut at the token limit ({tokens:,} new tokens) · Continue writes on"
 
 
 class ChatPage(QWidget):
@@ -93,7 +75,7 @@ class ChatPage(QWidget):
         self.conversation_id = 0
         self.model_state, self._model_detail = "none", ""
         self._ids: list[int] = []  # database id of each message in the view
-        self._answer: _Answer | None = None
+        self._answer: Answer | None = None
         self._editing_id = 0
         self.plan: object | None = None  # engine.planning.planner.Plan for budget "auto", from the worker
         self._save_timer = QTimer(self)
@@ -274,7 +256,7 @@ class ChatPage(QWidget):
 
     def _show(self, m: StoredMessage) -> None:
         widget = self.view.add_message(m.role, m.content, m.complete)
-        meta = _stats(m)
+        meta = message_meta(m)
         if m.role == "assistant" and m.complete and meta.get("finish_reason") == "length":
             widget.can_continue = True
             widget.set_note(length_note(int(meta.get("new_tokens", 0))))
@@ -427,7 +409,7 @@ class ChatPage(QWidget):
         else:
             self._active = self.host
             request_id = self.host.generate(request)
-        self._answer = _Answer(request_id, self.conversation_id, message_id, widget.text, started=time.monotonic())
+        self._answer = Answer(request_id, self.conversation_id, message_id, widget.text, started=time.monotonic())
         self.status.begin_answer()
         self.sidebar.set_writing(self.conversation_id)
         self.sidebar.select(self.conversation_id)
@@ -504,10 +486,3 @@ class ChatPage(QWidget):
         self.sidebar.set_writing(0)
         self._update_composer()
 
-
-def _stats(m: StoredMessage) -> dict:
-    try:
-        meta = json.loads(m.stats) if m.stats else {}
-    except ValueError:
-        return {}
-    return meta if isinstance(meta, dict) else {}
