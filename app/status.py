@@ -7,6 +7,7 @@ Each field's tooltip explains it in a sentence."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from PySide6.QtCore import QSize, Qt, Signal
@@ -33,6 +34,15 @@ TOKENS_PER_PASS_TIP = ("Answer tokens per pass over the big model's weights. Pla
                        "model agrees with, so a good draft makes several.")
 BUDGET_TIP = ("The tree budget: how many draft tokens the big model checks in one pass. A bigger tree keeps more "
               "tokens per pass but makes each pass slower; auto lets the planner pick the fastest for this computer.")
+
+
+def short_paths(text: str) -> str:
+    """`text` with every file path cut to its last part ("loading /home/…/models/x on cpu" ->
+    "loading x on cpu"): a raw path in a status line says little and cuts the rest off."""
+    return _PATH.sub(lambda m: re.split(r"[\\/]", m.group(0).rstrip("\\/"))[-1] or m.group(0), text)
+
+
+_PATH = re.compile(r"(?:[A-Za-z]:[\\/]|/)[^\s]*[\\/][^\s]+")
 
 
 def short_name(spec: str) -> str:
@@ -140,7 +150,7 @@ class StatusBar(QStatusBar):
             self.progress.setRange(0, 0)  # busy indicator until real fractions come
         else:
             self.progress.setRange(0, 1000)
-        self._set(self.progress_text, progress.message or f"Loading the {progress.stage}…")
+        self._set(self.progress_text, short_paths(progress.message) or f"Loading the {progress.stage}…")
 
     def hide_load_progress(self) -> None:
         for widget in (self.progress_text, self.progress, self.cancel_button):

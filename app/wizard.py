@@ -11,7 +11,6 @@ On finish the chosen target/draft and `first_run_done=True` are saved in the pre
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -55,6 +54,7 @@ from app.recommend import (
     profile_lines,
     recommend,
 )
+from app.status import short_paths
 from engine.store import (
     DownloadSettings,
     find_local_model,
@@ -73,15 +73,6 @@ def _label(text: str, name: str) -> QLabel:
     label.setAccessibleName(name)
     label.setTextFormat(Qt.TextFormat.RichText)
     return label
-
-
-def short_paths(text: str) -> str:
-    """`text` with every file path cut to its last part ("loading /home/…/models/x on cpu" ->
-    "loading x on cpu"): a raw path in a status line says little and cuts the rest off."""
-    return _PATH.sub(lambda m: re.split(r"[\\/]", m.group(0).rstrip("\\/"))[-1] or m.group(0), text)
-
-
-_PATH = re.compile(r"(?:[A-Za-z]:[\\/]|/)[^\s]*[\\/][^\s]+")
 
 
 def _bar(name: str) -> QProgressBar:

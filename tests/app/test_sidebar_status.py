@@ -53,3 +53,13 @@ def test_a_new_answer_clears_the_last_ones_figures(qtbot: QtBot) -> None:
     assert status.ttft.text() == "first token 0.52 s" and status.speed.text() == "20.0 tok/s"
     status.begin_answer()
     assert status.ttft.text() == "first token …" and status.speed.text() == "" and status.per_pass.text() == ""
+
+
+def test_loading_shows_a_model_name_not_a_path(qtbot: QtBot) -> None:
+    from engine.types import LoadProgress
+
+    status = StatusBar()
+    qtbot.addWidget(status)
+    status.show_load_progress(LoadProgress("target", 0.0, "loading /home/ann/.local/share/specchat/models/llama on cpu"))
+    assert status.progress_text.text() == "loading llama on cpu"
+    assert status.progress.maximum() == 0  # a busy bar until a fraction comes, not 0 % for 20 s
