@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoTokenizer
 
 from engine.errors import (
@@ -181,9 +182,10 @@ def load_model(
         raise OutOfMemory(f"Not enough memory to load '{path.name}'. Close other programs, pick a smaller "
                           "model, or use --offload auto / --quant nf4.") from exc
     except (OSError, ValueError, KeyError, RuntimeError, EOFError, IndexError, struct.error, TypeError,
-            AttributeError, OverflowError) as exc:
+            AttributeError, OverflowError, StrictDataclassError) as exc:
         # a truncated or corrupt file surfaces as any of these from safetensors / gguf readers and from
-        # transformers reading a config or tokenizer whose values have the wrong types
+        # transformers reading a config or tokenizer whose values have the wrong types (its configs are
+        # huggingface_hub strict dataclasses, which raise their own validation errors)
         log.debug("load failed", exc_info=True)
         first = str(exc).strip().splitlines()[0][:200].rstrip(".") if str(exc).strip() else type(exc).__name__
         raise UnsupportedModel(f"Could not load '{path.name}': {first}. The files may be corrupt or incomplete; "
