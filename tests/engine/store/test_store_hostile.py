@@ -228,3 +228,26 @@ def test_a_damaged_catalog_leaves_local_models_usable(tmp_path: Path, models_dir
     assert [m["id"] for m in json.loads(listed.stdout)["local"]] == ["mine"]
     [warning] = listed.stderr.splitlines()
     assert warning.startswith("WARNING") and str(resources / "catalog.json") in warning
+
+
+NO_NETWORK_SCRIPT = """
+import sys
+tried = []
+sys.addaudithook(lambda event, args: tried.append(str(args)[:80]) if event == "socket.connect" else None)
+from engine.cli.main import main
+codes = [main(["generate", "--target", sys.argv[1], "--prompt", "hi", "--max-new-tokens", "2"]),
+         main(["models", "list", "--models-dir", sys.argv[2]]),
+         main(["models", "download", "smollm2-135m-instruct", "--models-dir", sys.argv[2]])]
+print("RESULT", codes, tried)
+"""
+
+
+def test_with_hf_hub_offline_nothing_opens_a_connection(tmp_path: Path, tiny_target_path: Path) -> None:
+    """Loading, listing and a refused download, in a real process: not one socket connect
+    (issue 17.18)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", NO_NETWORK_SCRIPT, str(tiny_target_path), str(tmp_path / "models")],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    [result] = [line for line in done.stdout.splitlines() if line.startswith("RESULT")]
+    assert result == "RESULT [0, 0, 1] []", done.stderr
+    assert "HF_HUB_OFFLINE=1" in one_error(done.stderr) and "Traceback" not in done.stderr
