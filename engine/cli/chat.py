@@ -7,6 +7,7 @@ import argparse
 import logging
 import sys
 import threading
+import uuid
 from typing import TextIO
 
 from engine.cli import common
@@ -44,6 +45,7 @@ def run_chat(args: argparse.Namespace) -> int:
     status(f"ready ({mode}). {CHAT_HELP}")
     system = (Message("system", args.system),) if args.system else ()
     messages: list[Message] = []
+    session = f"chat-{uuid.uuid4().hex}"  # its KV cache continues from turn to turn
     seed = args.seed
     out = common.writer(sys.stdout)
     while True:
@@ -61,6 +63,7 @@ def run_chat(args: argparse.Namespace) -> int:
             break
         if text == "/reset":
             messages.clear()
+            session = f"chat-{uuid.uuid4().hex}"
             status("conversation cleared")
             continue
         if text.startswith("/") and " " not in text:
@@ -68,7 +71,7 @@ def run_chat(args: argparse.Namespace) -> int:
             continue
         messages.append(Message("user", text))
         try:
-            request, dropped = fit_context(engine, args, setup, system, messages, seed)
+            request, dropped = fit_context(engine, args, setup, system, messages, seed, session)
             del messages[:dropped]
             if dropped:
                 status(f"the conversation outgrew the model's context ({engine.context_length} tokens): the "
@@ -91,7 +94,7 @@ def run_chat(args: argparse.Namespace) -> int:
 
 
 def fit_context(engine: Engine, args: argparse.Namespace, setup: common.Setup, system: tuple[Message, ...],
-                messages: list[Message], seed: int | None) -> tuple[GenerationRequest, int]:
+                messages: list[Message], seed: int | None, session: str) -> tuple[GenerationRequest, int]:
     """This turn's request, leaving out the oldest exchanges (a user message and its answer)
     while the prompt leaves no room for an answer in the model's context, and how many of the
     oldest `messages` it left out. InvalidRequest when the newest message alone is too long."""
@@ -99,7 +102,7 @@ def fit_context(engine: Engine, args: argparse.Namespace, setup: common.Setup, s
     room = min(args.max_new_tokens, max(1, context // 4))  # an answer needs some space to be useful
     dropped = 0
     while True:
-        request = common.request(args, setup, system + tuple(messages[dropped:]), seed=seed)
+        request = common.request(args, setup, system + tuple(messages[dropped:]), seed=seed, conversation=session)
         length = len(engine.encode(request))
         if length + room <= context:
             return request, dropped

@@ -115,7 +115,7 @@ def materialise(path: Path, config_dict: dict, settings: MaterialiseSettings,
         _place_outer(hf, ckpt, device, dtype)
         layer0 = inner.layers[0]
         layout = LayerLayout.of(layer0, dtype, quant)
-        placement = _plan(hf, layout, settings, quant)
+        placement = plan_layers(hf, layout, settings, quant)
         log.info("placement of %s: %s", path.name, placement.describe())
         prepared = PreparedLayers(paths.cache_dir() / "prepared", path, layout, placement.num_layers) \
             if quant == "nf4" else None
@@ -124,16 +124,37 @@ def materialise(path: Path, config_dict: dict, settings: MaterialiseSettings,
         ckpt.close()
     streamer = None
     if any(h.module is None for h in homes):
-        cls, cfg = type(layer0), hf.config
-
-        def make_template() -> nn.Module:
-            with torch.device("meta"):
-                template = cls(cfg, 0)
-            assert not list(template.buffers()), "decoder layers with buffers cannot be streamed"
-            return template.eval()
-
-        streamer = LayerStreamer(homes, layout, store, make_template, device, RING_SLOTS)
+        streamer = LayerStreamer(homes, layout, store, layer_template(hf), device, RING_SLOTS)
     return CausalLM(hf, streamer=streamer, placement=placement)
+
+
+def layer_template(hf: nn.Module) -> Callable[[], nn.Module]:
+    """A factory of empty (meta) decoder layers of `hf`'s kind: the streamer binds their
+    parameters to its ring slots or its dense buffer."""
+    cls, cfg = type(hf.model.layers[0]), hf.config
+
+    def make_template() -> nn.Module:
+        with torch.device("meta"):
+            template = cls(cfg, 0)
+        assert not list(template.buffers()), "decoder layers with buffers cannot be streamed"
+        return template.eval()
+
+    return make_template
+
+
+def device_free_bytes(device: torch.device | str) -> int:
+    """Device memory a placement may still use: what the driver reports free, and no more than
+    the caching allocator may still take under a per-process cap
+    (`torch.cuda.set_per_process_memory_fraction`, which mem_get_info does not see). Blocks the
+    allocator holds in its cache count as used in both figures."""
+    dev = torch.device(device)
+    index = dev.index if dev.index is not None else torch.cuda.current_device()  # the fraction API wants one
+    free, total = torch.cuda.mem_get_info(index)
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.9
+    if fraction is None:
+        return int(free)
+    limit = int(total * fraction(index))
+    return int(max(0, min(free, limit - torch.cuda.memory_reserved(index))))
 
 
 def _place_outer(hf: nn.Module, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype) -> None:
@@ -154,7 +175,9 @@ def _place_outer(hf: nn.Module, ckpt: Checkpoint, device: torch.device, dtype: t
     assert not left, f"not materialised: {left}"
 
 
-def _plan(hf: nn.Module, layout: LayerLayout, settings: MaterialiseSettings, quant: Quant) -> Placement:
+def plan_layers(hf: nn.Module, layout: LayerLayout, settings: MaterialiseSettings, quant: Quant) -> Placement:
+    """Where `hf`'s decoder layers go: the device memory free now (under any allocator cap),
+    less the KV cache for the context and the activations of the largest tree."""
     cfg = hf.config
     device = settings.device
     num_layers = cfg.num_hidden_layers
@@ -168,7 +191,7 @@ def _plan(hf: nn.Module, layout: LayerLayout, settings: MaterialiseSettings, qua
         activations=activation_bytes(settings.max_budget, context, cfg.hidden_size, cfg.intermediate_size,
                                      cfg.num_attention_heads, cfg.vocab_size, esize),
     )
-    device_free = torch.cuda.mem_get_info(torch.device(device))[0] if device.startswith("cuda") else 0
+    device_free = device_free_bytes(device) if device.startswith("cuda") else 0
     placement = plan_placement(
         num_layers=num_layers, layer_bytes=layout.nbytes, dense_layer_bytes=layout.dense_nbytes, quant=quant,
         offload=settings.offload, device=device, device_free=device_free, needs=needs, context_length=context,

@@ -81,6 +81,10 @@ class LayerStreamer:
         self._slot_layer: list[int | None] = [None] * self.k  # store index a slot holds (or is getting)
         self._pos = 0  # position in the cyclic sequence of streamed layers of the next layer to run
         self._primed = False
+        # called with the model layer index after each layer has been issued (on CUDA: queued on
+        # the compute stream, so a CUDA event recorded here marks the layer's end); benchmarks
+        # time layers with it
+        self.after_layer: Callable[[int], None] | None = None
 
     # -- scheduling --
     def _submit(self, pos: int) -> None:
@@ -160,32 +164,35 @@ class LayerStreamer:
         for i, home in enumerate(self.homes):
             if home.module is not None:
                 hidden = call(home.module, i, hidden)
-                continue
-            if home.packed is not None:  # NF4 resident on the device
+            elif home.packed is not None:  # NF4 resident on the device
                 assert self._code is not None
                 unpack_into(self.layout, home.packed, self._dense_params, self._code)
                 hidden = call(self._dense_template, i, hidden)
-                continue
-            pos = self._pos
-            k = self._acquire(pos)
-            if self._code is not None:
-                unpack_into(self.layout, self._slots[k], self._dense_params, self._code)
-                self._release(k)  # the slot is free once dequantised
-                hidden = call(self._dense_template, i, hidden)
             else:
-                hidden = call(self._templates[k], i, hidden)
-                self._release(k)
-            self._pos = pos + 1
-            # refill this slot with the layer k positions ahead (wrapping into the next pass)
-            self._submit(pos + self.k)
+                pos = self._pos
+                k = self._acquire(pos)
+                if self._code is not None:
+                    unpack_into(self.layout, self._slots[k], self._dense_params, self._code)
+                    self._release(k)  # the slot is free once dequantised
+                    hidden = call(self._dense_template, i, hidden)
+                else:
+                    hidden = call(self._templates[k], i, hidden)
+                    self._release(k)
+                self._pos = pos + 1
+                # refill this slot with the layer k positions ahead (wrapping into the next pass)
+                self._submit(pos + self.k)
+            if self.after_layer is not None:
+                self.after_layer(i)
         # positions keep counting across passes (each pass consumes exactly m), so a slot
         # prefetched at the end of one pass is found at the start of the next
         return hidden
 
-    def close(self) -> None:
+    def close(self, close_store: bool = True) -> None:
+        """Wait for copies in flight and stop the copy thread; `close_store=False` keeps the
+        host store open for another streamer over the same layers."""
         self.reset()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
-        if self.store is not None:
+        if self.store is not None and close_store:
             self.store.close()
 

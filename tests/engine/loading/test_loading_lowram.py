@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from engine.cli.bench_offload import SYNTHETIC_BIG, measure_load_rss, synthetic_llama
-from engine.decoding.generation import load_engine
+from engine.decoding.pair import load_engine
 from engine.errors import Cancelled, UnsupportedModel
 from engine.loading.load import load_model
 from engine.types import LoadProgress, LoadSettings
