@@ -132,9 +132,10 @@ def test_the_window_opens_over_a_damaged_database_and_says_which_file_was_kept(
 
 
 def _fill(folder: Path) -> None:
-    """Another program takes the rest of the disk."""
-    with (folder / "filler").open("wb") as filler:
-        with pytest.raises(OSError):
+    """Another program takes the rest of the disk (on a tmpfs, even opening a file can fail
+    when it is full already)."""
+    with pytest.raises(OSError):
+        with (folder / "filler").open("wb") as filler:
             while True:
                 filler.write(b"\0" * 65536)
                 filler.flush()
