@@ -229,7 +229,7 @@ class ConversationStore:
         self._write("UPDATE conversations SET system_prompt = ? WHERE id = ?", (text, conversation_id))
 
     def set_engine(self, conversation_id: int, engine: str) -> None:
-        self._db.execute("UPDATE conversations SET engine = ? WHERE id = ?", (engine, conversation_id))
+        self._write("UPDATE conversations SET engine = ? WHERE id = ?", (engine, conversation_id))
 
     def delete(self, conversation_id: int) -> None:
         self._write("DELETE FROM conversations WHERE id = ?", (conversation_id,))

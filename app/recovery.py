@@ -105,7 +105,7 @@ def _pad_to_header(path: Path) -> None:
 def _copy_rows(src: sqlite3.Connection, dest: sqlite3.Connection) -> tuple[int, int]:
     conversations = messages = 0
     try:
-        conv_cols = _columns(src, "conversations", ("id", "title", "system_prompt", "created", "updated"))
+        conv_cols = _columns(src, "conversations", ("id", "title", "system_prompt", "created", "updated", "engine"))
         msg_cols = _columns(src, "messages", ("id", "conversation_id", "role", "content", "created", "complete",
                                               "stats"))
         now = time.time()
@@ -114,10 +114,11 @@ def _copy_rows(src: sqlite3.Connection, dest: sqlite3.Connection) -> tuple[int, 
                 values = dict(zip(conv_cols, row, strict=True))
                 title = values.get("title")
                 dest.execute(
-                    "INSERT OR IGNORE INTO conversations (id, title, system_prompt, created, updated) VALUES (?, ?, ?, ?, ?)",
+                    "INSERT OR IGNORE INTO conversations (id, title, system_prompt, created, updated, engine) "
+                    "VALUES (?, ?, ?, ?, ?, ?)",
                     (values["id"], title if isinstance(title, str) and title else LOST_TITLE,
                      _text(values.get("system_prompt")), _number(values.get("created"), now),
-                     _number(values.get("updated"), now)))
+                     _number(values.get("updated"), now), _engine(values.get("engine"))))
                 conversations += 1
         if msg_cols:
             known = {r[0] for r in dest.execute("SELECT id FROM conversations")}
@@ -176,6 +177,11 @@ def _salvage(src: sqlite3.Connection, table: str, columns: tuple[str, ...]) -> I
 
 def _text(value: object) -> str:
     return value if isinstance(value, str) else ""
+
+
+def _engine(value: object) -> str:
+    """The conversation's engine name, or '' (the local model) when it reads as damaged text."""
+    return value if isinstance(value, str) and value.isprintable() and len(value) <= 200 else ""
 
 
 def _number(value: object, default: float) -> float:

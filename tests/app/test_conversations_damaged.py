@@ -29,6 +29,7 @@ def _filled(path: Path, conversations: int = 200, per: int = 6) -> dict[int, tup
     rows: dict[int, tuple[str, list[tuple[int, str]]]] = {}
     for i in range(conversations):
         conv = store.create(f"chat {i}")
+        store.set_engine(conv.id, f"remote-{i % 3}")
         msgs = []
         for j in range(per):
             text = f"message {i}.{j} " + "lorem ipsum " * 30
@@ -78,7 +79,11 @@ def test_a_truncated_database_gives_back_every_row_sqlite_can_still_read(tmp_pat
     originals = {mid: text for _, msgs in original.values() for mid, text in msgs}
     for conv in recovered:  # what came back is exactly what was written, in its own conversation
         assert conv.title in (original[conv.id][0], LOST_TITLE)
+        if conv.title != LOST_TITLE:  # which engine it runs on comes back too, or '' (local) when damaged
+            assert conv.engine in (f"remote-{int(conv.title.split()[1]) % 3}", "")
         assert all(m.id in dict(original[conv.id][1]) for m in store.messages(conv.id))
+    titled = [conv for conv in recovered if conv.title != LOST_TITLE]
+    assert titled and sum(conv.engine != "" for conv in titled) > len(titled) // 2
     assert all(originals[mid] == text for mid, text in messages.items())
     store.create("new chat")  # and the fresh database takes writes
     store.close()
