@@ -367,6 +367,22 @@ class GenerationRequest:
             raise InvalidRequest("Give either chat messages or a raw prompt, not both.")
         if self.max_new_tokens < 1:
             raise InvalidRequest(f"max new tokens must be at least 1 (got {self.max_new_tokens}).")
+        texts = [("The prompt", self.raw_prompt or "")] + [(f"A {m.role} message", m.content) for m in self.messages]
+        for what, text in texts + [("A stop string", stop) for stop in self.stop]:
+            check_text(text, what)
+
+
+def check_text(text: str, what: str) -> None:
+    """InvalidRequest when `text` cannot be UTF-8 encoded: lone surrogates, which is how Python
+    carries the bytes of a non-UTF-8 command-line argument (surrogateescape). The tokenizer
+    would fail on them with a TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequest(
+            f"{what} is not valid UTF-8 text (an undecodable byte at character {exc.start + 1}). "
+            "Pass the text in UTF-8; a terminal or file in another encoding can cause this."
+        ) from None
 
 
 @dataclass(frozen=True)

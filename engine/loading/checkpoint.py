@@ -17,6 +17,7 @@ What this module does not do: decide where tensors go (materialise.py) or read p
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import struct
 import warnings
@@ -37,6 +38,33 @@ class CorruptCheckpoint(ValueError):
     """A shard whose header or sizes do not add up (truncated or damaged download)."""
 
 
+def check_header(header: object, name: str, data_bytes: int) -> None:
+    """CorruptCheckpoint unless `header` has the documented shape: an object whose entries
+    (besides "__metadata__") are objects {dtype: str, shape: [int >= 0, ...], data_offsets:
+    [start, end]} with 0 <= start <= end <= data_bytes and, for a known dtype, end - start the
+    bytes of that shape. Checked before anything is allocated from it."""
+    if not isinstance(header, dict):
+        raise CorruptCheckpoint(f"{name} has a damaged header (not a JSON object)")
+    for tensor, info in header.items():
+        if tensor == "__metadata__":
+            continue
+        ok = isinstance(info, dict) and isinstance(info.get("dtype"), str)
+        shape, offsets = (info.get("shape"), info.get("data_offsets")) if ok else (None, None)
+        ok = ok and isinstance(shape, list) and all(_count(d) for d in shape)
+        ok = ok and isinstance(offsets, list) and len(offsets) == 2 and all(_count(o) for o in offsets)
+        if not ok or not offsets[0] <= offsets[1]:  # type: ignore[index]
+            raise CorruptCheckpoint(f"{name} has a damaged header (the entry for {str(tensor)[:80]!r})")
+        if offsets[1] > data_bytes:  # type: ignore[index]
+            raise CorruptCheckpoint(f"{name} is truncated (tensor {str(tensor)[:80]!r} ends past the end of the file)")
+        dtype = DTYPES.get(info["dtype"])
+        if dtype is not None and offsets[1] - offsets[0] != math.prod(shape) * dtype.itemsize:  # type: ignore[index, arg-type]
+            raise CorruptCheckpoint(f"{name} has a damaged header (tensor {str(tensor)[:80]!r} has the wrong size)")
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 class _Shard:
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -50,8 +78,9 @@ class _Shard:
             raise CorruptCheckpoint(f"{path.name} has a header longer than the file")
         try:
             header = json.loads(self._file.read(n))
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: JSON nested thousands deep
             raise CorruptCheckpoint(f"{path.name} has a damaged header") from exc
+        check_header(header, path.name, size - 8 - n)
         header.pop("__metadata__", None)
         self.base = 8 + n
         self.entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoTokenizer
 
 from engine.errors import (
@@ -75,6 +76,7 @@ def check_folder(path: Path) -> dict:
         config = json.loads(config_file.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise UnsupportedModel(f"'{config_file}' is not valid JSON ({exc}); re-download the model.") from exc
+    check_config(config, path.name)
     model_type = config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModel(
@@ -92,6 +94,27 @@ def check_folder(path: Path) -> dict:
             )
         raise UnsupportedModel(f"'{path}' holds no .safetensors weights; re-download the model.")
     return config
+
+
+# Sizes no decoder-only model comes near: anything past them is a damaged config.json, caught
+# before a model of that size is built (even on the meta device, a million layers take hours).
+CONFIG_LIMITS = {"num_hidden_layers": 10_000, "hidden_size": 1 << 20, "intermediate_size": 1 << 22,
+                 "num_attention_heads": 1 << 14, "num_key_value_heads": 1 << 14, "vocab_size": 1 << 24,
+                 "head_dim": 1 << 14, "max_position_embeddings": 1 << 28}
+
+
+def check_config(config: object, name: str) -> None:
+    """UnsupportedModel unless config.json is an object whose sizes are whole numbers in range."""
+    if not isinstance(config, dict):
+        raise UnsupportedModel(f"'{name}' has a config.json that is a JSON {type(config).__name__}, not an object; "
+                               "it is damaged. Re-download the model.")
+    for key, most in CONFIG_LIMITS.items():
+        value = config.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most:
+            raise UnsupportedModel(f"'{name}' has a config.json whose {key} is {str(value)[:40]!r}, which no model "
+                                   "has; it is damaged. Re-download the model.")
 
 
 def check_gguf(path: Path) -> None:
@@ -188,8 +211,11 @@ def _load_model(
     except torch.OutOfMemoryError as exc:
         raise OutOfMemory(f"Not enough memory to load '{path.name}'. Close other programs, pick a smaller "
                           "model, or use --offload auto / --quant nf4.") from exc
-    except (OSError, ValueError, KeyError, RuntimeError, EOFError, IndexError, struct.error) as exc:
-        # a truncated or corrupt file surfaces as any of these from safetensors / gguf readers
+    except (OSError, ValueError, KeyError, RuntimeError, EOFError, IndexError, struct.error, TypeError,
+            AttributeError, OverflowError, StrictDataclassError) as exc:
+        # a truncated or corrupt file surfaces as any of these from safetensors / gguf readers and from
+        # transformers reading a config or tokenizer whose values have the wrong types (its configs are
+        # huggingface_hub strict dataclasses, which raise their own validation errors)
         log.debug("load failed", exc_info=True)
         first = str(exc).strip().splitlines()[0][:200].rstrip(".") if str(exc).strip() else type(exc).__name__
         raise UnsupportedModel(f"Could not load '{path.name}': {first}. The files may be corrupt or incomplete; "

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.types import Offload, Placement, Quant
+from engine.types import ModelShape, Offload, Placement, Quant
 from engine.units import GIB
 
 RING_SLOTS = 3  # device slots the streamer cycles offloaded layers through
@@ -38,6 +38,22 @@ def activation_bytes(budget: int, context: int, hidden: int, intermediate: int, 
     scores = budget * context * (num_heads + 1) * dtype_bytes
     logits = budget * vocab * 4
     return states + scores + logits
+
+
+def generation_bytes(target: ModelShape, draft: ModelShape | None, dtype_bytes: int, prompt: int,
+                     max_new: int, budget: int) -> int:
+    """Memory one generation allocates besides the weights, as Engine.generate sizes it: both KV
+    caches at their full capacity (allocated up front), and for one target pass over a
+    `budget`-token tree its hidden states, the additive mask over the whole cache and fp32
+    logits. Not the per-head attention scores (fused attention kernels never hold them): this
+    is the floor a request needs, for refusing what cannot fit, not a planning estimate."""
+    target_tokens = prompt + max_new + budget + 8
+    need = target.kv_bytes_per_token(dtype_bytes) * target_tokens
+    need += budget * (6 * target.hidden_size + 3 * target.layer.intermediate_size) * dtype_bytes
+    need += budget * target_tokens * dtype_bytes + budget * target.vocab_size * 4
+    if draft is not None:
+        need += draft.kv_bytes_per_token(dtype_bytes) * (prompt + max_new + 4 * budget + 8)
+    return need
 
 
 def plan_placement(*, num_layers: int, layer_bytes: int, dense_layer_bytes: int, quant: Quant,

@@ -6,7 +6,8 @@ download.py fetches a repo or a GGUF resumably, verified against the hub's sizes
 (transfer.py, the HTTP part; remote.py, the hub's listings; hub_cache.py, the HF cache layout).
 
 Public API: `resolve_model`, `download_model`, `DownloadSettings`, `list_local_models`,
-`import_model`, `remove_model`, `load_catalog`.
+`import_model`, `remove_model`, `load_catalog` (strict), `usable_catalog` (empty, with a warning,
+when the catalog file is damaged).
 
 What it does not do: load models (engine.loading) or import torch.
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.store.catalog import Catalog, CatalogModel, load_catalog
+from engine.store.catalog import Catalog, CatalogModel, load_catalog, usable_catalog
 from engine.store.download import download_model
 from engine.store.paths import default_models_dir, hf_hub_cache_dir
 from engine.store.registry import (
@@ -30,7 +31,7 @@ from engine.store.transfer import DownloadSettings
 __all__ = [
     "Catalog", "CatalogModel", "DownloadSettings", "LocalModel", "default_models_dir", "download_model",
     "find_local_model", "hf_hub_cache_dir", "import_model", "list_local_models", "load_catalog",
-    "remove_model", "resolve_model",
+    "remove_model", "resolve_model", "usable_catalog",
 ]
 
 
@@ -39,5 +40,5 @@ def resolve_model(spec: str, models_dir: Path | None = None) -> Path | None:
 
     Looks in the models folder first, then the standard Hugging Face cache. Never downloads.
     """
-    model = find_local_model(spec, models_dir or default_models_dir(), hf_hub_cache_dir(), load_catalog())
+    model = find_local_model(spec, models_dir or default_models_dir(), hf_hub_cache_dir(), usable_catalog())
     return model.path if model is not None else None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -19,14 +20,24 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from engine.errors import DiskFull, InvalidRequest, ModelNotFound, UnsupportedModel
+from engine.errors import (
+    DiskFull,
+    InvalidRequest,
+    ModelNotFound,
+    UnsupportedModel,
+    UsageError,
+)
 from engine.store.catalog import Catalog
 from engine.store.hub_cache import find_cached_repo, list_cached_repos
-from engine.store.paths import is_repo_id
+from engine.store.paths import inside, is_repo_id
 from engine.units import format_bytes
 
 logger = logging.getLogger(__name__)
 
+# An import's name becomes a folder name: one path component, nothing a file system reads
+# specially (separators, "..", leading dots, control characters, Windows' reserved ":").
+_IMPORT_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9 _.\-]{0,99}$")
+_IMPORT_NAME_UNSAFE = re.compile(r"[^A-Za-z0-9 _.\-]+")
 MANIFEST_NAME = "specchat-model.json"
 MANIFEST_VERSION = 1
 PARTIAL_DIR = ".partial"
@@ -79,24 +90,31 @@ def manifest_data(
 
 
 def read_manifest(folder: Path) -> LocalModel | None:
-    """The model registered in `folder`, or None if there is no valid manifest."""
+    """The model registered in `folder`, or None if there is no valid manifest (a damaged one is
+    skipped with a warning). A relative `path` must stay inside `folder`."""
     manifest = folder / MANIFEST_NAME
     try:
         data = json.loads(manifest.read_text(encoding="utf-8"))
         target = Path(data["path"])
-        path = target if target.is_absolute() else (folder / target)
-        files = tuple(f["name"] for f in data["files"])
+        if target.is_absolute():
+            path = target  # an import by reference: the files stay where they are
+        else:  # "." (the folder itself) or a file in it
+            path = folder if data["path"] == "." else inside(folder, data["path"], f"The manifest {manifest}")
+        files = tuple(str(f["name"]) for f in data["files"])
         size = sum(int(f["size"]) for f in data["files"])
+        model_id, source = data["model_id"], data["source"]
+        if not isinstance(model_id, str) or not isinstance(source, str) or not model_id:
+            raise TypeError("model_id and source must be text")
+        repo_id, revision = data.get("repo_id"), data.get("revision")
+        return LocalModel(model_id, repo_id if isinstance(repo_id, str) else None, source, path.resolve(), size,
+                          files, revision if isinstance(revision, str) else None, folder, not target.is_absolute())
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        logger.warning("ignoring unreadable manifest %s: %s", manifest, exc)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RuntimeError, UnsupportedModel) as exc:
+        # RuntimeError: a symlink loop (Path.resolve); UnsupportedModel: a path that leaves the folder
+        reason = exc.user_message if isinstance(exc, UnsupportedModel) else f"{type(exc).__name__}: {exc}"
+        logger.warning("ignoring the damaged manifest %s (%s)", manifest, reason[:200])
         return None
-    owns = not Path(data["path"]).is_absolute()
-    return LocalModel(
-        data["model_id"], data.get("repo_id"), data["source"], path.resolve(), size, files,
-        data.get("revision"), folder, owns,
-    )
 
 
 def list_local_models(models_dir: Path, hf_cache_dir: Path | None = None) -> list[LocalModel]:
@@ -142,7 +160,10 @@ def _from_cache(model_id: str, cached: Any) -> LocalModel:
 
 def import_model(path: Path, models_dir: Path, name: str | None = None, copy: bool = False) -> LocalModel:
     """Register a local HF folder or .gguf file; with `copy` its files move under the models folder."""
-    source = path.expanduser().resolve()
+    try:
+        source = path.expanduser().resolve()
+    except (RuntimeError, OSError) as exc:  # RuntimeError: Python's "Symlink loop from ..."
+        raise ModelNotFound(f"Cannot import {path}: it is a symbolic link that leads back to itself.") from exc
     if not source.exists():
         raise ModelNotFound(f"Nothing to import at {source}: check the path.")
     if source.is_file():
@@ -158,11 +179,18 @@ def import_model(path: Path, models_dir: Path, name: str | None = None, copy: bo
                 f"{source} is not a Hugging Face model folder: it needs config.json and *.safetensors "
                 "weights (pickle .bin checkpoints are not loaded, for safety)."
             )
+        broken = sorted(p.name for p in source.iterdir() if p.is_symlink() and not p.exists())
+        if broken:
+            raise UnsupportedModel(
+                f"{source} holds symbolic links that lead nowhere (a loop or a missing file): {', '.join(broken[:4])}. "
+                "Fix or remove them, then import again."
+            )
         files = sorted(p for p in source.iterdir() if p.is_file())
-    model_name = name or (source.stem if source.is_file() else source.name)
-    if is_repo_id(model_name) or "/" in model_name or model_name.startswith("."):
-        raise InvalidRequest(f"{model_name!r} cannot be an import name: use letters, digits, '-', '_' or '.'.")
-    folder = models_dir / f"local--{model_name}"
+    model_name = name or _IMPORT_NAME_UNSAFE.sub("-", source.stem if source.is_file() else source.name).strip("-. ")
+    if not _IMPORT_NAME.match(model_name):
+        raise UsageError(f"{model_name!r} cannot be an import name: use letters, digits, spaces, '-', '_' or '.' "
+                         "(not first), at most 100 characters.")
+    folder = inside(models_dir, f"local--{model_name}", "The import name")
     if (folder / MANIFEST_NAME).exists():
         raise InvalidRequest(
             f"A model named {model_name!r} is already imported. Remove it first "
