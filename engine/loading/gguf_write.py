@@ -17,7 +17,7 @@ What this module does not do: read GGUF files (engine.loading.gguf) or choose we
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +25,7 @@ from gguf import MODEL_ARCH_NAMES, GGUFWriter, get_tensor_name_map
 from gguf import GGMLQuantizationType as Q
 from gguf import quants as gq
 from gguf.constants import GGML_QUANT_SIZES, TokenType
+from gguf.quants import quant_shape_to_byte_shape
 
 IQ4_LEVELS = np.array((-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113), np.float32)
 
@@ -195,19 +196,21 @@ def gguf_name(arch: str, hf_name: str, num_layers: int) -> str:
 
 
 def write_gguf(path: Path, arch: str, config: dict, tokenizer: dict,
-               tensors: Callable[[], Iterable[tuple[str, np.ndarray]]], qtype_of: Callable[[str, tuple[int, ...]], Q],
+               tensors: Sequence[tuple[str, tuple[int, ...], Q]], value: Callable[[str], np.ndarray],
                name: str = "synthetic") -> Path:
     """Write a GGUF of architecture `arch` ("llama", "qwen2", ...).
 
     `config`: hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
-    num_key_value_heads, max_position_embeddings, rms_norm_eps, rope_theta.
-    `tokenizer`: tokens (byte-level spelled), merges ("a b"), special (token -> type: the
-    control tokens), bos/eos/pad ids, chat_template, pre (llama.cpp's pre-tokenizer name).
-    `tensors()` yields (Hugging Face name, fp32 array), the same tensors in the same order each
-    time it is called (it is called twice: shapes, then data). `qtype_of(hf name, shape)` picks
-    each tensor's GGUF type."""
+    num_key_value_heads, max_position_embeddings, rms_norm_eps, rope_theta, vocab_size.
+    `tokenizer`: tokens (byte-level spelled; padded with unused tokens up to vocab_size),
+    merges ("a b"), special (the control tokens), bos/eos/pad ids, chat_template, pre
+    (llama.cpp's pre-tokenizer name). `tensors`: (Hugging Face name, shape, GGUF type) in file
+    order; `value(name)` gives each one when it is written: float values (quantised here), or
+    its GGUF bytes already (uint8, rows x row bytes: random_blocks)."""
     layers = config["num_hidden_layers"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    tokens = list(tokenizer["tokens"])
+    tokens += [f"<unused{i}>" for i in range(config.get("vocab_size", len(tokens)) - len(tokens))]
     w = GGUFWriter(path, arch)
     w.add_name(name)
     w.add_context_length(config["max_position_embeddings"])
@@ -219,12 +222,12 @@ def write_gguf(path: Path, arch: str, config: dict, tokenizer: dict,
     w.add_rope_dimension_count(config["hidden_size"] // heads)
     w.add_rope_freq_base(float(config["rope_theta"]))
     w.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
-    w.add_vocab_size(len(tokenizer["tokens"]))
+    w.add_vocab_size(len(tokens))
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(tokenizer.get("pre", "default"))
-    w.add_token_list(tokenizer["tokens"])
+    w.add_token_list(tokens)
     special = tokenizer.get("special", ())
-    w.add_token_types([TokenType.CONTROL if t in special else TokenType.NORMAL for t in tokenizer["tokens"]])
+    w.add_token_types([TokenType.CONTROL if t in special else TokenType.NORMAL for t in tokens])
     w.add_token_merges(tokenizer["merges"])
     w.add_bos_token_id(tokenizer["bos_id"])
     w.add_eos_token_id(tokenizer["eos_id"])
@@ -232,20 +235,40 @@ def write_gguf(path: Path, arch: str, config: dict, tokenizer: dict,
     w.add_add_bos_token(False)
     if tokenizer.get("chat_template"):
         w.add_chat_template(tokenizer["chat_template"])
-
-    def stored(hf: str, value: np.ndarray) -> tuple[str, np.ndarray, Q]:
-        qtype = qtype_of(hf, tuple(value.shape))
-        if arch == "llama" and hf.endswith(("q_proj.weight", "k_proj.weight")):
-            value = llama_permute(value, heads if "q_proj" in hf else kv_heads)
-        return gguf_name(arch, hf, layers), quantize(value, qtype), qtype
-
-    for hf, value in tensors():  # the tensor table first: names, shapes, types, sizes
-        g, data, qtype = stored(hf, value)
-        w.add_tensor_info(g, data.shape, data.dtype, data.nbytes, raw_dtype=qtype if data.dtype == np.uint8 else None)
+    for hf, shape, qtype in tensors:  # the tensor table first: names, shapes, types, sizes
+        if qtype in (Q.F32, Q.F16):
+            w.add_tensor_info(gguf_name(arch, hf, layers), shape, np.dtype(np.float32 if qtype == Q.F32 else np.float16),
+                              int(np.prod(shape)) * (4 if qtype == Q.F32 else 2))
+        else:
+            byte_shape = quant_shape_to_byte_shape(shape, qtype)
+            w.add_tensor_info(gguf_name(arch, hf, layers), byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)),
+                              raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
-    for hf, value in tensors():  # then the data, one tensor in memory at a time
-        w.write_tensor_data(stored(hf, value)[1])
+    for hf, shape, qtype in tensors:  # then the data, one tensor in memory at a time
+        data = value(hf)
+        if data.dtype != np.uint8:
+            if arch == "llama" and hf.endswith(("q_proj.weight", "k_proj.weight")):
+                data = llama_permute(data, heads if "q_proj" in hf else kv_heads)
+            data = quantize(data, qtype)
+        w.write_tensor_data(data)
     w.close()
     return path
+
+
+# byte offsets of each type's fp16 scale fields (ggml's block structs)
+SCALE_FIELDS = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,), Q.Q2_K: (80, 82),
+                Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.IQ4_NL: (0,), Q.IQ4_XS: (0,)}
+
+
+def random_blocks(qtype: Q, shape: tuple[int, ...], rng: np.random.Generator, scale: float = 1e-4) -> np.ndarray:
+    """GGUF bytes of a tensor of random blocks: random codes, fp16 scales of magnitude `scale`
+    (either sign), as fast as random bytes (for large synthetic files whose values do not matter)."""
+    byte_shape = quant_shape_to_byte_shape(shape, qtype)
+    _, size = GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, size=int(np.prod(byte_shape)), dtype=np.uint8).reshape(-1, size)
+    for at in SCALE_FIELDS[qtype]:
+        d = (rng.uniform(0.5, 1.0, blocks.shape[0]) * scale * rng.choice([-1.0, 1.0], blocks.shape[0]))
+        blocks[:, at:at + 2] = d.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(byte_shape)

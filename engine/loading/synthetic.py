@@ -11,6 +11,8 @@ cache, never committed.
   and each tensor in a chosen GGUF type (per layer, so one file mixes Q8_0, Q4_0, K-quants...).
 - `synthetic_llama(...)`: a random bf16 Llama checkpoint of a chosen size in several shards,
   written shard by shard (the offload benchmark and the low-RAM loading test).
+- `synthetic_gguf(...)`: the same as one GGUF of random blocks (Q4_K_M-like by default), written
+  tensor by tensor (the GGUF rows of the offload benchmark and the GGUF low-RAM test).
 
 The starter model and its proxy draft come from PyPI instead (starter.py).
 """
@@ -18,7 +20,8 @@ The starter model and its proxy draft come from PyPI instead (starter.py).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import os
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +38,7 @@ from transformers import (
 )
 
 from engine import paths
-from engine.loading.gguf_write import Q, write_gguf
+from engine.loading.gguf_write import Q, random_blocks, write_gguf
 
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] "
@@ -158,10 +161,6 @@ def tiny_gguf(
         config = model.config.to_dict()
         config.setdefault("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta", 10000.0))
 
-        def tensors() -> Iterator[tuple[str, np.ndarray]]:
-            for k, v in state.items():
-                yield k, v.float().numpy()
-
         def qtype_of(hf: str, shape: tuple[int, ...]) -> Q:
             if len(shape) == 1:
                 return Q.F32
@@ -172,7 +171,8 @@ def tiny_gguf(
             main, _, side = layer_types[int(hf.split(".")[2]) % len(layer_types)].partition("/")
             return Q[side] if side and hf.endswith(("v_proj.weight", "down_proj.weight")) else Q[main]
 
-        write_gguf(tmp / "model.gguf", arch, config, vocab, tensors, qtype_of, name=name)
+        tensors = [(k, tuple(v.shape), qtype_of(k, tuple(v.shape))) for k, v in state.items()]
+        write_gguf(tmp / "model.gguf", arch, config, vocab, tensors, lambda k: state[k].float().numpy(), name=name)
 
     return paths.publish_folder(folder, build) / "model.gguf"
 
@@ -238,3 +238,52 @@ def synthetic_llama(folder: Path, hidden: int, intermediate: int, layers: int, v
 def _write_shard(folder: Path, tensors: dict[str, torch.Tensor]) -> None:
     n = len(list(folder.glob("model-*.safetensors")))
     save_file(tensors, str(folder / f"model-{n:05d}.safetensors"), metadata={"format": "pt"})
+
+
+SYNTHETIC_GGUF_BIG = dict(hidden=4096, intermediate=11008, layers=12, vocab=32000, heads=32, kv_heads=8)  # ~1.5 GB
+SYNTHETIC_GGUF_SMALL = dict(hidden=1024, intermediate=2816, layers=6, vocab=8000, heads=16, kv_heads=4)  # ~55 MB
+
+
+def synthetic_gguf(path: Path, hidden: int, intermediate: int, layers: int, vocab: int, heads: int, kv_heads: int,
+                   layer_types: tuple[str, ...] = ("Q4_K/Q6_K",), embed_type: str = "Q4_K", head_type: str = "Q6_K",
+                   seed: int = 0) -> Path:
+    """A random Llama GGUF of a chosen size (types as in tiny_gguf; the default is a Q4_K_M
+    file), of random blocks: weights of a sane magnitude whose values mean nothing, written
+    as fast as random bytes, one tensor in memory at a time. Idempotent."""
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        tiny_tokenizer_files(Path(tmp))
+        vocab_meta = _gguf_vocab(Path(tmp), AutoTokenizer.from_pretrained(tmp, trust_remote_code=False))
+    kv = kv_heads * (hidden // heads)
+    shapes = {"input_layernorm": (hidden,), "self_attn.q_proj": (hidden, hidden), "self_attn.k_proj": (kv, hidden),
+              "self_attn.v_proj": (kv, hidden), "self_attn.o_proj": (hidden, hidden),
+              "post_attention_layernorm": (hidden,), "mlp.gate_proj": (intermediate, hidden),
+              "mlp.up_proj": (intermediate, hidden), "mlp.down_proj": (hidden, intermediate)}
+    tensors = [("model.embed_tokens.weight", (vocab, hidden), Q[embed_type])]
+    for i in range(layers):
+        main, _, side = layer_types[i % len(layer_types)].partition("/")
+        for name, shape in shapes.items():
+            qtype = Q.F32 if len(shape) == 1 else Q[side] if side and name in ("self_attn.v_proj", "mlp.down_proj") \
+                else Q[main]
+            tensors.append((f"model.layers.{i}.{name}.weight", shape, qtype))
+    tensors += [("model.norm.weight", (hidden,), Q.F32), ("lm_head.weight", (vocab, hidden), Q[head_type])]
+    kinds = {name: (shape, qtype) for name, shape, qtype in tensors}
+    rng = np.random.default_rng(seed)
+
+    def value(name: str) -> np.ndarray:
+        shape, qtype = kinds[name]
+        if qtype == Q.F32:
+            return np.ones(shape, dtype=np.float32)
+        # fp16 scales chosen so that weights come out at about 0.02 (IQ4 levels reach 127)
+        scale = 5e-6 if qtype in (Q.IQ4_XS, Q.IQ4_NL) else 2e-5 if qtype in (Q.Q6_K, Q.Q8_0, Q.Q3_K) else 8e-5
+        return random_blocks(qtype, shape, rng, scale=scale)
+
+    config = dict(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096,
+                  rms_norm_eps=1e-5, rope_theta=10000.0, vocab_size=vocab)
+    part = path.with_name(path.name + ".part")
+    write_gguf(part, "llama", config, vocab_meta, tensors, value, name=path.stem)
+    os.replace(part, path)
+    return path

@@ -93,6 +93,11 @@ class HostStore:
             self._offsets = []
 
     @property
+    def ram_bytes(self) -> int:
+        """RAM the store's arenas hold."""
+        return sum(a.numel() for a in self._arenas)
+
+    @property
     def disk_path(self) -> Path | None:
         return self._file
 
