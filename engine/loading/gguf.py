@@ -1,8 +1,8 @@
 """A GGUF file as a model's weights, read in place: its config and tensor names as transformers
 maps them, its decoder layers kept in their own blocks, its tokenizer.
 
-The header is read from a memory map (gguf_file.py). The config comes from transformers' table
-of GGUF keys (GGUF_CONFIG_MAPPING), tensor names from gguf-py's name map as transformers applies
+The header is read from a memory map (engine/store/gguf_header.py). The config comes from
+transformers' table of GGUF keys (GGUF_CONFIG_MAPPING), tensor names from gguf-py's name map as transformers applies
 it (get_gguf_hf_weights_map) and llama.cpp's value transforms from transformers' tensor
 processors: for the supported architectures a row permutation (Llama's q/k), which is found by
 running the processor on row numbers and then applied to the rows after de-quantisation, so the
@@ -53,9 +53,9 @@ from transformers.modeling_gguf_pytorch_utils import (
 
 from engine import paths
 from engine.errors import UnsupportedModel
-from engine.loading.gguf_file import CorruptGGUF, GGUFHeader, TensorInfo, read_header
 from engine.offload import gguf_blocks
 from engine.offload.layout import Entry, LayerLayout, pack_entry
+from engine.store.gguf_header import CorruptGGUF, GGUFHeader, TensorInfo, read_header
 from engine.types import Quant, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ def isolated(gguf: Path) -> Iterator[Path]:
     offers to run), so a file is only ever read from where nothing can lie beside it: its own
     metadata is the whole model."""
     with tempfile.TemporaryDirectory(prefix="specchat-gguf-") as tmp:
-        link = Path(tmp) / gguf.name
+        link = Path(tmp) / (gguf.name if gguf.suffix.lower() == ".gguf" else gguf.name + ".gguf")  # Ollama blobs
         try:
             link.symlink_to(gguf.resolve())
         except OSError:  # Windows without the symlink privilege: a hard link, else a copy

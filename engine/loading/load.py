@@ -118,6 +118,15 @@ def check_quantisation(name: str, qc: dict | None) -> None:
             "download one of those versions of the model.")
 
 
+def is_gguf(path: Path) -> bool:
+    """A file that starts like a GGUF (whatever its name)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
 def check_gguf(path: Path) -> None:
     try:
         with open(path, "rb") as f:
@@ -156,7 +165,7 @@ def load_model(
             generation = GenerationConfig.from_pretrained(path) if (path / "generation_config.json").is_file() else None
             model = materialise(SafetensorsWeights(path, config_dict), config, settings, report, generation)
             return LoadedModel(model=model, tokenizer=tokenizer, path=path)
-        if path.suffix.lower() == ".gguf":
+        if path.suffix.lower() == ".gguf" or is_gguf(path):  # Ollama's blobs have no suffix
             check_gguf(path)
             weights = GGUFWeights(path)
             try:

@@ -25,8 +25,8 @@ from engine.cli.bench_offload import (
 )
 from engine.decoding.generation import load_engine
 from engine.errors import Cancelled, UnsupportedModel
-from engine.loading.gguf_file import read_header
 from engine.loading.load import load_model
+from engine.store.gguf_header import read_header
 from engine.types import LoadProgress, LoadSettings
 
 MIB = 1 << 20
