@@ -170,7 +170,7 @@ class CalibrationWorker(TaskWorker):
     """`run(CalibrationRequest)`: load the pair, generate a few tokens, report the speed."""
 
     def work(self, arg: Any) -> object:
-        from engine.decoding.generation import (
+        from engine.decoding.pair import (
             load_engine,  # imports torch: in the worker thread
         )
 

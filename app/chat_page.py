@@ -27,14 +27,23 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from engine.types import Completion, GenerationRequest, Message, SpeculationSettings
+from engine.errors import RemoteError
+from engine.types import (
+    Completion,
+    GenerationRequest,
+    Message,
+    RemoteModel,
+    SpeculationSettings,
+)
 
 from .chat_view import ChatView
 from .composer import Composer
 from .conversations import ConversationStore, StoredMessage, stats_dict, title_from
+from .engine_picker import EnginePicker
 from .engine_worker import EngineHost
 from .markdown import MarkdownPalette
 from .preferences import Preferences, PreferencesStore
+from .remote_engines import LOCAL, RemoteHost, parse_engines, resolve
 from .sidebar import Sidebar
 from .status import ErrorBanner, StatusBar
 
@@ -84,10 +93,12 @@ class ChatPage(QWidget):
     answer_finished = Signal(str)
 
     def __init__(self, conversations: ConversationStore, host: EngineHost, preferences: PreferencesStore,
-                 status: StatusBar, parent: QWidget | None = None) -> None:
+                 status: StatusBar, parent: QWidget | None = None, remote: RemoteHost | None = None) -> None:
         super().__init__(parent)
         self.store = conversations
         self.host = host
+        self.remote = remote  # answers from remote engines (app/remote_engines.py), same signals as host's
+        self._active: EngineHost | RemoteHost = host  # whichever runs the answer in progress
         self.preferences = preferences
         self.status = status
         self.conversation_id = 0
@@ -98,11 +109,16 @@ class ChatPage(QWidget):
         self._tokens = 0
         self._started = 0.0
         self.plan: object | None = None  # engine.planning.planner.Plan for budget "auto", from the worker
+        self.model_state, self._model_detail = "none", ""
         self._build()
         host.worker.tokens_generated.connect(self._on_worker_tokens_generated)
         host.worker.generation_finished.connect(self._on_worker_generation_finished)
         host.worker.generation_failed.connect(self._on_worker_generation_failed)
         host.worker.planned.connect(self._on_worker_planned)
+        if remote is not None:
+            remote.worker.tokens_generated.connect(self._on_worker_tokens_generated)
+            remote.worker.generation_finished.connect(self._on_worker_generation_finished)
+            remote.worker.generation_failed.connect(self._on_worker_generation_failed)
         self.sidebar.refresh()
         first = self.store.conversations()
         if first:
@@ -152,6 +168,10 @@ class ChatPage(QWidget):
     def _system_row(self) -> QHBoxLayout:
         row = QHBoxLayout()
         row.setContentsMargins(12, 8, 12, 4)
+        self.engine_picker = EnginePicker()
+        self.engine_picker.reload(self.preferences.load())
+        self.engine_picker.choice_changed.connect(self._on_engine_picker_choice_changed)
+        row.addWidget(self.engine_picker)
         label = QLabel("System prompt")
         row.addWidget(label)
         self.system_edit = QLineEdit()
@@ -181,10 +201,16 @@ class ChatPage(QWidget):
     def set_model_state(self, state: str, detail: str = "") -> None:
         """"none" (no model chosen: the empty state), "loading", "ready" or "failed"."""
         self.model_state = state
+        self._model_detail = detail
+        if self.engine_picker.choice() != LOCAL:  # a remote model answers whatever the local one does
+            state = "ready"
         self.stack.setCurrentWidget(self.empty if state == "none" else self.view)
         reasons = {"none": "Choose a model first", "loading": "Loading the model…",
                    "failed": detail or "The model could not be loaded; see the message above"}
         self.composer.set_can_send(state == "ready", reasons.get(state, ""))
+
+    def _can_answer(self) -> bool:
+        return self.model_state == "ready" or self.engine_picker.choice() != LOCAL
 
     def set_palette(self, palette: MarkdownPalette) -> None:
         self.view.set_palette(palette)
@@ -193,6 +219,7 @@ class ChatPage(QWidget):
         self.banner.show_message(message)
 
     def reload_presets(self) -> None:
+        self.engine_picker.reload(self.preferences.load())  # the settings' servers may have changed
         self.preset_combo.clear()
         self.preset_combo.addItem("Presets…", None)
         for name, text in self.preferences.load().system_presets:
@@ -226,6 +253,8 @@ class ChatPage(QWidget):
         self.view.clear()
         self._ids = []
         self.system_edit.setText(conv.system_prompt)
+        self.engine_picker.set_choice(conv.engine)
+        self.set_model_state(self.model_state, self._model_detail)
         for m in self.store.messages(conv.id):
             self._show(m)
         self.view.set_busy(False)
@@ -235,6 +264,11 @@ class ChatPage(QWidget):
     def _show(self, m: StoredMessage) -> None:
         self.view.add_message(m.role, m.content, m.complete)
         self._ids.append(m.id)
+
+    def _on_engine_picker_choice_changed(self, choice: str) -> None:
+        if self.conversation_id:
+            self.store.set_engine(self.conversation_id, choice)
+        self.set_model_state(self.model_state, self._model_detail)
 
     def _on_system_edit_finished(self) -> None:
         if self.conversation_id:
@@ -263,25 +297,32 @@ class ChatPage(QWidget):
     # ---- a turn --------------------------------------------------------------------------
     def send(self, text: str) -> None:
         """Send a user message (or the edited last one) and start the answer."""
-        if self.busy or self.model_state != "ready" or not text.strip():
+        if self.busy or not self._can_answer() or not text.strip():
+            return
+        ok, remote = self._engine_for_answer()
+        if not ok:
             return
         self.banner.dismiss()
         if not self.conversation_id:
             conv = self.store.create(title_from(text), self.system_edit.text())
             self.conversation_id = conv.id
+            self.store.set_engine(conv.id, self.engine_picker.choice())
             self.sidebar.refresh(select=conv.id)
         elif self._editing_id:
             self._drop_from(self._editing_id)
         self._editing_id = 0
         self._show(self.store.add_message(self.conversation_id, "user", text))
-        self._start_answer()
+        self._start_answer(remote)
 
     def regenerate(self) -> None:
         """Drop the last answer and write it again."""
-        if self.busy or self.model_state != "ready" or not self._ids or self.view.messages[-1].role != "assistant":
+        if self.busy or not self._can_answer() or not self._ids or self.view.messages[-1].role != "assistant":
+            return
+        ok, remote = self._engine_for_answer()
+        if not ok:
             return
         self._drop_from(self._ids[-1])
-        self._start_answer()
+        self._start_answer(remote)
 
     def edit_last(self) -> None:
         """Put the last user message in the composer; sending it replaces it and what followed."""
@@ -296,7 +337,7 @@ class ChatPage(QWidget):
 
     def stop(self) -> None:
         if self.busy:
-            self.host.cancel_generation()
+            self._active.cancel_generation()
 
     def _drop_from(self, message_id: int) -> None:
         index = self._ids.index(message_id)
@@ -310,19 +351,34 @@ class ChatPage(QWidget):
         msgs += [Message(m.role, m.content) for m in self.store.messages(self.conversation_id)]  # type: ignore[arg-type]
         return tuple(msgs)
 
-    def _start_answer(self) -> None:
+    def _engine_for_answer(self) -> tuple[bool, RemoteModel | None]:
+        """The remote model this conversation runs on (None: the local one); False, with a banner,
+        when its server was removed from the settings."""
+        try:
+            return True, resolve(self.engine_picker.choice(), parse_engines(self.preferences.load().remote_engines))
+        except RemoteError as exc:
+            self.show_error(exc.user_message)
+            return False, None
+
+    def _start_answer(self, remote: RemoteModel | None = None) -> None:
         prefs = self.preferences.load()
         request = GenerationRequest(
             messages=self._history(),
             max_new_tokens=prefs.max_new_tokens,
             sampling=prefs.sampling(),
             speculation=self._speculation(prefs),
+            conversation=f"conversation-{self.conversation_id}",  # its KV cache continues turn to turn
         )
         self._answer_id = self.store.add_message(self.conversation_id, "assistant", "", complete=False).id
         self._ids.append(self._answer_id)
         self.view.begin_answer()
         self._tokens, self._started = 0, time.monotonic()
-        self._request_id = self.host.generate(request)
+        if remote is not None and self.remote is not None:
+            self._active = self.remote
+            self._request_id = self.remote.generate(request, remote)
+        else:
+            self._active = self.host
+            self._request_id = self.host.generate(request)
         self.composer.set_busy(True)
         self.view.set_busy(True)
 
@@ -384,7 +440,7 @@ class ChatPage(QWidget):
         """Leaving a conversation mid-answer: stop it and keep what was written."""
         if not self.busy:
             return
-        self.host.cancel_generation()
+        self._active.cancel_generation()
         self.view.flush()
         self.store.update_message(self._answer_id, self.view.answer_text, complete=False)
         self.view.end_answer("stopped", complete=False)

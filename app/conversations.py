@@ -45,6 +45,11 @@ MIGRATIONS: tuple[str, ...] = (
     ALTER TABLE messages ADD COLUMN complete INTEGER NOT NULL DEFAULT 1;
     ALTER TABLE messages ADD COLUMN stats TEXT NOT NULL DEFAULT '';
     """,
+    # 2 -> 3: the engine a conversation runs on ('' = the local model; else a remote model as
+    # JSON {"engine": name in Settings > Engines, "model": id on that server})
+    """
+    ALTER TABLE conversations ADD COLUMN engine TEXT NOT NULL DEFAULT '';
+    """,
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -56,6 +61,7 @@ class Conversation:
     system_prompt: str
     created: float
     updated: float
+    engine: str = ""  # '' = the local model; see MIGRATIONS[2]
 
 
 @dataclass(frozen=True)
@@ -141,6 +147,9 @@ class ConversationStore:
     def set_system_prompt(self, conversation_id: int, text: str) -> None:
         self._db.execute("UPDATE conversations SET system_prompt = ? WHERE id = ?", (text, conversation_id))
 
+    def set_engine(self, conversation_id: int, engine: str) -> None:
+        self._db.execute("UPDATE conversations SET engine = ? WHERE id = ?", (engine, conversation_id))
+
     def delete(self, conversation_id: int) -> None:
         self._db.execute("DELETE FROM conversations WHERE id = ?", (conversation_id,))
 
@@ -225,7 +234,7 @@ def stats_dict(stats: object) -> dict[str, Any]:
 
 
 def _conversation(row: sqlite3.Row) -> Conversation:
-    return Conversation(row["id"], row["title"], row["system_prompt"], row["created"], row["updated"])
+    return Conversation(row["id"], row["title"], row["system_prompt"], row["created"], row["updated"], row["engine"])
 
 
 def _message(row: sqlite3.Row) -> StoredMessage:

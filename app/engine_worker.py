@@ -6,7 +6,9 @@ queued signals from `EngineHost` (which lives in the GUI thread); cancellation i
 `threading.Event` the GUI sets directly, because a queued "cancel" would wait behind the very
 call it should stop. Every signal carries plain data: str, int, float and the engine's frozen
 dataclasses. Generated text is coalesced: at most one `tokens_generated` per ~30 ms, so a fast
-model cannot flood the GUI's event queue.
+model cannot flood the GUI's event queue. Requests from the app's API server
+(app/api_server.py) run in this same thread, queued between chat turns in arrival order; their
+events go to a thread-safe mailbox the server reads, not through the GUI.
 
 What this does not do: touch widgets, the database or preferences (the GUI side does).
 """
@@ -15,12 +17,13 @@ from __future__ import annotations
 
 import importlib
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from PySide6.QtCore import QObject, Signal, Slot
+from PySide6.QtCore import QObject, Qt, Signal, Slot
 
 from app.worker_host import WorkerHost
 from engine.errors import Cancelled, EngineError
@@ -37,6 +40,11 @@ from engine.types import (
 log = logging.getLogger(__name__)
 
 COALESCE_SECONDS = 0.03
+SERVE_STARTED = "started"  # EngineWorker.serve: the request passed validation and runs
+
+
+class NoModelLoaded(EngineError):
+    """An API request arrived while no model is loaded in the app."""
 
 
 def _user_message(exc: BaseException) -> str:
@@ -61,6 +69,7 @@ class EngineWorker(QObject):
         planned(object): the planner's engine.planning.planner.Plan for the loaded pair on this machine's
             hardware profile (after loading and after every answer, as its acceptance
             calibration improves), or None without a draft, a profile or a planner.
+        serving(bool): an API request (the app's server, app/api_server.py) started or ended.
     """
 
     load_progressed = Signal(object)
@@ -72,6 +81,7 @@ class EngineWorker(QObject):
     generation_failed = Signal(int, str)
     warmed_up = Signal()
     planned = Signal(object)
+    serving = Signal(bool)
 
     def __init__(self, thread_setup: Callable[[], None] | None = None) -> None:
         super().__init__()
@@ -89,7 +99,7 @@ class EngineWorker(QObject):
         self._setup_thread()
         self._engine = None  # free the old pair before loading the next
         try:
-            from engine.decoding.generation import (
+            from engine.decoding.pair import (
                 load_engine,  # imports torch: in this worker thread
             )
 
@@ -152,6 +162,34 @@ class EngineWorker(QObject):
                 self.tokens_generated.emit(request_id, pending, pending_tokens)
             self.generation_failed.emit(request_id, _user_message(exc))
 
+    @Slot(object, object, object)
+    def serve(self, request: GenerationRequest, cancel: threading.Event, mailbox: queue.Queue[object]) -> None:
+        """An API request from the app's server: it runs here, between chat turns, in the order
+        both arrived (this thread's event queue), so the Engine is never touched from another
+        thread. Everything goes to `mailbox` (thread-safe, read by the server's thread, not the
+        GUI): SERVE_STARTED once the request passed validation, then the engine's events up to
+        the Completion, or the exception that stopped it."""
+        self._setup_thread()
+        if cancel.is_set():  # its client left while it waited behind a chat
+            mailbox.put(Cancelled("The request was cancelled before it ran."))
+            return
+        if self._engine is None:
+            mailbox.put(NoModelLoaded("No model is loaded in SpecChat: choose one on its Models page."))
+            return
+        self.serving.emit(True)
+        try:
+            events = self._engine.generate(request, cancel)  # type: ignore[attr-defined]
+            mailbox.put(SERVE_STARTED)
+            for event in events:
+                mailbox.put(event)
+        except Exception as exc:  # noqa: BLE001 - the API answers with it
+            log.log(logging.INFO if isinstance(exc, EngineError) else logging.ERROR, "API request failed",
+                    exc_info=True)
+            mailbox.put(exc)
+        finally:
+            self.serving.emit(False)
+        self._plan()
+
     def _plan(self) -> None:
         """Budget "auto": ask the planner for this pair (cheap: a cost model, no passes)."""
         engine = self._engine
@@ -175,7 +213,7 @@ class EngineWorker(QObject):
         self._setup_thread()
         try:
             # the whole loading and decoding stack (transformers, bitsandbytes, safetensors)
-            import engine.decoding.generation  # noqa: F401
+            import engine.decoding.pair  # noqa: F401
             import engine.loading.starter  # noqa: F401
             from engine.model.causal_lm import SUPPORTED_MODEL_TYPES
 
@@ -184,6 +222,18 @@ class EngineWorker(QObject):
         except Exception:  # noqa: BLE001 - only an optimisation; loading reports real errors
             log.warning("engine warm-up failed", exc_info=True)
         self.warmed_up.emit()
+
+    @Slot()
+    def persist_caches(self) -> None:
+        """Save the long conversations' KV caches (on closing: they continue after a restart)."""
+        if self._engine is None:
+            return
+        try:
+            saved = self._engine.persist_caches()
+        except Exception:  # noqa: BLE001 - a cache that cannot be saved is read again next time
+            log.warning("saving conversation caches failed", exc_info=True)
+            return
+        log.info("saved %d conversation caches", saved)
 
     @Slot()
     def unload(self) -> None:
@@ -203,7 +253,9 @@ class EngineHost(WorkerHost):
     _starter_requested = Signal(int)
     _generate_requested = Signal(int, object, object)
     _unload_requested = Signal()
+    _persist_requested = Signal()
     _warm_up_requested = Signal()
+    _serve_requested = Signal(object, object, object)
 
     def __init__(self, parent: QObject | None = None, thread_setup: Callable[[], None] | None = None) -> None:
         super().__init__(EngineWorker(thread_setup), "engine", parent, join_on_quit=False)
@@ -215,7 +267,10 @@ class EngineHost(WorkerHost):
         self._starter_requested.connect(self.worker.prepare_starter)
         self._generate_requested.connect(self.worker.generate)
         self._unload_requested.connect(self.worker.unload)
+        self._persist_requested.connect(self.worker.persist_caches)
         self._warm_up_requested.connect(self.worker.warm_up)
+        # emitted from the API server's thread: always queued into the worker's event loop
+        self._serve_requested.connect(self.worker.serve, Qt.ConnectionType.QueuedConnection)
         self._next_id = 0
         self._start()
 
@@ -249,8 +304,17 @@ class EngineHost(WorkerHost):
     def unload(self) -> None:
         self._unload_requested.emit()
 
+    def persist_caches(self) -> None:
+        """Queue saving the conversations' KV caches (runs after the current generation)."""
+        self._persist_requested.emit()
+
     def warm_up(self) -> None:
         self._warm_up_requested.emit()
+
+    def serve(self, request: GenerationRequest, cancel: threading.Event, mailbox: queue.Queue[object]) -> None:
+        """Queue an API request behind whatever the worker has queued (callable from any
+        thread; EngineWorker.serve says what arrives in `mailbox`)."""
+        self._serve_requested.emit(request, cancel, mailbox)
 
     def _cancel(self) -> None:
         self._generation_cancel.set()

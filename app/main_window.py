@@ -25,13 +25,18 @@ from PySide6.QtWidgets import (
 
 from engine.types import LoadProgress, LoadSettings, Placement
 
+from .api_server import ApiServer
 from .chat_page import ChatPage
 from .conversations import ConversationStore
 from .engine_worker import EngineHost
 from .markdown import warm_up_highlighting
 from .preferences import Preferences, PreferencesStore
+from .remote_engines import RemoteHost
 from .status import StatusBar, short_name
 from .theme import apply_theme, markdown_palette
+
+# closing waits this long for the engine thread: it saves the long conversations' caches first
+PERSIST_WAIT_MS = 30_000
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +84,10 @@ class MainWindow(QMainWindow):
         self.setStatusBar(self.status)
         self.status.load_cancel_requested.connect(self.cancel_load)
         self.pages = QStackedWidget()
-        self.chat = ChatPage(conversations, self.host, preferences, self.status)
+        self.remote_host = RemoteHost(self)  # conversations on remote engines (Settings > Engines)
+        self.api = ApiServer(self.host, self)  # Settings > Server: the loaded model over the OpenAI API
+        self.status.addPermanentWidget(self.api.status_label)
+        self.chat = ChatPage(conversations, self.host, preferences, self.status, remote=self.remote_host)
         self.chat.starter_requested.connect(self.use_starter)
         self.chat.models_requested.connect(self.show_models)
         self.pages.addWidget(self.chat)
@@ -93,6 +101,7 @@ class MainWindow(QMainWindow):
         worker.starter_prepared.connect(self._on_worker_starter_prepared)
         preferences.changed.connect(self._on_preferences_changed)
         self.chat.set_palette(markdown_palette(prefs.theme))
+        self.api.apply(prefs)
         self.ensure_loaded(prefs)
 
     # ---- actions and shortcuts -------------------------------------------------------------
@@ -256,6 +265,7 @@ class MainWindow(QMainWindow):
     def _on_preferences_changed(self, prefs: Preferences) -> None:
         self._apply_appearance(prefs)
         self.chat.reload_presets()
+        self.api.apply(prefs)
         self.ensure_loaded(prefs)
 
     def _apply_appearance(self, prefs: Preferences) -> None:
@@ -272,7 +282,10 @@ class MainWindow(QMainWindow):
         self.chat.stop()
         if self.models_page is not None:
             self.models_page.shutdown()  # type: ignore[attr-defined]  # its download thread
-        self.engine_stopped = self.host.shutdown()
+        self.api.stop()  # before the engine: its requests end first
+        self.remote_host.shutdown()
+        self.host.persist_caches()  # queued before the thread's quit: long conversations are saved
+        self.engine_stopped = self.host.shutdown(PERSIST_WAIT_MS)
         super().closeEvent(event)
 
 

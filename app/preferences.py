@@ -20,7 +20,13 @@ from typing import Any
 from PySide6.QtCore import QObject, QSettings, Signal
 
 from engine import paths
-from engine.types import LoadSettings, SamplingSettings, SpeculationSettings
+from engine.types import (
+    CacheSettings,
+    LoadSettings,
+    SamplingSettings,
+    SpeculationSettings,
+)
+from engine.units import GB
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +73,9 @@ class Preferences:
     max_depth: int = 16
     tree_mode: str = "specexec"
     models_dir: str = ""
+    # KV caches of conversations (engine.types.CacheSettings): kept in RAM, saved on disk
+    kv_ram_gb: float = 2.0
+    kv_disk_gb: float = 8.0
     # Appearance
     theme: str = "system"
     font_size: int = 11
@@ -75,6 +84,13 @@ class Preferences:
     draft: str = ""
     first_run_done: bool = False
     system_presets: tuple[tuple[str, str], ...] = DEFAULT_SYSTEM_PRESETS
+    # API server (Settings > Server, app/api_server.py): port 0 = any free port (tests)
+    server_enabled: bool = False
+    server_port: int = 8765
+    server_api_key: str = ""
+    server_lan: bool = False  # listen on every network (needs the key), not only this computer
+    # Remote engines (Settings > Engines): JSON, read by app/remote_engines.parse_engines
+    remote_engines: str = ""
 
     def sampling(self, seed: int | None = None) -> SamplingSettings:
         return SamplingSettings(
@@ -99,6 +115,7 @@ class Preferences:
             quant=self.quant,  # type: ignore[arg-type]
             offload=self.offload,  # type: ignore[arg-type]
             context_length=self.context_length,
+            cache=CacheSettings(ram_budget_bytes=int(self.kv_ram_gb * GB), disk_budget_bytes=int(self.kv_disk_gb * GB)),
         )
 
     def models_path(self) -> Path:

@@ -39,9 +39,11 @@ from PySide6.QtWidgets import (
 )
 
 from app.benchmark_worker import benchmark_runner
+from app.engines_tab import EnginesTab
 from app.plot import BudgetPlot
 from app.preferences import Preferences, PreferencesStore
 from app.recommend import load_profile, predicted_curve, profile_lines
+from app.server_tab import ServerTab
 from engine.about import installation
 from engine.planning import planner
 from engine.store import load_catalog
@@ -111,6 +113,12 @@ class SettingsDialog(QDialog):
         self.tabs.addTab(self._appearance_tab(), "&Appearance")
         self.tabs.addTab(self._prompts_tab(), "S&ystem prompts")
         self.tabs.addTab(self._hardware_tab(), "This &computer")
+        # tabs in their own modules: show_preferences(prefs) fills them, values() is what they own
+        self.server_tab, self.engines_tab = ServerTab(), EnginesTab()
+        self._own_tabs = (self.server_tab, self.engines_tab)
+        for tab in self._own_tabs:
+            self.tabs.addTab(tab, tab.title)
+        self.finished.connect(self.engines_tab.shutdown)
         self.buttons = QDialogButtonBox(
             QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel
             | QDialogButtonBox.StandardButton.RestoreDefaults)
@@ -175,10 +183,20 @@ class SettingsDialog(QDialog):
         budget_label.setBuddy(self.budget)
         folder_label = QLabel("Models &folder:")
         folder_label.setBuddy(self.models_dir)
+        self.kv_ram_gb = _dspin(0.0, 1024.0, 0.5, 1, "Conversation memory in RAM")
+        self.kv_ram_gb.setSuffix(" GB")
+        self.kv_ram_gb.setToolTip("Recent conversations keep what the model has read of them, so their next "
+                                  "message is answered without reading the history again. This much RAM holds "
+                                  "them; the oldest leave first (to disk, below).")
+        self.kv_disk_gb = _dspin(0.0, 10_000.0, 1.0, 0, "Saved conversations on disk")
+        self.kv_disk_gb.setSuffix(" GB")
+        self.kv_disk_gb.setToolTip("Long conversations are saved here when SpecChat closes, so they continue "
+                                   "after a restart without reading them again. 0 saves nothing.")
         form = QFormLayout()
         for label, item in (("&Device:", self.device), ("&Quantisation:", self.quant), ("&Offload:", self.offload),
                             (budget_label, budget_row), ("Max tree &depth:", self.max_depth),
-                            ("&Mode:", self.tree_mode), (folder_label, folder_row)):
+                            ("&Mode:", self.tree_mode), (folder_label, folder_row),
+                            ("Conversation &memory:", self.kv_ram_gb), ("Sa&ved conversations:", self.kv_disk_gb)):
             form.addRow(label, item)
         note = QLabel("Engine changes apply the next time the pair is loaded. An empty models folder uses the default.")
         note.setWordWrap(True)
@@ -271,7 +289,7 @@ class SettingsDialog(QDialog):
 
     # ---- values ----------------------------------------------------------------------------
     def show_preferences(self, prefs: Preferences) -> None:
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "kv_ram_gb", "kv_disk_gb"):
             getattr(self, name).setValue(getattr(prefs, name))
         for name in ("top_k", "max_new_tokens", "context_length", "max_depth", "font_size"):
             getattr(self, name).setValue(getattr(prefs, name))
@@ -286,6 +304,8 @@ class SettingsDialog(QDialog):
         self.presets.setRowCount(0)
         for title, text in prefs.system_presets:
             self._add_preset(title, text)
+        for tab in self._own_tabs:
+            tab.show_preferences(prefs)
 
     def preferences(self) -> Preferences:
         """The preferences as the widgets now show them (fields not shown here are kept)."""
@@ -297,11 +317,13 @@ class SettingsDialog(QDialog):
                 presets.append((title, text))
         values: dict[str, Any] = {name: getattr(self, name).value() for name in (
             "temperature", "top_p", "min_p", "repetition_penalty", "top_k", "max_new_tokens", "context_length",
-            "max_depth", "font_size")}
+            "max_depth", "font_size", "kv_ram_gb", "kv_disk_gb")}
         values.update({name: getattr(self, name).currentData() for name in CHOICE_LABELS})
         values["budget"] = 0 if self.budget_auto.isChecked() else self.budget.value()
         values["models_dir"] = self.models_dir.text().strip()
         values["system_presets"] = tuple(presets) or Preferences().system_presets
+        for tab in self._own_tabs:
+            values.update(tab.values())
         return replace(self._store.load(), **values)
 
     def restore_defaults(self) -> None:

@@ -107,7 +107,10 @@ class StatusBar(QStatusBar):
     def show_stats(self, stats: GenerationStats, auto_budget: bool) -> None:
         self.speed.setText(f"{stats.tokens_per_second:.1f} tok/s")
         self.per_pass.setText(f"{stats.tokens_per_pass:.2f} tokens/pass")
-        self.ttft.setText(f"first token {stats.ttft_seconds:.2f} s")
+        reused = f", {stats.cached_tokens:,} of {stats.prompt_tokens:,} prompt tokens reused" if stats.cached_tokens else ""
+        self.ttft.setText(f"first token {stats.ttft_seconds:.2f} s{reused}")
+        self.ttft.setToolTip("Time from sending to the first token of the answer. Reused prompt tokens were "
+                             "already read in an earlier turn and cost nothing now.")
         self.budget.setText(budget_text(stats.budget, auto_budget) if stats.mode == "specexec" else "no speculation")
         if stats.placement is not None:
             self.placement.setText(stats.placement.describe())

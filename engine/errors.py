@@ -28,6 +28,10 @@ class InvalidRequest(EngineError):
     """Settings or prompts that cannot be honoured (budget < 1, empty prompt, ...)."""
 
 
+class ContextTooLong(InvalidRequest):
+    """A prompt that does not fit in the model's context (the API answers 413 for it)."""
+
+
 class OutOfMemory(EngineError):
     """A pass or a load did not fit in GPU or host memory."""
 
@@ -55,3 +59,23 @@ class GatedRepo(DownloadFailed):
 
 class HubUnreachable(DownloadFailed):
     """The Hugging Face hub could not be reached at all (no connection, DNS, firewall)."""
+
+
+class RemoteError(EngineError):
+    """An OpenAI-compatible server (vLLM, llama.cpp, another SpecChat) failed a request."""
+
+
+class RemoteUnreachable(RemoteError):
+    """No answer at the server's address (nothing listening, DNS, firewall, timeout)."""
+
+
+class RemoteUnauthorized(RemoteError):
+    """The server answered 401/403: its API key is missing or wrong."""
+
+
+class RemoteModelGone(RemoteError):
+    """The server no longer serves the model a conversation uses (404 for the model)."""
+
+
+class RemoteDisconnected(RemoteError):
+    """The server went away in the middle of an answer (the part that came is kept)."""

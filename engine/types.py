@@ -6,7 +6,8 @@ Plain data only: no tensors, no models, no Qt. Change settings with `dataclasses
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -243,6 +244,32 @@ def default_expand_per_pass(budget: int) -> int:
 
 
 @dataclass(frozen=True)
+class CacheSettings:
+    """KV caches kept between turns (engine.decoding.prefix_cache) and saved to disk
+    (engine.model.cache_files).
+
+    ram_budget_bytes: most host memory the caches of conversations not being answered may hold
+        (the least recently used leave first: to disk when long enough, else dropped); 0 keeps
+        only the conversation being answered.
+    disk_budget_bytes: most disk the saved caches may take (oldest first out); 0 saves nothing.
+    min_saved_tokens: shorter prefixes are not saved: reading them again costs less than
+        loading a file (see the README's conversation benchmark).
+    disk_dir: where saved caches live (None: <cache dir>/kv).
+    enabled: False starts every request from empty caches (a benchmark's baseline).
+    """
+
+    enabled: bool = True
+    ram_budget_bytes: int = 2 * 10**9  # decimal GB, as Settings shows it
+    disk_budget_bytes: int = 8 * 10**9
+    min_saved_tokens: int = 512
+    disk_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.ram_budget_bytes < 0 or self.disk_budget_bytes < 0 or self.min_saved_tokens < 0:
+            raise InvalidRequest("Cache budgets and the shortest saved prefix must be 0 or more.")
+
+
+@dataclass(frozen=True)
 class LoadSettings:
     """Where and how a target/draft pair is loaded (the CLI's --device/--quant/--offload).
 
@@ -252,6 +279,7 @@ class LoadSettings:
     as fit (engine.planning.placement). ram_limit_bytes caps the host store (None = measured
     available RAM less a margin); layers past it go to the disk tier. context_length is the
     KV cache the placement reserves room for (None = the model's maximum, capped at 8192).
+    cache: the KV caches kept between turns and saved to disk.
     """
 
     device: Device = "auto"
@@ -259,6 +287,7 @@ class LoadSettings:
     offload: Offload = "auto"
     ram_limit_bytes: int | None = None
     context_length: int | None = None
+    cache: CacheSettings = field(default_factory=CacheSettings)
 
     def __post_init__(self) -> None:
         if self.ram_limit_bytes is not None and not self.ram_limit_bytes >= 0:
@@ -328,6 +357,10 @@ class GenerationRequest:
     messages: tuple[Message, ...] = ()
     raw_prompt: str | None = None
     max_new_tokens: int = 256
+    # an opaque key of the conversation (the app's conversation id, a CLI chat session): its KV
+    # cache is reused in place on the next turn, regenerate or edit; other requests reuse a copy
+    # of the longest matching cached prefix (engine.decoding.prefix_cache)
+    conversation: str | None = None
     stop: tuple[str, ...] = ()
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
     speculation: SpeculationSettings = field(default_factory=SpeculationSettings)
@@ -403,3 +436,27 @@ class DownloadProgress:
     bytes_per_second: float = 0.0
     eta_seconds: float | None = None
     message: str = ""
+
+
+class GenerationBackend(Protocol):
+    """What runs a GenerationRequest: the local Engine, a remote server's client
+    (engine.serving.remote), or the app's engine thread seen from the API server. generate()
+    validates at once (errors raise from the call) and then yields TokenEvents and one final
+    Completion; `cancel` ends it early with finish_reason "cancelled"."""
+
+    def generate(self, request: GenerationRequest,
+                 cancel: threading.Event | None = None) -> Iterator[TokenEvent | Completion]: ...
+
+
+@dataclass(frozen=True)
+class RemoteModel:
+    """A model on an OpenAI-compatible server (vLLM, llama.cpp's server, another SpecChat).
+
+    url: the API's base URL, usually ending in /v1 ("http://gpu-box:8000/v1"); api_key: sent as
+    a bearer token ("" = none; never printed in a repr); model: the model's id on that server;
+    name: what the user called the server in Settings (shown in the app)."""
+
+    url: str
+    model: str
+    api_key: str = field(default="", repr=False)
+    name: str = ""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import uuid
 from typing import TextIO
 
 from engine.cli import common
@@ -39,6 +40,7 @@ def run_chat(args: argparse.Namespace) -> int:
     status(f"ready ({mode}). {CHAT_HELP}")
     system = (Message("system", args.system),) if args.system else ()
     messages: list[Message] = []
+    session = f"chat-{uuid.uuid4().hex}"  # its KV cache continues from turn to turn
     seed = args.seed
     out = common.writer(sys.stdout)
     while True:
@@ -56,13 +58,14 @@ def run_chat(args: argparse.Namespace) -> int:
             break
         if text == "/reset":
             messages.clear()
+            session = f"chat-{uuid.uuid4().hex}"
             status("conversation cleared")
             continue
         if text.startswith("/") and " " not in text:
             status(f"unknown command {text}. {CHAT_HELP}")
             continue
         messages.append(Message("user", text))
-        request = common.request(args, setup, system + tuple(messages), seed=seed)
+        request = common.request(args, setup, system + tuple(messages), seed=seed, conversation=session)
         if seed is not None:
             seed += 1  # a fixed --seed makes the whole conversation reproducible, not every turn alike
         completion, _ = common.stream(engine, request, out)

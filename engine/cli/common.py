@@ -20,7 +20,8 @@ from typing import TextIO
 from transformers.utils import logging as hf_logging
 
 from engine.cli.parser import AUTO_BUDGET
-from engine.decoding.generation import Engine, load_engine
+from engine.decoding.generation import Engine
+from engine.decoding.pair import load_engine
 from engine.errors import EngineError, InvalidRequest
 from engine.loading.load import resolve_device
 from engine.planning.planner import plan_for_pair
@@ -41,7 +42,8 @@ from engine.units import GB
 log = logging.getLogger(__name__)
 
 JSON_STATS_FIELDS = ("prompt_tokens", "new_tokens", "target_passes", "tokens_per_pass", "draft_passes",
-                     "budget", "seconds", "ttft_seconds", "tokens_per_second", "peak_rss_bytes")
+                     "budget", "seconds", "ttft_seconds", "tokens_per_second", "peak_rss_bytes", "cached_tokens",
+                     "prefill_passes")
 
 
 class UsageError(EngineError):
@@ -95,6 +97,8 @@ def setup(args: argparse.Namespace) -> Setup:
     """Everything that can be refused without loading a model."""
     if getattr(args, "raw_prompt", None) is not None and args.system is not None:
         raise UsageError("--system applies to --prompt (the chat template), not to --raw-prompt.")
+    if getattr(args, "messages", None) is not None and args.system is not None:
+        raise UsageError("--system applies to --prompt; with --messages, put the system message in the list.")
     try:
         device, _ = resolve_device(args.device)
     except InvalidRequest as exc:
@@ -106,14 +110,41 @@ def setup(args: argparse.Namespace) -> Setup:
     return result
 
 
+def read_messages(text: str) -> tuple[Message, ...]:
+    """--messages: a JSON list of {"role", "content"} objects, or @FILE holding one."""
+    where = "--messages"
+    if text.startswith("@"):
+        where = text[1:]
+        try:
+            text = Path(where).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UsageError(f"Cannot read the messages file '{where}': {exc}.") from exc
+    try:
+        raw = json.loads(text)
+    except ValueError as exc:
+        raise UsageError(f"{where} is not valid JSON ({exc}).") from exc
+    if not isinstance(raw, list) or not raw:
+        raise UsageError(f'{where} must be a non-empty JSON list of {{"role", "content"}} objects.')
+    out = []
+    for i, m in enumerate(raw):
+        if (not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant")
+                or not isinstance(m.get("content"), str)):
+            raise UsageError(f'{where}: message {i + 1} must be {{"role": "system"|"user"|"assistant", '
+                             '"content": TEXT}.')
+        out.append(Message(m["role"], m["content"]))
+    return tuple(out)
+
+
 def request(args: argparse.Namespace, setup: Setup, messages: tuple[Message, ...] = (),
-            raw_prompt: str | None = None, seed: int | None = None) -> GenerationRequest:
+            raw_prompt: str | None = None, seed: int | None = None,
+            conversation: str | None = None) -> GenerationRequest:
     sampling = SamplingSettings(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                 min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=seed)
     speculation = replace(SpeculationSettings(), mode=setup.mode or args.mode, budget=setup.budget,
                           max_depth=setup.max_depth or args.max_depth, tree_mode=args.tree)
     return GenerationRequest(messages=messages, raw_prompt=raw_prompt, max_new_tokens=args.max_new_tokens,
-                             stop=tuple(args.stop), sampling=sampling, speculation=speculation)
+                             stop=tuple(args.stop), sampling=sampling, speculation=speculation,
+                             conversation=conversation)
 
 
 def load(target: str, draft: str | None, args: argparse.Namespace, setup: Setup,
@@ -225,8 +256,10 @@ def stats_line(stats: GenerationStats, finish_reason: str, seed: int | None = No
         parts.append(f"budget {stats.budget}")
     else:
         parts.append("autoregressive")
-    parts += [f"ttft {stats.ttft_seconds:.2f} s", f"{stats.seconds:.2f} s", f"prompt {stats.prompt_tokens} tokens",
-              finish_reason]
+    prompt = f"prompt {stats.prompt_tokens} tokens"
+    if stats.cached_tokens:
+        prompt += f" ({stats.cached_tokens} reused)"
+    parts += [f"ttft {stats.ttft_seconds:.2f} s", f"{stats.seconds:.2f} s", prompt, finish_reason]
     if seed is not None:
         parts.append(f"seed {seed}")
     if stats.placement is not None and stats.placement.gpu_layers < stats.placement.num_layers:

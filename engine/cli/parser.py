@@ -13,6 +13,7 @@ that load models.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -142,10 +143,14 @@ def build_parser() -> argparse.ArgumentParser:
     prompt = generate.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", metavar="TEXT", help="user message, wrapped in the model's chat template")
     prompt.add_argument("--raw-prompt", metavar="TEXT", help="plain text fed to the model as it is")
+    prompt.add_argument("--messages", metavar="JSON|@FILE",
+                        help='a whole conversation: a JSON list of {"role": "system"|"user"|"assistant", '
+                        '"content": TEXT} objects (or @FILE holding one); the answer is its next assistant turn')
     generate.add_argument("--samples", type=int_at_least(1), default=1, metavar="N",
                           help="N independent completions (default: 1)")
     generate.add_argument("--json", action="store_true", help="one JSON object per sample and line: "
-                          '{"text", "token_ids", "finish_reason", "stats": {...}}')
+                          '{"text", "token_ids", "finish_reason", "stats": {...}} (stats include cached_tokens, '
+                          "the prompt tokens reused from an earlier answer's cache, and prefill_passes)")
     generate.set_defaults(**{HANDLER: "engine.cli.generate:run_generate"})
 
     chat = commands.add_parser("chat", parents=[common], help="chat in the terminal",
@@ -154,9 +159,51 @@ def build_parser() -> argparse.ArgumentParser:
                                "draft, an FP4 proxy, costs as much as the model). " + CHAT_HELP)
     chat.set_defaults(**{HANDLER: "engine.cli.chat:run_chat"})
 
+    _add_serving(commands, common, chat)
     _add_models(commands)
     _add_bench(commands)
     return parser
+
+
+def _add_serving(commands: argparse._SubParsersAction, common: argparse.ArgumentParser,
+                 chat: argparse.ArgumentParser) -> None:
+    """`specchat serve` (the OpenAI-compatible server) and `chat --remote URL --model NAME` (a
+    conversation with a model on another OpenAI-compatible server, torch-free)."""
+    serve = commands.add_parser(
+        "serve", parents=[common], help="serve the model over an OpenAI-compatible HTTP API",
+        description="Serve the target (and draft) over OpenAI's API: GET /v1/models, POST /v1/chat/completions "
+        "and /v1/completions (streamed or not), GET /health. One request is answered at a time, in arrival "
+        "order; the text options below are the defaults for what a request leaves out. Without --target: the "
+        "starter model.")
+    net = serve.add_argument_group("server")
+    net.add_argument("--host", default="127.0.0.1", help="address to listen on: 127.0.0.1 = this computer only, "
+                     "0.0.0.0 = every network (needs --api-key) (default: 127.0.0.1)")
+    net.add_argument("--port", type=int_at_least(0), default=8765, help="TCP port, 0 = any free one (default: 8765)")
+    net.add_argument("--api-key", default=os.environ.get("SPECCHAT_API_KEY") or None, metavar="KEY",
+                     help="clients must send 'Authorization: Bearer KEY' (default: $SPECCHAT_API_KEY, else none)")
+    net.add_argument("--insecure-no-api-key", action="store_true",
+                     help="allow a non-loopback --host without an API key: anyone who reaches the port can use it")
+    net.add_argument("--queue-size", type=int_at_least(0), default=32, metavar="N",
+                     help="most requests waiting behind the one being answered; more get HTTP 429 (default: 32)")
+    net.add_argument("--served-model-name", metavar="NAME",
+                     help="the model id clients use (default: the target's folder or file name)")
+    serve.set_defaults(**{HANDLER: "engine.cli.serve:run_serve"})
+
+    class RemoteChat(argparse.Action):
+        """--remote switches `chat` to the torch-free remote handler."""
+
+        def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                      option_string: str | None = None) -> None:
+            setattr(namespace, self.dest, values)
+            setattr(namespace, HANDLER, "engine.cli.remote_chat:run_remote_chat")
+
+    remote = chat.add_argument_group("remote engine (another OpenAI-compatible server: vLLM, llama.cpp, SpecChat)")
+    remote.add_argument("--remote", action=RemoteChat, metavar="URL",
+                        help="chat with a model on this server instead of loading one, e.g. http://gpu-box:8000/v1")
+    remote.add_argument("--model", metavar="NAME", help="with --remote: the model's id on that server "
+                        "(default: its only model)")
+    remote.add_argument("--api-key", default=os.environ.get("SPECCHAT_REMOTE_API_KEY") or None, metavar="KEY",
+                        help="with --remote: the server's API key (default: $SPECCHAT_REMOTE_API_KEY)")
 
 
 def _add_models(commands: argparse._SubParsersAction) -> None:
@@ -236,6 +283,8 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     plan.add_argument("--json", action="store_true", help="print the prediction as JSON")
     plan.set_defaults(**{HANDLER: "engine.cli.bench:run_bench_plan"})
 
+    _add_bench_conversation(kinds)
+
     offload = kinds.add_parser("offload", help="streamed vs resident pass time; peak RSS of a load",
                                description="Pass time of the resident vs streamed (and disk-tier) target per "
                                "budget; with --load-rss, peak RSS of loading a synthetic ~1.5 GB Llama; with "
@@ -253,3 +302,78 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
                          help="bytes per streamed layer and pass times of a Q4_K_M GGUF (kept packed) vs NF4 vs "
                          "dense layers of the same shape; with --load-rss: the synthetic ~1.5 GB K-quant GGUF")
     offload.set_defaults(**{HANDLER: "engine.cli.bench_offload:run_bench_offload"})
+    _add_bench_gpu(kinds)
+
+
+def _add_bench_conversation(kinds: argparse._SubParsersAction) -> None:
+    conv = kinds.add_parser("conversation", help="what KV-cache reuse saves on an 8-turn chat",
+                            description="Plays an 8-turn conversation twice per turn, keeping KV caches between "
+                            "turns and starting each turn from empty caches; prints prompt and reused tokens, "
+                            "target weight passes before the first token and time to first token per turn.")
+    conv.add_argument("--target", metavar="MODEL", help="default: the starter model")
+    conv.add_argument("--draft", metavar="MODEL", help="default: none (autoregressive)")
+    conv.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    conv.add_argument("--quant", choices=("none", "nf4"), default="none")
+    conv.add_argument("--offload", choices=("auto", "none", "all"), default="all",
+                      help="default: all (every pass streams the target's layers)")
+    conv.add_argument("--turns", type=int_at_least(1), default=8, metavar="N")
+    conv.add_argument("--max-new-tokens", type=int_at_least(1), default=48, metavar="N")
+    conv.add_argument("--budget", type=int_at_least(1), default=32, metavar="N", help="tree budget with --draft")
+    conv.add_argument("--threads", type=int_at_least(1), default=None, help="torch CPU threads")
+    conv.add_argument("--json", action="store_true", help="also print the rows as one JSON object")
+    conv.set_defaults(**{HANDLER: "engine.cli.bench_conversation:run_bench_conversation"})
+
+
+def _add_bench_gpu(kinds: argparse._SubParsersAction) -> None:
+    """`specchat bench gpu`: the one command that proves the GPU path (engine/cli/bench_gpu.py)."""
+    sections = ("tests", "installer", "profile", "streaming", "caps")
+
+    def numbers(kind: type, low: float, what: str) -> Callable[[str], tuple]:
+        def parse(text: str) -> tuple:
+            try:
+                values = tuple(kind(v) for v in text.split(",") if v.strip())
+            except ValueError:
+                values = ()
+            if not values or min(values) < low:
+                raise argparse.ArgumentTypeError(f"expected comma-separated {what} of at least {low:g}, got '{text}'")
+            return values
+
+        return parse
+
+    def names(text: str) -> tuple[str, ...]:
+        chosen = tuple(v.strip() for v in text.split(",") if v.strip())
+        unknown = [v for v in chosen if v not in sections]
+        if unknown or not chosen:
+            raise argparse.ArgumentTypeError(f"sections are {', '.join(sections)}; got '{text}'")
+        return chosen
+
+    gpu = kinds.add_parser(
+        "gpu", help="prove the GPU path: gpu tests, streaming rate, 70B NF4 steps under VRAM caps",
+        description="On a CUDA machine (under 20 minutes; --quick: a few): run the gpu-marked tests; measure a "
+        "streamed pass's host-to-device rate against a plain pinned copy (goal: >= 85 %) and the copy/compute "
+        "overlap; build a Llama-3.1-70B-shaped target in NF4 with random weights straight into pinned RAM and a "
+        "1B-shaped random draft; time autoregressive and SpecExec steps (budgets 64..2048) with the card capped "
+        "like a 24 GB and a 12 GB one, against the planner's prediction (goal: within 20 %); report the "
+        "PyTorch build `installer/install.sh check` picks. Writes gpu_bench.json (as it goes), gpu_bench.png "
+        "and gpu_tests.log in DIR and prints a table. Without CUDA: the CPU dry run on tiny shapes (seconds). "
+        "Exit status 1 when a section or a gpu test failed.")
+    gpu.add_argument("--out", type=Path, required=True, metavar="DIR", help="folder for the JSON, PNG and test log")
+    gpu.add_argument("--quick", action="store_true",
+                     help="one cap (24 GiB), budgets 64,512,2048, fewer repeats: a few minutes on a GPU")
+    gpu.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                     help="cpu: the dry run even on a GPU machine (default: auto)")
+    gpu.add_argument("--caps", type=numbers(float, 0.5, "GiB"), default=None, metavar="LIST",
+                     help="VRAM caps in GiB (default: 24,12; --quick: 24)")
+    gpu.add_argument("--budgets", type=numbers(int, 1, "budgets"), default=None, metavar="LIST",
+                     help="tree budgets (default: 64,128,256,512,1024,2048; --quick: 64,512,2048)")
+    gpu.add_argument("--layers", type=int_at_least(2), default=None, metavar="N",
+                     help="target decoder layers to build (default: all 80, fewer when RAM is short; "
+                     "figures are then also scaled to 80)")
+    gpu.add_argument("--only", type=names, default=None, metavar="LIST", help=f"run only these: {','.join(sections)}")
+    gpu.add_argument("--skip", type=names, default=(), metavar="LIST", help="skip these sections")
+    gpu.add_argument("--tests", type=Path, default=None, metavar="DIR",
+                     help="folder searched for gpu-marked tests (default: this checkout's tests/)")
+    gpu.add_argument("--max-minutes", type=float_in(0.0, 600.0, low_open=True), default=None, metavar="M",
+                     help="start no new work after M minutes (default: 18; --quick: 6)")
+    gpu.add_argument("--threads", type=int_at_least(1), default=None, metavar="N", help="torch CPU threads")
+    gpu.set_defaults(**{HANDLER: "engine.cli.bench_gpu:run_bench_gpu"})

@@ -24,29 +24,27 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 import psutil
 import torch
 
 from engine.decoding.drafting import DraftTrace, grow_static_tree, grow_tree
+from engine.decoding.prefix_cache import Prefix, PrefixPool
 from engine.decoding.sampling import choose_token, make_generator
 from engine.decoding.sequoia import StaticTree, build_tree
 from engine.decoding.text import Detokenizer, encode_prompt, eos_ids
 from engine.decoding.verification import accept, prune_to_accepted, run_tree
-from engine.errors import Cancelled, InvalidRequest, OutOfMemory
-from engine.loading.load import check_pair, load_model, resolve_device, resolve_path
-from engine.loading.materialise import resident_bytes
+from engine.errors import ContextTooLong, OutOfMemory
 from engine.model.cache import KVCache
+from engine.model.cache_files import CacheFiles
 from engine.model.causal_lm import CausalLM
+from engine.planning.placement import tokens_per_pass
 from engine.types import (
+    CacheSettings,
     Completion,
     FinishReason,
     GenerationRequest,
     GenerationStats,
-    LoadProgress,
-    LoadSettings,
-    LoadStage,
     PassTotals,
     Placement,
     SpeculationSettings,
@@ -55,8 +53,6 @@ from engine.types import (
 )
 
 log = logging.getLogger(__name__)
-
-PREFILL_CHUNK = 512
 
 Choose = Callable[[torch.Tensor, list[int]], int]  # ((V,) logits, tokens of this step so far) -> token
 
@@ -68,6 +64,7 @@ class _Timers:
     prefill: float = 0.0
     target_passes: int = 0
     draft_passes: int = 0
+    prefill_passes: int = 0
 
 
 @dataclass
@@ -77,8 +74,8 @@ class _Decoding:
     request: GenerationRequest
     prompt: list[int]
     use_spec: bool
-    tcache: KVCache
-    dcache: KVCache | None
+    prefix: Prefix  # its caches: tcache, dcache below
+    cached_tokens: int
     choose: Choose
     detok: Detokenizer
     seq: list[int]  # prompt + committed answer tokens
@@ -88,12 +85,25 @@ class _Decoding:
     ttft: float | None = None
     oom_retries: int = 0
 
+    @property
+    def tcache(self) -> KVCache:
+        return self.prefix.target
+
+    @property
+    def dcache(self) -> KVCache | None:
+        return self.prefix.draft
+
 
 class Engine:
-    """Owns the models and their caches for one conversation turn at a time (not thread-safe:
-    one generate() at a time, which the app's single worker thread guarantees)."""
+    """Owns the models and the KV caches of recent conversations (not thread-safe: one
+    generate() at a time, which the app's single worker thread guarantees).
 
-    def __init__(self, target: CausalLM, tokenizer: Tokenizer, draft: CausalLM | None = None) -> None:
+    Each request reuses the longest cached token prefix of its prompt (prefix_cache.PrefixPool)
+    and reads only the rest: what does not fit one pass is prefilled in chunks as large as the
+    device's free memory allows; the last part is read by the first decoding pass itself."""
+
+    def __init__(self, target: CausalLM, tokenizer: Tokenizer, draft: CausalLM | None = None,
+                 cache: CacheSettings | None = None, files: CacheFiles | None = None) -> None:
         self.target = target
         self.draft = draft
         self.tokenizer = tokenizer
@@ -104,6 +114,9 @@ class Engine:
         # its tokens-per-pass curve and draft/target pass times from these
         self.pass_record: dict[tuple[str, int], PassTotals] = {}
         self._static_trees: dict[tuple[tuple[float, ...], int, int], StaticTree] = {}
+        self.cache_settings = cache or CacheSettings()
+        self.prefixes = PrefixPool(self.cache_settings, files, target.device, draft.device if draft else None)
+        self.prefixes.expect(target.new_cache(1), draft.new_cache(1) if draft else None)
 
     @property
     def placement(self) -> Placement:
@@ -118,6 +131,11 @@ class Engine:
     def encode(self, request: GenerationRequest) -> list[int]:
         return encode_prompt(self.tokenizer, request)
 
+    def persist_caches(self) -> int:
+        """Save the cached conversations long enough to be worth it (the app calls this when it
+        closes); the number of files written."""
+        return self.prefixes.persist()
+
     # ---- decoding -------------------------------------------------------------------------
     def generate(
         self, request: GenerationRequest, cancel: threading.Event | None = None
@@ -126,7 +144,7 @@ class Engine:
         prompt = self.encode(request)
         context = self.context_length
         if len(prompt) >= context:
-            raise InvalidRequest(
+            raise ContextTooLong(
                 f"The conversation is {len(prompt)} tokens long but the model reads at most {context}. "
                 "Start a new conversation or shorten the messages."
             )
@@ -139,18 +157,26 @@ class Engine:
                 cancel: threading.Event) -> Iterator[TokenEvent | Completion]:
         t_start = time.perf_counter()
         run = self._start(request, prompt, use_spec)
-        while len(run.new) < run.request.max_new_tokens:
-            if cancel.is_set():
-                run.finish = "cancelled"
-                break
-            step = self._step(run)
-            if run.ttft is None:
-                run.ttft = time.perf_counter() - t_start
-            step, text, done = self._commit(run, step)
-            if text:
-                yield TokenEvent(token_ids=tuple(step), text=text)
-            if done:
-                break
+        consistent = True  # the caches hold a prefix of run.seq: they may be reused
+        try:
+            while len(run.new) < run.request.max_new_tokens:
+                if cancel.is_set():
+                    run.finish = "cancelled"
+                    break
+                consistent = False  # a step that raises may leave the caches half-written
+                step = self._step(run)
+                consistent = True
+                if run.ttft is None:
+                    run.ttft = time.perf_counter() - t_start
+                step, text, done = self._commit(run, step)
+                if text:
+                    yield TokenEvent(token_ids=tuple(step), text=text)
+                if done:
+                    break
+        finally:  # also when the consumer stops iterating (GeneratorExit at a yield)
+            if consistent:
+                run.prefix.tokens = list(run.seq)
+                self.prefixes.give_back(run.prefix)
         if run.finish in ("length", "cancelled"):
             text, _ = run.detok.push(run.new, final=True)
             if text:
@@ -159,44 +185,66 @@ class Engine:
         yield Completion(text=run.detok.text, token_ids=tuple(run.new), finish_reason=run.finish, stats=stats)
 
     def _start(self, request: GenerationRequest, prompt: list[int], use_spec: bool) -> _Decoding:
-        """Fresh caches holding the prompt but its last token (the first root)."""
+        """Caches holding as much of the prompt as was cached, plus what does not fit the first
+        decoding pass (prefilled in chunks as large as the device's memory allows)."""
         sampling, spec = request.sampling, request.speculation
         gen = None if sampling.greedy else make_generator(sampling.seed)
         t0 = time.perf_counter()
-        tcache = self.target.new_cache(len(prompt) + request.max_new_tokens + spec.budget + 8)
-        prefill(self.target, tcache, prompt[:-1])
-        dcache = None
+        spare = request.max_new_tokens + spec.budget + 8
+        if self.cache_settings.enabled:
+            prefix, cached = self.prefixes.take(prompt, request.conversation, self._new_caches)
+        else:
+            target, draft = self._new_caches()
+            prefix, cached = Prefix([], target, draft, request.conversation), 0
+        prefix.target.reserve(len(prompt) - prefix.target.length + spare)
+        timers = _Timers()
+        first_pass = (spec.budget + 1) if use_spec else 1  # tokens the first step reads besides the prompt's tail
+        timers.prefill_passes = prefill(self.target, prefix.target, prompt[:-1], first_pass)
         if use_spec:
-            assert self.draft is not None
-            dcache = self.draft.new_cache(len(prompt) + request.max_new_tokens + 4 * spec.budget + 8)
-            prefill(self.draft, dcache, prompt[:-1])
+            assert self.draft is not None and prefix.draft is not None
+            prefix.draft.reserve(len(prompt) - prefix.draft.length + spare + 3 * spec.budget)
+            prefill(self.draft, prefix.draft, prompt[:-1], 1)  # the draft's pass 0 reads the rest and the root
         seq = list(prompt)
 
         def choose(logits: torch.Tensor, step_tokens: list[int]) -> int:
             history = torch.tensor(seq + step_tokens) if sampling.repetition_penalty != 1.0 else None
             return choose_token(logits, sampling, gen, history)
 
-        run = _Decoding(request, prompt, use_spec, tcache, dcache, choose, Detokenizer(self.tokenizer, request.stop),
-                        seq)
-        run.timers.prefill = time.perf_counter() - t0
+        run = _Decoding(request, prompt, use_spec, prefix, cached, choose, Detokenizer(self.tokenizer, request.stop),
+                        seq, timers=timers)
+        timers.prefill = time.perf_counter() - t0
         return run
+
+    def _new_caches(self) -> tuple[KVCache, KVCache | None]:
+        return self.target.new_cache(), self.draft.new_cache() if self.draft is not None else None
 
     def _step(self, run: _Decoding) -> list[int]:
         """One decoding step: the tokens it commits (1 for autoregressive, 1..depth+1 for a
-        tree). A device out-of-memory in a tree step rolls both caches back and retries the
-        step with half the budget (autoregressive below budget 1)."""
+        tree). A device out-of-memory rolls both caches back; a tree step is retried with half
+        the budget (autoregressive below budget 1), a first pass that read the prompt's tail
+        too is retried after prefilling that tail in smaller chunks."""
         limit = run.request.max_new_tokens - len(run.new)
-        while run.use_spec:
-            assert run.dcache is not None
-            draft_length = run.dcache.length
+        while True:
+            t_len, d_len = run.tcache.length, run.dcache.length if run.dcache is not None else 0
             try:
-                return self._spec_step(run.seq, run.tcache, run.dcache, run.request, run.choose, limit, run.timers)
+                if run.use_spec:
+                    assert run.dcache is not None
+                    return self._spec_step(run.seq, run.tcache, run.dcache, run.request, run.choose, limit,
+                                           run.timers)
+                return self._ar_step(run.seq, run.tcache, run.choose, run.timers)
             except torch.OutOfMemoryError:
-                run.tcache.truncate(len(run.seq) - 1)
-                run.dcache.truncate(draft_length)
-                run.request, run.use_spec = _shrink_after_oom(run.request, self.target.device)
+                run.tcache.truncate(t_len)
+                if run.dcache is not None:
+                    run.dcache.truncate(d_len)
                 run.oom_retries += 1
-        return self._ar_step(run.seq, run.tcache, run.choose, run.timers)
+                if run.use_spec:
+                    run.request, run.use_spec = _shrink_after_oom(run.request, self.target.device)
+                elif len(run.seq) - 1 > t_len:  # the pass also read the prompt's tail: read it apart
+                    run.timers.prefill_passes += prefill(self.target, run.tcache, run.seq[:-1], 1,
+                                                         max(1, (len(run.seq) - 1 - t_len) // 2))
+                else:
+                    raise OutOfMemory("The device ran out of memory for a single token. Close other programs "
+                                      "that use the GPU, or load the model with a shorter context.") from None
 
     def _commit(self, run: _Decoding, step: list[int]) -> tuple[list[int], str, bool]:
         """Add a step's tokens to the answer, cut after an EOS; returns the tokens kept, the
@@ -236,6 +284,8 @@ class Engine:
             mode="specexec" if run.use_spec else "autoregressive",
             placement=self.target.placement,
             oom_retries=run.oom_retries,
+            cached_tokens=run.cached_tokens,
+            prefill_passes=timers.prefill_passes,
         )
 
     def _static_tree(self, spec: SpeculationSettings) -> StaticTree:
@@ -245,10 +295,12 @@ class Engine:
         return self._static_trees[key]
 
     def _ar_step(self, seq: list[int], tcache: KVCache, choose: Choose, timers: _Timers) -> list[int]:
+        """One target pass over the committed tokens it lacks (the root; on a new turn the
+        prompt's uncached tail before it); the token after the last."""
         t0 = time.perf_counter()
-        root = torch.tensor(seq[-1:])
-        hidden = self.target.forward(root, torch.tensor([len(seq) - 1]), tcache, None)
-        token = choose(self.target.logits(hidden)[0], [])
+        past = tcache.length
+        hidden = self.target.forward(torch.tensor(seq[past:]), torch.arange(past, len(seq)), tcache, None)
+        token = choose(self.target.logits(hidden[-1:])[0], [])
         timers.target += time.perf_counter() - t0
         timers.target_passes += 1
         return [token]
@@ -261,8 +313,9 @@ class Engine:
         timers.draft += trace.seconds
         timers.draft_passes += trace.passes
         t0 = time.perf_counter()
-        past = tcache.length  # == len(seq) - 1
-        hidden = run_tree(self.target, tcache, trace.tree)
+        unread = torch.tensor(seq[tcache.length : -1])  # committed tokens the target lacks, root excluded
+        past = tcache.length + unread.shape[0]
+        hidden = run_tree(self.target, tcache, trace.tree, unread)
         result = accept(trace.tree, hidden, self.target.logits, choose, limit, self.eos_ids)
         timers.target += time.perf_counter() - t0
         timers.target_passes += 1
@@ -278,48 +331,26 @@ class Engine:
         return grow_tree(self.draft, dcache, pending, spec, request.sampling, self.draft_vocab_limit)
 
 
-def load_engine(
-    target: str | Path,
-    draft: str | Path | None = None,
-    settings: LoadSettings = LoadSettings(),
-    progress: Callable[[LoadProgress], None] | None = None,
-    cancel: threading.Event | None = None,
-) -> Engine:
-    """Load a target (and optional draft) and return a ready Engine: the one entry point the
-    CLI and the app share. `progress` is called from the calling thread; `cancel` is checked
-    between loading steps and raises Cancelled."""
-
-    def report(stage: LoadStage, fraction: float, message: str) -> None:
-        if cancel is not None and cancel.is_set():
-            raise Cancelled("Loading was cancelled.")
-        if progress is not None:
-            progress(LoadProgress(stage, fraction, message))
-
-    device, dtype = resolve_device(settings.device)
-    report("target", 0.0, f"loading {target} on {device}")
-    # the draft is loaded after the target, fully on the GPU: the target's placement leaves room
-    reserve = resident_bytes(resolve_path(str(draft)), dtype) if draft is not None and device == "cuda" else 0
-    loaded_target = load_model(
-        target, device=device, dtype=dtype, quant=settings.quant, offload=settings.offload,
-        ram_limit_bytes=settings.ram_limit_bytes, context_length=settings.context_length,
-        reserve_bytes=reserve, report=lambda f, m: report("target", 0.8 * f, m))
-    loaded_draft = None
-    if draft is not None:
-        report("draft", 0.8, f"loading draft {draft}")
-        loaded_draft = load_model(draft, device=device, dtype=dtype)
-        check_pair(loaded_target, loaded_draft)
-    report("ready", 1.0, "ready")
-    return Engine(loaded_target.model, loaded_target.tokenizer, loaded_draft.model if loaded_draft else None)
-
-
-def prefill(model: CausalLM, cache: KVCache, ids: list[int], chunk: int = PREFILL_CHUNK) -> None:
-    """Append `ids` to `cache` in chunks of at most `chunk` tokens; a device out-of-memory
-    halves the chunk and retries (the cache commits only after a whole pass)."""
-    start, size = 0, chunk
-    while start < len(ids):
+def prefill(model: CausalLM, cache: KVCache, ids: list[int], leave_room: int | None = None,
+            chunk: int | None = None) -> int:
+    """Read `ids[cache.length:]` into the cache; with `leave_room`, all but the last part, which
+    one pass of the model can read together with `leave_room` more tokens (the first decoding
+    step reads it: on a new turn that is the only weight pass before the first token). Chunks
+    are as large as the device's free memory allows (engine.planning.placement.tokens_per_pass),
+    so an offloaded target streams its weights as few times as it can; `chunk` caps them. A
+    device out-of-memory halves the chunk and retries (the cache commits only after a whole
+    pass). Returns the number of passes."""
+    shape = model.shape
+    size = tokens_per_pass(model.free_memory(), cache.length + len(ids), shape.hidden_size,
+                           shape.layer.intermediate_size, shape.layer.num_attention_heads, model.dtype.itemsize)
+    if chunk is not None:
+        size = min(size, chunk)
+    passes = 0
+    while len(ids) - cache.length > (0 if leave_room is None else max(size - leave_room, 0)):
+        start = cache.length
         piece = torch.tensor(ids[start : start + size])
         try:
-            model.forward(piece, torch.arange(cache.length, cache.length + piece.shape[0]), cache, None)
+            model.forward(piece, torch.arange(start, start + piece.shape[0]), cache, None)
         except torch.OutOfMemoryError as exc:
             if size == 1:
                 raise OutOfMemory("The device ran out of memory reading the prompt. Start a new "
@@ -329,7 +360,8 @@ def prefill(model: CausalLM, cache: KVCache, ids: list[int], chunk: int = PREFIL
             size //= 2
             log.warning("out of device memory in the prefill: chunks of %d tokens now", size)
             continue
-        start += piece.shape[0]
+        passes += 1
+    return passes
 
 
 def _shrink_after_oom(request: GenerationRequest, device: torch.device) -> tuple[GenerationRequest, bool]:

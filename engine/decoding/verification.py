@@ -19,7 +19,7 @@ import torch
 
 from engine.decoding.tree import Tree, ancestor_mask, child_with_token, tree_positions
 from engine.model.cache import KVCache
-from engine.model.causal_lm import CausalLM
+from engine.model.causal_lm import CausalLM, causal_allowed
 
 
 @dataclass(frozen=True)
@@ -28,15 +28,29 @@ class Acceptance:
     tokens: list[int]  # emitted tokens: those of path[1:] plus the target's own next token
 
 
-def run_tree(target: CausalLM, cache: KVCache, tree: Tree) -> torch.Tensor:
-    """Target pass over all tree nodes on top of `cache` (the committed prefix without the
-    root). Returns (N, hidden) final hidden states; node i's K/V sits at slot past + i."""
+def run_tree(target: CausalLM, cache: KVCache, tree: Tree, pending: torch.Tensor | None = None) -> torch.Tensor:
+    """One target pass on top of `cache`: first the committed tokens the target has not read
+    yet (`pending`, a causal chain, possibly none: the prompt's uncached tail on a new turn),
+    then every tree node (the root is the last committed token). Returns the tree nodes' final
+    hidden states (N, hidden); with p pending tokens and `past` = cache.length before the call,
+    node i's K/V sits at slot past + p + i. Reading the prompt's tail in the same pass as the
+    first tree is what makes a new turn cost one weight pass before its first token."""
     past = cache.length
+    p = 0 if pending is None else int(pending.shape[0])
     n = len(tree)
-    nodes = torch.arange(n, device=tree.parents.device)
+    device = tree.parents.device
+    nodes = torch.arange(n, device=device)
     anc = ancestor_mask(tree.parents, nodes, tree.max_depth)  # (N, N)
-    allowed = torch.cat([torch.ones((n, past), dtype=torch.bool, device=anc.device), anc], dim=1)
-    return target.forward(tree.tokens, tree_positions(tree.depths, past), cache, allowed)
+    allowed = torch.cat([torch.ones((n, past + p), dtype=torch.bool, device=device), anc], dim=1)  # (N, past+p+N)
+    tokens, positions = tree.tokens, tree_positions(tree.depths, past + p)
+    if p:
+        assert pending is not None
+        chain = torch.cat([causal_allowed(past, p, device), torch.zeros((p, n), dtype=torch.bool, device=device)],
+                          dim=1)  # (p, past+p+N)
+        allowed = torch.cat([chain, allowed])
+        tokens = torch.cat([pending.to(device), tokens])
+        positions = torch.cat([torch.arange(past, past + p, device=device), positions])
+    return target.forward(tokens, positions, cache, allowed)[p:]
 
 
 def accept(
@@ -67,12 +81,13 @@ def prune_to_accepted(target_cache: KVCache, past: int, draft_cache: KVCache | N
                       path: list[int]) -> None:
     """Cut both caches back to the accepted path after a verification pass.
 
-    Cache invariant between steps: the target cache holds every committed token but the last
-    (the root of the next tree, which the next pass reads); the draft cache holds a prefix of
-    the committed tokens, and the engine feeds it the rest (its "pending" tokens) at the start
-    of the next tree. After `run_tree`, the target's entry of tree node i sits at slot past + i:
-    keeping [0, past) and past + path restores the invariant, since the walk emits one token
-    beyond the path (the new root). The draft read the nodes whose `draft_slots` are >= 0; the
+    Cache invariant between steps: each cache holds a prefix of the committed tokens (the
+    target's, after a step, all but the last: the root of the next tree); each model reads the
+    committed tokens it lacks (its "pending" tokens) at the start of its next pass, the target
+    in run_tree's chain, the draft in its pass 0. `past` is the target cache's length before
+    the pass plus the pending tokens the pass read (committed, so all kept): node i's entry
+    sits at slot past + i, and keeping [0, past) and past + path restores the invariant, since
+    the walk emits one token beyond the path (the new root). The draft read the nodes whose `draft_slots` are >= 0; the
     read nodes of any root path form a prefix of it (a node is read only after its parent), so
     the draft keeps its prefix up to the root's slot and then the read prefix of the path.
     """

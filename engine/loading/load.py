@@ -14,6 +14,7 @@ layer. A GGUF's decoder layers stay in the file's own blocks (gguf.py).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import struct
@@ -137,7 +138,36 @@ def check_gguf(path: Path) -> None:
         raise UnsupportedModel(f"'{path.name}' is not a GGUF file (bad header); it may be corrupt — re-download it.")
 
 
+def model_fingerprint(path: Path, quant: str, dtype: torch.dtype, device: str) -> str:
+    """What a model's KV cache depends on: its files (resolved path, names, sizes, modification
+    times), the quantisation of its layers, the compute dtype and the kind of device. Saved KV
+    caches are keyed by it, so a changed file or setting never reuses an old cache."""
+    files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
+    stats = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+    blob = json.dumps([str(path.resolve()), stats, quant, str(dtype), torch.device(device).type])
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
 def load_model(
+    spec: str | Path,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    *,
+    quant: Quant = "none",
+    offload: Offload = "none",
+    ram_limit_bytes: int | None = None,
+    context_length: int | None = None,
+    reserve_bytes: int = 0,
+    report: Callable[[float, str], None] | None = None,
+) -> LoadedModel:
+    """Load one model (see _load_model) and record its fingerprint."""
+    loaded = _load_model(spec, device, dtype, quant=quant, offload=offload, ram_limit_bytes=ram_limit_bytes,
+                         context_length=context_length, reserve_bytes=reserve_bytes, report=report)
+    loaded.model.fingerprint = model_fingerprint(loaded.path, quant, dtype, device)
+    return loaded
+
+
+def _load_model(
     spec: str | Path,
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,

@@ -108,12 +108,11 @@ def materialise(weights: Weights, config: PretrainedConfig, settings: Materialis
             hf.generation_config = generation_config
         weights.bind(hf)
         _place_outer(hf, weights, device, dtype)
-        layer0 = hf.model.layers[0]
         layouts = weights.layouts(hf, dtype, settings.quant)
         packing = layouts[0].quant
         if packing != settings.quant and settings.quant == "nf4":
             log.info("%s is stored pre-quantised (%s): its layers load as they are", weights.path.name, packing)
-        placement = _plan(hf, layouts, settings, packing)
+        placement = plan_layers(hf, layouts, settings, packing)
         log.info("placement of %s: %s", weights.path.name, placement.describe())
         prepared = PreparedLayers(paths.cache_dir() / "prepared", weights.path, layouts[0], placement.num_layers,
                                   weights.cache_files()) if packing == "nf4" else None
@@ -122,16 +121,37 @@ def materialise(weights: Weights, config: PretrainedConfig, settings: Materialis
         weights.close()
     streamer = None
     if any(h.module is None for h in homes):
-        cls, cfg = type(layer0), hf.config
-
-        def make_template() -> nn.Module:
-            with torch.device("meta"):
-                template = cls(cfg, 0)
-            assert not list(template.buffers()), "decoder layers with buffers cannot be streamed"
-            return template.eval()
-
-        streamer = LayerStreamer(homes, layouts, store, make_template, device, RING_SLOTS)
+        streamer = LayerStreamer(homes, layouts, store, layer_template(hf), device, RING_SLOTS)
     return CausalLM(hf, streamer=streamer, placement=placement)
+
+
+def layer_template(hf: nn.Module) -> Callable[[], nn.Module]:
+    """A factory of empty (meta) decoder layers of `hf`'s kind: the streamer binds their
+    parameters to its ring slots or its dense buffer."""
+    cls, cfg = type(hf.model.layers[0]), hf.config
+
+    def make_template() -> nn.Module:
+        with torch.device("meta"):
+            template = cls(cfg, 0)
+        assert not list(template.buffers()), "decoder layers with buffers cannot be streamed"
+        return template.eval()
+
+    return make_template
+
+
+def device_free_bytes(device: torch.device | str) -> int:
+    """Device memory a placement may still use: what the driver reports free, and no more than
+    the caching allocator may still take under a per-process cap
+    (`torch.cuda.set_per_process_memory_fraction`, which mem_get_info does not see). Blocks the
+    allocator holds in its cache count as used in both figures."""
+    dev = torch.device(device)
+    index = dev.index if dev.index is not None else torch.cuda.current_device()  # the fraction API wants one
+    free, total = torch.cuda.mem_get_info(index)
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.9
+    if fraction is None:
+        return int(free)
+    limit = int(total * fraction(index))
+    return int(max(0, min(free, limit - torch.cuda.memory_reserved(index))))
 
 
 def _place_outer(hf: nn.Module, weights: Weights, device: torch.device, dtype: torch.dtype) -> None:
@@ -152,7 +172,13 @@ def _place_outer(hf: nn.Module, weights: Weights, device: torch.device, dtype: t
     assert not left, f"not materialised: {left}"
 
 
-def _plan(hf: nn.Module, layouts: list[LayerLayout], settings: MaterialiseSettings, quant: Packing) -> Placement:
+def plan_layers(hf: nn.Module, layouts: LayerLayout | list[LayerLayout], settings: MaterialiseSettings,
+                quant: Packing) -> Placement:
+    """Where `hf`'s decoder layers go: the device memory free now (under any allocator cap),
+    less the KV cache for the context and the activations of the largest tree. One layout
+    stands for every layer."""
+    if isinstance(layouts, LayerLayout):
+        layouts = [layouts] * hf.config.num_hidden_layers
     cfg = hf.config
     device = settings.device
     num_layers = cfg.num_hidden_layers
@@ -167,7 +193,7 @@ def _plan(hf: nn.Module, layouts: list[LayerLayout], settings: MaterialiseSettin
         activations=activation_bytes(settings.max_budget, context, cfg.hidden_size, cfg.intermediate_size,
                                      cfg.num_attention_heads, cfg.vocab_size, esize),
     )
-    device_free = torch.cuda.mem_get_info(torch.device(device))[0] if device.startswith("cuda") else 0
+    device_free = device_free_bytes(device) if device.startswith("cuda") else 0
     placement = plan_placement(
         num_layers=num_layers, layer_bytes=layer_bytes, dense_layer_bytes=layouts[0].dense_nbytes, quant=quant,
         offload=settings.offload, device=device, device_free=device_free, needs=needs, context_length=context,

@@ -8,7 +8,9 @@ them are dead and get overwritten by the next pass.
 
 transformers 5.x attention modules call `update(key, value, layer_idx)` on whatever object is
 passed as `past_key_values`, so this class plugs into their decoder layers unchanged. It does
-not manage attention masks or positions: the caller (causal_lm) supplies them.
+not manage attention masks or positions: the caller (causal_lm) supplies them. Between
+conversations a cache can be copied up to a length (`copy_prefix`), moved off the device
+(`to`), and exported or rebuilt layer by layer (`tensors`, `from_tensors`) for saving.
 """
 
 from __future__ import annotations
@@ -89,3 +91,45 @@ class KVCache:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+    def like(self, capacity: int) -> KVCache:
+        """An empty cache of the same shape, dtype and device."""
+        return KVCache(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.device, capacity)
+
+    @torch.inference_mode()
+    def copy_prefix(self, length: int, spare: int = 0) -> KVCache:
+        """A new cache holding a copy of the first `length` entries (room for `spare` more)."""
+        assert 0 <= length <= self.length
+        out = self.like(max(length + spare, 1))
+        for dst, src in zip(out.keys + out.values, self.keys + self.values):
+            dst[:, :, :length] = src[:, :, :length]
+        out.length = length
+        return out
+
+    @torch.inference_mode()
+    def to(self, device: torch.device | str) -> KVCache:
+        """Move the valid entries to `device` (buffers trimmed to the length); self, moved."""
+        device = torch.device(device)
+        if device != self.device:
+            self.keys = [k[:, :, : self.length].to(device) for k in self.keys]
+            self.values = [v[:, :, : self.length].to(device) for v in self.values]
+            self.device, self.capacity = device, self.length
+        return self
+
+    def tensors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(key, value) of each layer over the valid entries: views (1, H_kv, length, D)."""
+        return [(k[:, :, : self.length], v[:, :, : self.length]) for k, v in zip(self.keys, self.values)]
+
+    @classmethod
+    @torch.inference_mode()
+    def from_tensors(cls, layers: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device | str,
+                     spare: int = 0) -> KVCache:
+        """A cache holding the given (key, value) per layer, each (1, H_kv, n, D), on `device`."""
+        k0 = layers[0][0]
+        _, heads, n, dim = k0.shape
+        out = cls(len(layers), heads, dim, k0.dtype, device, max(n + spare, 1))
+        for i, (k, v) in enumerate(layers):
+            out.keys[i][:, :, :n] = k
+            out.values[i][:, :, :n] = v
+        out.length = n
+        return out

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import psutil
 import torch
 from torch import nn
 
@@ -24,6 +25,8 @@ from engine.offload.streamer import LayerStreamer
 from engine.types import ModelShape, Placement
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+FREE_MARGIN_BYTES = 512 << 20  # left to the allocator's fragmentation and the draft's pass
+HOST_FREE_MARGIN_BYTES = 2 << 30  # left to the OS and the app
 
 
 class CausalLM:
@@ -35,9 +38,12 @@ class CausalLM:
     live (all resident on the model's device when not given)."""
 
     def __init__(self, hf_model: nn.Module, streamer: LayerStreamer | None = None,
-                 placement: Placement | None = None) -> None:
+                 placement: Placement | None = None, fingerprint: str = "") -> None:
         self.hf_model = hf_model.eval()
         self.streamer = streamer
+        # what the KV this model computes depends on (weights, quantisation, dtype, device kind),
+        # set by the loader; saved caches are keyed by it ("" = never saved)
+        self.fingerprint = fingerprint
         cfg = hf_model.config
         self.config = cfg
         inner = hf_model.model
@@ -55,6 +61,14 @@ class CausalLM:
             layer_bytes = self.shape.layer_params * self.dtype.itemsize
             placement = Placement(n, n, 0, 0, layer_bytes, "none", str(self.device))
         self.placement = placement
+
+    def free_memory(self) -> int:
+        """Bytes the next pass's activations may take on this model's device now: free GPU
+        memory, or on a CPU the available RAM, less a margin for everything else."""
+        if self.device.type == "cuda":
+            free = torch.cuda.mem_get_info(self.device)[0]
+            return max(0, free - FREE_MARGIN_BYTES)
+        return max(0, psutil.virtual_memory().available - HOST_FREE_MARGIN_BYTES)
 
     def new_cache(self, capacity: int = 256) -> KVCache:
         s = self.shape

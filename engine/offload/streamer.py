@@ -45,13 +45,14 @@ class LayerHome:
 class LayerStreamer:
     """Runs all decoder layers of a pass in order, streaming the offloaded ones through a ring
     of device slots. `call(module, layer_idx, hidden)` runs one layer (causal_lm supplies it).
-    `layouts[i]` is model layer i's packed layout (the same one for every layer of a 16-bit or
-    NF4 model; GGUF layers each have theirs)."""
+    `layouts[i]` is model layer i's packed layout (one LayerLayout stands for all: 16-bit or
+    NF4 models; GGUF layers each have theirs)."""
 
-    def __init__(self, homes: list[LayerHome], layouts: Sequence[LayerLayout], store: HostStore | None,
+    def __init__(self, homes: list[LayerHome], layouts: LayerLayout | Sequence[LayerLayout], store: HostStore | None,
                  make_template: Callable[[], nn.Module], device: torch.device, ring_slots: int) -> None:
         self.homes = homes
-        self.layouts = list(layouts)
+        # one layout stands for every layer
+        self.layouts = [layouts] * len(homes) if isinstance(layouts, LayerLayout) else list(layouts)
         self.layout = layout = self.layouts[0]
         self.store = store
         self.device = torch.device(device)
@@ -86,6 +87,10 @@ class LayerStreamer:
         self._slot_layer: list[int | None] = [None] * self.k  # store index a slot holds (or is getting)
         self._pos = 0  # position in the cyclic sequence of streamed layers of the next layer to run
         self._primed = False
+        # called with the model layer index after each layer has been issued (on CUDA: queued on
+        # the compute stream, so a CUDA event recorded here marks the layer's end); benchmarks
+        # time layers with it
+        self.after_layer: Callable[[int], None] | None = None
 
     # -- scheduling --
     def _submit(self, pos: int) -> None:
@@ -166,32 +171,35 @@ class LayerStreamer:
         for i, home in enumerate(self.homes):
             if home.module is not None:
                 hidden = call(home.module, i, hidden)
-                continue
-            if home.packed is not None:  # packed, resident on the device
+            elif home.packed is not None:  # packed, resident on the device
                 assert self._unpack is not None
                 self._unpack(self.layouts[i], home.packed, self._dense_params)
                 hidden = call(self._dense_template, i, hidden)
-                continue
-            pos = self._pos
-            k = self._acquire(pos)
-            if self._unpack is not None:
-                self._unpack(self.layouts[i], self._slots[k], self._dense_params)
-                self._release(k)  # the slot is free once dequantised
-                hidden = call(self._dense_template, i, hidden)
             else:
-                hidden = call(self._templates[k], i, hidden)
-                self._release(k)
-            self._pos = pos + 1
-            # refill this slot with the layer k positions ahead (wrapping into the next pass)
-            self._submit(pos + self.k)
+                pos = self._pos
+                k = self._acquire(pos)
+                if self._unpack is not None:
+                    self._unpack(self.layouts[i], self._slots[k], self._dense_params)
+                    self._release(k)  # the slot is free once dequantised
+                    hidden = call(self._dense_template, i, hidden)
+                else:
+                    hidden = call(self._templates[k], i, hidden)
+                    self._release(k)
+                self._pos = pos + 1
+                # refill this slot with the layer k positions ahead (wrapping into the next pass)
+                self._submit(pos + self.k)
+            if self.after_layer is not None:
+                self.after_layer(i)
         # positions keep counting across passes (each pass consumes exactly m), so a slot
         # prefetched at the end of one pass is found at the start of the next
         return hidden
 
-    def close(self) -> None:
+    def close(self, close_store: bool = True) -> None:
+        """Wait for copies in flight and stop the copy thread; `close_store=False` keeps the
+        host store open for another streamer over the same layers."""
         self.reset()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
-        if self.store is not None:
+        if self.store is not None and close_store:
             self.store.close()
 

@@ -74,3 +74,30 @@ def plan_placement(*, num_layers: int, layer_bytes: int, dense_layer_bytes: int,
     rest = num_layers - gpu
     ram = min(rest, fit)
     return Placement(num_layers, gpu, ram, rest - ram, layer_bytes, quant, device)
+
+
+def pass_bytes(tokens: int, past: int, hidden: int, intermediate: int, num_heads: int, dtype_bytes: int) -> int:
+    """Transient memory of one pass over `tokens` new tokens after `past` cached ones (no logits:
+    a prefill or a first pass asks for a few rows only): residual and normed states, q/k/v/o and
+    the MLP's intermediates, the additive mask and every head's attention scores over the whole
+    context (SDPA's math fallback materialises them)."""
+    context = past + tokens
+    states = tokens * (6 * hidden + 3 * intermediate) * dtype_bytes
+    scores = tokens * context * (num_heads + 1) * dtype_bytes
+    mask = tokens * context * (dtype_bytes + 1)
+    return states + scores + mask
+
+
+def tokens_per_pass(free_bytes: int, past: int, hidden: int, intermediate: int, num_heads: int, dtype_bytes: int,
+                    most: int = 1 << 16) -> int:
+    """The most new tokens one pass can read with `free_bytes` for its activations: how many
+    prompt tokens a prefill (or a new turn's first pass) reads per stream of the weights.
+    At least 1."""
+    lo, hi = 1, max(1, most)
+    while lo < hi:  # pass_bytes grows with tokens: the largest n that fits
+        mid = (lo + hi + 1) // 2
+        if pass_bytes(mid, past, hidden, intermediate, num_heads, dtype_bytes) <= free_bytes:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -6,6 +6,7 @@ window over the same database; errors as a banner; the no-model empty state; sho
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -275,3 +276,45 @@ def test_a_generation_error_is_a_banner_and_the_chat_goes_on(qtbot: QtBot, open_
     with qtbot.waitSignal(chat.answer_finished, timeout=60_000) as blocker:
         _type_and_send(qtbot, window, "short")
     assert blocker.args == ["length"] and not chat.banner.isVisible()  # sending dismissed it
+
+
+def test_a_long_conversation_continues_after_a_restart_without_reading_it_again(
+        qtbot: QtBot, open_window, make_prefs, conversations: ConversationStore, tiny_target_path: Path,
+        tmp_path: Path) -> None:
+    """Closing the app saves the conversation's KV cache; after a restart the next answer reuses
+    the whole history (stats.cached_tokens) and equals a decode of the same messages from
+    nothing."""
+    from engine.decoding.generation import Engine
+    from engine.loading.load import load_model
+    from engine.types import CacheSettings, GenerationRequest, Message
+
+    prefs = make_prefs(target=str(tiny_target_path), draft="", temperature=0.0, max_new_tokens=8, device="cpu")
+    target = load_model(tiny_target_path)
+    line = "The quick brown fox jumps over the lazy dog. Paris is the capital of France. "
+    conv = conversations.create("long chat")
+    for i in range(10):
+        conversations.add_message(conv.id, "user" if i % 2 == 0 else "assistant", line * 5)
+    history = [Message(m.role, m.content) for m in conversations.messages(conv.id)]  # type: ignore[arg-type]
+    fresh = Engine(target.model, target.tokenizer, cache=CacheSettings(enabled=False))
+    assert 1500 < len(fresh.encode(GenerationRequest(messages=tuple(history)))) < 1900
+
+    window = open_window(prefs)
+    with qtbot.waitSignal(window.chat.answer_finished, timeout=60_000):
+        _type_and_send(qtbot, window, "one more")
+    window.close()  # saves the conversation's cache
+    assert list((tmp_path / "cache" / "kv").rglob("*.safetensors"))
+
+    again = ConversationStore(conversations.path)
+    try:
+        second = open_window(prefs, store=again)
+        with qtbot.waitSignal(second.chat.answer_finished, timeout=60_000):
+            _type_and_send(qtbot, second, "and another")
+        *asked, last = again.messages(conv.id)
+        stats = json.loads(last.stats)
+        assert stats["cached_tokens"] > 1500 and "reused" in second.status.ttft.text()
+        request = GenerationRequest(messages=tuple(Message(m.role, m.content) for m in asked), max_new_tokens=8)
+        reference = list(fresh.generate(request))[-1]
+        assert last.content == reference.text
+    finally:
+        second.close()
+        again.close()

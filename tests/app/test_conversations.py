@@ -68,9 +68,12 @@ def test_a_version_1_database_is_migrated_in_place(tmp_path: Path) -> None:
     db.commit()
     db.close()
     store = ConversationStore(path)
-    assert store.schema_version == SCHEMA_VERSION == 2
+    assert store.schema_version == SCHEMA_VERSION == 3
     [msg] = store.messages(1)
     assert (msg.content, msg.complete, msg.stats) == ("kept", True, "")
+    assert store.get(1).engine == ""  # an old conversation runs on the local model
+    store.set_engine(1, '{"engine": "gpu-box", "model": "m"}')
+    assert store.get(1).engine == '{"engine": "gpu-box", "model": "m"}'
 
 
 def test_a_newer_schema_is_refused_rather_than_damaged(tmp_path: Path) -> None:

@@ -51,3 +51,16 @@ def test_without_matplotlib_the_plot_is_skipped_with_a_note(monkeypatch: pytest.
     row = BenchRow("specexec", 8, 0.0, 10, 4, 8, 0.1, 0.1, 0.0, 0.3)
     assert write_plot([row], tmp_path / "plot.png") is None
     assert not (tmp_path / "plot.png").exists() and "specchat[bench]" in capsys.readouterr().err
+
+
+def test_bench_conversation_reuses_each_turns_history(capsys: pytest.CaptureFixture[str],
+                                                      tiny_target_path: Path) -> None:
+    rc = main(["bench", "conversation", "--target", str(tiny_target_path), "--turns", "3", "--max-new-tokens", "4",
+               "--offload", "all", "--device", "cpu", "--json"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "passes to 1st token" in out and "turn 3 / turn 1 TTFT" in out
+    rows = json.loads(out.strip().splitlines()[-1])["rows"]
+    assert [r["turn"] for r in rows] == [1, 2, 3] and all(r["same_answer"] for r in rows)
+    assert rows[0]["reused_tokens"] == 0 and all(r["reused_tokens"] > 0 for r in rows[1:])
+    assert all(r["passes_before_first_token"] == 1 for r in rows)  # the new text fits one pass

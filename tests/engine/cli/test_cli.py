@@ -30,7 +30,7 @@ from engine.loading.synthetic import tiny_tokenizer_files
 REPO = Path(__file__).resolve().parents[3]
 STATS_TYPES = {"prompt_tokens": int, "new_tokens": int, "target_passes": int, "tokens_per_pass": float,
                "draft_passes": int, "budget": int, "seconds": float, "ttft_seconds": float,
-               "tokens_per_second": float, "peak_rss_bytes": int}
+               "tokens_per_second": float, "peak_rss_bytes": int, "cached_tokens": int, "prefill_passes": int}
 
 
 def cli(capsys: pytest.CaptureFixture[str], *args: object) -> tuple[int, str, str]:
@@ -290,3 +290,22 @@ def test_version_names_the_pytorch_build(capsys: pytest.CaptureFixture[str]) -> 
     assert rc == 0
     assert out.startswith(f"SpecChat {importlib.metadata.version('specchat')} · PyTorch {torch.__version__}")
     assert "build)" in out and "environment: " in out
+
+
+def test_messages_decode_the_next_turn_of_a_whole_conversation(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path, tiny_target_path: Path) -> None:
+    """--messages JSON (or @FILE) decodes the conversation's next assistant turn: the same as the
+    equivalent --system/--prompt; the second sample reuses the prompt's KV (cached_tokens)."""
+    common = ["generate", "--target", tiny_target_path, "--max-new-tokens", 6, "--json"]
+    rc, out, _ = cli(capsys, *common, "--system", "Be brief.", "--prompt", "Paris is")
+    assert rc == 0
+    conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Paris is"}]
+    (tmp_path / "chat.json").write_text(json.dumps(conversation))
+    rc, out2, _ = cli(capsys, *common, "--messages", f"@{tmp_path / 'chat.json'}", "--samples", 2)
+    assert rc == 0
+    first, second = json_lines(out2)
+    assert first["token_ids"] == json_lines(out)[0]["token_ids"] == second["token_ids"]
+    assert second["stats"]["cached_tokens"] == second["stats"]["prompt_tokens"] - 1
+    for bad in ("[]", '[{"role": "robot", "content": "hi"}]', "{not json", f"@{tmp_path / 'missing.json'}"):
+        rc, out, err = cli(capsys, *common, "--messages", bad)
+        assert rc == 2 and out == "" and len(err.splitlines()) == 1 and err.startswith("error: "), err

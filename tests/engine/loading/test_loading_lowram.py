@@ -23,7 +23,7 @@ from engine.cli.bench_offload import (
     synthetic_gguf,
     synthetic_llama,
 )
-from engine.decoding.generation import load_engine
+from engine.decoding.pair import load_engine
 from engine.errors import Cancelled, UnsupportedModel
 from engine.loading.load import load_model
 from engine.store.gguf_header import read_header

@@ -1,0 +1,28 @@
+"""The OpenAI-compatible API, both ways: SpecChat as a server (`specchat serve`, the app's
+Server setting) and SpecChat as a client of other servers (vLLM, llama.cpp's server, another
+SpecChat), for users who outgrow one machine.
+
+Contract:
+- protocol.py: request bodies -> GenerationRequests (one per choice), the engine's events ->
+  responses, stream chunks, `usage` (with prompt_tokens_details.cached_tokens and SpecChat's
+  figures in usage.specchat) and OpenAI-shaped error bodies. Plain data.
+- scheduler.py: `GenerationQueue`, one generation at a time in arrival order, a bounded queue
+  (full -> 429), a cancel Event per request (a client that disconnects cancels its job and the
+  engine is free for the next). It runs any `engine.types.GenerationBackend`: the Engine in
+  `specchat serve`, the app's engine thread in the app (which never lets another thread touch
+  its Engine).
+- app.py: the Starlette app (/v1/models, /v1/chat/completions, /v1/completions, /health,
+  streaming as server-sent events, the API key check).
+- server.py: `ServeSettings` (a non-loopback address needs an API key or an explicit opt-out),
+  the bound socket, uvicorn in this thread or a background one.
+- remote.py: `RemoteEngine`, a client of any OpenAI-compatible server with the Engine's
+  interface (generate(request, cancel) yields TokenEvents and a Completion), so the CLI and the
+  app chat with a remote model the way they chat with the local one; `list_models`.
+
+Status codes: 400 bad JSON or parameters, 401 wrong or missing API key, 404 unknown model or
+route, 413 prompt longer than the context (or a body over 8 MiB), 429 queue full, 503 model
+loading / not loaded, 500 an engine failure.
+
+What it does not do: load models or choose budgets (the caller does, as for `chat`), or import
+Qt. Only remote.py is imported by the app's chat path; it needs no torch.
+"""

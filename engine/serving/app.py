@@ -1,0 +1,281 @@
+"""The HTTP side of the OpenAI-compatible server: a Starlette app over a GenerationQueue.
+
+    GET  /v1/models                 the served model (with max_model_len when known)
+    GET  /v1/models/{id}            one model, or 404
+    POST /v1/chat/completions       chat messages through the model's chat template
+    POST /v1/completions            a plain-text prompt
+    GET  /health                    200 when ready, 503 while loading (no API key needed), with
+                                    the queue: {"running": bool, "waiting": n}
+
+Streaming answers are server-sent events (`data: {chunk}` ... `data: [DONE]`). A request's
+status is decided before its first byte: it waits its turn in the queue, the engine validates
+it, and only then does a stream start, so a prompt that does not fit still gets its 413. Every
+error is OpenAI's JSON shape (protocol.ApiError). While a request waits or runs, a task reads
+the connection: a client that goes away cancels its job (protocol: http.disconnect).
+
+What this does not do: run the engine (scheduler.py), bind sockets or run uvicorn (server.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from engine.errors import ContextTooLong, EngineError, InvalidRequest
+from engine.serving.protocol import (
+    ApiError,
+    ChunkWriter,
+    Kind,
+    RequestDefaults,
+    error_body,
+    model_card,
+    new_id,
+    parse_request,
+    response,
+)
+from engine.serving.scheduler import (
+    Finished,
+    GenerationQueue,
+    Job,
+    NotReady,
+    QueueFull,
+    Started,
+)
+from engine.types import Completion, TokenEvent
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 8 * 1024 * 1024  # a long conversation is far below this; a flood is refused early
+RETRY_AFTER_SECONDS = "5"
+
+
+def build_app(queue: GenerationQueue, defaults: Callable[[], RequestDefaults], api_key: str | None = None,
+              max_body_bytes: int = MAX_BODY_BYTES) -> ASGIApp:
+    """The ASGI app. `defaults()` is read per request (the app's settings can change);
+    `api_key` None or "" = no key needed."""
+
+    async def list_models(request: Request) -> Response:
+        model = queue.model
+        data = [model_card(model.id, model.created, model.context_length)] if model.id else []
+        return JSONResponse({"object": "list", "data": data})
+
+    async def get_model(request: Request) -> Response:
+        model = queue.model
+        if not model.id or request.path_params["model"] != model.id:
+            raise _unknown_model(request.path_params["model"], model.id)
+        return JSONResponse(model_card(model.id, model.created, model.context_length))
+
+    async def health(request: Request) -> Response:
+        model = queue.model
+        ready = model.status == "ready"
+        state = queue.state()
+        return JSONResponse({"status": "ok" if ready else model.status, "model": model.id, "detail": model.detail,
+                             "running": state.running, "waiting": state.waiting}, status_code=200 if ready else 503)
+
+    async def chat(request: Request) -> Response:
+        return await _complete(request, "chat")
+
+    async def completions(request: Request) -> Response:
+        return await _complete(request, "completion")
+
+    async def _complete(request: Request, kind: Kind) -> Response:
+        parsed = parse_request(kind, await _read_json(request, max_body_bytes), defaults())
+        model = queue.model
+        if parsed.model is not None and model.id and parsed.model != model.id:
+            raise _unknown_model(parsed.model, model.id)
+        try:
+            job = queue.submit(parsed.choices, asyncio.get_running_loop())
+        except NotReady as exc:
+            raise ApiError(503, str(exc), "server_error", "model_not_ready",
+                           headers={"Retry-After": RETRY_AFTER_SECONDS}) from exc
+        except QueueFull as exc:
+            raise ApiError(429, str(exc), "server_busy", "queue_full",
+                           headers={"Retry-After": RETRY_AFTER_SECONDS}) from exc
+        watcher = asyncio.create_task(_cancel_on_disconnect(request.receive, job))
+        try:
+            first = await job.events.get()
+            if isinstance(first, BaseException):
+                raise _api_error(first)
+            if isinstance(first, Finished):  # the client left while it waited; nobody reads this
+                raise ApiError(499, "The request was cancelled.", "invalid_request_error", "cancelled")
+            assert isinstance(first, Started)
+            rid, name = new_id(kind), model.id or parsed.model or ""
+            writer = ChunkWriter(kind, rid, name, parsed.include_usage)
+            if parsed.stream:
+                stream = EventStream(_chunks(job, writer), watcher)
+                watcher = None  # the stream ends it
+                return stream
+            await _drain(job)
+            return JSONResponse(response(kind, rid, name, writer.created, job.completions))
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+
+    routes = [
+        Route("/v1/models", list_models, methods=["GET"]),
+        Route("/v1/models/{model:path}", get_model, methods=["GET"]),
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/health", health, methods=["GET"]),
+    ]
+    handlers: dict[Any, Callable[..., Any]] = {ApiError: _error_response, HTTPException: _http_error,
+                                              Exception: _unexpected_error}
+    app = Starlette(routes=routes, exception_handlers=handlers)
+    return ApiKeyCheck(app, api_key) if api_key else app
+
+
+# ---- the pieces of a request ------------------------------------------------------------------------
+async def _read_json(request: Request, limit: int) -> object:
+    body = bytearray()
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise ApiError(413, f"The request body is larger than {limit // (1024 * 1024)} MiB.",
+                               "invalid_request_error", "request_too_large")
+    except ClientDisconnect:
+        raise ApiError(400, "The client disconnected while sending the request.") from None
+    try:
+        return json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ApiError(400, f"The request body is not valid JSON ({exc}).", "invalid_request_error",
+                       "invalid_json") from None
+
+
+async def _cancel_on_disconnect(receive: Receive, job: Job) -> None:
+    """Read the connection until the client goes away, then cancel its job. (Once the body is
+    read, an ASGI server's receive() returns only http.disconnect.)"""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            job.cancel.set()
+            return
+
+
+async def _drain(job: Job) -> None:
+    """Wait for a non-streamed job's end; an error on the way is the answer."""
+    while not isinstance(event := await job.events.get(), Finished):
+        if isinstance(event, BaseException):
+            raise _api_error(event)
+
+
+async def _chunks(job: Job, writer: ChunkWriter) -> AsyncIterator[bytes]:
+    """The job's events as server-sent events; an error after the stream started becomes an
+    `error` event (the status line is long gone), then [DONE]."""
+    opened: set[int] = set()
+    while not isinstance(event := await job.events.get(), Finished):
+        if isinstance(event, BaseException):
+            yield _sse(_api_error(event).body())
+            continue
+        if isinstance(event, Started):
+            continue
+        index, item = event
+        if index not in opened:
+            opened.add(index)
+            if (chunk := writer.opened(index)) is not None:
+                yield _sse(chunk)
+        if isinstance(item, TokenEvent) and item.text:
+            yield _sse(writer.text(index, item.text))
+        elif isinstance(item, Completion):
+            yield _sse(writer.finished(index, item))
+    if writer.include_usage and job.completions:
+        yield _sse(writer.usage(job.completions))
+    yield b"data: [DONE]\n\n"
+
+
+def _sse(data: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+class EventStream(Response):
+    """A text/event-stream response fed by an async iterator; ends `watcher` when it is done."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, chunks: AsyncIterator[bytes], watcher: asyncio.Task[None]) -> None:
+        self.status_code = 200
+        self.background = None
+        # no Content-Length: the body's end is the end of the stream
+        self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+                            (b"x-accel-buffering", b"no")]
+        self._chunks = chunks
+        self._watcher = watcher
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            async for chunk in self._chunks:  # after a disconnect the server drops these sends
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            self._watcher.cancel()
+
+
+class ApiKeyCheck:
+    """Every route but /health needs `Authorization: Bearer <key>` (compared in constant time)."""
+
+    def __init__(self, app: ASGIApp, key: str) -> None:
+        self.app = app
+        self.key = key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            header = Headers(scope=scope).get("authorization", "")
+            scheme, _, token = header.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.key):
+                error = ApiError(401, "Incorrect or missing API key: send it as 'Authorization: Bearer <key>'.",
+                                 "invalid_request_error", "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                await _error_response(None, error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+# ---- errors -------------------------------------------------------------------------------------------
+def _unknown_model(asked: str, served: str) -> ApiError:
+    return ApiError(404, f"The model '{asked}' does not exist: this server serves '{served}'.",
+                    "invalid_request_error", "model_not_found", "model")
+
+
+def _api_error(exc: BaseException) -> ApiError:
+    """An exception from the queue or the engine as the answer to send."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, ContextTooLong):
+        return ApiError(413, exc.user_message, "invalid_request_error", "context_length_exceeded", "messages")
+    if isinstance(exc, InvalidRequest):
+        return ApiError(400, exc.user_message)
+    if isinstance(exc, NotReady):
+        return ApiError(503, str(exc), "server_error", "model_not_ready", headers={"Retry-After": RETRY_AFTER_SECONDS})
+    if isinstance(exc, EngineError):
+        return ApiError(500, exc.user_message, "server_error")
+    log.error("request failed", exc_info=exc)
+    return ApiError(500, f"The server failed ({type(exc).__name__}: {exc}); details are in its log.", "server_error")
+
+
+def _error_response(request: Request | None, exc: Exception) -> Response:
+    error = exc if isinstance(exc, ApiError) else _api_error(exc)
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    message = {404: f"There is no route {request.url.path}.",
+               405: f"{request.method} is not allowed on {request.url.path}."}.get(exc.status_code, str(exc.detail))
+    return JSONResponse(error_body(message, "invalid_request_error"), status_code=exc.status_code,
+                        headers=exc.headers)
+
+
+def _unexpected_error(request: Request, exc: Exception) -> Response:
+    return _error_response(request, _api_error(exc))

@@ -1,0 +1,328 @@
+"""OpenAI's wire format for chat completions and completions, both ways: request bodies ->
+the engine's GenerationRequests, and the engine's events -> response objects, stream chunks,
+usage and error bodies.
+
+Plain data only: no HTTP, no threads, no torch. Field names and shapes follow OpenAI's API
+reference (what the official clients parse); what SpecChat adds goes where the clients keep
+unknown fields (`usage.specchat`).
+
+Parameters: temperature, top_p, max_tokens / max_completion_tokens, stop, seed, n, stream,
+stream_options.include_usage, and vLLM's extras top_k, min_p, repetition_penalty. Fields the
+engine cannot honour (logprobs, tools, JSON response formats, logit_bias, best_of, echo,
+suffix) are refused with a 400 naming them; presence_penalty and frequency_penalty are accepted
+and ignored (clients send them by default), as is everything else OpenAI defines.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+from engine.errors import InvalidRequest
+from engine.types import (
+    Completion,
+    FinishReason,
+    GenerationRequest,
+    Message,
+)
+
+Kind = Literal["chat", "completion"]
+MAX_STOP_STRINGS = 16
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+REFUSED = {  # field -> why; refused only when set to something other than "off"
+    "logprobs": "log probabilities are not returned",
+    "top_logprobs": "log probabilities are not returned",
+    "tools": "tool calls are not supported",
+    "functions": "function calls are not supported",
+    "logit_bias": "logit_bias is not supported",
+    "best_of": "best_of is not supported (use n)",
+    "echo": "echo is not supported",
+    "suffix": "suffix (fill-in-the-middle) is not supported",
+}
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
+                 param: str | None = None, headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.code = code
+        self.param = param
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.code, self.param)
+
+
+def error_body(message: str, type_: str, code: str | None = None, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, "invalid_request_error", None, param)
+
+
+@dataclass(frozen=True)
+class RequestDefaults:
+    """What a request leaves out: the server's command line (or the app's settings) decides.
+    `request` carries max_new_tokens, stop, sampling (its seed is ignored: every request draws
+    its own) and speculation; `system` is added to chats that bring no system message."""
+
+    request: GenerationRequest = field(default_factory=GenerationRequest)
+    system: str | None = None
+    max_choices: int = 8
+
+
+@dataclass(frozen=True)
+class ApiRequest:
+    """One parsed API call: `choices` holds one GenerationRequest per choice (n of them; with a
+    seed S, choice i samples with seed S + i, like `specchat generate --samples`)."""
+
+    kind: Kind
+    model: str | None
+    choices: tuple[GenerationRequest, ...]
+    stream: bool = False
+    include_usage: bool = False
+
+
+# ---- requests ------------------------------------------------------------------------------------
+def parse_request(kind: Kind, body: object, defaults: RequestDefaults) -> ApiRequest:
+    """An API request body -> ApiRequest; raises ApiError (400) naming the bad field."""
+    if not isinstance(body, dict):
+        raise bad_request("The request body must be a JSON object.")
+    for name, why in REFUSED.items():
+        if body.get(name) not in (None, False, 0, [], {}):
+            raise bad_request(f"'{name}' is not supported by this server: {why}.", name)
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type", "text") != "text"):
+        raise bad_request("'response_format' other than text is not supported by this server.", "response_format")
+    model = _optional(body, "model", str)
+    stream = bool(_optional(body, "stream", bool) or False)
+    options = _optional(body, "stream_options", dict)
+    if options is not None and not stream:
+        raise bad_request("'stream_options' is only allowed when 'stream' is true.", "stream_options")
+    include_usage = bool(options and _optional(options, "include_usage", bool, "stream_options.include_usage"))
+    n = _optional(body, "n", int)
+    n = 1 if n is None else n
+    if not 1 <= n <= defaults.max_choices:
+        raise bad_request(f"'n' must be from 1 to {defaults.max_choices} (got {n}).", "n")
+
+    base = defaults.request
+    if kind == "chat":
+        messages, raw = _messages(body.get("messages"), defaults.system), None
+    else:
+        messages, raw = (), _prompt(body.get("prompt"))
+    max_tokens = _optional(body, "max_completion_tokens", int) if kind == "chat" else None
+    if max_tokens is None:
+        max_tokens = _optional(body, "max_tokens", int)
+    stop = _stop(body.get("stop"), base.stop)
+    seed = _optional(body, "seed", int)
+    sampling = base.sampling
+    values: dict[str, Any] = {}
+    for name, kind_ in (("temperature", float), ("top_p", float), ("top_k", int), ("min_p", float),
+                        ("repetition_penalty", float)):
+        value = _optional(body, name, kind_)
+        if value is not None:
+            values[name] = value
+    try:
+        sampling = replace(sampling, seed=None, **values)
+        first = replace(base, messages=messages, raw_prompt=raw, stop=stop, sampling=sampling,
+                        max_new_tokens=base.max_new_tokens if max_tokens is None else max_tokens)
+    except InvalidRequest as exc:  # the settings validate themselves (engine.types)
+        raise bad_request(exc.user_message) from exc
+    if n > 1 and sampling.greedy:
+        choices = (first,) * n  # greedy decoding gives every choice the same text
+    else:
+        start = seed if seed is not None else secrets.randbelow(2**31)
+        try:
+            choices = tuple(replace(first, sampling=replace(sampling, seed=start + i)) for i in range(n))
+        except InvalidRequest as exc:
+            raise bad_request(exc.user_message, "seed") from exc
+    return ApiRequest(kind, model, choices, stream, include_usage)
+
+
+def _optional(body: Mapping[str, Any], name: str, kind: type, label: str | None = None) -> Any:
+    """body[name] if present and not null, checked to be a `kind` (an int is a fine float; a
+    bool is never a number)."""
+    value = body.get(name)
+    if value is None:
+        return None
+    ok = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value, ok = float(value), True
+    if kind is int and isinstance(value, float) and value.is_integer():
+        value, ok = int(value), True
+    if not ok or (kind is float and not math.isfinite(value)):
+        what = {bool: "true or false", int: "a whole number", float: "a number", str: "a string",
+                dict: "an object"}[kind]
+        raise bad_request(f"'{label or name}' must be {what} (got {value!r}).", label or name)
+    return value
+
+
+def _text(content: object, where: str) -> str:
+    """A message's content: a string, or a list of text parts (images are refused)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad_request(f"{where}: only text content parts are supported.", "messages")
+            parts.append(part["text"])
+        return "".join(parts)
+    if content is None:
+        return ""
+    raise bad_request(f"{where}: 'content' must be a string or a list of text parts.", "messages")
+
+
+def _messages(raw: object, system: str | None) -> tuple[Message, ...]:
+    if not isinstance(raw, list) or not raw:
+        raise bad_request("'messages' must be a non-empty list of {role, content} objects.", "messages")
+    messages = []
+    for i, item in enumerate(raw):
+        where = f"messages[{i}]"
+        if not isinstance(item, dict):
+            raise bad_request(f"{where} must be an object with 'role' and 'content'.", "messages")
+        role = item.get("role")
+        if role not in ROLES:
+            raise bad_request(f"{where}: role {role!r} is not supported (system, developer, user, assistant).",
+                              "messages")
+        messages.append(Message(ROLES[role], _text(item.get("content"), where)))  # type: ignore[arg-type]
+    if system and not any(m.role == "system" for m in messages):
+        messages.insert(0, Message("system", system))
+    return tuple(messages)
+
+
+def _prompt(raw: object) -> str:
+    if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], str):
+        raw = raw[0]
+    if not isinstance(raw, str):
+        raise bad_request("'prompt' must be a string (one prompt per request; token ids are not supported).",
+                          "prompt")
+    if not raw:
+        raise bad_request("'prompt' is empty.", "prompt")
+    return raw
+
+
+def _stop(raw: object, default: tuple[str, ...]) -> tuple[str, ...]:
+    if raw is None:
+        return default
+    stops = [raw] if isinstance(raw, str) else raw
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops) or len(stops) > MAX_STOP_STRINGS:
+        raise bad_request(f"'stop' must be a string or a list of at most {MAX_STOP_STRINGS} strings.", "stop")
+    return tuple(s for s in stops if s)
+
+
+# ---- responses -----------------------------------------------------------------------------------
+def new_id(kind: Kind) -> str:
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + secrets.token_hex(12)
+
+
+def finish_reason(reason: FinishReason) -> str:
+    """The engine's reasons in OpenAI's words: an EOS token and a stop string are both "stop"."""
+    return "length" if reason == "length" else "stop"
+
+
+def usage(completions: list[Completion]) -> dict[str, Any]:
+    """OpenAI's usage object for the choices of one request (the prompt counted once), with
+    SpecChat's own figures in `specchat`: target passes, tokens per pass, the tree budget
+    (0 = plain decoding), time to first token and speed."""
+    stats = [c.stats for c in completions]
+    prompt = stats[0].prompt_tokens if stats else 0
+    new = sum(s.new_tokens for s in stats)
+    passes = sum(s.target_passes for s in stats)
+    seconds = sum(s.seconds for s in stats)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": new,
+        "total_tokens": prompt + new,
+        "prompt_tokens_details": {"cached_tokens": stats[0].cached_tokens if stats else 0},
+        "specchat": {
+            "target_passes": passes,
+            "tokens_per_pass": round(new / passes, 3) if passes else 0.0,
+            "budget": stats[-1].budget if stats else 0,
+            "mode": stats[-1].mode if stats else "autoregressive",
+            "ttft_seconds": round(stats[0].ttft_seconds, 4) if stats else 0.0,
+            "seconds": round(seconds, 4),
+            "tokens_per_second": round(new / seconds, 2) if seconds > 0 else 0.0,
+        },
+    }
+
+
+def response(kind: Kind, rid: str, model: str, created: int, completions: list[Completion]) -> dict[str, Any]:
+    """The whole answer of a request that did not stream."""
+    if kind == "chat":
+        choices = [{"index": i, "message": {"role": "assistant", "content": c.text, "refusal": None},
+                    "logprobs": None, "finish_reason": finish_reason(c.finish_reason)}
+                   for i, c in enumerate(completions)]
+        obj = "chat.completion"
+    else:
+        choices = [{"index": i, "text": c.text, "logprobs": None, "finish_reason": finish_reason(c.finish_reason)}
+                   for i, c in enumerate(completions)]
+        obj = "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": model, "system_fingerprint": None,
+            "choices": choices, "usage": usage(completions)}
+
+
+@dataclass
+class ChunkWriter:
+    """The stream chunks of one request, in order: a chat choice opens with the assistant role,
+    every text delta is one chunk, a choice closes with its finish reason; with include_usage,
+    every chunk carries "usage": null and a last chunk with no choices carries the usage."""
+
+    kind: Kind
+    rid: str
+    model: str
+    include_usage: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        chunk: dict[str, Any] = {"id": self.rid, "object": "chat.completion.chunk" if self.kind == "chat"
+                                 else "text_completion", "created": self.created, "model": self.model,
+                                 "system_fingerprint": None, "choices": choices}
+        if self.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def _choice(self, index: int, text: str | None, role: bool = False, finish: str | None = None) -> dict[str, Any]:
+        if self.kind == "chat":
+            delta: dict[str, Any] = {}
+            if role:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+
+    def opened(self, index: int) -> dict[str, Any] | None:
+        """A chat choice's first chunk (role, empty content); completions have none."""
+        return self._chunk([self._choice(index, "", role=True)]) if self.kind == "chat" else None
+
+    def text(self, index: int, text: str) -> dict[str, Any]:
+        return self._chunk([self._choice(index, text)])
+
+    def finished(self, index: int, completion: Completion) -> dict[str, Any]:
+        return self._chunk([self._choice(index, None if self.kind == "chat" else "",
+                                         finish=finish_reason(completion.finish_reason))])
+
+    def usage(self, completions: list[Completion]) -> dict[str, Any]:
+        chunk = self._chunk([])
+        chunk["usage"] = usage(completions)
+        return chunk
+
+
+def model_card(model_id: str, created: int, context_length: int = 0) -> dict[str, Any]:
+    """One entry of GET /v1/models (max_model_len as vLLM names it, when known)."""
+    card: dict[str, Any] = {"id": model_id, "object": "model", "created": created, "owned_by": "specchat"}
+    if context_length:
+        card["max_model_len"] = context_length
+    return card
+

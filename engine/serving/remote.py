@@ -1,0 +1,310 @@
+"""A client of any OpenAI-compatible server (vLLM, llama.cpp's server, TGI, LM Studio, another
+SpecChat) with the Engine's interface, so a conversation can run on a remote model the way it
+runs on the local one.
+
+`RemoteEngine(RemoteModel).generate(request, cancel)` streams /chat/completions (or
+/completions for a raw prompt) and yields a TokenEvent per text delta and one Completion. The
+HTTP exchange runs in a reader thread that hands lines to generate() through a queue, so a
+cancel takes effect at once, even while the server has not answered yet (it may be queueing
+the request); the connection is then closed, which is how the server learns to stop.
+
+Errors are EngineErrors a user can act on: RemoteUnreachable (nothing answers), RemoteUnauthorized
+(401/403), RemoteModelGone (the model is no longer served), RemoteDisconnected (the server went
+away mid-answer: the text that came was already yielded, so the caller keeps it), RemoteError
+(anything else, with the server's own message).
+
+What this does not do: retry, pick models, or import torch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx2
+
+from engine.errors import (
+    RemoteDisconnected,
+    RemoteError,
+    RemoteModelGone,
+    RemoteUnauthorized,
+    RemoteUnreachable,
+)
+from engine.types import (
+    Completion,
+    FinishReason,
+    GenerationRequest,
+    GenerationStats,
+    RemoteModel,
+    SamplingSettings,
+    TokenEvent,
+)
+
+log = logging.getLogger(__name__)
+
+CONNECT_SECONDS = 10.0
+LIST_SECONDS = 15.0
+POLL_SECONDS = 0.05  # how often a waiting generate() looks at its cancel Event
+_OPEN, _END = object(), object()
+
+
+def normalise_url(url: str) -> str:
+    """What users type -> the API's base URL: a scheme is added (http), a trailing slash
+    dropped, and a bare host:port gets /v1 (where vLLM, llama.cpp and SpecChat serve it)."""
+    url = url.strip()
+    if not url:
+        raise RemoteError("The server's URL is empty: give one like http://gpu-box:8000/v1.")
+    if "://" not in url:
+        url = "http://" + url
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise RemoteError(f"'{url}' is not an http(s) URL: give one like http://gpu-box:8000/v1.")
+    url = url.rstrip("/")
+    return url + "/v1" if parts.path in ("", "/") else url
+
+
+def list_models(url: str, api_key: str = "", timeout: float = LIST_SECONDS) -> tuple[str, ...]:
+    """The ids of the models a server offers (GET /models), sorted."""
+    base = normalise_url(url)
+    try:
+        with httpx2.Client(timeout=httpx2.Timeout(timeout, connect=CONNECT_SECONDS)) as client:
+            resp = client.get(f"{base}/models", headers=_headers(api_key))
+    except httpx2.TransportError as exc:
+        raise _unreachable(base, exc) from exc
+    if resp.status_code >= 400:
+        raise _status_error(resp.status_code, _server_message(resp.content), base, None)
+    try:
+        data = resp.json()["data"]
+        return tuple(sorted(str(item["id"]) for item in data))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise RemoteError(f"The server at {base} answered, but not with an OpenAI model list: check the URL "
+                          "(it usually ends in /v1).") from exc
+
+
+class RemoteEngine:
+    """A remote model behind the Engine's generate(request, cancel) (engine.types.GenerationBackend)."""
+
+    def __init__(self, remote: RemoteModel) -> None:
+        self.remote = remote
+        self.url = normalise_url(remote.url)
+
+    def generate(self, request: GenerationRequest,
+                 cancel: threading.Event | None = None) -> Iterator[TokenEvent | Completion]:
+        """Send the request and wait for the server's status (errors raise here); the answer
+        streams from the returned iterator."""
+        cancel = cancel or threading.Event()
+        chat = request.raw_prompt is None
+        path = "/chat/completions" if chat else "/completions"
+        lines: queue.Queue[object] = queue.Queue()
+        stop = threading.Event()
+        started = time.perf_counter()
+        reader = threading.Thread(target=self._read, args=(path, self._body(request), lines, stop),
+                                  name="specchat-remote", daemon=True)
+        reader.start()
+        first = self._next(lines, cancel)
+        if first is None:  # cancelled before the server answered
+            stop.set()
+            return iter([self._completion("", "cancelled", {}, started, None, 0)])
+        if isinstance(first, BaseException):
+            raise first
+        return self._stream(request, lines, cancel, stop, started)
+
+    # ---- the reader thread -------------------------------------------------------------------
+    def _read(self, path: str, body: dict[str, Any], lines: queue.Queue[object], stop: threading.Event) -> None:
+        timeout = httpx2.Timeout(None, connect=CONNECT_SECONDS)  # an answer may take minutes to start
+        opened = False
+        try:
+            with httpx2.Client(timeout=timeout) as client, client.stream(
+                    "POST", self.url + path, json=body, headers=_headers(self.remote.api_key)) as resp:
+                if resp.status_code >= 400:
+                    lines.put(_status_error(resp.status_code, _server_message(resp.read()), self.url,
+                                            self.remote.model))
+                    return
+                opened = True
+                lines.put(_OPEN)
+                for line in resp.iter_lines():
+                    if stop.is_set():
+                        return  # leaving the block closes the connection: the server stops too
+                    lines.put(line)
+            lines.put(_END)
+        except httpx2.TransportError as exc:
+            if not opened:  # refused, timed out, or closed before it answered
+                lines.put(_unreachable(self.url, exc))
+            else:
+                lines.put(RemoteDisconnected(f"The server at {self.url} went away in the middle of the answer "
+                                             f"({type(exc).__name__}); the part that arrived is kept."))
+        except Exception as exc:  # noqa: BLE001 - handed to generate(), which raises it in the caller
+            lines.put(exc)
+
+    @staticmethod
+    def _next(lines: queue.Queue[object], cancel: threading.Event) -> object | None:
+        """The reader's next item, or None once `cancel` is set."""
+        while not cancel.is_set():
+            try:
+                return lines.get(timeout=POLL_SECONDS)
+            except queue.Empty:
+                continue
+        return None
+
+    # ---- the answer --------------------------------------------------------------------------
+    def _stream(self, request: GenerationRequest, lines: queue.Queue[object], cancel: threading.Event,
+                stop: threading.Event, started: float) -> Iterator[TokenEvent | Completion]:
+        text, finish, usage, ttft, deltas = "", None, {}, None, 0
+        try:
+            while True:
+                item = self._next(lines, cancel)
+                if item is None:
+                    yield self._completion(text, "cancelled", usage, started, ttft, deltas)
+                    return
+                if item is _END:
+                    break
+                if isinstance(item, BaseException):
+                    raise item
+                data = _sse_data(str(item))
+                if data is None:
+                    continue
+                if data == "[DONE]":
+                    finish = finish or "stop"
+                    continue
+                chunk = _json(data)
+                if isinstance(chunk.get("error"), (dict, str)):
+                    raise RemoteError(f"The server at {self.url} stopped the answer: {_error_text(chunk)}")
+                if isinstance(chunk.get("usage"), dict):
+                    usage = chunk["usage"]
+                for choice in chunk.get("choices") or ():
+                    if choice.get("index", 0) != 0:
+                        continue
+                    piece = (choice.get("delta") or {}).get("content") if "delta" in choice else choice.get("text")
+                    if piece:
+                        ttft = ttft if ttft is not None else time.perf_counter() - started
+                        text += piece
+                        deltas += 1
+                        yield TokenEvent(token_ids=(), text=piece)
+                    if choice.get("finish_reason"):
+                        finish = choice["finish_reason"]
+        finally:
+            stop.set()
+        if finish is None:  # the stream ended without a finish reason or [DONE]: cut off
+            raise RemoteDisconnected(f"The server at {self.url} closed the connection in the middle of the answer; "
+                                     "the part that arrived is kept.")
+        reason: FinishReason = "length" if finish == "length" else "stop" if request.stop else "eos"
+        yield self._completion(text, reason, usage, started, ttft, deltas)
+
+    def _body(self, request: GenerationRequest) -> dict[str, Any]:
+        s, default = request.sampling, SamplingSettings()
+        body: dict[str, Any] = {"model": self.remote.model, "stream": True, "stream_options": {"include_usage": True},
+                                "max_tokens": request.max_new_tokens, "temperature": s.temperature}
+        if request.raw_prompt is None:
+            body["messages"] = [{"role": m.role, "content": m.content} for m in request.messages]
+        else:
+            body["prompt"] = request.raw_prompt
+        if s.top_p != default.top_p:
+            body["top_p"] = s.top_p
+        if s.seed is not None:
+            body["seed"] = s.seed
+        if request.stop:
+            body["stop"] = list(request.stop)
+        # vLLM's (and SpecChat's) extras; sent only when set, since OpenAI itself refuses them
+        for name in ("top_k", "min_p", "repetition_penalty"):
+            if getattr(s, name) != getattr(default, name):
+                body[name] = getattr(s, name)
+        return body
+
+    def _completion(self, text: str, reason: FinishReason, usage: dict[str, Any], started: float,
+                    ttft: float | None, deltas: int) -> Completion:
+        seconds = time.perf_counter() - started
+        extra = usage.get("specchat") if isinstance(usage.get("specchat"), dict) else {}
+        details = usage.get("prompt_tokens_details") if isinstance(usage.get("prompt_tokens_details"), dict) else {}
+        new = _int(usage.get("completion_tokens"), deltas)
+        stats = GenerationStats(
+            prompt_tokens=_int(usage.get("prompt_tokens"), 0), new_tokens=new,
+            target_passes=_int(extra.get("target_passes"), 0),
+            tokens_per_pass=float(extra["tokens_per_pass"]) if _number(extra.get("tokens_per_pass")) else 0.0,
+            draft_passes=0, budget=_int(extra.get("budget"), 0), seconds=seconds,
+            ttft_seconds=ttft if ttft is not None else seconds,
+            tokens_per_second=new / seconds if seconds > 0 else 0.0, peak_rss_bytes=0,
+            mode="specexec" if extra.get("mode") == "specexec" else "autoregressive",
+            cached_tokens=_int(details.get("cached_tokens"), 0))
+        return Completion(text=text, token_ids=(), finish_reason=reason, stats=stats)
+
+
+# ---- wire details -------------------------------------------------------------------------------
+def _headers(api_key: str) -> dict[str, str]:
+    headers = {"Accept": "application/json, text/event-stream"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    return headers
+
+
+def _sse_data(line: str) -> str | None:
+    """The payload of a server-sent event's `data:` line (None for comments, blanks, other fields)."""
+    if not line.startswith("data:"):
+        return None
+    return line[5:].strip()
+
+
+def _json(data: str) -> dict[str, Any]:
+    try:
+        value = json.loads(data)
+    except json.JSONDecodeError as exc:
+        raise RemoteError(f"The server sent a stream event that is not JSON: {data[:120]!r}") from exc
+    return value if isinstance(value, dict) else {}
+
+
+def _int(value: object, default: int) -> int:
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else default
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _error_text(data: dict[str, Any]) -> str:
+    """The message of an error body in the shapes servers use: OpenAI's {"error": {"message"}},
+    vLLM's older {"object": "error", "message"}, {"error": "Unauthorized"}, FastAPI's {"detail"}."""
+    error = data.get("error")
+    if isinstance(error, dict) and error.get("message"):
+        return str(error["message"])
+    if isinstance(error, str):
+        return error
+    for key in ("message", "detail"):
+        if data.get(key):
+            return str(data[key])
+    return json.dumps(data)[:300]
+
+
+def _server_message(body: bytes) -> str:
+    try:
+        data = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return body.decode("utf-8", "replace").strip()[:300] or "no details"
+    return _error_text(data)[:300] if isinstance(data, dict) else str(data)[:300]
+
+
+def _unreachable(url: str, exc: BaseException) -> RemoteUnreachable:
+    return RemoteUnreachable(f"Cannot reach the server at {url} ({type(exc).__name__}). Check that it is "
+                             "running, the URL and port, and the network (firewall, VPN).")
+
+
+def _status_error(status: int, message: str, url: str, model: str | None) -> RemoteError:
+    where = f"The server at {url}"
+    if status in (401, 403):
+        return RemoteUnauthorized(f"{where} refused the API key (HTTP {status}: {message}). Check the key "
+                                  "set for this server.")
+    if status == 404:
+        if model is not None and ("model" in message.lower() or model in message):
+            return RemoteModelGone(f"{where} does not serve the model '{model}' (any more): {message} Choose "
+                                   "another model, or refresh the server's model list.")
+        return RemoteError(f"{where} has no OpenAI API there (HTTP 404: {message}). Check the URL: it usually "
+                           "ends in /v1.")
+    if status == 413:
+        return RemoteError(f"{where} says the conversation is too long: {message} Start a new conversation.")
+    if status in (429, 503):
+        return RemoteError(f"{where} is busy or still loading (HTTP {status}): {message} Try again in a moment.")
+    return RemoteError(f"{where} answered HTTP {status}: {message}")

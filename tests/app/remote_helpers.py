@@ -1,0 +1,31 @@
+"""The serving tests' helpers for the app tests (imported by name, like pages_hub): `specchat
+serve` as a subprocess (tests/engine/serving/serve_process.py) and the vLLM stand-in
+(tests/engine/serving/vllm_standin.py), loaded under the same module names."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+SERVING = Path(__file__).resolve().parents[1] / "engine" / "serving"
+
+
+def _module(name: str) -> ModuleType:
+    module = sys.modules.get(name)
+    if module is None:
+        spec = importlib.util.spec_from_file_location(name, SERVING / f"{name}.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return module
+
+
+serve_process = _module("serve_process")
+vllm_standin = _module("vllm_standin")
+ServeProcess = serve_process.ServeProcess
+SERVE_KEY = serve_process.API_KEY
+VllmStandIn = vllm_standin.VllmStandIn
+VLLM_MODEL = vllm_standin.MODEL

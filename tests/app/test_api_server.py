@@ -1,0 +1,147 @@
+"""The app's API server (Settings > Server): it serves the model loaded in the window through
+the one engine thread, taking turns with the chat (each waits for the other's answer, the
+status bar says so), answers 503 without a model, and reports a port it cannot use."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import openai
+import pytest
+from PySide6.QtCore import Qt
+from pytestqt.qtbot import QtBot
+
+from app.conversations import ConversationStore
+from app.main_window import MainWindow
+from app.preferences import PreferencesStore
+
+KEY = "sk-app-test"
+LOAD_MS = 120_000
+
+
+@pytest.fixture
+def open_window(qtbot: QtBot, make_host, conversations: ConversationStore) -> Iterator[Callable[..., MainWindow]]:
+    windows: list[MainWindow] = []
+
+    def open_(prefs: PreferencesStore, wait_loaded: bool = True) -> MainWindow:
+        window = MainWindow(prefs, conversations, host=make_host())
+        qtbot.addWidget(window)
+        window.show()
+        windows.append(window)
+        if wait_loaded:
+            qtbot.waitUntil(lambda: window.chat.model_state == "ready", timeout=LOAD_MS)
+        return window
+
+    yield open_
+    for window in windows:
+        window.close()
+
+
+def _send(qtbot: QtBot, window: MainWindow, text: str) -> None:
+    box = window.chat.composer.input
+    box.setFocus()
+    qtbot.keyClicks(box, text)
+    qtbot.keyClick(box, Qt.Key.Key_Return)
+
+
+class ApiCall(threading.Thread):
+    """One streamed chat completion from a client thread (the GUI thread keeps running events)."""
+
+    def __init__(self, client: openai.OpenAI, model: str, max_tokens: int, leave: threading.Event | None = None) -> None:
+        super().__init__(daemon=True)
+        self.client, self.model, self.max_tokens, self.leave = client, model, max_tokens, leave
+        self.chunks: list[str] = []
+        self.first_at: float | None = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            stream = self.client.chat.completions.create(
+                model=self.model, messages=[{"role": "user", "content": "hello"}], max_tokens=self.max_tokens,
+                stream=True)
+            for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    self.first_at = self.first_at or time.monotonic()
+                    self.chunks.append(chunk.choices[0].delta.content)
+                if self.leave is not None and self.leave.is_set():
+                    stream.close()  # the client goes away
+                    return
+        except BaseException as exc:  # noqa: BLE001 - the test looks at it
+            self.error = exc
+
+
+def test_the_api_and_the_chat_take_turns_on_the_one_engine(qtbot: QtBot, open_window, chat_prefs: PreferencesStore,
+                                                           tiny_target_path: Path) -> None:
+    chat_prefs.update(server_enabled=True, server_port=0, server_api_key=KEY)
+    window = open_window(chat_prefs)
+    api, chat = window.api, window.chat
+    statuses: list[str] = []
+    api.status_changed.connect(statuses.append)
+    assert api.status_label.text() == "API: " + api.url.removeprefix("http://").removesuffix("/v1")
+    client = openai.OpenAI(base_url=api.url, api_key=KEY, max_retries=0, timeout=120)
+    [card] = client.models.list().data
+    assert card.id == tiny_target_path.name
+
+    # a chat answer runs; an API request waits for it, and the status bar says so
+    chat_done: list[float] = []  # when the worker finished the chat (a direct connection runs in its thread)
+    window.host.worker.generation_finished.connect(lambda _id, _c: chat_done.append(time.monotonic()))
+    rendered: list[str] = []
+    chat.view.rendered.connect(rendered.append)
+    _send(qtbot, window, "tell me a long story")
+    qtbot.waitUntil(lambda: bool(rendered), timeout=60_000)
+    waiting = ApiCall(client, card.id, max_tokens=6)
+    waiting.start()
+    qtbot.waitUntil(lambda: "waiting for the chat" in api.status_label.text(), timeout=30_000)
+    assert waiting.first_at is None and api.status_label.isVisible()
+    with qtbot.waitSignal(chat.answer_finished, timeout=60_000) as finished:
+        qtbot.keyClick(window, Qt.Key.Key_Escape)
+    assert finished.args == ["cancelled"]
+    qtbot.waitUntil(lambda: not waiting.is_alive(), timeout=60_000)
+    assert waiting.error is None and waiting.chunks and waiting.first_at > chat_done[0]
+    assert any(text.startswith("API: answering") for text in statuses)
+
+    # an API answer runs; a chat message waits for it until that client leaves
+    chat_prefs.update(max_new_tokens=6)
+    leave = threading.Event()
+    running = ApiCall(client, card.id, max_tokens=1500, leave=leave)
+    running.start()
+    qtbot.waitUntil(lambda: len(running.chunks) >= 2, timeout=60_000)
+    before = len(rendered)
+    _send(qtbot, window, "are you there?")
+    assert chat.busy
+    qtbot.waitUntil(lambda: len(running.chunks) >= 10, timeout=60_000)
+    assert len(rendered) == before and chat.view.answer_text == ""  # the chat waits its turn
+    with qtbot.waitSignal(chat.answer_finished, timeout=60_000) as finished:
+        leave.set()  # the API client leaves: its generation is cancelled, the chat answers
+    assert finished.args == ["length"] and chat.view.messages[-1].text
+    running.join(30)
+    assert running.error is None
+    qtbot.waitUntil(lambda: api.status_label.text().startswith("API: 127.0.0.1:"), timeout=30_000)
+
+
+def test_without_a_model_the_api_says_so_and_a_taken_port_is_reported(qtbot: QtBot, open_window,
+                                                                        make_prefs) -> None:
+    prefs = make_prefs(server_enabled=True, server_port=0)
+    window = open_window(prefs, wait_loaded=False)
+    client = openai.OpenAI(base_url=window.api.url, api_key="unused", max_retries=0)
+    assert client.models.list().data == []
+    with pytest.raises(openai.InternalServerError) as exc:
+        client.chat.completions.create(model="any", messages=[{"role": "user", "content": "hi"}])
+    assert exc.value.status_code == 503 and "No model is loaded" in exc.value.response.json()["error"]["message"]
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        prefs.update(server_port=port)
+        assert str(port) in window.api.error and window.api.url == ""
+        assert window.api.status_label.text() == "API: off (see Settings > Server)"
+        assert str(port) in window.api.status_label.toolTip()
+    prefs.update(server_port=0, server_lan=True)  # every network, no key: refused
+    assert "API key" in window.api.error
+    prefs.update(server_enabled=False)
+    assert window.api.error == "" and not window.api.status_label.isVisible()
