@@ -1,8 +1,8 @@
 """GGUF models that LM Studio and Ollama keep, found where they are so SpecChat can use them in
 place (no copy): name, size, quantisation and architecture, read from each file's header.
 
-- LM Studio: `<models folder>/<publisher>/<repo>/<file>.gguf`, in ~/.lmstudio/models or (older
-  versions) ~/.cache/lm-studio/models. Vision projectors (mmproj-*.gguf) are not models;
+- LM Studio: `<models folder>/<publisher>/<repo>/<file>.gguf`, in ~/.lmstudio/models, (older
+  versions) ~/.cache/lm-studio/models, or where its settings.json's "downloadsFolder" moved it. Vision projectors (mmproj-*.gguf) are not models;
   a model split into several files is shown but cannot load yet.
 - Ollama: ~/.ollama/models (or $OLLAMA_MODELS): `manifests/<registry>/<namespace>/<model>/<tag>`
   are JSON manifests whose "application/vnd.ollama.image.model" layer names the weights by
@@ -69,8 +69,25 @@ def app_folders(home: Path | None = None) -> list[tuple[str, Path]]:
     """Where LM Studio and Ollama keep models on this machine (existing or not)."""
     home = home or Path.home()
     ollama = os.environ.get("OLLAMA_MODELS")
-    return [(LM_STUDIO, home / ".lmstudio" / "models"), (LM_STUDIO, home / ".cache" / "lm-studio" / "models"),
-            (OLLAMA, Path(ollama).expanduser() if ollama else home / ".ollama" / "models")]
+    lm_studio = [home / ".lmstudio" / "models", home / ".cache" / "lm-studio" / "models"]
+    moved = _lm_studio_moved(home)
+    return [(LM_STUDIO, p) for p in lm_studio + ([moved] if moved and moved not in lm_studio else [])] + [
+        (OLLAMA, Path(ollama).expanduser() if ollama else home / ".ollama" / "models")]
+
+
+def _lm_studio_moved(home: Path) -> Path | None:
+    """The models folder a user chose in LM Studio ("downloadsFolder" in its settings.json), if
+    any. The file is untrusted: only an absolute path is taken, and only ever read from."""
+    for settings in (home / ".lmstudio" / "settings.json", home / ".cache" / "lm-studio" / "settings.json"):
+        try:
+            if settings.stat().st_size > MAX_MANIFEST_BYTES:
+                continue
+            folder = json.loads(settings.read_text(encoding="utf-8")).get("downloadsFolder")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(folder, str) and folder and Path(folder).expanduser().is_absolute():
+            return Path(folder).expanduser()
+    return None
 
 
 class HeaderFacts:

@@ -15,7 +15,7 @@ import pytest
 from gguf import GGUFWriter
 
 from engine.cli.main import main
-from engine.store import discover_models, list_local_models, resolve_model
+from engine.store import Discovery, discover_models, list_local_models, resolve_model
 from engine.store.discover import LM_STUDIO, OLLAMA, app_folders
 
 HOME_LMS = Path(".lmstudio") / "models"
@@ -165,3 +165,19 @@ def test_no_folders_no_list_and_ollama_models_moves_it(tmp_path: Path, monkeypat
     assert discover_models().models == () and discover_models().problems == ()
     assert (OLLAMA, tmp_path / "store") in app_folders()
     assert os.environ["OLLAMA_MODELS"] == str(tmp_path / "store")
+
+
+def test_a_moved_lm_studio_folder_is_found_through_its_settings(tmp_path: Path, tiny: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    home, moved = tmp_path / "home", tmp_path / "big-disk" / "models"
+    (moved / "pub" / "Tiny-GGUF").mkdir(parents=True)
+    shutil.copy2(tiny, moved / "pub" / "Tiny-GGUF" / "Moved-Q8_0.gguf")
+    (home / ".lmstudio").mkdir(parents=True)
+    (home / ".lmstudio" / "settings.json").write_text(json.dumps({"downloadsFolder": str(moved)}))
+    monkeypatch.setenv("HOME", str(home))
+    assert (LM_STUDIO, moved) in app_folders()
+    assert [m.name for m in discover_models().models] == ["Moved-Q8_0"]
+    for junk in ('{"downloadsFolder": "relative/models"}', '{"downloadsFolder": 7}', "[1]", "{not json"):
+        (home / ".lmstudio" / "settings.json").write_text(junk)  # ignored, never an error
+        assert discover_models() == Discovery((), ())
+
