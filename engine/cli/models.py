@@ -24,6 +24,7 @@ from engine.store.discover import Discovery, app_folders, discover_models
 from engine.store.download import download_model
 from engine.store.paths import default_models_dir, hf_hub_cache_dir
 from engine.store.registry import (
+    FOUND_SOURCES,
     find_local_model,
     found_as_local,
     import_model,
@@ -81,9 +82,10 @@ def _list(models_dir: Path, as_json: bool, out: TextIO) -> int:
         out.write("\n")
         return 0
     out.write(f"Local models in {models_dir} (and the Hugging Face cache):\n")
-    if not local:
+    own = [m for m in local if m.source not in FOUND_SOURCES]  # the found ones get their own section
+    if not own:
         out.write("  (none yet: try `specchat models download smollm2-135m-instruct`)\n")
-    for m in local:
+    for m in own:
         out.write(f"  {m.model_id:<36} {format_bytes(m.size_bytes):>9}  {m.source:<10} {m.path}\n")
     _write_found(found, out)
     out.write(f"\nCatalog (checked {catalog.checked_on}):\n")

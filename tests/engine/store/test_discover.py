@@ -143,6 +143,7 @@ def test_models_list_and_import_show_and_register_them(trees: Path, tmp_path: Pa
     out = capsys.readouterr().out
     assert "Found in LM Studio and Ollama" in out and "tiny:latest" in out and "Q8_0 · llama" in out
     assert "! Ollama's gone:7b" in out
+    assert out.count("tiny:latest") == 1  # in its own section, not again under the local models
     assert main(["models", "list", "--json", "--models-dir", str(models)]) == 0
     listing = json.loads(capsys.readouterr().out)
     assert {f["name"] for f in listing["found"] if f["runnable"]} == {"Tiny-Q8_0", "tiny:latest"}
