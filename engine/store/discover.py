@@ -126,13 +126,18 @@ Candidate = tuple[str, str, Path, str]  # name, app, path, where (for messages)
 def _candidates(folders: Sequence[tuple[str, Path]] | None, problems: list[str]) -> list[Candidate]:
     out: list[Candidate] = []
     seen: set[Path] = set()
+    names: set[str] = set()
     for app, root in folders if folders is not None else app_folders():
         if not root.is_dir():
             continue
         for c in _lm_studio(root, problems) if app == LM_STUDIO else _ollama(root, problems):
-            if c[2].resolve() not in seen:  # the same file reached twice
-                seen.add(c[2].resolve())
-                out.append(c)
+            if c[2].resolve() in seen:  # the same file reached twice
+                continue
+            seen.add(c[2].resolve())
+            if c[0] in names and app == LM_STUDIO:  # the same file name in two repos: the later by its path
+                c = (c[3].removeprefix(f"{LM_STUDIO}: ")[: -len(".gguf")], *c[1:])
+            names.add(c[0])
+            out.append(c)
     return out
 
 

@@ -182,3 +182,16 @@ def test_a_moved_lm_studio_folder_is_found_through_its_settings(tmp_path: Path, 
         (home / ".lmstudio" / "settings.json").write_text(junk)  # ignored, never an error
         assert discover_models() == Discovery((), ())
 
+
+def test_the_same_file_name_in_two_lm_studio_repos_gets_two_names(tmp_path: Path, tiny: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    lms = tmp_path / "home" / HOME_LMS
+    for repo in ("a/Tiny-GGUF", "b/Tiny-GGUF"):
+        (lms / repo).mkdir(parents=True)
+        shutil.copy2(tiny, lms / repo / "model-Q8_0.gguf")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    found = {m.name: m.path for m in discover_models().models}
+    assert found == {"model-Q8_0": lms / "a/Tiny-GGUF/model-Q8_0.gguf",
+                     "b/Tiny-GGUF/model-Q8_0": lms / "b/Tiny-GGUF/model-Q8_0.gguf"}
+    assert resolve_model("b/Tiny-GGUF/model-Q8_0", tmp_path / "models") == lms / "b/Tiny-GGUF/model-Q8_0.gguf"
+
