@@ -1,4 +1,7 @@
-"""`specchat models list|download ID|import PATH|remove ID` (arguments in parser.py).
+"""`specchat models list|download ID|import [PATH]|remove ID` (arguments in parser.py).
+
+`list` also shows the GGUFs LM Studio and Ollama keep (usable in place by the name shown);
+`import` without a PATH registers every runnable one of them, by reference.
 
 CLI output goes to stdout (results) and stderr (progress bar, errors). An EngineError goes to
 main.py (one `error:` line, exit 1, or 2 for a usage error); Ctrl-C during a download keeps the
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import threading
 from pathlib import Path
@@ -20,10 +24,13 @@ from tqdm import tqdm
 from engine.cli.parser import EXIT_INTERRUPTED
 from engine.errors import ModelNotFound, UsageError
 from engine.store.catalog import usable_catalog
+from engine.store.discover import Discovery, app_folders, discover_models
 from engine.store.download import download_model
 from engine.store.paths import default_models_dir, hf_hub_cache_dir
 from engine.store.registry import (
+    FOUND_SOURCES,
     find_local_model,
+    found_as_local,
     import_model,
     list_local_models,
     remove_model,
@@ -40,6 +47,8 @@ def run_models(args: argparse.Namespace) -> int:
         return _list(models_dir, args.json, sys.stdout)
     if args.models_command == "download":
         return _download(args, models_dir)
+    if args.models_command == "import" and args.path is None:
+        return _import_found(models_dir, args.copy)
     if args.models_command == "import":
         model = import_model(args.path, models_dir, args.name, args.copy)
         how = "copied into" if args.copy else "registered in (files stay in place)"
@@ -53,13 +62,18 @@ def run_models(args: argparse.Namespace) -> int:
 
 def _list(models_dir: Path, as_json: bool, out: TextIO) -> int:
     catalog = usable_catalog()
-    local = list_local_models(models_dir, hf_hub_cache_dir())
+    found = discover_models()
+    local = list_local_models(models_dir, hf_hub_cache_dir(), found.models)
     local_repos = {(m.repo_id or "").lower() for m in local} | {m.model_id for m in local}
     if as_json:
         json.dump({
             "models_dir": str(models_dir),
             "local": [{"id": m.model_id, "repo_id": m.repo_id, "source": m.source, "path": str(m.path),
-                       "size_bytes": m.size_bytes} for m in local],
+                       "size_bytes": m.size_bytes, "detail": m.detail} for m in local],
+            "found": [{"name": f.name, "app": f.app, "path": str(f.path), "size_bytes": f.size_bytes,
+                       "architecture": f.architecture, "quantisation": f.quantisation, "runnable": f.runnable,
+                       "note": f.note} for f in found.models],
+            "found_problems": list(found.problems),
             "catalog": [{"id": m.id, "repo_id": m.repo_id, "role": m.role, "download_bytes": m.download_bytes,
                          "parameters": m.parameters, "license": m.license, "gated": m.gated,
                          "local": m.id in local_repos or m.repo_id.lower() in local_repos} for m in catalog.models],
@@ -68,10 +82,12 @@ def _list(models_dir: Path, as_json: bool, out: TextIO) -> int:
         out.write("\n")
         return 0
     out.write(f"Local models in {models_dir} (and the Hugging Face cache):\n")
-    if not local:
+    own = [m for m in local if m.source not in FOUND_SOURCES]  # the found ones get their own section
+    if not own:
         out.write("  (none yet: try `specchat models download smollm2-135m-instruct`)\n")
-    for m in local:
+    for m in own:
         out.write(f"  {m.model_id:<36} {format_bytes(m.size_bytes):>9}  {m.source:<10} {m.path}\n")
+    _write_found(found, out)
     out.write(f"\nCatalog (checked {catalog.checked_on}):\n" if catalog.models else "\nCatalog: unavailable\n")
     for m in catalog.models:
         mark = "*" if m.id in local_repos or m.repo_id.lower() in local_repos else " "
@@ -81,6 +97,37 @@ def _list(models_dir: Path, as_json: bool, out: TextIO) -> int:
     out.write("\nPairs (target + draft):\n")
     for p in catalog.pairs:
         out.write(f"  {p.id:<24} {p.target} + {p.draft}\n")
+    return 0
+
+
+def _write_found(found: Discovery, out: TextIO) -> None:
+    if not found.models and not found.problems:
+        return
+    out.write("\nFound in LM Studio and Ollama (used where they are, by the name shown):\n")
+    for f in found.models:
+        out.write(f"  {f.name:<36} {format_bytes(f.size_bytes):>9}  {f.app:<10} {f.detail}\n")
+    for line in found.problems:
+        out.write(f"  ! {line}\n")
+
+
+def _import_found(models_dir: Path, copy: bool) -> int:
+    """Register every runnable GGUF LM Studio and Ollama keep (by reference unless --copy)."""
+    found = discover_models()
+    imported = {m.path for m in list_local_models(models_dir)}
+    for line in found.problems:
+        print(f"note: {line}", file=sys.stderr)
+    runnable = [f for f in found.models if f.runnable]
+    if not runnable:
+        where = ", ".join(str(p) for _, p in app_folders())
+        print(f"No GGUF model SpecChat can run was found (looked in {where}).")
+        return 0
+    for f in runnable:
+        if f.path.resolve() in imported:
+            print(f"{f.name}: already imported")
+            continue
+        name = re.sub(r"[^A-Za-z0-9._-]+", "-", f.name).strip("-.") or "model"
+        model = import_model(f.path, models_dir, name, copy)
+        print(f"imported {model.model_id} ({format_bytes(model.size_bytes)}, {f.detail}) from {f.app}: {f.path}")
     return 0
 
 
@@ -104,10 +151,12 @@ def _download(args: argparse.Namespace, models_dir: Path) -> int:
 
 def _remove(args: argparse.Namespace, models_dir: Path) -> int:
     model = find_local_model(args.model, models_dir, hf_hub_cache_dir(), usable_catalog())
+    if model is None:  # a GGUF LM Studio or Ollama keeps: remove_model explains whose it is
+        model = next((found_as_local(f) for f in discover_models().models if f.name == args.model), None)
     if model is None:
         raise ModelNotFound(f"No local model {args.model!r}. See `specchat models list`.")
     if model.folder is None:
-        remove_model(model)  # raises the HF-cache explanation
+        remove_model(model)  # raises the HF-cache or LM Studio/Ollama explanation
     frees = (f"frees {format_bytes(model.size_bytes)}" if model.owns_files
              else f"frees nothing (the files stay at {model.path})")
     print(f"{model.model_id}: {model.path} — removing it {frees}.")

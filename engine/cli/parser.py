@@ -232,8 +232,9 @@ def _add_models(commands: argparse._SubParsersAction) -> None:
                           default=DownloadSettings.stall_timeout_s, metavar="SECONDS",
                           help="retry a transfer that sends nothing for this long "
                           f"(default: {DownloadSettings.stall_timeout_s:g})")
-    imported = actions.add_parser("import", parents=[common], help="register a local HF folder or .gguf file")
-    imported.add_argument("path", type=Path, metavar="PATH")
+    imported = actions.add_parser("import", parents=[common], help="register a local HF folder or .gguf file; "
+                                  "without PATH, the GGUFs LM Studio and Ollama keep")
+    imported.add_argument("path", type=Path, metavar="PATH", nargs="?", default=None)
     imported.add_argument("--name", default=None, help="id to use it by (default: folder or file name)")
     imported.add_argument("--copy", action="store_true", help="copy the files into the models folder")
     remove = actions.add_parser("remove", parents=[common], help="delete a model (shows the size first)")
@@ -298,8 +299,9 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
 
     offload = kinds.add_parser("offload", help="streamed vs resident pass time; peak RSS of a load",
                                description="Pass time of the resident vs streamed (and disk-tier) target per "
-                               "budget; with --load-rss, peak RSS of loading a synthetic ~1.5 GB Llama.")
-    offload.add_argument("--target", metavar="MODEL", help="a model folder (default: a synthetic Llama)")
+                               "budget; with --load-rss, peak RSS of loading a synthetic ~1.5 GB Llama; with "
+                               "--gguf, a GGUF kept in its Q4_K_M blocks against NF4 and dense layers.")
+    offload.add_argument("--target", metavar="MODEL", help="a model folder or .gguf (default: a synthetic Llama)")
     offload.add_argument("--budgets", default="1,4,16,64,256", metavar="LIST")
     offload.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     offload.add_argument("--quant", choices=("none", "nf4"), default="none")
@@ -308,6 +310,9 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     offload.add_argument("--threads", type=int_at_least(1), default=None, help="torch CPU threads")
     offload.add_argument("--load-rss", action="store_true",
                          help="measure peak RSS of loading the ~1.5 GB synthetic Llama")
+    offload.add_argument("--gguf", action="store_true",
+                         help="bytes per streamed layer and pass times of a Q4_K_M GGUF (kept packed) vs NF4 vs "
+                         "dense layers of the same shape; with --load-rss: the synthetic ~1.5 GB K-quant GGUF")
     offload.set_defaults(**{HANDLER: "engine.cli.bench_offload:run_bench_offload"})
     _add_bench_gpu(kinds)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.types import ModelShape, Offload, Placement, Quant
+from engine.types import ModelShape, Offload, Packing, Placement
 from engine.units import GIB
 
 RING_SLOTS = 3  # device slots the streamer cycles offloaded layers through
@@ -56,7 +56,7 @@ def generation_bytes(target: ModelShape, draft: ModelShape | None, dtype_bytes: 
     return need
 
 
-def plan_placement(*, num_layers: int, layer_bytes: int, dense_layer_bytes: int, quant: Quant,
+def plan_placement(*, num_layers: int, layer_bytes: int, dense_layer_bytes: int, quant: Packing,
                    offload: Offload, device: str, device_free: int, needs: MemoryNeeds, context_length: int,
                    host_free: int, margin: int = GIB, ring_slots: int = RING_SLOTS) -> Placement:
     """How many decoder layers stay on the device, in RAM and on disk.
@@ -84,8 +84,8 @@ def plan_placement(*, num_layers: int, layer_bytes: int, dense_layer_bytes: int,
     else:
         budget = device_free - needs.fixed - needs.kv_per_token * context_length - needs.activations - margin
         gpu = max(0, min(num_layers, budget // max(layer_bytes, 1)))
-        if gpu < num_layers:  # streaming needs a ring (and an NF4 dense buffer)
-            ring = ring_slots * layer_bytes + (dense_layer_bytes if quant == "nf4" else 0)
+        if gpu < num_layers:  # streaming needs a ring (and, for packed layers, a dense buffer)
+            ring = ring_slots * layer_bytes + (dense_layer_bytes if quant != "none" else 0)
             gpu = max(0, min(num_layers, (budget - ring) // max(layer_bytes, 1)))
     rest = num_layers - gpu
     ram = min(rest, fit)

@@ -1,4 +1,6 @@
-"""The registry of local models: what is in the models folder, plus what the HF cache holds.
+"""The registry of local models: what is in the models folder, plus what the HF cache holds,
+plus (when the caller passes them) the GGUFs LM Studio and Ollama keep (discover.py), used in
+place.
 
 Each registered model is a folder `<models dir>/<slug>/` holding a manifest
 (`specchat-model.json`) and usually the model files themselves. A model is registered only by
@@ -28,6 +30,7 @@ from engine.errors import (
     UsageError,
 )
 from engine.store.catalog import Catalog
+from engine.store.discover import LM_STUDIO, FoundModel
 from engine.store.hub_cache import find_cached_repo, list_cached_repos
 from engine.store.paths import inside, is_repo_id
 from engine.units import format_bytes
@@ -49,13 +52,24 @@ class LocalModel:
 
     model_id: str
     repo_id: str | None
-    source: str  # "hub" | "import" | "pypi-wheel" | "hf-cache"
+    source: str  # "hub" | "import" | "pypi-wheel" | "hf-cache" | "lmstudio" | "ollama"
     path: Path
     size_bytes: int
     files: tuple[str, ...]
     revision: str | None
-    folder: Path | None  # registry folder; None for HF-cache models
+    folder: Path | None  # registry folder; None for HF-cache and found models
     owns_files: bool  # removing it frees size_bytes
+    detail: str = ""  # what a found GGUF is: "Q4_K_M · llama"
+
+
+FOUND_SOURCES = {"lmstudio": "LM Studio", "ollama": "Ollama"}
+
+
+def found_as_local(found: FoundModel) -> LocalModel:
+    """A GGUF LM Studio or Ollama keeps, as a local model used in place."""
+    source = "lmstudio" if found.app == LM_STUDIO else "ollama"
+    return LocalModel(found.name, None, source, found.path, found.size_bytes, (found.path.name,), None, None, False,
+                      found.detail)
 
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
@@ -117,21 +131,25 @@ def read_manifest(folder: Path) -> LocalModel | None:
         return None
 
 
-def list_local_models(models_dir: Path, hf_cache_dir: Path | None = None) -> list[LocalModel]:
-    """Registered models, then HF-cache models not already registered under the same repo id."""
-    found: list[LocalModel] = []
+def list_local_models(models_dir: Path, hf_cache_dir: Path | None = None,
+                      found: list[FoundModel] | tuple[FoundModel, ...] = ()) -> list[LocalModel]:
+    """Registered models, then HF-cache models not already registered under the same repo id,
+    then the runnable `found` GGUFs (discover.py) not already imported."""
+    listed: list[LocalModel] = []
     if models_dir.is_dir():
         for folder in sorted(models_dir.iterdir()):
             if folder.is_dir() and not folder.name.startswith("."):
                 model = read_manifest(folder)
                 if model is not None:
-                    found.append(model)
+                    listed.append(model)
     if hf_cache_dir is not None:
-        known = {m.repo_id.lower() for m in found if m.repo_id}
+        known = {m.repo_id.lower() for m in listed if m.repo_id}
         for cached in list_cached_repos(hf_cache_dir):
             if cached.repo_id.lower() not in known:
-                found.append(_from_cache(cached.repo_id, cached))
-    return found
+                listed.append(_from_cache(cached.repo_id, cached))
+    paths = {m.path for m in listed}
+    listed += [found_as_local(f) for f in found if f.runnable and f.path.resolve() not in paths]
+    return listed
 
 
 def find_local_model(
@@ -167,7 +185,7 @@ def import_model(path: Path, models_dir: Path, name: str | None = None, copy: bo
     if not source.exists():
         raise ModelNotFound(f"Nothing to import at {source}: check the path.")
     if source.is_file():
-        if source.suffix.lower() != ".gguf":
+        if source.suffix.lower() != ".gguf" and not _starts_like_gguf(source):  # Ollama's blobs have no suffix
             raise UnsupportedModel(
                 f"{source.name} is not a .gguf file. Import a .gguf file or a Hugging Face folder "
                 "(config.json + *.safetensors + tokenizer files)."
@@ -224,8 +242,21 @@ def import_model(path: Path, models_dir: Path, name: str | None = None, copy: bo
     return model
 
 
+def _starts_like_gguf(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
 def remove_model(model: LocalModel) -> int:
     """Delete a registered model's folder; returns the bytes freed (0 for imports by reference)."""
+    if model.source in FOUND_SOURCES:
+        raise InvalidRequest(
+            f"{model.model_id} belongs to {FOUND_SOURCES[model.source]} ({model.path}); SpecChat only uses it "
+            f"where it is. Remove it in {FOUND_SOURCES[model.source]}."
+        )
     if model.folder is None:
         raise InvalidRequest(
             f"{model.model_id} lives in the Hugging Face cache ({model.path}), which other apps share. "
