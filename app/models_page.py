@@ -3,7 +3,8 @@
 Layout, top to bottom: the active pair (two combo boxes over the local models and a "Use this
 pair" button), a line about this computer's hardware profile, two tabs — "Catalog" (every pair
 with its fit badge and the planner's tok/s on this machine) and "On this computer" (local models
-with sizes; import, remove, download by repo id) — and the download queue (a progress bar, speed,
+with sizes, plus the GGUFs LM Studio and Ollama keep, used where they are; import, remove,
+download by repo id) — and the download queue (a progress bar, speed,
 ETA, pause/resume and cancel per model).
 
 Downloads run in a `DownloadQueue` (app/download_worker.py); the page only reacts to its signals.
@@ -51,8 +52,11 @@ from app.recommend import PairOption, load_profile, pair_options, profile_headli
 from app.status import ElidedLabel
 from engine.errors import EngineError
 from engine.store import (
+    Discovery,
     DownloadSettings,
+    HeaderFacts,
     LocalModel,
+    discover_models,
     hf_hub_cache_dir,
     import_model,
     list_local_models,
@@ -60,6 +64,7 @@ from engine.store import (
     remove_model,
 )
 from engine.store.catalog import Catalog
+from engine.store.registry import FOUND_SOURCES
 from engine.types import DownloadProgress
 from engine.units import format_bytes
 
@@ -168,6 +173,8 @@ class ModelsPage(QWidget):
         self._prefs = store.load()
         self._hf_cache = hf_cache_dir
         self._local: list[LocalModel] = []
+        self._facts = HeaderFacts()  # each found GGUF's header is read once per change of the file
+        self.found = Discovery((), ())
         self._options: list[PairOption] = []
         self.rows: dict[str, DownloadRow] = {}
         self._download_args = {"endpoint": endpoint, "settings": download_settings or DownloadSettings(),
@@ -300,6 +307,10 @@ class ModelsPage(QWidget):
         import_folder = QPushButton("Import &folder…")
         import_folder.setAccessibleName("Import a Hugging Face model folder")
         import_folder.clicked.connect(self._on_import_folder_clicked)
+        self.found_label = QLabel()
+        self.found_label.setWordWrap(True)
+        self.found_label.setAccessibleName("Problems with LM Studio and Ollama models")
+        self.found_label.hide()
         import_gguf = QPushButton("Import .&gguf…")
         import_gguf.setAccessibleName("Import a GGUF file")
         import_gguf.clicked.connect(self._on_import_gguf_clicked)
@@ -323,6 +334,7 @@ class ModelsPage(QWidget):
         tab = QWidget()
         layout = QVBoxLayout(tab)
         layout.addWidget(self.local_table)
+        layout.addWidget(self.found_label)
         layout.addLayout(buttons)
         return tab
 
@@ -365,8 +377,9 @@ class ModelsPage(QWidget):
         self.folder_label.setText(f"Folder: {self.models_dir}")
         self.folder_label.setToolTip(str(self.models_dir))
         cache = self._hf_cache if self._hf_cache is not None else hf_hub_cache_dir()
+        self.found = discover_models(facts=self._facts)  # LM Studio's and Ollama's GGUFs, used in place
         try:
-            self._local = list_local_models(self.models_dir, cache)
+            self._local = list_local_models(self.models_dir, cache, self.found.models)
         except OSError as exc:
             log.warning("cannot list %s: %s", self.models_dir, exc)
             self._local = []
@@ -375,6 +388,8 @@ class ModelsPage(QWidget):
         self.profile_label.setText("This computer: " + profile_headline(profile))
         self._fill_catalog()
         self._fill_local()
+        self.found_label.setText("\n".join(f"⚠ {line}" for line in self.found.problems))
+        self.found_label.setVisible(bool(self.found.problems))
         self._fill_pair_combos()
         self._update_buttons()
 
@@ -405,10 +420,12 @@ class ModelsPage(QWidget):
     def _fill_local(self) -> None:
         table = self.local_table
         table.setRowCount(len(self._local))
-        sources = {"hub": "downloaded", "import": "imported", "pypi-wheel": "PyPI wheel", "hf-cache": "HF cache"}
+        sources = {"hub": "downloaded", "import": "imported", "pypi-wheel": "PyPI wheel", "hf-cache": "HF cache",
+                   **FOUND_SOURCES}
         for row, model in enumerate(self._local):
             size = format_bytes(model.size_bytes) + ("" if model.owns_files else " (not copied)")
-            for col, text in enumerate([model.model_id, sources.get(model.source, model.source), size, str(model.path)]):
+            source = sources.get(model.source, model.source) + (f" · {model.detail}" if model.detail else "")
+            for col, text in enumerate([model.model_id, source, size, str(model.path)]):
                 item = QTableWidgetItem(text)
                 item.setData(Qt.ItemDataRole.UserRole, model.model_id)
                 table.setItem(row, col, item)
@@ -448,7 +465,8 @@ class ModelsPage(QWidget):
         missing = option is not None and any(m and not self.is_local(m) for m in (option.target, option.draft))
         self.download_button.setEnabled(missing)
         self.catalog_use_button.setEnabled(option is not None and not missing)
-        self.remove_button.setEnabled(self.selected_local() is not None)
+        local = self.selected_local()  # LM Studio's and Ollama's own models are removed in those apps
+        self.remove_button.setEnabled(local is not None and local.source not in FOUND_SOURCES)
         self.use_button.setEnabled(self.target_combo.count() > 0)
 
     def selected_option(self) -> PairOption | None:
@@ -549,7 +567,8 @@ class ModelsPage(QWidget):
             self.import_path(Path(folder))
 
     def _on_import_gguf_clicked(self) -> None:
-        path, _ = QFileDialog.getOpenFileName(self, "Import a GGUF file", "", "GGUF models (*.gguf)")
+        path, _ = QFileDialog.getOpenFileName(self, "Import a GGUF file", "",
+                                              "GGUF models (*.gguf);;All files, e.g. an Ollama blob (*)")
         if path:
             self.import_path(Path(path))
 

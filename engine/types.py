@@ -17,6 +17,9 @@ FinishReason = Literal["eos", "length", "stop", "cancelled"]
 DecodeMode = Literal["specexec", "autoregressive"]
 Device = Literal["auto", "cpu", "cuda"]
 Quant = Literal["none", "nf4"]
+# how decoder layers are kept and streamed: 16-bit, NF4, a GGUF file's own blocks, int4 AWQ/GPTQ
+Packing = Literal["none", "nf4", "gguf", "awq", "gptq"]
+PACKING_LABELS = {"none": "", "nf4": " (NF4)", "gguf": " (GGUF blocks)", "awq": " (AWQ int4)", "gptq": " (GPTQ int4)"}
 Offload = Literal["auto", "none", "all"]
 TreeMode = Literal["specexec", "sequoia"]
 Fit = Literal["fits", "slow", "too big"]
@@ -312,14 +315,14 @@ class LoadProgress:
 @dataclass(frozen=True)
 class Placement:
     """Where the target's decoder layers live. layer_bytes is one decoder layer as stored and
-    streamed (packed NF4 counts its packed size plus scales)."""
+    streamed (packed NF4 counts its packed size plus scales; GGUF layers their largest)."""
 
     num_layers: int
     gpu_layers: int
     ram_layers: int = 0
     disk_layers: int = 0
     layer_bytes: int = 0
-    quant: Quant = "none"
+    quant: Packing = "none"
     device: str = "cpu"
 
     def describe(self) -> str:
@@ -327,7 +330,7 @@ class Placement:
         GPU, 62 in RAM" on a GPU; on a CPU, where the device memory is the RAM, "3 of 5 layers
         resident, 2 streamed from disk"."""
         n = self.num_layers
-        nf4 = " (NF4)" if self.quant == "nf4" else ""
+        nf4 = PACKING_LABELS[self.quant]
         if self.device.startswith("cuda"):
             if self.gpu_layers == n:
                 return f"all {n} layers on GPU{nf4}"
@@ -378,6 +381,22 @@ class GenerationRequest:
             raise InvalidRequest("Only an answer can be continued: the last message must be the assistant's.")
         if self.max_new_tokens < 1:
             raise InvalidRequest(f"max new tokens must be at least 1 (got {self.max_new_tokens}).")
+        texts = [("The prompt", self.raw_prompt or "")] + [(f"A {m.role} message", m.content) for m in self.messages]
+        for what, text in texts + [("A stop string", stop) for stop in self.stop]:
+            check_text(text, what)
+
+
+def check_text(text: str, what: str) -> None:
+    """InvalidRequest when `text` cannot be UTF-8 encoded: lone surrogates, which is how Python
+    carries the bytes of a non-UTF-8 command-line argument (surrogateescape). The tokenizer
+    would fail on them with a TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequest(
+            f"{what} is not valid UTF-8 text (an undecodable byte at character {exc.start + 1}). "
+            "Pass the text in UTF-8; a terminal or file in another encoding can cause this."
+        ) from None
 
 
 @dataclass(frozen=True)

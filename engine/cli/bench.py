@@ -29,7 +29,7 @@ import torch
 
 from engine.cli import common
 from engine.decoding.generation import Engine
-from engine.errors import InvalidRequest
+from engine.errors import InvalidRequest, UsageError
 from engine.loading.load import check_pair, load_model
 from engine.planning import planner
 from engine.planning.calibration import AcceptanceCurve
@@ -242,7 +242,7 @@ def write_plot(rows: Sequence[BenchRow], path: Path,
 def run_bench_speculation(args: argparse.Namespace) -> int:
     budgets = common.parse_list(args.budgets, int, "budgets")
     if min(budgets) < 1:
-        raise InvalidRequest("Every budget must be at least 1.")
+        raise UsageError("Every budget must be at least 1.")
     temperatures = common.parse_list(args.temperatures, float, "temperatures")
     prompts = common.read_prompts(args.prompts, DEFAULT_PROMPTS)
     if args.threads:

@@ -38,7 +38,7 @@ from engine.errors import ContextTooLong, OutOfMemory
 from engine.model.cache import KVCache
 from engine.model.cache_files import CacheFiles
 from engine.model.causal_lm import CausalLM
-from engine.planning.placement import tokens_per_pass
+from engine.planning.placement import generation_bytes, tokens_per_pass
 from engine.types import (
     CacheSettings,
     Completion,
@@ -51,6 +51,7 @@ from engine.types import (
     TokenEvent,
     Tokenizer,
 )
+from engine.units import format_bytes
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +157,7 @@ class Engine:
         if len(prompt) + request.max_new_tokens > context:  # the answer stops at the context's end
             request = replace(request, max_new_tokens=context - len(prompt))
         use_spec = request.speculation.mode == "specexec" and self.draft is not None
+        check_fits(self.target, self.draft if use_spec else None, len(prompt), request)
         return self._decode(request, prompt, use_spec, cancel or threading.Event())
 
     def _decode(self, request: GenerationRequest, prompt: list[int], use_spec: bool,
@@ -197,7 +199,8 @@ class Engine:
         sampling, spec = request.sampling, request.speculation
         gen = None if sampling.greedy else make_generator(sampling.seed)
         t0 = time.perf_counter()
-        spare = request.max_new_tokens + spec.budget + 8
+        tree = spec.budget if use_spec else 1  # autoregressive: one token per pass, whatever the budget
+        spare = request.max_new_tokens + tree + 8
         if self.cache_settings.enabled:
             prefix, cached = self.prefixes.take(prompt, request.conversation, self._new_caches)
         else:
@@ -401,6 +404,52 @@ def _next_prefill_chunk(size: int, seconds: float, last: tuple[int, float] | Non
         return min(most, size * 2)
     fit = int(size * PREFILL_STEP_S / seconds)
     return max(PREFILL_MIN_CHUNK, min(most, fit, size * 2))
+
+
+def check_fits(target: CausalLM, draft: CausalLM | None, prompt: int, request: GenerationRequest) -> None:
+    """OutOfMemory, naming the largest tree budget and answer length that would fit, when the
+    caches and one pass of this request cannot fit in the memory free where they live (a
+    budget of 10^9 would otherwise die in the allocator, asking for 100+ GB)."""
+    budget = request.speculation.budget if draft is not None else 1
+    esize = target.dtype.itemsize
+
+    def need(max_new: int, tree: int) -> int:
+        return generation_bytes(target.shape, draft.shape if draft is not None else None, esize, prompt, max_new,
+                                tree)
+
+    free = free_memory(target.device)
+    if need(request.max_new_tokens, budget) <= free:
+        return
+    where = "GPU memory" if target.device.type == "cuda" else "RAM"
+    advice = []
+    if draft is not None:
+        most = _largest(lambda b: need(request.max_new_tokens, b) <= free, budget)
+        advice += [f"a tree budget of at most {most}"] if most else []
+    most = _largest(lambda m: need(m, budget) <= free, request.max_new_tokens)
+    advice += [f"at most {most} new tokens per answer"] if most else []
+    raise OutOfMemory(
+        f"This request needs about {format_bytes(need(request.max_new_tokens, budget))} of {where} for its KV "
+        f"caches and one pass over the tree, but {format_bytes(free)} is free. "
+        + (f"Use {' or '.join(advice)}." if advice else "Start a new conversation, or free some memory.")
+    )
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes a new allocation can get on `device`: free GPU memory plus what PyTorch's caching
+    allocator holds unused; on the CPU the available RAM."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+    return int(psutil.virtual_memory().available)
+
+
+def _largest(fits: Callable[[int], bool], above: int) -> int:
+    """The largest n in [0, above) with fits(n), for a monotone `fits` (0 when none)."""
+    low, high = 0, above  # fits(low) is assumed (0 means "none"), fits(high) is false
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
 
 
 def _shrink_after_oom(request: GenerationRequest, device: torch.device) -> tuple[GenerationRequest, bool]:

@@ -1,6 +1,6 @@
 """Shared by every app test: no test reads or writes the user's real state.
 
-An autouse fixture points SPECCHAT_DATA_DIR / CACHE_DIR / MODELS_DIR, XDG_CONFIG_HOME and
+An autouse fixture points SPECCHAT_DATA_DIR / CACHE_DIR / MODELS_DIR, XDG_CONFIG_HOME, HOME and
 QSettings' user-scope INI path into tmp_path and sets SPECCHAT_SKIP_WIZARD=1. The chat tests
 build windows over a real EngineHost (a real QThread) and a real tiny model.
 """
@@ -31,6 +31,8 @@ def isolated_user_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iter
     monkeypatch.setenv("SPECCHAT_SKIP_WIZARD", "1")
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
     monkeypatch.setenv("SPECCHAT_CONFIG_DIR", str(tmp_path / "config" / "specchat"))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no LM Studio or Ollama folders unless a test makes them
+    monkeypatch.delenv("OLLAMA_MODELS", raising=False)
     for fmt in (QSettings.Format.IniFormat, QSettings.Format.NativeFormat):
         QSettings.setPath(fmt, QSettings.Scope.UserScope, str(tmp_path / "config"))
     yield tmp_path
