@@ -1,9 +1,16 @@
 """The chat page: conversation sidebar, system prompt, messages, composer, and the turn logic
-(send -> stream -> stop / finish; regenerate; edit-and-resend).
+(send -> stream -> stop / finish; regenerate; continue; edit-and-resend).
 
-Persistence rule: the answer's row is created (complete = 0) before its first token and its text
-is written to the database just before every render (ChatView.before_render), so the database
-always holds at least what the window shows. A finished answer is marked complete with its stats.
+One answer is written at a time (the engine has one worker). It belongs to its conversation,
+not to the screen: switching to another conversation, or to a new one, lets it go on in the
+background (as LM Studio and Jan do). The sidebar marks that conversation, the composer shows
+Stop wherever the user is (sending waits for the engine), and coming back shows the answer
+where it has got to, still streaming.
+
+Persistence rule: the answer's row is created (complete = 0) before its first token. While it is
+on screen its text is written just before every render (ChatView.before_render), so the
+database always holds at least what the window shows; in the background it is written every
+BACKGROUND_SAVE_MS. A finished answer is marked complete with its stats and finish reason.
 """
 
 from __future__ import annotations
@@ -12,17 +19,11 @@ import logging
 import time
 from dataclasses import replace
 
-from PySide6.QtCore import Qt, Signal
+from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtWidgets import (
-    QComboBox,
     QHBoxLayout,
-    QInputDialog,
-    QLabel,
-    QLineEdit,
-    QPushButton,
     QSplitter,
     QStackedWidget,
-    QToolButton,
     QVBoxLayout,
     QWidget,
 )
@@ -36,9 +37,11 @@ from engine.types import (
     SpeculationSettings,
 )
 
+from .answer import Answer, length_note, message_meta
 from .chat_view import ChatView
 from .composer import Composer
 from .conversations import ConversationStore, StoredMessage, stats_dict, title_from
+from .empty_state import EmptyState
 from .engine_picker import EnginePicker
 from .engine_worker import EngineHost
 from .markdown import MarkdownPalette
@@ -46,43 +49,11 @@ from .preferences import Preferences, PreferencesStore
 from .remote_engines import LOCAL, RemoteHost, parse_engines, resolve
 from .sidebar import Sidebar
 from .status import ErrorBanner, StatusBar
+from .system_prompt import SystemPromptRow
 
 log = logging.getLogger(__name__)
 
-
-class EmptyState(QWidget):
-    """Shown when no model is chosen: what to do, with the two ways to get one."""
-
-    starter_requested = Signal()
-    models_requested = Signal()
-
-    def __init__(self, parent: QWidget | None = None) -> None:
-        super().__init__(parent)
-        layout = QVBoxLayout(self)
-        layout.addStretch(2)
-        title = QLabel("Choose a model to start chatting")
-        title.setObjectName("emptyTitle")
-        title.setAlignment(Qt.AlignmentFlag.AlignCenter)
-        text = QLabel("The starter model (SmolLM2-135M-Instruct, ~93 MB) runs on any machine and works without "
-                      "the Hugging Face hub.\nFor 70B models with speculative decoding, pick a pair on the Models page.")
-        text.setObjectName("emptyText")
-        text.setAlignment(Qt.AlignmentFlag.AlignCenter)
-        text.setWordWrap(True)
-        layout.addWidget(title)
-        layout.addWidget(text)
-        row = QHBoxLayout()
-        row.addStretch(1)
-        self.starter_button = QPushButton("Use the starter model")
-        self.starter_button.setAccessibleName("Use the starter model")
-        self.starter_button.clicked.connect(self.starter_requested)
-        self.models_button = QPushButton("Open the Models page")
-        self.models_button.setAccessibleName("Open the Models page")
-        self.models_button.clicked.connect(self.models_requested)
-        row.addWidget(self.starter_button)
-        row.addWidget(self.models_button)
-        row.addStretch(1)
-        layout.addLayout(row)
-        layout.addStretch(3)
+BACKGROUND_SAVE_MS = 500
 
 
 class ChatPage(QWidget):
@@ -102,14 +73,15 @@ class ChatPage(QWidget):
         self.preferences = preferences
         self.status = status
         self.conversation_id = 0
-        self._ids: list[int] = []  # database id of each message in the view
-        self._request_id: int | None = None
-        self._answer_id = 0
-        self._editing_id = 0
-        self._tokens = 0
-        self._started = 0.0
-        self.plan: object | None = None  # engine.planning.planner.Plan for budget "auto", from the worker
         self.model_state, self._model_detail = "none", ""
+        self._ids: list[int] = []  # database id of each message in the view
+        self._answer: Answer | None = None
+        self._editing_id = 0
+        self.plan: object | None = None  # engine.planning.planner.Plan for budget "auto", from the worker
+        self._save_timer = QTimer(self)
+        self._save_timer.setSingleShot(True)
+        self._save_timer.setInterval(BACKGROUND_SAVE_MS)
+        self._save_timer.timeout.connect(self._save_answer)
         self._build()
         host.worker.tokens_generated.connect(self._on_worker_tokens_generated)
         host.worker.generation_finished.connect(self._on_worker_generation_finished)
@@ -131,9 +103,12 @@ class ChatPage(QWidget):
         outer = QHBoxLayout(self)
         outer.setContentsMargins(0, 0, 0, 0)
         splitter = QSplitter(Qt.Orientation.Horizontal)
+        splitter.setChildrenCollapsible(False)
         self.sidebar = Sidebar(self.store)
         self.sidebar.conversation_selected.connect(self.open_conversation)
+        self.sidebar.conversation_deleted.connect(self._on_sidebar_conversation_deleted)
         self.sidebar.new_requested.connect(self.new_conversation)
+        self.sidebar.exported.connect(lambda path: self.status.showMessage(f"Exported to {path}", 10_000))
         splitter.addWidget(self.sidebar)
         right = QWidget()
         column = QVBoxLayout(right)
@@ -144,11 +119,21 @@ class ChatPage(QWidget):
         banner_row.setContentsMargins(12, 8, 12, 0)
         banner_row.addWidget(self.banner)
         column.addLayout(banner_row)
-        column.addLayout(self._system_row())
+        self.system_row = SystemPromptRow()
+        self.system_row.edited.connect(self._on_system_row_edited)
+        self.system_row.save_requested.connect(self.save_preset)
+        self.system_edit, self.preset_combo = self.system_row.edit, self.system_row.presets
+        self.engine_picker = EnginePicker()
+        self.engine_picker.reload(self.preferences.load())
+        self.engine_picker.choice_changed.connect(self._on_engine_picker_choice_changed)
+        self.system_row.layout().insertWidget(0, self.engine_picker)
+        self.reload_presets()
+        column.addWidget(self.system_row)
         self.view = ChatView()
         self.view.before_render = self._save_partial
         self.view.edit_requested.connect(self.edit_last)
         self.view.regenerate_requested.connect(self.regenerate)
+        self.view.continue_requested.connect(self.continue_answer)
         self.empty = EmptyState()
         self.empty.starter_requested.connect(self.starter_requested)
         self.empty.models_requested.connect(self.models_requested)
@@ -159,58 +144,55 @@ class ChatPage(QWidget):
         self.composer = Composer()
         self.composer.send_requested.connect(self.send)
         self.composer.stop_requested.connect(self.stop)
+        self.composer.edit_cancelled.connect(self.cancel_edit)
         column.addWidget(self.composer)
         splitter.addWidget(right)
         splitter.setStretchFactor(1, 1)
-        splitter.setSizes([240, 760])
+        splitter.setSizes([220, 760])
         outer.addWidget(splitter)
-
-    def _system_row(self) -> QHBoxLayout:
-        row = QHBoxLayout()
-        row.setContentsMargins(12, 8, 12, 4)
-        self.engine_picker = EnginePicker()
-        self.engine_picker.reload(self.preferences.load())
-        self.engine_picker.choice_changed.connect(self._on_engine_picker_choice_changed)
-        row.addWidget(self.engine_picker)
-        label = QLabel("System prompt")
-        row.addWidget(label)
-        self.system_edit = QLineEdit()
-        self.system_edit.setAccessibleName("System prompt")
-        self.system_edit.setPlaceholderText("How the assistant should behave in this conversation")
-        self.system_edit.editingFinished.connect(self._on_system_edit_finished)
-        label.setBuddy(self.system_edit)
-        row.addWidget(self.system_edit, 1)
-        self.preset_combo = QComboBox()
-        self.preset_combo.setAccessibleName("System prompt presets")
-        self.preset_combo.setToolTip("Use a saved system prompt")
-        self.preset_combo.activated.connect(self._on_preset_combo_activated)
-        row.addWidget(self.preset_combo)
-        self.save_preset_button = QToolButton()
-        self.save_preset_button.setText("Save preset")
-        self.save_preset_button.setAccessibleName("Save the system prompt as a preset")
-        self.save_preset_button.clicked.connect(self._save_preset)
-        row.addWidget(self.save_preset_button)
-        self.reload_presets()
-        return row
 
     # ---- state ---------------------------------------------------------------------------
     @property
     def busy(self) -> bool:
-        return self._request_id is not None
+        """An answer is being written (in this conversation or another)."""
+        return self._answer is not None
+
+    @property
+    def answering_here(self) -> bool:
+        return self._answer is not None and self._answer.conversation_id == self.conversation_id
+
+    @property
+    def answering_in(self) -> int:
+        """The conversation an answer is being written in (0: none)."""
+        return self._answer.conversation_id if self._answer is not None else 0
 
     def set_model_state(self, state: str, detail: str = "") -> None:
         """"none" (no model chosen: the empty state), "loading", "ready" or "failed"."""
-        self.model_state = state
-        self._model_detail = detail
-        if self.engine_picker.choice() != LOCAL:  # a remote model answers whatever the local one does
-            state = "ready"
-        self.stack.setCurrentWidget(self.empty if state == "none" else self.view)
-        reasons = {"none": "Choose a model first", "loading": "Loading the model…",
-                   "failed": detail or "The model could not be loaded; see the message above"}
-        self.composer.set_can_send(state == "ready", reasons.get(state, ""))
+        self.model_state, self._model_detail = state, detail
+        shown = "ready" if self.engine_picker.choice() != LOCAL else state  # a remote model answers anyway
+        self.stack.setCurrentWidget(self.empty if shown == "none" else self.view)
+        self._update_composer()
 
     def _can_answer(self) -> bool:
         return self.model_state == "ready" or self.engine_picker.choice() != LOCAL
+
+    def _update_composer(self) -> None:
+        answer = self._answer
+        self.composer.set_busy(answer is not None)  # Stop wherever the user is
+        self.view.set_busy(answer is not None)
+        if answer is not None:
+            elsewhere = "" if self.answering_here else self._elsewhere_text(answer.conversation_id)
+            self.composer.set_can_send(False, elsewhere)
+            return
+        reasons = {"none": "Choose a model first", "loading": "Loading the model…",
+                   "failed": self._model_detail or "The model could not be loaded; see the message above"}
+        can = self._can_answer()
+        self.composer.set_can_send(can, "" if can else reasons.get(self.model_state, ""))
+
+    def _elsewhere_text(self, conversation_id: int) -> str:
+        conv = self.store.get(conversation_id)
+        title = conv.title if conv is not None else "another conversation"
+        return f"An answer is being written in “{title}”: send when it is done, or press Stop"
 
     def set_palette(self, palette: MarkdownPalette) -> None:
         self.view.set_palette(palette)
@@ -220,10 +202,7 @@ class ChatPage(QWidget):
 
     def reload_presets(self) -> None:
         self.engine_picker.reload(self.preferences.load())  # the settings' servers may have changed
-        self.preset_combo.clear()
-        self.preset_combo.addItem("Presets…", None)
-        for name, text in self.preferences.load().system_presets:
-            self.preset_combo.addItem(name, text)
+        self.system_row.set_presets(self.preferences.load().system_presets)
 
     def _default_system_prompt(self) -> str:
         presets = self.preferences.load().system_presets
@@ -231,63 +210,76 @@ class ChatPage(QWidget):
 
     # ---- conversations -------------------------------------------------------------------
     def new_conversation(self) -> None:
-        self._abandon_answer()
+        self._leave_conversation()
         self.conversation_id = 0
         self._ids = []
-        self._editing_id = 0
         self.view.clear()
         self.system_edit.setText(self._default_system_prompt())
-        self.sidebar.refresh(select=0)
+        self.sidebar.select(0)
+        self._update_composer()
         self.composer.input.setFocus()
 
     def open_conversation(self, conversation_id: int) -> None:
         if conversation_id == self.conversation_id and self._ids:
             return
-        self._abandon_answer()
         conv = self.store.get(conversation_id) if conversation_id else None
         if conv is None:
             self.new_conversation()
             return
+        self._leave_conversation()
         self.conversation_id = conv.id
-        self._editing_id = 0
         self.view.clear()
         self._ids = []
         self.system_edit.setText(conv.system_prompt)
         self.engine_picker.set_choice(conv.engine)
         self.set_model_state(self.model_state, self._model_detail)
+        answer = self._answer if self.answering_here else None
         for m in self.store.messages(conv.id):
-            self._show(m)
-        self.view.set_busy(False)
+            if answer is not None and m.id == answer.message_id:
+                self.view.begin_answer(answer.text)  # still being written: it streams on here
+                self._ids.append(m.id)
+            else:
+                self._show(m)
         self.sidebar.select(conv.id)
+        self._update_composer()
         self.view.scroll_to_bottom()
 
+    def _leave_conversation(self) -> None:
+        """The shown conversation is about to change: an answer streaming here goes on in the
+        background (its text saved now), and an edit in progress is dropped."""
+        if self.answering_here:
+            self.view.flush()
+            self.view.detach_answer()
+            self._save_answer()
+        if self._editing_id:
+            self.cancel_edit()
+
     def _show(self, m: StoredMessage) -> None:
-        self.view.add_message(m.role, m.content, m.complete)
+        widget = self.view.add_message(m.role, m.content, m.complete)
+        meta = message_meta(m)
+        if m.role == "assistant" and m.complete and meta.get("finish_reason") == "length":
+            widget.can_continue = True
+            widget.set_note(length_note(int(meta.get("new_tokens", 0))))
+            self.view.set_busy(self.busy)  # shows Continue on the last answer
         self._ids.append(m.id)
+
+    def _on_sidebar_conversation_deleted(self, conversation_id: int) -> None:
+        if self.answering_in == conversation_id:  # its row is gone with it: stop writing
+            self._active.cancel_generation()
+            self._save_timer.stop()
+            self._answer = None
+            self._update_composer()
+        if conversation_id == self.conversation_id:
+            self.conversation_id = 0
 
     def _on_engine_picker_choice_changed(self, choice: str) -> None:
         if self.conversation_id:
             self.store.set_engine(self.conversation_id, choice)
         self.set_model_state(self.model_state, self._model_detail)
 
-    def _on_system_edit_finished(self) -> None:
+    def _on_system_row_edited(self, text: str) -> None:
         if self.conversation_id:
-            self.store.set_system_prompt(self.conversation_id, self.system_edit.text())
-
-    def _on_preset_combo_activated(self, index: int) -> None:
-        text = self.preset_combo.itemData(index)
-        if text is not None:
-            self.system_edit.setText(str(text))
-            self._on_system_edit_finished()
-        self.preset_combo.setCurrentIndex(0)
-
-    def _save_preset(self) -> None:
-        text = self.system_edit.text().strip()
-        if not text:
-            return
-        name, ok = QInputDialog.getText(self, "Save system prompt", "Preset name:")
-        if ok and name.strip():
-            self.save_preset(name.strip(), text)
+            self.store.set_system_prompt(self.conversation_id, text)
 
     def save_preset(self, name: str, text: str) -> None:
         presets = tuple(p for p in self.preferences.load().system_presets if p[0] != name) + ((name, text),)
@@ -295,49 +287,83 @@ class ChatPage(QWidget):
         self.reload_presets()
 
     # ---- a turn --------------------------------------------------------------------------
+    def _ready(self) -> bool:
+        return not self.busy and self._can_answer()
+
     def send(self, text: str) -> None:
         """Send a user message (or the edited last one) and start the answer."""
-        if self.busy or not self._can_answer() or not text.strip():
+        if not self._ready() or not text.strip():
             return
         ok, remote = self._engine_for_answer()
         if not ok:
             return
         self.banner.dismiss()
         if not self.conversation_id:
-            conv = self.store.create(title_from(text), self.system_edit.text())
-            self.conversation_id = conv.id
-            self.store.set_engine(conv.id, self.engine_picker.choice())
-            self.sidebar.refresh(select=conv.id)
+            self.conversation_id = self.store.create(title_from(text), self.system_edit.text()).id
+            self.store.set_engine(self.conversation_id, self.engine_picker.choice())
         elif self._editing_id:
             self._drop_from(self._editing_id)
-        self._editing_id = 0
+        self._set_editing(None)
         self._show(self.store.add_message(self.conversation_id, "user", text))
-        self._start_answer(remote)
+        self._start_answer(remote=remote)
 
     def regenerate(self) -> None:
         """Drop the last answer and write it again."""
-        if self.busy or not self._can_answer() or not self._ids or self.view.messages[-1].role != "assistant":
+        if not self._ready() or not self._ids or self.view.messages[-1].role != "assistant":
             return
         ok, remote = self._engine_for_answer()
         if not ok:
             return
         self._drop_from(self._ids[-1])
-        self._start_answer(remote)
+        self._start_answer(remote=remote)
+
+    def continue_answer(self) -> None:
+        """Write on from the last answer (cut by the token limit), into the same message."""
+        if not self._ready() or not self._ids or self.view.messages[-1].role != "assistant":
+            return
+        ok, remote = self._engine_for_answer()
+        if not ok:
+            return
+        widget = self.view.messages[-1]
+        self.store.update_message(self._ids[-1], widget.text, complete=False)
+        self._start_answer(resume=widget, remote=remote)
 
     def edit_last(self) -> None:
         """Put the last user message in the composer; sending it replaces it and what followed."""
         if self.busy:
             return
         users = [i for i, m in enumerate(self.view.messages) if m.role == "user"]
-        if not users:
-            return
-        index = users[-1]
-        self._editing_id = self._ids[index]
-        self.composer.set_text(self.view.messages[index].text)
+        if users:
+            self._set_editing(users[-1])
+            self.composer.set_text(self.view.messages[users[-1]].text)
+
+    def cancel_edit(self) -> None:
+        """Leave edit mode: the message stays as it was."""
+        if self._editing_id:
+            self._set_editing(None)
+            self.composer.set_text("")
+
+    def _set_editing(self, index: int | None) -> None:
+        """Edit mode on the message at view index `index` (None: off); the message and the
+        composer both say so."""
+        for m in self.view.messages:
+            if m.note.text() == "editing":
+                m.set_note("")
+        self._editing_id = self._ids[index] if index is not None else 0
+        if index is not None:
+            self.view.messages[index].set_note("editing")
+        self.composer.set_editing(index is not None)
 
     def stop(self) -> None:
         if self.busy:
             self._active.cancel_generation()
+
+    def escape(self) -> None:
+        """Esc: stop the answer being written, else leave edit mode."""
+        if self.busy:
+            self.stop()
+        else:
+            self.cancel_edit()
 
     def _drop_from(self, message_id: int) -> None:
         index = self._ids.index(message_id)
@@ -360,27 +386,34 @@ class ChatPage(QWidget):
             self.show_error(exc.user_message)
             return False, None
 
-    def _start_answer(self, remote: RemoteModel | None = None) -> None:
+    def _start_answer(self, resume: object = None, remote: RemoteModel | None = None) -> None:
         prefs = self.preferences.load()
         request = GenerationRequest(
             messages=self._history(),
             max_new_tokens=prefs.max_new_tokens,
             sampling=prefs.sampling(),
             speculation=self._speculation(prefs),
+            continue_final=resume is not None,
             conversation=f"conversation-{self.conversation_id}",  # its KV cache continues turn to turn
         )
-        self._answer_id = self.store.add_message(self.conversation_id, "assistant", "", complete=False).id
-        self._ids.append(self._answer_id)
-        self.view.begin_answer()
-        self._tokens, self._started = 0, time.monotonic()
+        if resume is None:
+            message_id = self.store.add_message(self.conversation_id, "assistant", "", complete=False).id
+            self._ids.append(message_id)
+            widget = self.view.begin_answer()
+        else:
+            message_id = self._ids[-1]
+            widget = self.view.resume_answer(resume)  # type: ignore[arg-type]
         if remote is not None and self.remote is not None:
             self._active = self.remote
-            self._request_id = self.remote.generate(request, remote)
+            request_id = self.remote.generate(request, remote)
         else:
             self._active = self.host
-            self._request_id = self.host.generate(request)
-        self.composer.set_busy(True)
-        self.view.set_busy(True)
+            request_id = self.host.generate(request)
+        self._answer = Answer(request_id, self.conversation_id, message_id, widget.text, started=time.monotonic())
+        self.status.begin_answer()
+        self.sidebar.set_writing(self.conversation_id)
+        self.sidebar.select(self.conversation_id)
+        self._update_composer()
 
     def _speculation(self, prefs: Preferences) -> SpeculationSettings:
         """The tree shape: the user's budget, or with budget 0 (auto) the planner's budget, depth
@@ -397,51 +430,59 @@ class ChatPage(QWidget):
         self.plan = plan
 
     def _save_partial(self, text: str) -> None:
-        if self._answer_id:
-            self.store.update_message(self._answer_id, text)
+        """Before each render of the answer on screen: the database gets it first."""
+        if self.answering_here:
+            self.store.update_message(self._answer.message_id, text)  # type: ignore[union-attr]
+
+    def _save_answer(self) -> None:
+        if self._answer is not None:
+            self.store.update_message(self._answer.message_id, self._answer.text)
 
     def _on_worker_tokens_generated(self, request_id: int, text: str, tokens: int) -> None:
-        if request_id != self._request_id:
+        answer = self._answer
+        if answer is None or request_id != answer.request_id:
             return
-        self._tokens += tokens
-        self.view.append_answer(text)
-        self.status.show_live(self._tokens, time.monotonic() - self._started)
+        answer.text += text
+        answer.tokens += tokens
+        seconds = time.monotonic() - answer.started
+        if not answer.first_token:
+            answer.first_token = True
+            self.status.show_first_token(seconds)
+        if self.answering_here:
+            self.view.append_answer(text)
+        elif not self._save_timer.isActive():
+            self._save_timer.start()
+        self.status.show_live(answer.tokens, seconds)
 
     def _on_worker_generation_finished(self, request_id: int, completion: Completion) -> None:
-        if request_id != self._request_id:
+        answer = self._answer
+        if answer is None or request_id != answer.request_id:
             return
-        stopped = completion.finish_reason == "cancelled"
-        self.view.flush()
-        text = self.view.answer_text
-        self.store.update_message(self._answer_id, text, complete=not stopped, stats=stats_dict(completion.stats))
-        self.view.end_answer("stopped" if stopped else "", complete=not stopped)
+        reason = completion.finish_reason
+        stopped = reason == "cancelled"
+        note = "stopped" if stopped else length_note(completion.stats.new_tokens) if reason == "length" else ""
+        if self.answering_here:
+            self.view.end_answer(note, complete=not stopped, can_continue=reason == "length")
+        stats = {**stats_dict(completion.stats), "finish_reason": reason}
+        self.store.update_message(answer.message_id, answer.text, complete=not stopped, stats=stats)
         self.status.show_stats(completion.stats, auto_budget=self.preferences.load().budget <= 0)
         self._finish_turn()
-        self.answer_finished.emit(completion.finish_reason)
+        self.answer_finished.emit(reason)
 
     def _on_worker_generation_failed(self, request_id: int, message: str) -> None:
-        if request_id != self._request_id:
+        answer = self._answer
+        if answer is None or request_id != answer.request_id:
             return
-        self.view.flush()
-        self.store.update_message(self._answer_id, self.view.answer_text, complete=False)
-        self.view.end_answer("failed", complete=False)
+        if self.answering_here:
+            self.view.end_answer("failed", complete=False)
+        self.store.update_message(answer.message_id, answer.text, complete=False)
         self.show_error(message)
         self._finish_turn()
         self.answer_finished.emit("error")
 
     def _finish_turn(self) -> None:
-        self._request_id = None
-        self._answer_id = 0
-        self.composer.set_busy(False)
-        self.view.set_busy(False)
-        self.sidebar.refresh()
+        self._save_timer.stop()
+        self._answer = None
+        self.sidebar.set_writing(0)
+        self._update_composer()
 
-    def _abandon_answer(self) -> None:
-        """Leaving a conversation mid-answer: stop it and keep what was written."""
-        if not self.busy:
-            return
-        self._active.cancel_generation()
-        self.view.flush()
-        self.store.update_message(self._answer_id, self.view.answer_text, complete=False)
-        self.view.end_answer("stopped", complete=False)
-        self._finish_turn()

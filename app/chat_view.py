@@ -3,13 +3,16 @@
 Each message is a `MessageWidget`: a role label, the body (a borderless QTextBrowser sized to
 its content, Markdown rendered by app.markdown) and actions (Copy; Edit on the last user
 message; Regenerate on the last answer). While an answer streams, text arrives in small chunks;
-the view re-renders only the last message and at most every RENDER_INTERVAL_MS, so a long answer
-never stalls the GUI thread, and calls `before_render(text)` first: the chat page saves the text
-there, so whatever the window has shown is already in the database.
+the view renders what arrived at most every RENDER_INTERVAL_MS (longer when a render took long,
+so rendering never takes more than about a quarter of the GUI thread), and only the message's
+open piece (app.chunking): the work per update does not grow with the answer. Before each
+render it calls `before_render(text)`: the chat page saves the text there, so whatever the
+window has shown is already in the database.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from PySide6.QtCore import QSize, Qt, QTimer, QUrl, Signal
@@ -26,9 +29,11 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from .markdown import LIGHT, MarkdownPalette, code_blocks, render, split_chunks
+from .chunking import Chunker, Piece
+from .markdown import LIGHT, MarkdownPalette, code_blocks, render
 
 RENDER_INTERVAL_MS = 50
+RENDER_BUSY_FACTOR = 3  # the next render waits at least this many times the last one's duration
 
 
 class _Body(QTextBrowser):
@@ -63,17 +68,21 @@ class _Body(QTextBrowser):
 
 
 class MessageWidget(QFrame):
-    """One message. Signals: edit_clicked(), regenerate_clicked()."""
+    """One message. Signals: edit_clicked(), regenerate_clicked(), continue_clicked().
+
+    `can_continue`: an answer cut by the token limit (the view offers Continue on the last one)."""
 
     edit_clicked = Signal()
     regenerate_clicked = Signal()
+    continue_clicked = Signal()
 
     def __init__(self, role: str, text: str, palette: MarkdownPalette, complete: bool = True,
                  parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.role = role
-        self.text = text
+        self._parts = [text]
         self.complete = complete
+        self.can_continue = False
         self._palette = palette
         self.setObjectName("message")
         self.setProperty("role", role)
@@ -91,24 +100,30 @@ class MessageWidget(QFrame):
         header.addWidget(self.note)
         header.addStretch(1)
         layout.addLayout(header)
-        # The text is rendered in chunks (app.markdown.split_chunks), one borderless browser each,
-        # so a streaming answer re-renders and re-lays out only its last chunk.
+        # The text is rendered in pieces (app.chunking), one borderless browser each, so a
+        # streaming answer re-renders and re-lays out only its last piece.
         self._bodies_layout = QVBoxLayout()
         self._bodies_layout.setSpacing(0)
         layout.addLayout(self._bodies_layout)
         self.bodies: list[_Body] = []
-        self._chunks: list[str] = []
+        self._pieces: list[Piece] = []
+        self._chunker = Chunker()
+        self.render_count = 0  # Markdown renders, and the characters they read (tests count them)
+        self.rendered_chars = 0
         actions = QHBoxLayout()
         actions.setSpacing(4)
         self.copy_button = self._action("Copy", "Copy this message as Markdown", self._copy)
         self.edit_button = self._action("Edit", "Edit this message and send it again", self.edit_clicked.emit)
         self.regenerate_button = self._action("Regenerate", "Write this answer again", self.regenerate_clicked.emit)
-        for button in (self.copy_button, self.edit_button, self.regenerate_button):
+        self.continue_button = self._action("Continue", "Write on from where the token limit cut this answer",
+                                            self.continue_clicked.emit)
+        for button in (self.copy_button, self.edit_button, self.regenerate_button, self.continue_button):
             actions.addWidget(button)
         actions.addStretch(1)
         layout.addLayout(actions)
         self.edit_button.hide()
         self.regenerate_button.hide()
+        self.continue_button.hide()
         self.set_text(text, complete)
 
     def _action(self, text: str, tip: str, slot: Callable[[], None]) -> QToolButton:
@@ -136,25 +151,55 @@ class MessageWidget(QFrame):
         self.bodies.append(body)
         return body
 
+    @property
+    def text(self) -> str:
+        if len(self._parts) > 1:
+            self._parts = ["".join(self._parts)]
+        return self._parts[0]
+
     def set_text(self, text: str, complete: bool | None = None, force: bool = False) -> None:
-        """Show `text`; chunks whose text did not change keep their rendering."""
-        self.text = text
+        """Show `text` (cut into pieces afresh); pieces that did not change keep their rendering."""
+        self._parts = [text]
         if complete is not None:
             self.complete = complete
-        chunks = [text] if self.role == "user" else split_chunks(text)
-        for i, chunk in enumerate(chunks):
-            if i < len(self._chunks) and self._chunks[i] == chunk and not force:
-                continue
+        self._chunker = Chunker()
+        if self.role == "user":
+            pieces = [Piece(text)]
+        else:
+            self._chunker.feed(text)
+            pieces = self._chunker.pieces()
+        self._show(pieces, 0 if force else self._same_prefix(pieces))
+
+    def append(self, delta: str) -> None:
+        """Add streamed text: renders the pieces it closed and the open one, nothing before."""
+        self._parts.append(delta)
+        first = len(self._chunker.closed)
+        self._chunker.feed(delta)
+        self._show(self._chunker.pieces(), first)
+
+    def _same_prefix(self, pieces: list[Piece]) -> int:
+        same = 0
+        while same < min(len(pieces), len(self._pieces)) and pieces[same] == self._pieces[same]:
+            same += 1
+        return same
+
+    def _show(self, pieces: list[Piece], first: int) -> None:
+        """Render pieces[first:] (the earlier ones are shown already) and drop extra bodies."""
+        for i in range(first, len(pieces)):
+            piece = pieces[i]
             body = self.bodies[i] if i < len(self.bodies) else self._new_body()
             if self.role == "user":
-                body.setPlainText(chunk)
+                body.setPlainText(piece.text)
             else:
-                body.setHtml(render(chunk, self._palette) if chunk else "")
-        for body in self.bodies[len(chunks):]:
+                source = piece.markdown()
+                self.render_count += 1
+                self.rendered_chars += len(source)
+                body.setHtml(render(source, self._palette, bool(piece.reopen), bool(piece.close)) if source else "")
+        for body in self.bodies[len(pieces):]:
             body.setParent(None)
             body.deleteLater()
-        del self.bodies[len(chunks):]
-        self._chunks = chunks
+        del self.bodies[len(pieces):]
+        self._pieces = pieces
 
     def set_note(self, note: str) -> None:
         self.note.setText(note)
@@ -163,15 +208,30 @@ class MessageWidget(QFrame):
         self._palette = palette
         self.set_text(self.text, force=True)
 
+    def _code_block(self, piece: int, index: int) -> str | None:
+        """Code block `index` of piece `piece`, joined with its continuations in later pieces."""
+        if not 0 <= piece < len(self._pieces):
+            return None
+        blocks = code_blocks(self._pieces[piece].markdown())
+        if not 0 <= index < len(blocks):
+            return None
+        code = blocks[index]
+        while index == len(blocks) - 1 and self._pieces[piece].close and piece + 1 < len(self._pieces):
+            piece, index = piece + 1, 0
+            blocks = code_blocks(self._pieces[piece].markdown())
+            if not blocks:
+                break
+            code += blocks[0]
+        return code
+
     def _copy(self) -> None:
         QGuiApplication.clipboard().setText(self.text)
 
     def _on_body_anchor_clicked(self, chunk: int, url: QUrl) -> None:
         if url.scheme() == "copy":
-            blocks = code_blocks(self._chunks[chunk]) if chunk < len(self._chunks) else []
-            index = int(url.path() or -1)
-            if 0 <= index < len(blocks):
-                QGuiApplication.clipboard().setText(blocks[index])
+            code = self._code_block(chunk, int(url.path() or -1))
+            if code is not None:
+                QGuiApplication.clipboard().setText(code)
         elif url.scheme() in ("http", "https"):
             from PySide6.QtGui import QDesktopServices
 
@@ -184,11 +244,13 @@ class ChatView(QScrollArea):
     Signals:
         edit_requested(): Edit on the last user message.
         regenerate_requested(): Regenerate on the last answer.
+        continue_requested(): Continue on the last answer (cut by the token limit).
         rendered(str): the streaming answer's text just shown (after `before_render`).
     """
 
     edit_requested = Signal()
     regenerate_requested = Signal()
+    continue_requested = Signal()
     rendered = Signal(str)
 
     def __init__(self, parent: QWidget | None = None) -> None:
@@ -208,6 +270,7 @@ class ChatView(QScrollArea):
         self._palette = LIGHT
         self._streaming: MessageWidget | None = None
         self._stream_text = ""
+        self._pending = ""  # arrived since the last render
         self._busy = False
         self._timer = QTimer(self)
         self._timer.setSingleShot(True)
@@ -242,6 +305,7 @@ class ChatView(QScrollArea):
         widget = MessageWidget(role, text, self._palette, complete, self._inner)
         widget.edit_clicked.connect(self.edit_requested)
         widget.regenerate_clicked.connect(self.regenerate_requested)
+        widget.continue_clicked.connect(self.continue_requested)
         if role == "user":
             widget.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Maximum)
         self._layout.insertWidget(self._layout.count() - 1, widget)
@@ -275,18 +339,34 @@ class ChatView(QScrollArea):
         for i, m in enumerate(self._messages):
             m.edit_button.setVisible(i == last_user and not busy)
             m.regenerate_button.setVisible(i == last and m.role == "assistant" and not busy)
+            m.continue_button.setVisible(i == last and m.can_continue and not busy)
 
     # ---- streaming -----------------------------------------------------------------------
     def begin_answer(self, text: str = "") -> MessageWidget:
-        widget = self.add_message("assistant", text)
+        """A new answer at the bottom that streams (`text`: what it holds already)."""
+        return self.resume_answer(self.add_message("assistant", text))
+
+    def resume_answer(self, widget: MessageWidget) -> MessageWidget:
+        """Stream into `widget` (the last answer: Continue), after the text it shows."""
         widget.set_note("writing…")
+        widget.can_continue = False
         self._streaming = widget
-        self._stream_text = text
+        self._stream_text = widget.text
+        self._pending = ""
         self._stick_to_bottom = True
+        self._update_actions()
         return widget
+
+    def detach_answer(self) -> None:
+        """Stop streaming into the view (the answer goes on elsewhere); text not yet rendered is
+        dropped here, its owner keeps it."""
+        self._timer.stop()
+        self._streaming = None
+        self._pending = ""
 
     def append_answer(self, chunk: str) -> None:
         self._stream_text += chunk
+        self._pending += chunk
         if not self._timer.isActive():
             self._timer.start()
 
@@ -298,18 +378,23 @@ class ChatView(QScrollArea):
         """Render the streaming answer now (the timer calls this every RENDER_INTERVAL_MS)."""
         self._timer.stop()
         widget = self._streaming
-        if widget is None or widget.text == self._stream_text:
+        if widget is None or not self._pending:
             return
-        text = self._stream_text
+        started = time.perf_counter()
+        text, delta = self._stream_text, self._pending
+        self._pending = ""
         if self.before_render is not None:
             self.before_render(text)
-        widget.set_text(text)
+        widget.append(delta)
         self.rendered.emit(text)
+        spent_ms = (time.perf_counter() - started) * 1000
+        self._timer.setInterval(max(RENDER_INTERVAL_MS, int(RENDER_BUSY_FACTOR * spent_ms)))
 
-    def end_answer(self, note: str = "", complete: bool = True) -> None:
+    def end_answer(self, note: str = "", complete: bool = True, can_continue: bool = False) -> None:
         self.flush()
         if self._streaming is not None:
             self._streaming.complete = complete
+            self._streaming.can_continue = can_continue
             self._streaming.set_note(note)
         self._streaming = None
         self._update_actions()

@@ -1,17 +1,24 @@
 """The message box under the chat: Enter sends, Shift+Enter starts a new line; Send turns into
-Stop while an answer is being written (Esc stops too, from the main window's shortcut)."""
+Stop while an answer is being written (Esc stops too, from the main window's shortcut). In edit
+mode a bar above the box says that sending replaces the last exchange, with a way out."""
 
 from __future__ import annotations
 
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QKeyEvent
 from PySide6.QtWidgets import (
+    QFrame,
     QHBoxLayout,
+    QLabel,
     QPlainTextEdit,
     QPushButton,
     QSizePolicy,
+    QToolButton,
+    QVBoxLayout,
     QWidget,
 )
+
+PLACEHOLDER = "Message — Enter sends, Shift+Enter adds a line"
 
 
 class _Input(QPlainTextEdit):
@@ -26,17 +33,38 @@ class _Input(QPlainTextEdit):
 
 
 class Composer(QWidget):
-    """Signals: send_requested(str) with the text (stripped, non-empty); stop_requested()."""
+    """Signals: send_requested(str) with the text (stripped, non-empty); stop_requested();
+    edit_cancelled() (the edit bar's Cancel, or Esc while editing)."""
 
     send_requested = Signal(str)
     stop_requested = Signal()
+    edit_cancelled = Signal()
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
-        layout = QHBoxLayout(self)
-        layout.setContentsMargins(12, 6, 12, 10)
+        column = QVBoxLayout(self)
+        column.setContentsMargins(12, 6, 12, 10)
+        column.setSpacing(4)
+        self.edit_bar = QFrame()
+        self.edit_bar.setObjectName("editBar")
+        self.edit_bar.setAccessibleName("Editing the last message")
+        bar = QHBoxLayout(self.edit_bar)
+        bar.setContentsMargins(8, 3, 3, 3)
+        self.edit_label = QLabel("Editing your last message: sending replaces it and the answer after it.")
+        self.edit_label.setWordWrap(True)
+        bar.addWidget(self.edit_label, 1)
+        self.cancel_edit_button = QToolButton()
+        self.cancel_edit_button.setText("Cancel edit")
+        self.cancel_edit_button.setAccessibleName("Cancel the edit")
+        self.cancel_edit_button.setToolTip("Keep the message as it was (Esc)")
+        self.cancel_edit_button.clicked.connect(self.edit_cancelled)
+        bar.addWidget(self.cancel_edit_button)
+        self.edit_bar.hide()
+        column.addWidget(self.edit_bar)
+        layout = QHBoxLayout()
+        column.addLayout(layout)
         self.input = _Input(self)
-        self.input.setPlaceholderText("Message — Enter sends, Shift+Enter adds a line")
+        self.input.setPlaceholderText(PLACEHOLDER)
         self.input.setAccessibleName("Message")
         self.input.setAccessibleDescription("Type a message. Enter sends it, Shift+Enter adds a new line.")
         self.input.setTabChangesFocus(True)
@@ -76,7 +104,18 @@ class Composer(QWidget):
         """No model loaded yet: sending is off and the placeholder says why."""
         self._can_send = can
         self.send_button.setEnabled(can)
-        self.input.setPlaceholderText("Message — Enter sends, Shift+Enter adds a line" if can else reason)
+        self.input.setPlaceholderText(reason or PLACEHOLDER)
+        # QPlainTextEdit repaints only when the placeholder appears or disappears, not when its
+        # text changes while shown: without this the box kept saying "Loading the model…"
+        self.input.viewport().update()
+
+    def set_editing(self, editing: bool) -> None:
+        self.edit_bar.setVisible(editing)
+        self.send_button.setText("Send edit" if editing else "Send")
+
+    @property
+    def editing(self) -> bool:
+        return not self.edit_bar.isHidden()
 
     def set_text(self, text: str) -> None:
         self.input.setPlainText(text)

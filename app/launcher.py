@@ -6,6 +6,7 @@ is the command line alone. `specchat -v` (only verbosity flags) still opens the 
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 
@@ -22,9 +23,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         from app.main import main as app_main  # Qt is imported only when the app opens
 
         return int(app_main() or 0)
-    from engine.cli import main as cli_main
-
-    return int(cli_main(args))
+    try:
+        from engine.cli.main import main as cli_main
+        from engine.cli.main import settle
+    except KeyboardInterrupt:  # Ctrl+C while the command line's modules import: no traceback
+        print(file=sys.stderr, flush=True)
+        os._exit(130)  # not sys.exit: see engine.cli.main.settle
+    return settle(int(cli_main(args)))
 
 
 if __name__ == "__main__":

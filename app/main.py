@@ -25,6 +25,7 @@ from PySide6.QtWidgets import QApplication
 from engine import paths
 
 from .conversations import ConversationStore, default_path
+from .logfile import install_log_file
 from .main_window import MainWindow
 from .preferences import PreferencesStore
 from .single_instance import acquire
@@ -62,6 +63,14 @@ def _run_wizard(window: MainWindow, store: PreferencesStore) -> None:
     wizard.exec()
 
 
+def show_store_notices(window: MainWindow, conversations: ConversationStore) -> None:
+    """A damaged database set aside, or chats kept in memory only: said in the chat's banner,
+    now or whenever it happens."""
+    conversations.on_notice = window.chat.show_error
+    if conversations.notice:
+        window.chat.show_error(conversations.notice)
+
+
 ICON_SIZES = (16, 24, 32, 48, 64, 128, 256, 512)
 DESKTOP_FILE_NAME = "specchat"  # the installer's specchat.desktop: Wayland app id, taskbar grouping
 
@@ -91,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv if argv is None else argv)
     configure_runtime()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    install_log_file()
     app = QApplication.instance() or QApplication(argv)
     assert isinstance(app, QApplication)
     app.setApplicationName("SpecChat")
@@ -106,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     store = PreferencesStore()
     conversations = ConversationStore(default_path(data))
     window = MainWindow(store, conversations, endpoint=os.environ.get("HF_ENDPOINT"))
+    show_store_notices(window, conversations)
     instance.raise_requested.connect(window.raise_window)
     _install_test_hooks(window)
     window.show()

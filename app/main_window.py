@@ -17,7 +17,9 @@ from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QAction, QActionGroup, QCloseEvent, QKeySequence, QShortcut
 from PySide6.QtWidgets import (
     QApplication,
+    QFrame,
     QMainWindow,
+    QScrollArea,
     QStackedWidget,
     QToolBar,
     QWidget,
@@ -143,7 +145,7 @@ class MainWindow(QMainWindow):
             self.addAction(action)  # shortcuts work without a toolbar button
         self.stop_shortcut = QShortcut(QKeySequence(Qt.Key.Key_Escape), self)
         self.stop_shortcut.setContext(Qt.ShortcutContext.WindowShortcut)
-        self.stop_shortcut.activated.connect(self.chat.stop)
+        self.stop_shortcut.activated.connect(self.chat.escape)
         for widget in bar.findChildren(QWidget):
             action = getattr(widget, "defaultAction", lambda: None)()
             if action is not None:
@@ -157,7 +159,7 @@ class MainWindow(QMainWindow):
         page = self._ensure_models_page()
         if page is None:
             return
-        self.pages.setCurrentWidget(page)
+        self.pages.setCurrentWidget(self._models_scroll)
         self.models_action.setChecked(True)
 
     def _ensure_models_page(self) -> QWidget | None:
@@ -172,7 +174,11 @@ class MainWindow(QMainWindow):
                 return None
             page.active_pair_changed.connect(lambda _t, _d: self.show_chat())
             self.models_page = page
-            self.pages.addWidget(page)
+            self._models_scroll = scroll = QScrollArea()  # below its natural size (half a screen, 640x480) the page scrolls
+            scroll.setWidgetResizable(True)
+            scroll.setFrameShape(QFrame.Shape.NoFrame)
+            scroll.setWidget(page)
+            self.pages.addWidget(scroll)
         return self.models_page
 
     def new_chat(self) -> None:

@@ -57,7 +57,11 @@ def _parser() -> MarkdownIt:
         lang = (tok.info or "").strip().split(" ")[0] if tok.type == "fence" else ""
         index = env["blocks"]
         env["blocks"] = index + 1
-        return _code_block_html(tok.content, lang, index, env["palette"])
+        # a block cut between two pieces of a streaming answer (app.chunking) is drawn as one:
+        # the continuation has no header, and neither half has a margin at the seam
+        head = not (index == 0 and env["continued"])
+        last = env["continues"] and not any(t.type in ("fence", "code_block") for t in tokens[idx + 1 :])
+        return _code_block_html(tok.content, lang, index, env["palette"], head, not last)
 
     md.add_render_rule("fence", code)
     md.add_render_rule("code_block", code)
@@ -96,40 +100,17 @@ def warm_up_highlighting() -> None:
         highlight("x = 1", _lexer("python"), HtmlFormatter(noclasses=True, nowrap=True, style=palette.pygments_style))
 
 
-def split_chunks(text: str, limit: int = 1200) -> list[str]:
-    """`text` cut at blank lines outside code fences into pieces of at least `limit` characters
-    (the last may be shorter); "".join(result) == text. A chunk once closed never changes as
-    more text is appended, so a streaming answer re-renders only its last chunk."""
-    chunks: list[str] = []
-    start = pos = 0
-    fence = ""
-    for line in text.splitlines(keepends=True):
-        stripped = line.lstrip(" ")
-        indent = len(line) - len(stripped)
-        if indent <= 3 and stripped.startswith(("```", "~~~")):
-            marker = stripped[: len(stripped) - len(stripped.lstrip(stripped[0]))]
-            if not fence:
-                fence = marker
-            elif stripped[0] == fence[0] and len(marker) >= len(fence) and not stripped.strip(fence[0]).strip():
-                fence = ""
-        pos += len(line)
-        if not fence and not line.strip() and pos - start >= limit:
-            chunks.append(text[start:pos])
-            start = pos
-    if start < len(text) or not chunks:
-        chunks.append(text[start:])
-    return chunks
-
-
 def code_blocks(text: str) -> list[str]:
     """The fenced and indented code blocks of `text`, in order (what the Copy links copy)."""
     return [t.content for t in _parser().parse(text) if t.type in ("fence", "code_block")]
 
 
-def render(text: str, palette: MarkdownPalette = LIGHT) -> str:
-    """HTML for a QTextBrowser/QTextDocument; code block i links to `copy:i`."""
+def render(text: str, palette: MarkdownPalette = LIGHT, continued: bool = False, continues: bool = False) -> str:
+    """HTML for a QTextBrowser/QTextDocument; code block i links to `copy:i`. `continued`: the
+    first code block goes on from the previous piece; `continues`: the last goes on in the next."""
     md = _parser()
-    body = md.renderer.render(md.parse(text), md.options, {"blocks": 0, "palette": palette})
+    env = {"blocks": 0, "palette": palette, "continued": continued, "continues": continues}
+    body = md.renderer.render(md.parse(text), md.options, env)
     body = _style_tables(body, palette)
     body = body.replace("<code>", f"<code style=\"font-family: {MONO}; background-color: "
                                   f"{palette.inline_code_background};\">")
@@ -137,17 +118,19 @@ def render(text: str, palette: MarkdownPalette = LIGHT) -> str:
     return f'<div style="color: {palette.text};">{body}</div>'
 
 
-def _code_block_html(code: str, lang: str, index: int, p: MarkdownPalette) -> str:
+def _code_block_html(code: str, lang: str, index: int, p: MarkdownPalette, head: bool = True,
+                     tail: bool = True) -> str:
     # Qt draws a bordered table's cell borders too, so the block is borderless: a header row in
     # the border colour (language, Copy on the right) over the code on the code background.
     label = html.escape(lang or "code")
     highlighted = highlight_code(code.rstrip("\n"), lang, p) or "&nbsp;"
-    return (
-        f'<table width="100%" cellspacing="0" cellpadding="6" border="0" bgcolor="{p.code_background}" '
-        f'style="margin-top: 6px; margin-bottom: 10px;">'
+    header = (
         f'<tr><td bgcolor="{p.code_border}" style="color: {p.muted}; font-size: small;">{label}</td>'
         f'<td bgcolor="{p.code_border}" align="right" style="font-size: small;"><a href="copy:{index}" '
-        f'style="color: {p.link}; text-decoration: none;">Copy</a></td></tr>'
+        f'style="color: {p.link}; text-decoration: none;">Copy</a></td></tr>') if head else ""
+    return (
+        f'<table width="100%" cellspacing="0" cellpadding="6" border="0" bgcolor="{p.code_background}" '
+        f'style="margin-top: {6 if head else 0}px; margin-bottom: {10 if tail else 0}px;">{header}'
         f'<tr><td colspan="2"><pre style="font-family: {MONO}; margin: 0px; white-space: pre-wrap;">'
         f"{highlighted}</pre></td></tr></table>\n"
     )

@@ -3,7 +3,8 @@
 Layout, top to bottom: the active pair (two combo boxes over the local models and a "Use this
 pair" button), a line about this computer's hardware profile, two tabs — "Catalog" (every pair
 with its fit badge and the planner's tok/s on this machine) and "On this computer" (local models
-with sizes; import, remove, download by repo id) — and the download queue (a progress bar, speed,
+with sizes, plus the GGUFs LM Studio and Ollama keep, used where they are; import, remove,
+download by repo id) — and the download queue (a progress bar, speed,
 ETA, pause/resume and cancel per model).
 
 Downloads run in a `DownloadQueue` (app/download_worker.py); the page only reacts to its signals.
@@ -48,10 +49,14 @@ from app.download_worker import (
 )
 from app.preferences import Preferences, PreferencesStore
 from app.recommend import PairOption, load_profile, pair_options, profile_headline
+from app.status import ElidedLabel
 from engine.errors import EngineError
 from engine.store import (
+    Discovery,
     DownloadSettings,
+    HeaderFacts,
     LocalModel,
+    discover_models,
     hf_hub_cache_dir,
     import_model,
     list_local_models,
@@ -59,6 +64,7 @@ from engine.store import (
     remove_model,
 )
 from engine.store.catalog import Catalog
+from engine.store.registry import FOUND_SOURCES
 from engine.types import DownloadProgress
 from engine.units import format_bytes
 
@@ -73,9 +79,11 @@ class DownloadRow(QFrame):
 
     Signals:
         cleared(str): the user dismissed a finished row (spec).
+        retry_requested(str): Retry on a failed or cancelled row (spec).
     """
 
     cleared = Signal(str)
+    retry_requested = Signal(str)
 
     def __init__(self, spec: str, queue: DownloadQueue, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -88,6 +96,8 @@ class DownloadRow(QFrame):
         self.bar.setRange(0, 1000)
         self.bar.setAccessibleName(f"{spec} download progress")
         self.detail = QLabel("Waiting for its turn")
+        self.detail.setWordWrap(True)  # an error line says what to do: all of it must show
+        self.detail.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.detail.setAccessibleName(f"{spec} download status")
         self.pause_button = QPushButton("Pause")
         self.pause_button.setAccessibleName(f"Pause or resume {spec}")
@@ -118,7 +128,14 @@ class DownloadRow(QFrame):
             self.bar.setValue(1000)
         self.detail.setText(text)
         self.detail.setToolTip(text)
-        self.pause_button.setEnabled(False)
+        if state in ("failed", "cancelled"):  # Pause becomes Retry (the partial data is kept: it resumes)
+            self.pause_button.setText("Retry")
+            self.pause_button.setAccessibleName(f"Retry {self.spec}")
+            self.pause_button.setToolTip("Download again, going on from what was already downloaded")
+            self.pause_button.clicked.disconnect()
+            self.pause_button.clicked.connect(lambda: self.retry_requested.emit(self.spec))
+        else:
+            self.pause_button.hide()
         self.cancel_button.setText("Clear")
         self.cancel_button.setAccessibleName(f"Clear {self.spec} from the list")
         self.cancel_button.clicked.disconnect()
@@ -156,6 +173,8 @@ class ModelsPage(QWidget):
         self._prefs = store.load()
         self._hf_cache = hf_cache_dir
         self._local: list[LocalModel] = []
+        self._facts = HeaderFacts()  # each found GGUF's header is read once per change of the file
+        self.found = Discovery((), ())
         self._options: list[PairOption] = []
         self.rows: dict[str, DownloadRow] = {}
         self._download_args = {"endpoint": endpoint, "settings": download_settings or DownloadSettings(),
@@ -176,7 +195,7 @@ class ModelsPage(QWidget):
 
     def _build(self) -> None:
         title = QLabel("<h2>Models</h2>")
-        self.folder_label = QLabel()
+        self.folder_label = ElidedLabel()  # a long path elides (full in its tooltip): the page fits half a screen
         self.folder_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.folder_label.setAccessibleName("Models folder")
         header = QHBoxLayout()
@@ -186,10 +205,14 @@ class ModelsPage(QWidget):
 
         self.target_combo = QComboBox()
         self.target_combo.setAccessibleName("Active target model")
-        self.target_combo.setMinimumWidth(260)
+        self.target_combo.currentIndexChanged.connect(self._on_target_combo_changed)
         self.draft_combo = QComboBox()
         self.draft_combo.setAccessibleName("Active draft model")
-        self.draft_combo.setMinimumWidth(260)
+        self.draft_combo.setToolTip("A small model of the same family that guesses ahead; the target checks its "
+                                    "guesses, several tokens per pass. (no draft): plain decoding")
+        for combo in (self.target_combo, self.draft_combo):  # long names elide: the page fits half a screen
+            combo.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+            combo.setMinimumContentsLength(14)
         self.use_button = QPushButton("&Use this pair")
         self.use_button.setAccessibleName("Use the chosen target and draft")
         self.use_button.clicked.connect(self._on_use_clicked)
@@ -200,11 +223,14 @@ class ModelsPage(QWidget):
         draft_label = QLabel("&Draft:")
         draft_label.setBuddy(self.draft_combo)
         pair_box = QGroupBox("Active pair")
-        pair_row = QHBoxLayout(pair_box)
+        pair_column = QVBoxLayout(pair_box)
+        pair_row = QHBoxLayout()
         for w in (target_label, self.target_combo, draft_label, self.draft_combo, self.use_button):
             pair_row.addWidget(w)
         pair_row.addStretch(1)
-        pair_row.addWidget(self.active_label)
+        pair_column.addLayout(pair_row)
+        self.active_label.setWordWrap(True)
+        pair_column.addWidget(self.active_label)
 
         self.profile_label = QLabel()
         self.profile_label.setWordWrap(True)
@@ -229,7 +255,7 @@ class ModelsPage(QWidget):
         scroll.setWidgetResizable(True)
         scroll.setFrameShape(QFrame.Shape.NoFrame)
         scroll.setWidget(inner)
-        scroll.setMinimumHeight(150)
+        scroll.setMinimumHeight(60)
         box_layout = QVBoxLayout(downloads)
         box_layout.addWidget(scroll)
 
@@ -281,6 +307,10 @@ class ModelsPage(QWidget):
         import_folder = QPushButton("Import &folder…")
         import_folder.setAccessibleName("Import a Hugging Face model folder")
         import_folder.clicked.connect(self._on_import_folder_clicked)
+        self.found_label = QLabel()
+        self.found_label.setWordWrap(True)
+        self.found_label.setAccessibleName("Problems with LM Studio and Ollama models")
+        self.found_label.hide()
         import_gguf = QPushButton("Import .&gguf…")
         import_gguf.setAccessibleName("Import a GGUF file")
         import_gguf.clicked.connect(self._on_import_gguf_clicked)
@@ -304,6 +334,7 @@ class ModelsPage(QWidget):
         tab = QWidget()
         layout = QVBoxLayout(tab)
         layout.addWidget(self.local_table)
+        layout.addWidget(self.found_label)
         layout.addLayout(buttons)
         return tab
 
@@ -316,6 +347,7 @@ class ModelsPage(QWidget):
         table.setAlternatingRowColors(True)
         table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
         table.horizontalHeader().setStretchLastSection(True)
+        table.setMinimumHeight(110)  # a few rows stay visible in a small window
 
     # ---- state -----------------------------------------------------------------------------
     @property
@@ -343,9 +375,11 @@ class ModelsPage(QWidget):
         """Re-read the local models and the hardware profile; redraw everything."""
         self._prefs = self._store.load()
         self.folder_label.setText(f"Folder: {self.models_dir}")
+        self.folder_label.setToolTip(str(self.models_dir))
         cache = self._hf_cache if self._hf_cache is not None else hf_hub_cache_dir()
+        self.found = discover_models(facts=self._facts)  # LM Studio's and Ollama's GGUFs, used in place
         try:
-            self._local = list_local_models(self.models_dir, cache)
+            self._local = list_local_models(self.models_dir, cache, self.found.models)
         except OSError as exc:
             log.warning("cannot list %s: %s", self.models_dir, exc)
             self._local = []
@@ -354,6 +388,8 @@ class ModelsPage(QWidget):
         self.profile_label.setText("This computer: " + profile_headline(profile))
         self._fill_catalog()
         self._fill_local()
+        self.found_label.setText("\n".join(f"⚠ {line}" for line in self.found.problems))
+        self.found_label.setVisible(bool(self.found.problems))
         self._fill_pair_combos()
         self._update_buttons()
 
@@ -384,38 +420,53 @@ class ModelsPage(QWidget):
     def _fill_local(self) -> None:
         table = self.local_table
         table.setRowCount(len(self._local))
-        sources = {"hub": "downloaded", "import": "imported", "pypi-wheel": "PyPI wheel", "hf-cache": "HF cache"}
+        sources = {"hub": "downloaded", "import": "imported", "pypi-wheel": "PyPI wheel", "hf-cache": "HF cache",
+                   **FOUND_SOURCES}
         for row, model in enumerate(self._local):
             size = format_bytes(model.size_bytes) + ("" if model.owns_files else " (not copied)")
-            for col, text in enumerate([model.model_id, sources.get(model.source, model.source), size, str(model.path)]):
+            source = sources.get(model.source, model.source) + (f" · {model.detail}" if model.detail else "")
+            for col, text in enumerate([model.model_id, source, size, str(model.path)]):
                 item = QTableWidgetItem(text)
                 item.setData(Qt.ItemDataRole.UserRole, model.model_id)
                 table.setItem(row, col, item)
 
     def _fill_pair_combos(self) -> None:
         prefs = self._prefs
-        names = [m.model_id for m in self._local]
-        for combo, current, extra in ((self.target_combo, prefs.target, []), (self.draft_combo, prefs.draft, [NO_DRAFT])):
-            combo.blockSignals(True)
-            combo.clear()
-            for name in extra + names:
-                combo.addItem(name, "" if name == NO_DRAFT else name)
-            if current and current not in names:
-                combo.addItem(f"{current} (not downloaded)", current)
-            index = combo.findData(current)
-            combo.setCurrentIndex(max(index, 0))
-            combo.blockSignals(False)
+        self._fill_combo(self.target_combo, [m.model_id for m in self._local], prefs.target)
+        self._fill_draft_combo(prefs.draft)
         draft = _short_name(prefs.draft) or "no draft"
         self.active_label.setText(f"In use: <b>{_short_name(prefs.target)}</b> + {draft}" if prefs.target
                                   else "No pair chosen yet")
         self.active_label.setToolTip(f"{prefs.target}\n{prefs.draft}" if prefs.target else "")
+
+    def _on_target_combo_changed(self, _index: int) -> None:
+        self._fill_draft_combo(self.draft_combo.currentData() or "")
+
+    def _fill_draft_combo(self, current: str) -> None:
+        """The drafts on offer: every local model but the chosen target (a model cannot draft for
+        itself; it used to be offered, and choosing it silently meant no draft)."""
+        target = self.target_combo.currentData() or ""
+        names = [m.model_id for m in self._local if m.model_id != target]
+        self._fill_combo(self.draft_combo, [NO_DRAFT, *names], current if current != target else "")
+
+    @staticmethod
+    def _fill_combo(combo: QComboBox, names: list[str], current: str) -> None:
+        combo.blockSignals(True)
+        combo.clear()
+        for name in names:
+            combo.addItem(name, "" if name == NO_DRAFT else name)
+        if current and current not in names:
+            combo.addItem(f"{current} (not downloaded)", current)
+        combo.setCurrentIndex(max(combo.findData(current), 0))
+        combo.blockSignals(False)
 
     def _update_buttons(self) -> None:
         option = self.selected_option()
         missing = option is not None and any(m and not self.is_local(m) for m in (option.target, option.draft))
         self.download_button.setEnabled(missing)
         self.catalog_use_button.setEnabled(option is not None and not missing)
-        self.remove_button.setEnabled(self.selected_local() is not None)
+        local = self.selected_local()  # LM Studio's and Ollama's own models are removed in those apps
+        self.remove_button.setEnabled(local is not None and local.source not in FOUND_SOURCES)
         self.use_button.setEnabled(self.target_combo.count() > 0)
 
     def selected_option(self) -> PairOption | None:
@@ -444,6 +495,7 @@ class ModelsPage(QWidget):
             old.deleteLater()
         row = DownloadRow(spec, self.queue)
         row.cleared.connect(self._on_row_cleared)
+        row.retry_requested.connect(self.download)
         self.rows[spec] = row
         self.downloads_layout.insertWidget(self.downloads_layout.count() - 1, row)
         self.no_downloads.hide()
@@ -515,7 +567,8 @@ class ModelsPage(QWidget):
             self.import_path(Path(folder))
 
     def _on_import_gguf_clicked(self) -> None:
-        path, _ = QFileDialog.getOpenFileName(self, "Import a GGUF file", "", "GGUF models (*.gguf)")
+        path, _ = QFileDialog.getOpenFileName(self, "Import a GGUF file", "",
+                                              "GGUF models (*.gguf);;All files, e.g. an Ollama blob (*)")
         if path:
             self.import_path(Path(path))
 

@@ -7,6 +7,7 @@ replaced by a line of text saying what to do.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from PySide6.QtCharts import (
@@ -22,12 +23,27 @@ from PySide6.QtGui import QPainter
 from PySide6.QtWidgets import QLabel, QStackedLayout, QWidget
 
 
+def label_format(top: float) -> str:
+    """A tick label format with enough decimals for values up to `top`: below 0.05 tok/s (a 70B
+    pair on a CPU) "%.1f" printed "0.0" on every tick."""
+    if top >= 10:
+        return "%.0f"
+    if top >= 1 or top <= 0:
+        return "%.1f"
+    return f"%.{math.ceil(-math.log10(top)) + 1}f"
+
+
 class BudgetPlot(QWidget):
     """A line of predicted tok/s per budget, with the chosen budget marked."""
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.setAccessibleName("Predicted speed by tree budget")
+        # the budget is the draft tokens one pass checks, not the tokens it keeps (the status bar's
+        # "tokens/pass"): the two used to share a name
+        self.setToolTip("Tree budget: how many draft tokens the big model checks in one pass over its weights. "
+                        "A pass keeps only those it agrees with (the status bar's tokens/pass). Bigger trees keep "
+                        "more per pass but make each pass slower; the peak is the fastest budget.")
         self._chart = QChart()
         self._chart.legend().hide()
         self._chart.setTitle("Predicted tokens per second by tree budget")
@@ -75,17 +91,20 @@ class BudgetPlot(QWidget):
             line.append(QPointF(budget, tok_s))
         chart.addSeries(line)
         x_axis = QLogValueAxis() if max(b for b, _ in points) / min(b for b, _ in points) >= 16 else QValueAxis()
-        x_axis.setTitleText("tree budget (tokens per target pass)")
+        x_axis.setTitleText("tree budget")  # explained in the tooltip: a longer title was cut
+        low, high = min(b for b, _ in points), max(b for b, _ in points)
         if isinstance(x_axis, QLogValueAxis):
             x_axis.setBase(2.0)
-            x_axis.setLabelFormat("%d")
+            x_axis.setRange(low / 1.25, high * 1.25)  # room for the marker at either end
         else:
-            x_axis.setLabelFormat("%d")
+            pad = max(1.0, 0.05 * (high - low))
+            x_axis.setRange(max(0.0, low - pad), high + pad)
+        x_axis.setLabelFormat("%d")
         y_axis = QValueAxis()
-        y_axis.setTitleText("tokens per second")
+        y_axis.setTitleText("tok/s")  # short: "tokens per second" was cut on a small chart
         top = max(t for _, t in points)
-        y_axis.setRange(0.0, top * 1.15 if top > 0 else 1.0)
-        y_axis.setLabelFormat("%.1f")
+        y_axis.setRange(0.0, top * 1.2 if top > 0 else 1.0)
+        y_axis.setLabelFormat(label_format(top * 1.2))
         chart.addAxis(x_axis, Qt.AlignmentFlag.AlignBottom)
         chart.addAxis(y_axis, Qt.AlignmentFlag.AlignLeft)
         line.attachAxis(x_axis)

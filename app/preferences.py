@@ -62,7 +62,7 @@ class Preferences:
     top_p: float = 0.9
     top_k: int = 0
     min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    repetition_penalty: float = 1.1  # as LM Studio and Ollama: the small starter loops without it
     max_new_tokens: int = 1024
     context_length: int = 4096
     # Engine
@@ -119,7 +119,8 @@ class Preferences:
         )
 
     def models_path(self) -> Path:
-        """The models folder to use: the user's choice, else the engine's default."""
+        """The models folder to use: the user's choice, else the engine's default (which reads
+        the choice back from the settings file shared with the CLI)."""
         return Path(self.models_dir).expanduser() if self.models_dir else paths.models_dir()
 
     @property
@@ -205,6 +206,10 @@ class PreferencesStore(QObject):
         finally:
             self._settings.endGroup()
         self._settings.sync()
+        try:  # the CLI reads the models folder from the shared settings file (engine.paths)
+            paths.set_shared_setting("models_dir", prefs.models_dir)
+        except OSError as exc:
+            log.warning("could not write %s: %s", paths.settings_file(), exc)
         self.changed.emit(prefs)
 
     def update(self, **changes: Any) -> Preferences:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from engine.errors import EngineError
 from engine.planning import planner, profile
-from engine.planning.calibration import saved_curve
+from engine.planning.calibration import calibration_path, saved_curve
 from engine.planning.planner import PairPrediction
 from engine.planning.profile import HardwareProfile
 from engine.store.catalog import Catalog, CatalogModel
@@ -112,8 +112,17 @@ def _option(pair_id: str, title: str, description: str, target: CatalogModel, dr
                           fit="unknown" if profile is None else "no prediction")
     return PairOption(
         pair_id, title, description, target.id, draft.id if draft else "", size, fit=prediction.fit,
-        tokens_per_second=prediction.tokens_per_second, budget=prediction.budget, reason=prediction.reason,
+        tokens_per_second=prediction.tokens_per_second, budget=prediction.budget,
+        reason=f"{prediction.reason}. {prediction_basis()}",
     )
+
+
+def prediction_basis() -> str:
+    """Where every predicted speed comes from (the same in the wizard, the models page and the
+    plot): the benchmark, refitted to the runs measured here once there are some."""
+    if calibration_path().is_file():
+        return "Predicted from this computer's benchmark, calibrated by the answers measured here."
+    return "Predicted from this computer's benchmark alone: no answer measured here yet."
 
 
 def pair_options(catalog: Catalog, profile: HardwareProfile | None, quant: str = "auto") -> list[PairOption]:
@@ -150,7 +159,8 @@ def predicted_curve(profile: HardwareProfile | None, target: CatalogModel, draft
     if profile is None or draft is None:
         return []
     try:
-        return [(int(b), float(t)) for b, t in planner.predict_curve(profile, target, draft, quant=quant)]
+        curve = planner.predict_curve(profile, target, draft, quant=quant, curve=saved_curve())  # as the table's
+        return [(int(b), float(t)) for b, t in curve]
     except (EngineError, ValueError, KeyError, ZeroDivisionError) as exc:
         log.info("no curve for %s + %s: %s", target.id, draft.id, exc)
         return []

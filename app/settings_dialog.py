@@ -40,10 +40,13 @@ from PySide6.QtWidgets import (
 
 from app.benchmark_worker import benchmark_runner
 from app.engines_tab import EnginesTab
+from app.hub_tab import HubTab
+from app.logfile import current_log_file
 from app.plot import BudgetPlot
 from app.preferences import Preferences, PreferencesStore
 from app.recommend import load_profile, predicted_curve, profile_lines
 from app.server_tab import ServerTab
+from app.setting_tips import TIPS
 from engine.about import installation
 from engine.planning import planner
 from engine.store import load_catalog
@@ -114,8 +117,8 @@ class SettingsDialog(QDialog):
         self.tabs.addTab(self._prompts_tab(), "S&ystem prompts")
         self.tabs.addTab(self._hardware_tab(), "This &computer")
         # tabs in their own modules: show_preferences(prefs) fills them, values() is what they own
-        self.server_tab, self.engines_tab = ServerTab(), EnginesTab()
-        self._own_tabs = (self.server_tab, self.engines_tab)
+        self.server_tab, self.engines_tab, self.hub_tab = ServerTab(), EnginesTab(), HubTab()
+        self._own_tabs = (self.server_tab, self.engines_tab, self.hub_tab)
         for tab in self._own_tabs:
             self.tabs.addTab(tab, tab.title)
         self.finished.connect(self.engines_tab.shutdown)
@@ -134,6 +137,8 @@ class SettingsDialog(QDialog):
         layout.addWidget(self.buttons)
         for index in range(self.tabs.count()):  # Alt+1..5 jump between sections
             QShortcut(QKeySequence(f"Alt+{index + 1}"), self, activated=lambda i=index: self.tabs.setCurrentIndex(i))
+        for name, tip in TIPS.items():
+            getattr(self, name).setToolTip(tip)
         self.show_preferences(self._prefs)
         self._show_profile()
 
@@ -280,7 +285,9 @@ class SettingsDialog(QDialog):
         layout.addLayout(pair_row)
         layout.addWidget(self.plot, 1)
         about = installation()
-        self.about = QLabel(f"{about.summary()}\nInstalled in {about.prefix} · your data in {about.data}")
+        log = current_log_file()
+        self.about = QLabel(f"{about.summary()}\nInstalled in {about.prefix} · your data in {about.data}"
+                            + (f"\nLog file: {log}" if log is not None else ""))
         self.about.setAccessibleName("SpecChat version and installation")
         self.about.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.about.setWordWrap(True)

@@ -54,6 +54,7 @@ from app.recommend import (
     profile_lines,
     recommend,
 )
+from app.status import short_paths
 from engine.store import (
     DownloadSettings,
     find_local_model,
@@ -141,8 +142,9 @@ class RunnerPage(QWizardPage):
     # -- the task --
     def _run(self, arg: object) -> None:
         self.state = "running"
-        self.bar.setValue(0)
+        self.bar.setRange(0, 0)  # busy until the task reports a fraction
         self.skip_button.setEnabled(True)
+        self.skip_button.show()
         self.status.setText("Starting…")
         if not self.runner.start(arg):
             self._queued, self._has_queued = arg, True
@@ -150,6 +152,7 @@ class RunnerPage(QWizardPage):
 
     def _fail(self, text: str) -> None:
         self.state = "failed"
+        self._step_over()
         self.status.setText(text)
         self.completeChanged.emit()
 
@@ -174,21 +177,29 @@ class RunnerPage(QWizardPage):
         if self.state == "running":
             self.runner.cancel()
         self.state = "skipped"
-        self.skip_button.setEnabled(False)
+        self._step_over()
         self.status.setText(self._skipped_text())
         self.completeChanged.emit()
 
+    def _step_over(self) -> None:
+        """Nothing left to skip: the button goes (it used to stay, disabled), the bar stops."""
+        self.skip_button.hide()
+        self.bar.setRange(0, 1000)
+
     def _on_runner_progressed(self, fraction: float, text: str) -> None:
         if self.state == "running":
-            self.bar.setValue(int(1000 * fraction))
+            if fraction > 0:
+                self.bar.setRange(0, 1000)
+                self.bar.setValue(int(1000 * fraction))
+            text = short_paths(text)
             self.status.setText(text[:1].upper() + text[1:])
 
     def _on_runner_finished(self, result: object) -> None:
         if self._start_queued() or self.state != "running":
             return
         self.state = "done"
+        self._step_over()
         self.bar.setValue(1000)
-        self.skip_button.setEnabled(False)
         self.status.setText(self._done_text(result))
         self.completeChanged.emit()
 
@@ -243,11 +254,15 @@ class RecommendPage(QWizardPage):
         super().__init__()
         self._wizard = wizard
         self.setTitle("Choose a model pair")
-        self.setSubTitle("Ranked by the predicted speed on this computer.")
+        self.setSubTitle("Best first: the pairs that fit this computer, fastest first, then the small starter.")
         self.intro = _label("", "Recommendation")
         self.list = QListWidget()
         self.list.setAccessibleName("Recommended model pairs")
         self.list.setSpacing(2)
+        # the rows are rich-text labels that keep their own colours: a light selection with a
+        # frame keeps them readable (on the usual solid blue they were nearly unreadable)
+        self.list.setStyleSheet("QListWidget::item:selected { background: palette(midlight); "
+                                "border: 2px solid palette(highlight); border-radius: 4px; }")
         self.list.itemSelectionChanged.connect(self.completeChanged)
         self.list.itemDoubleClicked.connect(lambda _i: wizard.next())
         self.show_all = QCheckBox("Show &every catalog pair, including those that do not fit")
@@ -265,7 +280,12 @@ class RecommendPage(QWizardPage):
     def _fill(self) -> None:
         profile = load_profile() if self._wizard.benchmark_page.state == "done" else None
         everything = pair_options(self._wizard.catalog, profile)
-        self.options = everything if self.show_all.isChecked() else recommend(everything, profile)
+        chosen = self.selected()
+        self.options = recommend(everything, profile)
+        if self.show_all.isChecked():  # the rest after the recommendation, fastest first
+            offered = {o.pair_id for o in self.options}
+            self.options += sorted((o for o in everything if o.pair_id not in offered),
+                                   key=lambda o: -(o.tokens_per_second or 0.0))
         if profile is None:
             intro = "Without a benchmark SpecChat recommends the small starter model, which runs anywhere."
         elif not profile_has_gpu(profile):
@@ -296,8 +316,9 @@ class RecommendPage(QWizardPage):
             item.setSizeHint(label.sizeHint())
             self.list.addItem(item)
             self.list.setItemWidget(item, label)
-        if self.list.count():
-            self.list.setCurrentRow(0)
+        ids = [o.pair_id for o in self.options]
+        if ids:  # ticking "Show every pair" keeps the choice (it used to jump to another pair)
+            self.list.setCurrentRow(ids.index(chosen.pair_id) if chosen is not None and chosen.pair_id in ids else 0)
 
     def isComplete(self) -> bool:
         return self.selected() is not None
@@ -362,7 +383,7 @@ class DownloadPage(QWizardPage):
             for spec in self.pending:
                 if not self._wizard.downloads.enqueue(spec):
                     self._restart.add(spec)
-        self.pause_button.setEnabled(bool(self.pending))
+        self.pause_button.setVisible(bool(self.pending))
         self.completeChanged.emit()
 
     def isComplete(self) -> bool:
@@ -393,7 +414,7 @@ class DownloadPage(QWizardPage):
             if not self.pending:
                 self.bar.setValue(1000)
                 self.status.setText("<b>Downloaded.</b> Press Next for a short test run.")
-                self.pause_button.setEnabled(False)
+                self.pause_button.hide()
             self.completeChanged.emit()
 
     def _on_queue_failed(self, spec: str, message: str) -> None:
@@ -406,6 +427,7 @@ class DownloadPage(QWizardPage):
             self.pending.remove(spec)
             self.failed_message = message
             self.status.setText(f"{spec}: {message}")
+            self.pause_button.hide()
             self.retry_button.show()
             self.completeChanged.emit()
 
@@ -441,13 +463,13 @@ class CalibrationPage(RunnerPage):
         self.result = result
         per_pass = f", {result.tokens_per_pass:.2f} tokens per target pass" if result.tokens_per_pass else ""
         return (f"<b>It works.</b> {result.new_tokens} tokens at {result.tokens_per_second:.1f} tokens/s{per_pass} "
-                f"(loaded in {result.load_seconds:.1f} s). Press Finish to start chatting.")
+                f"(loaded in {result.load_seconds:.1f} s). Press <b>Start chatting</b>.")
 
     def _failed_text(self, message: str) -> str:
         return f"The test run failed: {message}"
 
     def _skipped_text(self) -> str:
-        return "Skipped. Press Finish to start chatting."
+        return "Skipped. Press <b>Start chatting</b>."
 
 
 class FirstRunWizard(QWizard):

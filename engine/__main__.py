@@ -1,8 +1,17 @@
 """`python -m engine` is `specchat`."""
 
+import os
 import sys
 
-from engine.cli.main import main
+
+def run() -> int:
+    try:
+        from engine.cli.main import main, settle
+    except KeyboardInterrupt:  # Ctrl+C while the command line's modules import
+        print(file=sys.stderr, flush=True)
+        os._exit(130)  # not sys.exit: see engine.cli.main.settle
+    return settle(main())
+
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run())

@@ -1,5 +1,6 @@
 """Errors a user can hit. Each carries a `user_message` that says what happened and what to do;
-the CLI prints it on one line (exit code 2) and the app shows it in a banner as it is.
+the CLI prints it on one line (exit code 2 for a UsageError, 1 for the others) and the app shows
+it in a banner as it is.
 
 Internal invariants use `assert`; only conditions a user can cause or fix raise these.
 """
@@ -28,6 +29,12 @@ class InvalidRequest(EngineError):
     """Settings or prompts that cannot be honoured (budget < 1, empty prompt, ...)."""
 
 
+class UsageError(InvalidRequest):
+    """A command line that cannot run as given: an option value or a combination of options
+    refused before (or, where only the model can tell, right after) loading. The CLI exits 2
+    for these, as for a mistyped option; every other EngineError is a runtime failure (1)."""
+
+
 class ContextTooLong(InvalidRequest):
     """A prompt that does not fit in the model's context (the API answers 413 for it)."""
 
@@ -46,6 +53,10 @@ class ChecksumMismatch(DownloadFailed):
 
 class DiskFull(EngineError):
     """Not enough free disk space for a download or import."""
+
+
+class NotWritable(EngineError):
+    """A folder SpecChat must write to (models, data, cache) is read-only or not ours."""
 
 
 class Cancelled(EngineError):

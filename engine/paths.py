@@ -3,6 +3,7 @@ tmp_path); environment variables let a user or CI move the folders without code 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -26,9 +27,62 @@ def cache_dir() -> Path:
     return Path(env) if env else Path(platformdirs.user_cache_dir(APP_NAME, appauthor=False))
 
 
+def log_dir() -> Path:
+    """The app's log files (the platform's log folder: ~/.local/state/specchat/log on Linux,
+    %LOCALAPPDATA%\\specchat\\Logs on Windows, ~/Library/Logs/specchat on macOS)."""
+    env = os.environ.get("SPECCHAT_LOG_DIR")
+    return Path(env) if env else Path(platformdirs.user_log_dir(APP_NAME, appauthor=False))
+
+
+def settings_file() -> Path:
+    """The settings the app and the CLI share (today: the models folder), a small JSON file in
+    the platform's config folder; SPECCHAT_CONFIG_DIR moves it."""
+    env = os.environ.get("SPECCHAT_CONFIG_DIR")
+    folder = Path(env) if env else Path(platformdirs.user_config_dir(APP_NAME, appauthor=False))
+    return folder / "settings.json"
+
+
+def shared_setting(name: str) -> str:
+    """A string from the shared settings file ("" when unset, or when the file is missing or
+    not what we write: it is read as data only, never trusted further)."""
+    try:
+        data = json.loads(settings_file().read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return ""
+    value = data.get(name) if isinstance(data, dict) else None
+    return value if isinstance(value, str) else ""
+
+
+def set_shared_setting(name: str, value: str) -> None:
+    """Write one string into the shared settings file ("" removes it), atomically."""
+    path = settings_file()
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        data = {}
+    data = data if isinstance(data, dict) else {}
+    if (data.get(name) or "") == value:
+        return
+    if value:
+        data[name] = value
+    else:
+        data.pop(name, None)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
 def models_dir() -> Path:
+    """SPECCHAT_MODELS_DIR, else the folder chosen in the app (the shared settings file, so the
+    CLI downloads where the app looks), else the data folder's models/."""
     env = os.environ.get("SPECCHAT_MODELS_DIR")
-    return Path(env).expanduser() if env else data_dir() / "models"
+    if env:
+        return Path(env).expanduser()
+    chosen = shared_setting("models_dir")
+    if chosen and Path(chosen).expanduser().is_absolute():
+        return Path(chosen).expanduser()
+    return data_dir() / "models"
 
 
 def resource(name: str) -> Path:

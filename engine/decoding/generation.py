@@ -47,7 +47,7 @@ from engine.errors import ContextTooLong, OutOfMemory
 from engine.model.cache import KVCache
 from engine.model.cache_files import CacheFiles
 from engine.model.causal_lm import CausalLM
-from engine.planning.placement import tokens_per_pass
+from engine.planning.placement import generation_bytes, tokens_per_pass
 from engine.types import (
     CacheSettings,
     Completion,
@@ -60,8 +60,14 @@ from engine.types import (
     TokenEvent,
     Tokenizer,
 )
+from engine.units import format_bytes
 
 log = logging.getLogger(__name__)
+
+PREFILL_FIRST_CHUNK = 32
+PREFILL_MIN_CHUNK = 8
+PREFILL_STEP_S = 0.3  # the time one CPU prefill chunk aims at: a Stop waits for at most one chunk
+PREFILL_ROOM_CPU = 192  # on a CPU, the most tokens the first decoding pass reads (its cost is its tokens)
 
 Choose = Callable[[torch.Tensor, list[int]], int]  # ((V,) logits, tokens of this step so far) -> token
 
@@ -164,12 +170,15 @@ class Engine:
             )
         if len(prompt) + request.max_new_tokens > context:  # the answer stops at the context's end
             request = replace(request, max_new_tokens=context - len(prompt))
+        spec = request.speculation
+        use_draft = spec.mode == "specexec" and spec.draft and self.draft is not None
+        check_fits(self.target, self.draft if use_draft else None, len(prompt), request)
         return self._decode(request, prompt, cancel or threading.Event())
 
     def _decode(self, request: GenerationRequest, prompt: list[int],
                 cancel: threading.Event) -> Iterator[TokenEvent | Completion]:
         t_start = time.perf_counter()
-        run = self._start(request, prompt)
+        run = self._start(request, prompt, cancel)
         consistent = True  # the caches hold a prefix of run.seq: they may be reused
         try:
             while len(run.new) < run.request.max_new_tokens:
@@ -197,15 +206,18 @@ class Engine:
         stats = self._stats(run, time.perf_counter() - t_start)
         yield Completion(text=run.detok.text, token_ids=tuple(run.new), finish_reason=run.finish, stats=stats)
 
-    def _start(self, request: GenerationRequest, prompt: list[int]) -> _Decoding:
+    def _start(self, request: GenerationRequest, prompt: list[int],
+               cancel: threading.Event | None = None) -> _Decoding:
         """Caches holding as much of the prompt as was cached, plus what does not fit the first
-        decoding pass (prefilled in chunks as large as the device's memory allows)."""
+        decoding pass (prefilled in chunks as large as the device's memory allows). A `cancel`
+        set meanwhile stops the prefill between chunks (the decode loop then ends at once)."""
         sampling, spec = request.sampling, request.speculation
         use_draft = spec.mode == "specexec" and spec.draft and self.draft is not None
         use_spec = use_draft or (spec.mode == "specexec" and spec.context)
         gen = None if sampling.greedy else make_generator(sampling.seed)
         t0 = time.perf_counter()
-        spare = request.max_new_tokens + spec.budget + 8
+        tree = spec.budget if use_spec else 1  # autoregressive: one token per pass, whatever the budget
+        spare = request.max_new_tokens + tree + 8
         if self.cache_settings.enabled:
             prefix, cached = self.prefixes.take(prompt, request.conversation, self._new_caches)
         else:
@@ -214,15 +226,20 @@ class Engine:
         prefix.target.reserve(len(prompt) - prefix.target.length + spare)
         timers = _Timers()
         first_pass = (spec.budget + 1) if use_spec else 1  # tokens the first step reads besides the prompt's tail
-        timers.prefill_passes = prefill(self.target, prefix.target, prompt[:-1], first_pass)
+        timers.prefill_passes = prefill(self.target, prefix.target, prompt[:-1], first_pass,
+                                         cancel=cancel)
         if use_draft:
             assert self.draft is not None and prefix.draft is not None
             prefix.draft.reserve(len(prompt) - prefix.draft.length + spare + 3 * spec.budget)
-            prefill(self.draft, prefix.draft, prompt[:-1], 1)  # the draft's pass 0 reads the rest and the root
+            prefill(self.draft, prefix.draft, prompt[:-1], 1, cancel=cancel)  # the draft's pass 0 reads the rest and the root
         seq = list(prompt)
+        window, eos = sampling.repetition_window, self.eos_ids
 
         def choose(logits: torch.Tensor, step_tokens: list[int]) -> int:
-            history = torch.tensor(seq + step_tokens) if sampling.repetition_penalty != 1.0 else None
+            history = None
+            if sampling.repetition_penalty != 1.0:
+                recent = (seq[-window:] + step_tokens)[-window:] if window else seq + step_tokens
+                history = torch.tensor([t for t in recent if t not in eos], dtype=torch.long)
             return choose_token(logits, sampling, gen, history)
 
         index = ContextIndex(seq) if use_spec and spec.context else None
@@ -381,23 +398,36 @@ def _teach(model: AcceptanceModel, trace: DraftTrace, path: list[int], chosen: l
 
 
 def prefill(model: CausalLM, cache: KVCache, ids: list[int], leave_room: int | None = None,
-            chunk: int | None = None) -> int:
+            chunk: int | None = None, cancel: threading.Event | None = None) -> int:
     """Read `ids[cache.length:]` into the cache; with `leave_room`, all but the last part, which
     one pass of the model can read together with `leave_room` more tokens (the first decoding
     step reads it: on a new turn that is the only weight pass before the first token). Chunks
     are as large as the device's free memory allows (engine.planning.placement.tokens_per_pass),
     so an offloaded target streams its weights as few times as it can; `chunk` caps them. A
     device out-of-memory halves the chunk and retries (the cache commits only after a whole
-    pass). Returns the number of passes."""
+    pass). Returns the number of passes.
+
+    A `cancel` set meanwhile stops it between chunks (the cache then holds the chunks done), so
+    a Stop waits for one chunk at most. On a CPU, where a pass costs mostly its tokens' compute
+    (~20 s for 512 tokens of the starter on 2 cores), chunks are therefore sized to take about
+    PREFILL_STEP_S, and the first decoding pass reads at most PREFILL_ROOM_CPU; on a GPU, where an offloaded pass costs mostly reading the weights, they stay
+    as large as memory allows, since a smaller one would only read the weights more often."""
     shape = model.shape
     size = tokens_per_pass(model.free_memory(), cache.length + len(ids), shape.hidden_size,
                            shape.layer.intermediate_size, shape.layer.num_attention_heads, model.dtype.itemsize)
     if chunk is not None:
         size = min(size, chunk)
+    most, room, adapt = size, size, model.device.type == "cpu"
+    if adapt:
+        size, room = min(size, PREFILL_FIRST_CHUNK), min(size, PREFILL_ROOM_CPU)
+    last: tuple[int, float] | None = None  # (size, seconds) of the previous chunk
     passes = 0
-    while len(ids) - cache.length > (0 if leave_room is None else max(size - leave_room, 0)):
+    while len(ids) - cache.length > (0 if leave_room is None else max(room - leave_room, 0)):
+        if cancel is not None and cancel.is_set():
+            break
         start = cache.length
         piece = torch.tensor(ids[start : start + size])
+        t0 = time.perf_counter()
         try:
             model.forward(piece, torch.arange(start, start + piece.shape[0]), cache, None)
         except torch.OutOfMemoryError as exc:
@@ -407,10 +437,70 @@ def prefill(model: CausalLM, cache: KVCache, ids: list[int], leave_room: int | N
             if model.device.type == "cuda":
                 torch.cuda.empty_cache()
             size //= 2
+            most = room = size
             log.warning("out of device memory in the prefill: chunks of %d tokens now", size)
             continue
         passes += 1
+        if adapt:
+            seconds = time.perf_counter() - t0
+            size, last = _next_prefill_chunk(piece.shape[0], seconds, last, most), (int(piece.shape[0]), seconds)
     return passes
+
+
+def _next_prefill_chunk(size: int, seconds: float, last: tuple[int, float] | None, most: int) -> int:
+    """The next CPU prefill chunk after one of `size` tokens took `seconds` (see prefill)."""
+    if last is not None and last[0] < size and seconds < 1.5 * last[1]:
+        return most  # twice the tokens cost not much more: reading the weights dominates
+    if seconds <= 0:
+        return min(most, size * 2)
+    fit = int(size * PREFILL_STEP_S / seconds)
+    return max(PREFILL_MIN_CHUNK, min(most, fit, size * 2))
+
+
+def check_fits(target: CausalLM, draft: CausalLM | None, prompt: int, request: GenerationRequest) -> None:
+    """OutOfMemory, naming the largest tree budget and answer length that would fit, when the
+    caches and one pass of this request cannot fit in the memory free where they live (a
+    budget of 10^9 would otherwise die in the allocator, asking for 100+ GB)."""
+    budget = request.speculation.budget if draft is not None else 1
+    esize = target.dtype.itemsize
+
+    def need(max_new: int, tree: int) -> int:
+        return generation_bytes(target.shape, draft.shape if draft is not None else None, esize, prompt, max_new,
+                                tree)
+
+    free = free_memory(target.device)
+    if need(request.max_new_tokens, budget) <= free:
+        return
+    where = "GPU memory" if target.device.type == "cuda" else "RAM"
+    advice = []
+    if draft is not None:
+        most = _largest(lambda b: need(request.max_new_tokens, b) <= free, budget)
+        advice += [f"a tree budget of at most {most}"] if most else []
+    most = _largest(lambda m: need(m, budget) <= free, request.max_new_tokens)
+    advice += [f"at most {most} new tokens per answer"] if most else []
+    raise OutOfMemory(
+        f"This request needs about {format_bytes(need(request.max_new_tokens, budget))} of {where} for its KV "
+        f"caches and one pass over the tree, but {format_bytes(free)} is free. "
+        + (f"Use {' or '.join(advice)}." if advice else "Start a new conversation, or free some memory.")
+    )
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes a new allocation can get on `device`: free GPU memory plus what PyTorch's caching
+    allocator holds unused; on the CPU the available RAM."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+    return int(psutil.virtual_memory().available)
+
+
+def _largest(fits: Callable[[int], bool], above: int) -> int:
+    """The largest n in [0, above) with fits(n), for a monotone `fits` (0 when none)."""
+    low, high = 0, above  # fits(low) is assumed (0 means "none"), fits(high) is false
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
 
 
 def _shrink_after_oom(request: GenerationRequest, device: torch.device) -> tuple[GenerationRequest, bool]:

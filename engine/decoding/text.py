@@ -24,11 +24,27 @@ def encode_prompt(tokenizer: Tokenizer, request: GenerationRequest) -> list[int]
         if not tokenizer.chat_template:
             raise InvalidRequest("This model has no chat template; use --raw-prompt to feed plain text.")
         msgs = [{"role": m.role, "content": m.content} for m in request.messages]
-        out = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-        ids = list(out if isinstance(out, list) else out["input_ids"])
+        try:
+            if request.continue_final:  # the answer's own end-of-turn is left out, so it goes on
+                out = tokenizer.apply_chat_template(msgs, continue_final_message=True, tokenize=True)
+            else:
+                out = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+            ids = [int(i) for i in (out if isinstance(out, list) else out["input_ids"])]
+        except Exception as exc:  # noqa: BLE001 - the template is the model's own (sandboxed) code: any error is its refusal
+            raise InvalidRequest(template_refusal(exc, request)) from exc
     if not ids:
         raise InvalidRequest("The prompt is empty: type a message first.")
     return ids
+
+
+def template_refusal(exc: Exception, request: GenerationRequest) -> str:
+    """What to tell a user whose conversation the model's chat template refused (templates
+    raise e.g. "Conversation roles must alternate user/assistant/user/assistant/...")."""
+    reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200].rstrip(".")
+    hint = ("Many templates take no system message: try without one. " if any(m.role == "system" for m in
+            request.messages) else "")
+    return (f"The model's chat template refused this conversation ({reason}). {hint}A raw prompt "
+            "(--raw-prompt) skips the template.")
 
 
 def eos_ids(tokenizer: Tokenizer, *configs: Any) -> frozenset[int]:

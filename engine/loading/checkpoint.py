@@ -11,12 +11,17 @@ quantised Linear weight as packed uint8 codes plus `<name>.absmax`, `.quant_map`
 nested (double-quantised) absmax and a packed `quant_state.bitsandbytes__nf4` record.
 `nf4(name)` returns such a weight as packed codes + fp32 absmax without de-quantising it.
 
+FP8 weights (E4M3, E5M2) are de-quantised as they load, with their `<name>_scale` (per tensor
+or per output channel) or `<name>_scale_inv` (per block, DeepSeek-style) when there is one.
+Any other stored dtype is refused by name (UnsupportedModel), never reported as corruption.
+
 What this module does not do: decide where tensors go (materialise.py) or read pickle files.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import struct
 import warnings
@@ -24,17 +29,47 @@ from pathlib import Path
 
 import torch
 
+from engine.errors import UnsupportedModel
+
 DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _QS_SUFFIXES = (".absmax", ".quant_map", ".nested_absmax", ".nested_quant_map",
                 ".quant_state.bitsandbytes__nf4", ".quant_state.bitsandbytes__fp4")
 
 
 class CorruptCheckpoint(ValueError):
     """A shard whose header or sizes do not add up (truncated or damaged download)."""
+
+
+def check_header(header: object, name: str, data_bytes: int) -> None:
+    """CorruptCheckpoint unless `header` has the documented shape: an object whose entries
+    (besides "__metadata__") are objects {dtype: str, shape: [int >= 0, ...], data_offsets:
+    [start, end]} with 0 <= start <= end <= data_bytes and, for a known dtype, end - start the
+    bytes of that shape. Checked before anything is allocated from it."""
+    if not isinstance(header, dict):
+        raise CorruptCheckpoint(f"{name} has a damaged header (not a JSON object)")
+    for tensor, info in header.items():
+        if tensor == "__metadata__":
+            continue
+        ok = isinstance(info, dict) and isinstance(info.get("dtype"), str)
+        shape, offsets = (info.get("shape"), info.get("data_offsets")) if ok else (None, None)
+        ok = ok and isinstance(shape, list) and all(_count(d) for d in shape)
+        ok = ok and isinstance(offsets, list) and len(offsets) == 2 and all(_count(o) for o in offsets)
+        if not ok or not offsets[0] <= offsets[1]:  # type: ignore[index]
+            raise CorruptCheckpoint(f"{name} has a damaged header (the entry for {str(tensor)[:80]!r})")
+        if offsets[1] > data_bytes:  # type: ignore[index]
+            raise CorruptCheckpoint(f"{name} is truncated (tensor {str(tensor)[:80]!r} ends past the end of the file)")
+        dtype = DTYPES.get(info["dtype"])
+        if dtype is not None and offsets[1] - offsets[0] != math.prod(shape) * dtype.itemsize:  # type: ignore[index, arg-type]
+            raise CorruptCheckpoint(f"{name} has a damaged header (tensor {str(tensor)[:80]!r} has the wrong size)")
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 class _Shard:
@@ -50,14 +85,18 @@ class _Shard:
             raise CorruptCheckpoint(f"{path.name} has a header longer than the file")
         try:
             header = json.loads(self._file.read(n))
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: JSON nested thousands deep
             raise CorruptCheckpoint(f"{path.name} has a damaged header") from exc
+        check_header(header, path.name, size - 8 - n)
         header.pop("__metadata__", None)
         self.base = 8 + n
         self.entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
         for name, info in header.items():
-            if info["dtype"] not in DTYPES:
-                raise CorruptCheckpoint(f"{path.name}: tensor {name} has unsupported dtype {info['dtype']}")
+            if info.get("dtype") not in DTYPES:
+                raise UnsupportedModel(
+                    f"'{path.name}' stores tensor {name} as {info.get('dtype')!r}, a format SpecChat cannot load "
+                    "(it loads 16- and 32-bit floats, FP8, bitsandbytes 4-bit, AWQ and GPTQ 4-bit). Pick "
+                    "another version of the model, e.g. its GGUF or AWQ release.")
             start, end = info["data_offsets"]
             if self.base + end > size:
                 raise CorruptCheckpoint(f"{path.name} is truncated (tensor {name} runs past the end)")
@@ -142,10 +181,13 @@ class Checkpoint:
     def shape(self, name: str) -> tuple[int, ...]:
         return self._shard(name).entries[name][1]
 
+    def dtype(self, name: str) -> torch.dtype:
+        return self._shard(name).entries[name][0]
+
     def load(self, name: str, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-        """The tensor in `dtype` on `device`, read straight into its final buffer (4-bit
-        weights are de-quantised first)."""
-        if self.is_nf4(name):
+        """The tensor in `dtype` on `device`, read straight into its final buffer (4-bit and
+        FP8 weights are de-quantised first)."""
+        if self.is_nf4(name) or self.dtype(name) in FP8:
             return self.dense(name, dtype).to(device)
         out = torch.empty(self.shape(name), dtype=dtype, device=device)
         self._shard(name).copy_to(name, out)
@@ -153,7 +195,7 @@ class Checkpoint:
 
     def copy_to(self, name: str, out: torch.Tensor) -> None:
         """Tensor `name` into an existing tensor of its shape (any dtype/device)."""
-        if self.is_nf4(name):
+        if self.is_nf4(name) or self.dtype(name) in FP8:
             out.copy_(self.dense(name, out.dtype).reshape(out.shape))
         else:
             self._shard(name).copy_to(name, out)
@@ -182,13 +224,32 @@ class Checkpoint:
         return self.read(name).reshape(-1, 1), absmax.float()
 
     def dense(self, name: str, dtype: torch.dtype) -> torch.Tensor:
-        """The tensor in `dtype`, de-quantising a 4-bit weight if need be."""
+        """The tensor in `dtype`, de-quantising a 4-bit or FP8 weight if need be."""
         if self.is_nf4(name):
             import bitsandbytes.functional as bnbf
 
             state = self._quant_state(name)
             return bnbf.dequantize_4bit(self.read(name), state).to(dtype)
+        if self.dtype(name) in FP8:
+            return self._fp8(name).to(dtype)
         return self.load(name, dtype)
+
+    def _fp8(self, name: str) -> torch.Tensor:
+        """An FP8 weight times its scale, in fp32."""
+        w = self.read(name).float()
+        scale_name = next((name + s for s in ("_scale", "_scale_inv") if name + s in self._where), None)
+        if scale_name is None:
+            return w
+        scale = self.read(scale_name).float()
+        if scale.numel() == 1 or w.ndim < 2:
+            return w * scale.reshape(-1)[0] if scale.numel() == 1 else w * scale.reshape(w.shape)
+        rows, cols = w.shape
+        if scale.numel() == rows:  # per output channel
+            return w * scale.reshape(rows, 1)
+        # per (rows / scale rows) x (cols / scale columns) block, the last ones possibly short
+        bo, bi = -(-rows // scale.shape[0]), -(-cols // scale.shape[1])
+        full = scale.repeat_interleave(bo, 0).repeat_interleave(bi, 1)[:rows, :cols]
+        return w * full
 
     def close(self) -> None:
         for s in self._shards:

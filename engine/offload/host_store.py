@@ -1,5 +1,6 @@
 """The host store: packed layers off the device, in RAM arenas (pinned on CUDA) or in one
-memory-mapped file on disk (the SSD tier), read each pass with read-ahead of the next layers.
+memory-mapped file on disk (the SSD tier: a private file, the prepared-layer cache, or the GGUF
+file the model came from), read each pass with read-ahead of the next layers.
 
 What this module does not do: copy layers to the device (streamer) or pack them (layout).
 """
@@ -12,11 +13,13 @@ import os
 import shutil
 import tempfile
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from engine.errors import DiskFull
+from engine.offload.layout import ALIGN
 from engine.units import GIB
 
 log = logging.getLogger(__name__)
@@ -26,47 +29,58 @@ HOST_ARENA_BYTES = GIB  # RAM layers are grouped into arenas of about this size
 
 class HostStore:
     """Packed layers off the device: the first `ram_layers` in RAM arenas, the rest in one
-    file mapped into memory. Index j is the j-th offloaded layer (not the model layer index).
+    file mapped into memory. Index j is the j-th offloaded layer (not the model layer index);
+    `sizes[j]` its packed bytes (GGUF layers differ in size when their types differ).
 
     The file is a private temporary one (written with `write_disk`, unlinked once mapped), or
-    `disk_file` = (an existing file of packed layers at a page-aligned stride, the file index of
-    the first disk layer): the prepared-layer cache, mapped in place."""
+    `disk_file` = (an existing file, the offset of each disk layer in it), mapped in place: the
+    prepared-layer cache, or a GGUF file itself (its layers are spans of the file)."""
 
-    def __init__(self, layer_nbytes: int, ram_layers: int, disk_layers: int, pin: bool,
-                 disk_dir: Path | None = None, disk_file: tuple[Path, int] | None = None) -> None:
-        self.layer_nbytes = layer_nbytes
+    def __init__(self, sizes: Sequence[int], ram_layers: int, pin: bool, disk_dir: Path | None = None,
+                 disk_file: tuple[Path, Sequence[int]] | None = None) -> None:
+        self.sizes = list(sizes)
+        self.layer_nbytes = max(self.sizes, default=0)
         self.ram_layers = ram_layers
-        self.disk_layers = disk_layers
+        self.disk_layers = len(self.sizes) - ram_layers
         self.pinned = False
         self._arenas: list[torch.Tensor] = []
         self._ram: list[torch.Tensor] = []
-        per_arena = max(1, HOST_ARENA_BYTES // max(layer_nbytes, 1))
-        left = ram_layers
-        while left > 0:
-            n = min(per_arena, left)
+        j = 0
+        while j < ram_layers:
             # one allocation per arena, pinned as a whole: the CUDA host allocator would round
             # each pinned allocation up to a power of two
-            arena = torch.empty(n * layer_nbytes, dtype=torch.uint8)
+            starts: list[int] = []
+            end = 0
+            for k in range(j, ram_layers):
+                if starts and end + self.sizes[k] > HOST_ARENA_BYTES:
+                    break
+                starts.append(end)
+                end += _aligned(self.sizes[k], ALIGN)
+            arena = torch.empty(end, dtype=torch.uint8)
             if pin:
                 self.pinned = _pin(arena) or self.pinned
             self._arenas.append(arena)
-            self._ram += [arena[i * layer_nbytes : (i + 1) * layer_nbytes] for i in range(n)]
-            left -= n
-        # disk layers start on page boundaries, so read-ahead and drop hints cover whole layers
-        self._stride = (layer_nbytes + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
+            self._ram += [arena[a:a + self.sizes[j + k]] for k, a in enumerate(starts)]
+            j += len(starts)
         self._file: Path | None = None
         self._fd: int | None = None
         self._map: mmap.mmap | None = None
         self._disk: torch.Tensor | None = None
         self._owned = disk_file is None
-        self._first = 0  # file index of disk layer ram_layers
-        if disk_layers and disk_file is not None:
-            self._file, self._first = disk_file
+        disk_sizes = self.sizes[ram_layers:]
+        if self.disk_layers and disk_file is not None:
+            self._file, offsets = disk_file[0], list(disk_file[1])
+            assert len(offsets) == self.disk_layers
+            self._offsets = offsets
             self._fd = os.open(self._file, os.O_RDONLY | getattr(os, "O_BINARY", 0))
-        elif disk_layers:
+        elif self.disk_layers:
+            # disk layers start on page boundaries, so read-ahead and drop hints cover whole layers
+            self._offsets, need = [], 0
+            for n in disk_sizes:
+                self._offsets.append(need)
+                need += _aligned(n, mmap.PAGESIZE)
             directory = disk_dir or Path(tempfile.gettempdir())
             directory.mkdir(parents=True, exist_ok=True)
-            need = disk_layers * self._stride
             free = shutil.disk_usage(directory).free
             if need + GIB > free:
                 raise DiskFull(f"The model's layers that do not fit in RAM need {need / GIB:.1f} GiB on disk in "
@@ -74,7 +88,14 @@ class HostStore:
                                "--quant nf4 to make the layers four times smaller.")
             fd, name = tempfile.mkstemp(prefix="layers-", suffix=".bin", dir=directory)
             self._file, self._fd = Path(name), fd
-            os.ftruncate(fd, disk_layers * self._stride)
+            os.ftruncate(fd, need)
+        else:
+            self._offsets = []
+
+    @property
+    def ram_bytes(self) -> int:
+        """RAM the store's arenas hold."""
+        return sum(a.numel() for a in self._arenas)
 
     @property
     def disk_path(self) -> Path | None:
@@ -90,7 +111,7 @@ class HostStore:
         """Write packed layer j (a disk-tier index) through the page cache, not into this
         process's memory."""
         assert self._owned and self._fd is not None and self._map is None, "write every disk layer before reading"
-        data = memoryview(buf.contiguous().numpy())
+        data = memoryview(buf[: self.sizes[j]].contiguous().numpy())
         os.lseek(self._fd, self._offset(j), os.SEEK_SET)
         while len(data):
             data = data[os.write(self._fd, data):]
@@ -112,7 +133,7 @@ class HostStore:
             return self._ram[j]
         assert self._disk is not None, "seal() the store first"
         start = self._offset(j)
-        return self._disk[start : start + self.layer_nbytes]
+        return self._disk[start : start + self.sizes[j]]
 
     def will_need(self, j: int) -> None:
         """Read-ahead hint for disk layer j (a no-op for RAM layers)."""
@@ -125,10 +146,12 @@ class HostStore:
     def _advise(self, j: int, advice: int | None) -> None:
         if j < self.ram_layers or self._map is None or advice is None or not hasattr(self._map, "madvise"):
             return
-        self._map.madvise(advice, self._offset(j), self._stride)
+        start = self._offset(j) // mmap.PAGESIZE * mmap.PAGESIZE
+        end = min(_aligned(self._offset(j) + self.sizes[j], mmap.PAGESIZE), len(self._map))
+        self._map.madvise(advice, start, end - start)
 
     def _offset(self, j: int) -> int:
-        return (self._first + j - self.ram_layers) * self._stride
+        return self._offsets[j - self.ram_layers]
 
     def close(self) -> None:
         self._disk = None
@@ -152,6 +175,10 @@ class HostStore:
             self.close()
         except Exception:  # interpreter shutdown
             pass
+
+
+def _aligned(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
 
 
 def _pin(t: torch.Tensor) -> bool:

@@ -1,25 +1,33 @@
-"""The packed layer layout: one offset table for every decoder layer of a model, and NF4.
+"""The packed layer layout: an offset table describing a decoder layer packed into one flat
+byte buffer, and NF4.
 
 Every decoder layer of a model has the same parameters, so one offset table (`LayerLayout`)
-describes any layer packed into one flat byte buffer. "Load layer i into ring slot k" is then a
-single contiguous copy, and a template decoder layer whose parameters are views into slot k
-runs it (`bind`). NF4 layers travel packed (4-bit codes + one fp32 absmax per 64 weights, the
-bitsandbytes layout) and are dequantised on the device into one dense buffer just before they
-run (`unpack_into`).
+describes any layer of a 16-bit or NF4 model. "Load layer i into ring slot k" is then a single
+contiguous copy, and a template decoder layer whose parameters are views into slot k runs it
+(`bind`). Packed layers travel packed and are de-quantised on the device into one dense buffer
+just before they run (unpack.py), for entries of kind:
 
-What this module does not do: decide where a layer lives (host_store, streamer) or read
-checkpoints (engine.loading).
+- "dense": a parameter as it runs, in the compute dtype;
+- "nf4": 4-bit codes (bitsandbytes order) + an fp32 absmax per 64 weights (entry `name#absmax`);
+- "gguf": a tensor's bytes as a GGUF file stores them (`qtype`: the ggml type; `row_order`:
+  llama.cpp's row permutation to undo). A GGUF model has one layout per layer, since a file
+  may store its layers in different types (Q4_K_M keeps some in Q6_K), with the offsets the
+  tensors have in the file, so a layer's bytes are one span of the file;
+- "awq" / "gptq": int4 codes packed eight per int32, with `#scales`, `#qzeros` (and `#g_idx`).
+
+What this module does not do: decide where a layer lives (host_store, streamer), read
+checkpoints (engine.loading), or de-quantise (unpack.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import bitsandbytes.functional as bnbf
 import torch
 from torch import nn
 
-from engine.types import Quant
+from engine.types import Packing, Quant
 
 ALIGN = 256  # byte alignment of every entry: safe for any dtype view and for DMA
 NF4_BLOCK = 64
@@ -28,16 +36,21 @@ NF4_BLOCK = 64
 # ---- layout ---------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Entry:
-    """One tensor of a packed layer. kind "dense": a parameter stored in the compute dtype;
-    "nf4": a Linear weight's 4-bit codes (uint8, two per byte, bitsandbytes order) whose
-    per-block absmax is the entry `name + ABSMAX`."""
+    """One tensor of a packed layer (kinds: see the module docstring). Side entries (absmax,
+    scales, zeros, g_idx) are named `weight name + "#" + what`."""
 
     name: str
     kind: str
-    shape: tuple[int, ...]  # the parameter's shape (for nf4 too: the dequantised shape)
+    shape: tuple[int, ...]  # the parameter's shape (packed kinds too: the de-quantised shape)
     dtype: torch.dtype  # storage dtype
     offset: int
     nbytes: int
+    qtype: int = -1  # "gguf": the ggml type; "gptq": the checkpoint format (2: zeros stored as they are)
+    row_order: tuple[int, ...] | None = None  # "gguf": stored row that becomes row j
+
+    @property
+    def side(self) -> bool:
+        return "#" in self.name
 
 
 ABSMAX = "#absmax"
@@ -53,7 +66,7 @@ class LayerLayout:
     nbytes: int  # one packed layer
     dense_nbytes: int  # the same layer with every parameter in the compute dtype
     compute_dtype: torch.dtype
-    quant: Quant
+    quant: Packing
 
     @classmethod
     def of(cls, layer: nn.Module, compute_dtype: torch.dtype, quant: Quant) -> LayerLayout:
@@ -77,12 +90,27 @@ class LayerLayout:
                 offset += _aligned(numel * esize)
         return cls(tuple(entries), offset, dense, compute_dtype, quant)
 
+    @classmethod
+    def packed(cls, entries: list[Entry], compute_dtype: torch.dtype, quant: Packing,
+               span: int | None = None) -> LayerLayout:
+        """A layout of given entries. Their offsets are kept when `span` (the packed size) is
+        given (a GGUF layer laid out as in its file); otherwise they are laid out in order."""
+        esize = torch.empty((), dtype=compute_dtype).element_size()
+        dense = sum(_aligned(_numel(e.shape) * esize) for e in entries if not e.side)
+        if span is None:
+            placed, offset = [], 0
+            for e in entries:
+                placed.append(replace(e, offset=offset))
+                offset += _aligned(e.nbytes)
+            entries, span = placed, offset
+        return cls(tuple(entries), span, dense, compute_dtype, quant)
+
     def dense_layout(self) -> LayerLayout:
         """The unpacked twin: every parameter dense, in the same order."""
         entries, offset = [], 0
         esize = torch.empty((), dtype=self.compute_dtype).element_size()
         for e in self.entries:
-            if e.kind == "absmax":
+            if e.side:
                 continue
             n = _numel(e.shape) * esize
             entries.append(Entry(e.name, "dense", e.shape, self.compute_dtype, offset, n))
@@ -94,6 +122,8 @@ class LayerLayout:
         raw = buf[entry.offset : entry.offset + entry.nbytes]
         if entry.kind == "nf4":
             return raw.view(-1, 1)  # (numel/2, 1): bitsandbytes' packed shape
+        if entry.kind in ("gguf", "awq", "gptq"):
+            return raw  # blocks or packed int4: unpack.py reads them
         return raw.view(entry.dtype).view(entry.shape)
 
     def params(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -151,17 +181,6 @@ def pack_prequantized(layout: LayerLayout, buf: torch.Tensor, name: str, packed:
 
 def _absmax_entry(layout: LayerLayout, name: str) -> Entry:
     return next(e for e in layout.entries if e.name == name + ABSMAX)
-
-
-def unpack_into(layout: LayerLayout, packed_buf: torch.Tensor, dense: dict[str, torch.Tensor],
-                code: torch.Tensor) -> None:
-    """Fill dense parameter tensors from a packed buffer (dequantising NF4 entries)."""
-    for e in layout.entries:
-        if e.kind == "nf4":
-            dequantize_nf4(layout.view(packed_buf, e), layout.view(packed_buf, _absmax_entry(layout, e.name)),
-                           dense[e.name], code)
-        elif e.kind == "dense":
-            dense[e.name].copy_(layout.view(packed_buf, e))
 
 
 def set_parameter(module: nn.Module, name: str, value: torch.Tensor) -> None:

@@ -30,23 +30,25 @@ log = logging.getLogger(__name__)
 FORMAT = 1
 
 
-def cache_key(folder: Path, layout: LayerLayout, num_layers: int) -> str:
-    shards = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in folder.glob("*.safetensors"))
+def cache_key(files: list[Path], layout: LayerLayout, num_layers: int) -> str:
+    shards = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files)
     entries = [(e.name, e.kind, e.shape, str(e.dtype), e.offset, e.nbytes) for e in layout.entries]
     blob = json.dumps([FORMAT, shards, entries, str(layout.compute_dtype), layout.quant, num_layers])
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 
 class PreparedLayers:
-    """Read or write the prepared-layer file of one model folder."""
+    """Read or write the prepared-layer file of one model (a folder, or a GGUF file); `files`
+    are the weight files whose names, sizes and times key the cache."""
 
-    def __init__(self, cache_dir: Path, folder: Path, layout: LayerLayout, num_layers: int) -> None:
+    def __init__(self, cache_dir: Path, folder: Path, layout: LayerLayout, num_layers: int,
+                 files: list[Path]) -> None:
         self.layer_nbytes = layout.nbytes
         self.num_layers = num_layers
         self.stride = (layout.nbytes + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
         self.prefix = hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:12]
         self.dir = cache_dir
-        self.path = cache_dir / f"{self.prefix}-{cache_key(folder, layout, num_layers)}.bin"
+        self.path = cache_dir / f"{self.prefix}-{cache_key(files, layout, num_layers)}.bin"
         self.done = self.path.with_suffix(".done")
         self._fd: int | None = None
 

@@ -14,7 +14,7 @@ What this module does not do: read checkpoints (engine.loading), decide placemen
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from engine.offload.host_store import HostStore
-from engine.offload.layout import LayerLayout, bind, nf4_code, unpack_into
+from engine.offload.layout import LayerLayout, bind
+from engine.offload.unpack import Unpacker
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +34,8 @@ LayerCall = Callable[[nn.Module, int, torch.Tensor], torch.Tensor]
 
 @dataclass(frozen=True)
 class LayerHome:
-    """Where model layer i lives: a resident module, a packed device buffer (NF4 resident) or
-    index `store_index` of the host store."""
+    """Where model layer i lives: a resident module, a packed device buffer (packed layers
+    resident) or index `store_index` of the host store."""
 
     module: nn.Module | None = None
     packed: torch.Tensor | None = None
@@ -43,23 +44,28 @@ class LayerHome:
 
 class LayerStreamer:
     """Runs all decoder layers of a pass in order, streaming the offloaded ones through a ring
-    of device slots. `call(module, layer_idx, hidden)` runs one layer (causal_lm supplies it)."""
+    of device slots. `call(module, layer_idx, hidden)` runs one layer (causal_lm supplies it).
+    `layouts[i]` is model layer i's packed layout (one LayerLayout stands for all: 16-bit or
+    NF4 models; GGUF layers each have theirs)."""
 
-    def __init__(self, homes: list[LayerHome], layout: LayerLayout, store: HostStore | None,
+    def __init__(self, homes: list[LayerHome], layouts: LayerLayout | Sequence[LayerLayout], store: HostStore | None,
                  make_template: Callable[[], nn.Module], device: torch.device, ring_slots: int) -> None:
         self.homes = homes
-        self.layout = layout
+        # one layout stands for every layer
+        self.layouts = [layouts] * len(homes) if isinstance(layouts, LayerLayout) else list(layouts)
+        self.layout = layout = self.layouts[0]
         self.store = store
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.streamed = [i for i, h in enumerate(homes) if h.store_index is not None]
         m = len(self.streamed)
         self.k = min(ring_slots, m) if m else 0
-        self._slots = [torch.empty(layout.nbytes, dtype=torch.uint8, device=self.device) for _ in range(self.k)]
-        self._code = nf4_code(self.device) if layout.quant == "nf4" else None
+        slot_bytes = max((self.layouts[i].nbytes for i in self.streamed), default=0)
+        self._slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(self.k)]
+        self._unpack = Unpacker(self.device) if layout.quant != "none" else None
         self.dense_layout = layout.dense_layout()
-        if layout.quant == "nf4":
-            # one dense buffer: the compute stream dequantises into it, then runs the layer
+        if self._unpack is not None:
+            # one dense buffer: the compute stream de-quantises into it, then runs the layer
             self._dense = torch.empty(self.dense_layout.nbytes, dtype=torch.uint8, device=self.device)
             self._dense_params = self.dense_layout.params(self._dense)
             self._dense_template = make_template()
@@ -75,7 +81,7 @@ class LayerStreamer:
         self._copy_stream = torch.cuda.Stream(device=self.device) if self.cuda and m else None
         self._loaded = [torch.cuda.Event() for _ in range(self.k)] if self._copy_stream else []
         self._free = [torch.cuda.Event() for _ in range(self.k)] if self._copy_stream else []
-        self._staging = ([torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(self.k)]
+        self._staging = ([torch.empty(slot_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(self.k)]
                          if self._copy_stream and store is not None and store.disk_layers else [])
         self._pending: list[Future[None] | None] = [None] * self.k
         self._slot_layer: list[int | None] = [None] * self.k  # store index a slot holds (or is getting)
@@ -104,18 +110,19 @@ class LayerStreamer:
     def _load(self, j: int, k: int) -> None:
         assert self.store is not None
         src = self.store.source(j)
+        n = src.numel()
         disk = self.store.tier(j) == "disk"
         if self._copy_stream is None:  # CPU: a plain copy (on this worker thread)
-            self._slots[k].copy_(src)
+            self._slots[k][:n].copy_(src)
         else:
             if disk:  # page in from the file to pinned staging, then DMA
-                staging = self._staging[k]
+                staging = self._staging[k][:n]
                 self._loaded[k].synchronize()  # the previous DMA out of this staging buffer
                 staging.copy_(src)
                 src = staging
             with torch.cuda.stream(self._copy_stream):
                 self._copy_stream.wait_event(self._free[k])  # the slot's previous layer has run
-                self._slots[k].copy_(src, non_blocking=True)
+                self._slots[k][:n].copy_(src, non_blocking=True)
                 self._loaded[k].record(self._copy_stream)
         if disk:
             self.store.done_with(j)
@@ -164,15 +171,15 @@ class LayerStreamer:
         for i, home in enumerate(self.homes):
             if home.module is not None:
                 hidden = call(home.module, i, hidden)
-            elif home.packed is not None:  # NF4 resident on the device
-                assert self._code is not None
-                unpack_into(self.layout, home.packed, self._dense_params, self._code)
+            elif home.packed is not None:  # packed, resident on the device
+                assert self._unpack is not None
+                self._unpack(self.layouts[i], home.packed, self._dense_params)
                 hidden = call(self._dense_template, i, hidden)
             else:
                 pos = self._pos
                 k = self._acquire(pos)
-                if self._code is not None:
-                    unpack_into(self.layout, self._slots[k], self._dense_params, self._code)
+                if self._unpack is not None:
+                    self._unpack(self.layouts[i], self._slots[k], self._dense_params)
                     self._release(k)  # the slot is free once dequantised
                     hidden = call(self._dense_template, i, hidden)
                 else:

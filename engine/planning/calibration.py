@@ -120,8 +120,10 @@ def saved_curve(path: Path | None = None) -> AcceptanceCurve:
         rows = json.loads(source.read_text(encoding="utf-8"))
         totals: dict[tuple[str, int], PassTotals] = {}
         for budget, passes, tokens, drafts in rows:
+            if int(budget) < 1 or int(passes) < 1 or int(tokens) < 0 or int(drafts) < 0:
+                continue  # a damaged row: no run records these
             key = ("specexec", int(budget))
             totals[key] = totals.get(key, PassTotals()) + PassTotals(int(passes), int(tokens), int(drafts))
-    except (OSError, ValueError, TypeError):
+    except (OSError, ValueError, TypeError, OverflowError):
         return AcceptanceCurve()
     return AcceptanceCurve.from_records(totals)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.types import Offload, Placement, Quant
+from engine.types import ModelShape, Offload, Packing, Placement
 from engine.units import GIB
 
 RING_SLOTS = 3  # device slots the streamer cycles offloaded layers through
@@ -40,7 +40,23 @@ def activation_bytes(budget: int, context: int, hidden: int, intermediate: int, 
     return states + scores + logits
 
 
-def plan_placement(*, num_layers: int, layer_bytes: int, dense_layer_bytes: int, quant: Quant,
+def generation_bytes(target: ModelShape, draft: ModelShape | None, dtype_bytes: int, prompt: int,
+                     max_new: int, budget: int) -> int:
+    """Memory one generation allocates besides the weights, as Engine.generate sizes it: both KV
+    caches at their full capacity (allocated up front), and for one target pass over a
+    `budget`-token tree its hidden states, the additive mask over the whole cache and fp32
+    logits. Not the per-head attention scores (fused attention kernels never hold them): this
+    is the floor a request needs, for refusing what cannot fit, not a planning estimate."""
+    target_tokens = prompt + max_new + budget + 8
+    need = target.kv_bytes_per_token(dtype_bytes) * target_tokens
+    need += budget * (6 * target.hidden_size + 3 * target.layer.intermediate_size) * dtype_bytes
+    need += budget * target_tokens * dtype_bytes + budget * target.vocab_size * 4
+    if draft is not None:
+        need += draft.kv_bytes_per_token(dtype_bytes) * (prompt + max_new + 4 * budget + 8)
+    return need
+
+
+def plan_placement(*, num_layers: int, layer_bytes: int, dense_layer_bytes: int, quant: Packing,
                    offload: Offload, device: str, device_free: int, needs: MemoryNeeds, context_length: int,
                    host_free: int, margin: int = GIB, ring_slots: int = RING_SLOTS) -> Placement:
     """How many decoder layers stay on the device, in RAM and on disk.
@@ -68,8 +84,8 @@ def plan_placement(*, num_layers: int, layer_bytes: int, dense_layer_bytes: int,
     else:
         budget = device_free - needs.fixed - needs.kv_per_token * context_length - needs.activations - margin
         gpu = max(0, min(num_layers, budget // max(layer_bytes, 1)))
-        if gpu < num_layers:  # streaming needs a ring (and an NF4 dense buffer)
-            ring = ring_slots * layer_bytes + (dense_layer_bytes if quant == "nf4" else 0)
+        if gpu < num_layers:  # streaming needs a ring (and, for packed layers, a dense buffer)
+            ring = ring_slots * layer_bytes + (dense_layer_bytes if quant != "none" else 0)
             gpu = max(0, min(num_layers, (budget - ring) // max(layer_bytes, 1)))
     rest = num_layers - gpu
     ram = min(rest, fit)

@@ -249,11 +249,13 @@ def predict_pair(profile: HardwareProfile, target: CatalogModel, draft: CatalogM
 
 
 def predict_curve(profile: HardwareProfile, target: CatalogModel, draft: CatalogModel, quant: str = "auto",
-                  budgets: Sequence[int] = DEFAULT_BUDGETS) -> list[tuple[int, float]]:
-    """(budget, predicted tok/s at its best depth) for the quantisation predict_pair picks."""
-    chosen = predict_pair(profile, target, draft, quant)
+                  budgets: Sequence[int] = DEFAULT_BUDGETS,
+                  curve: AcceptanceCurve = AcceptanceCurve()) -> list[tuple[int, float]]:
+    """(budget, predicted tok/s at its best depth) for the quantisation predict_pair picks. Give
+    the same `curve` as predict_pair's, so the plot's peak is the table's figure."""
+    chosen = predict_pair(profile, target, draft, quant, curve)
     tshape, dshape = target.shape(), draft.shape()
-    plan = choose_budget(profile, tshape, dshape, chosen.placement, budgets=budgets)
+    plan = choose_budget(profile, tshape, dshape, chosen.placement, curve, budgets=budgets)
     return [(p.budget, p.tokens_per_second) for p in plan.curve]
 
 

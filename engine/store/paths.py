@@ -43,6 +43,17 @@ def hub_endpoint() -> str:
     return os.environ.get("HF_ENDPOINT", DEFAULT_ENDPOINT).rstrip("/")
 
 
+def hub_offline() -> str | None:
+    """The variable that puts the Hugging Face tools offline (HF_HUB_OFFLINE, or transformers'
+    older TRANSFORMERS_OFFLINE), spelled as set, e.g. "HF_HUB_OFFLINE=1"; None when online.
+    Read now, with huggingface_hub's own notion of a true value."""
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        value = os.environ.get(name, "")
+        if value.strip().upper() in ("1", "ON", "YES", "TRUE"):
+            return f"{name}={value}"
+    return None
+
+
 def is_repo_id(spec: str) -> bool:
     """True for `owner/name` as the hub spells repo ids (no revision, no file)."""
     return bool(_REPO_ID.match(spec)) and ".." not in spec
@@ -76,7 +87,10 @@ def inside(root: Path, name: str, owner: str) -> Path:
     """`root / name` after check_file_name, and only if it resolves inside `root` (a symlink
     planted in the folder cannot lead a write elsewhere either)."""
     path = root / check_file_name(name, owner)
-    base = root.resolve()
-    if not path.resolve().is_relative_to(base):
+    try:
+        escapes = not path.resolve().is_relative_to(root.resolve())
+    except RuntimeError:  # a symlink loop on the way (Python < 3.13 raises this from resolve)
+        escapes = True
+    if escapes:
         raise UnsupportedModel(f"{owner}: the file {name!r} would be written outside {root}; refused.")
     return path

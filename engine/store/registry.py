@@ -1,4 +1,6 @@
-"""The registry of local models: what is in the models folder, plus what the HF cache holds.
+"""The registry of local models: what is in the models folder, plus what the HF cache holds,
+plus (when the caller passes them) the GGUFs LM Studio and Ollama keep (discover.py), used in
+place.
 
 Each registered model is a folder `<models dir>/<slug>/` holding a manifest
 (`specchat-model.json`) and usually the model files themselves. A model is registered only by
@@ -12,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -19,14 +22,25 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from engine.errors import DiskFull, InvalidRequest, ModelNotFound, UnsupportedModel
+from engine.errors import (
+    DiskFull,
+    InvalidRequest,
+    ModelNotFound,
+    UnsupportedModel,
+    UsageError,
+)
 from engine.store.catalog import Catalog
+from engine.store.discover import LM_STUDIO, FoundModel
 from engine.store.hub_cache import find_cached_repo, list_cached_repos
-from engine.store.paths import is_repo_id
+from engine.store.paths import inside, is_repo_id
 from engine.units import format_bytes
 
 logger = logging.getLogger(__name__)
 
+# An import's name becomes a folder name: one path component, nothing a file system reads
+# specially (separators, "..", leading dots, control characters, Windows' reserved ":").
+_IMPORT_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9 _.\-]{0,99}$")
+_IMPORT_NAME_UNSAFE = re.compile(r"[^A-Za-z0-9 _.\-]+")
 MANIFEST_NAME = "specchat-model.json"
 MANIFEST_VERSION = 1
 PARTIAL_DIR = ".partial"
@@ -38,13 +52,24 @@ class LocalModel:
 
     model_id: str
     repo_id: str | None
-    source: str  # "hub" | "import" | "pypi-wheel" | "hf-cache"
+    source: str  # "hub" | "import" | "pypi-wheel" | "hf-cache" | "lmstudio" | "ollama"
     path: Path
     size_bytes: int
     files: tuple[str, ...]
     revision: str | None
-    folder: Path | None  # registry folder; None for HF-cache models
+    folder: Path | None  # registry folder; None for HF-cache and found models
     owns_files: bool  # removing it frees size_bytes
+    detail: str = ""  # what a found GGUF is: "Q4_K_M · llama"
+
+
+FOUND_SOURCES = {"lmstudio": "LM Studio", "ollama": "Ollama"}
+
+
+def found_as_local(found: FoundModel) -> LocalModel:
+    """A GGUF LM Studio or Ollama keeps, as a local model used in place."""
+    source = "lmstudio" if found.app == LM_STUDIO else "ollama"
+    return LocalModel(found.name, None, source, found.path, found.size_bytes, (found.path.name,), None, None, False,
+                      found.detail)
 
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
@@ -79,41 +104,52 @@ def manifest_data(
 
 
 def read_manifest(folder: Path) -> LocalModel | None:
-    """The model registered in `folder`, or None if there is no valid manifest."""
+    """The model registered in `folder`, or None if there is no valid manifest (a damaged one is
+    skipped with a warning). A relative `path` must stay inside `folder`."""
     manifest = folder / MANIFEST_NAME
     try:
         data = json.loads(manifest.read_text(encoding="utf-8"))
         target = Path(data["path"])
-        path = target if target.is_absolute() else (folder / target)
-        files = tuple(f["name"] for f in data["files"])
+        if target.is_absolute():
+            path = target  # an import by reference: the files stay where they are
+        else:  # "." (the folder itself) or a file in it
+            path = folder if data["path"] == "." else inside(folder, data["path"], f"The manifest {manifest}")
+        files = tuple(str(f["name"]) for f in data["files"])
         size = sum(int(f["size"]) for f in data["files"])
+        model_id, source = data["model_id"], data["source"]
+        if not isinstance(model_id, str) or not isinstance(source, str) or not model_id:
+            raise TypeError("model_id and source must be text")
+        repo_id, revision = data.get("repo_id"), data.get("revision")
+        return LocalModel(model_id, repo_id if isinstance(repo_id, str) else None, source, path.resolve(), size,
+                          files, revision if isinstance(revision, str) else None, folder, not target.is_absolute())
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        logger.warning("ignoring unreadable manifest %s: %s", manifest, exc)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RuntimeError, UnsupportedModel) as exc:
+        # RuntimeError: a symlink loop (Path.resolve); UnsupportedModel: a path that leaves the folder
+        reason = exc.user_message if isinstance(exc, UnsupportedModel) else f"{type(exc).__name__}: {exc}"
+        logger.warning("ignoring the damaged manifest %s (%s)", manifest, reason[:200])
         return None
-    owns = not Path(data["path"]).is_absolute()
-    return LocalModel(
-        data["model_id"], data.get("repo_id"), data["source"], path.resolve(), size, files,
-        data.get("revision"), folder, owns,
-    )
 
 
-def list_local_models(models_dir: Path, hf_cache_dir: Path | None = None) -> list[LocalModel]:
-    """Registered models, then HF-cache models not already registered under the same repo id."""
-    found: list[LocalModel] = []
+def list_local_models(models_dir: Path, hf_cache_dir: Path | None = None,
+                      found: list[FoundModel] | tuple[FoundModel, ...] = ()) -> list[LocalModel]:
+    """Registered models, then HF-cache models not already registered under the same repo id,
+    then the runnable `found` GGUFs (discover.py) not already imported."""
+    listed: list[LocalModel] = []
     if models_dir.is_dir():
         for folder in sorted(models_dir.iterdir()):
             if folder.is_dir() and not folder.name.startswith("."):
                 model = read_manifest(folder)
                 if model is not None:
-                    found.append(model)
+                    listed.append(model)
     if hf_cache_dir is not None:
-        known = {m.repo_id.lower() for m in found if m.repo_id}
+        known = {m.repo_id.lower() for m in listed if m.repo_id}
         for cached in list_cached_repos(hf_cache_dir):
             if cached.repo_id.lower() not in known:
-                found.append(_from_cache(cached.repo_id, cached))
-    return found
+                listed.append(_from_cache(cached.repo_id, cached))
+    paths = {m.path for m in listed}
+    listed += [found_as_local(f) for f in found if f.runnable and f.path.resolve() not in paths]
+    return listed
 
 
 def find_local_model(
@@ -142,11 +178,14 @@ def _from_cache(model_id: str, cached: Any) -> LocalModel:
 
 def import_model(path: Path, models_dir: Path, name: str | None = None, copy: bool = False) -> LocalModel:
     """Register a local HF folder or .gguf file; with `copy` its files move under the models folder."""
-    source = path.expanduser().resolve()
+    try:
+        source = path.expanduser().resolve()
+    except (RuntimeError, OSError) as exc:  # RuntimeError: Python's "Symlink loop from ..."
+        raise ModelNotFound(f"Cannot import {path}: it is a symbolic link that leads back to itself.") from exc
     if not source.exists():
         raise ModelNotFound(f"Nothing to import at {source}: check the path.")
     if source.is_file():
-        if source.suffix.lower() != ".gguf":
+        if source.suffix.lower() != ".gguf" and not _starts_like_gguf(source):  # Ollama's blobs have no suffix
             raise UnsupportedModel(
                 f"{source.name} is not a .gguf file. Import a .gguf file or a Hugging Face folder "
                 "(config.json + *.safetensors + tokenizer files)."
@@ -158,11 +197,18 @@ def import_model(path: Path, models_dir: Path, name: str | None = None, copy: bo
                 f"{source} is not a Hugging Face model folder: it needs config.json and *.safetensors "
                 "weights (pickle .bin checkpoints are not loaded, for safety)."
             )
+        broken = sorted(p.name for p in source.iterdir() if p.is_symlink() and not p.exists())
+        if broken:
+            raise UnsupportedModel(
+                f"{source} holds symbolic links that lead nowhere (a loop or a missing file): {', '.join(broken[:4])}. "
+                "Fix or remove them, then import again."
+            )
         files = sorted(p for p in source.iterdir() if p.is_file())
-    model_name = name or (source.stem if source.is_file() else source.name)
-    if is_repo_id(model_name) or "/" in model_name or model_name.startswith("."):
-        raise InvalidRequest(f"{model_name!r} cannot be an import name: use letters, digits, '-', '_' or '.'.")
-    folder = models_dir / f"local--{model_name}"
+    model_name = name or _IMPORT_NAME_UNSAFE.sub("-", source.stem if source.is_file() else source.name).strip("-. ")
+    if not _IMPORT_NAME.match(model_name):
+        raise UsageError(f"{model_name!r} cannot be an import name: use letters, digits, spaces, '-', '_' or '.' "
+                         "(not first), at most 100 characters.")
+    folder = inside(models_dir, f"local--{model_name}", "The import name")
     if (folder / MANIFEST_NAME).exists():
         raise InvalidRequest(
             f"A model named {model_name!r} is already imported. Remove it first "
@@ -196,8 +242,21 @@ def import_model(path: Path, models_dir: Path, name: str | None = None, copy: bo
     return model
 
 
+def _starts_like_gguf(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
 def remove_model(model: LocalModel) -> int:
     """Delete a registered model's folder; returns the bytes freed (0 for imports by reference)."""
+    if model.source in FOUND_SOURCES:
+        raise InvalidRequest(
+            f"{model.model_id} belongs to {FOUND_SOURCES[model.source]} ({model.path}); SpecChat only uses it "
+            f"where it is. Remove it in {FOUND_SOURCES[model.source]}."
+        )
     if model.folder is None:
         raise InvalidRequest(
             f"{model.model_id} lives in the Hugging Face cache ({model.path}), which other apps share. "

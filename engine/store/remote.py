@@ -62,7 +62,8 @@ def gated_message(repo_id: str, endpoint: str, had_token: bool) -> str:
         )
     return (
         f"{repo_id} is gated: accept the licence at {page} and paste a token with read access "
-        f"(from {endpoint}/settings/tokens) in the token field, or pass --token / set HF_TOKEN."
+        f"(from {endpoint}/settings/tokens) in Settings → Hugging Face; on the command line run "
+        f"`hf auth login`, pass --token or set HF_TOKEN."
     )
 
 

@@ -20,12 +20,13 @@ from pathlib import Path
 
 import httpx2
 
-from engine.errors import Cancelled, DiskFull, DownloadFailed, GatedRepo
+from engine.errors import Cancelled, DiskFull, DownloadFailed, GatedRepo, InvalidRequest
 from engine.store.progress import ProgressTracker
 
 logger = logging.getLogger(__name__)
 
 _RETRYABLE_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
+MAX_STALL_TIMEOUT_S = 86_400.0  # a day: beyond it "stalled" means nothing
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,18 @@ class DownloadSettings:
     progress_interval_s: float = 0.25
     free_space_margin_bytes: int = 200_000_000
     metadata_retries: int = 3
+
+    def __post_init__(self) -> None:
+        # `not 0 < x <= max` refuses NaN too; 0 would never time out a stall (httpx's "no limit")
+        for name in ("stall_timeout_s", "connect_timeout_s"):
+            value = getattr(self, name)
+            if not 0.0 < value <= MAX_STALL_TIMEOUT_S:
+                raise InvalidRequest(f"{name.removesuffix('_s').replace('_', ' ').capitalize()} must be above 0 "
+                                     f"and at most {MAX_STALL_TIMEOUT_S:g} seconds (got {value}).")
+        if self.max_retries < 0 or self.metadata_retries < 0 or self.free_space_margin_bytes < 0:
+            raise InvalidRequest("Retry counts and the free-space margin cannot be negative.")
+        if not (0.0 <= self.backoff_initial_s <= self.backoff_max_s and 0.0 <= self.progress_interval_s):
+            raise InvalidRequest("Backoff delays and the progress interval must be 0 or more, the first at most the last.")
 
 
 class TransferControl:

@@ -1,6 +1,6 @@
 """Shared by every app test: no test reads or writes the user's real state.
 
-An autouse fixture points SPECCHAT_DATA_DIR / CACHE_DIR / MODELS_DIR, XDG_CONFIG_HOME and
+An autouse fixture points SPECCHAT_DATA_DIR / CACHE_DIR / MODELS_DIR, XDG_CONFIG_HOME, HOME and
 QSettings' user-scope INI path into tmp_path and sets SPECCHAT_SKIP_WIZARD=1. The chat tests
 build windows over a real EngineHost (a real QThread) and a real tiny model.
 """
@@ -30,6 +30,9 @@ def isolated_user_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iter
     monkeypatch.setenv("SPECCHAT_MODELS_DIR", str(tmp_path / "models"))
     monkeypatch.setenv("SPECCHAT_SKIP_WIZARD", "1")
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.setenv("SPECCHAT_CONFIG_DIR", str(tmp_path / "config" / "specchat"))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no LM Studio or Ollama folders unless a test makes them
+    monkeypatch.delenv("OLLAMA_MODELS", raising=False)
     for fmt in (QSettings.Format.IniFormat, QSettings.Format.NativeFormat):
         QSettings.setPath(fmt, QSettings.Scope.UserScope, str(tmp_path / "config"))
     yield tmp_path
@@ -63,7 +66,8 @@ def chat_prefs(make_prefs: Callable[..., PreferencesStore], tiny_target_path: Pa
                tiny_draft_path: Path) -> PreferencesStore:
     """The tiny pair, greedy, long answers (so a test can stop one mid-way), on the CPU."""
     return make_prefs(target=str(tiny_target_path), draft=str(tiny_draft_path), temperature=0.0,
-                      max_new_tokens=1500, device="cpu", budget=8, max_depth=4)
+                      max_new_tokens=1500, device="cpu", budget=8, max_depth=4,
+                      repetition_penalty=1.0)  # the tiny model's long answers, as the tests were timed with
 
 
 @pytest.fixture

@@ -139,7 +139,8 @@ def test_conversations_survive_a_restart(qtbot: QtBot, open_window, chat_prefs: 
     try:
         second = open_window(chat_prefs, wait_loaded=False, store=again)
         chat = second.chat
-        assert chat.sidebar.list.count() == 1 and chat.sidebar.list.item(0).text() == "remember me"
+        assert [i.text() for i in chat.sidebar.conversation_items()] == ["remember me"]
+        assert chat.sidebar.list.item(0).text() == "Today"  # a date heading above it
         assert [(m.role, m.text, m.complete) for m in chat.view.messages] == before
         assert chat.system_edit.text() == "You are terse."
     finally:
@@ -160,12 +161,21 @@ def test_new_search_rename_and_delete_in_the_sidebar(qtbot: QtBot, open_window, 
     qtbot.keyClick(window, Qt.Key.Key_F, Qt.KeyboardModifier.ControlModifier)
     qtbot.waitUntil(chat.sidebar.search.hasFocus, timeout=5_000)
     chat.sidebar.search.setText("fruit")
-    qtbot.waitUntil(lambda: chat.sidebar.list.count() == 1, timeout=5_000)
-    chat.sidebar.list.setCurrentRow(0)
-    assert chat.conversation_id == a.id and chat.view.messages[0].text == "tell me about fruit"
-    monkeypatch.setattr("app.sidebar.QInputDialog.getText", lambda *a, **k: ("Fruit talk", True))
+    qtbot.waitUntil(lambda: len(chat.sidebar.conversation_items()) == 1, timeout=5_000)
+    chat.sidebar.list.setCurrentItem(chat.sidebar.conversation_items()[0])
+    qtbot.waitUntil(lambda: chat.conversation_id == a.id, timeout=5_000)
+    assert chat.view.messages[0].text == "tell me about fruit"
+    widths = []
+
+    def rename_dialog(dialog) -> bool:  # type: ignore[no-untyped-def]
+        widths.append(dialog.width())
+        dialog.setTextValue("Fruit talk")
+        return True
+
+    monkeypatch.setattr("app.sidebar.QInputDialog.exec", rename_dialog)
     chat.sidebar.rename_current()
     assert conversations.get(a.id).title == "Fruit talk"  # type: ignore[union-attr]
+    assert widths[0] >= 400  # room for a title, not 20 characters
     from PySide6.QtWidgets import QMessageBox
 
     monkeypatch.setattr("app.sidebar.QMessageBox.question", lambda *a, **k: QMessageBox.StandardButton.Yes)

@@ -120,6 +120,12 @@ def test_import_remove_and_choose_a_pair_from_local_models(
         assert names == sorted([target.name, draft.name]) and page.local_table.rowCount() == 2
 
         page.target_combo.setCurrentIndex(page.target_combo.findData(target.name))
+        drafts = [page.draft_combo.itemData(i) for i in range(page.draft_combo.count())]
+        assert drafts == ["", draft.name]  # (no draft) and the other model: never the target itself
+        page.draft_combo.setCurrentIndex(page.draft_combo.findData(draft.name))
+        page.target_combo.setCurrentIndex(page.target_combo.findData(draft.name))  # the draft as target...
+        assert page.draft_combo.findData(draft.name) == -1 and page.draft_combo.currentData() == ""  # ...is no draft
+        page.target_combo.setCurrentIndex(page.target_combo.findData(target.name))
         page.draft_combo.setCurrentIndex(page.draft_combo.findData(draft.name))
         with qtbot.waitSignal(page.active_pair_changed) as chosen:
             qtbot.mouseClick(page.use_button, _left())
@@ -133,6 +139,58 @@ def test_import_remove_and_choose_a_pair_from_local_models(
         assert draft.is_dir()  # imported by reference: the files stay
         # The removed draft is still the preference; the combo says it is missing.
         assert "not downloaded" in page.draft_combo.currentText()
+    finally:
+        page.shutdown()
+
+
+def test_lm_studio_and_ollama_models_are_listed_in_place_and_usable(
+    qtbot: QtBot, prefs_store: PreferencesStore, hub: HubServer, download_settings: DownloadSettings,
+    app_env: Path,
+) -> None:
+    """A home folder laid out like LM Studio's and Ollama's (the conftest points HOME at it)."""
+    import hashlib
+    import json
+    import os
+    import shutil
+
+    from engine.loading.synthetic import tiny_gguf
+    from engine.store import resolve_model
+
+    gguf = tiny_gguf("llama", layers=1, layer_types=("Q8_0",), cache_dir=app_env / "cache")
+    home = Path(os.environ["HOME"])
+    lms = home / ".lmstudio" / "models" / "lmstudio-community" / "Tiny-GGUF"
+    lms.mkdir(parents=True)
+    shutil.copy2(gguf, lms / "Tiny-Q8_0.gguf")
+    ollama = home / ".ollama" / "models"
+    digest = hashlib.sha256(gguf.read_bytes()).hexdigest()
+    (ollama / "blobs").mkdir(parents=True)
+    shutil.copy2(gguf, ollama / "blobs" / f"sha256-{digest}")
+    tags = ollama / "manifests" / "registry.ollama.ai" / "library"
+    (tags / "tiny").mkdir(parents=True)
+    (tags / "tiny" / "latest").write_text(json.dumps(
+        {"layers": [{"mediaType": "application/vnd.ollama.image.model", "digest": f"sha256:{digest}"}]}))
+    (tags / "broken").mkdir()
+    (tags / "broken" / "latest").write_text("{not json")
+
+    page = make_page(qtbot, prefs_store, hub, download_settings)
+    try:
+        page.tabs.setCurrentIndex(1)  # "On this computer"
+        rows = {page.local_table.item(r, 0).text(): r for r in range(page.local_table.rowCount())}
+        assert set(rows) == {"Tiny-Q8_0", "tiny:latest"}
+        cells = [[page.local_table.item(rows[n], c).text() for c in range(4)] for n in ("Tiny-Q8_0", "tiny:latest")]
+        assert cells[0][1] == "LM Studio · Q8_0 · llama" and cells[1][1] == "Ollama · Q8_0 · llama"
+        assert all("(not copied)" in c[2] for c in cells)
+        assert cells[1][3] == str(ollama / "blobs" / f"sha256-{digest}")  # the blob itself: no copy
+        assert page.found_label.isVisibleTo(page) and "ollama pull broken:latest" in page.found_label.text()
+        page.local_table.selectRow(rows["tiny:latest"])
+        assert not page.remove_button.isEnabled()  # Ollama's own: removed in Ollama
+
+        page.target_combo.setCurrentIndex(page.target_combo.findData("tiny:latest"))
+        with qtbot.waitSignal(page.active_pair_changed) as chosen:
+            qtbot.mouseClick(page.use_button, _left())
+        assert chosen.args == ["tiny:latest", ""]
+        assert resolve_model("tiny:latest") == ollama / "blobs" / f"sha256-{digest}"  # what the engine loads
+        assert not (app_env / "models").exists() or not any((app_env / "models").iterdir())  # nothing written
     finally:
         page.shutdown()
 
@@ -152,6 +210,28 @@ def test_every_control_has_an_accessible_name(
         with qtbot.waitSignal(page.queue.failed, timeout=30_000) as failed:
             pass
         assert "not found" in failed.args[1].lower() or failed.args[1]
+    finally:
+        page.shutdown()
+
+
+def test_a_failed_download_offers_retry_and_shows_its_whole_error(
+    qtbot: QtBot, prefs_store: PreferencesStore, hub: HubServer, download_settings: DownloadSettings,
+    tiny_starter_files: dict[str, bytes],
+) -> None:
+    page = make_page(qtbot, prefs_store, hub, download_settings)
+    page.resize(640, 600)
+    try:
+        with qtbot.waitSignal(page.queue.failed, timeout=30_000):
+            page.download(STARTER)  # the hub has no such repo yet
+        row = page.rows[STARTER]
+        assert row.state == "failed" and row.detail.wordWrap() and row.detail.text()
+        assert row.pause_button.text() == "Retry" and row.pause_button.isEnabled()
+        assert row.cancel_button.text() == "Clear"
+        hub.add_repo(FakeRepo(STARTER_REPO, dict(tiny_starter_files)))  # back online
+        with qtbot.waitSignal(page.queue.finished, timeout=30_000):
+            qtbot.mouseClick(row.pause_button, _left())
+        assert page.is_local(STARTER) and page.rows[STARTER].state == "done"
+        assert not page.rows[STARTER].pause_button.isVisibleTo(page)  # nothing left to pause
     finally:
         page.shutdown()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from PySide6.QtCore import QSettings
+from PySide6.QtCore import QSettings, Qt
 from PySide6.QtWidgets import (
     QAbstractButton,
     QComboBox,
@@ -163,3 +163,50 @@ def test_this_computer_names_the_version_and_pytorch_build(qtbot: QtBot, prefs_s
     assert f"SpecChat {metadata.version('specchat')}" in text
     assert f"PyTorch {metadata.version('torch')}" in text and "build)" in text
     assert str(paths.data_dir()) in text
+
+
+def test_the_hugging_face_token_field_saves_where_hf_tools_read_it(
+        qtbot: QtBot, prefs_store: PreferencesStore, app_env: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from huggingface_hub import constants, get_token
+    from PySide6.QtCore import Qt
+
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(app_env / "hf" / "token"))
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.delenv("HF_TOKEN_PATH", raising=False)
+    dialog = open_dialog(qtbot, prefs_store)
+    tab = dialog.hub_tab
+    dialog.tabs.setCurrentWidget(tab)
+    assert "meta-llama/" in tab.licences.text()  # the gated catalog models' licence pages
+    assert "No token" in tab.status.text() and not tab.forget_button.isEnabled()
+    qtbot.keyClicks(tab.token, "not a token")
+    qtbot.keyClick(tab.token, Qt.Key.Key_Return)
+    assert "not a Hugging Face token" in tab.status.text() and get_token() is None
+    tab.token.setText("hf_" + "x1" * 16)
+    qtbot.mouseClick(tab.save_button, Qt.MouseButton.LeftButton)
+    assert get_token() == "hf_" + "x1" * 16 and tab.token.text() == "" and tab.forget_button.isEnabled()
+    qtbot.mouseClick(tab.forget_button, Qt.MouseButton.LeftButton)
+    assert get_token() is None and "No token" in tab.status.text()
+
+
+def test_the_plot_labels_small_speeds_and_keeps_its_points_inside(qtbot: QtBot) -> None:
+    from app.plot import BudgetPlot, label_format
+
+    for top in (0.012, 0.04, 0.3, 3.0, 30.0):  # every tick label differs from the next
+        ticks = [label_format(top) % (top * i / 5) for i in range(6)]
+        assert len(set(ticks)) == 6, (top, ticks)
+    plot = BudgetPlot()
+    qtbot.addWidget(plot)
+    points = [(8, 0.011), (32, 0.026), (128, 0.031), (512, 0.024)]
+    plot.set_curve(points, chosen=128)
+    x_axis, y_axis = plot._chart.axes(Qt.Orientation.Horizontal)[0], plot._chart.axes(Qt.Orientation.Vertical)[0]
+    assert x_axis.min() < 8 and x_axis.max() > 512 and y_axis.max() > 0.031  # no point on an edge
+    assert y_axis.labelFormat() != "%.1f"
+
+
+def test_every_setting_explains_itself(qtbot: QtBot, prefs_store: PreferencesStore) -> None:
+    dialog = open_dialog(qtbot, prefs_store)
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "budget", "max_depth", "offload",
+                 "quant", "device", "tree_mode"):
+        widget = getattr(dialog, name)
+        tip = widget.toolTip()
+        assert len(tip.split()) >= 8 and tip.lower() != widget.accessibleName().lower(), name

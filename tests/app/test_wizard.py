@@ -50,6 +50,7 @@ def test_wizard_end_to_end_on_this_cpu(
         assert not next_button(wizard).isEnabled()
         qtbot.waitUntil(page.isComplete, timeout=180_000)
         assert page.state == "done" and page.bar.value() == 1000
+        assert not page.skip_button.isVisibleTo(wizard)  # nothing left to skip: the button goes
         profile = load_profile()
         assert profile is not None and profile.gpu is None and profile.quick  # this machine, saved
         assert next_button(wizard).isEnabled()
@@ -63,6 +64,9 @@ def test_wizard_end_to_end_on_this_cpu(
         assert "No CUDA GPU" in rec.intro.text()
         rec.show_all.setChecked(True)  # every pair can still be seen, with its badge
         assert len(rec.options) == len(load_catalog().pairs) + 1
+        assert wizard.chosen() == chosen and rec.options[0] == chosen  # the choice stays, the offer first
+        rest = [o.tokens_per_second or 0.0 for o in rec.options[1:]]
+        assert rest == sorted(rest, reverse=True)  # then the others, fastest first
         rec.show_all.setChecked(False)
         assert rec.isComplete()
         wizard.next()
@@ -72,6 +76,7 @@ def test_wizard_end_to_end_on_this_cpu(
         assert dl.pending == [STARTER] and not dl.isComplete()
         qtbot.waitUntil(dl.isComplete, timeout=60_000)
         assert dl.bar.value() == 1000 and not dl.failed_message
+        assert not dl.pause_button.isVisibleTo(wizard)
         local = find_local_model(STARTER, app_env / "models", None, load_catalog())
         assert local is not None and (local.path / "model.safetensors").read_bytes() == \
             tiny_starter_files["model.safetensors"]
@@ -82,6 +87,8 @@ def test_wizard_end_to_end_on_this_cpu(
         qtbot.waitUntil(cal.isComplete, timeout=120_000)
         assert cal.state == "done", cal.status.text()
         assert cal.result is not None and cal.result.new_tokens > 0 and cal.result.tokens_per_second > 0
+        assert "Start chatting" in cal.status.text() and "Finish" not in cal.status.text()  # the button's name
+        assert str(app_env) not in cal.status.text()
         finish = wizard.button(QWizard.WizardButton.FinishButton)
         assert finish.isVisible() and finish.isEnabled()
         with qtbot.waitSignal(prefs_store.changed) as saved:
@@ -132,7 +139,8 @@ def test_without_hub_the_starter_comes_from_pypi_and_steps_can_be_skipped(
         wizard.next()
         cal = wizard.calibration_page
         qtbot.mouseClick(cal.skip_button, _left())
-        assert cal.isComplete()
+        assert cal.isComplete() and not cal.skip_button.isVisibleTo(wizard)
+        assert "Start chatting" in cal.status.text()
         wizard.accept()
         prefs = prefs_store.load()
         assert (prefs.target, prefs.draft, prefs.first_run_done) == (STARTER, "", True)
@@ -192,6 +200,14 @@ def test_with_a_gpu_fitting_pairs_are_ranked_by_predicted_speed(app_env: Path) -
     fits = [o.tokens_per_second for o in pairs if o.fit == "fits"]
     assert fits == sorted(fits, reverse=True)
     assert {o.pair_id for o in options if o.fit == "too big"}.isdisjoint(o.pair_id for o in ranked)
+
+
+def test_status_lines_show_names_not_paths() -> None:
+    from app.wizard import short_paths
+
+    assert short_paths("loading /home/ann/.local/share/specchat/models/smollm2 on cpu") == "loading smollm2 on cpu"
+    assert short_paths("loading C:\\Users\\ann\\models\\llama-3.3-70b on cuda") == "loading llama-3.3-70b on cuda"
+    assert short_paths("layer 3/30, 1/2 of the weights") == "layer 3/30, 1/2 of the weights"
 
 
 def test_every_wizard_control_has_an_accessible_name(

@@ -65,7 +65,9 @@ def test_bench_conversation_reuses_each_turns_history(capsys: pytest.CaptureFixt
     rows = json.loads(out.strip().splitlines()[-1])["rows"]
     assert [r["turn"] for r in rows] == [1, 2, 3] and all(r["same_answer"] for r in rows)
     assert rows[0]["reused_tokens"] == 0 and all(r["reused_tokens"] > 0 for r in rows[1:])
-    assert all(r["passes_before_first_token"] == 1 for r in rows)  # the new text fits one pass
+    # On a CPU the prefill is cut into ~0.3 s chunks (a Stop waits one chunk at most), so a turn
+    # may take several passes; reading only the new text never takes more than reading it all.
+    assert all(r["passes_before_first_token"] <= r["passes_before_first_token_fresh"] for r in rows)
 
 
 def test_bench_speculation_without_a_draft_runs_the_draft_free_rows(capsys: pytest.CaptureFixture[str],

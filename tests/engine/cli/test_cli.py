@@ -181,7 +181,7 @@ def test_chat_reset_forgets_and_exit_quits(capsys: pytest.CaptureFixture[str], m
     assert "conversation cleared" in err
 
 
-# ---- bad input: exit 2, one `error:` line, nothing on stdout ------------------------------------
+# ---- bad input: one `error:` line, nothing on stdout, exit 2 (usage) or 1 (runtime) ---------------
 def _gpt2_folder(root: Path) -> Path:
     folder = root / "gpt2"
     folder.mkdir()
@@ -203,31 +203,33 @@ def _mismatched_draft(root: Path, tiny_target_path: Path) -> Path:
     return folder
 
 
+# (arguments, exit code): 2 for the command line itself, 1 for a model that cannot be used
 BAD_INPUTS = {
-    "missing path": lambda root, t: ["--target", root / "nowhere"],
-    "folder without config.json": lambda root, t: ["--target", root],
-    "unsupported architecture": lambda root, t: ["--target", _gpt2_folder(root)],
-    "corrupt gguf": lambda root, t: ["--target", _garbage_gguf(root)],
-    "vocabulary mismatch": lambda root, t: ["--target", t, "--draft", _mismatched_draft(root, t)],
-    "budget 0": lambda root, t: ["--target", t, "--budget", 0],
-    "budget not a number": lambda root, t: ["--target", t, "--budget", "lots"],
-    "samples 0": lambda root, t: ["--target", t, "--samples", 0],
-    "max-new-tokens 0": lambda root, t: ["--target", t, "--max-new-tokens", 0],
-    "top-p 0": lambda root, t: ["--target", t, "--top-p", 0],
-    "no target": lambda root, t: [],
-    "system with raw prompt": lambda root, t: ["--target", t, "--system", "x", "--raw-prompt", "y"],
-    "prompt and raw prompt": lambda root, t: ["--target", t, "--prompt", "x", "--raw-prompt", "y"],
+    "missing path": (lambda root, t: ["--target", root / "nowhere"], 1),
+    "folder without config.json": (lambda root, t: ["--target", root], 1),
+    "unsupported architecture": (lambda root, t: ["--target", _gpt2_folder(root)], 1),
+    "corrupt gguf": (lambda root, t: ["--target", _garbage_gguf(root)], 1),
+    "vocabulary mismatch": (lambda root, t: ["--target", t, "--draft", _mismatched_draft(root, t)], 1),
+    "budget 0": (lambda root, t: ["--target", t, "--budget", 0], 2),
+    "budget not a number": (lambda root, t: ["--target", t, "--budget", "lots"], 2),
+    "samples 0": (lambda root, t: ["--target", t, "--samples", 0], 2),
+    "max-new-tokens 0": (lambda root, t: ["--target", t, "--max-new-tokens", 0], 2),
+    "top-p 0": (lambda root, t: ["--target", t, "--top-p", 0], 2),
+    "no target": (lambda root, t: [], 2),
+    "system with raw prompt": (lambda root, t: ["--target", t, "--system", "x", "--raw-prompt", "y"], 2),
+    "prompt and raw prompt": (lambda root, t: ["--target", t, "--prompt", "x", "--raw-prompt", "y"], 2),
 }
 
 
 @pytest.mark.parametrize("case", BAD_INPUTS)
-def test_bad_input_is_one_error_line_and_exit_2(case: str, capsys: pytest.CaptureFixture[str], tmp_path: Path,
-                                                tiny_target_path: Path) -> None:
-    args = BAD_INPUTS[case](tmp_path, tiny_target_path)
+def test_bad_input_is_one_error_line_and_its_exit_code(case: str, capsys: pytest.CaptureFixture[str],
+                                                       tmp_path: Path, tiny_target_path: Path) -> None:
+    make_args, code = BAD_INPUTS[case]
+    args = make_args(tmp_path, tiny_target_path)
     if "--raw-prompt" not in args and "--prompt" not in args:
         args = [*args, "--prompt", "hi"]
     rc, out, err = cli(capsys, "generate", *args)
-    assert rc == 2
+    assert rc == code
     assert out == ""
     assert len(err.splitlines()) == 1 and err.startswith("error: "), err
 
@@ -237,7 +239,7 @@ def test_truncated_gguf_is_one_error_line(capsys: pytest.CaptureFixture[str], tm
     path = tmp_path / "cut.gguf"
     path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 5) + struct.pack("<Q", 1000) + b"gen")
     rc, out, err = cli(capsys, "generate", "--target", path, "--prompt", "hi")
-    assert rc == 2 and out == "" and len(err.splitlines()) == 1 and err.startswith("error: ")
+    assert rc == 1 and out == "" and len(err.splitlines()) == 1 and err.startswith("error: ")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
@@ -252,7 +254,7 @@ def test_failed_load_in_a_real_process_prints_no_traceback(tmp_path: Path, tiny_
     proc = spawn(["generate", "--target", tiny_target_path, "--draft", _mismatched_draft(tmp_path, tiny_target_path),
                   "--prompt", "hi"], model_cache)
     out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 2
+    assert proc.returncode == 1
     assert out == ""
     assert err.startswith("error: The draft") and len(err.splitlines()) == 1, err
     assert time.perf_counter() - started < 60

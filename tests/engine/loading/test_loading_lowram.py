@@ -15,10 +15,18 @@ import psutil
 import pytest
 import torch
 
-from engine.cli.bench_offload import SYNTHETIC_BIG, measure_load_rss, synthetic_llama
+from engine.cli.bench_offload import (
+    SYNTHETIC_BIG,
+    SYNTHETIC_GGUF_BIG,
+    SYNTHETIC_GGUF_SMALL,
+    measure_load_rss,
+    synthetic_gguf,
+    synthetic_llama,
+)
 from engine.decoding.pair import load_engine
 from engine.errors import Cancelled, UnsupportedModel
 from engine.loading.load import load_model
+from engine.store.gguf_header import read_header
 from engine.types import LoadProgress, LoadSettings
 
 MIB = 1 << 20
@@ -55,6 +63,40 @@ def test_nf4_load_of_a_1_5_gb_llama_peaks_at_footprint_plus_two_layers(model_cac
     assert sum(f.stat().st_size for f in folder.glob("*.safetensors")) > 1.4e9
     s = SYNTHETIC_BIG
     assert_load_within_bound(folder, s["hidden"], s["intermediate"], s["kv_heads"] * s["hidden"] // s["heads"])
+
+
+def assert_gguf_load_within_bound(path: Path) -> dict:
+    """Streamed from RAM: the host store holds the file's layer bytes (within 5 %), and the
+    load peaks at that plus the de-quantised embeddings and head plus two packed layers."""
+    header = read_header(path)
+    per_layer: dict[str, int] = {}
+    for t in header.tensors:
+        if t.name.startswith("blk."):
+            block = t.name.split(".")[1]
+            per_layer[block] = per_layer.get(block, 0) + t.nbytes
+    file_layers, layer = sum(per_layer.values()), max(per_layer.values())
+    r = measure_load_rss(path, "none", "all")
+    assert "streamed from RAM (GGUF blocks)" in r["placement"]
+    assert file_layers <= r["layers_bytes"] <= 1.05 * file_layers
+    footprint = r["layers_bytes"] + r["outer_bytes"]
+    added = r["peak"] - r["base"]
+    assert added <= footprint + 2 * layer + FIXED_OVERHEAD, (
+        f"load added {added / MIB:.0f} MiB at peak; footprint {footprint / MIB:.0f} MiB, layer {layer / MIB:.0f} MiB")
+    return r
+
+
+@linux_only
+def test_gguf_load_keeps_the_blocks_and_peaks_at_footprint_plus_two_layers(model_cache: Path) -> None:
+    """~55 MB of Q4_K_M (6 layers of hidden 1024)."""
+    assert_gguf_load_within_bound(synthetic_gguf(model_cache / "synthetic-gguf-55m.gguf", **SYNTHETIC_GGUF_SMALL))  # type: ignore[arg-type]
+
+
+@linux_only
+@pytest.mark.slow
+def test_gguf_load_of_a_1_5_gb_k_quant_file_peaks_at_footprint_plus_two_layers(model_cache: Path) -> None:
+    path = synthetic_gguf(model_cache / "synthetic-gguf-1.5g.gguf", **SYNTHETIC_GGUF_BIG)  # type: ignore[arg-type]
+    assert path.stat().st_size > 1.4e9
+    assert_gguf_load_within_bound(path)
 
 
 def test_one_gb_host_store_with_capped_ram_streams_from_disk(model_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:

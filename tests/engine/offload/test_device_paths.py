@@ -23,9 +23,9 @@ from engine.offload.layout import (
     nf4_code,
     pack_entry,
     quantize_nf4,
-    unpack_into,
 )
 from engine.offload.streamer import LayerHome, LayerStreamer
+from engine.offload.unpack import Unpacker
 from engine.planning.measure import measure_hardware
 from engine.units import GIB, MIB
 
@@ -85,8 +85,8 @@ def test_nf4_dequantised_on_the_device_equals_the_cpu_reference() -> None:
     dense = layout.dense_layout()
     on_cpu = torch.empty(dense.nbytes, dtype=torch.uint8)
     on_dev = torch.empty(dense.nbytes, dtype=torch.uint8, device=dev)
-    unpack_into(layout, buf, dense.params(on_cpu), nf4_code(torch.device("cpu")))
-    unpack_into(layout, buf.to(dev), dense.params(on_dev), nf4_code(dev))
+    Unpacker(torch.device("cpu"))(layout, buf, dense.params(on_cpu))
+    Unpacker(dev)(layout, buf.to(dev), dense.params(on_dev))
     for name, t in dense.params(on_dev).items():
         assert torch.allclose(t.cpu().float(), dense.params(on_cpu)[name].float(), rtol=2**-7, atol=0.0), name
 
@@ -95,7 +95,7 @@ def test_nf4_dequantised_on_the_device_equals_the_cpu_reference() -> None:
 @cuda
 def test_pinned_arenas_hold_and_return_exact_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(host_store, "HOST_ARENA_BYTES", 8 * MIB)  # several arenas without GBs of RAM
-    store = HostStore(3 * MIB + 256, ram_layers=5, disk_layers=0, pin=True)
+    store = HostStore([3 * MIB + 256] * 5, ram_layers=5, pin=True)
     views = [store.ram_buffer(j) for j in range(5)]
     assert store.pinned and all(v.is_pinned() for v in views)
     assert len({v.untyped_storage().data_ptr() for v in views}) == 3  # two layers per 8 MiB arena
@@ -146,7 +146,7 @@ def test_the_copy_stream_keeps_slots_and_layers_in_order(quant: str, slow: str) 
             layer.scale.uniform_(0.5, 1.5, generator=g)
         layers.append(layer)
     layout = LayerLayout.of(layers[0], torch.float32, quant)  # type: ignore[arg-type]
-    store = HostStore(layout.nbytes, ram_layers=n, disk_layers=0, pin=True)
+    store = HostStore([layout.nbytes] * n, ram_layers=n, pin=True)
     for j, layer in enumerate(layers):
         for name, p in layer.named_parameters():
             pack_entry(layout, store.ram_buffer(j), name, p.detach())

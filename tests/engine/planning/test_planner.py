@@ -224,3 +224,18 @@ def test_engine_records_calibrate_pass_times(close_engine: Engine) -> None:
     assert t_scale * predicted == pytest.approx(record.target_seconds / record.passes)
     assert d_scale * record.draft_passes * draft_pass_seconds(profile, draft, 2) == pytest.approx(record.draft_seconds)
     assert plan_for_engine(close_engine, profile) is not None
+
+
+def test_a_calibrated_curve_peaks_at_the_pairs_figure() -> None:
+    """The settings' plot and the models table show one prediction: with a calibration (here: the
+    target measured 1.7x slower than predicted), the curve's peak is predict_pair's tok/s."""
+    from engine.planning.calibration import AcceptanceCurve
+
+    catalog = load_catalog()
+    target, draft = catalog.find("llama-3.1-70b-instruct"), catalog.find("llama-3.2-1b-instruct")
+    calibrated = AcceptanceCurve(target_time_scale=1.7)
+    pred = predict_pair(reference_profile("rtx4090"), target, draft, curve=calibrated)
+    curve = predict_curve(reference_profile("rtx4090"), target, draft, curve=calibrated)
+    assert max(t for _, t in curve) == pytest.approx(pred.tokens_per_second)
+    plain = predict_pair(reference_profile("rtx4090"), target, draft)
+    assert pred.tokens_per_second < plain.tokens_per_second  # the calibration mattered

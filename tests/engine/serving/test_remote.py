@@ -180,9 +180,9 @@ def test_chat_remote_in_the_terminal(vllm: VllmStandIn, monkeypatch: pytest.Monk
     assert [m["content"] for m in vllm.requests[-1]["messages"]] == ["one", "You said: one ", "two"]  # history
 
     rc, out, err = chat_remote(monkeypatch, capsys, "hi\n", "--remote", vllm.url, "--model", "gone", "--api-key", KEY)
-    assert rc == 2 and err.startswith("error: ") and MODEL in err and "gone" in err
+    assert rc == 1 and err.startswith("error: ") and MODEL in err and "gone" in err  # a runtime failure
     rc, out, err = chat_remote(monkeypatch, capsys, "hi\n", "--remote", vllm.url, "--api-key", KEY)
-    assert rc == 2 and "--model" in err and MODEL in err  # two models there: it must be told which
+    assert rc == 2 and "--model" in err and MODEL in err  # a usage error: two models there: it must be told which
 
 
 def test_chat_remote_survives_the_server_going_away(vllm: VllmStandIn, monkeypatch: pytest.MonkeyPatch,

@@ -14,13 +14,16 @@ from engine.store.transfer import DownloadSettings
 
 @pytest.fixture(autouse=True)
 def isolated_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """HF cache, HF home and the models folder all under tmp_path; no token from the machine."""
+    """HF cache, HF home, the models folder and the home folder all under tmp_path; no token from
+    the machine."""
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
     monkeypatch.setenv("SPECCHAT_MODELS_DIR", str(tmp_path / "models"))
     monkeypatch.setenv("SPECCHAT_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
-    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE", "HUGGINGFACE_HUB_CACHE", "HF_ENDPOINT"):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # LM Studio's and Ollama's folders: none unless a test makes them
+    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE", "HUGGINGFACE_HUB_CACHE", "HF_ENDPOINT",
+                 "OLLAMA_MODELS"):
         monkeypatch.delenv(name, raising=False)
     return tmp_path
 

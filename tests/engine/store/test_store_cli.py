@@ -1,4 +1,4 @@
-"""`specchat models ...` through the CLI's own parser and the models handler."""
+"""`specchat models ...` through the CLI's own entry point (parser, handler, error reporting)."""
 
 from __future__ import annotations
 
@@ -8,14 +8,13 @@ from pathlib import Path
 import pytest
 from hub_server import STARTER_REPO, FakeRepo, HubServer
 
-from engine.cli.models import run_models
+from engine.cli.main import main
 from engine.cli.parser import build_parser
 
 
 def run(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
-    assert args.handler == "engine.cli.models:run_models"
-    return run_models(args)
+    assert build_parser().parse_args(argv).handler == "engine.cli.models:run_models"
+    return main(argv)
 
 
 def test_download_list_remove_roundtrip(
@@ -36,7 +35,7 @@ def test_download_list_remove_roundtrip(
     assert run(["models", "list", "--models-dir", str(models_dir)]) == 0
     assert STARTER_REPO in capsys.readouterr().out
 
-    assert run(["models", "remove", "smollm2-135m-instruct", "--models-dir", str(models_dir)]) == 2
+    assert run(["models", "remove", "smollm2-135m-instruct", "--models-dir", str(models_dir)]) == 2  # usage
     out, err = capsys.readouterr()
     assert "frees 30" in out and "--yes" in err  # size shown first; no silent delete without a tty
     assert run(["models", "remove", "smollm2-135m-instruct", "--yes", "--models-dir", str(models_dir)]) == 0
@@ -44,15 +43,15 @@ def test_download_list_remove_roundtrip(
     assert not path.exists()
 
 
-def test_errors_print_user_message_and_exit_2(
+def test_errors_print_user_message_and_exit_1(
     hub: HubServer, models_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     hub.add_repo(FakeRepo("meta-llama/Llama-3.2-1B-Instruct", {"config.json": b"{}", "model.safetensors": b"w" * 100}, gated=True, token="t"))
-    assert run(["models", "download", "meta-llama/Llama-3.2-1B-Instruct", "--models-dir", str(models_dir)]) == 2
+    assert run(["models", "download", "meta-llama/Llama-3.2-1B-Instruct", "--models-dir", str(models_dir)]) == 1
     err = capsys.readouterr().err
-    last = err.splitlines()[-1]
-    assert last.startswith("error: ") and "accept the licence" in last
-    assert run(["models", "remove", "nothing-here", "--yes", "--models-dir", str(models_dir)]) == 2
+    [last] = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert "accept the licence" in last and "Traceback" not in err
+    assert run(["models", "remove", "nothing-here", "--yes", "--models-dir", str(models_dir)]) == 1
 
 
 def test_import_via_cli(tmp_path: Path, models_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:

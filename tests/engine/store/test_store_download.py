@@ -315,3 +315,31 @@ def test_a_file_name_that_leaves_the_models_folder_is_refused(
     assert all(p.is_relative_to(models_dir) for p in written), written
     assert not any(p.name.startswith("escape") for p in written)
     assert not Path("/tmp/escape.gguf").exists()
+
+
+def test_a_saved_token_is_where_hf_tools_read_it_and_downloads_use_it(
+    hub: HubServer, models_dir: Path, settings: DownloadSettings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Settings > Hugging Face saves the token as `hf auth login` does; a download then needs no
+    --token, and huggingface_hub's own get_token() reads the same one."""
+    from huggingface_hub import constants, get_token
+
+    from engine.errors import InvalidRequest
+    from engine.store.hub_token import forget_token, save_token, token_status
+
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "hf" / "token"))
+    monkeypatch.delenv("HF_TOKEN_PATH", raising=False)
+    good = "hf_" + "Ab3" * 12
+    repo = hub.add_repo(FakeRepo("meta-llama/Llama-3.2-1B-Instruct", make_model_files(), gated=True, token=good))
+    with pytest.raises(InvalidRequest, match="not a Hugging Face token"):
+        save_token("my password")
+    assert token_status().source == ""
+    path = save_token(f"  {good}\n")
+    assert path == tmp_path / "hf" / "token" and path.stat().st_mode & 0o077 == 0  # this user only
+    assert get_token() == good and token_status().hint == good[-4:]
+    assert_byte_exact(download_model("llama-3.2-1b-instruct", models_dir, settings=settings), repo)
+    monkeypatch.setenv("HF_TOKEN", "hf_" + "z" * 30)
+    assert token_status().source == "environment"  # the environment wins, as in huggingface_hub
+    monkeypatch.delenv("HF_TOKEN")
+    forget_token()
+    assert token_status().source == "" and get_token() is None

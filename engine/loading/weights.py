@@ -1,0 +1,138 @@
+"""What materialise.py reads a model from: a safetensors folder here, a GGUF file in gguf.py.
+
+Both give tensors by their transformers names, de-quantised into a dtype on a device (`load`),
+the packed layout of every decoder layer (`layouts`) and the packing of a layer into a buffer
+(`pack_layer`); a GGUF also offers its file for the disk tier to map in place (`mapped`).
+
+A safetensors folder's layers are 16-bit, NF4 (quantised on the way, or stored as they are
+when the checkpoint is bitsandbytes 4-bit), or int4 as an AWQ or GPTQ checkpoint stores them
+(kept packed: the codes, scales and zeros travel as they are and are de-quantised on the
+device, offload/int4.py). FP8 weights are de-quantised into the compute dtype as they load
+(checkpoint.py).
+
+What this module does not do: decide where layers go (materialise.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from engine.loading.checkpoint import Checkpoint
+from engine.offload.layout import Entry, LayerLayout, pack_entry, pack_prequantized
+from engine.types import Quant
+
+LAYERS = "model.layers."
+INT4_SIDES = ("scales", "qzeros", "g_idx")
+
+
+class Weights(Protocol):
+    path: Path
+
+    def bind(self, hf: nn.Module) -> None: ...
+
+    def has(self, name: str) -> bool: ...
+
+    def load(self, name: str, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor: ...
+
+    def layouts(self, hf: nn.Module, dtype: torch.dtype, quant: Quant) -> list[LayerLayout]: ...
+
+    def pack_layer(self, i: int, layout: LayerLayout, buf: torch.Tensor, work: torch.device) -> None: ...
+
+    def mapped(self, layers: Sequence[int], layouts: Sequence[LayerLayout]) -> tuple[Path, list[int]] | None: ...
+
+    def cache_files(self) -> list[Path]: ...
+
+    def close(self) -> None: ...
+
+
+class SafetensorsWeights:
+    """The *.safetensors shards of a Hugging Face folder."""
+
+    def __init__(self, path: Path, config: dict) -> None:
+        self.path = path
+        self.ckpt = Checkpoint(path, config)
+        qc = config.get("quantization_config") or {}
+        method = qc.get("quant_method")
+        self.int4 = method if method in ("awq", "gptq") else None
+        self.gptq_v2 = qc.get("checkpoint_format") == "gptq_v2"
+
+    def bind(self, hf: nn.Module) -> None:
+        pass  # the checkpoint already uses transformers' names
+
+    def has(self, name: str) -> bool:
+        return self.ckpt.has(name)
+
+    def load(self, name: str, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+        return self.ckpt.load(name, dtype, device)
+
+    def layouts(self, hf: nn.Module, dtype: torch.dtype, quant: Quant) -> list[LayerLayout]:
+        layer = hf.model.layers[0]
+        n = len(hf.model.layers)
+        if self.int4 is not None:
+            return [self._int4_layout(layer, dtype)] * n
+        return [LayerLayout.of(layer, dtype, "nf4" if self.ckpt.bnb_4bit else quant)] * n
+
+    def _int4_layout(self, layer: nn.Module, dtype: torch.dtype) -> LayerLayout:
+        """Linear weights stored as int4 stay packed, with their scales, zeros (and g_idx) as
+        side entries; the rest (norms, biases, any Linear left in 16-bit) is dense."""
+        esize = torch.empty((), dtype=dtype).element_size()
+        entries = []
+        for name, p in layer.named_parameters():
+            q = f"{LAYERS}0.{_module(name)}.qweight"
+            if name.endswith(".weight") and self.ckpt.has(q):
+                entries.append(Entry(name, self.int4, tuple(p.shape), torch.int32, 0, _nbytes(self.ckpt, q),
+                                     qtype=2 if self.gptq_v2 else 1))
+                for side in INT4_SIDES:
+                    s = f"{LAYERS}0.{_module(name)}.{side}"
+                    if self.ckpt.has(s):
+                        dt = self.ckpt.dtype(s)
+                        entries.append(Entry(f"{name}#{side}", side, self.ckpt.shape(s), dt, 0, _nbytes(self.ckpt, s)))
+            else:
+                entries.append(Entry(name, "dense", tuple(p.shape), dtype, 0, p.numel() * esize))
+        return LayerLayout.packed(entries, dtype, self.int4)  # type: ignore[arg-type]
+
+    def pack_layer(self, i: int, layout: LayerLayout, buf: torch.Tensor, work: torch.device) -> None:
+        prefix = f"{LAYERS}{i}."
+        ckpt = self.ckpt
+        for e in layout.entries:
+            full = prefix + e.name
+            if e.kind in ("awq", "gptq"):
+                q = f"{prefix}{_module(e.name)}.qweight"
+                ckpt.copy_to(q, layout.view(buf, e).view(torch.int32).view(ckpt.shape(q)))
+            elif e.kind in INT4_SIDES:
+                weight, _, side = full.partition("#")
+                ckpt.copy_to(f"{_module(weight)}.{side}", layout.view(buf, e))
+            elif e.kind == "absmax":
+                continue
+            elif e.kind == "nf4" and ckpt.is_nf4(full) and (pre := ckpt.nf4(full)) is not None:
+                pack_prequantized(layout, buf, e.name, *pre)
+            elif e.kind == "dense":  # straight from the mapping into the packed buffer
+                ckpt.copy_to(full, layout.view(buf, e))
+            else:
+                pack_entry(layout, buf, e.name, ckpt.load(full, layout.compute_dtype, work))
+
+    def mapped(self, layers: Sequence[int], layouts: Sequence[LayerLayout]) -> tuple[Path, list[int]] | None:
+        return None
+
+    def cache_files(self) -> list[Path]:
+        return sorted(self.path.glob("*.safetensors"))
+
+    def close(self) -> None:
+        self.ckpt.close()
+
+
+def _module(param: str) -> str:
+    """"mlp.up_proj.weight" -> "mlp.up_proj"."""
+    return param.rpartition(".")[0]
+
+
+def _nbytes(ckpt: Checkpoint, name: str) -> int:
+    n = ckpt.dtype(name).itemsize
+    for s in ckpt.shape(name):
+        n *= s
+    return n

@@ -1,0 +1,214 @@
+"""GGUF blocks de-quantised with torch ops, on whatever device the bytes are.
+
+Each ggml type stores a row as a run of fixed-size blocks (a few fp16 scales and packed codes,
+ggml's `block_q4_0` .. `block_iq4_xs`); a weight matrix is its rows one after the other. These
+functions turn (n, block bytes) uint8 into (n, block values) fp32 with the same float32
+operations, in the same order, as gguf-py's reference decoder (gguf.quants), so the result is
+bit for bit the file's own de-quantised weights; tests/engine/offload/test_gguf_blocks.py holds
+every type to that. The float types (F32, F16, BF16) are read as they are.
+
+`dequantize_into` fills a dense parameter (any dtype) from a tensor's bytes a bounded number of
+rows at a time, so the fp32 intermediate never grows with the tensor.
+
+What this module does not do: know tensor names or files (engine.loading.gguf) or layouts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.constants import GGML_QUANT_SIZES
+
+# ggml types the store keeps packed and this module de-quantises
+PACKED = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS)
+FLOATS = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
+SUPPORTED = frozenset(int(t) for t in (*PACKED, *FLOATS))
+CHUNK_VALUES = 1 << 22  # values de-quantised per step of dequantize_into (16 MB of fp32; x8 on a GPU)
+_IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
+
+def block_size(qtype: int) -> tuple[int, int]:
+    """(values, bytes) of one block of `qtype`."""
+    return GGML_QUANT_SIZES[Q(qtype)]
+
+
+def row_bytes(qtype: int, cols: int) -> int:
+    values, nbytes = block_size(qtype)
+    return cols // values * nbytes
+
+
+def type_name(qtype: int) -> str:
+    try:
+        return Q(qtype).name
+    except ValueError:
+        return f"type {qtype}"
+
+
+# ---- small readers --------------------------------------------------------------------------
+def _f16(blocks: torch.Tensor, at: int) -> torch.Tensor:
+    """The fp16 at byte `at` of every block, as (n, 1) fp32."""
+    return blocks[:, at:at + 2].contiguous().view(torch.float16).float()
+
+
+def _nibbles(qs: torch.Tensor, run: int) -> torch.Tensor:
+    """(n, k*run) bytes -> (n, 2*k*run) codes: each run of `run` bytes gives its low nibbles,
+    then its high nibbles."""
+    n = qs.shape[0]
+    q = qs.reshape(n, -1, 1, run)
+    return torch.cat([q & 15, q >> 4], dim=2).reshape(n, -1)
+
+
+def _fields(data: torch.Tensor, run: int, width: int) -> torch.Tensor:
+    """(n, k*run) bytes -> (n, k*(8/width), run) fields: each run of bytes read `width` bits at a
+    time, lowest first: the field at shift s of byte l is value l of sub-run s."""
+    n = data.shape[0]
+    shifts = torch.arange(0, 8, width, dtype=torch.uint8, device=data.device).reshape(1, 1, -1, 1)
+    q = (data.reshape(n, -1, 1, run) >> shifts) & ((1 << width) - 1)
+    return q.reshape(n, -1, run)
+
+
+def _bits32(blocks: torch.Tensor, at: int) -> torch.Tensor:
+    """The 32 bits of the little-endian uint32 at byte `at`, as (n, 32) uint8 (bit i at i)."""
+    b = blocks[:, at:at + 4].reshape(-1, 4, 1) >> torch.arange(8, dtype=torch.uint8, device=blocks.device)
+    return (b & 1).reshape(-1, 32)
+
+
+def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 12 bytes of eight 6-bit scales and mins of Q4_K/Q5_K -> two (n, 8) fp32."""
+    d, m, md = s[:, 0:4], s[:, 4:8], s[:, 8:12]
+    sc = torch.cat([d & 63, (md & 15) | ((d >> 2) & 48)], dim=1)
+    mn = torch.cat([m & 63, (md >> 4) | ((m >> 2) & 48)], dim=1)
+    return sc.float(), mn.float()
+
+
+def _levels(codes: torch.Tensor) -> torch.Tensor:
+    table = torch.tensor(_IQ4_LEVELS, dtype=torch.float32, device=codes.device)
+    return table[codes.long()]
+
+
+# ---- the types ------------------------------------------------------------------------------
+def _q4_0(b: torch.Tensor) -> torch.Tensor:
+    return _f16(b, 0) * (_nibbles(b[:, 2:18], 16).to(torch.int8) - 8).float()
+
+
+def _q4_1(b: torch.Tensor) -> torch.Tensor:
+    return _f16(b, 0) * _nibbles(b[:, 4:20], 16).float() + _f16(b, 2)
+
+
+def _q5_0(b: torch.Tensor) -> torch.Tensor:
+    q = _nibbles(b[:, 6:22], 16) | (_bits32(b, 2) << 4)
+    return _f16(b, 0) * (q.to(torch.int8) - 16).float()
+
+
+def _q5_1(b: torch.Tensor) -> torch.Tensor:
+    q = _nibbles(b[:, 8:24], 16) | (_bits32(b, 4) << 4)
+    return _f16(b, 0) * q.float() + _f16(b, 2)
+
+
+def _q8_0(b: torch.Tensor) -> torch.Tensor:
+    return b[:, 2:34].contiguous().view(torch.int8).float() * _f16(b, 0)
+
+
+def _q2_k(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    scales = b[:, 0:16]
+    dl = (_f16(b, 80) * (scales & 15).float()).reshape(n, 16, 1)
+    ml = (_f16(b, 82) * (scales >> 4).float()).reshape(n, 16, 1)
+    q = _fields(b[:, 16:80], 32, 2).reshape(n, 16, 16).float()
+    return (dl * q - ml).reshape(n, 256)
+
+
+def _q3_k(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    s = b[:, 96:108]
+    low = _fields(s[:, 0:8], 8, 4).reshape(n, 16)
+    high = _fields(s[:, 8:12], 4, 2).reshape(n, 16)
+    scale = ((low | (high << 4)).to(torch.int8) - 32).float()
+    dl = (_f16(b, 108) * scale).reshape(n, 16, 1)
+    ql = _fields(b[:, 32:96], 32, 2).reshape(n, 16, 16)
+    qh = _fields(b[:, 0:32], 32, 1).reshape(n, 16, 16) ^ 1  # a clear mask bit subtracts 4
+    q = (ql.to(torch.int8) - (qh << 2).to(torch.int8)).float()
+    return (dl * q).reshape(n, 256)
+
+
+def _q4_k(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    sc, mn = _k_scales(b[:, 4:16])
+    d = (_f16(b, 0) * sc).reshape(n, 8, 1)
+    dm = (_f16(b, 2) * mn).reshape(n, 8, 1)
+    q = _nibbles(b[:, 16:144], 32).reshape(n, 8, 32).float()
+    return (d * q - dm).reshape(n, 256)
+
+
+def _q5_k(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    sc, mn = _k_scales(b[:, 4:16])
+    d = (_f16(b, 0) * sc).reshape(n, 8, 1)
+    dm = (_f16(b, 2) * mn).reshape(n, 8, 1)
+    ql = _nibbles(b[:, 48:176], 32).reshape(n, 8, 32)
+    qh = _fields(b[:, 16:48], 32, 1)
+    q = (ql | (qh << 4)).float()
+    return (d * q - dm).reshape(n, 256)
+
+
+def _q6_k(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    scales = b[:, 192:208].contiguous().view(torch.int8).float()
+    d = (_f16(b, 208) * scales).reshape(n, 16, 1)
+    ql = _nibbles(b[:, 0:128], 64).reshape(n, 8, 32)
+    qh = _fields(b[:, 128:192], 32, 2)
+    q = ((ql | (qh << 4)).to(torch.int8) - 32).reshape(n, 16, 16).float()
+    return (d * q).reshape(n, 256)
+
+
+def _iq4_nl(b: torch.Tensor) -> torch.Tensor:
+    return _f16(b, 0) * _levels(_nibbles(b[:, 2:18], 16))
+
+
+def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    low = _nibbles(b[:, 4:8], 1)  # sub-block s: nibble s % 2 of byte s // 2
+    high = _fields(b[:, 2:4], 2, 2).transpose(1, 2).reshape(n, 8)  # bits 2s..2s+1 of a uint16
+    scale = ((low | (high << 4)).to(torch.int8) - 32).float()
+    dl = (_f16(b, 0) * scale).reshape(n, 8, 1)
+    q = _levels(_nibbles(b[:, 8:136], 16)).reshape(n, 8, 32)
+    return (dl * q).reshape(n, 256)
+
+
+_DECODERS: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {
+    Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q5_0: _q5_0, Q.Q5_1: _q5_1, Q.Q8_0: _q8_0,
+    Q.Q2_K: _q2_k, Q.Q3_K: _q3_k, Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k,
+    Q.IQ4_NL: _iq4_nl, Q.IQ4_XS: _iq4_xs,
+}
+
+
+def dequantize(data: torch.Tensor, qtype: int) -> torch.Tensor:
+    """Flat uint8 bytes of whole blocks of `qtype` -> flat fp32 values (float types: as stored,
+    converted to fp32)."""
+    if qtype in FLOATS:
+        return data.view(FLOATS[Q(qtype)]).float()
+    values, nbytes = block_size(qtype)
+    return _DECODERS[qtype](data.reshape(-1, nbytes)).reshape(-1)
+
+
+def dequantize_into(data: torch.Tensor, qtype: int, out: torch.Tensor,
+                    row_order: torch.Tensor | None = None) -> None:
+    """Fill `out` (rows, cols) or (cols,), any dtype, on data's device, from the bytes of a tensor
+    stored row after row. `row_order[j]` is the stored row that becomes row j (llama.cpp stores
+    Llama's q/k rows permuted); None keeps the order."""
+    out2 = out.reshape(-1, out.shape[-1])
+    rows, cols = out2.shape
+    if qtype in FLOATS:
+        stored = data.view(FLOATS[Q(qtype)]).reshape(rows, cols)
+        out2.copy_(stored if row_order is None else stored[row_order])
+        return
+    per_row = row_bytes(qtype, cols)
+    stored_rows = data.reshape(rows, per_row)
+    # fewer, larger steps on a GPU, where each op is a kernel launch
+    step = max(1, CHUNK_VALUES * (8 if data.device.type == "cuda" else 1) // cols)
+    for r in range(0, rows, step):
+        end = min(rows, r + step)
+        src = stored_rows[r:end] if row_order is None else stored_rows[row_order[r:end]]
+        out2[r:end].copy_(dequantize(src.reshape(-1), qtype).reshape(end - r, cols))

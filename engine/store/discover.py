@@ -1,0 +1,264 @@
+"""GGUF models that LM Studio and Ollama keep, found where they are so SpecChat can use them in
+place (no copy): name, size, quantisation and architecture, read from each file's header.
+
+- LM Studio: `<models folder>/<publisher>/<repo>/<file>.gguf`, in ~/.lmstudio/models, (older
+  versions) ~/.cache/lm-studio/models, or where its settings.json's "downloadsFolder" moved it. Vision projectors (mmproj-*.gguf) are not models;
+  a model split into several files is shown but cannot load yet.
+- Ollama: ~/.ollama/models (or $OLLAMA_MODELS): `manifests/<registry>/<namespace>/<model>/<tag>`
+  are JSON manifests whose "application/vnd.ollama.image.model" layer names the weights by
+  digest, stored as `blobs/sha256-<hex>`.
+
+Every name read from a folder listing or a manifest is checked (paths.check_file_name, inside)
+before it becomes a path that is touched: a hostile manifest cannot lead outside Ollama's
+folder. A broken manifest, a missing blob or an unreadable file becomes one line in
+`Discovery.problems` and the rest of the list still shows. Header facts are remembered per
+(path, size, modification time), so listing again costs a directory walk.
+
+What this module does not do: load models (engine.loading) or import torch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.errors import UnsupportedModel
+from engine.store.gguf_header import CorruptGGUF, GGUFHeader, read_header
+from engine.store.paths import check_file_name, inside
+
+log = logging.getLogger(__name__)
+
+LM_STUDIO, OLLAMA = "LM Studio", "Ollama"
+# GGUF architectures SpecChat runs (Mistral's GGUFs say "llama"); engine.model.causal_lm's list
+RUNNABLE = ("llama", "qwen2", "qwen3")
+MODEL_LAYER = "application/vnd.ollama.image.model"
+MAX_MANIFEST_BYTES = 1 << 20
+_DIGEST = re.compile(r"^sha256[:-]([0-9a-f]{64})$")
+_SPLIT = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class FoundModel:
+    name: str  # LM Studio: the file name without .gguf; Ollama: "model:tag" as `ollama list` shows it
+    app: str  # LM_STUDIO | OLLAMA
+    path: Path  # the GGUF itself (for Ollama, its blob)
+    size_bytes: int
+    architecture: str
+    quantisation: str  # "Q4_K_M", or the most common tensor type when the file does not say
+    runnable: bool
+    note: str = ""  # why it cannot run, when it cannot
+
+    @property
+    def detail(self) -> str:
+        """"Q4_K_M · llama", as the models page and `models list` show it."""
+        return f"{self.quantisation} · {self.architecture}" + (f" ({self.note})" if self.note else "")
+
+
+@dataclass(frozen=True)
+class Discovery:
+    models: tuple[FoundModel, ...]
+    problems: tuple[str, ...]  # one line each, for the user
+
+
+def app_folders(home: Path | None = None) -> list[tuple[str, Path]]:
+    """Where LM Studio and Ollama keep models on this machine (existing or not)."""
+    home = home or Path.home()
+    ollama = os.environ.get("OLLAMA_MODELS")
+    lm_studio = [home / ".lmstudio" / "models", home / ".cache" / "lm-studio" / "models"]
+    moved = _lm_studio_moved(home)
+    return [(LM_STUDIO, p) for p in lm_studio + ([moved] if moved and moved not in lm_studio else [])] + [
+        (OLLAMA, Path(ollama).expanduser() if ollama else home / ".ollama" / "models")]
+
+
+def _lm_studio_moved(home: Path) -> Path | None:
+    """The models folder a user chose in LM Studio ("downloadsFolder" in its settings.json), if
+    any. The file is untrusted: only an absolute path is taken, and only ever read from."""
+    for settings in (home / ".lmstudio" / "settings.json", home / ".cache" / "lm-studio" / "settings.json"):
+        try:
+            if settings.stat().st_size > MAX_MANIFEST_BYTES:
+                continue
+            folder = json.loads(settings.read_text(encoding="utf-8")).get("downloadsFolder")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(folder, str) and folder and Path(folder).expanduser().is_absolute():
+            return Path(folder).expanduser()
+    return None
+
+
+class HeaderFacts:
+    """Header facts by (path, size, mtime): each file's header is read once per change. A
+    caller that lists again and again (the models page) keeps one."""
+
+    def __init__(self) -> None:
+        self._known: dict[tuple[str, int, int], tuple[str, str, int]] = {}
+
+    def of(self, path: Path) -> tuple[str, str, int]:
+        """(architecture, quantisation, split count) of a GGUF; CorruptGGUF/OSError if unreadable."""
+        st = path.stat()
+        key = (str(path), st.st_size, st.st_mtime_ns)
+        if key not in self._known:
+            self._known[key] = _describe(read_header(path))
+        return self._known[key]
+
+
+def discover_models(folders: Sequence[tuple[str, Path]] | None = None,
+                    facts: HeaderFacts | None = None) -> Discovery:
+    """GGUF models in LM Studio's and Ollama's folders (app_folders() unless given)."""
+    facts = facts or HeaderFacts()
+    problems: list[str] = []
+    models = [m for c in _candidates(folders, problems) if (m := _found(*c, facts, problems)) is not None]
+    return Discovery(tuple(models), tuple(problems))
+
+
+def locate_found(name: str, folders: Sequence[tuple[str, Path]] | None = None) -> Path | None:
+    """The GGUF of a found model by its name ("llama3.1:8b"), reading no header; None if absent."""
+    return next((path for found, _, path, _ in _candidates(folders, []) if found == name), None)
+
+
+Candidate = tuple[str, str, Path, str]  # name, app, path, where (for messages)
+
+
+def _candidates(folders: Sequence[tuple[str, Path]] | None, problems: list[str]) -> list[Candidate]:
+    out: list[Candidate] = []
+    seen: set[Path] = set()
+    names: set[str] = set()
+    for app, root in folders if folders is not None else app_folders():
+        if not root.is_dir():
+            continue
+        for c in _lm_studio(root, problems) if app == LM_STUDIO else _ollama(root, problems):
+            if c[2].resolve() in seen:  # the same file reached twice
+                continue
+            seen.add(c[2].resolve())
+            if c[0] in names and app == LM_STUDIO:  # the same file name in two repos: the later by its path
+                c = (c[3].removeprefix(f"{LM_STUDIO}: ")[: -len(".gguf")], *c[1:])
+            names.add(c[0])
+            out.append(c)
+    return out
+
+
+def _lm_studio(root: Path, problems: list[str]) -> list[Candidate]:
+    found = []
+    for rel in _walk(root, depth=4, problems=problems, owner=f"{LM_STUDIO}'s folder {root}"):
+        name = rel.rsplit("/", 1)[-1]
+        if not name.lower().endswith(".gguf") or name.lower().startswith("mmproj"):
+            continue
+        split = _SPLIT.search(name)
+        if split and split.group(1) != "00001":
+            continue  # a later part of a split model: listed once, by its first part
+        path = root / rel  # checked by _walk
+        found.append((name[: -len(".gguf")], LM_STUDIO, path, f"{LM_STUDIO}: {rel}"))
+    return found
+
+
+def _ollama(root: Path, problems: list[str]) -> list[Candidate]:
+    manifests, blobs = root / "manifests", root / "blobs"
+    found = []
+    for rel in _walk(manifests, depth=4, problems=problems, owner=f"{OLLAMA}'s manifests"):
+        parts = rel.split("/")
+        if len(parts) != 4:
+            continue
+        host, namespace, model, tag = parts
+        name = f"{model}:{tag}" if (host, namespace) == ("registry.ollama.ai", "library") else \
+            f"{namespace}/{model}:{tag}" if host == "registry.ollama.ai" else f"{host}/{namespace}/{model}:{tag}"
+        where = f"{OLLAMA}'s {name}"
+        try:
+            manifest = inside(manifests, rel, f"{OLLAMA}'s manifests")
+            if manifest.stat().st_size > MAX_MANIFEST_BYTES:
+                raise ValueError("the manifest is far larger than a manifest")
+            data = json.loads(manifest.read_text(encoding="utf-8"))
+            layer = next(x for x in data["layers"] if isinstance(x, dict) and x.get("mediaType") == MODEL_LAYER)
+            digest = _DIGEST.match(str(layer.get("digest", "")))
+            if digest is None:
+                raise ValueError(f"its model digest {str(layer.get('digest'))[:80]!r} is not a sha256 digest")
+        except UnsupportedModel as exc:
+            problems.append(exc.user_message)
+            continue
+        except (OSError, ValueError, KeyError, TypeError, StopIteration) as exc:
+            why = "it names no model layer" if isinstance(exc, StopIteration) else str(exc) or type(exc).__name__
+            problems.append(f"{where}: its manifest is broken ({why}); re-pull it with `ollama pull {name}`.")
+            continue
+        try:
+            blob = inside(blobs, f"sha256-{digest.group(1)}", where)
+        except UnsupportedModel as exc:
+            problems.append(exc.user_message)
+            continue
+        if not blob.is_file():
+            problems.append(f"{where}: its weights (blob sha256-{digest.group(1)[:12]}…) are missing; re-pull it "
+                            f"with `ollama pull {name}`.")
+            continue
+        found.append((name, OLLAMA, blob, where))
+    # Ollama's own library first: a blob pulled under two names is listed by its shortest one
+    return sorted(found, key=lambda c: ("/" in c[0], c[0]))
+
+
+def _walk(root: Path, depth: int, problems: list[str], owner: str) -> list[str]:
+    """Relative paths ("a/b/c") of the files under root, at most `depth` levels down, in order;
+    each name checked before it is joined (a name that would leave the folder is a problem)."""
+    out: list[str] = []
+
+    def visit(folder: Path, prefix: str, level: int) -> None:
+        try:
+            entries = sorted(os.scandir(folder), key=lambda e: e.name)
+        except OSError as exc:
+            problems.append(f"{owner}: cannot read {folder} ({exc.strerror or exc}).")
+            return
+        for entry in entries:
+            if entry.name.startswith("."):
+                continue
+            rel = f"{prefix}{entry.name}"
+            try:
+                check_file_name(rel, owner)
+                if entry.is_dir():
+                    if level < depth:
+                        visit(inside(root, rel, owner), rel + "/", level + 1)
+                elif entry.is_file():
+                    inside(root, rel, owner)  # a file symlinked from elsewhere is not the app's
+                    out.append(rel)
+            except UnsupportedModel:
+                problems.append(f"{owner}: {rel!r} leads outside the folder (a link or an odd name); skipped.")
+            except OSError:
+                continue
+
+    visit(root, "", 1)
+    return out
+
+
+def _found(name: str, app: str, path: Path, where: str, facts: HeaderFacts, problems: list[str]) -> FoundModel | None:
+    try:
+        arch, quant, parts = facts.of(path)
+        size = path.stat().st_size
+    except (CorruptGGUF, OSError) as exc:
+        problems.append(f"{where}: not a readable GGUF ({str(exc).rstrip('.')}).")
+        return None
+    note = ""
+    if arch not in RUNNABLE:
+        note = f"a {arch} model; SpecChat runs llama, mistral, qwen2 and qwen3"
+    elif parts > 1:
+        note = f"split into {parts} files, which SpecChat cannot load yet"
+    return FoundModel(name, app, path, size, arch, quant, not note, note)
+
+
+def _describe(header: GGUFHeader) -> tuple[str, str, int]:
+    from gguf.constants import LlamaFileType
+
+    md = header.metadata
+    quant = ""
+    file_type = md.get("general.file_type")
+    if isinstance(file_type, int):
+        try:
+            quant = LlamaFileType(file_type).name.removeprefix("MOSTLY_").removeprefix("ALL_")
+        except ValueError:
+            quant = ""
+    if not quant:
+        counts: dict[str, int] = {}
+        for t in header.tensors:
+            if len(t.shape) == 2:
+                counts[t.type_name] = counts.get(t.type_name, 0) + t.nbytes
+        quant = max(counts, key=counts.__getitem__) if counts else "?"
+    parts = md.get("split.count", 1)
+    return header.architecture or "unknown", quant, parts if isinstance(parts, int) else 1

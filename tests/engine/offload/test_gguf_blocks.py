@@ -1,0 +1,69 @@
+"""The torch de-quantisation of GGUF blocks equals gguf-py's reference decoder bit for bit, for
+every type the store keeps packed: on random blocks (every code pattern) with sane fp16 scales,
+and on real quantised data where gguf-py can quantise the type."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf import quants as gq
+
+from engine.offload.gguf_blocks import PACKED, block_size, dequantize, dequantize_into
+
+# byte offsets of each type's fp16 scale fields (ggml's block structs)
+SCALES = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,), Q.Q2_K: (80, 82),
+          Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.IQ4_NL: (0,), Q.IQ4_XS: (0,)}
+QUANTISABLE = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0)
+
+
+def random_blocks(qtype: Q, n: int, seed: int = 0) -> np.ndarray:
+    """n random blocks whose fp16 scales are finite and of either sign, magnitude 1e-4..1."""
+    rng = np.random.default_rng(seed)
+    _, nbytes = block_size(qtype)
+    blocks = rng.integers(0, 256, size=(n, nbytes), dtype=np.uint8)
+    for at in SCALES[qtype]:
+        scale = (rng.uniform(1e-4, 1.0, n) * rng.choice([-1, 1], n)).astype(np.float16)
+        blocks[:, at:at + 2] = scale.view(np.uint8).reshape(n, 2)
+    return blocks
+
+
+def test_every_packed_type_is_covered() -> None:
+    assert set(SCALES) == set(PACKED)
+
+
+@pytest.mark.parametrize("qtype", PACKED, ids=lambda t: t.name)
+def test_random_blocks_equal_gguf_py_bit_for_bit(qtype: Q) -> None:
+    blocks = random_blocks(qtype, 512)
+    ref = gq.dequantize(blocks, qtype).reshape(-1)  # (n * values,) fp32
+    ours = dequantize(torch.from_numpy(blocks).reshape(-1), qtype).numpy()
+    assert ours.dtype == np.float32 and ours.shape == ref.shape
+    assert np.array_equal(ours.view(np.uint32), ref.view(np.uint32))
+
+
+@pytest.mark.parametrize("qtype", QUANTISABLE, ids=lambda t: t.name)
+def test_quantised_weights_equal_gguf_py_bit_for_bit(qtype: Q) -> None:
+    w = (np.random.default_rng(1).standard_normal((48, 256)) * 0.05).astype(np.float32)
+    stored = gq.quantize(w, qtype)
+    ref = gq.dequantize(stored, qtype)
+    ours = dequantize(torch.from_numpy(stored).reshape(-1), qtype).reshape(ref.shape).numpy()
+    assert np.array_equal(ours.view(np.uint32), ref.view(np.uint32))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q8_0, Q.F16], ids=lambda t: t.name)
+def test_dequantize_into_fills_rows_in_chunks_and_reorders_them(qtype: Q, monkeypatch: pytest.MonkeyPatch) -> None:
+    import engine.offload.gguf_blocks as gb
+
+    rows, cols = 37, 512
+    if qtype == Q.F16:
+        stored = np.random.default_rng(2).standard_normal((rows, cols)).astype(np.float16).view(np.uint8)
+    else:
+        values, nbytes = block_size(qtype)
+        stored = random_blocks(qtype, rows * cols // values).reshape(rows, -1)
+    ref = gq.dequantize(stored, qtype).reshape(rows, cols)
+    monkeypatch.setattr(gb, "CHUNK_VALUES", 5 * cols)  # several chunks, the last one short
+    order = torch.randperm(rows, generator=torch.Generator().manual_seed(0))
+    out = torch.empty(rows, cols, dtype=torch.bfloat16)
+    dequantize_into(torch.from_numpy(stored).reshape(-1), qtype, out, order)
+    assert torch.equal(out, torch.from_numpy(ref)[order].to(torch.bfloat16))
