@@ -175,7 +175,8 @@ class StatusBar(QStatusBar):
         self._set(self.per_pass, f"{stats.tokens_per_pass:.2f} tokens/pass")
         reused = f", {stats.cached_tokens:,} of {stats.prompt_tokens:,} prompt tokens reused" if stats.cached_tokens else ""
         self._set(self.ttft, f"first token {stats.ttft_seconds:.2f} s{reused}")
-        self._set(self.budget, budget_text(stats.budget, auto_budget) if stats.mode == "specexec" else "no speculation")
+        mode = {"specexec": budget_text(stats.budget, auto_budget), "context": "draft-free (text from the context)"}
+        self._set(self.budget, mode.get(stats.mode, "no speculation"))
         if stats.placement is not None:
             self._set(self.placement, stats.placement.describe())
 

@@ -15,6 +15,7 @@ from engine.errors import InvalidRequest
 
 FinishReason = Literal["eos", "length", "stop", "cancelled"]
 DecodeMode = Literal["specexec", "autoregressive"]
+StepMode = Literal["specexec", "context", "autoregressive"]  # how an answer was decoded: draft trees, draft-free
 Device = Literal["auto", "cpu", "cuda"]
 Quant = Literal["none", "nf4"]
 # how decoder layers are kept and streamed: 16-bit, NF4, a GGUF file's own blocks, int4 AWQ/GPTQ
@@ -187,21 +188,23 @@ class SamplingSettings:
 
 @dataclass(frozen=True)
 class SpeculationSettings:
-    """Shape of the SpecExec draft tree.
+    """Shape of the speculation tree.
 
+    mode: "specexec" grows a tree each step (from the draft and from context candidates, or
+        from context candidates alone when there is no draft model); "autoregressive" decodes
+        one token per target pass.
     budget: most tree tokens verified by one target pass (B in the paper).
     max_depth: most tokens on one root-to-leaf path of the tree.
     branching: most children per expanded node (top-k of the draft distribution).
     expand_per_pass: most nodes expanded by one batched draft pass; None = derived from budget.
     min_pass_gain: stop growing when the nodes the next draft pass would read hold less than
-        this total draft probability (their children can add at most that many expected
-        accepted tokens). Halves draft passes per step on the starter pair at no cost in
-        tokens per pass (0.1 vs 0.0, budgets 64 and 256).
-    greedy_draft_temperature: when the target decodes greedily, the draft's distribution is
-        sharpened to this temperature before scoring nodes: the chance that a draft token is
-        the target's argmax grows faster than its draft probability. On the starter pair
-        (4 chat prompts, budget 64, full growth) tokens per pass were 4.88 at 1.0, 5.71 at 0.7,
-        5.56 at 0.5, 4.76 at 0.3.
+        this much estimated acceptance in total (their children can add at most that many
+        expected tokens). None (the default): the threshold follows the measured costs, a pass
+        pays while its gain exceeds the expected tokens so far times its share of a step's time.
+    draft: grow trees with the loaded draft model (False: context candidates alone; the
+        planner turns the draft off where it does not pay).
+    context: continuations copied from earlier in the text enter the tree (engine.decoding.context).
+    context_candidates: how many distinct continuations enter at most.
     tree_mode: "specexec" grows the dynamic tree above; "sequoia" fills a static tree shape
         built once per (budget, depth) by sequoia.build_tree from `rank_acceptance`.
     rank_acceptance: chance that the target's token is the draft's 1st, 2nd, ... likeliest
@@ -214,8 +217,10 @@ class SpeculationSettings:
     max_depth: int = 16
     branching: int = 32
     expand_per_pass: int | None = None
-    min_pass_gain: float = 0.1
-    greedy_draft_temperature: float = 0.7
+    min_pass_gain: float | None = None
+    draft: bool = True
+    context: bool = True
+    context_candidates: int = 8
     tree_mode: TreeMode = "specexec"
     rank_acceptance: tuple[float, ...] = DEFAULT_RANK_ACCEPTANCE
 
@@ -230,10 +235,10 @@ class SpeculationSettings:
             raise InvalidRequest(f"The tree branching must be at least 1 (got {self.branching}).")
         if self.expand_per_pass is not None and self.expand_per_pass < 1:
             raise InvalidRequest(f"Nodes per draft pass must be at least 1 (got {self.expand_per_pass}).")
-        if not self.min_pass_gain >= 0:
+        if self.min_pass_gain is not None and not self.min_pass_gain >= 0:
             raise InvalidRequest(f"The minimum pass gain must be 0 or more (got {self.min_pass_gain}).")
-        if not self.greedy_draft_temperature > 0:
-            raise InvalidRequest(f"The draft temperature must be above 0 (got {self.greedy_draft_temperature}).")
+        if self.context_candidates < 0:
+            raise InvalidRequest(f"Context candidates must be 0 or more (got {self.context_candidates}).")
         if self.tree_mode not in ("specexec", "sequoia") or not self.rank_acceptance:
             raise InvalidRequest("The tree mode must be 'specexec' or 'sequoia' (with an acceptance-by-rank vector).")
 
@@ -423,7 +428,7 @@ class GenerationStats:
     draft_seconds: float = 0.0
     target_seconds: float = 0.0
     prefill_seconds: float = 0.0
-    mode: DecodeMode = "specexec"
+    mode: StepMode = "specexec"
     placement: Placement | None = None
     oom_retries: int = 0  # steps re-run with a smaller budget after a device out-of-memory
     cached_tokens: int = 0  # prompt tokens whose KV was reused from an earlier turn (not read again)

@@ -28,6 +28,7 @@ from types import ModuleType
 import torch
 
 from engine.cli import common
+from engine.cli.parser import BENCH_METHODS
 from engine.decoding.generation import Engine
 from engine.errors import InvalidRequest, UsageError
 from engine.loading.load import check_pair, load_model
@@ -83,11 +84,14 @@ def run_engine_row(engine: Engine, prompts: Sequence[str], method: str, budget: 
                    new_tokens: int, max_depth: int = 16, min_pass_gain: float | None = None,
                    rank_acceptance: Sequence[float] | None = None,
                    outputs: list[list[int]] | None = None) -> BenchRow:
-    """method: "autoregressive", "specexec" or "sequoia" (a static tree from `rank_acceptance`).
-    The generated token ids of each prompt are appended to `outputs` when given."""
+    """method: "autoregressive"; "context" (draft-free trees of context candidates); "specexec"
+    (the draft's tree with context candidates); "draft-only" (the draft's tree, no candidates);
+    "sequoia" (a static tree from `rank_acceptance`). The generated token ids of each prompt are
+    appended to `outputs` when given."""
     totals = dict(n=0, tp=0, dp=0, d=0.0, t=0.0, o=0.0, s=0.0)
     base = SpeculationSettings()
     spec = replace(base, mode="autoregressive" if method == "autoregressive" else "specexec", budget=budget,
+                   draft=method != "context", context=method not in ("draft-only", "sequoia"),
                    max_depth=max_depth, tree_mode="sequoia" if method == "sequoia" else "specexec",
                    min_pass_gain=base.min_pass_gain if min_pass_gain is None else min_pass_gain,
                    rank_acceptance=tuple(rank_acceptance) if rank_acceptance else base.rank_acceptance)
@@ -245,32 +249,46 @@ def run_bench_speculation(args: argparse.Namespace) -> int:
         raise UsageError("Every budget must be at least 1.")
     temperatures = common.parse_list(args.temperatures, float, "temperatures")
     prompts = common.read_prompts(args.prompts, DEFAULT_PROMPTS)
+    methods = common.parse_list(args.methods, str, "methods")
+    unknown = sorted(set(methods) - set(BENCH_METHODS))
+    if unknown:
+        raise UsageError(f"Unknown bench methods: {', '.join(unknown)}; choose from {', '.join(BENCH_METHODS)}.")
+    if args.no_sequoia:
+        methods = [m for m in methods if m != "sequoia"]
+    if args.no_hf_assisted:
+        methods = [m for m in methods if m != "hf-assisted"]
     if args.threads:
         torch.set_num_threads(args.threads)
     common.quiet_libraries(args.verbose)
-    target, draft = load_model(args.target), load_model(args.draft)
-    check_pair(target, draft)
-    engine = Engine(target.model, target.tokenizer, draft.model)
+    target = load_model(args.target)
+    draft = load_model(args.draft) if args.draft else None
+    if draft is not None:
+        check_pair(target, draft)
+    else:  # rows that need a draft are left out
+        methods = [m for m in methods if m in ("autoregressive", "context")]
+    engine = Engine(target.model, target.tokenizer, draft.model if draft is not None else None)
     rows: list[BenchRow] = []
     rank_acceptance: dict[float, tuple[float, ...]] = {}
     for temperature in temperatures:
         outputs: list[list[int]] = []
         rows.append(run_engine_row(engine, prompts, "autoregressive", 1, temperature, args.max_new_tokens,
                                    outputs=outputs))
-        for budget in budgets:
-            rows.append(run_engine_row(engine, prompts, "specexec", budget, temperature, args.max_new_tokens,
-                                       args.max_depth, args.min_pass_gain))
-        if not args.no_sequoia:
+        for method in ("context", "specexec", "draft-only"):
+            if method in methods:
+                for budget in budgets:
+                    rows.append(run_engine_row(engine, prompts, method, budget, temperature, args.max_new_tokens,
+                                               args.max_depth, args.min_pass_gain))
+        if "sequoia" in methods:
             accept = measure_rank_acceptance(engine, prompts, outputs)
             rank_acceptance[temperature] = accept
             for budget in budgets:
                 rows.append(run_engine_row(engine, prompts, "sequoia", budget, temperature, args.max_new_tokens,
                                            args.max_depth, rank_acceptance=accept))
-        if not args.no_hf_assisted:
+        if "hf-assisted" in methods:
             rows.append(run_hf_assisted_row(engine, prompts, temperature, args.max_new_tokens))
     predicted, plan_text = _planner_view(engine, args.profile, budgets, rows)
     print(f"{len(prompts)} chat prompts x {args.max_new_tokens} new tokens; target {target.path.name}, "
-          f"draft {draft.path.name}; {torch.get_num_threads()} CPU threads" if target.model.device.type == "cpu"
+          f"draft {draft.path.name if draft is not None else '(none)'}; {torch.get_num_threads()} CPU threads" if target.model.device.type == "cpu"
           else f"{len(prompts)} prompts x {args.max_new_tokens} tokens on {target.model.device}")
     print(format_table(rows, predicted))
     for temperature, accept in rank_acceptance.items():

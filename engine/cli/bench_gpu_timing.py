@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from engine.decoding.acceptance import AcceptanceModel
 from engine.decoding.drafting import grow_tree
 from engine.decoding.generation import prefill
 from engine.decoding.sampling import choose_token
@@ -191,7 +192,7 @@ class StepTimer:
         pending = torch.tensor(seq[dcache.length:])  # committed tokens the draft has not read
         sync(dev)
         t0 = time.perf_counter()
-        trace = grow_tree(self.draft, dcache, pending, spec, GREEDY, self.vocab)
+        trace = grow_tree(self.draft, dcache, pending, spec, GREEDY, self.vocab, AcceptanceModel())
         sync(dev)
         t1 = time.perf_counter()
         past = tcache.length

@@ -41,7 +41,10 @@ def run_chat(args: argparse.Namespace) -> int:
             import readline  # noqa: F401  (line editing and history for input(); not on Windows)
         except ImportError:
             pass
-    mode = f"specexec, budget {setup.budget}" if engine.draft is not None and setup.mode is None else "autoregressive"
+    if setup.mode == "autoregressive" or args.mode == "autoregressive" or (engine.draft is None and args.no_context):
+        mode = "autoregressive"
+    else:
+        mode = f"specexec, budget {setup.budget}" if engine.draft is not None else "draft-free speculation"
     status(f"ready ({mode}). {CHAT_HELP}")
     system = (Message("system", args.system),) if args.system else ()
     messages: list[Message] = []

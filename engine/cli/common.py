@@ -70,13 +70,27 @@ def parse_list(text: str, kind: type, what: str) -> list:
 
 
 def read_prompts(path: Path | None, default: tuple[str, ...]) -> tuple[str, ...]:
-    """One chat prompt per non-empty line of `path`; `default` without a file."""
+    """The chat prompts of `path`: one per non-empty line, or, when the file has lines of
+    three dashes, the blocks between them (multi-line prompts; lines before the first dashes
+    are a comment); `default` without a file."""
     if path is None:
         return default
     try:
-        prompts = tuple(line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip())
-    except OSError as exc:
-        raise InvalidRequest(f"Cannot read the prompts file '{path}': {exc.strerror}.") from exc
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) else "it is not UTF-8 text"
+        raise InvalidRequest(f"Cannot read the prompts file '{path}': {why}.") from exc
+    if "---" in (line.rstrip() for line in lines):
+        blocks, current = [], []
+        for line in lines[[line.rstrip() for line in lines].index("---") + 1:] + ["---"]:
+            if line.rstrip() == "---":
+                blocks.append("\n".join(current).strip())
+                current = []
+            else:
+                current.append(line.rstrip())
+        prompts = tuple(b for b in blocks if b)
+    else:
+        prompts = tuple(line.strip() for line in lines if line.strip())
     if not prompts:
         raise InvalidRequest(f"The prompts file '{path}' has no prompts (one per line).")
     return prompts
@@ -167,7 +181,8 @@ def request(args: argparse.Namespace, setup: Setup, messages: tuple[Message, ...
     sampling = SamplingSettings(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                 min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=seed)
     speculation = replace(SpeculationSettings(), mode=setup.mode or args.mode, budget=setup.budget,
-                          max_depth=setup.max_depth or args.max_depth, tree_mode=args.tree)
+                          max_depth=setup.max_depth or args.max_depth, tree_mode=args.tree,
+                          context=not args.no_context)
     return GenerationRequest(messages=messages, raw_prompt=raw_prompt, max_new_tokens=args.max_new_tokens,
                              stop=tuple(args.stop), sampling=sampling, speculation=speculation,
                              conversation=conversation)
@@ -332,6 +347,8 @@ def stats_line(stats: GenerationStats, finish_reason: str, seed: int | None = No
              f"{stats.tokens_per_pass:.2f} tokens/pass"]
     if stats.mode == "specexec":
         parts.append(f"budget {stats.budget}")
+    elif stats.mode == "context":
+        parts.append("draft-free")
     else:
         parts.append("autoregressive")
     prompt = f"prompt {stats.prompt_tokens} tokens"

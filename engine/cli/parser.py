@@ -93,7 +93,8 @@ def engine_options() -> argparse.ArgumentParser:
     models = common.add_argument_group("models")
     models.add_argument("--target", metavar="MODEL", help="catalog id, Hugging Face folder or .gguf file")
     models.add_argument("--draft", metavar="MODEL", help="draft model sharing the target's tokenizer; "
-                        "without it decoding is plain autoregressive")
+                        "without it, trees of context candidates alone (text repeated from the prompt and "
+                        "the answer: no draft cost)")
     models.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="auto: cuda if PyTorch sees a GPU, else cpu (default: auto)")
     models.add_argument("--quant", choices=("none", "nf4"), default="none",
@@ -124,6 +125,8 @@ def engine_options() -> argparse.ArgumentParser:
     text.add_argument("--seed", type=int, default=None, metavar="S",
                       help="random seed for sampling; sample i of --samples uses S+i (default: random)")
     decoding = common.add_argument_group("decoding")
+    decoding.add_argument("--no-context", action="store_true",
+                          help="no context candidates in the trees (continuations copied from earlier text)")
     decoding.add_argument("--mode", choices=("specexec", "autoregressive"), default=spec.mode,
                           help=f"decoding mode; autoregressive ignores --draft (default: {spec.mode})")
     decoding.add_argument("--budget", type=budget_value, default="auto", metavar="N|auto",
@@ -243,23 +246,32 @@ def _add_models(commands: argparse._SubParsersAction) -> None:
     parser.set_defaults(**{HANDLER: "engine.cli.models:run_models"})
 
 
+BENCH_METHODS = ("autoregressive", "context", "specexec", "sequoia", "hf-assisted", "draft-only")
+
+
 def _add_bench(commands: argparse._SubParsersAction) -> None:
     bench = commands.add_parser("bench", help="benchmarks that print tables")
     kinds = bench.add_subparsers(dest="bench_kind", metavar="KIND", required=True)
     spec = kinds.add_parser("speculation", help="tokens per pass and time split per budget, one run",
-                            description="Autoregressive, SpecExec and Sequoia trees at each budget and Hugging "
-                            "Face assisted generation on the same pair and prompts, in one process.")
+                            description="Autoregressive decoding, draft-free trees of context candidates, SpecExec "
+                            "trees (draft + context candidates; draft alone) and Sequoia trees at each budget, and "
+                            "Hugging Face assisted generation, on the same pair and prompts, in one process. "
+                            "Without --draft: the autoregressive and draft-free rows.")
     spec.add_argument("--target", required=True, metavar="MODEL")
-    spec.add_argument("--draft", required=True, metavar="MODEL")
-    spec.add_argument("--prompts", type=Path, metavar="FILE", help="one chat prompt per line (default: 4 built in)")
+    spec.add_argument("--draft", metavar="MODEL", help="draft model (none: autoregressive and context rows only)")
+    spec.add_argument("--prompts", type=Path, metavar="FILE",
+                      help="one chat prompt per line, or multi-line prompts between lines of '---' "
+                      "(default: 4 built in; resources/prompts/ holds the tuning, chat and edit sets)")
+    spec.add_argument("--methods", default=",".join(BENCH_METHODS[:-1]), metavar="LIST",
+                      help=f"rows to run, of {','.join(BENCH_METHODS)} (default: all but draft-only)")
     spec.add_argument("--budgets", default="16,64,256", metavar="LIST", help="comma-separated (default: 16,64,256)")
     spec.add_argument("--temperatures", default="0,0.6", metavar="LIST",
                       help="comma-separated; T > 0 samples with top-p 0.9 (default: 0,0.6)")
     spec.add_argument("--max-new-tokens", type=int_at_least(1), default=64, metavar="N")
     spec.add_argument("--max-depth", type=int_at_least(1), default=SpeculationSettings().max_depth, metavar="D")
     spec.add_argument("--min-pass-gain", type=float_in(0.0, 1e9), default=None, metavar="G",
-                      help=f"stop tree growth below this expected gain per draft pass "
-                      f"(default: {SpeculationSettings().min_pass_gain:g}; 0 grows every budget to the full)")
+                      help="stop tree growth below this expected gain per draft pass (default: from the "
+                      "measured costs of a draft pass and a step; 0 grows every budget to the full)")
     spec.add_argument("--no-sequoia", action="store_true", help="skip the static Sequoia tree rows")
     spec.add_argument("--no-hf-assisted", action="store_true", help="skip the transformers assisted-generation row")
     spec.add_argument("--profile", type=Path, metavar="FILE",

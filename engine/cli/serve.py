@@ -102,8 +102,10 @@ class PlannedEngine:
         self.setup = setup
 
     def describe(self) -> str:
-        if self.engine.draft is None or self.setup.mode == "autoregressive":
+        if self.setup.mode == "autoregressive" or self.args.mode == "autoregressive":
             return "autoregressive"
+        if self.engine.draft is None:
+            return "autoregressive" if self.args.no_context else "draft-free speculation"
         return f"specexec, budget {self.setup.budget}"
 
     def generate(self, request: GenerationRequest,

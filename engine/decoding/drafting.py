@@ -1,42 +1,54 @@
-"""Draft trees: SpecExec's dynamic tree (grow_tree) and static Sequoia trees (grow_static_tree).
+"""Speculation trees: SpecExec's dynamic tree (grow_tree), with context candidates, and static
+Sequoia trees (grow_static_tree).
 
-The tree SpecExec wants is (approximately) the B most likely continuations under the draft: the
-B nodes with the highest cumulative draft log-probability. We grow it best-first, in batches:
+A node's score is the log of the estimated chance that the target accepts the path to it: the
+sum along the path of each node's calibrated acceptance (acceptance.py: from the draft's
+probability of its token, and for context candidates from the length of the match that
+proposed them). The expected tokens of one target pass are 1 + the sum of exp(score) over the
+nodes, so the tree we want holds the B best-scoring nodes. We grow it best-first, in batches:
 
-  pass 0   the draft reads its pending tokens (the root and any accepted tokens it has not
-           seen); the root's distribution gives its top-k children.
-  pass t   the m best nodes of the current tree that the draft has not read yet are read in one
-           forward pass (tree mask over the draft's cache, depth-based positions); each yields
-           its top-k children (unique tokens, score = parent score + log q(child)).
-  after each pass only the B best nodes survive. A child never scores above its parent and the
-           B-th best score only rises, so an evicted node can never come back, and the
-           survivors are closed under "parent of" (ties go to the older node, the parent).
+  pass 0   the draft reads its pending tokens (committed tokens it has not seen, the root
+           last); context candidates (context.py) enter as a trie below the root, unread.
+  pass t   the m best unread nodes (and their unread ancestors: a context chain is read
+           together) are read in one forward pass (tree mask over the draft's cache,
+           depth-based positions); each yields its top-k draft children (a child that is
+           already a context candidate is the same node, now with the draft's probability too).
+  after each pass only the B best nodes survive. A child never scores above its parent (an
+           acceptance chance is at most 1), so the survivors are closed under "parent of"
+           (ties go to the older node, the parent).
 
 Growth stops when no unread node is left above max depth, when a pass on a full tree adds no
-node to it (the best new candidates cannot enter the budget), when the nodes the next pass
-would read hold less than `min_pass_gain` draft probability in total (a child's probability is
-at most its parent's, so that bounds the expected accepted tokens the pass could add), or
-after max_depth passes. On a full tree only nodes scoring above the worst survivor are read.
-Survivors are kept in creation order, which is parent-before-child; re-sorting by score (as the
-reference code does after its top-k) breaks that order and with it the verification pass.
+node to it, after max_depth passes, or when the nodes the next pass would read hold less
+acceptance in total than the pass is worth: their children can add at most that many expected
+tokens, and a pass pays only while that gain exceeds the expected tokens so far times the
+pass's share of a step's time (`stop_ratio`, measured by the engine; `spec.min_pass_gain`
+fixes the threshold instead). Without a draft the tree is the context trie, cut to the budget.
+Survivors are kept in creation order, which is parent-before-child; re-sorting by score breaks
+that order and with it the verification pass.
 
 The draft's K/V for every node it reads is appended to its cache; `DraftTrace.slots` records
-where, so the caller can keep the accepted path's entries and drop the rest.
+where, so the caller can keep the accepted path's entries and drop the rest. `DraftTrace.logq`
+and `.match` keep each node's evidence, which the engine labels after verification to
+calibrate the acceptance model.
 """
 
 from __future__ import annotations
 
+import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
+from engine.decoding.acceptance import AcceptanceModel
 from engine.decoding.sampling import process_logits
 from engine.decoding.sequoia import StaticTree
 from engine.decoding.tree import Tree, ancestor_mask
 from engine.model.cache import KVCache
 from engine.model.causal_lm import CausalLM
 from engine.types import SamplingSettings, SpeculationSettings
+
+Seeds = tuple[list[int], list[int], list[int]]  # context trie below the root: tokens, parents, match
 
 
 @dataclass(frozen=True)
@@ -45,32 +57,37 @@ class DraftTrace:
     slots: torch.Tensor  # (N,) long: draft cache slot of each node, -1 if the draft never read it
     passes: int
     seconds: float
+    logq: torch.Tensor  # (N,) draft log-probability of each node's token at its parent; NaN if unscored
+    match: torch.Tensor  # (N,) long: match length of a context candidate, 0 for draft-only nodes
 
 
-def _scoring(sampling: SamplingSettings, spec: SpeculationSettings) -> SamplingSettings:
+def scoring_distribution(sampling: SamplingSettings) -> SamplingSettings:
+    """The draft distribution whose probabilities the acceptance model calibrates: the
+    request's own processing when sampling (the draft imitates the target's processed
+    distribution), the plain softmax when greedy; never a per-node repetition penalty."""
     if sampling.greedy:
-        return SamplingSettings(temperature=spec.greedy_draft_temperature)
-    return replace(sampling, repetition_penalty=1.0)  # per-node histories are not worth it
+        return SamplingSettings()
+    return SamplingSettings(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                            min_p=sampling.min_p)
 
 
 def _read_nodes(draft: CausalLM, cache: KVCache, tokens: torch.Tensor, parents: torch.Tensor,
                 depths: torch.Tensor, slots: torch.Tensor, to_expand: torch.Tensor, root_pos: int,
                 max_depth: int) -> torch.Tensor:
     """One batched draft pass over the nodes `to_expand` (parent-before-child order; every
-    ancestor already read): tree mask over the draft's cache, depth-based positions. Records
-    their cache slots in `slots` (in place) and returns their hidden states (m, H)."""
+    ancestor already read or in the batch): tree mask over the draft's cache, depth-based
+    positions. Records their cache slots in `slots` (in place) and returns their hidden states
+    (m, H)."""
     device = tokens.device
     m = to_expand.shape[0]
     past = cache.length
+    slots[to_expand] = past + torch.arange(m, device=device)  # before the mask: in-batch ancestors
     anc = ancestor_mask(parents, to_expand, max_depth)  # (m, N) node j is ancestor-or-self
     allowed = torch.zeros((m, past + m), dtype=torch.bool, device=device)
     allowed[:, : root_pos + 1] = True  # committed prefix and the root
     rows, cols = (anc & (slots >= 0)[None]).nonzero(as_tuple=True)
     allowed[rows, slots[cols]] = True
-    allowed[torch.arange(m, device=device), past + torch.arange(m, device=device)] = True
-    hidden = draft.forward(tokens[to_expand], root_pos + depths[to_expand], cache, allowed)
-    slots[to_expand] = past + torch.arange(m, device=device)
-    return hidden
+    return draft.forward(tokens[to_expand], root_pos + depths[to_expand], cache, allowed)
 
 
 def _read_pending(draft: CausalLM, cache: KVCache, pending: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -82,82 +99,165 @@ def _read_pending(draft: CausalLM, cache: KVCache, pending: torch.Tensor) -> tup
     return hidden[-1:], cache.length - 1
 
 
+def _scores(local: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
+    """Cumulative log acceptance: each node's own plus its ancestors' (the root 0)."""
+    score = torch.zeros_like(local)
+    for d in range(1, int(depths.max()) + 1 if depths.numel() else 1):
+        at = (depths == d).nonzero()[:, 0]
+        score[at] = local[at] + score[parents[at]]
+    return score
+
+
 def grow_tree(
-    draft: CausalLM,
-    cache: KVCache,
-    pending: torch.Tensor,  # (p,) tokens the draft has not read; the last one is the root
+    draft: CausalLM | None,
+    cache: KVCache | None,
+    pending: torch.Tensor,  # (p,) committed tokens the draft has not read; the last one is the root
     spec: SpeculationSettings,
     sampling: SamplingSettings,
     vocab_limit: int,
+    model: AcceptanceModel,
+    seeds: Seeds = ([], [], []),
+    stop_ratio: float = 0.0,
 ) -> DraftTrace:
-    """Grow a tree of at most `spec.budget` draft tokens below the root. `cache` holds the
-    committed prefix before the call; after it, also the pending tokens and every node read."""
+    """Grow a tree of at most `spec.budget` tokens below the root (see the module docstring).
+    With a draft, `cache` holds the committed prefix before the call and afterwards also the
+    pending tokens and every node read; without one the tree is the context seeds alone."""
     t0 = time.perf_counter()
     budget, max_depth, k = spec.budget, spec.max_depth, spec.branching
-    per_pass = spec.nodes_per_draft_pass
-    device = draft.device
-    # Node scores estimate the chance the target accepts the path: under sampling that is the
-    # target's processed distribution, which the draft imitates with the same settings; under
-    # greedy decoding it is the chance of being the argmax, sharper than the draft's softmax.
-    scoring = _scoring(sampling, spec)
-
-    expand_hidden, root_pos = _read_pending(draft, cache, pending)
-    tokens = pending[-1:].to(device).long()
-    parents = torch.tensor([-1], device=device)
-    depths = torch.tensor([0], device=device)
-    logp = torch.zeros(1, device=device)
-    slots = torch.tensor([root_pos], device=device)
+    device = draft.device if draft is not None else torch.device("cpu")
+    scoring = scoring_distribution(sampling)
+    n_seed = len(seeds[0])
+    keep_seed = [i for i in range(n_seed) if _depth(seeds[1], i) < max_depth]  # the walk's limit
+    tokens = torch.tensor([int(pending[-1]), *(seeds[0][i] for i in keep_seed)], dtype=torch.long, device=device)
+    remap = {0: 0, **{i + 1: j + 1 for j, i in enumerate(keep_seed)}}
+    parents = torch.tensor([-1, *(remap[seeds[1][i]] for i in keep_seed)], dtype=torch.long, device=device)
+    match = torch.tensor([0, *(seeds[2][i] for i in keep_seed)], dtype=torch.long, device=device)
+    depths = torch.zeros(tokens.shape[0], dtype=torch.long, device=device)
+    for i in range(1, tokens.shape[0]):
+        depths[i] = depths[parents[i]] + 1
+    logq = torch.full((tokens.shape[0],), math.nan, device=device)
+    slots = torch.full((tokens.shape[0],), -1, dtype=torch.long, device=device)
+    passes = 0
     to_expand = torch.tensor([0], device=device)
-    passes = 1
+    expand_hidden = None
+    if draft is not None:
+        assert cache is not None
+        expand_hidden, root_pos = _read_pending(draft, cache, pending)
+        slots[0] = root_pos
+        passes = 1
 
     while True:
-        # children of the nodes just read
-        q = process_logits(draft.logits(expand_hidden)[:, :vocab_limit], scoring)  # (m, V)
-        kk = min(k, q.shape[-1])
-        child_lp, child_tok = torch.topk(q, kk, dim=-1)  # (m, kk)
-        child_lp = child_lp + logp[to_expand][:, None]
-        ok = torch.isfinite(child_lp)
         n_old = tokens.shape[0]
-        tokens = torch.cat([tokens, child_tok[ok]])
-        parents = torch.cat([parents, to_expand[:, None].expand(-1, kk)[ok]])
-        depths = torch.cat([depths, (depths[to_expand] + 1)[:, None].expand(-1, kk)[ok]])
-        logp = torch.cat([logp, child_lp[ok]])
-        slots = torch.cat([slots, torch.full((int(ok.sum()),), -1, device=device)])
+        if expand_hidden is not None:  # children of the nodes just read
+            assert draft is not None
+            q = process_logits(draft.logits(expand_hidden)[:, :vocab_limit], scoring)  # (m, V)
+            row_of = torch.full((n_old,), -1, dtype=torch.long, device=device)
+            row_of[to_expand] = torch.arange(to_expand.shape[0], device=device)
+            seeded = (row_of[parents.clamp(min=0)] >= 0) & (parents >= 0) & torch.isnan(logq)
+            at = seeded.nonzero()[:, 0]  # context children of read nodes: the draft's view of them
+            if at.numel():
+                logq[at] = q[row_of[parents[at]], tokens[at].clamp(max=q.shape[-1] - 1)]
+            kk = min(k, q.shape[-1])
+            child_lp, child_tok = torch.topk(q, kk, dim=-1)  # (m, kk)
+            existing = (parents[:, None] == to_expand[None]) & seeded[:, None]  # (N, m)
+            is_new = torch.isfinite(child_lp)
+            for r in range(to_expand.shape[0]):  # skip children the trie already has
+                have = tokens[existing[:, r]]
+                if have.numel():
+                    is_new[r] &= ~torch.isin(child_tok[r], have)
+            new_parent = to_expand[:, None].expand(-1, kk)[is_new]
+            tokens = torch.cat([tokens, child_tok[is_new]])
+            parents = torch.cat([parents, new_parent])
+            depths = torch.cat([depths, depths[new_parent] + 1])
+            logq = torch.cat([logq, child_lp[is_new].float()])
+            match = torch.cat([match, torch.zeros_like(new_parent)])
+            slots = torch.cat([slots, torch.full_like(new_parent, -1)])
+        score = _scores(model.log_accept(logq, match), parents, depths)
+        score[0] = 0.0
 
         # keep the root and the `budget` best other nodes, in creation order
         n = tokens.shape[0]
+        added = n - n_old
         if n - 1 > budget:
-            order = torch.sort(-logp[1:], stable=True).indices[:budget] + 1
+            order = torch.sort(-score[1:], stable=True).indices[:budget] + 1
             keep = torch.cat([torch.zeros(1, dtype=torch.long, device=device), order.sort().values])
-            remap = torch.full((n,), -1, dtype=torch.long, device=device)
-            remap[keep] = torch.arange(keep.shape[0], device=device)
+            index = torch.full((n,), -1, dtype=torch.long, device=device)
+            index[keep] = torch.arange(keep.shape[0], device=device)
             new_parents = parents[keep]
-            new_parents[1:] = remap[new_parents[1:]]
+            new_parents[1:] = index[new_parents[1:]]
             assert bool((new_parents[1:] >= 0).all()), "a kept node lost its parent"
             added = int((keep >= n_old).sum())
-            tokens, parents, depths, logp, slots = tokens[keep], new_parents, depths[keep], logp[keep], slots[keep]
-        else:
-            added = n - n_old
+            tokens, parents, depths, logq, match, slots, score = (
+                tokens[keep], new_parents, depths[keep], logq[keep], match[keep], slots[keep], score[keep])
         full = tokens.shape[0] - 1 >= budget
 
-        if passes > max_depth or (full and added == 0):
+        if draft is None or passes > max_depth or (full and added == 0 and expand_hidden is not None):
             break
-        useful = (slots < 0) & (depths < max_depth)
-        if full:  # a child scores below its parent: only nodes above the worst survivor can add one
-            useful &= logp > logp[1:].min()
-        unread = useful.nonzero()[:, 0]
-        if unread.numel() == 0:
+        to_expand = _next_batch(score, slots, parents, depths, max_depth, full, spec.nodes_per_draft_pass)
+        if to_expand.numel() == 0:
             break
-        best = torch.sort(-logp[unread], stable=True).indices[:per_pass]
-        if float(logp[unread[best]].exp().sum()) < spec.min_pass_gain:
+        gain = float(score[to_expand].exp().sum())  # the most expected tokens their children add
+        expected = 1.0 + float(score[1:].exp().sum())
+        threshold = spec.min_pass_gain if spec.min_pass_gain is not None else expected * stop_ratio
+        if gain < threshold:
             break
-        to_expand = unread[best].sort().values  # (m,) parent-before-child order
-
-        expand_hidden = _read_nodes(draft, cache, tokens, parents, depths, slots, to_expand, root_pos, max_depth)
+        assert cache is not None
+        expand_hidden = _read_nodes(draft, cache, tokens, parents, depths, slots, to_expand, int(slots[0]), max_depth)
         passes += 1
 
-    tree = Tree(tokens=tokens, parents=parents, depths=depths, logp=logp)
-    return DraftTrace(tree=tree, slots=slots, passes=passes, seconds=time.perf_counter() - t0)
+    tree = Tree(tokens=tokens, parents=parents, depths=depths, logp=score)
+    return DraftTrace(tree=tree, slots=slots, passes=passes, seconds=time.perf_counter() - t0, logq=logq, match=match)
+
+
+def top_nodes(trace: DraftTrace, count: int) -> DraftTrace:
+    """The root and the `count` best-scoring nodes of a tree (a tree again: a child never
+    scores above its parent, ties go to the older node), in creation order."""
+    tree = trace.tree
+    n = len(tree)
+    if count >= n - 1:
+        return trace
+    order = torch.sort(-tree.logp[1:], stable=True).indices[:count] + 1
+    keep = torch.cat([torch.zeros(1, dtype=torch.long, device=order.device), order.sort().values])
+    index = torch.full((n,), -1, dtype=torch.long, device=order.device)
+    index[keep] = torch.arange(keep.shape[0], device=order.device)
+    parents = tree.parents[keep]
+    parents[1:] = index[parents[1:]]
+    assert bool((parents[1:] >= 0).all()), "a kept node lost its parent"
+    cut = Tree(tokens=tree.tokens[keep], parents=parents, depths=tree.depths[keep], logp=tree.logp[keep])
+    return DraftTrace(cut, trace.slots[keep], trace.passes, trace.seconds, trace.logq[keep], trace.match[keep])
+
+
+def _depth(parents: list[int], i: int) -> int:
+    """Depth of seed i (0-based) below the root."""
+    d, node = 1, parents[i]
+    while node > 0:
+        d, node = d + 1, parents[node - 1]
+    return d
+
+
+def _next_batch(score: torch.Tensor, slots: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
+                max_depth: int, full: bool, per_pass: int) -> torch.Tensor:
+    """The best unread nodes for the next draft pass, with their unread ancestors (a context
+    chain is read in one go), at most `per_pass` nodes, parent-before-child order."""
+    useful = (slots < 0) & (depths < max_depth)
+    useful[0] = False
+    if full:  # a child scores below its parent: only nodes above the worst survivor can add one
+        useful &= score > score[1:].min()
+    unread = useful.nonzero()[:, 0]
+    chosen: set[int] = set()
+    for node in unread[torch.sort(-score[unread], stable=True).indices].tolist():
+        chain = []
+        while node > 0 and slots[node] < 0 and node not in chosen:
+            chain.append(node)
+            node = int(parents[node])
+        if len(chosen) + len(chain) > per_pass:
+            if chosen:
+                break
+            chain = chain[-per_pass:]  # the chain's top part: its ancestors first
+        chosen.update(chain)
+        if len(chosen) >= per_pass:
+            break
+    return torch.tensor(sorted(chosen), dtype=torch.long, device=score.device)
 
 
 def grow_static_tree(
@@ -175,7 +275,7 @@ def grow_static_tree(
     read nodes of any root path form a prefix of it (the engine's cache pruning relies on it).
     Verification is the same walk as for SpecExec trees, hence lossless."""
     t0 = time.perf_counter()
-    scoring = _scoring(sampling, spec)
+    scoring = scoring_distribution(sampling)
     device = draft.device
     root_hidden, root_pos = _read_pending(draft, cache, pending)
     n = len(shape.parents)
@@ -205,4 +305,4 @@ def grow_static_tree(
         expand_hidden = _read_nodes(draft, cache, tokens, parents, depths, slots, expand, root_pos, shape.max_depth)
         passes += 1
     tree = Tree(tokens=tokens, parents=parents, depths=depths, logp=logp)
-    return DraftTrace(tree=tree, slots=slots, passes=passes, seconds=time.perf_counter() - t0)
+    return DraftTrace(tree=tree, slots=slots, passes=passes, seconds=time.perf_counter() - t0, logq=torch.full((n,), math.nan, device=device), match=torch.zeros(n, dtype=torch.long, device=device))

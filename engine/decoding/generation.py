@@ -28,7 +28,16 @@ from dataclasses import dataclass, field, replace
 import psutil
 import torch
 
-from engine.decoding.drafting import DraftTrace, grow_static_tree, grow_tree
+from engine.decoding.acceptance import AcceptanceModel, AcceptanceModels
+from engine.decoding.context import ContextIndex, trie
+from engine.decoding.costs import PassCosts
+from engine.decoding.drafting import (
+    DraftTrace,
+    Seeds,
+    grow_static_tree,
+    grow_tree,
+    top_nodes,
+)
 from engine.decoding.prefix_cache import Prefix, PrefixPool
 from engine.decoding.sampling import choose_token, make_generator
 from engine.decoding.sequoia import StaticTree, build_tree
@@ -79,7 +88,9 @@ class _Decoding:
 
     request: GenerationRequest
     prompt: list[int]
-    use_spec: bool
+    use_spec: bool  # trees (from the draft and/or context candidates), else one token per pass
+    use_draft: bool  # the draft grows the trees (else context candidates alone)
+    index: ContextIndex | None  # the text so far, for context candidates
     prefix: Prefix  # its caches: tcache, dcache below
     cached_tokens: int
     choose: Choose
@@ -120,6 +131,9 @@ class Engine:
         # its tokens-per-pass curve and draft/target pass times from these
         self.pass_record: dict[tuple[str, int], PassTotals] = {}
         self._static_trees: dict[tuple[tuple[float, ...], int, int], StaticTree] = {}
+        # what the engine learns as it decodes: acceptance per temperature regime, pass costs
+        self.acceptance = AcceptanceModels()
+        self.costs = PassCosts()
         self.cache_settings = cache or CacheSettings()
         self.prefixes = PrefixPool(self.cache_settings, files, target.device, draft.device if draft else None)
         self.prefixes.expect(target.new_cache(1), draft.new_cache(1) if draft else None)
@@ -156,14 +170,15 @@ class Engine:
             )
         if len(prompt) + request.max_new_tokens > context:  # the answer stops at the context's end
             request = replace(request, max_new_tokens=context - len(prompt))
-        use_spec = request.speculation.mode == "specexec" and self.draft is not None
-        check_fits(self.target, self.draft if use_spec else None, len(prompt), request)
-        return self._decode(request, prompt, use_spec, cancel or threading.Event())
+        spec = request.speculation
+        use_draft = spec.mode == "specexec" and spec.draft and self.draft is not None
+        check_fits(self.target, self.draft if use_draft else None, len(prompt), request)
+        return self._decode(request, prompt, cancel or threading.Event())
 
-    def _decode(self, request: GenerationRequest, prompt: list[int], use_spec: bool,
+    def _decode(self, request: GenerationRequest, prompt: list[int],
                 cancel: threading.Event) -> Iterator[TokenEvent | Completion]:
         t_start = time.perf_counter()
-        run = self._start(request, prompt, use_spec, cancel)
+        run = self._start(request, prompt, cancel)
         consistent = True  # the caches hold a prefix of run.seq: they may be reused
         try:
             while len(run.new) < run.request.max_new_tokens:
@@ -191,12 +206,14 @@ class Engine:
         stats = self._stats(run, time.perf_counter() - t_start)
         yield Completion(text=run.detok.text, token_ids=tuple(run.new), finish_reason=run.finish, stats=stats)
 
-    def _start(self, request: GenerationRequest, prompt: list[int], use_spec: bool,
+    def _start(self, request: GenerationRequest, prompt: list[int],
                cancel: threading.Event | None = None) -> _Decoding:
         """Caches holding as much of the prompt as was cached, plus what does not fit the first
         decoding pass (prefilled in chunks as large as the device's memory allows). A `cancel`
         set meanwhile stops the prefill between chunks (the decode loop then ends at once)."""
         sampling, spec = request.sampling, request.speculation
+        use_draft = spec.mode == "specexec" and spec.draft and self.draft is not None
+        use_spec = use_draft or (spec.mode == "specexec" and spec.context)
         gen = None if sampling.greedy else make_generator(sampling.seed)
         t0 = time.perf_counter()
         tree = spec.budget if use_spec else 1  # autoregressive: one token per pass, whatever the budget
@@ -211,7 +228,7 @@ class Engine:
         first_pass = (spec.budget + 1) if use_spec else 1  # tokens the first step reads besides the prompt's tail
         timers.prefill_passes = prefill(self.target, prefix.target, prompt[:-1], first_pass,
                                          cancel=cancel)
-        if use_spec:
+        if use_draft:
             assert self.draft is not None and prefix.draft is not None
             prefix.draft.reserve(len(prompt) - prefix.draft.length + spare + 3 * spec.budget)
             prefill(self.draft, prefix.draft, prompt[:-1], 1, cancel=cancel)  # the draft's pass 0 reads the rest and the root
@@ -225,8 +242,9 @@ class Engine:
                 history = torch.tensor([t for t in recent if t not in eos], dtype=torch.long)
             return choose_token(logits, sampling, gen, history)
 
-        run = _Decoding(request, prompt, use_spec, prefix, cached, choose, Detokenizer(self.tokenizer, request.stop),
-                        seq, timers=timers)
+        index = ContextIndex(seq) if use_spec and spec.context else None
+        run = _Decoding(request, prompt, use_spec, use_draft, index, prefix, cached, choose,
+                        Detokenizer(self.tokenizer, request.stop), seq, timers=timers)
         timers.prefill = time.perf_counter() - t0
         return run
 
@@ -243,9 +261,7 @@ class Engine:
             t_len, d_len = run.tcache.length, run.dcache.length if run.dcache is not None else 0
             try:
                 if run.use_spec:
-                    assert run.dcache is not None
-                    return self._spec_step(run.seq, run.tcache, run.dcache, run.request, run.choose, limit,
-                                           run.timers)
+                    return self._spec_step(run, limit)
                 return self._ar_step(run.seq, run.tcache, run.choose, run.timers)
             except torch.OutOfMemoryError:
                 run.tcache.truncate(t_len)
@@ -254,6 +270,7 @@ class Engine:
                 run.oom_retries += 1
                 if run.use_spec:
                     run.request, run.use_spec = _shrink_after_oom(run.request, self.target.device)
+                    run.use_draft &= run.use_spec
                 elif len(run.seq) - 1 > t_len:  # the pass also read the prompt's tail: read it apart
                     run.timers.prefill_passes += prefill(self.target, run.tcache, run.seq[:-1], 1,
                                                          max(1, (len(run.seq) - 1 - t_len) // 2))
@@ -270,6 +287,8 @@ class Engine:
             run.finish = "eos"
         run.seq.extend(step)
         run.new.extend(step)
+        if run.index is not None:
+            run.index.extend(step)
         text, stopped = run.detok.push(run.new, final=eos_at is not None)
         if stopped:
             run.finish = "stop"
@@ -279,7 +298,7 @@ class Engine:
         timers = run.timers
         spec = run.request.speculation  # after any out-of-memory shrink
         if run.use_spec and timers.target_passes:
-            key = (spec.tree_mode, spec.budget)
+            key = (spec.tree_mode if run.use_draft else "context", spec.budget)
             self.pass_record[key] = self.pass_record.get(key, PassTotals()) + PassTotals(
                 timers.target_passes, len(run.new), timers.draft_passes, timers.draft, timers.target)
         return GenerationStats(
@@ -296,7 +315,7 @@ class Engine:
             draft_seconds=timers.draft,
             target_seconds=timers.target,
             prefill_seconds=timers.prefill,
-            mode="specexec" if run.use_spec else "autoregressive",
+            mode="specexec" if run.use_draft else "context" if run.use_spec else "autoregressive",
             placement=self.target.placement,
             oom_retries=run.oom_retries,
             cached_tokens=run.cached_tokens,
@@ -316,34 +335,66 @@ class Engine:
         past = tcache.length
         hidden = self.target.forward(torch.tensor(seq[past:]), torch.arange(past, len(seq)), tcache, None)
         token = choose(self.target.logits(hidden[-1:])[0], [])
-        timers.target += time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        self.costs.observe_target(len(seq) - past, seconds)
+        timers.target += seconds
         timers.target_passes += 1
         return [token]
 
-    def _spec_step(self, seq: list[int], tcache: KVCache, dcache: KVCache, request: GenerationRequest,
-                   choose: Choose, limit: int, timers: _Timers) -> list[int]:
-        assert self.draft is not None
-        pending = torch.tensor(seq[dcache.length :])  # (p,) committed tokens the draft has not read
-        trace = self._grow(dcache, pending, request)
-        timers.draft += trace.seconds
-        timers.draft_passes += trace.passes
+    def _spec_step(self, run: _Decoding, limit: int) -> list[int]:
+        """Grow a tree (draft and/or context candidates), verify it in one target pass, keep the
+        accepted path, and teach the acceptance model what the target chose."""
+        request, spec, seq, tcache, dcache = run.request, run.request.speculation, run.seq, run.tcache, run.dcache
+        model = self.acceptance[request.sampling]
+        seeds = trie(run.index.continuations(spec.max_depth, spec.context_candidates)) if run.index else ([], [], [])
+        if run.use_draft:
+            assert self.draft is not None and dcache is not None
+            pending = torch.tensor(seq[dcache.length :])  # (p,) committed tokens the draft has not read
+            trace = self._grow(dcache, pending, request, model, seeds)
+        else:  # context candidates alone, cut to the size that pays on this machine
+            trace = grow_tree(None, None, torch.tensor(seq[-1:]), spec, request.sampling, self.draft_vocab_limit,
+                              model, seeds)
+            unread = len(seq) - 1 - tcache.length
+            gains = torch.sort(trace.tree.logp[1:], descending=True, stable=True).values.exp().tolist()
+            trace = top_nodes(trace, self.costs.best_size(gains, unread + 1))
+        run.timers.draft += trace.seconds
+        run.timers.draft_passes += trace.passes
         t0 = time.perf_counter()
-        unread = torch.tensor(seq[tcache.length : -1])  # committed tokens the target lacks, root excluded
-        past = tcache.length + unread.shape[0]
-        hidden = run_tree(self.target, tcache, trace.tree, unread)
-        result = accept(trace.tree, hidden, self.target.logits, choose, limit, self.eos_ids)
-        timers.target += time.perf_counter() - t0
-        timers.target_passes += 1
-        prune_to_accepted(tcache, past, dcache, trace.slots, result.path)
+        unread_t = torch.tensor(seq[tcache.length : -1])  # committed tokens the target lacks, root excluded
+        past = tcache.length + unread_t.shape[0]
+        hidden = run_tree(self.target, tcache, trace.tree, unread_t)
+        result = accept(trace.tree, hidden, self.target.logits, run.choose, limit, self.eos_ids)
+        seconds = time.perf_counter() - t0
+        self.costs.observe_target(len(trace.tree) + unread_t.shape[0], seconds)
+        self.costs.observe_step(trace.seconds, trace.passes, seconds)
+        run.timers.target += seconds
+        run.timers.target_passes += 1
+        _teach(model, trace, result.path, result.tokens)
+        prune_to_accepted(tcache, past, dcache if run.use_draft else None, trace.slots, result.path)
         return result.tokens
 
-    def _grow(self, dcache: KVCache, pending: torch.Tensor, request: GenerationRequest) -> DraftTrace:
+    def _grow(self, dcache: KVCache, pending: torch.Tensor, request: GenerationRequest, model: AcceptanceModel,
+              seeds: Seeds) -> DraftTrace:
         assert self.draft is not None
         spec = request.speculation
         if spec.tree_mode == "sequoia":
             return grow_static_tree(self.draft, dcache, pending, self._static_tree(spec), spec, request.sampling,
                                     self.draft_vocab_limit)
-        return grow_tree(self.draft, dcache, pending, spec, request.sampling, self.draft_vocab_limit)
+        return grow_tree(self.draft, dcache, pending, spec, request.sampling, self.draft_vocab_limit, model, seeds,
+                         self.costs.stop_ratio())
+
+
+def _teach(model: AcceptanceModel, trace: DraftTrace, path: list[int], chosen: list[int]) -> None:
+    """Label every child of a node on the accepted path: accepted when it carries the token the
+    target chose there."""
+    tree = trace.tree
+    known = min(len(path), len(chosen))
+    choice = torch.full((len(tree),), -1, dtype=torch.long, device=tree.tokens.device)
+    choice[torch.tensor(path[:known], device=choice.device)] = torch.tensor(chosen[:known], device=choice.device)
+    kids = (tree.parents >= 0).nonzero()[:, 0]
+    kids = kids[choice[tree.parents[kids]] >= 0]
+    if kids.numel():
+        model.observe(trace.logq[kids], trace.match[kids], tree.tokens[kids] == choice[tree.parents[kids]])
 
 
 def prefill(model: CausalLM, cache: KVCache, ids: list[int], leave_room: int | None = None,

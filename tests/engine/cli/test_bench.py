@@ -33,11 +33,13 @@ def test_bench_speculation_writes_table_json_and_plot(capsys: pytest.CaptureFixt
     assert rc == 0
     out = capsys.readouterr().out
     methods = [line.split()[0] for line in out.splitlines() if line.split() and line.split()[0] in
-               ("autoregressive", "specexec", "sequoia", "hf-assisted")]
-    assert methods == ["autoregressive", "specexec", "specexec", "sequoia", "sequoia", "hf-assisted"]
+               ("autoregressive", "context", "specexec", "sequoia", "hf-assisted")]
+    assert methods == ["autoregressive", "context", "context", "specexec", "specexec", "sequoia", "sequoia",
+                       "hf-assisted"]
     assert "pred tok/s" in out and "acceptance by rank" in out and "planner" in out
     result = json.loads((tmp_path / "out" / "speculation.json").read_text())
-    assert {r["method"] for r in result["rows"]} == {"autoregressive", "specexec", "sequoia", "hf-assisted"}
+    assert {r["method"] for r in result["rows"]} == {"autoregressive", "context", "specexec", "sequoia", "hf-assisted"}
+    assert all(r["draft_passes"] == 0 for r in result["rows"] if r["method"] == "context")
     assert all(r["tokens_per_pass"] >= 1.0 for r in result["rows"])
     png = (tmp_path / "out" / "speculation.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
@@ -66,3 +68,17 @@ def test_bench_conversation_reuses_each_turns_history(capsys: pytest.CaptureFixt
     # On a CPU the prefill is cut into ~0.3 s chunks (a Stop waits one chunk at most), so a turn
     # may take several passes; reading only the new text never takes more than reading it all.
     assert all(r["passes_before_first_token"] <= r["passes_before_first_token_fresh"] for r in rows)
+
+
+def test_bench_speculation_without_a_draft_runs_the_draft_free_rows(capsys: pytest.CaptureFixture[str],
+                                                                    tmp_path: Path, tiny_target_path: Path) -> None:
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("# two multi-line prompts\n---\nRepeat: a b c\nd e f\n---\nSay hi.\n", encoding="utf-8")
+    rc = main(["bench", "speculation", "--target", str(tiny_target_path), "--prompts", str(prompts), "--budgets", "8",
+               "--temperatures", "0", "--max-new-tokens", "6", "--json", "--threads", "1"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "2 chat prompts" in out and "draft (none)" in out
+    rows = json.loads(out.strip().splitlines()[-1])["rows"]
+    assert [r["method"] for r in rows] == ["autoregressive", "context"] and rows[1]["draft_passes"] == 0
+    assert main(["bench", "speculation", "--target", str(tiny_target_path), "--methods", "nope"]) == 2

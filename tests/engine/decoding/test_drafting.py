@@ -1,8 +1,9 @@
-"""grow_tree against its docstring's claim: the tree is the B most likely nodes under the draft.
+"""grow_tree against its docstring's claim: the tree is the B nodes most likely to be accepted.
 
 The reference enumerates the draft's whole top-k tree to the depth limit with plain Hugging Face
-forwards (no cache, no tree mask), scores every node by its cumulative log-probability under
-the same processed distribution, and keeps the B best. Reading every unread node in each pass
+forwards (no cache, no tree mask), scores every node by its cumulative log acceptance (the
+acceptance model applied to the draft's probability of each token on its path, under the same
+processed distribution), and keeps the B best. Reading every unread node in each pass
 (expand_per_pass >= budget) and never stopping early (min_pass_gain 0) makes the growth exact;
 with the default batches it is a best-first approximation that must stay close to the optimum.
 """
@@ -15,7 +16,8 @@ import math
 import pytest
 import torch
 
-from engine.decoding.drafting import _scoring, grow_tree
+from engine.decoding.acceptance import AcceptanceModel
+from engine.decoding.drafting import grow_tree, scoring_distribution
 from engine.decoding.generation import prefill
 from engine.decoding.sampling import process_logits
 from engine.loading.load import LoadedModel
@@ -25,10 +27,10 @@ PROMPT = "Once upon a time there was"
 
 
 def all_paths(draft: LoadedModel, prompt: list[int], spec: SpeculationSettings, sampling: SamplingSettings,
-              vocab_limit: int) -> dict[tuple[int, ...], float]:
+              vocab_limit: int, model: AcceptanceModel) -> dict[tuple[int, ...], float]:
     """Every node of the top-k tree below the prompt's last token, to depth max_depth: its token
-    path -> cumulative log-probability under the draft's scoring distribution."""
-    scoring = _scoring(sampling, spec)
+    path -> cumulative log acceptance under the draft's scoring distribution."""
+    scoring = scoring_distribution(sampling)
     out: dict[tuple[int, ...], float] = {}
     frontier: list[tuple[tuple[int, ...], float]] = [((), 0.0)]
     for _ in range(spec.max_depth):
@@ -38,19 +40,20 @@ def all_paths(draft: LoadedModel, prompt: list[int], spec: SpeculationSettings, 
                 logits = draft.model.hf_model(torch.tensor([prompt + list(path)])).logits[0, -1:, :vocab_limit]
             q = process_logits(logits.float(), scoring)[0]  # (V,)
             lp, tok = torch.topk(q, spec.branching)
-            for p, t in zip(lp.tolist(), tok.tolist()):
+            accept = model.log_accept(lp, torch.zeros_like(tok))
+            for p, a, t in zip(lp.tolist(), accept.tolist(), tok.tolist()):
                 if math.isfinite(p):
-                    batch.append((path + (t,), score + p))
+                    batch.append((path + (t,), score + a))
         out.update(batch)
         frontier = batch
     return out
 
 
 def grown_paths(draft: LoadedModel, prompt: list[int], spec: SpeculationSettings, sampling: SamplingSettings,
-                vocab_limit: int) -> dict[tuple[int, ...], float]:
+                vocab_limit: int, model: AcceptanceModel) -> dict[tuple[int, ...], float]:
     cache = draft.model.new_cache()
     prefill(draft.model, cache, prompt[:-1])
-    trace = grow_tree(draft.model, cache, torch.tensor(prompt[-1:]), spec, sampling, vocab_limit)
+    trace = grow_tree(draft.model, cache, torch.tensor(prompt[-1:]), spec, sampling, vocab_limit, model)
     tree = trace.tree
     tree.check()
     paths: dict[int, tuple[int, ...]] = {0: ()}
@@ -68,9 +71,10 @@ def test_grow_tree_keeps_the_budget_most_likely_nodes(tiny_close_draft: LoadedMo
     prompt = tiny_close_draft.tokenizer(PROMPT)["input_ids"]
     vocab = len(tiny_close_draft.tokenizer)
     spec = SpeculationSettings(budget=30, max_depth=4, branching=3, expand_per_pass=200, min_pass_gain=0.0)
-    reference = all_paths(tiny_close_draft, prompt, spec, sampling, vocab)
+    model = AcceptanceModel()
+    reference = all_paths(tiny_close_draft, prompt, spec, sampling, vocab, model)
     best = sorted(reference, key=reference.__getitem__, reverse=True)[: spec.budget]
-    grown = grown_paths(tiny_close_draft, prompt, spec, sampling, vocab)
+    grown = grown_paths(tiny_close_draft, prompt, spec, sampling, vocab, model)
     assert set(grown) == set(best)
     for path, score in grown.items():
         assert score == pytest.approx(reference[path], abs=1e-4)
@@ -82,9 +86,10 @@ def test_batched_growth_stays_near_the_optimum(tiny_close_draft: LoadedModel) ->
     prompt = tiny_close_draft.tokenizer(PROMPT)["input_ids"]
     vocab = len(tiny_close_draft.tokenizer)
     exact = SpeculationSettings(budget=40, max_depth=5, branching=3, expand_per_pass=400, min_pass_gain=0.0)
-    reference = all_paths(tiny_close_draft, prompt, exact, SamplingSettings(), vocab)
+    model = AcceptanceModel()
+    reference = all_paths(tiny_close_draft, prompt, exact, SamplingSettings(), vocab, model)
     optimum = sum(sorted((math.exp(s) for s in reference.values()), reverse=True)[: exact.budget])
     batched = grown_paths(tiny_close_draft, prompt, dataclasses.replace(exact, expand_per_pass=None),
-                          SamplingSettings(), vocab)
+                          SamplingSettings(), vocab, model)
     assert len(batched) == exact.budget
     assert sum(math.exp(s) for s in batched.values()) >= 0.9 * optimum

@@ -78,7 +78,11 @@ def test_autoregressive_mode_and_no_draft_agree(close_engine: Engine, tiny_targe
     b = run(Engine(tiny_target.model, tiny_target.tokenizer, None), dataclasses.replace(req, speculation=SpeculationSettings()))
     assert a.token_ids == b.token_ids
     assert a.stats.target_passes == len(a.token_ids) and a.stats.draft_passes == 0
-    assert a.stats.mode == b.stats.mode == "autoregressive"
+    assert a.stats.mode == "autoregressive" and b.stats.mode == "context"  # no draft: draft-free trees
+    c = run(Engine(tiny_target.model, tiny_target.tokenizer, None),
+            dataclasses.replace(req, speculation=SpeculationSettings(context=False)))
+    assert c.token_ids == a.token_ids and c.stats.mode == "autoregressive"
+    assert c.stats.target_passes == len(c.token_ids)
 
 
 @pytest.mark.parametrize("sampling", [SamplingSettings(temperature=1.0, seed=3),

@@ -17,6 +17,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from engine.decoding.context import ContextIndex, Continuation
 from engine.decoding.generation import Engine
 from engine.types import (
     Completion,
@@ -89,3 +90,39 @@ def test_first_and_second_token_distributions(close_engine: Engine, temperature:
     # power: the same data must reject the target at a mildly wrong temperature
     q1, _ = exact_distributions(close_engine, prompt, temperature * 1.25, top_p)
     assert chi2_pvalue(c1, q1) < 1e-3
+
+
+@pytest.mark.parametrize("with_draft", [True, False], ids=["draft+context", "context-only"])
+def test_distributions_with_context_candidates_in_the_tree(close_engine: Engine, with_draft: bool,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Context candidates enter every tree: the target's likeliest first tokens, each followed by
+    its likeliest second token (as text that repeats would propose them), so the walk descends
+    through candidate nodes, shared with the draft's branches when there is a draft."""
+    temperature, top_p = 0.8, 0.95
+    engine = close_engine if with_draft else Engine(close_engine.target, close_engine.tokenizer, None)
+    prompt = engine.tokenizer(PROMPT)["input_ids"]
+    p1, p2 = exact_distributions(engine, prompt, temperature, top_p)
+    model = engine.target.hf_model
+    with torch.inference_mode():
+        firsts = torch.topk(p1, 4).indices
+        seconds = model(torch.cat([torch.tensor(prompt)[None].expand(4, -1), firsts[:, None]], 1)).logits[:, -1].argmax(-1)
+    candidates = [Continuation((int(a), int(b)), 8) for a, b in zip(firsts, seconds)]
+    monkeypatch.setattr(ContextIndex, "continuations", lambda self, depth, count: candidates[:count])
+    vocab = p1.shape[0]
+    c1, c2 = torch.zeros(vocab), torch.zeros(vocab)
+    passes = 0
+    for seed in range(N_SAMPLES):
+        req = GenerationRequest(raw_prompt=PROMPT, max_new_tokens=2,
+                                sampling=SamplingSettings(temperature=temperature, top_p=top_p, seed=seed),
+                                speculation=SpeculationSettings(budget=8, max_depth=2))
+        final = list(engine.generate(req))[-1]
+        assert isinstance(final, Completion)
+        ids = final.token_ids
+        c1[ids[0]] += 1
+        if len(ids) > 1:
+            c2[ids[1]] += 1
+        passes += final.stats.target_passes
+    assert passes < 1.9 * N_SAMPLES, "samples should often take both tokens from one tree pass"
+    assert chi2_pvalue(c1, p1) > 1e-3
+    assert c2.sum() > 0.9 * N_SAMPLES
+    assert chi2_pvalue(c2, p2) > 1e-3

@@ -5,11 +5,17 @@ from __future__ import annotations
 
 import torch
 
+from engine.decoding.acceptance import AcceptanceModel
 from engine.decoding.drafting import grow_tree
-from engine.decoding.generation import Engine, _Timers, prefill
+from engine.decoding.generation import Engine, prefill
 from engine.decoding.verification import accept, run_tree
 from engine.loading.load import LoadedModel
-from engine.types import GenerationRequest, SamplingSettings, SpeculationSettings
+from engine.types import (
+    CacheSettings,
+    GenerationRequest,
+    SamplingSettings,
+    SpeculationSettings,
+)
 
 
 def hf_last_logits(model: LoadedModel, ids: list[int]) -> torch.Tensor:
@@ -32,7 +38,8 @@ def test_every_tree_node_logits_equal_sequential_decoding(
     prefill(tiny_target.model, tcache, prompt[:-1])
     prefill(tiny_close_draft.model, dcache, prompt[:-1])
     spec = SpeculationSettings(budget=48, max_depth=6, branching=4, min_pass_gain=0.0)
-    trace = grow_tree(tiny_close_draft.model, dcache, torch.tensor(prompt[-1:]), spec, SamplingSettings(), 384)
+    trace = grow_tree(tiny_close_draft.model, dcache, torch.tensor(prompt[-1:]), spec, SamplingSettings(), 384,
+                      AcceptanceModel())
     tree = trace.tree
     tree.check()
     assert len(tree) == 49 and tree.max_depth >= 3
@@ -61,20 +68,20 @@ def test_every_tree_node_logits_equal_sequential_decoding(
 def test_caches_after_steps_equal_recomputed_prefix(
     tiny_target: LoadedModel, tiny_close_draft: LoadedModel
 ) -> None:
-    engine = Engine(tiny_target.model, tiny_target.tokenizer, tiny_close_draft.model)
-    seq = list(tiny_target.tokenizer("def add(a, b):")["input_ids"])
-    tcache, dcache = tiny_target.model.new_cache(8), tiny_close_draft.model.new_cache(8)  # forces growth
-    prefill(tiny_target.model, tcache, seq[:-1])
-    prefill(tiny_close_draft.model, dcache, seq[:-1])
-    from engine.decoding.sampling import choose_token
-
-    req = GenerationRequest(raw_prompt="x", speculation=SpeculationSettings(budget=32, max_depth=8))
+    """Step by step (draft and context candidates in the trees), both caches stay equal to the
+    models' own K/V of the committed prefix they hold."""
+    engine = Engine(tiny_target.model, tiny_target.tokenizer, tiny_close_draft.model, CacheSettings(enabled=False))
+    req = GenerationRequest(raw_prompt="def add(a, b):\n    return a + b\ndef add(a, b):", max_new_tokens=64,
+                            speculation=SpeculationSettings(budget=32, max_depth=8))
+    run = engine._start(req, engine.encode(req))
     accepted = []
     for _ in range(6):
-        step = engine._spec_step(seq, tcache, dcache, req, lambda lg, _s: choose_token(lg, SamplingSettings(), None),
-                                 64, _Timers())
-        seq.extend(step)
+        step = engine._step(run)
+        engine._commit(run, step)
+        seq = run.seq
         accepted.append(len(step))
+        tcache, dcache = run.tcache, run.dcache
+        assert dcache is not None
         assert tcache.length == len(seq) - 1
         assert dcache.length <= len(seq)
         for cache, model, n in ((tcache, tiny_target, tcache.length), (dcache, tiny_close_draft, dcache.length)):

@@ -1,0 +1,74 @@
+"""What passes cost on this machine, measured by the engine as it decodes: the time of a target
+pass as a function of the tokens it reads (t(n) = a + b n, a decaying least-squares fit), and
+the time of a draft pass within a step. Tree growth stops when a draft pass is worth less than
+it costs (drafting.grow_tree's stop_ratio), and a draft-free tree is cut to the size that gives
+the most tokens per second (`best_size`).
+
+What this module does not do: predict costs for models that are not loaded (engine.planning).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+DECAY = 0.97  # per observation: the fit follows the machine's current load
+STOP_RATIO_START = 0.02  # a draft pass's share of a step before anything is measured
+
+
+class PassCosts:
+    """Decaying fits of target-pass and draft-pass times."""
+
+    def __init__(self) -> None:
+        self._w = self._n = self._t = self._nn = self._nt = 0.0  # weighted sums for t = a + b n
+        self._draft_pass = 0.0  # EMA seconds per draft pass
+        self._step = 0.0  # EMA seconds per speculation step (draft + target)
+
+    def observe_target(self, tokens: int, seconds: float) -> None:
+        for name in ("_w", "_n", "_t", "_nn", "_nt"):
+            setattr(self, name, getattr(self, name) * DECAY)
+        self._w += 1.0
+        self._n += tokens
+        self._t += seconds
+        self._nn += tokens * tokens
+        self._nt += tokens * seconds
+
+    def observe_step(self, draft_seconds: float, draft_passes: int, target_seconds: float) -> None:
+        if draft_passes:
+            per_pass = draft_seconds / draft_passes
+            self._draft_pass = per_pass if not self._draft_pass else 0.8 * self._draft_pass + 0.2 * per_pass
+        step = draft_seconds + target_seconds
+        self._step = step if not self._step else 0.8 * self._step + 0.2 * step
+
+    def target(self, tokens: int) -> float:
+        """Predicted seconds of a target pass over `tokens` tokens (relative figures before any
+        measurement: a pass over 64 tokens costs twice a single token's)."""
+        a, b = self._line()
+        return a + b * tokens
+
+    def _line(self) -> tuple[float, float]:
+        if self._w < 1e-9:
+            return 1.0, 1.0 / 64
+        mean_n, mean_t = self._n / self._w, self._t / self._w
+        var = self._nn / self._w - mean_n**2
+        slope = (self._nt / self._w - mean_n * mean_t) / var if var > 1e-9 else mean_t / 64 / max(mean_n, 1.0)
+        slope = max(slope, 0.0)
+        return max(mean_t - slope * mean_n, 1e-6), slope
+
+    def stop_ratio(self) -> float:
+        """A draft pass's share of a speculation step's time."""
+        if not self._draft_pass or not self._step:
+            return STOP_RATIO_START
+        return self._draft_pass / self._step
+
+    def best_size(self, gains: Sequence[float], overhead: int = 1) -> int:
+        """How many of a draft-free tree's nodes to verify: `gains` are their acceptance chances
+        along the path, best first (a prefix of them is a tree); the size b maximising
+        (1 + sum of the first b) / t(overhead + b): expected tokens per second of the pass."""
+        best, best_rate, total = 0, 1.0 / self.target(overhead), 1.0
+        for b, g in enumerate(gains, start=1):
+            total += g
+            rate = total / self.target(overhead + b)
+            if rate > best_rate and math.isfinite(rate):
+                best, best_rate = b, rate
+        return best
