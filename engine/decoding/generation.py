@@ -352,11 +352,16 @@ class Engine:
             pending = torch.tensor(seq[dcache.length :])  # (p,) committed tokens the draft has not read
             trace = self._grow(dcache, pending, request, model, seeds)
         else:  # context candidates alone, cut to the size that pays on this machine
+            if not seeds[0]:  # nothing repeats: a plain pass, without a tree's bookkeeping
+                return self._ar_step(seq, tcache, run.choose, run.timers)
             trace = grow_tree(None, None, torch.tensor(seq[-1:]), spec, request.sampling, self.draft_vocab_limit,
                               model, seeds)
             unread = len(seq) - 1 - tcache.length
             gains = torch.sort(trace.tree.logp[1:], descending=True, stable=True).values.exp().tolist()
-            trace = top_nodes(trace, self.costs.best_size(gains, unread + 1))
+            size = self.costs.best_size(gains, unread + 1)
+            if size == 0:
+                return self._ar_step(seq, tcache, run.choose, run.timers)
+            trace = top_nodes(trace, size)
         run.timers.draft += trace.seconds
         run.timers.draft_passes += trace.passes
         t0 = time.perf_counter()
