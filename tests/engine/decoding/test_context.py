@@ -15,11 +15,23 @@ import pytest
 import torch
 
 from engine.decoding.acceptance import AcceptanceModel
-from engine.decoding.context import MAX_MATCH, MAX_NGRAM, ContextIndex, Continuation, trie
+from engine.decoding.context import (
+    MAX_MATCH,
+    MAX_NGRAM,
+    ContextIndex,
+    Continuation,
+    trie,
+)
 from engine.decoding.drafting import grow_tree
 from engine.decoding.generation import Engine, prefill
 from engine.loading.load import LoadedModel
-from engine.types import Completion, GenerationRequest, Message, SamplingSettings, SpeculationSettings
+from engine.types import (
+    Completion,
+    GenerationRequest,
+    Message,
+    SamplingSettings,
+    SpeculationSettings,
+)
 
 
 def brute_continuations(seq: list[int], depth: int) -> dict[tuple[int, ...], int]:

@@ -65,24 +65,29 @@ def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(chisquare(obs.numpy(), exp.numpy()).pvalue)
 
 
-@pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.6, 0.9)])
-def test_first_and_second_token_distributions(close_engine: Engine, temperature: float, top_p: float) -> None:
-    prompt = close_engine.tokenizer(PROMPT)["input_ids"]
-    p1, p2 = exact_distributions(close_engine, prompt, temperature, top_p)
-    vocab = p1.shape[0]
+def sample_two_tokens(engine: Engine, temperature: float, top_p: float, vocab: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Counts of the first and second sampled token over N_SAMPLES seeds, and the target passes."""
     c1, c2 = torch.zeros(vocab), torch.zeros(vocab)
     passes = 0
     for seed in range(N_SAMPLES):
         req = GenerationRequest(raw_prompt=PROMPT, max_new_tokens=2,
                                 sampling=SamplingSettings(temperature=temperature, top_p=top_p, seed=seed),
                                 speculation=SpeculationSettings(budget=8, max_depth=2))
-        final = list(close_engine.generate(req))[-1]
+        final = list(engine.generate(req))[-1]
         assert isinstance(final, Completion)
         ids = final.token_ids
         c1[ids[0]] += 1
         if len(ids) > 1:  # the first token may be EOS
             c2[ids[1]] += 1
         passes += final.stats.target_passes
+    return c1, c2, passes
+
+
+@pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.6, 0.9)])
+def test_first_and_second_token_distributions(close_engine: Engine, temperature: float, top_p: float) -> None:
+    prompt = close_engine.tokenizer(PROMPT)["input_ids"]
+    p1, p2 = exact_distributions(close_engine, prompt, temperature, top_p)
+    c1, c2, passes = sample_two_tokens(close_engine, temperature, top_p, p1.shape[0])
     assert passes < 1.8 * N_SAMPLES, "most samples should take both tokens from one tree pass"
     assert chi2_pvalue(c1, p1) > 1e-3
     assert c2.sum() > 0.9 * N_SAMPLES
@@ -108,20 +113,7 @@ def test_distributions_with_context_candidates_in_the_tree(close_engine: Engine,
         seconds = model(torch.cat([torch.tensor(prompt)[None].expand(4, -1), firsts[:, None]], 1)).logits[:, -1].argmax(-1)
     candidates = [Continuation((int(a), int(b)), 8) for a, b in zip(firsts, seconds)]
     monkeypatch.setattr(ContextIndex, "continuations", lambda self, depth, count: candidates[:count])
-    vocab = p1.shape[0]
-    c1, c2 = torch.zeros(vocab), torch.zeros(vocab)
-    passes = 0
-    for seed in range(N_SAMPLES):
-        req = GenerationRequest(raw_prompt=PROMPT, max_new_tokens=2,
-                                sampling=SamplingSettings(temperature=temperature, top_p=top_p, seed=seed),
-                                speculation=SpeculationSettings(budget=8, max_depth=2))
-        final = list(engine.generate(req))[-1]
-        assert isinstance(final, Completion)
-        ids = final.token_ids
-        c1[ids[0]] += 1
-        if len(ids) > 1:
-            c2[ids[1]] += 1
-        passes += final.stats.target_passes
+    c1, c2, passes = sample_two_tokens(engine, temperature, top_p, p1.shape[0])
     assert passes < 1.9 * N_SAMPLES, "samples should often take both tokens from one tree pass"
     assert chi2_pvalue(c1, p1) > 1e-3
     assert c2.sum() > 0.9 * N_SAMPLES
