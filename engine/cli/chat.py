@@ -8,10 +8,10 @@ import logging
 import sys
 import threading
 import uuid
-from typing import TextIO
 
 from engine.cli import common
 from engine.cli.parser import CHAT_HELP
+from engine.cli.typed_input import typed_lines
 from engine.decoding.generation import Engine
 from engine.errors import EngineError, InvalidRequest
 from engine.loading.starter import starter_folder
@@ -51,19 +51,7 @@ def run_chat(args: argparse.Namespace) -> int:
     session = f"chat-{uuid.uuid4().hex}"  # its KV cache continues from turn to turn
     seed = args.seed
     out = common.writer(sys.stdout)
-    while True:
-        try:
-            line = read_line(sys.stdin, "> " if interactive else "")
-        except KeyboardInterrupt:  # Ctrl+C at the prompt: like Python's REPL, a fresh prompt
-            print(file=sys.stderr)
-            continue
-        if line is None:
-            break
-        text = line.strip()
-        if not text:
-            continue
-        if text in ("/exit", "/quit"):
-            break
+    for text in typed_lines(interactive):
         if text == "/reset":
             messages.clear()
             session = f"chat-{uuid.uuid4().hex}"
@@ -115,14 +103,3 @@ def fit_context(engine: Engine, args: argparse.Namespace, setup: common.Setup, s
             raise InvalidRequest(f"This message is {length} tokens with the chat template, and the model reads at "
                                  f"most {context}: shorten it. The conversation so far is kept.")
         dropped += 2
-
-
-def read_line(stdin: TextIO, prompt: str) -> str | None:
-    """One line of input, None at end of input (EOF / Ctrl+D)."""
-    if prompt:
-        try:
-            return input(prompt)
-        except EOFError:
-            return None
-    line = stdin.readline()
-    return line if line else None

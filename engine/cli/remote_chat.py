@@ -14,6 +14,7 @@ import sys
 from dataclasses import replace
 from typing import TextIO
 
+from engine.cli.typed_input import typed_lines
 from engine.errors import RemoteError, RemoteModelGone, UsageError
 from engine.serving.remote import RemoteEngine, list_models, normalise_url
 from engine.types import (
@@ -42,19 +43,7 @@ def run_remote_chat(args: argparse.Namespace) -> int:
     system = (Message("system", args.system),) if args.system else ()
     messages: list[Message] = []
     seed = args.seed
-    while True:
-        try:
-            line = read_line(sys.stdin, "> " if interactive else "")
-        except KeyboardInterrupt:
-            print(file=sys.stderr)
-            continue
-        if line is None:
-            break
-        text = line.strip()
-        if not text:
-            continue
-        if text in ("/exit", "/quit"):
-            break
+    for text in typed_lines(interactive):
         if text == "/reset":
             messages.clear()
             status("conversation cleared")
@@ -128,14 +117,3 @@ def stats_line(completion: Completion) -> str:
 
 def status(message: str) -> None:
     print(f"specchat: {message}", file=sys.stderr, flush=True)
-
-
-def read_line(stdin: TextIO, prompt: str) -> str | None:
-    """One line of input, None at end of input (EOF / Ctrl+D)."""
-    if prompt:
-        try:
-            return input(prompt)
-        except EOFError:
-            return None
-    line = stdin.readline()
-    return line if line else None
