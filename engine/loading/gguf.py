@@ -55,7 +55,7 @@ from engine import paths
 from engine.errors import UnsupportedModel
 from engine.offload import gguf_blocks
 from engine.offload.layout import Entry, LayerLayout, pack_entry
-from engine.store.gguf_header import CorruptGGUF, GGUFHeader, TensorInfo, read_header
+from engine.store.gguf_header import CorruptGGUF, GGUFHeader, TensorInfo, read_model
 from engine.types import Quant, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -131,20 +131,30 @@ def cache_key(gguf: Path) -> str:
 
 
 class GGUFWeights:
-    """The tensors of a GGUF file by their transformers names (after `bind`), read in place."""
+    """The tensors of a GGUF model by their transformers names (after `bind`), read in place from
+    its file, or from every file of a model split into parts (a tensor lies whole in one part)."""
 
     def __init__(self, path: Path) -> None:
-        self.path = path
-        self.header = read_header(path)
+        self.header = read_model(path)
+        self.path = self.header.path  # the first part of a split model, whichever part was named
         self.config = gguf_config(self.header)
-        self._file = open(path, "rb")  # noqa: SIM115 -- kept open with the mapping
-        self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
-        with warnings.catch_warnings():  # a read-only mapping: only ever read from
-            warnings.simplefilter("ignore", UserWarning)
-            self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)  # type: ignore[call-overload]
+        self._files: list[Any] = []
+        self._maps: list[mmap.mmap] = []
+        self._bytes: list[torch.Tensor] = []
+        try:
+            for file in self.header.files:
+                self._files.append(open(file, "rb"))  # noqa: SIM115 -- kept open with the mapping
+                self._maps.append(mmap.mmap(self._files[-1].fileno(), 0, access=mmap.ACCESS_READ))
+                with warnings.catch_warnings():  # a read-only mapping: only ever read from
+                    warnings.simplefilter("ignore", UserWarning)
+                    self._bytes.append(torch.frombuffer(self._maps[-1], dtype=torch.uint8))  # type: ignore[call-overload]
+        except BaseException:
+            self.close()
+            raise
         self._by_name: dict[str, TensorInfo] = {}
         self._orders: dict[str, tuple[int, ...] | None] = {}
-        self._spans: dict[int, int] = {}  # layer -> file offset of its span, for layers laid out as in the file
+        # layer -> (part, offset) of its span, for layers laid out as in the file
+        self._spans: dict[int, tuple[int, int]] = {}
 
     # -- names --
     def bind(self, hf: nn.Module) -> None:
@@ -181,7 +191,7 @@ class GGUFWeights:
 
     # -- tensors --
     def raw(self, t: TensorInfo) -> torch.Tensor:
-        return self._bytes[t.offset:t.offset + t.nbytes]
+        return self._bytes[t.part][t.offset:t.offset + t.nbytes]
 
     def load(self, name: str, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
         """Tensor `name` de-quantised into `dtype` on `device` (de-quantised where it will live)."""
@@ -197,10 +207,10 @@ class GGUFWeights:
             raw = self.raw(t).to(out.device)
             gguf_blocks.dequantize_into(raw, t.qtype, out, None if order is None else torch.tensor(order, device=out.device))
         else:  # a type only gguf-py decodes: on the CPU, in fp32
-            blocks = np.frombuffer(self._map, dtype=np.uint8, count=t.nbytes, offset=t.offset)
+            blocks = np.frombuffer(self._maps[t.part], dtype=np.uint8, count=t.nbytes, offset=t.offset)
             dense = torch.from_numpy(gguf_quants.dequantize(blocks, GGMLQuantizationType(t.qtype))).reshape(t.shape)
             out.copy_(dense if order is None else dense[list(order)])
-        self._drop(t.offset, t.offset + t.nbytes)
+        self._drop(t.part, t.offset, t.offset + t.nbytes)
 
     # -- decoder layers --
     def layouts(self, hf: nn.Module, dtype: torch.dtype, quant: Quant) -> list[LayerLayout]:
@@ -209,10 +219,14 @@ class GGUFWeights:
         if quant == "nf4":
             layout = LayerLayout.of(layers[0], dtype, "nf4")
             return [layout] * len(layers)
-        starts = sorted(t.offset for t in self.header.tensors)
+        starts: dict[int, list[int]] = {}
+        for t in self.header.tensors:
+            starts.setdefault(t.part, []).append(t.offset)
+        for offsets in starts.values():
+            offsets.sort()
         return [self._layer_layout(i, layer, dtype, starts) for i, layer in enumerate(layers)]
 
-    def _layer_layout(self, i: int, layer: nn.Module, dtype: torch.dtype, starts: list[int]) -> LayerLayout:
+    def _layer_layout(self, i: int, layer: nn.Module, dtype: torch.dtype, starts: dict[int, list[int]]) -> LayerLayout:
         esize = torch.empty((), dtype=dtype).element_size()
         entries: list[Entry] = []
         infos = []
@@ -224,12 +238,14 @@ class GGUFWeights:
                                      self._orders[f"{LAYERS}{i}.{name}"]))
             else:
                 entries.append(Entry(name, "dense", t.shape, dtype, 0, p.numel() * esize))
+        part = infos[0].part
         start = min(t.offset for t in infos)
         end = max(t.offset + t.nbytes for t in infos)
-        inside = np.searchsorted(starts, end) - np.searchsorted(starts, start)  # tensors starting in the span
-        in_file = all(e.kind == "gguf" and (e.offset - start) % 16 == 0 for e in entries) and inside == len(infos)
+        inside = np.searchsorted(starts[part], end) - np.searchsorted(starts[part], start)  # tensors starting in the span
+        in_file = (all(e.kind == "gguf" and (e.offset - start) % 16 == 0 for e in entries) and inside == len(infos)
+                   and all(t.part == part for t in infos))
         if in_file:
-            self._spans[i] = start
+            self._spans[i] = (part, start)
             rel = [Entry(e.name, e.kind, e.shape, e.dtype, e.offset - start, e.nbytes, e.qtype, e.row_order)
                    for e in entries]
             return LayerLayout.packed(rel, dtype, "gguf", span=end - start)
@@ -239,9 +255,9 @@ class GGUFWeights:
         """Layer i into `buf` (host or device) in `layout`."""
         prefix = f"{LAYERS}{i}."
         if layout.quant == "gguf" and i in self._spans:  # one span of the file, as it is
-            start = self._spans[i]
-            buf[:layout.nbytes].copy_(self._bytes[start:start + layout.nbytes])
-            self._drop(start, start + layout.nbytes)
+            part, start = self._spans[i]
+            buf[:layout.nbytes].copy_(self._bytes[part][start:start + layout.nbytes])
+            self._drop(part, start, start + layout.nbytes)
             return
         for e in layout.entries:
             if e.kind == "gguf":
@@ -252,29 +268,36 @@ class GGUFWeights:
                 self.dequantize_to(prefix + e.name, layout.view(buf, e))
 
     def mapped(self, layers: Sequence[int], layouts: Sequence[LayerLayout]) -> tuple[Path, list[int]] | None:
-        """(this file, each layer's offset) when these layers are spans of it: the disk tier then
-        reads them from the file itself, no second copy on disk."""
-        if all(layouts[i].quant == "gguf" and i in self._spans for i in layers):
-            return self.path, [self._spans[i] for i in layers]
-        return None
+        """(the file, each layer's offset) when these layers are spans of one file: the disk tier
+        then reads them from the file itself, no second copy on disk. (Disk layers of a split
+        model that lie in two parts are copied to the disk tier's own file instead.)"""
+        if not all(layouts[i].quant == "gguf" and i in self._spans for i in layers):
+            return None
+        parts = {self._spans[i][0] for i in layers}
+        if len(parts) != 1:
+            log.info("the disk tier's layers lie in %d parts of %s: copied to one file", len(parts), self.path.name)
+            return None
+        return self.header.files[parts.pop()], [self._spans[i][1] for i in layers]
 
     def cache_files(self) -> list[Path]:
-        return [self.path]
+        return list(self.header.files)
 
-    def _drop(self, lo: int, hi: int) -> None:
+    def _drop(self, part: int, lo: int, hi: int) -> None:
         """Drop pages just read from this process (the OS may keep them cached)."""
         advice = getattr(mmap, "MADV_DONTNEED", None)
-        if advice is not None and hasattr(self._map, "madvise"):
+        if advice is not None and hasattr(self._maps[part], "madvise"):
             start = lo // mmap.PAGESIZE * mmap.PAGESIZE
-            self._map.madvise(advice, start, hi - start)
+            self._maps[part].madvise(advice, start, hi - start)
 
     def close(self) -> None:
-        self._bytes = torch.empty(0, dtype=torch.uint8)
-        try:
-            self._map.close()
-        except BufferError:  # a tensor view is still alive; the mapping goes with it
-            pass
-        self._file.close()
+        self._bytes = []
+        for m in self._maps:
+            try:
+                m.close()
+            except BufferError:  # a tensor view is still alive; the mapping goes with it
+                pass
+        for f in self._files:
+            f.close()
 
 
 class _Names:

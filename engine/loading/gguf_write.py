@@ -197,7 +197,7 @@ def gguf_name(arch: str, hf_name: str, num_layers: int) -> str:
 
 def write_gguf(path: Path, arch: str, config: dict, tokenizer: dict,
                tensors: Sequence[tuple[str, tuple[int, ...], Q]], value: Callable[[str], np.ndarray],
-               name: str = "synthetic") -> Path:
+               name: str = "synthetic", parts: int = 1) -> Path:
     """Write a GGUF of architecture `arch` ("llama", "qwen2", ...).
 
     `config`: hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
@@ -206,12 +206,14 @@ def write_gguf(path: Path, arch: str, config: dict, tokenizer: dict,
     merges ("a b"), special (the control tokens), bos/eos/pad ids, chat_template, pre
     (llama.cpp's pre-tokenizer name). `tensors`: (Hugging Face name, shape, GGUF type) in file
     order; `value(name)` gives each one when it is written: float values (quantised here), or
-    its GGUF bytes already (uint8, rows x row bytes: random_blocks)."""
+    its GGUF bytes already (uint8, rows x row bytes: random_blocks). With `parts` > 1 the model
+    is split as llama.cpp's gguf-split does it (gguf-py's writer: `<stem>-00001-of-0000N.gguf`,
+    whole tensors per part, the metadata in the first); the first part's path is returned."""
     layers = config["num_hidden_layers"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     tokens = list(tokenizer["tokens"])
     tokens += [f"<unused{i}>" for i in range(config.get("vocab_size", len(tokens)) - len(tokens))]
-    w = GGUFWriter(path, arch)
+    w = GGUFWriter(path, arch, split_max_tensors=-(-len(tensors) // parts) if parts > 1 else 0)
     w.add_name(name)
     w.add_context_length(config["max_position_embeddings"])
     w.add_embedding_length(config["hidden_size"])
@@ -254,7 +256,7 @@ def write_gguf(path: Path, arch: str, config: dict, tokenizer: dict,
             data = quantize(data, qtype)
         w.write_tensor_data(data)
     w.close()
-    return path
+    return w.format_shard_names(path)[0] if parts > 1 else path
 
 
 # byte offsets of each type's fp16 scale fields (ggml's block structs)

@@ -38,6 +38,7 @@ from engine.loading.materialise import MaterialiseSettings, materialise
 from engine.loading.weights import SafetensorsWeights
 from engine.model.causal_lm import SUPPORTED_MODEL_TYPES, CausalLM
 from engine.store import resolve_model
+from engine.store.gguf_header import MissingPart, split_parts
 from engine.types import Offload, Quant, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -165,7 +166,7 @@ def model_fingerprint(path: Path, quant: str, dtype: torch.dtype, device: str) -
     """What a model's KV cache depends on: its files (resolved path, names, sizes, modification
     times), the quantisation of its layers, the compute dtype and the kind of device. Saved KV
     caches are keyed by it, so a changed file or setting never reuses an old cache."""
-    files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
+    files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else split_parts(path)
     stats = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
     blob = json.dumps([str(path.resolve()), stats, quant, str(dtype), torch.device(device).type])
     return hashlib.sha256(blob.encode()).hexdigest()
@@ -226,7 +227,7 @@ def _load_model(
                 if model_type not in SUPPORTED_MODEL_TYPES:
                     raise UnsupportedModel(f"'{path.name}' is a '{model_type}' model; SpecChat runs "
                                            f"{', '.join(SUPPORTED_MODEL_TYPES)} models.")
-                tokenizer = gguf_tokenizer(path)
+                tokenizer = gguf_tokenizer(weights.path)  # the first part of a split model holds it
             except BaseException:
                 weights.close()
                 raise
@@ -238,6 +239,8 @@ def _load_model(
         raise UnsupportedModel(f"'{path}' is neither a model folder nor a .gguf file.")
     except (EngineError, KeyboardInterrupt):
         raise
+    except MissingPart as exc:  # a split model with a part not (yet) there: say which
+        raise ModelNotFound(str(exc)) from exc
     except torch.OutOfMemoryError as exc:
         raise OutOfMemory(f"Not enough memory to load '{path.name}'. Close other programs, pick a smaller "
                           "model, or use --offload auto / --quant nf4.") from exc

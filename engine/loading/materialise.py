@@ -43,6 +43,7 @@ from engine.planning.placement import (
     kv_bytes_per_token,
     plan_placement,
 )
+from engine.store.gguf_header import split_parts
 from engine.types import Offload, Packing, Placement, Quant
 from engine.units import GIB
 
@@ -77,7 +78,7 @@ def host_budget(ram_limit_bytes: int | None) -> int:
 def resident_bytes(path: Path, dtype: torch.dtype) -> int:
     """Device bytes a folder's model takes fully resident in `dtype` (from shard headers only)."""
     if not path.is_dir():
-        return path.stat().st_size if path.exists() else 0
+        return sum(p.stat().st_size for p in split_parts(path) if p.exists())
     ckpt = Checkpoint(path, {})
     try:
         esize = torch.empty((), dtype=dtype).element_size()

@@ -141,8 +141,11 @@ def tiny_gguf(
     head_type: str = "Q6_K",
     tied: bool = False,
     cache_dir: Path | None = None,
+    parts: int = 1,
 ) -> Path:
-    """A tiny random model as one GGUF file, alone in its folder. Same arguments, same file.
+    """A tiny random model as one GGUF file, alone in its folder (with `parts` > 1: split into
+    that many files as llama.cpp's gguf-split does; the first part is returned). Same arguments,
+    same file.
 
     Layer i's matrices are stored in `layer_types[i % len(layer_types)]`: a GGUF type name
     ("Q8_0", "Q4_K", "IQ4_XS", "F16"...), or "MAIN/SIDE" for llama.cpp's mixes ("Q4_K/Q6_K" is a
@@ -151,10 +154,11 @@ def tiny_gguf(
     rows that are whole blocks of 256 values: hidden (and 2 * hidden) a multiple of 256."""
     key = "-".join(t.replace("/", "+") for t in layer_types)
     name = (f"tiny-{arch}-s{seed}-n{noise:g}-l{layers}-h{hidden}-{key}-e{embed_type}-"
-            f"{'tied' if tied else 'o' + head_type}")
+            f"{'tied' if tied else 'o' + head_type}{f'-p{parts}' if parts > 1 else ''}")
     folder = (cache_dir or paths.cache_dir()) / "tiny-gguf" / name
-    if (folder / "model.gguf").is_file():
-        return folder / "model.gguf"
+    file = "model.gguf" if parts == 1 else f"model-00001-of-{parts:05d}.gguf"
+    if (folder / file).is_file():
+        return folder / file
     if arch not in ("llama", "qwen2"):
         raise ValueError(f"unknown tiny architecture {arch!r}")
     unknown = [t for spec in (*layer_types, embed_type, head_type) for t in spec.split("/") if t not in Q.__members__]
@@ -184,9 +188,10 @@ def tiny_gguf(
             return Q[side] if side and hf.endswith(("v_proj.weight", "down_proj.weight")) else Q[main]
 
         tensors = [(k, tuple(v.shape), qtype_of(k, tuple(v.shape))) for k, v in state.items()]
-        write_gguf(tmp / "model.gguf", arch, config, vocab, tensors, lambda k: state[k].float().numpy(), name=name)
+        write_gguf(tmp / "model.gguf", arch, config, vocab, tensors, lambda k: state[k].float().numpy(), name=name,
+                   parts=parts)
 
-    return paths.publish_folder(folder, build) / "model.gguf"
+    return paths.publish_folder(folder, build) / file
 
 
 def _gguf_vocab(folder: Path, tok: PreTrainedTokenizerFast) -> dict:

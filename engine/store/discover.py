@@ -2,8 +2,10 @@
 place (no copy): name, size, quantisation and architecture, read from each file's header.
 
 - LM Studio: `<models folder>/<publisher>/<repo>/<file>.gguf`, in ~/.lmstudio/models, (older
-  versions) ~/.cache/lm-studio/models, or where its settings.json's "downloadsFolder" moved it. Vision projectors (mmproj-*.gguf) are not models;
-  a model split into several files is shown but cannot load yet.
+  versions) ~/.cache/lm-studio/models, or where its settings.json's "downloadsFolder" moved it.
+  Vision projectors (mmproj-*.gguf) are not models. A model split into several files
+  (`<name>-00001-of-00003.gguf`) is one entry, by its first part, sized as all parts; with a
+  part missing it is listed as not runnable, naming the part.
 - Ollama: ~/.ollama/models (or $OLLAMA_MODELS): `manifests/<registry>/<namespace>/<model>/<tag>`
   are JSON manifests whose "application/vnd.ollama.image.model" layer names the weights by
   digest, stored as `blobs/sha256-<hex>`.
@@ -28,7 +30,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.errors import UnsupportedModel
-from engine.store.gguf_header import CorruptGGUF, GGUFHeader, read_header
+from engine.store.gguf_header import (
+    SPLIT_NAME,
+    CorruptGGUF,
+    GGUFHeader,
+    read_header,
+    split_parts,
+)
 from engine.store.paths import check_file_name, inside
 
 log = logging.getLogger(__name__)
@@ -39,7 +47,6 @@ RUNNABLE = ("llama", "qwen2", "qwen3")
 MODEL_LAYER = "application/vnd.ollama.image.model"
 MAX_MANIFEST_BYTES = 1 << 20
 _DIGEST = re.compile(r"^sha256[:-]([0-9a-f]{64})$")
-_SPLIT = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -147,11 +154,11 @@ def _lm_studio(root: Path, problems: list[str]) -> list[Candidate]:
         name = rel.rsplit("/", 1)[-1]
         if not name.lower().endswith(".gguf") or name.lower().startswith("mmproj"):
             continue
-        split = _SPLIT.search(name)
-        if split and split.group(1) != "00001":
+        split = SPLIT_NAME.match(name)
+        if split and split["no"] != "00001":
             continue  # a later part of a split model: listed once, by its first part
         path = root / rel  # checked by _walk
-        found.append((name[: -len(".gguf")], LM_STUDIO, path, f"{LM_STUDIO}: {rel}"))
+        found.append((split["stem"] if split else name[: -len(".gguf")], LM_STUDIO, path, f"{LM_STUDIO}: {rel}"))
     return found
 
 
@@ -231,15 +238,19 @@ def _walk(root: Path, depth: int, problems: list[str], owner: str) -> list[str]:
 def _found(name: str, app: str, path: Path, where: str, facts: HeaderFacts, problems: list[str]) -> FoundModel | None:
     try:
         arch, quant, parts = facts.of(path)
-        size = path.stat().st_size
+        files = split_parts(path) if parts > 1 else [path]
+        missing = [f.name for f in files if not f.is_file()]
+        size = sum(f.stat().st_size for f in files if f.is_file())
     except (CorruptGGUF, OSError) as exc:
         problems.append(f"{where}: not a readable GGUF ({str(exc).rstrip('.')}).")
         return None
     note = ""
     if arch not in RUNNABLE:
         note = f"a {arch} model; SpecChat runs llama, mistral, qwen2 and qwen3"
-    elif parts > 1:
-        note = f"split into {parts} files, which SpecChat cannot load yet"
+    elif parts > 1 and len(files) != parts:
+        note = f"split into {parts} files whose names do not say which part is which (rename as llama.cpp named them)"
+    elif missing:
+        note = f"part{'s' if len(missing) > 1 else ''} {', '.join(missing[:2])} of {parts} missing: download every part"
     return FoundModel(name, app, path, size, arch, quant, not note, note)
 
 

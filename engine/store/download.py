@@ -330,7 +330,8 @@ def _register(
     files: tuple[RemoteFile, ...], source: str,
 ) -> Path:
     names = [f.name for f in files]
-    target = names[0] if len(names) == 1 and names[0].endswith(".gguf") else "."
+    # a GGUF (or the parts of a split one, first first) is the file the loader takes
+    target = names[0] if names and all(n.endswith(".gguf") for n in names) else "."
     write_json_atomic(partial_dir / MANIFEST_NAME, manifest_data(
         model_id=model_id, repo_id=repo_id, source=source, path=target, revision=revision,
         files=[{"name": f.name, "size": f.size, "sha256": f.sha256} for f in files],

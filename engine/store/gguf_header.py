@@ -13,17 +13,24 @@ arrays are walked and kept only when asked for (the tokenizer's), numeric arrays
 numpy copy. Every length is checked against the file's size first, so a damaged or hostile
 header is one CorruptGGUF, never a huge allocation.
 
+A model may be split by llama.cpp's gguf-split into files named `<name>-00001-of-00003.gguf`:
+every part is a GGUF of its own holding whole tensors, the first also the model's metadata,
+each `split.no` / `split.count` / `split.tensors.count`. `read_model` reads all parts into one
+header whose tensors say which part holds them; a missing, renamed or foreign part is a
+MissingPart or CorruptGGUF that names the file.
+
 What this module does not do: interpret the metadata (gguf.py) or read tensor data.
 """
 
 from __future__ import annotations
 
 import mmap
+import re
 import struct
 from collections.abc import Container
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from pathlib import Path, PurePath
+from typing import Any, TypeVar
 
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -35,8 +42,16 @@ STRING, ARRAY = 8, 9
 MAX_DIMS = 4
 
 
+P = TypeVar("P", bound=PurePath)
+SPLIT_NAME = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$", re.IGNORECASE)
+
+
 class CorruptGGUF(ValueError):
     """A GGUF whose header does not add up (truncated, damaged, or not a GGUF)."""
+
+
+class MissingPart(CorruptGGUF):
+    """A part of a split GGUF is not beside the others."""
 
 
 @dataclass(frozen=True)
@@ -44,8 +59,9 @@ class TensorInfo:
     name: str
     shape: tuple[int, ...]  # torch order: rows first
     qtype: int  # ggml type id
-    offset: int  # absolute, in the file
+    offset: int  # absolute, in the file that holds it
     nbytes: int
+    part: int = 0  # which file of a split model holds it (GGUFHeader.parts)
 
     @property
     def type_name(self) -> str:
@@ -61,6 +77,11 @@ class GGUFHeader:
     size: int
     metadata: dict[str, Any]  # string arrays not asked for are their element count
     tensors: tuple[TensorInfo, ...]
+    parts: tuple[Path, ...] = ()  # every file of a split model, first to last; () for one file
+
+    @property
+    def files(self) -> tuple[Path, ...]:
+        return self.parts or (self.path,)
 
     @property
     def architecture(self) -> str:
@@ -128,6 +149,60 @@ def read_header(path: Path, string_arrays: Container[str] = ()) -> GGUFHeader:
             raise CorruptGGUF(f"{path.name} is too short to be a GGUF file")
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
             return _parse(buf, path, size, string_arrays)
+
+
+def split_parts(path: P) -> list[P]:
+    """The files of the model `path` belongs to, from names alone: [path] for one file; every part
+    of a split model (`<name>-00002-of-00003.gguf` -> parts 1, 2 and 3, whether present or not)
+    in the folder of `path`."""
+    m = SPLIT_NAME.match(path.name)
+    if m is None or int(m["count"]) < 2 or not 1 <= int(m["no"]) <= int(m["count"]):
+        return [path]
+    count = int(m["count"])
+    suffix = path.name[-len(".gguf"):]
+    return [path.with_name(f"{m['stem']}-{no:05d}-of-{count:05d}{suffix}") for no in range(1, count + 1)]
+
+
+def read_model(path: Path, string_arrays: Container[str] = ()) -> GGUFHeader:
+    """The header of the model whose (first or any) file is `path`: one file's own, or a split
+    model's parts read into one (metadata of the first part, tensors of all, each with its part).
+    `path` of the result is the first part."""
+    parts = split_parts(path)
+    first = read_header(parts[0], string_arrays) if parts[0].exists() or len(parts) == 1 else None
+    count = _split_count(first) if first is not None else len(parts)
+    if len(parts) == 1:
+        if count > 1:
+            raise CorruptGGUF(f"{path.name} is part of a model split into {count} files, but its name does not "
+                              "say which: keep the names llama.cpp gave the parts (<name>-00001-of-0000N.gguf).")
+        return first  # type: ignore[return-value]
+    missing = [p.name for p in parts if not p.is_file()]
+    if missing:
+        raise MissingPart(f"{path.name} is one of {len(parts)} files of a split model, but "
+                          f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} "
+                          f"{'is' if len(missing) == 1 else 'are'} not beside it in {path.parent}. "
+                          "Download every part into the same folder.")
+    assert first is not None
+    headers = [first] + [read_header(p) for p in parts[1:]]
+    tensors: list[TensorInfo] = []
+    for i, h in enumerate(headers):
+        no, n = h.metadata.get("split.no"), _split_count(h)
+        if no != i or n != len(parts):
+            raise CorruptGGUF(f"{h.path.name} says it is part {no if isinstance(no, int) else '?'} of {n}, "
+                              f"its name part {i} of {len(parts)} (counting from 0): the parts do not belong "
+                              "together. Download the model again.")
+        tensors += [TensorInfo(t.name, t.shape, t.qtype, t.offset, t.nbytes, i) for t in h.tensors]
+    expected = first.metadata.get("split.tensors.count")
+    names = {t.name for t in tensors}
+    if len(names) != len(tensors) or (isinstance(expected, int) and expected != len(tensors)):
+        raise CorruptGGUF(f"The parts of {parts[0].name} hold {len(tensors)} tensors"
+                          f"{f' where {expected} were written' if isinstance(expected, int) else ''}"
+                          f"{', some twice' if len(names) != len(tensors) else ''}: download the model again.")
+    return GGUFHeader(parts[0], sum(h.size for h in headers), first.metadata, tuple(tensors), tuple(parts))
+
+
+def _split_count(header: GGUFHeader) -> int:
+    n = header.metadata.get("split.count", 1)
+    return n if isinstance(n, int) and n > 0 else 1
 
 
 def _parse(buf: mmap.mmap, path: Path, size: int, string_arrays: Container[str]) -> GGUFHeader:

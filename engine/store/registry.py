@@ -31,6 +31,7 @@ from engine.errors import (
 )
 from engine.store.catalog import Catalog
 from engine.store.discover import LM_STUDIO, FoundModel
+from engine.store.gguf_header import SPLIT_NAME, split_parts
 from engine.store.hub_cache import find_cached_repo, list_cached_repos
 from engine.store.paths import inside, is_repo_id
 from engine.units import format_bytes
@@ -190,7 +191,13 @@ def import_model(path: Path, models_dir: Path, name: str | None = None, copy: bo
                 f"{source.name} is not a .gguf file. Import a .gguf file or a Hugging Face folder "
                 "(config.json + *.safetensors + tokenizer files)."
             )
-        files = [source]
+        files = split_parts(source)  # every part of a split model, which is named by its first
+        missing = [p.name for p in files if not p.is_file()]
+        if missing:
+            raise ModelNotFound(f"{source.name} is one of {len(files)} files of a split model, but "
+                                f"{', '.join(missing[:3])} {'is' if len(missing) == 1 else 'are'} not beside it. "
+                                "Put every part in the same folder, then import again.")
+        source = files[0]
     else:
         if not (source / "config.json").is_file() or not any(source.glob("*.safetensors")):
             raise UnsupportedModel(
@@ -204,7 +211,9 @@ def import_model(path: Path, models_dir: Path, name: str | None = None, copy: bo
                 "Fix or remove them, then import again."
             )
         files = sorted(p for p in source.iterdir() if p.is_file())
-    model_name = name or _IMPORT_NAME_UNSAFE.sub("-", source.stem if source.is_file() else source.name).strip("-. ")
+    split = SPLIT_NAME.match(source.name) if source.is_file() else None
+    stem = split["stem"] if split else source.stem if source.is_file() else source.name
+    model_name = name or _IMPORT_NAME_UNSAFE.sub("-", stem).strip("-. ")
     if not _IMPORT_NAME.match(model_name):
         raise UsageError(f"{model_name!r} cannot be an import name: use letters, digits, spaces, '-', '_' or '.' "
                          "(not first), at most 100 characters.")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 from dataclasses import dataclass
+from pathlib import PurePosixPath
 from typing import Callable
 
 import httpx2
@@ -24,6 +25,7 @@ from engine.errors import (
     ModelNotFound,
     UnsupportedModel,
 )
+from engine.store.gguf_header import split_parts
 from engine.store.paths import check_file_name
 
 logger = logging.getLogger(__name__)
@@ -119,9 +121,16 @@ def select_files(repo: RemoteRepo, patterns: tuple[str, ...] | None, gguf_file: 
     """The files to fetch: one named .gguf, else the loadable HF folder, else the repo's only .gguf."""
     top_level = [f for f in repo.files if "/" not in f.name]
     if gguf_file is not None:
-        chosen = [f for f in repo.files if f.name == gguf_file]
-        if not chosen:
+        # a split model (<name>-00001-of-00003.gguf) is all its parts, whichever one was named
+        wanted_names = [p.as_posix() for p in split_parts(PurePosixPath(gguf_file))]
+        by_name = {f.name: f for f in repo.files}
+        chosen = [by_name[n] for n in wanted_names if n in by_name]
+        if gguf_file not in by_name:
             raise ModelNotFound(f"{repo.repo_id} has no file {gguf_file!r}.")
+        if len(chosen) != len(wanted_names):
+            absent = [n for n in wanted_names if n not in by_name]
+            raise ModelNotFound(f"{repo.repo_id} has only {len(chosen)} of the {len(wanted_names)} parts of "
+                                f"{gguf_file} (no {absent[0]}), so it cannot be loaded.")
         return tuple(chosen)
     wanted = patterns or DEFAULT_PATTERNS
     chosen = [f for f in top_level if any(fnmatch.fnmatchcase(f.name, p) for p in wanted)]

@@ -70,6 +70,8 @@ def trees(tmp_path: Path, tiny: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     header_only(lms / "google" / "gemma-GGUF" / "gemma-Q4_K_M.gguf", "gemma2", general_file_type=15)
     header_only(lms / "big" / "Big-GGUF" / "Big-Q4_K_M-00001-of-00002.gguf", "llama", split_count=2)
     header_only(lms / "big" / "Big-GGUF" / "Big-Q4_K_M-00002-of-00002.gguf", "llama", split_count=2)
+    header_only(lms / "big" / "Half-GGUF" / "Half-Q4_K_M-00001-of-00003.gguf", "llama", split_count=3)
+    header_only(lms / "big" / "Half-GGUF" / "Half-Q4_K_M-00003-of-00003.gguf", "llama", split_count=3)
     (lms / "broken" / "Cut-GGUF").mkdir(parents=True)
     (lms / "broken" / "Cut-GGUF" / "cut.gguf").write_bytes(b"GGUF\x03\x00\x00\x00" + b"\xff" * 8)
     outside = tmp_path / "elsewhere"
@@ -98,7 +100,7 @@ def trees(tmp_path: Path, tiny: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def test_found_models_are_listed_with_size_quantisation_and_architecture(trees: Path, tiny: Path) -> None:
     found = discover_models()
     by_name = {m.name: m for m in found.models}
-    assert set(by_name) == {"Tiny-Q8_0", "gemma-Q4_K_M", "Big-Q4_K_M-00001-of-00002", "tiny:latest"}
+    assert set(by_name) == {"Tiny-Q8_0", "gemma-Q4_K_M", "Big-Q4_K_M", "Half-Q4_K_M", "tiny:latest"}
     lms, ollama = by_name["Tiny-Q8_0"], by_name["tiny:latest"]
     assert (lms.app, ollama.app) == (LM_STUDIO, OLLAMA)
     assert lms.size_bytes == ollama.size_bytes == tiny.stat().st_size
@@ -106,7 +108,12 @@ def test_found_models_are_listed_with_size_quantisation_and_architecture(trees: 
     assert ollama.path.parent == trees / HOME_OLLAMA / "blobs"  # the blob itself: used in place
     assert not by_name["gemma-Q4_K_M"].runnable and "gemma2" in by_name["gemma-Q4_K_M"].note
     assert by_name["gemma-Q4_K_M"].quantisation == "Q4_K_M"  # from general.file_type
-    assert "split into 2 files" in by_name["Big-Q4_K_M-00001-of-00002"].note
+    # a split model is one entry, by its first part, sized as all its parts; a missing part is named
+    big = by_name["Big-Q4_K_M"]
+    parts = sorted((trees / HOME_LMS / "big" / "Big-GGUF").iterdir())
+    assert big.path == parts[0] and big.size_bytes == sum(p.stat().st_size for p in parts) and big.runnable
+    half = by_name["Half-Q4_K_M"]
+    assert not half.runnable and "Half-Q4_K_M-00002-of-00003.gguf of 3 missing" in half.note
     # the same blob under a second name is listed once
     assert sum(m.path == ollama.path for m in found.models) == 1
 
@@ -146,16 +153,16 @@ def test_models_list_and_import_show_and_register_them(trees: Path, tmp_path: Pa
     assert out.count("tiny:latest") == 1  # in its own section, not again under the local models
     assert main(["models", "list", "--json", "--models-dir", str(models)]) == 0
     listing = json.loads(capsys.readouterr().out)
-    assert {f["name"] for f in listing["found"] if f["runnable"]} == {"Tiny-Q8_0", "tiny:latest"}
+    assert {f["name"] for f in listing["found"] if f["runnable"]} == {"Tiny-Q8_0", "Big-Q4_K_M", "tiny:latest"}
     assert len(listing["found_problems"]) == 6
 
     assert main(["models", "import", "--models-dir", str(models)]) == 0
     out, err = capsys.readouterr()
     assert "imported Tiny-Q8_0" in out and "imported tiny-latest" in out and "note: " in err
     registered = {m.model_id: m for m in list_local_models(models)}
-    assert set(registered) == {"Tiny-Q8_0", "tiny-latest"} and not registered["tiny-latest"].owns_files
+    assert set(registered) == {"Tiny-Q8_0", "Big-Q4_K_M", "tiny-latest"} and not registered["tiny-latest"].owns_files
     assert main(["models", "import", "--models-dir", str(models)]) == 0
-    assert capsys.readouterr().out.count("already imported") == 2
+    assert capsys.readouterr().out.count("already imported") == 3
     assert main(["models", "remove", "tiny:latest", "--yes", "--models-dir", str(models)]) == 1  # not SpecChat's
     assert "belongs to Ollama" in capsys.readouterr().err
 
