@@ -64,12 +64,15 @@ from engine.store import (
     remove_model,
 )
 from engine.store.catalog import Catalog
-from engine.store.registry import FOUND_SOURCES
+from engine.store.registry import FOUND_SOURCES, match_local
 from engine.types import DownloadProgress
 from engine.units import format_bytes
 
 log = logging.getLogger(__name__)
 
+CATALOG_COLUMNS = ("Pair", "Target", "Format", "Draft", "Download", "Fit", "Predicted speed", "On disk", "About")
+COL_PAIR, COL_FORMAT, COL_FIT, COL_SPEED, COL_ABOUT = (CATALOG_COLUMNS.index(c) for c in
+                                                       ("Pair", "Format", "Fit", "Predicted speed", "About"))
 FIT_COLOURS = {"fits": "#1e7d32", "slow": "#b26a00", "too big": "#b3261e", "unknown": "#666666"}
 NO_DRAFT = "(no draft)"
 
@@ -270,10 +273,9 @@ class ModelsPage(QWidget):
         QShortcut(QKeySequence("Ctrl+I"), self, activated=self._on_import_folder_clicked)
 
     def _build_catalog_tab(self) -> QWidget:
-        self.catalog_table = QTableWidget(0, 8)
+        self.catalog_table = QTableWidget(0, len(CATALOG_COLUMNS))
         self.catalog_table.setAccessibleName("Catalog pairs")
-        self.catalog_table.setHorizontalHeaderLabels(
-            ["Pair", "Target", "Draft", "Download", "Fit", "Predicted speed", "On disk", "About"])
+        self.catalog_table.setHorizontalHeaderLabels(list(CATALOG_COLUMNS))
         self._table_defaults(self.catalog_table)
         self.catalog_table.itemSelectionChanged.connect(self._update_buttons)
         self.catalog_table.itemDoubleClicked.connect(lambda _item: self._on_catalog_use_clicked())
@@ -364,12 +366,7 @@ class ModelsPage(QWidget):
         return self._find_local(model_id) is not None
 
     def _find_local(self, spec: str) -> LocalModel | None:
-        entry = self._catalog.find(spec)
-        repo = (entry.repo_id if entry else spec).lower()
-        for model in self._local:
-            if model.model_id.lower() == spec.lower() or (model.repo_id or "").lower() == repo:
-                return model
-        return None
+        return match_local(self._local, spec, self._catalog.find(spec))
 
     def refresh(self) -> None:
         """Re-read the local models and the hardware profile; redraw everything."""
@@ -401,14 +398,17 @@ class ModelsPage(QWidget):
             on_disk = [m for m in (option.target, option.draft) if m and self.is_local(m)]
             needed = [m for m in (option.target, option.draft) if m]
             disk = "yes" if len(on_disk) == len(needed) else (f"{len(on_disk)} of {len(needed)}" if on_disk else "no")
-            cells = [option.title, option.target, option.draft or "—", format_bytes(option.download_bytes),
-                     option.fit_label, option.speed_text(), disk, option.description]
+            cells = [option.title, option.target, option.target_format, option.draft or "—",
+                     format_bytes(option.download_bytes), option.fit_label, option.speed_text(), disk,
+                     option.description]
             for col, text in enumerate(cells):
                 item = QTableWidgetItem(text)
                 item.setData(Qt.ItemDataRole.UserRole, option.pair_id)
-                if col in (0, 5, 7):
+                if col in (COL_PAIR, COL_SPEED, COL_ABOUT):
                     item.setToolTip(option.reason or option.description)
-                if col == 4:
+                if col == COL_FORMAT:
+                    item.setToolTip(option.target_source)
+                if col == COL_FIT:
                     item.setForeground(_colour("#ffffff"))
                     item.setBackground(_colour(FIT_COLOURS.get(option.fit, "#666666")))
                     item.setTextAlignment(Qt.AlignmentFlag.AlignCenter)

@@ -42,6 +42,8 @@ class PairOption:
     tokens_per_second: float | None = None
     budget: int | None = None
     reason: str = ""
+    target_format: str = ""  # "BF16", "GGUF Q4_K_M", "AWQ INT4"...
+    target_source: str = ""  # where the target downloads from: "owner/name" or "owner/name:FILE.gguf"
 
     @property
     def fit_label(self) -> str:
@@ -106,14 +108,16 @@ def _predict(profile: HardwareProfile | None, target: CatalogModel, draft: Catal
 def _option(pair_id: str, title: str, description: str, target: CatalogModel, draft: CatalogModel | None,
             profile: HardwareProfile | None, quant: str) -> PairOption:
     size = target.download_bytes + (draft.download_bytes if draft else 0)
+    source = f"{target.repo_id}:{target.gguf_file}" if target.gguf_file else target.repo_id
+    about = dict(target_format=target.format_label, target_source=source)
     prediction = _predict(profile, target, draft, quant)
     if prediction is None:
         return PairOption(pair_id, title, description, target.id, draft.id if draft else "", size,
-                          fit="unknown" if profile is None else "no prediction")
+                          fit="unknown" if profile is None else "no prediction", **about)
     return PairOption(
         pair_id, title, description, target.id, draft.id if draft else "", size, fit=prediction.fit,
         tokens_per_second=prediction.tokens_per_second, budget=prediction.budget,
-        reason=f"{prediction.reason}. {prediction_basis()}",
+        reason=f"{prediction.reason}. {prediction_basis()}", **about,
     )
 
 

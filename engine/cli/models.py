@@ -33,6 +33,7 @@ from engine.store.registry import (
     found_as_local,
     import_model,
     list_local_models,
+    match_local,
     remove_model,
 )
 from engine.store.transfer import DownloadSettings
@@ -64,7 +65,7 @@ def _list(models_dir: Path, as_json: bool, out: TextIO) -> int:
     catalog = usable_catalog()
     found = discover_models()
     local = list_local_models(models_dir, hf_hub_cache_dir(), found.models)
-    local_repos = {(m.repo_id or "").lower() for m in local} | {m.model_id for m in local}
+    here = {m.id for m in catalog.models if match_local(local, m.id, m) is not None}
     if as_json:
         json.dump({
             "models_dir": str(models_dir),
@@ -74,9 +75,10 @@ def _list(models_dir: Path, as_json: bool, out: TextIO) -> int:
                        "architecture": f.architecture, "quantisation": f.quantisation, "runnable": f.runnable,
                        "note": f.note} for f in found.models],
             "found_problems": list(found.problems),
-            "catalog": [{"id": m.id, "repo_id": m.repo_id, "role": m.role, "download_bytes": m.download_bytes,
-                         "parameters": m.parameters, "license": m.license, "gated": m.gated,
-                         "local": m.id in local_repos or m.repo_id.lower() in local_repos} for m in catalog.models],
+            "catalog": [{"id": m.id, "repo_id": m.repo_id, "file": m.gguf_file, "role": m.role,
+                         "format": m.format_label, "prequantised": m.prequantised,
+                         "download_bytes": m.download_bytes, "parameters": m.parameters, "license": m.license,
+                         "gated": m.gated, "local": m.id in here} for m in catalog.models],
             "pairs": [{"id": p.id, "target": p.target, "draft": p.draft} for p in catalog.pairs],
         }, out, indent=1)
         out.write("\n")
@@ -90,10 +92,10 @@ def _list(models_dir: Path, as_json: bool, out: TextIO) -> int:
     _write_found(found, out)
     out.write(f"\nCatalog (checked {catalog.checked_on}):\n" if catalog.models else "\nCatalog: unavailable\n")
     for m in catalog.models:
-        mark = "*" if m.id in local_repos or m.repo_id.lower() in local_repos else " "
+        mark = "*" if m.id in here else " "
         gated = "gated" if m.gated else ""
-        out.write(f" {mark}{m.id:<34} {format_bytes(m.download_bytes):>9}  {m.parameters / 1e9:6.2f}B  "
-                  f"{m.license:<10} {gated:<5} {m.repo_id}\n")
+        out.write(f" {mark}{m.id:<34} {format_bytes(m.download_bytes):>9}  {m.format_label:<11} "
+                  f"{m.parameters / 1e9:6.2f}B  {m.license:<10} {gated:<5} {m.repo_id}\n")
     out.write("\nPairs (target + draft):\n")
     for p in catalog.pairs:
         out.write(f"  {p.id:<24} {p.target} + {p.draft}\n")

@@ -1,6 +1,7 @@
 """The model store: the curated catalog, the models on this machine, and downloads.
 
-Contract: catalog.py reads resources/catalog.json (pairs that share a tokenizer); registry.py
+Contract: catalog.py reads resources/catalog.json (pairs that share a tokenizer; a GGUF entry is
+one .gguf file of its repo, and only that file is fetched or counts as that model); registry.py
 lists local models (the models folder, the Hugging Face cache) and imports or removes them;
 discover.py finds the GGUFs LM Studio and Ollama keep (gguf_header.py reads their headers);
 download.py fetches a repo or a GGUF resumably, verified against the hub's sizes and SHA-256

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,10 @@ from engine.types import LayerShape, ModelShape
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
+# A split GGUF's parts (llama.cpp's gguf-split names): one catalog entry is one loadable file.
+_SPLIT_GGUF = re.compile(r"-\d{5}-of-\d{5}\.gguf$")
+# Display names of the weight formats (CatalogModel.dtype), for lists and tables.
+_FORMAT_LABELS = {"bfloat16": "BF16", "float16": "FP16", "bnb-nf4": "bnb NF4"}
 _SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_kv_heads", "head_dim")
 DEFAULT_CATALOG_PATH = resource("catalog.json")
 
@@ -72,6 +77,20 @@ class CatalogModel:
     num_attention_heads: int | None = None
     num_kv_heads: int | None = None
     head_dim: int | None = None
+
+    @property
+    def gguf_file(self) -> str | None:
+        """The one .gguf file this entry downloads (validated: alone in `files`), or None for a
+        Hugging Face folder."""
+        return next((f for f in self.files if f.lower().endswith(".gguf")), None)
+
+    @property
+    def format_label(self) -> str:
+        """The weights' format as lists show it: "BF16", "bnb NF4", "GGUF Q4_K_M", "AWQ INT4"."""
+        if self.dtype in _FORMAT_LABELS:
+            return _FORMAT_LABELS[self.dtype]
+        kind, _, detail = self.dtype.partition("-")
+        return f"{kind.upper() if kind in ('gguf', 'awq', 'gptq') else kind} {detail.upper()}".strip()
 
     @property
     def licence_url(self) -> str:
@@ -139,6 +158,8 @@ def load_catalog(path: Path | None = None) -> Catalog:
             f"SpecChat reads version {SCHEMA_VERSION}. Update SpecChat."
         )
     models = tuple(_parse_model(entry, source) for entry in raw["models"])
+    for model in models:
+        _check_files(model, source)
     ids = {m.id for m in models}
     if len(ids) != len(models):
         raise UnsupportedModel(f"The model catalog {source} lists a model id twice.")
@@ -150,9 +171,11 @@ def load_catalog(path: Path | None = None) -> Catalog:
         starter, checked_on = raw["starter"], str(raw["checked_on"])
     except (KeyError, TypeError, AttributeError) as exc:
         raise UnsupportedModel(f"The model catalog {source} is damaged ({exc!r}). Reinstall SpecChat.") from exc
+    by_id = {m.id: m for m in models}
     for pair in pairs:
         if pair.target not in ids or pair.draft not in ids:
             raise UnsupportedModel(f"Catalog pair {pair.id!r} names a model that is not in the catalog.")
+        _check_pair(pair, by_id[pair.target], by_id[pair.draft], source)
     if starter not in ids:
         raise UnsupportedModel(f"The catalog's starter {starter!r} is not one of its models.")
     return Catalog(raw["schema_version"], checked_on, starter, models, pairs)
@@ -167,6 +190,49 @@ def usable_catalog(path: Path | None = None) -> Catalog:
         log.warning("%s Until then catalog ids are unknown; local models and owner/name repo ids still work.",
                     exc.user_message)
         return Catalog(SCHEMA_VERSION, "unavailable", "", (), ())
+
+
+def _check_files(model: CatalogModel, source: Path) -> None:
+    """The files an entry downloads must be what the loader takes: a GGUF entry is exactly one
+    whole .gguf file at the top of its repo (the repos hold many quantisations; a glob would pick
+    several, a split part cannot load alone); a pre-quantised safetensors entry has its
+    config.json (where quantization_config says the format) beside its shards."""
+    def bad(why: str) -> UnsupportedModel:
+        return UnsupportedModel(f"Catalog entry {model.id!r} in {source} is malformed: {why}. "
+                                "Reinstall SpecChat to restore the catalog.")
+
+    ggufs = [f for f in model.files if f.lower().endswith(".gguf")]
+    if ggufs:
+        name = ggufs[0]
+        if len(model.files) != 1:
+            raise bad(f"a GGUF entry lists only its one .gguf file, not {len(model.files)} files")
+        if any(c in name for c in "*?[]/\\") or _SPLIT_GGUF.search(name):
+            raise bad(f"{name!r} is not one whole top-level .gguf file (a pattern, a sub-folder or a split part)")
+        if model.prequantised != "gguf" or not model.dtype.startswith("gguf-") or model.shards != 1:
+            raise bad("a GGUF entry has prequantised 'gguf', a dtype 'gguf-<type>' and 1 shard")
+    elif model.prequantised in ("awq", "gptq"):
+        if "config.json" not in model.files or not any(f.endswith(".safetensors") for f in model.files):
+            raise bad(f"an {model.prequantised.upper()} entry downloads config.json and its .safetensors shards")
+        if not model.dtype.startswith(model.prequantised + "-"):
+            raise bad(f"an {model.prequantised.upper()} entry has a dtype '{model.prequantised}-<bits>'")
+    elif model.prequantised == "gguf":
+        raise bad("prequantised 'gguf' but no .gguf file in files")
+
+
+def _check_pair(pair: CatalogPair, target: CatalogModel, draft: CatalogModel, source: Path) -> None:
+    """A pair shares one tokenizer: the same chat-template family, and embedding rows that differ
+    by padding only (Qwen2.5's targets pad 151665 tokens to 152064 rows, its 0.5B to 151936);
+    a draft whose rows are far off is another tokenizer even when the template matches."""
+    problem = ""
+    if target.role != "target" or draft.role != "draft":
+        problem = f"its target {target.id} has role {target.role!r} and its draft {draft.id} {draft.role!r}"
+    elif target.template != draft.template:
+        problem = f"the target's template is {target.template!r}, the draft's {draft.template!r}"
+    elif min(target.vocab_rows, draft.vocab_rows) < 0.99 * max(target.vocab_rows, draft.vocab_rows):
+        problem = f"{target.vocab_rows} embedding rows in the target but {draft.vocab_rows} in the draft"
+    if problem:
+        raise UnsupportedModel(f"Catalog pair {pair.id!r} in {source} does not share a tokenizer: {problem}. "
+                               "Reinstall SpecChat to restore the catalog.")
 
 
 def _parse_model(entry: dict[str, Any], source: Path) -> CatalogModel:

@@ -205,8 +205,9 @@ def _disk_error(exc: OSError, models_dir: Path, model_id: str) -> EngineError:
 
 def _parse_spec(spec: str, catalog: Catalog) -> tuple[str, str, str, tuple[str, ...] | None, str | None, CatalogModel | None]:
     entry = catalog.find(spec)
-    if entry is not None:
-        return entry.id, entry.repo_id, entry.revision, entry.files, None, entry
+    if entry is not None:  # a GGUF entry names its one file; the repo holds every other quantisation too
+        gguf = entry.gguf_file
+        return entry.id, entry.repo_id, entry.revision, None if gguf else entry.files, gguf, entry
     repo, _, gguf_file = spec.partition(":")
     if is_repo_id(repo) and (not gguf_file or gguf_file.endswith(".gguf")):
         if gguf_file:

@@ -33,16 +33,19 @@ class CachedRepo:
     files: tuple[str, ...]
 
 
-def find_cached_repo(repo_id: str, cache_dir: Path, revision: str = "main") -> CachedRepo | None:
-    """The snapshot `revision` points to (or the newest complete one), if it is loadable."""
+def find_cached_repo(repo_id: str, cache_dir: Path, revision: str = "main",
+                     gguf_file: str | None = None) -> CachedRepo | None:
+    """The snapshot `revision` points to (or the newest complete one), if it is loadable. With
+    `gguf_file`, only a snapshot holding that file counts, and it is the model (a GGUF repo
+    holds many quantisations; another one cached there is not this model)."""
     try:
-        return _find_cached_repo(repo_id, cache_dir, revision)
+        return _find_cached_repo(repo_id, cache_dir, revision, gguf_file)
     except (OSError, ValueError) as exc:  # ValueError: undecodable text, a NUL in a name
         logger.warning("ignoring %s in the Hugging Face cache %s: it is damaged (%s)", repo_id, cache_dir, exc)
         return None
 
 
-def _find_cached_repo(repo_id: str, cache_dir: Path, revision: str) -> CachedRepo | None:
+def _find_cached_repo(repo_id: str, cache_dir: Path, revision: str, gguf_file: str | None) -> CachedRepo | None:
     repo_dir = cache_dir / ("models--" + repo_id.replace("/", "--"))
     if not repo_dir.is_dir():
         # Repo ids are case-insensitive on the hub; folder names keep the case used to download.
@@ -71,7 +74,7 @@ def _find_cached_repo(repo_id: str, cache_dir: Path, revision: str) -> CachedRep
         )
         candidates.extend(others)
     for snapshot in candidates:
-        found = _usable_snapshot(repo_id, snapshot)
+        found = _gguf_in_snapshot(repo_id, snapshot, gguf_file) if gguf_file else _usable_snapshot(repo_id, snapshot)
         if found is not None:
             return found
     return None
@@ -119,3 +122,11 @@ def _usable_snapshot(repo_id: str, snapshot: Path) -> CachedRepo | None:
     if len(ggufs) == 1:
         return CachedRepo(repo_id, snapshot.name, files[ggufs[0]], size, names)
     return None
+
+
+def _gguf_in_snapshot(repo_id: str, snapshot: Path, name: str) -> CachedRepo | None:
+    """`name` in the snapshot, when its link leads to a blob that is there."""
+    path = snapshot / name
+    if "/" in name or "\\" in name or name.startswith(".") or not path.is_file():
+        return None
+    return CachedRepo(repo_id, snapshot.name, path, path.stat().st_size, (name,))

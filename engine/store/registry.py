@@ -20,7 +20,7 @@ import tempfile
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from engine.errors import (
     DiskFull,
@@ -29,7 +29,7 @@ from engine.errors import (
     UnsupportedModel,
     UsageError,
 )
-from engine.store.catalog import Catalog
+from engine.store.catalog import Catalog, CatalogModel
 from engine.store.discover import LM_STUDIO, FoundModel
 from engine.store.gguf_header import SPLIT_NAME, split_parts
 from engine.store.hub_cache import find_cached_repo, list_cached_repos
@@ -159,14 +159,29 @@ def find_local_model(
     """A local model by catalog id, repo id or import name; registry first, then the HF cache."""
     entry = catalog.find(spec) if catalog is not None else None
     repo_id = entry.repo_id if entry is not None else (spec if is_repo_id(spec) else None)
-    names = {spec.lower()} | ({entry.id.lower()} if entry else set())
-    for model in list_local_models(models_dir):
-        if model.model_id.lower() in names or (repo_id and (model.repo_id or "").lower() == repo_id.lower()):
-            return model
+    found = match_local(list_local_models(models_dir), spec, entry)
+    if found is not None:
+        return found
     if hf_cache_dir is not None and repo_id is not None:
-        cached = find_cached_repo(repo_id, hf_cache_dir, entry.revision if entry else "main")
+        cached = find_cached_repo(repo_id, hf_cache_dir, entry.revision if entry else "main",
+                                  entry.gguf_file if entry else None)
         if cached is not None:
             return _from_cache(entry.id if entry else repo_id, cached)
+    return None
+
+
+def match_local(models: Iterable[LocalModel], spec: str, entry: CatalogModel | None) -> LocalModel | None:
+    """The model of `models` that `spec` names: by id (the catalog entry's too), else by repo id
+    (`entry`'s, or `spec` itself when it is one). A GGUF catalog entry is one file of its repo:
+    another quantisation downloaded from there is not this model."""
+    names = {spec.lower()} | ({entry.id.lower()} if entry else set())
+    repo = (entry.repo_id if entry else spec if is_repo_id(spec) else "").lower()
+    gguf = entry.gguf_file if entry else None
+    for model in models:
+        if model.model_id.lower() in names:
+            return model
+        if repo and (model.repo_id or "").lower() == repo and (gguf is None or model.path.name == gguf):
+            return model
     return None
 
 

@@ -8,7 +8,7 @@ import pytest
 from pages_hub import STARTER_REPO, FakeRepo, HubServer
 from pytestqt.qtbot import QtBot
 
-from app.models_page import ModelsPage
+from app.models_page import CATALOG_COLUMNS, COL_FIT, COL_SPEED, ModelsPage
 from app.preferences import PreferencesStore
 from engine.loading.synthetic import tiny_model
 from engine.store import list_local_models
@@ -249,7 +249,7 @@ def test_fit_and_speed_columns_follow_the_hardware_profile(
     torch.set_num_threads(1)
     page = make_page(qtbot, prefs_store, hub, download_settings)
     try:
-        speeds = {page.catalog_table.item(r, 0).data(256): page.catalog_table.item(r, 5).text()
+        speeds = {page.catalog_table.item(r, 0).data(256): page.catalog_table.item(r, COL_SPEED).text()
                   for r in range(page.catalog_table.rowCount())}
         assert set(speeds.values()) == {"benchmark needed"} and "Benchmark needed" in page.profile_label.text()
 
@@ -259,9 +259,31 @@ def test_fit_and_speed_columns_follow_the_hardware_profile(
         expected = planner.predict_pair(load_profile(), catalog.find(STARTER), None)
         row = next(r for r in range(page.catalog_table.rowCount())
                    if page.catalog_table.item(r, 0).data(256) == "starter")
-        assert page.catalog_table.item(row, 4).text() == {"fits": "Fits", "slow": "Slow", "too big": "Too big"}[expected.fit]
-        assert page.catalog_table.item(row, 5).text().endswith("tok/s")
+        assert page.catalog_table.item(row, COL_FIT).text() == {"fits": "Fits", "slow": "Slow", "too big": "Too big"}[expected.fit]
+        assert page.catalog_table.item(row, COL_SPEED).text().endswith("tok/s")
         assert "CPU:" in page.profile_label.text()
+    finally:
+        page.shutdown()
+
+
+def test_each_pair_shows_its_target_format_and_source(
+    qtbot: QtBot, prefs_store: PreferencesStore, hub: HubServer, download_settings: DownloadSettings,
+) -> None:
+    page = make_page(qtbot, prefs_store, hub, download_settings)
+    try:
+        table = page.catalog_table
+        assert [table.horizontalHeaderItem(c).text() for c in range(table.columnCount())] == list(CATALOG_COLUMNS)
+        column = CATALOG_COLUMNS.index("Format")
+        cells = {table.item(r, 0).data(256): table.item(r, column) for r in range(table.rowCount())}
+        gguf = cells["llama-3.3-70b-q4_k_m+1b"]
+        assert gguf.text() == "GGUF Q4_K_M"
+        assert gguf.toolTip() == "bartowski/Llama-3.3-70B-Instruct-GGUF:Llama-3.3-70B-Instruct-Q4_K_M.gguf"
+        assert cells["llama-3.1-70b-awq+1b"].text() == cells["qwen2.5-72b-awq+0.5b"].text() == "AWQ INT4"
+        assert cells["llama-3.3-70b+1b"].text() == "BF16" and cells["llama-3.3-70b-4bit+1b"].text() == "bnb NF4"
+        download = table.item(next(r for r in range(table.rowCount())
+                                   if table.item(r, 0).data(256) == "llama-3.3-70b-q4_k_m+1b"),
+                              CATALOG_COLUMNS.index("Download"))
+        assert download.text() == "45.0 GB"  # 42.5 GB file + 2.5 GB draft
     finally:
         page.shutdown()
 

@@ -59,3 +59,27 @@ def test_import_via_cli(tmp_path: Path, models_dir: Path, capsys: pytest.Capture
     gguf.write_bytes(b"GGUF" + bytes(10))
     assert run(["models", "import", str(gguf), "--models-dir", str(models_dir)]) == 0
     assert capsys.readouterr().out.strip().endswith("x.gguf")
+
+
+def test_list_shows_each_catalog_format_and_a_gguf_entry_only_when_its_file_is_here(
+    hub: HubServer, models_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    repo, name = "bartowski/Llama-3.3-70B-Instruct-GGUF", "Llama-3.3-70B-Instruct-Q4_K_M.gguf"
+    hub.add_repo(FakeRepo(repo, {name: b"GGUF" + bytes(300), "Llama-3.3-70B-Instruct-Q2_K.gguf": b"GGUF" + bytes(200)}))
+    # Another quantisation of the entry's repo is downloaded: the entry itself is not here.
+    assert run(["models", "download", f"{repo}:Llama-3.3-70B-Instruct-Q2_K.gguf", "--models-dir", str(models_dir)]) == 0
+    capsys.readouterr()
+    assert run(["models", "list", "--json", "--models-dir", str(models_dir)]) == 0
+    catalog = {m["id"]: m for m in json.loads(capsys.readouterr().out)["catalog"]}
+    gguf, awq = catalog["llama-3.3-70b-instruct-q4_k_m"], catalog["llama-3.1-70b-instruct-awq-int4"]
+    assert (gguf["format"], gguf["prequantised"], gguf["file"], gguf["local"]) == ("GGUF Q4_K_M", "gguf", name, False)
+    assert (awq["format"], awq["prequantised"], awq["file"]) == ("AWQ INT4", "awq", None)
+
+    assert run(["models", "download", "llama-3.3-70b-instruct-q4_k_m", "--models-dir", str(models_dir)]) == 0
+    capsys.readouterr()
+    assert run(["models", "list", "--models-dir", str(models_dir)]) == 0
+    lines = {line.split()[0].lstrip("*"): line for line in capsys.readouterr().out.splitlines()
+             if line.startswith((" *", "  ")) and "B  " in line}
+    assert lines["llama-3.3-70b-instruct-q4_k_m"].startswith(" *") and "GGUF Q4_K_M" in lines["llama-3.3-70b-instruct-q4_k_m"]
+    assert "AWQ INT4" in lines["llama-3.1-70b-instruct-awq-int4"] and "42.5 GB" in lines["llama-3.3-70b-instruct-q4_k_m"]
+    assert "BF16" in lines["llama-3.3-70b-instruct"] and not lines["llama-3.3-70b-instruct"].startswith(" *")

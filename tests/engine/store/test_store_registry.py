@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -47,6 +48,54 @@ def test_catalog_is_consistent() -> None:
     # Targets and drafts of one family may differ in (padded) embedding rows.
     qwen = catalog.pair("qwen2.5-72b+0.5b")
     assert catalog.find(qwen.target).vocab_rows != catalog.find(qwen.draft).vocab_rows
+    # Targets published smaller than their 16-bit weights: one GGUF file, AWQ shards.
+    formats = {catalog.find(p.target).format_label for p in catalog.pairs}
+    assert {"GGUF Q4_K_M", "AWQ INT4"} <= formats
+    for model in catalog.models:
+        if model.gguf_file or model.prequantised == "awq":
+            full = next(m for m in catalog.models if m.prequantised is None and m.parameters == model.parameters)
+            assert model.download_bytes < full.download_bytes / 3  # the reason the entry exists
+            need = {m.quantisation: m for m in model.memory}[model.dtype.partition("-")[2] if model.gguf_file
+                                                              else "awq-int4"]
+            assert need.ram_gb == pytest.approx(model.download_bytes / 1e9 + 2, abs=0.06)  # kept packed in RAM
+    assert catalog.find("llama-3.3-70b-instruct-q4_k_m").files == ("Llama-3.3-70B-Instruct-Q4_K_M.gguf",)
+
+
+def mutate(raw: dict, model_id: str | None = None, pair_id: str | None = None, **changes: object) -> dict:
+    """A copy of the shipped catalog with one entry's (or one pair's) fields replaced."""
+    raw = json.loads(json.dumps(raw))
+    items = raw["models"] if model_id else raw["pairs"]
+    entry = next(e for e in items if e["id"] == (model_id or pair_id))
+    entry.update(changes)
+    return raw
+
+
+GGUF_ID, AWQ_ID = "llama-3.3-70b-instruct-q4_k_m", "llama-3.1-70b-instruct-awq-int4"
+
+
+@pytest.mark.parametrize(("model_id", "pair_id", "changes", "message"), [
+    (GGUF_ID, None, {"files": ["Llama-3.3-70B-Instruct-Q4_K_M.gguf", "Llama-3.3-70B-Instruct-Q4_K_S.gguf"]},
+     "only its one .gguf file"),
+    (GGUF_ID, None, {"files": ["Llama-3.3-70B-Instruct-Q4_K_M.gguf", "config.json"]}, "only its one .gguf file"),
+    (GGUF_ID, None, {"files": ["*Q4_K_M.gguf"]}, "not one whole top-level .gguf"),
+    (GGUF_ID, None, {"files": ["Q8_0/Llama-3.3-70B-Instruct-Q8_0.gguf"]}, "not one whole top-level .gguf"),
+    (GGUF_ID, None, {"files": ["Llama-3.3-70B-Instruct-Q8_0-00001-of-00002.gguf"]}, "not one whole top-level .gguf"),
+    (GGUF_ID, None, {"prequantised": None}, "prequantised 'gguf'"),
+    (GGUF_ID, None, {"shards": 2}, "1 shard"),
+    (AWQ_ID, None, {"files": ["model-*.safetensors", "tokenizer.json"]}, "config.json and its .safetensors"),
+    (AWQ_ID, None, {"dtype": "bfloat16"}, "dtype 'awq-<bits>'"),
+    (None, "llama-3.3-70b-q4_k_m+1b", {"draft": "qwen2.5-0.5b-instruct"}, "template is 'llama3'"),
+    (None, "qwen2.5-72b-awq+0.5b", {"draft": "smollm2-135m-instruct"}, "152064 embedding rows"),
+    (None, "llama-3.1-70b-awq+1b", {"target": "llama-3.2-1b-instruct", "draft": AWQ_ID}, "role"),
+])
+def test_a_malformed_catalog_entry_or_pair_is_refused_by_name(
+    tmp_path: Path, model_id: str | None, pair_id: str | None, changes: dict, message: str,
+) -> None:
+    bad = tmp_path / "catalog.json"
+    bad.write_text(json.dumps(mutate(json.loads(DEFAULT_CATALOG_PATH.read_text()), model_id, pair_id, **changes)))
+    with pytest.raises(UnsupportedModel, match=re.escape(message)) as caught:
+        load_catalog(bad)
+    assert repr(model_id or pair_id) in caught.value.user_message
 
 
 def test_catalog_schema_mismatch_is_a_clear_error(tmp_path: Path) -> None:
