@@ -6,11 +6,14 @@ nodes by the product of these chances along their path (the expected number of a
 tokens is 1 + the sum of those products), stops when the next draft pass cannot add enough
 of them, and the planner prices budgets with them. Two kinds of evidence:
 
-- draft nodes: the draft's probability q of the node's token at its parent. The chance of
-  acceptance is a monotone function f(q), near q under sampling (the draft imitates the
-  target's processed distribution), steeper under greedy decoding (a token the draft gives
-  0.6 is the target's argmax more often than 60 % of the time). f is learned per bin of
-  log q, pulled towards f(q) = q by a prior of PRIOR_WEIGHT observations.
+- draft nodes: the draft's probability q of the node's token at its parent, and the token's
+  rank among its siblings in the draft's distribution (its top-1, its second, or lower). The
+  chance of acceptance is a monotone function f_rank(q), near q under sampling (the draft
+  imitates the target's processed distribution), steeper under greedy decoding (a token the
+  draft gives 0.6 is the target's argmax more often than 60 % of the time). The rank matters
+  most when greedy: at the same q = 0.3, the draft's first choice is the target's argmax far
+  more often than its second (whose first has at least 0.3 too). Each f_rank is learned per
+  bin of log q, pulled towards f(q) = q by a prior of PRIOR_WEIGHT observations.
 - context nodes (a continuation copied from earlier text, context.py) the draft has not read:
   a function g(L) of the length L of the match that proposed them, learned the same way from
   a weak prior. Once the draft has scored one, its own calibration by log q takes over (a
@@ -39,6 +42,7 @@ from engine.types import SamplingSettings
 LOGQ_EDGES = (-0.05, -0.15, -0.3, -0.5, -0.75, -1.0, -1.5, -2.0, -3.0, -4.5)
 # bins of match length (context nodes): 1, 2, 3, 4-5, 6-8, 9-15, 16+
 MATCH_EDGES = (2, 3, 4, 6, 9, 16)
+RANKS = 3  # rank classes of draft nodes: the draft's first choice, its second, any lower
 PRIOR_WEIGHT = 2.0  # pseudo-observations behind each bin's prior
 DECAY = 0.995  # per verified pass: the last few hundred passes count
 FLOOR = 1e-4  # no node is ever certain to be rejected (keeps log finite)
@@ -113,10 +117,11 @@ CONTEXT_PRIOR = [0.1, 0.2, 0.3, 0.4, 0.5, 0.55, 0.6]  # a weak start, learned aw
 
 
 class AcceptanceModel:
-    """The calibrators of one regime: draft nodes by log q, context nodes by match length."""
+    """The calibrators of one regime: draft nodes by rank class and log q, context nodes by
+    match length."""
 
     def __init__(self) -> None:
-        self.draft = Calibrator(_logq_prior())
+        self.draft = [Calibrator(_logq_prior()) for _ in range(RANKS)]
         self.backed = Calibrator(_logq_prior())  # draft-scored nodes that are also context candidates
         self.context = Calibrator(list(CONTEXT_PRIOR))
         self._logq_edges = torch.tensor(LOGQ_EDGES)
@@ -129,14 +134,17 @@ class AcceptanceModel:
     def match_bins(self, match: torch.Tensor) -> torch.Tensor:
         return torch.bucketize(match.cpu(), self._match_edges, right=True)
 
-    def log_accept(self, logq: torch.Tensor, match: torch.Tensor) -> torch.Tensor:
+    def log_accept(self, logq: torch.Tensor, match: torch.Tensor, rank: torch.Tensor | None = None) -> torch.Tensor:
         """(n,) log chance that each node is accepted given its parent is: from its draft log q
-        when the draft has scored it (NaN: not scored; calibrated apart for context-backed
-        tokens, match > 0), else from its context match length (0: not a context node)."""
+        and rank (0 = the draft's first choice; None: all first choices) when the draft has
+        scored it (NaN: not scored; context-backed tokens, match > 0, are calibrated apart),
+        else from its context match length (0: not a context node)."""
         logq_c, match_c = logq.cpu(), match.cpu()
+        cls = torch.zeros(logq_c.shape, dtype=torch.long) if rank is None else rank.cpu().clamp(0, RANKS - 1)
         out = torch.full(logq.shape, math.log(FLOOR), dtype=torch.float64)
         has_q = ~torch.isnan(logq_c)
-        for which, table in ((has_q & (match_c == 0), self.draft), (has_q & (match_c > 0), self.backed)):
+        groups = [(has_q & (match_c == 0) & (cls == r), self.draft[r]) for r in range(RANKS)]
+        for which, table in (*groups, (has_q & (match_c > 0), self.backed)):
             if bool(which.any()):
                 x = logq_c[which].double().clamp(min=-60.0)
                 out[which] = _interpolate(x, self._centres, table.table().log())
@@ -145,11 +153,14 @@ class AcceptanceModel:
             out[only_m] = self.context.table()[self.match_bins(match_c[only_m])].log()
         return out.to(torch.float32).to(logq.device)
 
-    def observe(self, logq: torch.Tensor, match: torch.Tensor, accepted: torch.Tensor) -> None:
+    def observe(self, logq: torch.Tensor, match: torch.Tensor, rank: torch.Tensor, accepted: torch.Tensor) -> None:
         """Labels of nodes whose parent was on the accepted path."""
         logq, match, accepted = logq.cpu(), match.cpu(), accepted.cpu()
+        cls = rank.cpu().clamp(0, RANKS - 1)
         has_q, has_m = ~torch.isnan(logq), match > 0
-        self.draft.observe(self.draft_bins(logq[has_q & ~has_m]), accepted[has_q & ~has_m])
+        for r, table in enumerate(self.draft):
+            which = has_q & ~has_m & (cls == r)
+            table.observe(self.draft_bins(logq[which]), accepted[which])
         self.backed.observe(self.draft_bins(logq[has_q & has_m]), accepted[has_q & has_m])
         self.context.observe(self.match_bins(match[has_m]), accepted[has_m])
 

@@ -40,7 +40,7 @@ def all_paths(draft: LoadedModel, prompt: list[int], spec: SpeculationSettings, 
                 logits = draft.model.hf_model(torch.tensor([prompt + list(path)])).logits[0, -1:, :vocab_limit]
             q = process_logits(logits.float(), scoring)[0]  # (V,)
             lp, tok = torch.topk(q, spec.branching)
-            accept = model.log_accept(lp, torch.zeros_like(tok))
+            accept = model.log_accept(lp, torch.zeros_like(tok), torch.arange(tok.shape[0]))
             for p, a, t in zip(lp.tolist(), accept.tolist(), tok.tolist()):
                 if math.isfinite(p):
                     batch.append((path + (t,), score + a))
@@ -64,14 +64,36 @@ def grown_paths(draft: LoadedModel, prompt: list[int], spec: SpeculationSettings
     return out
 
 
+def ranked_model() -> AcceptanceModel:
+    """An acceptance model taught that at the same draft probability the draft's first choice is
+    accepted far more often than its second or third (as under greedy decoding)."""
+    model = AcceptanceModel()
+    q = torch.linspace(-4.0, 0.0, 60).repeat(3)
+    rank = torch.arange(3).repeat_interleave(60)
+    for _ in range(20):
+        accepted = torch.rand(180, generator=torch.Generator().manual_seed(_)) < q.exp() * (1.0 - 0.6 * rank.clamp(max=1))
+        model.observe(q, torch.zeros(180, dtype=torch.long), rank, accepted)
+    return model
+
+
+def test_acceptance_is_learned_per_rank() -> None:
+    model = ranked_model()
+    at = torch.full((3,), math.log(0.5))
+    first, second, third = model.log_accept(at, torch.zeros(3, dtype=torch.long), torch.arange(3)).exp().tolist()
+    assert first > 0.35 and second < 0.3 and third < 0.3 and first > 1.8 * max(second, third)
+    # without a rank every scored node counts as a first choice
+    assert model.log_accept(at, torch.zeros(3, dtype=torch.long)).exp().tolist() == pytest.approx([first] * 3)
+
+
 @pytest.mark.parametrize("sampling", [SamplingSettings(), SamplingSettings(temperature=0.8, top_p=0.95, seed=1)],
                          ids=["greedy", "sampled"])
+@pytest.mark.parametrize("taught", [False, True], ids=["prior", "by-rank"])
 def test_grow_tree_keeps_the_budget_most_likely_nodes(tiny_close_draft: LoadedModel,
-                                                      sampling: SamplingSettings) -> None:
+                                                      sampling: SamplingSettings, taught: bool) -> None:
     prompt = tiny_close_draft.tokenizer(PROMPT)["input_ids"]
     vocab = len(tiny_close_draft.tokenizer)
     spec = SpeculationSettings(budget=30, max_depth=4, branching=3, expand_per_pass=200, min_pass_gain=0.0)
-    model = AcceptanceModel()
+    model = ranked_model() if taught else AcceptanceModel()
     reference = all_paths(tiny_close_draft, prompt, spec, sampling, vocab, model)
     best = sorted(reference, key=reference.__getitem__, reverse=True)[: spec.budget]
     grown = grown_paths(tiny_close_draft, prompt, spec, sampling, vocab, model)
