@@ -27,8 +27,8 @@ Survivors are kept in creation order, which is parent-before-child; re-sorting b
 that order and with it the verification pass.
 
 The draft's K/V for every node it reads is appended to its cache; `DraftTrace.slots` records
-where, so the caller can keep the accepted path's entries and drop the rest. `DraftTrace.logq`
-and `.match` keep each node's evidence, which the engine labels after verification to
+where, so the caller can keep the accepted path's entries and drop the rest. `DraftTrace.logq`,
+`.logq_t` and `.match` keep each node's evidence, which the engine labels after verification to
 calibrate the acceptance model.
 """
 
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.decoding.acceptance import AcceptanceModel
+from engine.decoding.acceptance import TAUS, AcceptanceModel, log_z, tempered
 from engine.decoding.sampling import process_logits
 from engine.decoding.sequoia import StaticTree
 from engine.decoding.tree import Tree, ancestor_mask
@@ -59,6 +59,7 @@ class DraftTrace:
     seconds: float
     logq: torch.Tensor  # (N,) draft log-probability of each node's token at its parent; NaN if unscored
     match: torch.Tensor  # (N,) long: match length of a context candidate, 0 for draft-only nodes
+    logq_t: torch.Tensor  # (N, len(TAUS)): log q of the node's token at its parent at each draft temperature; NaN if unscored
 
 
 def scoring_distribution(sampling: SamplingSettings) -> SamplingSettings:
@@ -136,6 +137,7 @@ def grow_tree(
     for i in range(1, tokens.shape[0]):
         depths[i] = depths[parents[i]] + 1
     logq = torch.full((tokens.shape[0],), math.nan, device=device)
+    logq_t = torch.full((tokens.shape[0], len(TAUS)), math.nan, device=device)
     slots = torch.full((tokens.shape[0],), -1, dtype=torch.long, device=device)
     passes = 0
     to_expand = torch.tensor([0], device=device)
@@ -151,12 +153,14 @@ def grow_tree(
         if expand_hidden is not None:  # children of the nodes just read
             assert draft is not None
             q = process_logits(draft.logits(expand_hidden)[:, :vocab_limit], scoring)  # (m, V)
+            lz = log_z(q)  # (m, len(TAUS))
             row_of = torch.full((n_old,), -1, dtype=torch.long, device=device)
             row_of[to_expand] = torch.arange(to_expand.shape[0], device=device)
             seeded = (row_of[parents.clamp(min=0)] >= 0) & (parents >= 0) & torch.isnan(logq)
             at = seeded.nonzero()[:, 0]  # context children of read nodes: the draft's view of them
             if at.numel():
                 logq[at] = q[row_of[parents[at]], tokens[at].clamp(max=q.shape[-1] - 1)]
+                logq_t[at] = tempered(logq[at], lz[row_of[parents[at]]])
             kk = min(k, q.shape[-1])
             child_lp, child_tok = torch.topk(q, kk, dim=-1)  # (m, kk)
             existing = (parents[:, None] == to_expand[None]) & seeded[:, None]  # (N, m)
@@ -170,9 +174,10 @@ def grow_tree(
             parents = torch.cat([parents, new_parent])
             depths = torch.cat([depths, depths[new_parent] + 1])
             logq = torch.cat([logq, child_lp[is_new].float()])
+            logq_t = torch.cat([logq_t, tempered(child_lp[is_new], lz[:, None, :].expand(-1, kk, -1)[is_new])])
             match = torch.cat([match, torch.zeros_like(new_parent)])
             slots = torch.cat([slots, torch.full_like(new_parent, -1)])
-        score = _scores(model.log_accept(logq, match), parents, depths)
+        score = _scores(model.log_accept(logq, match, logq_t), parents, depths)
         score[0] = 0.0
 
         # keep the root and the `budget` best other nodes, in creation order
@@ -187,8 +192,8 @@ def grow_tree(
             new_parents[1:] = index[new_parents[1:]]
             assert bool((new_parents[1:] >= 0).all()), "a kept node lost its parent"
             added = int((keep >= n_old).sum())
-            tokens, parents, depths, logq, match, slots, score = (
-                tokens[keep], new_parents, depths[keep], logq[keep], match[keep], slots[keep], score[keep])
+            tokens, parents, depths, logq, match, logq_t, slots, score = (
+                tokens[keep], new_parents, depths[keep], logq[keep], match[keep], logq_t[keep], slots[keep], score[keep])
         full = tokens.shape[0] - 1 >= budget
 
         if draft is None or passes > max_depth or (full and added == 0 and expand_hidden is not None):
@@ -206,7 +211,8 @@ def grow_tree(
         passes += 1
 
     tree = Tree(tokens=tokens, parents=parents, depths=depths, logp=score)
-    return DraftTrace(tree=tree, slots=slots, passes=passes, seconds=time.perf_counter() - t0, logq=logq, match=match)
+    return DraftTrace(tree=tree, slots=slots, passes=passes, seconds=time.perf_counter() - t0, logq=logq, match=match,
+                      logq_t=logq_t)
 
 
 def top_nodes(trace: DraftTrace, count: int) -> DraftTrace:
@@ -224,7 +230,8 @@ def top_nodes(trace: DraftTrace, count: int) -> DraftTrace:
     parents[1:] = index[parents[1:]]
     assert bool((parents[1:] >= 0).all()), "a kept node lost its parent"
     cut = Tree(tokens=tree.tokens[keep], parents=parents, depths=tree.depths[keep], logp=tree.logp[keep])
-    return DraftTrace(cut, trace.slots[keep], trace.passes, trace.seconds, trace.logq[keep], trace.match[keep])
+    return DraftTrace(cut, trace.slots[keep], trace.passes, trace.seconds, trace.logq[keep], trace.match[keep],
+                      trace.logq_t[keep])
 
 
 def _depth(parents: list[int], i: int) -> int:
@@ -305,4 +312,6 @@ def grow_static_tree(
         expand_hidden = _read_nodes(draft, cache, tokens, parents, depths, slots, expand, root_pos, shape.max_depth)
         passes += 1
     tree = Tree(tokens=tokens, parents=parents, depths=depths, logp=logp)
-    return DraftTrace(tree=tree, slots=slots, passes=passes, seconds=time.perf_counter() - t0, logq=torch.full((n,), math.nan, device=device), match=torch.zeros(n, dtype=torch.long, device=device))
+    return DraftTrace(tree=tree, slots=slots, passes=passes, seconds=time.perf_counter() - t0,
+                      logq=torch.full((n,), math.nan, device=device), match=torch.zeros(n, dtype=torch.long, device=device),
+                      logq_t=torch.full((n, len(TAUS)), math.nan, device=device))

@@ -399,7 +399,7 @@ def _teach(model: AcceptanceModel, trace: DraftTrace, path: list[int], chosen: l
     kids = (tree.parents >= 0).nonzero()[:, 0]
     kids = kids[choice[tree.parents[kids]] >= 0]
     if kids.numel():
-        model.observe(trace.logq[kids], trace.match[kids], tree.tokens[kids] == choice[tree.parents[kids]])
+        model.observe(trace.logq[kids], trace.match[kids], trace.logq_t[kids], tree.tokens[kids] == choice[tree.parents[kids]])
 
 
 def prefill(model: CausalLM, cache: KVCache, ids: list[int], leave_room: int | None = None,

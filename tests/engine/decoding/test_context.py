@@ -99,6 +99,7 @@ def test_a_candidate_the_draft_also_proposes_is_one_node(tiny_close_draft: Loade
     assert len(shared) == 2
     for i in shared:  # the draft read the root, so it scored both candidates: both kinds of evidence
         assert int(trace.match[i]) > 0 and torch.isfinite(trace.logq[i])
+        assert bool(torch.isfinite(trace.logq_t[i]).all())
 
 
 EDIT_PROMPT = ("Fix the typos in this paragraph and return it unchanged otherwise:\n\n"

@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from engine.decoding.acceptance import AcceptanceModel
+from engine.decoding.acceptance import AcceptanceModel, log_z, tempered
 from engine.decoding.drafting import grow_tree, scoring_distribution
 from engine.decoding.generation import prefill
 from engine.decoding.sampling import process_logits
@@ -40,7 +40,7 @@ def all_paths(draft: LoadedModel, prompt: list[int], spec: SpeculationSettings, 
                 logits = draft.model.hf_model(torch.tensor([prompt + list(path)])).logits[0, -1:, :vocab_limit]
             q = process_logits(logits.float(), scoring)[0]  # (V,)
             lp, tok = torch.topk(q, spec.branching)
-            accept = model.log_accept(lp, torch.zeros_like(tok))
+            accept = model.log_accept(lp, torch.zeros_like(tok), tempered(lp, log_z(q[None]).expand(lp.shape[0], -1)))
             for p, a, t in zip(lp.tolist(), accept.tolist(), tok.tolist()):
                 if math.isfinite(p):
                     batch.append((path + (t,), score + a))
@@ -64,14 +64,43 @@ def grown_paths(draft: LoadedModel, prompt: list[int], spec: SpeculationSettings
     return out
 
 
+def taught_model(tau: float = 0.5, seed: int = 0) -> AcceptanceModel:
+    """An acceptance model taught by a target that picks its token from the draft's distribution
+    at temperature `tau` (as greedy decoding of a close target looks): each pass labels the draft's
+    top 4 tokens at 30 random parents."""
+    g = torch.Generator().manual_seed(seed)
+    model = AcceptanceModel()
+    for _ in range(40):
+        q = torch.log_softmax(torch.randn(30, 50, generator=g) * 2.0, dim=-1)
+        picked = torch.multinomial(torch.softmax(q / tau, dim=-1), 1, generator=g)  # (30, 1)
+        lp, tok = torch.topk(q, 4, dim=-1)
+        lt = tempered(lp.reshape(-1), log_z(q).repeat_interleave(4, dim=0))
+        model.observe(lp.reshape(-1), torch.zeros(120, dtype=torch.long), lt, (tok == picked).reshape(-1))
+    return model
+
+
+@pytest.mark.parametrize("tau", [0.5, 1.0])
+def test_the_draft_temperature_is_learned_from_labels(tau: float) -> None:
+    model = taught_model(tau)
+    assert model.tau == tau
+    q = torch.log_softmax(torch.tensor([[2.0, 1.0, 0.0, -1.0]]), dim=-1)[0]
+    lt = tempered(q, log_z(q[None]).expand(4, -1))
+    got = model.log_accept(q, torch.zeros(4, dtype=torch.long), lt).exp()
+    assert torch.allclose(got, torch.softmax(q / tau, dim=-1), atol=1e-5)
+    # the draft's own order is kept; a node without tempered values counts at tau = 1
+    assert got.argsort(descending=True).tolist() == [0, 1, 2, 3]
+    assert torch.allclose(model.log_accept(q, torch.zeros(4, dtype=torch.long)).exp(), q.exp(), atol=1e-6)
+
+
 @pytest.mark.parametrize("sampling", [SamplingSettings(), SamplingSettings(temperature=0.8, top_p=0.95, seed=1)],
                          ids=["greedy", "sampled"])
+@pytest.mark.parametrize("taught", [False, True], ids=["tau=1", "tau=0.5"])
 def test_grow_tree_keeps_the_budget_most_likely_nodes(tiny_close_draft: LoadedModel,
-                                                      sampling: SamplingSettings) -> None:
+                                                      sampling: SamplingSettings, taught: bool) -> None:
     prompt = tiny_close_draft.tokenizer(PROMPT)["input_ids"]
     vocab = len(tiny_close_draft.tokenizer)
     spec = SpeculationSettings(budget=30, max_depth=4, branching=3, expand_per_pass=200, min_pass_gain=0.0)
-    model = AcceptanceModel()
+    model = taught_model() if taught else AcceptanceModel()
     reference = all_paths(tiny_close_draft, prompt, spec, sampling, vocab, model)
     best = sorted(reference, key=reference.__getitem__, reverse=True)[: spec.budget]
     grown = grown_paths(tiny_close_draft, prompt, spec, sampling, vocab, model)
