@@ -15,8 +15,9 @@ of them, and the planner prices budgets with them. Two kinds of evidence:
   while keeping every node's place in the draft's own order. One parameter learned from
   hundreds of labels a minute is a low-variance estimate; an earlier per-bin (isotonic) fit of
   f(q) predicted the mean acceptance as well but ranked nodes worse (ties within a bin, noise
-  between bins): at budget 256 on the 4 tuning prompts it gave 6.25 tokens per pass, a fixed
-  tau = 0.7 without calibration 6.90, the learned tau (tau = 0.5-0.7 when greedy) 6.9x.
+  between bins): at budget 256 on the 4 tuning prompts (greedy, one engine) it gave 6.25
+  tokens per pass, the hand-set tau = 0.7 of earlier versions 6.90, the learned tau 6.67 (it
+  learns tau = 0.7 there; the first prompt runs at the starting tau = 1 until labels arrive).
 - context nodes (a continuation copied from earlier text, context.py) the draft has not read:
   a function g(L) of the length L of the match that proposed them, learned the same way from
   a weak prior. Once the draft has scored one, its own calibration by log q takes over (a
