@@ -2,9 +2,9 @@
 Sequoia trees (grow_static_tree).
 
 A node's score is the log of the estimated chance that the target accepts the path to it: the
-sum along the path of each node's calibrated acceptance (acceptance.py: from the draft's
-probability of its token, and for context candidates from the length of the match that
-proposed them). The expected tokens of one target pass are 1 + the sum of exp(score) over the
+sum along the path of each node's calibrated acceptance (acceptance.py: the draft's
+probability of its token at a learned draft temperature, and for context candidates the
+length of the match that proposed them). The expected tokens of one target pass are 1 + the sum of exp(score) over the
 nodes, so the tree we want holds the B best-scoring nodes. We grow it best-first, in batches:
 
   pass 0   the draft reads its pending tokens (committed tokens it has not seen, the root
