@@ -76,7 +76,8 @@ class ApiCall(threading.Thread):
 
 def test_the_api_and_the_chat_take_turns_on_the_one_engine(qtbot: QtBot, open_window, chat_prefs: PreferencesStore,
                                                            tiny_target_path: Path) -> None:
-    chat_prefs.update(server_enabled=True, server_port=0, server_api_key=KEY)
+    # a chat answer long enough to still be running when the API request arrives (Esc ends it)
+    chat_prefs.update(server_enabled=True, server_port=0, server_api_key=KEY, max_new_tokens=4000)
     window = open_window(chat_prefs)
     api, chat = window.api, window.chat
     statuses: list[str] = []
