@@ -10,20 +10,20 @@ from __future__ import annotations
 import json
 import logging
 import math
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from engine.errors import UnsupportedModel
 from engine.paths import resource
+from engine.store.gguf_header import (
+    SPLIT_NAME,  # a catalog entry is one whole file, never a part
+)
 from engine.types import LayerShape, ModelShape
 
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
-# A split GGUF's parts (llama.cpp's gguf-split names): one catalog entry is one loadable file.
-_SPLIT_GGUF = re.compile(r"-\d{5}-of-\d{5}\.gguf$")
 # Display names of the weight formats (CatalogModel.dtype), for lists and tables.
 _FORMAT_LABELS = {"bfloat16": "BF16", "float16": "FP16", "bnb-nf4": "bnb NF4"}
 _SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_kv_heads", "head_dim")
@@ -206,7 +206,7 @@ def _check_files(model: CatalogModel, source: Path) -> None:
         name = ggufs[0]
         if len(model.files) != 1:
             raise bad(f"a GGUF entry lists only its one .gguf file, not {len(model.files)} files")
-        if any(c in name for c in "*?[]/\\") or _SPLIT_GGUF.search(name):
+        if any(c in name for c in "*?[]/\\") or SPLIT_NAME.match(name):
             raise bad(f"{name!r} is not one whole top-level .gguf file (a pattern, a sub-folder or a split part)")
         if model.prequantised != "gguf" or not model.dtype.startswith("gguf-") or model.shards != 1:
             raise bad("a GGUF entry has prequantised 'gguf', a dtype 'gguf-<type>' and 1 shard")
