@@ -139,7 +139,6 @@ class AcceptanceModel:
     def __init__(self) -> None:
         # decayed log-likelihood of the labels under each tau; a faint start at tau = 1
         self.tau_ll = torch.tensor([1e-3 if t == 1.0 else 0.0 for t in TAUS], dtype=torch.float64)
-        self.tau_labels = 0.0
         self.backed = Calibrator(_logq_prior())  # draft-scored nodes that are also context candidates
         self.context = Calibrator(list(CONTEXT_PRIOR))
         self._logq_edges = torch.tensor(LOGQ_EDGES)
@@ -186,7 +185,6 @@ class AcceptanceModel:
         p = logq_t.cpu()[plain].double().exp().clamp(FLOOR, 1.0 - FLOOR)  # (n, len(TAUS))
         hit = accepted[plain].double()[:, None]
         self.tau_ll = self.tau_ll * DECAY + (hit * p.log() + (1.0 - hit) * (-p).log1p()).sum(0)
-        self.tau_labels = self.tau_labels * DECAY + float(plain.sum())
         self.backed.observe(self.draft_bins(logq[has_q & has_m]), accepted[has_q & has_m])
         self.context.observe(self.match_bins(match[has_m]), accepted[has_m])
 
