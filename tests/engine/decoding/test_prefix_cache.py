@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.decoding import prefix_cache
 from engine.decoding.generation import Engine
 from engine.decoding.pair import cache_files
 from engine.loading.load import LoadedModel, load_model
@@ -129,6 +130,24 @@ def test_another_conversation_gets_a_copy_and_the_first_keeps_its_cache(tiny_tar
     a2 = answer(engine, history, conversation="a")
     assert a2.stats.cached_tokens >= a1.stats.prompt_tokens  # conversation a kept all of its cache
     assert {p.conversation for p in engine.prefixes._parked} == {"a", "b"}
+
+
+def test_repeated_stateless_requests_keep_a_bounded_pool_and_the_least_recent_go_to_disk(
+        tiny_target: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """API clients repeat one prompt without a conversation key: each request copies the match
+    and parks its own prefix, so without a cap on their number every request would scan a longer
+    list (and hold more memory) than the last."""
+    monkeypatch.setattr(prefix_cache, "MAX_PARKED", 3)
+    settings = CacheSettings(min_saved_tokens=8, disk_dir=str(tmp_path / "kv"))
+    engine = Engine(tiny_target.model, tiny_target.tokenizer, None, settings,
+                    cache_files(settings, tiny_target.model, None))
+    messages = (SYSTEM, Message("user", TURNS[0]))
+    answers = [answer(engine, messages, conversation=None, sampling=SamplingSettings(temperature=1.0, seed=i))
+               for i in range(6)]
+    assert len(engine.prefixes) == 3
+    assert tuple(engine.prefixes._parked[-1].tokens[-len(answers[-1].token_ids):]) == tuple(answers[-1].token_ids)
+    assert all(a.stats.cached_tokens > 5 for a in answers[1:])  # each still reuses the shared prompt
+    assert len(list((tmp_path / "kv").rglob("*.safetensors"))) >= 1  # the evicted ones were long enough to save
 
 
 def test_over_the_ram_budget_a_conversation_goes_to_disk_and_comes_back(
