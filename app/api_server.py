@@ -19,7 +19,6 @@ import logging
 import queue
 import threading
 from collections.abc import Iterator
-from dataclasses import replace
 
 from PySide6.QtCore import QObject, Signal, Slot
 from PySide6.QtWidgets import QLabel
@@ -35,7 +34,6 @@ from engine.types import (
     Completion,
     GenerationRequest,
     LoadProgress,
-    SpeculationSettings,
     TokenEvent,
 )
 
@@ -79,17 +77,6 @@ def _events(mailbox: queue.Queue[object]) -> Iterator[TokenEvent | Completion]:
         yield item
         if isinstance(item, Completion):
             return
-
-
-def speculation_for(prefs: Preferences, plan: object | None) -> SpeculationSettings:
-    """The tree shape, as the chat uses it: the user's budget, or with budget 0 (auto) the
-    planner's budget, depth and mode (the engine's default budget without a plan)."""
-    spec = prefs.speculation()
-    if prefs.budget > 0 or plan is None:
-        return spec
-    if getattr(plan, "mode", "") == "autoregressive":
-        return replace(spec, mode="autoregressive")
-    return replace(spec, budget=int(plan.budget), max_depth=int(plan.max_depth))  # type: ignore[attr-defined]
 
 
 class ApiServer(QObject):
@@ -178,7 +165,7 @@ class ApiServer(QObject):
     def _update_defaults(self) -> None:
         prefs = self._prefs
         request = GenerationRequest(max_new_tokens=prefs.max_new_tokens, sampling=prefs.sampling(),
-                                    speculation=speculation_for(prefs, self._plan))
+                                    speculation=prefs.speculation_for(self._plan))
         self._defaults = RequestDefaults(request=request)  # read by the server's thread: replaced, never changed
 
     # ---- the model ------------------------------------------------------------------------------

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
 
 from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtWidgets import (
@@ -34,7 +33,6 @@ from engine.types import (
     GenerationRequest,
     Message,
     RemoteModel,
-    SpeculationSettings,
 )
 
 from .answer import Answer, length_note, message_meta
@@ -45,7 +43,7 @@ from .empty_state import EmptyState
 from .engine_picker import EnginePicker
 from .engine_worker import EngineHost
 from .markdown import MarkdownPalette
-from .preferences import Preferences, PreferencesStore
+from .preferences import PreferencesStore
 from .remote_engines import LOCAL, RemoteHost, parse_engines, resolve
 from .sidebar import Sidebar
 from .status import ErrorBanner, StatusBar
@@ -392,7 +390,7 @@ class ChatPage(QWidget):
             messages=self._history(),
             max_new_tokens=prefs.max_new_tokens,
             sampling=prefs.sampling(),
-            speculation=self._speculation(prefs),
+            speculation=prefs.speculation_for(self.plan),
             continue_final=resume is not None,
             conversation=f"conversation-{self.conversation_id}",  # its KV cache continues turn to turn
         )
@@ -414,17 +412,6 @@ class ChatPage(QWidget):
         self.sidebar.set_writing(self.conversation_id)
         self.sidebar.select(self.conversation_id)
         self._update_composer()
-
-    def _speculation(self, prefs: Preferences) -> SpeculationSettings:
-        """The tree shape: the user's budget, or with budget 0 (auto) the planner's budget, depth
-        and mode for this pair on this machine (the engine's default budget without a plan)."""
-        spec = prefs.speculation()
-        plan = self.plan
-        if prefs.budget > 0 or plan is None:
-            return spec
-        if getattr(plan, "mode", "") == "autoregressive":
-            return replace(spec, mode="autoregressive")
-        return replace(spec, budget=int(plan.budget), max_depth=int(plan.max_depth))  # type: ignore[attr-defined]
 
     def _on_worker_planned(self, plan: object) -> None:
         self.plan = plan

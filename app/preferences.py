@@ -102,12 +102,25 @@ class Preferences:
             seed=seed,
         )
 
-    def speculation(self, auto_budget: int | None = None) -> SpeculationSettings:
+    def speculation(self, auto_budget: int | None = None, switch_draft: bool = True) -> SpeculationSettings:
         """The tree shape. With budget 0 (automatic) the caller may pass the planner's budget
-        as `auto_budget`; without one the engine's default budget is used."""
+        as `auto_budget`; without one the engine's default budget is used. The engine turns the
+        draft off for a conversation where it is measured not to pay (`switch_draft`; the
+        wizard's calibration, which measures the trees, turns that off)."""
         default = SpeculationSettings()
         budget = self.budget if self.budget > 0 else (auto_budget or default.budget)
-        return replace(default, mode=self.tree_mode, budget=budget, max_depth=self.max_depth)  # type: ignore[arg-type]
+        return replace(default, mode=self.tree_mode, budget=budget, max_depth=self.max_depth,  # type: ignore[arg-type]
+                       switch_draft=switch_draft)
+
+    def speculation_for(self, plan: object | None) -> SpeculationSettings:
+        """The tree shape a chat or API request uses: the user's budget, or with budget 0 (auto)
+        the planner's budget, depth and mode (the engine's default budget without a plan)."""
+        spec = self.speculation()
+        if self.budget > 0 or plan is None:
+            return spec
+        if getattr(plan, "mode", "") == "autoregressive":
+            return replace(spec, mode="autoregressive")
+        return replace(spec, budget=int(plan.budget), max_depth=int(plan.max_depth))  # type: ignore[attr-defined]
 
     def load_settings(self) -> LoadSettings:
         return LoadSettings(

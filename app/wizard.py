@@ -455,7 +455,8 @@ class CalibrationPage(RunnerPage):
         self.result = None
         self._run(CalibrationRequest(
             target=target, draft=draft, load_settings=prefs.load_settings(),
-            speculation=prefs.speculation(auto_budget=option.budget), max_new_tokens=self._wizard.calibration_tokens,
+            speculation=prefs.speculation(auto_budget=option.budget, switch_draft=False),
+            max_new_tokens=self._wizard.calibration_tokens,
         ))
 
     def _done_text(self, result: object) -> str:

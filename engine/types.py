@@ -203,6 +203,11 @@ class SpeculationSettings:
         pays while its gain exceeds the expected tokens so far times its share of a step's time.
     draft: grow trees with the loaded draft model (False: context candidates alone; the
         planner turns the draft off where it does not pay).
+    switch_draft: the engine measures its steps with the draft's trees against steps without
+        them and turns the draft off for the conversation while it is the slower, measuring it
+        again every few hundred tokens (engine.decoding.costs.DraftSwitch). Off by default for
+        callers that measure trees (benchmarks, tests); the app, the CLI and the API server
+        turn it on.
     context: continuations copied from earlier in the text enter the tree (engine.decoding.context).
     context_candidates: how many distinct continuations enter at most.
     tree_mode: "specexec" grows the dynamic tree above; "sequoia" fills a static tree shape
@@ -219,6 +224,7 @@ class SpeculationSettings:
     expand_per_pass: int | None = None
     min_pass_gain: float | None = None
     draft: bool = True
+    switch_draft: bool = False
     context: bool = True
     context_candidates: int = 8
     tree_mode: TreeMode = "specexec"

@@ -182,7 +182,7 @@ def request(args: argparse.Namespace, setup: Setup, messages: tuple[Message, ...
                                 min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=seed)
     speculation = replace(SpeculationSettings(), mode=setup.mode or args.mode, budget=setup.budget,
                           max_depth=setup.max_depth or args.max_depth, tree_mode=args.tree,
-                          context=not args.no_context)
+                          context=not args.no_context, switch_draft=not args.keep_draft)
     return GenerationRequest(messages=messages, raw_prompt=raw_prompt, max_new_tokens=args.max_new_tokens,
                              stop=tuple(args.stop), sampling=sampling, speculation=speculation,
                              conversation=conversation)

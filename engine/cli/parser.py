@@ -127,6 +127,10 @@ def engine_options() -> argparse.ArgumentParser:
     decoding = common.add_argument_group("decoding")
     decoding.add_argument("--no-context", action="store_true",
                           help="no context candidates in the trees (continuations copied from earlier text)")
+    decoding.add_argument("--keep-draft", action="store_true",
+                          help="keep the draft on where its trees are measured slower than decoding without "
+                          "them (by default the engine turns it off for that conversation and tries it again "
+                          "every few hundred tokens)")
     decoding.add_argument("--mode", choices=("specexec", "autoregressive"), default=spec.mode,
                           help=f"decoding mode; autoregressive ignores --draft (default: {spec.mode})")
     decoding.add_argument("--budget", type=budget_value, default="auto", metavar="N|auto",

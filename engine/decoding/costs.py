@@ -72,3 +72,63 @@ class PassCosts:
             if rate > best_rate and math.isfinite(rate):
                 best, best_rate = b, rate
         return best
+
+
+SWITCH_DECAY = 0.9  # per step of one kind: the last ~10 steps count
+DRAFT_EVIDENCE_S = 2.0  # seconds of draft steps measured before they are judged (and 4 steps)
+DRAFT_EVIDENCE_STEPS = 4
+DRAFT_RETRY_TOKENS = 256  # tokens decoded without the draft before it is measured again
+
+
+class DraftSwitch:
+    """Whether one conversation's draft pays: decaying tokens-per-second of its steps with the
+    draft's trees and without them (context trees or single tokens), both measured as it
+    decodes. The draft goes off while its steps are slower than the alternative (measured, or
+    before any measurement a single-token target pass as the fit predicts it) and is measured
+    again after DRAFT_RETRY_TOKENS tokens without it: acceptance changes with the text (code
+    being edited accepts deep trees, open chat fewer), and so do the machine's loads."""
+
+    def __init__(self) -> None:
+        self._tokens = {True: 0.0, False: 0.0}
+        self._seconds = {True: 0.0, False: 0.0}
+        self.off_tokens: int | None = None  # tokens decoded since the draft went off; None: on
+        self._evidence = [0, 0.0]  # draft steps and their seconds since the draft was (re)measured
+
+    @property
+    def on(self) -> bool:
+        return self.off_tokens is None
+
+    def rate(self, with_draft: bool) -> float | None:
+        s = self._seconds[with_draft]
+        return self._tokens[with_draft] / s if s > 0 else None
+
+    def observe(self, with_draft: bool, tokens: int, seconds: float) -> None:
+        self._tokens[with_draft] = self._tokens[with_draft] * SWITCH_DECAY + tokens
+        self._seconds[with_draft] = self._seconds[with_draft] * SWITCH_DECAY + seconds
+        if with_draft:
+            self._evidence = [self._evidence[0] + 1, self._evidence[1] + seconds]
+        elif self.off_tokens is not None:
+            self.off_tokens += tokens
+
+    def decide(self, costs: PassCosts) -> bool:
+        """Whether the next step uses the draft; turns it off or back on as measured."""
+        if self.on:
+            with_draft = self.rate(True)
+            steps, seconds = self._evidence
+            if with_draft is None or steps < DRAFT_EVIDENCE_STEPS or seconds < DRAFT_EVIDENCE_S:
+                return True
+            without = self.rate(False)
+            if without is None:
+                without = 1.0 / costs.target(1)
+            if with_draft < without:
+                self.off_tokens = 0
+                return False
+            return True
+        assert self.off_tokens is not None
+        if self.off_tokens >= DRAFT_RETRY_TOKENS:  # measure the draft afresh
+            self._tokens[True] = self._seconds[True] = 0.0
+            self._evidence = [0, 0.0]
+            self.off_tokens = None
+            return True
+        return False
+

@@ -30,7 +30,7 @@ import torch
 
 from engine.decoding.acceptance import AcceptanceModel, AcceptanceModels
 from engine.decoding.context import ContextIndex, trie
-from engine.decoding.costs import PassCosts
+from engine.decoding.costs import DRAFT_RETRY_TOKENS, DraftSwitch, PassCosts
 from engine.decoding.drafting import (
     DraftTrace,
     Seeds,
@@ -67,6 +67,7 @@ log = logging.getLogger(__name__)
 PREFILL_FIRST_CHUNK = 32
 PREFILL_MIN_CHUNK = 8
 PREFILL_STEP_S = 0.3  # the time one CPU prefill chunk aims at: a Stop waits for at most one chunk
+MAX_SWITCHES = 64  # conversations whose draft verdicts the engine remembers
 PREFILL_ROOM_CPU = 192  # on a CPU, the most tokens the first decoding pass reads (its cost is its tokens)
 
 Choose = Callable[[torch.Tensor, list[int]], int]  # ((V,) logits, tokens of this step so far) -> token
@@ -101,6 +102,8 @@ class _Decoding:
     finish: FinishReason = "length"
     ttft: float | None = None
     oom_retries: int = 0
+    switch: DraftSwitch | None = None  # the conversation's draft verdict, when the engine may switch
+    switched: bool = False  # the draft went off or on during this generation
 
     @property
     def tcache(self) -> KVCache:
@@ -134,6 +137,7 @@ class Engine:
         # what the engine learns as it decodes: acceptance per temperature regime, pass costs
         self.acceptance = AcceptanceModels()
         self.costs = PassCosts()
+        self._switches: dict[str | None, DraftSwitch] = {}  # per conversation (None: requests without one)
         self.cache_settings = cache or CacheSettings()
         self.prefixes = PrefixPool(self.cache_settings, files, target.device, draft.device if draft else None)
         self.prefixes.expect(target.new_cache(1), draft.new_cache(1) if draft else None)
@@ -185,9 +189,14 @@ class Engine:
                 if cancel.is_set():
                     run.finish = "cancelled"
                     break
+                if run.switch is not None and run.ttft is not None:
+                    run.use_draft = self._switch_draft(run)
                 consistent = False  # a step that raises may leave the caches half-written
+                t_step, with_draft = time.perf_counter(), run.use_draft
                 step = self._step(run)
                 consistent = True
+                if run.switch is not None and run.ttft is not None:  # the first step also reads the prompt's tail
+                    run.switch.observe(with_draft, len(step), time.perf_counter() - t_step)
                 if run.ttft is None:
                     run.ttft = time.perf_counter() - t_start
                 step, text, done = self._commit(run, step)
@@ -228,9 +237,13 @@ class Engine:
         first_pass = (spec.budget + 1) if use_spec else 1  # tokens the first step reads besides the prompt's tail
         timers.prefill_passes = prefill(self.target, prefix.target, prompt[:-1], first_pass,
                                          cancel=cancel)
+        switch = self._switch_for(request.conversation) if use_draft and spec.switch_draft else None
         if use_draft:
             assert self.draft is not None and prefix.draft is not None
             prefix.draft.reserve(len(prompt) - prefix.draft.length + spare + 3 * spec.budget)
+            use_draft = switch is None or switch.decide(self.costs)  # off: the draft catches up when back on
+        if use_draft:
+            assert self.draft is not None and prefix.draft is not None
             prefill(self.draft, prefix.draft, prompt[:-1], 1, cancel=cancel)  # the draft's pass 0 reads the rest and the root
         seq = list(prompt)
         window, eos = sampling.repetition_window, self.eos_ids
@@ -244,9 +257,38 @@ class Engine:
 
         index = ContextIndex(seq) if use_spec and spec.context else None
         run = _Decoding(request, prompt, use_spec, use_draft, index, prefix, cached, choose,
-                        Detokenizer(self.tokenizer, request.stop), seq, timers=timers)
+                        Detokenizer(self.tokenizer, request.stop), seq, timers=timers,
+                        switch=switch)
         timers.prefill = time.perf_counter() - t0
         return run
+
+    def _switch_for(self, conversation: str | None) -> DraftSwitch:
+        switch = self._switches.pop(conversation, None) or DraftSwitch()
+        self._switches[conversation] = switch  # the most recent last
+        while len(self._switches) > MAX_SWITCHES:
+            del self._switches[next(iter(self._switches))]
+        return switch
+
+    def _switch_draft(self, run: _Decoding) -> bool:
+        """Whether the next step uses the draft (spec.switch_draft): off while the conversation's
+        draft steps are measured slower than steps without it. The draft's cache simply falls
+        behind meanwhile; its first pass back reads the tokens it missed."""
+        assert run.switch is not None
+        was_on = run.switch.on
+        on = run.use_spec and run.switch.decide(self.costs)
+        if was_on and not on:
+            without = run.switch.rate(False)
+            log.info("the draft's trees decode %.2f tokens/s and decoding without them %s: the draft is off for "
+                     "this conversation for the next %d tokens", run.switch.rate(True) or 0.0,
+                     f"{without:.2f}" if without else f"{1.0 / self.costs.target(1):.2f} (predicted)",
+                     DRAFT_RETRY_TOKENS)
+        if on and not run.use_draft:  # back on: the draft reads what it missed, in chunks
+            assert self.draft is not None and run.dcache is not None
+            t0 = time.perf_counter()
+            prefill(self.draft, run.dcache, run.seq[:-1], 1)
+            run.timers.draft += time.perf_counter() - t0
+        run.switched |= on != run.use_draft
+        return on
 
     def _new_caches(self) -> tuple[KVCache, KVCache | None]:
         return self.target.new_cache(), self.draft.new_cache() if self.draft is not None else None
@@ -297,7 +339,7 @@ class Engine:
     def _stats(self, run: _Decoding, seconds: float) -> GenerationStats:
         timers = run.timers
         spec = run.request.speculation  # after any out-of-memory shrink
-        if run.use_spec and timers.target_passes:
+        if run.use_spec and timers.target_passes and not run.switched:  # one tree kind's passes only
             key = (spec.tree_mode if run.use_draft else "context", spec.budget)
             self.pass_record[key] = self.pass_record.get(key, PassTotals()) + PassTotals(
                 timers.target_passes, len(run.new), timers.draft_passes, timers.draft, timers.target)

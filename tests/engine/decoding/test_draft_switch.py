@@ -1,0 +1,86 @@
+"""The engine turns a draft off for a conversation while its trees decode slower than decoding
+without them, and measures it again later (engine.decoding.costs.DraftSwitch). Real tiny
+models; a slow model is the real one with a sleep in its forward pass, so the clock the switch
+reads is the real one."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from engine.decoding import costs
+from engine.decoding.generation import Engine
+from engine.loading.load import LoadedModel
+from engine.model.causal_lm import CausalLM
+from engine.types import Completion, GenerationRequest, SpeculationSettings
+
+PROMPT = "Once upon a time there was"
+SLEEP_S = 0.03
+
+
+@pytest.fixture(autouse=True)
+def _quick_verdicts(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(costs, "DRAFT_EVIDENCE_S", 0.1)
+    monkeypatch.setattr(costs, "DRAFT_EVIDENCE_STEPS", 2)
+
+
+def slowed(monkeypatch: pytest.MonkeyPatch, model: CausalLM) -> None:
+    forward: Callable[..., torch.Tensor] = model.forward
+
+    def slow(*args: object, **kwargs: object) -> torch.Tensor:
+        time.sleep(SLEEP_S)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", slow)
+
+
+def generate(engine: Engine, switch: bool, tokens: int = 40, conversation: str | None = "c") -> Completion:
+    request = GenerationRequest(raw_prompt=PROMPT, max_new_tokens=tokens, conversation=conversation,
+                                speculation=SpeculationSettings(budget=16, max_depth=6, switch_draft=switch))
+    final = list(engine.generate(request))[-1]
+    assert isinstance(final, Completion)
+    return final
+
+
+def test_a_slow_draft_goes_off_and_the_text_stays_the_same(tiny_target: LoadedModel, tiny_close_draft: LoadedModel,
+                                                          monkeypatch: pytest.MonkeyPatch,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    reference = generate(Engine(tiny_target.model, tiny_target.tokenizer, tiny_close_draft.model), switch=False)
+    engine = Engine(tiny_target.model, tiny_target.tokenizer, tiny_close_draft.model)
+    slowed(monkeypatch, tiny_close_draft.model)
+    with caplog.at_level(logging.INFO, logger="engine.decoding.generation"):
+        got = generate(engine, switch=True)
+    assert got.token_ids == reference.token_ids  # greedy: the switch changes speed, never text
+    assert got.stats.mode == "context"
+    assert 0 < got.stats.draft_passes < reference.stats.draft_passes / 2
+    assert "the draft is off for this conversation" in caplog.text
+    # the verdict is the conversation's: its next turn starts without the draft, another one with it
+    assert generate(engine, switch=True, tokens=8).stats.draft_passes == 0
+    assert generate(engine, switch=True, tokens=8, conversation="other").stats.draft_passes > 0
+
+
+def test_a_draft_that_pays_stays_on(tiny_target: LoadedModel, tiny_close_draft: LoadedModel,
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = Engine(tiny_target.model, tiny_target.tokenizer, tiny_close_draft.model)
+    slowed(monkeypatch, tiny_target.model)  # an offloaded target: every pass costs the same long time
+    got = generate(engine, switch=True)
+    assert got.stats.mode == "specexec"
+    assert got.stats.tokens_per_pass > 2  # the close draft's trees: several tokens per slow pass
+
+
+def test_an_off_draft_is_measured_again_after_a_while(tiny_target: LoadedModel, tiny_close_draft: LoadedModel,
+                                                      monkeypatch: pytest.MonkeyPatch,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(costs, "DRAFT_RETRY_TOKENS", 8)
+    reference = generate(Engine(tiny_target.model, tiny_target.tokenizer, tiny_close_draft.model), switch=False,
+                         tokens=60)
+    engine = Engine(tiny_target.model, tiny_target.tokenizer, tiny_close_draft.model)
+    slowed(monkeypatch, tiny_close_draft.model)
+    with caplog.at_level(logging.INFO, logger="engine.decoding.generation"):
+        got = generate(engine, switch=True, tokens=60)
+    assert got.token_ids == reference.token_ids  # the draft's cache caught up on every return
+    assert caplog.text.count("the draft is off for this conversation") >= 2  # off, tried again, off again
