@@ -86,12 +86,14 @@ def run_engine_row(engine: Engine, prompts: Sequence[str], method: str, budget: 
                    outputs: list[list[int]] | None = None) -> BenchRow:
     """method: "autoregressive"; "context" (draft-free trees of context candidates); "specexec"
     (the draft's tree with context candidates); "draft-only" (the draft's tree, no candidates);
-    "sequoia" (a static tree from `rank_acceptance`). The generated token ids of each prompt are
+    "sequoia" (a static tree from `rank_acceptance`); "switched" (specexec with the engine's draft
+    switch on: the draft goes off where it is measured not to pay, as in the app). The generated token ids of each prompt are
     appended to `outputs` when given."""
     totals = dict(n=0, tp=0, dp=0, d=0.0, t=0.0, o=0.0, s=0.0)
     base = SpeculationSettings()
     spec = replace(base, mode="autoregressive" if method == "autoregressive" else "specexec", budget=budget,
                    draft=method != "context", context=method not in ("draft-only", "sequoia"),
+                   switch_draft=method == "switched",
                    max_depth=max_depth, tree_mode="sequoia" if method == "sequoia" else "specexec",
                    min_pass_gain=base.min_pass_gain if min_pass_gain is None else min_pass_gain,
                    rank_acceptance=tuple(rank_acceptance) if rank_acceptance else base.rank_acceptance)
@@ -273,7 +275,7 @@ def run_bench_speculation(args: argparse.Namespace) -> int:
         outputs: list[list[int]] = []
         rows.append(run_engine_row(engine, prompts, "autoregressive", 1, temperature, args.max_new_tokens,
                                    outputs=outputs))
-        for method in ("context", "specexec", "draft-only"):
+        for method in ("context", "specexec", "draft-only", "switched"):
             if method in methods:
                 for budget in budgets:
                     rows.append(run_engine_row(engine, prompts, method, budget, temperature, args.max_new_tokens,

@@ -250,7 +250,8 @@ def _add_models(commands: argparse._SubParsersAction) -> None:
     parser.set_defaults(**{HANDLER: "engine.cli.models:run_models"})
 
 
-BENCH_METHODS = ("autoregressive", "context", "specexec", "sequoia", "hf-assisted", "draft-only")
+BENCH_METHODS = ("autoregressive", "context", "specexec", "sequoia", "hf-assisted", "draft-only", "switched")
+DEFAULT_BENCH_METHODS = BENCH_METHODS[:5]
 
 
 def _add_bench(commands: argparse._SubParsersAction) -> None:
@@ -266,8 +267,9 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     spec.add_argument("--prompts", type=Path, metavar="FILE",
                       help="one chat prompt per line, or multi-line prompts between lines of '---' "
                       "(default: 4 built in; resources/prompts/ holds the tuning, chat and edit sets)")
-    spec.add_argument("--methods", default=",".join(BENCH_METHODS[:-1]), metavar="LIST",
-                      help=f"rows to run, of {','.join(BENCH_METHODS)} (default: all but draft-only)")
+    spec.add_argument("--methods", default=",".join(DEFAULT_BENCH_METHODS), metavar="LIST",
+                      help=f"rows to run, of {','.join(BENCH_METHODS)}; switched: SpecExec trees with the "
+                      f"engine's draft switch on, as the app decodes (default: {','.join(DEFAULT_BENCH_METHODS)})")
     spec.add_argument("--budgets", default="16,64,256", metavar="LIST", help="comma-separated (default: 16,64,256)")
     spec.add_argument("--temperatures", default="0,0.6", metavar="LIST",
                       help="comma-separated; T > 0 samples with top-p 0.9 (default: 0,0.6)")

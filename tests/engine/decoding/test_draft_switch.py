@@ -84,3 +84,16 @@ def test_an_off_draft_is_measured_again_after_a_while(tiny_target: LoadedModel, 
         got = generate(engine, switch=True, tokens=60)
     assert got.token_ids == reference.token_ids  # the draft's cache caught up on every return
     assert caplog.text.count("the draft is off for this conversation") >= 2  # off, tried again, off again
+
+
+def test_the_bench_row_switched_decodes_as_the_app_does(tiny_target: LoadedModel, tiny_close_draft: LoadedModel,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.cli.bench import run_engine_row
+
+    engine = Engine(tiny_target.model, tiny_target.tokenizer, tiny_close_draft.model)
+    slowed(monkeypatch, tiny_close_draft.model)
+    prompts = ["Paris is the capital of", "def add(a, b):"]
+    trees = run_engine_row(engine, prompts, "specexec", 16, 0.0, 24, max_depth=6)
+    switched = run_engine_row(engine, prompts, "switched", 16, 0.0, 24, max_depth=6)
+    assert switched.new_tokens == trees.new_tokens
+    assert switched.draft_passes < trees.draft_passes / 2  # off after the first few steps, for both prompts
