@@ -23,6 +23,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from app.main import main as app_main  # Qt is imported only when the app opens
 
         return int(app_main() or 0)
+    from engine.cli import interrupts
+
+    interrupts.watch()
     try:
         from engine.cli.main import main as cli_main
         from engine.cli.main import settle

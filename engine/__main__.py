@@ -5,6 +5,9 @@ import sys
 
 
 def run() -> int:
+    from engine.cli import interrupts
+
+    interrupts.watch()
     try:
         from engine.cli.main import main, settle
     except KeyboardInterrupt:  # Ctrl+C while the command line's modules import

@@ -29,6 +29,7 @@ import traceback
 from collections.abc import Sequence
 
 from engine.about import installation
+from engine.cli import interrupts
 from engine.cli.parser import (
     EXIT_FAILURE,
     EXIT_INTERRUPTED,
@@ -57,6 +58,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         module, _, function = target.partition(":")
         handler = getattr(importlib.import_module(module), function)
+        if interrupts.seen():  # a Ctrl+C during the imports, which one of them swallowed
+            raise KeyboardInterrupt
         return int(handler(args))
     except UsageError as exc:
         return report(exc.user_message, EXIT_USAGE)

@@ -1,8 +1,9 @@
 """What passes cost on this machine, measured by the engine as it decodes: the time of a target
 pass as a function of the tokens it reads (t(n) = a + b n, a decaying least-squares fit), and
 the time of a draft pass within a step. Tree growth stops when a draft pass is worth less than
-it costs (drafting.grow_tree's stop_ratio), and a draft-free tree is cut to the size that gives
-the most tokens per second (`best_size`).
+it costs (drafting.grow_tree's stop_ratio), a draft-free tree is cut to the size that gives
+the most tokens per second (`best_size`), and a conversation's draft goes off while its steps
+are measured slower than steps without it (`DraftSwitch`).
 
 What this module does not do: predict costs for models that are not loaded (engine.planning).
 """

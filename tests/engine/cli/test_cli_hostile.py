@@ -136,6 +136,31 @@ def test_ctrl_c_while_starting_or_loading_exits_130_quietly(after_s: float, tiny
     assert "Traceback" not in err and "KeyboardInterrupt" not in err and "terminate called" not in err
 
 
+def test_ctrl_c_swallowed_by_an_import_still_ends_the_command(monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture[str],
+                                                               tiny_target_path: Path) -> None:
+    """A library whose import catches everything (a bare except) swallows the KeyboardInterrupt of
+    a Ctrl+C that lands in it; the command must not run on as if nobody had pressed it."""
+    import importlib
+
+    from engine.cli import interrupts
+
+    real_import = importlib.import_module
+
+    def swallowing_import(name: str) -> object:
+        module = real_import(name)
+        try:
+            interrupts._on_sigint(signal.SIGINT, None)  # the signal lands inside the import...
+        except BaseException:  # noqa: BLE001 - ...and the library's bare except eats it
+            pass
+        return module
+
+    monkeypatch.setattr(interrupts, "_seen", False)
+    monkeypatch.setattr(importlib, "import_module", swallowing_import)
+    rc, out, _ = cli(capsys, "generate", "--target", tiny_target_path, "--prompt", "hi", "--max-new-tokens", 4)
+    assert rc == 130 and out == ""
+
+
 def test_a_closed_stdout_pipe_ends_quietly(tiny_target_path: Path, model_cache: Path) -> None:
     """`specchat generate ... | head -c 1`."""
     proc = spawn(["generate", "--target", tiny_target_path, "--raw-prompt", "Once upon a time",
