@@ -208,6 +208,9 @@ class SpeculationSettings:
         again every few hundred tokens (engine.decoding.costs.DraftSwitch). Off by default for
         callers that measure trees (benchmarks, tests); the app, the CLI and the API server
         turn it on.
+    share_context: when the draft is a compressed copy of the target (same shapes, embeddings
+        pointing the same way: drafting.copy_of_target), it reads the target's K/V for the
+        committed tokens instead of its own (SubSpec); it then prefills nothing.
     context: continuations copied from earlier in the text enter the tree (engine.decoding.context).
     context_candidates: how many distinct continuations enter at most.
     tree_mode: "specexec" grows the dynamic tree above; "sequoia" fills a static tree shape
@@ -225,6 +228,7 @@ class SpeculationSettings:
     min_pass_gain: float | None = None
     draft: bool = True
     switch_draft: bool = False
+    share_context: bool = True
     context: bool = True
     context_candidates: int = 8
     tree_mode: TreeMode = "specexec"

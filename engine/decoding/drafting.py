@@ -72,6 +72,47 @@ def scoring_distribution(sampling: SamplingSettings) -> SamplingSettings:
                             min_p=sampling.min_p)
 
 
+COPY_SIMILARITY = 0.5  # mean cosine of embedding rows above which a same-shaped draft is a copy
+
+
+def copy_of_target(target: CausalLM, draft: CausalLM) -> bool:
+    """Whether the draft is a compressed copy of the target (SubSpec's draft: the same model
+    quantised harder), so that it may read the target's K/V for the committed tokens
+    (`share_context`): the same cache shape and position encoding, and embedding rows that
+    point the same way (an unrelated model of the same shape gives cosines near 0)."""
+    t, d = target.shape, draft.shape
+    if (t.num_layers, t.num_kv_heads, t.head_dim, t.hidden_size) != (d.num_layers, d.num_kv_heads, d.head_dim,
+                                                                       d.hidden_size):
+        return False
+    for name in ("rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings"):
+        if getattr(target.config, name, None) != getattr(draft.config, name, None):
+            return False
+    a, b = target.embed.weight, draft.embed.weight
+    if a.is_meta or b.is_meta:
+        return False
+    n = min(a.shape[0], b.shape[0], 2048)
+    with torch.inference_mode():
+        cos = torch.nn.functional.cosine_similarity(a[:n].float().cpu(), b[:n].float().cpu(), dim=-1)
+    return float(cos.mean()) > COPY_SIMILARITY
+
+
+@torch.inference_mode()
+def share_context(draft_cache: KVCache, target_cache: KVCache, synced: int) -> int:
+    """The draft's cache takes the target's K/V for every token the target's cache holds, so a
+    compressed copy of the target drafts from the target's own view of the text (SubSpec)
+    rather than its own drifted one, and reads nothing it would only have computed worse. Its
+    entries before `synced` (what the previous call returned) are the target's already; only
+    the rest is copied. Returns the new length of both caches."""
+    m = target_cache.length
+    start = min(synced, draft_cache.length, m)
+    draft_cache.truncate(min(draft_cache.length, m))
+    draft_cache.reserve(m - draft_cache.length)
+    for dst, src in zip(draft_cache.keys + draft_cache.values, target_cache.keys + target_cache.values):
+        dst[:, :, start:m] = src[:, :, start:m].to(device=dst.device, dtype=dst.dtype)
+    draft_cache.length = m
+    return m
+
+
 def _read_nodes(draft: CausalLM, cache: KVCache, tokens: torch.Tensor, parents: torch.Tensor,
                 depths: torch.Tensor, slots: torch.Tensor, to_expand: torch.Tensor, root_pos: int,
                 max_depth: int) -> torch.Tensor:

@@ -35,7 +35,9 @@ from engine.decoding.drafting import (
     DraftTrace,
     Seeds,
     grow_static_tree,
+    copy_of_target,
     grow_tree,
+    share_context,
     top_nodes,
 )
 from engine.decoding.prefix_cache import Prefix, PrefixPool
@@ -102,6 +104,8 @@ class _Decoding:
     finish: FinishReason = "length"
     ttft: float | None = None
     oom_retries: int = 0
+    share: bool = False  # the draft reads the target's K/V of committed tokens (drafting.share_context)
+    synced: int = 0  # the draft cache's entries before this are the target's
     switch: DraftSwitch | None = None  # the conversation's draft verdict, when the engine may switch
     switched: bool = False  # the draft went off or on during this generation
 
@@ -137,6 +141,9 @@ class Engine:
         # what the engine learns as it decodes: acceptance per temperature regime, pass costs
         self.acceptance = AcceptanceModels()
         self.costs = PassCosts()
+        self.copied_draft = draft is not None and copy_of_target(target, draft)  # it may read the target's K/V
+        if self.copied_draft:
+            log.info("the draft is a compressed copy of the target: it reads the target's K/V of the text")
         self._switches: dict[str | None, DraftSwitch] = {}  # per conversation (None: requests without one)
         self.cache_settings = cache or CacheSettings()
         self.prefixes = PrefixPool(self.cache_settings, files, target.device, draft.device if draft else None)
@@ -238,11 +245,12 @@ class Engine:
         timers.prefill_passes = prefill(self.target, prefix.target, prompt[:-1], first_pass,
                                          cancel=cancel)
         switch = self._switch_for(request.conversation) if use_draft and spec.switch_draft else None
+        share = use_draft and spec.share_context and self.copied_draft
         if use_draft:
             assert self.draft is not None and prefix.draft is not None
             prefix.draft.reserve(len(prompt) - prefix.draft.length + spare + 3 * spec.budget)
             use_draft = switch is None or switch.decide(self.costs)  # off: the draft catches up when back on
-        if use_draft:
+        if use_draft and not share:  # sharing: its first step copies the target's K/V instead
             assert self.draft is not None and prefix.draft is not None
             prefill(self.draft, prefix.draft, prompt[:-1], 1, cancel=cancel)  # the draft's pass 0 reads the rest and the root
         seq = list(prompt)
@@ -258,7 +266,7 @@ class Engine:
         index = ContextIndex(seq) if use_spec and spec.context else None
         run = _Decoding(request, prompt, use_spec, use_draft, index, prefix, cached, choose,
                         Detokenizer(self.tokenizer, request.stop), seq, timers=timers,
-                        switch=switch)
+                        share=share, switch=switch)
         timers.prefill = time.perf_counter() - t0
         return run
 
@@ -282,7 +290,7 @@ class Engine:
                      "this conversation for the next %d tokens", run.switch.rate(True) or 0.0,
                      f"{without:.2f}" if without else f"{1.0 / self.costs.target(1):.2f} (predicted)",
                      DRAFT_RETRY_TOKENS)
-        if on and not run.use_draft:  # back on: the draft reads what it missed, in chunks
+        if on and not run.use_draft and not run.share:  # back on: the draft reads what it missed, in chunks
             assert self.draft is not None and run.dcache is not None
             t0 = time.perf_counter()
             prefill(self.draft, run.dcache, run.seq[:-1], 1)
@@ -391,6 +399,8 @@ class Engine:
         seeds = trie(run.index.continuations(spec.max_depth, spec.context_candidates)) if run.index else ([], [], [])
         if run.use_draft:
             assert self.draft is not None and dcache is not None
+            if run.share:
+                run.synced = share_context(dcache, tcache, run.synced)
             pending = torch.tensor(seq[dcache.length :])  # (p,) committed tokens the draft has not read
             trace = self._grow(dcache, pending, request, model, seeds)
         else:  # context candidates alone, cut to the size that pays on this machine
@@ -418,6 +428,9 @@ class Engine:
         run.timers.target_passes += 1
         _teach(model, trace, result.path, result.tokens)
         prune_to_accepted(tcache, past, dcache if run.use_draft else None, trace.slots, result.path)
+        if run.use_draft and run.share:  # between steps a copied draft's cache is the target's
+            assert dcache is not None
+            run.synced = share_context(dcache, tcache, run.synced)
         return result.tokens
 
     def _grow(self, dcache: KVCache, pending: torch.Tensor, request: GenerationRequest, model: AcceptanceModel,

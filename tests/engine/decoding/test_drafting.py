@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -122,3 +123,51 @@ def test_batched_growth_stays_near_the_optimum(tiny_close_draft: LoadedModel) ->
                           SamplingSettings(), vocab, model)
     assert len(batched) == exact.budget
     assert sum(math.exp(s) for s in batched.values()) >= 0.9 * optimum
+
+
+def test_only_a_compressed_copy_of_the_target_shares_its_context(
+        tiny_target: LoadedModel, tiny_close_draft: LoadedModel, tiny_random_draft: LoadedModel,
+        model_cache: Path) -> None:
+    """A perturbed copy (the FP4 proxy's case) reads the target's K/V; an unrelated model of the
+    same shape, or one of another shape, keeps its own."""
+    from engine.decoding.drafting import copy_of_target
+    from engine.loading.load import load_model
+    from engine.loading.synthetic import tiny_model
+
+    assert copy_of_target(tiny_target.model, tiny_close_draft.model)
+    assert not copy_of_target(tiny_target.model, tiny_random_draft.model)
+    deeper = load_model(tiny_model("llama", seed=0, layers=3, cache_dir=model_cache))
+    assert not copy_of_target(tiny_target.model, deeper.model)
+
+
+def test_a_shared_context_spares_the_draft_its_prefill(tiny_target: LoadedModel, tiny_close_draft: LoadedModel,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The draft of a copy reads only the prompt's last part (the tail the target's first pass
+    reads too, at most PREFILL_ROOM_CPU tokens), never the whole prompt; greedy output is the
+    same either way."""
+    from engine.decoding.generation import Engine
+    from engine.types import CacheSettings, Completion, GenerationRequest
+
+    prompt = "Once upon a time there was a little robot who loved to read books about the sea. " * 10
+    out = {}
+    read: list[int] = []
+    n_prompt = len(tiny_target.tokenizer(prompt)["input_ids"])
+    forward = tiny_close_draft.model.forward
+
+    def counted(tokens: torch.Tensor, positions: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        read.append(int((positions < n_prompt - 1).sum()))  # prompt tokens before the first root
+        return forward(tokens, positions, *args, **kwargs)
+
+    monkeypatch.setattr(tiny_close_draft.model, "forward", counted)
+    for share in (False, True):
+        engine = Engine(tiny_target.model, tiny_target.tokenizer, tiny_close_draft.model, CacheSettings(enabled=False))
+        read.clear()
+        req = GenerationRequest(raw_prompt=prompt, max_new_tokens=16,
+                                speculation=SpeculationSettings(budget=16, max_depth=6, share_context=share))
+        final = list(engine.generate(req))[-1]
+        assert isinstance(final, Completion)
+        assert len(engine.encode(req)) == n_prompt
+        out[share] = (final.token_ids, sum(read))
+    assert out[True][0] == out[False][0]
+    assert out[False][1] == n_prompt - 1  # its own prefill reads the whole prompt
+    assert out[True][1] < n_prompt / 2  # sharing: only the tail the target's first pass reads too

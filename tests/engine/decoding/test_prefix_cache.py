@@ -66,10 +66,14 @@ def assert_cache_is_its_prefix(cache: KVCache, model: LoadedModel, tokens: list[
         assert (k - rk).abs().max() <= 1e-5 and (v - rv).abs().max() <= 1e-5
 
 
-@pytest.mark.parametrize("with_draft", [True, False], ids=["specexec", "autoregressive"])
+@pytest.mark.parametrize("draft_name", ["tiny_close_draft", "tiny_random_draft", None],
+                         ids=["specexec-copy", "specexec-other", "autoregressive"])
 def test_every_turn_equals_a_fresh_decode_and_caches_equal_a_recomputation(
-        tiny_target: LoadedModel, tiny_close_draft: LoadedModel, with_draft: bool) -> None:
-    draft = tiny_close_draft.model if with_draft else None
+        request: pytest.FixtureRequest, tiny_target: LoadedModel, draft_name: str | None) -> None:
+    """A draft that is a copy of the target holds the target's K/V between steps
+    (drafting.share_context); another draft holds its own."""
+    loaded: LoadedModel | None = request.getfixturevalue(draft_name) if draft_name else None
+    draft = loaded.model if loaded is not None else None
     reused = play(Engine(tiny_target.model, tiny_target.tokenizer, draft))
     fresh = play(Engine(tiny_target.model, tiny_target.tokenizer, draft, FRESH))
     assert [c.token_ids for c in reused] == [c.token_ids for c in fresh]
@@ -85,9 +89,10 @@ def test_every_turn_equals_a_fresh_decode_and_caches_equal_a_recomputation(
     play(engine)
     [prefix] = engine.prefixes._parked
     assert_cache_is_its_prefix(prefix.target, tiny_target, prefix.tokens)
-    if with_draft:
+    if loaded is not None:
         assert prefix.draft is not None
-        assert_cache_is_its_prefix(prefix.draft, tiny_close_draft, prefix.tokens)
+        assert engine.copied_draft == (draft_name == "tiny_close_draft")
+        assert_cache_is_its_prefix(prefix.draft, tiny_target if engine.copied_draft else loaded, prefix.tokens)
 
 
 def test_seeded_sampling_is_the_same_with_and_without_reuse(tiny_target: LoadedModel,

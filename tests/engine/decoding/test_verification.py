@@ -3,6 +3,7 @@ Face model's own forward (no cache, no tree mask)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine.decoding.acceptance import AcceptanceModel
@@ -65,14 +66,17 @@ def test_every_tree_node_logits_equal_sequential_decoding(
         assert torch.allclose(dcache.keys[0][0, :, slot], ref_k[0, :, -1], atol=1e-4)
 
 
+@pytest.mark.parametrize("share", [False, True], ids=["own", "shared"])
 def test_caches_after_steps_equal_recomputed_prefix(
-    tiny_target: LoadedModel, tiny_close_draft: LoadedModel
+    tiny_target: LoadedModel, tiny_close_draft: LoadedModel, share: bool
 ) -> None:
     """Step by step (draft and context candidates in the trees), both caches stay equal to the
-    models' own K/V of the committed prefix they hold."""
+    models' own K/V of the committed prefix they hold; a draft that is a copy of the target,
+    sharing its context, holds the target's."""
     engine = Engine(tiny_target.model, tiny_target.tokenizer, tiny_close_draft.model, CacheSettings(enabled=False))
+    assert engine.copied_draft
     req = GenerationRequest(raw_prompt="def add(a, b):\n    return a + b\ndef add(a, b):", max_new_tokens=64,
-                            speculation=SpeculationSettings(budget=32, max_depth=8))
+                            speculation=SpeculationSettings(budget=32, max_depth=8, share_context=share))
     run = engine._start(req, engine.encode(req))
     accepted = []
     for _ in range(6):
@@ -84,7 +88,8 @@ def test_caches_after_steps_equal_recomputed_prefix(
         assert dcache is not None
         assert tcache.length == len(seq) - 1
         assert dcache.length <= len(seq)
-        for cache, model, n in ((tcache, tiny_target, tcache.length), (dcache, tiny_close_draft, dcache.length)):
+        draft_view = tiny_target if share else tiny_close_draft
+        for cache, model, n in ((tcache, tiny_target, tcache.length), (dcache, draft_view, dcache.length)):
             ref = hf_kv(model, seq[:n])
             for layer, (k, v) in enumerate(ref):
                 assert torch.allclose(cache.keys[layer][:, :, :n], k, atol=1e-4)
