@@ -38,9 +38,11 @@ def slowed(monkeypatch: pytest.MonkeyPatch, model: CausalLM) -> None:
     monkeypatch.setattr(model, "forward", slow)
 
 
-def generate(engine: Engine, switch: bool, tokens: int = 40, conversation: str | None = "c") -> Completion:
+def generate(engine: Engine, switch: bool, tokens: int = 40, conversation: str | None = "c",
+             share: bool = True) -> Completion:
     request = GenerationRequest(raw_prompt=PROMPT, max_new_tokens=tokens, conversation=conversation,
-                                speculation=SpeculationSettings(budget=16, max_depth=6, switch_draft=switch))
+                                speculation=SpeculationSettings(budget=16, max_depth=6, switch_draft=switch,
+                                                                share_context=share))
     final = list(engine.generate(request))[-1]
     assert isinstance(final, Completion)
     return final
@@ -72,17 +74,27 @@ def test_a_draft_that_pays_stays_on(tiny_target: LoadedModel, tiny_close_draft: 
     assert got.stats.tokens_per_pass > 2  # the close draft's trees: several tokens per slow pass
 
 
+@pytest.mark.parametrize("share", [True, False], ids=["shared-context", "own-cache"])
 def test_an_off_draft_is_measured_again_after_a_while(tiny_target: LoadedModel, tiny_close_draft: LoadedModel,
                                                       monkeypatch: pytest.MonkeyPatch,
-                                                      caplog: pytest.LogCaptureFixture) -> None:
+                                                      caplog: pytest.LogCaptureFixture, share: bool) -> None:
     monkeypatch.setattr(costs, "DRAFT_RETRY_TOKENS", 8)
     reference = generate(Engine(tiny_target.model, tiny_target.tokenizer, tiny_close_draft.model), switch=False,
                          tokens=60)
     engine = Engine(tiny_target.model, tiny_target.tokenizer, tiny_close_draft.model)
     slowed(monkeypatch, tiny_close_draft.model)
     with caplog.at_level(logging.INFO, logger="engine.decoding.generation"):
-        got = generate(engine, switch=True, tokens=60)
-    assert got.token_ids == reference.token_ids  # the draft's cache caught up on every return
+        got = generate(engine, switch=True, tokens=60, share=share)
+    assert got.token_ids == reference.token_ids
+    # the draft's cache caught up on every return: copied from the target's, or read by the draft
+    [prefix] = engine.prefixes._parked
+    assert prefix.draft is not None and prefix.draft.length > len(prefix.tokens) - 16  # off for <= 8 + one step
+    view = tiny_target if share else tiny_close_draft
+    n = prefix.draft.length
+    with torch.inference_mode():
+        kv = view.model.hf_model(torch.tensor([prefix.tokens[:n]]), use_cache=True).past_key_values
+    for layer, ref in enumerate(kv.layers):
+        assert torch.allclose(prefix.draft.keys[layer][:, :, :n], ref.keys, atol=1e-4)
     assert caplog.text.count("the draft is off for this conversation") >= 2  # off, tried again, off again
 
 
