@@ -78,21 +78,28 @@ class PassCosts:
 SWITCH_DECAY = 0.9  # per step of one kind: the last ~10 steps count
 DRAFT_EVIDENCE_S = 2.0  # seconds of draft steps measured before they are judged (and 4 steps)
 DRAFT_EVIDENCE_STEPS = 4
-DRAFT_RETRY_TOKENS = 256  # tokens decoded without the draft before it is measured again
+DRAFT_FAR_BEHIND = 0.5  # draft steps below this share of the alternative's speed go off after one step
+DRAFT_RETRY_TOKENS = 256  # tokens decoded without the draft before it is measured again...
+DRAFT_RETRY_FACTOR = 10.0  # ...and at least this many times the seconds its last measurement cost
 
 
 class DraftSwitch:
     """Whether one conversation's draft pays: decaying tokens-per-second of its steps with the
     draft's trees and without them (context trees or single tokens), both measured as it
     decodes. The draft goes off while its steps are slower than the alternative (measured, or
-    before any measurement a single-token target pass as the fit predicts it) and is measured
-    again after DRAFT_RETRY_TOKENS tokens without it: acceptance changes with the text (code
+    before any measurement a single-token target pass as the fit predicts it): after one step
+    when it is far behind, else after DRAFT_EVIDENCE_STEPS steps and DRAFT_EVIDENCE_S seconds.
+    It is measured again after DRAFT_RETRY_TOKENS tokens without it, and no sooner than
+    DRAFT_RETRY_FACTOR times what its last measurement cost, so that measuring a draft that does
+    not pay costs at most about a tenth of the time: acceptance changes with the text (code
     being edited accepts deep trees, open chat fewer), and so do the machine's loads."""
 
     def __init__(self) -> None:
         self._tokens = {True: 0.0, False: 0.0}
         self._seconds = {True: 0.0, False: 0.0}
         self.off_tokens: int | None = None  # tokens decoded since the draft went off; None: on
+        self._off_seconds = 0.0  # seconds decoded since then
+        self._wait_s = 0.0  # the seconds to stay off: DRAFT_RETRY_FACTOR x the last measurement's
         self._evidence = [0, 0.0]  # draft steps and their seconds since the draft was (re)measured
 
     @property
@@ -110,26 +117,28 @@ class DraftSwitch:
             self._evidence = [self._evidence[0] + 1, self._evidence[1] + seconds]
         elif self.off_tokens is not None:
             self.off_tokens += tokens
+            self._off_seconds += seconds
 
     def decide(self, costs: PassCosts) -> bool:
         """Whether the next step uses the draft; turns it off or back on as measured."""
         if self.on:
             with_draft = self.rate(True)
             steps, seconds = self._evidence
-            if with_draft is None or steps < DRAFT_EVIDENCE_STEPS or seconds < DRAFT_EVIDENCE_S:
+            if with_draft is None or steps < 1:
                 return True
             without = self.rate(False)
             if without is None:
                 without = 1.0 / costs.target(1)
-            if with_draft < without:
-                self.off_tokens = 0
+            judged = steps >= DRAFT_EVIDENCE_STEPS and seconds >= DRAFT_EVIDENCE_S
+            if with_draft < DRAFT_FAR_BEHIND * without or (judged and with_draft < without):
+                self.off_tokens, self._off_seconds = 0, 0.0
+                self._wait_s = DRAFT_RETRY_FACTOR * seconds
                 return False
             return True
         assert self.off_tokens is not None
-        if self.off_tokens >= DRAFT_RETRY_TOKENS:  # measure the draft afresh
+        if self.off_tokens >= DRAFT_RETRY_TOKENS and self._off_seconds >= self._wait_s:  # measure it afresh
             self._tokens[True] = self._seconds[True] = 0.0
             self._evidence = [0, 0.0]
             self.off_tokens = None
             return True
         return False
-

@@ -287,7 +287,7 @@ class Engine:
         if was_on and not on:
             without = run.switch.rate(False)
             log.info("the draft's trees decode %.2f tokens/s and decoding without them %s: the draft is off for "
-                     "this conversation for the next %d tokens", run.switch.rate(True) or 0.0,
+                     "this conversation, measured again in %d tokens or more", run.switch.rate(True) or 0.0,
                      f"{without:.2f}" if without else f"{1.0 / self.costs.target(1):.2f} (predicted)",
                      DRAFT_RETRY_TOKENS)
         if on and not run.use_draft and not run.share:  # back on: the draft reads what it missed, in chunks

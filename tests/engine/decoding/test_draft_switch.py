@@ -79,6 +79,7 @@ def test_an_off_draft_is_measured_again_after_a_while(tiny_target: LoadedModel, 
                                                       monkeypatch: pytest.MonkeyPatch,
                                                       caplog: pytest.LogCaptureFixture, share: bool) -> None:
     monkeypatch.setattr(costs, "DRAFT_RETRY_TOKENS", 8)
+    monkeypatch.setattr(costs, "DRAFT_RETRY_FACTOR", 0.0)  # the time backoff: test_the_switch_judges...
     reference = generate(Engine(tiny_target.model, tiny_target.tokenizer, tiny_close_draft.model), switch=False,
                          tokens=60)
     engine = Engine(tiny_target.model, tiny_target.tokenizer, tiny_close_draft.model)
@@ -109,3 +110,26 @@ def test_the_bench_row_switched_decodes_as_the_app_does(tiny_target: LoadedModel
     switched = run_engine_row(engine, prompts, "switched", 16, 0.0, 24, max_depth=6)
     assert switched.new_tokens == trees.new_tokens
     assert switched.draft_passes < trees.draft_passes / 2  # off after the first few steps, for both prompts
+
+
+def test_the_switch_judges_a_far_slower_draft_at_once_and_backs_off_in_time() -> None:
+    """On the switch alone, with measured seconds given (a fake clock): a draft far behind goes
+    off after one step and is measured again only after DRAFT_RETRY_TOKENS tokens and ten times
+    the seconds its measurement cost; one only a little behind gets the full evidence first."""
+    switch = costs.DraftSwitch()
+    switch.observe(False, 10, 1.0)  # 10 tokens/s without the draft
+    assert switch.decide(costs.PassCosts())
+    switch.observe(True, 8, 4.0)  # 2 tokens/s: far behind
+    assert not switch.decide(costs.PassCosts())
+    switch.observe(False, 300, 30.0)  # enough tokens, not yet 10 x 4 s
+    assert not switch.decide(costs.PassCosts())
+    switch.observe(False, 10, 11.0)
+    assert switch.decide(costs.PassCosts()) and switch.on
+
+    close = costs.DraftSwitch()
+    close.observe(False, 10, 1.0)
+    for _ in range(costs.DRAFT_EVIDENCE_STEPS - 1):
+        close.observe(True, 9, 1.0)  # 9 tokens/s: a little behind
+        assert close.decide(costs.PassCosts())
+    close.observe(True, 9, 1.0)
+    assert not close.decide(costs.PassCosts())
