@@ -23,7 +23,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from app.main import main as app_main  # Qt is imported only when the app opens
 
         return int(app_main() or 0)
-    from engine.cli import interrupts
+    from engine import interrupts
 
     interrupts.watch()
     try:

@@ -72,6 +72,7 @@ class Preferences:
     budget: int = 0
     max_depth: int = 16
     tree_mode: str = "specexec"
+    keep_draft: bool = False  # keep the draft on where it is measured slower than decoding without it
     models_dir: str = ""
     # KV caches of conversations (engine.types.CacheSettings): kept in RAM, saved on disk
     kv_ram_gb: float = 2.0
@@ -105,12 +106,13 @@ class Preferences:
     def speculation(self, auto_budget: int | None = None, switch_draft: bool = True) -> SpeculationSettings:
         """The tree shape. With budget 0 (automatic) the caller may pass the planner's budget
         as `auto_budget`; without one the engine's default budget is used. The engine turns the
-        draft off for a conversation where it is measured not to pay (`switch_draft`; the
-        wizard's calibration, which measures the trees, turns that off)."""
+        draft off for a conversation where it is measured not to pay, unless the user keeps it
+        on (`keep_draft`) or the caller measures the trees (`switch_draft=False`: the wizard's
+        calibration)."""
         default = SpeculationSettings()
         budget = self.budget if self.budget > 0 else (auto_budget or default.budget)
         return replace(default, mode=self.tree_mode, budget=budget, max_depth=self.max_depth,  # type: ignore[arg-type]
-                       switch_draft=switch_draft)
+                       switch_draft=switch_draft and not self.keep_draft)
 
     def speculation_for(self, plan: object | None) -> SpeculationSettings:
         """The tree shape a chat or API request uses: the user's budget, or with budget 0 (auto)

@@ -175,6 +175,14 @@ class SettingsDialog(QDialog):
         budget_row.addWidget(self.budget)
         self.max_depth = _spin(1, 128, "Maximum tree depth")
         self.tree_mode = _combo("tree_mode", "Decoding mode")
+        self.keep_draft = QCheckBox("&Keep the draft on where it is measured slower")
+        self.keep_draft.setAccessibleName("Keep the draft on")
+        self.keep_draft.setToolTip("SpecChat measures each conversation with and without the draft model and turns "
+                                   "the draft off while it is the slower (trying it again now and then). Tick to "
+                                   "keep it on, for instance to compare speeds yourself.")
+        mode_row = QVBoxLayout()
+        mode_row.addWidget(self.tree_mode)
+        mode_row.addWidget(self.keep_draft)
         self.models_dir = QLineEdit()
         self.models_dir.setAccessibleName("Models folder")
         self.models_dir.setPlaceholderText(str(Preferences().models_path()))
@@ -200,7 +208,7 @@ class SettingsDialog(QDialog):
         form = QFormLayout()
         for label, item in (("&Device:", self.device), ("&Quantisation:", self.quant), ("&Offload:", self.offload),
                             (budget_label, budget_row), ("Max tree &depth:", self.max_depth),
-                            ("&Mode:", self.tree_mode), (folder_label, folder_row),
+                            ("&Mode:", mode_row), (folder_label, folder_row),
                             ("Conversation &memory:", self.kv_ram_gb), ("Sa&ved conversations:", self.kv_disk_gb)):
             form.addRow(label, item)
         note = QLabel("Engine changes apply the next time the pair is loaded. An empty models folder uses the default.")
@@ -307,6 +315,7 @@ class SettingsDialog(QDialog):
         self.budget.setEnabled(prefs.budget != 0)
         if prefs.budget:
             self.budget.setValue(prefs.budget)
+        self.keep_draft.setChecked(prefs.keep_draft)
         self.models_dir.setText(prefs.models_dir)
         self.presets.setRowCount(0)
         for title, text in prefs.system_presets:
@@ -327,6 +336,7 @@ class SettingsDialog(QDialog):
             "max_depth", "font_size", "kv_ram_gb", "kv_disk_gb")}
         values.update({name: getattr(self, name).currentData() for name in CHOICE_LABELS})
         values["budget"] = 0 if self.budget_auto.isChecked() else self.budget.value()
+        values["keep_draft"] = self.keep_draft.isChecked()
         values["models_dir"] = self.models_dir.text().strip()
         values["system_presets"] = tuple(presets) or Preferences().system_presets
         for tab in self._own_tabs:

@@ -5,5 +5,5 @@ Packages by role (each __init__ states its contract): decoding (the paper and th
 model (the layer-by-layer decoder and its KV cache), offload (packed layers off the device),
 loading (where models come from), planning (the hardware profile and the cost model), store
 (catalog, local models, downloads), cli (`specchat`). types, errors, paths and units are the
-shared vocabulary.
+shared vocabulary; interrupts notes a Ctrl+C for the entry points before anything imports.
 """

@@ -5,7 +5,7 @@ import sys
 
 
 def run() -> int:
-    from engine.cli import interrupts
+    from engine import interrupts
 
     interrupts.watch()
     try:

@@ -29,7 +29,7 @@ import traceback
 from collections.abc import Sequence
 
 from engine.about import installation
-from engine.cli import interrupts
+from engine import interrupts
 from engine.cli.parser import (
     EXIT_FAILURE,
     EXIT_INTERRUPTED,

@@ -64,9 +64,10 @@ def make_prefs(settings_file: Path) -> Callable[..., PreferencesStore]:
 @pytest.fixture
 def chat_prefs(make_prefs: Callable[..., PreferencesStore], tiny_target_path: Path,
                tiny_draft_path: Path) -> PreferencesStore:
-    """The tiny pair, greedy, long answers (so a test can stop one mid-way), on the CPU."""
+    """The tiny pair, greedy, long answers (so a test can stop one mid-way), on the CPU; the draft
+    kept on (the tiny draft costs what the target does, and the tests look at its trees)."""
     return make_prefs(target=str(tiny_target_path), draft=str(tiny_draft_path), temperature=0.0,
-                      max_new_tokens=1500, device="cpu", budget=8, max_depth=4,
+                      max_new_tokens=1500, device="cpu", budget=8, max_depth=4, keep_draft=True,
                       repetition_penalty=1.0)  # the tiny model's long answers, as the tests were timed with
 
 

@@ -143,7 +143,7 @@ def test_ctrl_c_swallowed_by_an_import_still_ends_the_command(monkeypatch: pytes
     a Ctrl+C that lands in it; the command must not run on as if nobody had pressed it."""
     import importlib
 
-    from engine.cli import interrupts
+    from engine import interrupts
 
     real_import = importlib.import_module
 

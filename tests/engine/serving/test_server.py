@@ -34,7 +34,7 @@ def model(client: openai.OpenAI) -> str:
 def generate_json(capsys: pytest.CaptureFixture[str], target: Path, draft: Path, *args: object) -> dict:
     """`specchat generate --json` with the server's engine options: the reference."""
     rc = main([str(a) for a in ("generate", "--target", target, "--draft", draft, "--device", "cpu", "--budget", 8,
-                                "--max-depth", 4, "--json", *args)])
+                                "--max-depth", 4, "--keep-draft", "--json", *args)])
     out, err = capsys.readouterr()
     assert rc == 0, err
     return json.loads(out.splitlines()[0])
