@@ -180,6 +180,8 @@ class SettingsDialog(QDialog):
         self.keep_draft.setToolTip("SpecChat measures each conversation with and without the draft model and turns "
                                    "the draft off while it is the slower (trying it again now and then). Tick to "
                                    "keep it on, for instance to compare speeds yourself.")
+        mode_label = QLabel("&Mode:")
+        mode_label.setBuddy(self.tree_mode)
         mode_row = QVBoxLayout()
         mode_row.addWidget(self.tree_mode)
         mode_row.addWidget(self.keep_draft)
@@ -208,7 +210,7 @@ class SettingsDialog(QDialog):
         form = QFormLayout()
         for label, item in (("&Device:", self.device), ("&Quantisation:", self.quant), ("&Offload:", self.offload),
                             (budget_label, budget_row), ("Max tree &depth:", self.max_depth),
-                            ("&Mode:", mode_row), (folder_label, folder_row),
+                            (mode_label, mode_row), (folder_label, folder_row),
                             ("Conversation &memory:", self.kv_ram_gb), ("Sa&ved conversations:", self.kv_disk_gb)):
             form.addRow(label, item)
         note = QLabel("Engine changes apply the next time the pair is loaded. An empty models folder uses the default.")

@@ -74,6 +74,8 @@ def test_engine_settings() -> None:
     auto = prefs.speculation()
     assert (auto.mode, auto.budget, auto.max_depth) == ("specexec", SpeculationSettings().budget, 12)
     assert prefs.speculation(auto_budget=200).budget == 200
+    assert prefs.speculation().switch_draft and not replace(prefs, keep_draft=True).speculation().switch_draft
+    assert not prefs.speculation(switch_draft=False).switch_draft  # the wizard's calibration measures trees
     assert replace(prefs, budget=32).speculation(auto_budget=200).budget == 32
 
 

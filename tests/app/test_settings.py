@@ -46,6 +46,7 @@ def test_settings_persist_across_restarts(qtbot: QtBot, prefs_store: Preferences
     dialog.budget.setValue(96)
     dialog.max_depth.setValue(10)
     dialog.tree_mode.setCurrentIndex(dialog.tree_mode.findData("autoregressive"))
+    dialog.keep_draft.setChecked(True)
     dialog.models_dir.setText(str(app_env / "elsewhere"))
     dialog.theme.setCurrentIndex(dialog.theme.findData("dark"))
     dialog.font_size.setValue(14)
@@ -55,8 +56,8 @@ def test_settings_persist_across_restarts(qtbot: QtBot, prefs_store: Preferences
     expected = replace(
         Preferences(), temperature=0.25, top_p=0.8, top_k=40, min_p=0.05, repetition_penalty=1.15,
         max_new_tokens=512, context_length=8192, device="cpu", offload="none", budget=96, max_depth=10,
-        tree_mode="autoregressive", models_dir=str(app_env / "elsewhere"), theme="dark", font_size=14,
-        target="smollm2-135m-instruct", first_run_done=True,  # kept: not edited here
+        tree_mode="autoregressive", keep_draft=True, models_dir=str(app_env / "elsewhere"), theme="dark",
+        font_size=14, target="smollm2-135m-instruct", first_run_done=True,  # kept: not edited here
     )
     assert saved.args == [expected]
     # A new store on the same file (the app restarted) reads the same, and a new dialog shows it.
