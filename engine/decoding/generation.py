@@ -34,8 +34,8 @@ from engine.decoding.costs import DRAFT_RETRY_TOKENS, DraftSwitch, PassCosts
 from engine.decoding.drafting import (
     DraftTrace,
     Seeds,
-    grow_static_tree,
     copy_of_target,
+    grow_static_tree,
     grow_tree,
     share_context,
     top_nodes,
