@@ -87,8 +87,8 @@ def run_engine_row(engine: Engine, prompts: Sequence[str], method: str, budget: 
     """method: "autoregressive"; "context" (draft-free trees of context candidates); "specexec"
     (the draft's tree with context candidates); "draft-only" (the draft's tree, no candidates);
     "sequoia" (a static tree from `rank_acceptance`); "switched" (specexec with the engine's draft
-    switch on: the draft goes off where it is measured not to pay, as in the app). The generated token ids of each prompt are
-    appended to `outputs` when given."""
+    switch on: the draft goes off where it is measured not to pay, as in the app). The generated
+    token ids of each prompt are appended to `outputs` when given."""
     totals = dict(n=0, tp=0, dp=0, d=0.0, t=0.0, o=0.0, s=0.0)
     base = SpeculationSettings()
     spec = replace(base, mode="autoregressive" if method == "autoregressive" else "specexec", budget=budget,

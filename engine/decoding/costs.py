@@ -122,10 +122,10 @@ class DraftSwitch:
     def decide(self, costs: PassCosts) -> bool:
         """Whether the next step uses the draft; turns it off or back on as measured."""
         if self.on:
-            with_draft = self.rate(True)
             steps, seconds = self._evidence
-            if with_draft is None or steps < 1:
+            if steps < 1:
                 return True
+            with_draft = self._tokens[True] / max(self._seconds[True], 1e-9)
             without = self.rate(False)
             if without is None:
                 without = 1.0 / costs.target(1)
