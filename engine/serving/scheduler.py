@@ -101,7 +101,8 @@ class GenerationQueue:
     """Runs jobs one at a time in arrival order on one thread (see the module docstring).
 
     capacity: most jobs waiting behind the running one. on_change(QueueState) is called from
-    whichever thread changed the queue (the owner marshals it, e.g. to the GUI thread);
+    whichever thread changed the queue (the owner marshals it, e.g. to the GUI thread), one call
+    at a time, so the last call made carries the queue's state then;
     on_done(job, error) after each job, for logging."""
 
     def __init__(self, capacity: int = 32, on_change: Callable[[QueueState], None] | None = None,
@@ -112,6 +113,7 @@ class GenerationQueue:
         self._on_change = on_change
         self._on_done = on_done
         self._lock = threading.Condition()
+        self._notifying = threading.Lock()
         self._waiting: collections.deque[Job] = collections.deque()
         self._running: Job | None = None
         self._backend: GenerationBackend | None = None
@@ -239,8 +241,11 @@ class GenerationQueue:
                 log.exception("reporting job %d failed", job.id)
 
     def _changed(self) -> None:
+        # one notification at a time, its state read inside: a state read by one thread and
+        # handed on after another thread's newer one would leave the owner showing a stale state
         if self._on_change is not None:
-            self._on_change(self.state())
+            with self._notifying:
+                self._on_change(self.state())
 
 
 def _not_ready_message(model: ModelState) -> str:

@@ -75,7 +75,8 @@ class ApiCall(threading.Thread):
 
 
 def test_the_api_and_the_chat_take_turns_on_the_one_engine(qtbot: QtBot, open_window, chat_prefs: PreferencesStore,
-                                                           tiny_target_path: Path) -> None:
+                                                           tiny_target_path: Path,
+                                                           request: pytest.FixtureRequest) -> None:
     # a chat answer long enough to still be running when the API request arrives (Esc ends it)
     chat_prefs.update(server_enabled=True, server_port=0, server_api_key=KEY, max_new_tokens=4000)
     window = open_window(chat_prefs)
@@ -92,11 +93,17 @@ def test_the_api_and_the_chat_take_turns_on_the_one_engine(qtbot: QtBot, open_wi
     window.host.worker.generation_finished.connect(lambda _id, _c: chat_done.append(time.monotonic()))
     rendered: list[str] = []
     chat.view.rendered.connect(rendered.append)
+    # the worker holds after its first tokens until the API request is queued, so a fast answer
+    # cannot end before the request arrives (a direct connection runs in the worker's thread)
+    queued = threading.Event()
+    request.addfinalizer(queued.set)  # a failing test still lets the worker go before the window closes
+    window.host.worker.tokens_generated.connect(lambda *_: queued.wait(60), Qt.ConnectionType.DirectConnection)
     _send(qtbot, window, "tell me a long story")
     qtbot.waitUntil(lambda: bool(rendered), timeout=60_000)
     waiting = ApiCall(client, card.id, max_tokens=6)
     waiting.start()
     qtbot.waitUntil(lambda: "waiting for the chat" in api.status_label.text(), timeout=30_000)
+    queued.set()
     assert waiting.first_at is None and api.status_label.isVisible()
     with qtbot.waitSignal(chat.answer_finished, timeout=60_000) as finished:
         qtbot.keyClick(window, Qt.Key.Key_Escape)

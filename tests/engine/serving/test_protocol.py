@@ -4,6 +4,8 @@ states (loading, failed, no route, port taken) over real HTTP on 127.0.0.1."""
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from collections.abc import Iterator
 
 import httpx2
@@ -11,7 +13,7 @@ import openai
 import pytest
 
 from engine.serving.protocol import ApiError, RequestDefaults, parse_request
-from engine.serving.scheduler import GenerationQueue, ModelState, QueueFull
+from engine.serving.scheduler import GenerationQueue, ModelState, QueueFull, QueueState
 from engine.serving.server import PortInUse, Server, ServeSettings
 from engine.types import GenerationRequest, Message, SamplingSettings
 
@@ -111,6 +113,33 @@ def test_a_taken_port_and_a_full_queue_are_refused(idle_server: Server) -> None:
         queue.submit((GenerationRequest(raw_prompt="x"),), loop)  # runs (and blocks): nothing waits
         with pytest.raises(QueueFull):
             queue.submit((GenerationRequest(raw_prompt="y"),), loop)
+    finally:
+        queue.close(wait=5)
+        loop.close()
+
+
+def test_the_last_state_reported_is_the_queues_state() -> None:
+    # the submitting thread is slow to hand its state on (a busy GUI event queue, a descheduled
+    # thread) while the consumer starts the job: the owner must still end up told "running"
+    reported: list[QueueState] = []
+    submitter = threading.get_ident()
+
+    def on_change(state: QueueState) -> None:
+        if threading.get_ident() == submitter:
+            time.sleep(0.3)  # the consumer has long taken the job by now
+        reported.append(state)
+
+    queue = GenerationQueue(on_change=on_change)
+    loop = asyncio.new_event_loop()
+    try:
+        queue.set_model(ModelState("m", "ready"), backend=_Blocked())
+        job = queue.submit((GenerationRequest(raw_prompt="x"),), loop)
+        deadline = time.monotonic() + 5
+        while queue.state() != QueueState(True, 0) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)
+        assert queue.state() == QueueState(True, 0) and reported[-1] == QueueState(True, 0), reported
+        job.cancel.set()
     finally:
         queue.close(wait=5)
         loop.close()
