@@ -347,8 +347,8 @@ def stats_line(stats: GenerationStats, finish_reason: str, seed: int | None = No
              f"{stats.tokens_per_pass:.2f} tokens/pass"]
     if stats.mode == "specexec":
         parts.append(f"budget {stats.budget}")
-    elif stats.mode == "context":
-        parts.append("draft-free")
+    elif stats.mode == "context":  # drafts at first and none after: the draft switch found it did not pay
+        parts.append("draft switched off" if stats.draft_passes else "draft-free")
     else:
         parts.append("autoregressive")
     prompt = f"prompt {stats.prompt_tokens} tokens"

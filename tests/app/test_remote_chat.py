@@ -170,7 +170,7 @@ def test_remote_errors_name_their_cause_and_the_choice_belongs_to_the_conversati
 def test_a_conversation_on_specchat_serve(qtbot: QtBot, open_window, make_prefs, tiny_target_path: Path,
                                           tiny_draft_path: Path, conversations: ConversationStore) -> None:
     server = ServeProcess(["--target", tiny_target_path, "--draft", tiny_draft_path, "--device", "cpu",
-                           "--budget", 8, "--max-depth", 4, "--api-key", SERVE_KEY])
+                           "--budget", 8, "--max-depth", 4, "--keep-draft", "--api-key", SERVE_KEY])
     try:
         server.wait_for(lambda line: line.startswith("ready:"))
         name = tiny_target_path.name

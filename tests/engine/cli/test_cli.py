@@ -17,6 +17,7 @@ import struct
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -64,7 +65,7 @@ def test_json_greedy_specexec_equals_autoregressive_and_plain_transformers(
     capsys: pytest.CaptureFixture[str], tiny_target_path: Path, tiny_draft_path: Path, model_cache: Path
 ) -> None:
     common = ["generate", "--target", tiny_target_path, "--draft", tiny_draft_path, "--raw-prompt", "The quick brown",
-              "--max-new-tokens", 24, "--json"]
+              "--max-new-tokens", 24, "--keep-draft", "--json"]
     proc = spawn(common, model_cache)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
@@ -142,7 +143,7 @@ def test_text_output_streams_the_same_answer_with_one_stats_line(
     capsys: pytest.CaptureFixture[str], tiny_target_path: Path, tiny_draft_path: Path
 ) -> None:
     common = ["generate", "--target", tiny_target_path, "--draft", tiny_draft_path, "--system", "Be brief.",
-              "--prompt", "Where is Paris?", "--max-new-tokens", 16, "--budget", 8]
+              "--prompt", "Where is Paris?", "--max-new-tokens", 16, "--budget", 8, "--keep-draft"]
     rc, out, _ = cli(capsys, *common, "--json")
     assert rc == 0
     [answer] = json_lines(out)
@@ -152,6 +153,20 @@ def test_text_output_streams_the_same_answer_with_one_stats_line(
     assert out == answer["text"] + ("" if answer["text"].endswith("\n") else "\n")
     [line] = err.splitlines()
     assert line == stats_lines(err)[0] and "budget 8" in line
+
+
+def test_the_stats_line_names_how_the_answer_was_decoded() -> None:
+    from engine.cli.common import stats_line
+    from engine.types import GenerationStats
+
+    base = GenerationStats(prompt_tokens=5, new_tokens=8, target_passes=4, tokens_per_pass=2.0, draft_passes=0,
+                           budget=8, seconds=1.0, ttft_seconds=0.1, tokens_per_second=8.0, peak_rss_bytes=0)
+    kinds = {"budget 8": replace(base, draft_passes=6), "draft-free": replace(base, mode="context"),
+             "draft switched off": replace(base, mode="context", draft_passes=3),
+             "autoregressive": replace(base, mode="autoregressive", budget=0)}
+    for words, stats in kinds.items():
+        parts = stats_line(stats, "length").strip("[]").split(" · ")
+        assert parts[3] == words and parts[0] == "8 tokens" and parts[-1] == "length", parts
 
 
 def test_stop_string_cuts_the_answer(capsys: pytest.CaptureFixture[str], tiny_target_path: Path) -> None:

@@ -109,7 +109,7 @@ def test_cli_tree_option_is_lossless(capsys: pytest.CaptureFixture[str], tiny_ta
                                      tiny_draft_path: Path) -> None:
 
     common = ["generate", "--target", str(tiny_target_path), "--draft", str(tiny_draft_path), "--raw-prompt",
-              "The quick brown", "--max-new-tokens", "16", "--budget", "16", "--json"]
+              "The quick brown", "--max-new-tokens", "16", "--budget", "16", "--keep-draft", "--json"]
     assert main([*common, "--tree", "sequoia"]) == 0
     sequoia = json.loads(capsys.readouterr().out)
     assert main([*common, "--mode", "autoregressive"]) == 0
