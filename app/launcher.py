@@ -23,10 +23,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from app.main import main as app_main  # Qt is imported only when the app opens
 
         return int(app_main() or 0)
-    from engine import interrupts
-
-    interrupts.watch()
     try:
+        from engine import interrupts
+
+        interrupts.watch()
         from engine.cli.main import main as cli_main
         from engine.cli.main import settle
     except KeyboardInterrupt:  # Ctrl+C while the command line's modules import: no traceback

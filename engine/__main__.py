@@ -5,10 +5,10 @@ import sys
 
 
 def run() -> int:
-    from engine import interrupts
-
-    interrupts.watch()
     try:
+        from engine import interrupts
+
+        interrupts.watch()
         from engine.cli.main import main, settle
     except KeyboardInterrupt:  # Ctrl+C while the command line's modules import
         print(file=sys.stderr, flush=True)
