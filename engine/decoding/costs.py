@@ -1,6 +1,10 @@
 """What passes cost on this machine, measured by the engine as it decodes: the time of a target
-pass as a function of the tokens it reads (t(n) = a + b n, a decaying least-squares fit), and
-the time of a draft pass within a step. Tree growth stops when a draft pass is worth less than
+pass as a function of the tokens it reads, and the time of a draft pass within a step. A pass
+over one token is priced on its own (a decaying mean), passes over more by t(n) = a + b n (a
+decaying least-squares fit over those alone): one token runs matrix-vector products, more run
+matrix-matrix ones, and on a CPU the first two-token pass costs ~1.5x a one-token pass while
+17 tokens cost ~2x. A single line through both kinds read that step as a gentle slope and let
+draft-free trees verify candidates that did not pay for the dearer pass. Tree growth stops when a draft pass is worth less than
 it costs (drafting.grow_tree's stop_ratio), a draft-free tree is cut to the size that gives
 the most tokens per second (`best_size`), and a conversation's draft goes off while its steps
 are measured slower than steps without it (`DraftSwitch`).
@@ -21,11 +25,16 @@ class PassCosts:
     """Decaying fits of target-pass and draft-pass times."""
 
     def __init__(self) -> None:
-        self._w = self._n = self._t = self._nn = self._nt = 0.0  # weighted sums for t = a + b n
+        self._w = self._n = self._t = self._nn = self._nt = 0.0  # weighted sums for t = a + b n (n >= 2)
+        self._w1 = self._t1 = 0.0  # weighted sums of one-token passes
         self._draft_pass = 0.0  # EMA seconds per draft pass
         self._step = 0.0  # EMA seconds per speculation step (draft + target)
 
     def observe_target(self, tokens: int, seconds: float) -> None:
+        if tokens <= 1:
+            self._w1 = self._w1 * DECAY + 1.0
+            self._t1 = self._t1 * DECAY + seconds
+            return
         for name in ("_w", "_n", "_t", "_nn", "_nt"):
             setattr(self, name, getattr(self, name) * DECAY)
         self._w += 1.0
@@ -42,14 +51,18 @@ class PassCosts:
         self._step = step if not self._step else 0.8 * self._step + 0.2 * step
 
     def target(self, tokens: int) -> float:
-        """Predicted seconds of a target pass over `tokens` tokens (relative figures before any
-        measurement: a pass over 64 tokens costs twice a single token's)."""
+        """Predicted seconds of a target pass over `tokens` tokens. Before passes of a kind are
+        measured, a pass over 1 + k tokens costs (1 + k/64) one-token passes: optimistic, so
+        that trees are tried and measured; relative figures before any measurement at all."""
+        single = self._t1 / self._w1 if self._w1 > 1e-9 else None
+        if tokens <= 1 and single is not None:
+            return single
+        if self._w < 1e-9:
+            return (single or 1.0 + 1.0 / 64) * (1.0 + (max(tokens, 1) - 1) / 64)
         a, b = self._line()
-        return a + b * tokens
+        return max(a + b * tokens, single or 0.0)  # a line fitted further out may dip below one token's cost
 
     def _line(self) -> tuple[float, float]:
-        if self._w < 1e-9:
-            return 1.0, 1.0 / 64
         mean_n, mean_t = self._n / self._w, self._t / self._w
         var = self._nn / self._w - mean_n**2
         slope = (self._nt / self._w - mean_n * mean_t) / var if var > 1e-9 else mean_t / 64 / max(mean_n, 1.0)

@@ -412,7 +412,11 @@ class Engine:
             gains = torch.sort(trace.tree.logp[1:], descending=True, stable=True).values.exp().tolist()
             size = self.costs.best_size(gains, unread + 1)
             if size == 0:
-                return self._ar_step(seq, tcache, run.choose, run.timers)
+                step = self._ar_step(seq, tcache, run.choose, run.timers)
+                # the plain pass still tells which first candidates the target would have taken:
+                # without it the candidates a low estimate cuts would never correct that estimate
+                _teach(model, trace, [0], step)
+                return step
             trace = top_nodes(trace, size)
         run.timers.draft += trace.seconds
         run.timers.draft_passes += trace.passes

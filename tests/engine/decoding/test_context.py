@@ -125,3 +125,19 @@ def test_draft_free_trees_copy_text_and_keep_greedy_output(starter_pair: tuple[L
                                                    speculation=SpeculationSettings(context=False))))[-1]
     assert isinstance(plain, Completion) and plain.token_ids == final.token_ids
     assert plain.stats.mode == "autoregressive" and plain.stats.target_passes == len(plain.token_ids)
+
+
+def test_steps_cut_to_a_plain_pass_still_teach_the_candidates_acceptance(
+        starter_pair: tuple[LoadedModel, LoadedModel], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A candidate whose estimate is too low is cut, so no tree pass ever labels it: the plain
+    pass's token labels the first candidates instead (else the estimate could never recover)."""
+    target, _ = starter_pair
+    engine = Engine(target.model, target.tokenizer, None)
+    monkeypatch.setattr(engine.costs, "best_size", lambda gains, overhead=1: 0)  # every tree is cut
+    req = GenerationRequest(messages=(Message("user", EDIT_PROMPT),), max_new_tokens=16,
+                            speculation=SpeculationSettings(budget=32))
+    final = list(engine.generate(req))[-1]
+    assert isinstance(final, Completion) and final.stats.target_passes == final.stats.new_tokens
+    model = engine.acceptance[req.sampling]
+    assert model.context.observations > 0
+    assert float(model.context.hits.sum()) > 0  # the answer copies the paragraph: some were right

@@ -1,0 +1,53 @@
+"""The engine's pass-cost model (engine.decoding.costs.PassCosts): a one-token pass priced apart
+from passes over more tokens, as a CPU's matrix-vector and matrix-matrix products differ, and
+the draft-free tree size it picks from that."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.decoding.costs import PassCosts
+
+# seconds per pass as the starter model measures on the 2-core CPU: a step from 1 to 2 tokens,
+# then a gentle slope (engine/decoding/costs.py)
+MEASURED = {1: 0.060, 2: 0.090, 3: 0.092, 5: 0.095, 9: 0.100, 17: 0.110}
+
+
+def measured() -> PassCosts:
+    costs = PassCosts()
+    for _ in range(5):
+        for tokens, seconds in MEASURED.items():
+            costs.observe_target(tokens, seconds)
+    return costs
+
+
+def test_one_token_is_priced_apart_from_the_line_through_larger_passes() -> None:
+    costs = measured()
+    assert costs.target(1) == pytest.approx(0.060)
+    for tokens in (2, 5, 17):
+        assert costs.target(tokens) == pytest.approx(MEASURED[tokens], abs=0.005)
+    assert costs.target(400) > costs.target(17)
+
+
+def test_a_weak_candidate_does_not_buy_the_dearer_pass() -> None:
+    costs = measured()
+    assert costs.best_size([0.4]) == 0  # 1.4 tokens in 0.090 s is slower than 1 in 0.060 s
+    assert costs.best_size([0.6]) == 1  # 1.6 in 0.090 s is faster
+    assert costs.best_size([0.9, 0.8, 0.7, 0.6, 0.01]) == 4  # a likely copy pays; its unlikely tail does not
+
+
+def test_before_measurements_trees_are_priced_to_be_tried() -> None:
+    fresh = PassCosts()
+    assert fresh.target(65) == pytest.approx(2 * fresh.target(1))  # relative figures
+    singles = PassCosts()
+    singles.observe_target(1, 0.05)
+    assert singles.target(1) == pytest.approx(0.05) and singles.target(65) == pytest.approx(0.10)
+    assert singles.best_size([0.3]) == 1  # optimistic until a larger pass is measured
+
+
+def test_a_line_fitted_far_out_never_prices_a_small_pass_below_one_token() -> None:
+    costs = PassCosts()
+    costs.observe_target(1, 0.060)
+    for tokens, seconds in ((100, 0.100), (300, 0.300), (500, 0.500)):  # a = 0: t(2) would be 0.002 s
+        costs.observe_target(tokens, seconds)
+    assert costs.target(2) == pytest.approx(0.060)
