@@ -4,10 +4,12 @@ over one token is priced on its own (a decaying mean), passes over more by t(n) 
 decaying least-squares fit over those alone): one token runs matrix-vector products, more run
 matrix-matrix ones, and on a CPU the first two-token pass costs ~1.5x a one-token pass while
 17 tokens cost ~2x. A single line through both kinds read that step as a gentle slope and let
-draft-free trees verify candidates that did not pay for the dearer pass. Tree growth stops when a draft pass is worth less than
-it costs (drafting.grow_tree's stop_ratio), a draft-free tree is cut to the size that gives
-the most tokens per second (`best_size`), and a conversation's draft goes off while its steps
-are measured slower than steps without it (`DraftSwitch`).
+draft-free trees verify candidates that did not pay for the dearer pass.
+
+Tree growth stops when a draft pass is worth less than it costs (drafting.grow_tree's
+stop_ratio), a draft-free tree is cut to the size that gives the most tokens per second
+(`best_size`), and a conversation's draft goes off while its steps are measured slower than
+steps without it (`DraftSwitch`).
 
 What this module does not do: predict costs for models that are not loaded (engine.planning).
 """
