@@ -79,6 +79,15 @@ class BenchRow:
     def as_dict(self) -> dict[str, float | int | str]:
         return {**self.__dict__, "tokens_per_pass": self.tokens_per_pass, "tokens_per_second": self.tokens_per_second}
 
+    def __add__(self, other: BenchRow) -> BenchRow:
+        """The same row measured again: counts and seconds add up."""
+        assert (self.method, self.budget, self.temperature) == (other.method, other.budget, other.temperature)
+        return replace(self, new_tokens=self.new_tokens + other.new_tokens,
+                       target_passes=self.target_passes + other.target_passes,
+                       draft_passes=self.draft_passes + other.draft_passes, draft_s=self.draft_s + other.draft_s,
+                       target_s=self.target_s + other.target_s, overhead_s=self.overhead_s + other.overhead_s,
+                       seconds=self.seconds + other.seconds)
+
 
 def run_engine_row(engine: Engine, prompts: Sequence[str], method: str, budget: int, temperature: float,
                    new_tokens: int, max_depth: int = 16, min_pass_gain: float | None = None,
@@ -269,29 +278,37 @@ def run_bench_speculation(args: argparse.Namespace) -> int:
     else:  # rows that need a draft are left out
         methods = [m for m in methods if m in ("autoregressive", "context")]
     engine = Engine(target.model, target.tokenizer, draft.model if draft is not None else None)
-    rows: list[BenchRow] = []
+    measured: dict[tuple[str, int, float], BenchRow] = {}  # in the order first run; rounds add up
+
+    def add(row: BenchRow) -> None:
+        key = (row.method, row.budget, row.temperature)
+        measured[key] = measured[key] + row if key in measured else row
+
     rank_acceptance: dict[float, tuple[float, ...]] = {}
-    for temperature in temperatures:
-        outputs: list[list[int]] = []
-        rows.append(run_engine_row(engine, prompts, "autoregressive", 1, temperature, args.max_new_tokens,
-                                   outputs=outputs))
-        for method in ("context", "specexec", "draft-only", "switched"):
-            if method in methods:
+    for _ in range(args.rounds):  # the whole sweep again: a drift of the machine's speed hits every row alike
+        for temperature in temperatures:
+            outputs: list[list[int]] = []
+            add(run_engine_row(engine, prompts, "autoregressive", 1, temperature, args.max_new_tokens,
+                               outputs=outputs))
+            for method in ("context", "specexec", "draft-only", "switched"):
+                if method in methods:
+                    for budget in budgets:
+                        add(run_engine_row(engine, prompts, method, budget, temperature, args.max_new_tokens,
+                                           args.max_depth, args.min_pass_gain))
+            if "sequoia" in methods:
+                if temperature not in rank_acceptance:
+                    rank_acceptance[temperature] = measure_rank_acceptance(engine, prompts, outputs)
                 for budget in budgets:
-                    rows.append(run_engine_row(engine, prompts, method, budget, temperature, args.max_new_tokens,
-                                               args.max_depth, args.min_pass_gain))
-        if "sequoia" in methods:
-            accept = measure_rank_acceptance(engine, prompts, outputs)
-            rank_acceptance[temperature] = accept
-            for budget in budgets:
-                rows.append(run_engine_row(engine, prompts, "sequoia", budget, temperature, args.max_new_tokens,
-                                           args.max_depth, rank_acceptance=accept))
-        if "hf-assisted" in methods:
-            rows.append(run_hf_assisted_row(engine, prompts, temperature, args.max_new_tokens))
+                    add(run_engine_row(engine, prompts, "sequoia", budget, temperature, args.max_new_tokens,
+                                       args.max_depth, rank_acceptance=rank_acceptance[temperature]))
+            if "hf-assisted" in methods:
+                add(run_hf_assisted_row(engine, prompts, temperature, args.max_new_tokens))
+    rows = list(measured.values())
     predicted, plan_text = _planner_view(engine, args.profile, budgets, rows)
-    print(f"{len(prompts)} chat prompts x {args.max_new_tokens} new tokens; target {target.path.name}, "
+    rounds = f" x {args.rounds} rounds" if args.rounds > 1 else ""
+    print(f"{len(prompts)} chat prompts x {args.max_new_tokens} new tokens{rounds}; target {target.path.name}, "
           f"draft {draft.path.name if draft is not None else '(none)'}; {torch.get_num_threads()} CPU threads" if target.model.device.type == "cpu"
-          else f"{len(prompts)} prompts x {args.max_new_tokens} tokens on {target.model.device}")
+          else f"{len(prompts)} prompts x {args.max_new_tokens} tokens{rounds} on {target.model.device}")
     print(format_table(rows, predicted))
     for temperature, accept in rank_acceptance.items():
         print(f"acceptance by rank (T={temperature:g}, for Sequoia trees): "

@@ -257,7 +257,7 @@ DEFAULT_BENCH_METHODS = BENCH_METHODS[:5]
 def _add_bench(commands: argparse._SubParsersAction) -> None:
     bench = commands.add_parser("bench", help="benchmarks that print tables")
     kinds = bench.add_subparsers(dest="bench_kind", metavar="KIND", required=True)
-    spec = kinds.add_parser("speculation", help="tokens per pass and time split per budget, one run",
+    spec = kinds.add_parser("speculation", help="tokens per pass and time split per budget, in one process",
                             description="Autoregressive decoding, draft-free trees of context candidates, SpecExec "
                             "trees (draft + context candidates; draft alone) and Sequoia trees at each budget, and "
                             "Hugging Face assisted generation, on the same pair and prompts, in one process. "
@@ -278,6 +278,10 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     spec.add_argument("--min-pass-gain", type=float_in(0.0, 1e9), default=None, metavar="G",
                       help="stop tree growth below this expected gain per draft pass (default: from the "
                       "measured costs of a draft pass and a step; 0 grows every budget to the full)")
+    spec.add_argument("--rounds", type=int_at_least(1), default=1, metavar="N",
+                      help="run the whole sweep N times in turn and add each row's rounds up, so that the "
+                      "machine's speed drifting during the run (a busy or throttling machine) shifts every "
+                      "row alike (default: 1)")
     spec.add_argument("--no-sequoia", action="store_true", help="skip the static Sequoia tree rows")
     spec.add_argument("--no-hf-assisted", action="store_true", help="skip the transformers assisted-generation row")
     spec.add_argument("--profile", type=Path, metavar="FILE",

@@ -45,6 +45,20 @@ def test_bench_speculation_writes_table_json_and_plot(capsys: pytest.CaptureFixt
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_rounds_add_each_rows_measurements_up(capsys: pytest.CaptureFixture[str], tiny_target_path: Path) -> None:
+    common = ["bench", "speculation", "--target", str(tiny_target_path), "--budgets", "4", "--temperatures", "0",
+              "--max-new-tokens", "6", "--threads", "1", "--json"]
+    totals = {}
+    for rounds in (1, 2):
+        assert main([*common, "--rounds", str(rounds)]) == 0
+        out = capsys.readouterr().out
+        assert ("x 2 rounds" in out) == (rounds == 2)
+        rows = json.loads(out.splitlines()[-1])["rows"]
+        assert [r["method"] for r in rows] == ["autoregressive", "context"]  # one row per kind, rounds added up
+        totals[rounds] = [(r["new_tokens"], r["target_passes"] if r["method"] == "autoregressive" else 0) for r in rows]
+    assert totals[2] == [(2 * n, 2 * p) for n, p in totals[1]]  # greedy: each round decodes the same tokens
+
+
 def test_without_matplotlib_the_plot_is_skipped_with_a_note(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
     from engine.cli.bench import BenchRow, write_plot
