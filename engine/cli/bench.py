@@ -21,7 +21,7 @@ import json
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from types import ModuleType
 
@@ -81,12 +81,10 @@ class BenchRow:
 
     def __add__(self, other: BenchRow) -> BenchRow:
         """The same row measured again: counts and seconds add up."""
-        assert (self.method, self.budget, self.temperature) == (other.method, other.budget, other.temperature)
-        return replace(self, new_tokens=self.new_tokens + other.new_tokens,
-                       target_passes=self.target_passes + other.target_passes,
-                       draft_passes=self.draft_passes + other.draft_passes, draft_s=self.draft_s + other.draft_s,
-                       target_s=self.target_s + other.target_s, overhead_s=self.overhead_s + other.overhead_s,
-                       seconds=self.seconds + other.seconds)
+        key = ("method", "budget", "temperature")
+        assert all(getattr(self, name) == getattr(other, name) for name in key)
+        return replace(self, **{f.name: getattr(self, f.name) + getattr(other, f.name)
+                                for f in fields(self) if f.name not in key})
 
 
 def run_engine_row(engine: Engine, prompts: Sequence[str], method: str, budget: int, temperature: float,
