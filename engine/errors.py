@@ -29,6 +29,12 @@ class InvalidRequest(EngineError):
     """Settings or prompts that cannot be honoured (budget < 1, empty prompt, ...)."""
 
 
+class MalformedInput(InvalidRequest):
+    """Data from outside SpecChat that is not what it should be: a request body, a server's
+    answer or a file another program wrote that is not JSON, nests too deep, is too large, or is
+    a folder, FIFO or device where a regular file belongs (engine.untrusted)."""
+
+
 class UsageError(InvalidRequest):
     """A command line that cannot run as given: an option value or a combination of options
     refused before (or, where only the model can tell, right after) loading. The CLI exits 2
