@@ -340,6 +340,26 @@ class Placement:
     quant: Packing = "none"
     device: str = "cpu"
 
+    def tiers(self) -> list[Literal["device", "ram", "disk"]]:
+        """Each decoder layer's home, in layer order. The device layers are spread evenly among
+        the streamed ones rather than taken from the front: a pass runs layers in order, and
+        while a resident layer computes the copy stream keeps filling the ring with the next
+        streamed layers. With the resident layers in front, the ring (a few slots) fills during
+        the first of them and the link then idles for the rest (an H100 at 20 of 80 layers
+        resident: 0.72 s per pass against 0.58 s predicted for a busy link). The streamed
+        layers go to RAM first, the disk tier takes the last of them."""
+        n, g = self.num_layers, self.gpu_layers
+        device = [(i + 1) * g // max(n, 1) > i * g // max(n, 1) for i in range(n)]
+        out: list[Literal["device", "ram", "disk"]] = []
+        streamed = 0
+        for on_device in device:
+            if on_device:
+                out.append("device")
+            else:
+                out.append("ram" if streamed < self.ram_layers else "disk")
+                streamed += 1
+        return out
+
     def describe(self) -> str:
         """Where the layers live, in the status bar's and the CLI's words: "18 of 80 layers on
         GPU, 62 in RAM" on a GPU; on a CPU, where the device memory is the RAM, "3 of 5 layers

@@ -212,26 +212,28 @@ def _place_layers(hf: nn.Module, weights: Weights, layouts: list[LayerLayout], p
                   device: torch.device, dtype: torch.dtype, report: Callable[[float, str], None] | None,
                   prepared: PreparedLayers | None) -> tuple[list[LayerHome], HostStore | None]:
     num_layers = placement.num_layers
-    first = placement.gpu_layers
-    first_disk = first + placement.ram_layers
+    tiers = placement.tiers()
+    streamed = [i for i, t in enumerate(tiers) if t != "device"]
+    store_index = {layer: j for j, layer in enumerate(streamed)}  # the host store's j holds layer streamed[j]
+    on_disk = [i for i, t in enumerate(tiers) if t == "disk"]
     reuse = prepared is not None and prepared.ready
     writing = prepared is not None and not reuse and prepared.start_writing()
     # the disk tier maps a file in place when there is one: the prepared-layer file being
     # read or written, or the GGUF the layers come from (no second copy on disk)
     disk_file = None
-    if placement.disk_layers:
+    if on_disk:
         if reuse or writing:
-            disk_file = (prepared.path, [i * prepared.stride for i in range(first_disk, num_layers)])  # type: ignore[union-attr]
+            disk_file = (prepared.path, [i * prepared.stride for i in on_disk])  # type: ignore[union-attr]
         else:
-            disk_file = weights.mapped(range(first_disk, num_layers), layouts)
+            disk_file = weights.mapped(on_disk, layouts)
     in_place = disk_file is not None
     store = None
-    if first < num_layers:
-        store = HostStore([layouts[i].nbytes for i in range(first, num_layers)], placement.ram_layers,
+    if streamed:
+        store = HostStore([layouts[i].nbytes for i in streamed], placement.ram_layers,
                           pin=device.type == "cuda", disk_dir=paths.cache_dir() / "offload", disk_file=disk_file)
     # disk layers are packed into one reused buffer, then written (unless the mapped file has them)
-    scratch = (torch.empty(max(layouts[i].nbytes for i in range(first_disk, num_layers)), dtype=torch.uint8)
-               if placement.disk_layers and (writing or not in_place) else None)
+    scratch = (torch.empty(max(layouts[i].nbytes for i in on_disk), dtype=torch.uint8)
+               if on_disk and (writing or not in_place) else None)
     # quantise where it is fast: on the GPU when there is one
     work = device if device.type == "cuda" else torch.device("cpu")
     if reuse:
@@ -241,18 +243,19 @@ def _place_layers(hf: nn.Module, weights: Weights, layouts: list[LayerLayout], p
     try:
         for i in range(num_layers):
             layout = layouts[i]
-            if i < first and layout.quant == "none":
+            resident = tiers[i] == "device"
+            if resident and layout.quant == "none":
                 layer = hf.model.layers[i]
                 for e in layout.entries:
                     set_parameter(layer, e.name, weights.load(f"{LAYERS}{i}.{e.name}", dtype, device))
                 homes.append(LayerHome(module=layer))
                 where = where_name
             else:
-                if i < first:  # packed, resident: on the device
+                if resident:  # packed, resident: on the device
                     buf = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
                     home, where = LayerHome(packed=buf), where_name
                 else:
-                    j = i - first
+                    j = store_index[i]
                     assert store is not None
                     if store.tier(j) == "ram":
                         buf, where = store.ram_buffer(j), "RAM"

@@ -396,15 +396,15 @@ def random_packed_store(layout: LayerLayout, layers: int, pin: bool, device: tor
 
 def streamed_target(hf: nn.Module, layout: LayerLayout, store: HostStore, placement: Placement,
                     device: torch.device | str) -> CausalLM:
-    """A CausalLM over packed layers in `store` (store index = layer index): the first
-    `placement.gpu_layers` copied to the device and run from there, the rest streamed through
-    the ring, as the loader would set it up. Close its streamer with `close_store=False` to
+    """A CausalLM over packed layers in `store` (store index = layer index): the
+    `placement.gpu_layers` that Placement.tiers puts on the device copied there and run from
+    there, the rest streamed through the ring, as the loader would set it up. Close its streamer with `close_store=False` to
     place the same store again."""
     assert layout.quant == "nf4", "resident layers are kept packed, which only NF4 layers run from"
     dev = torch.device(device)
     homes = []
-    for i in range(placement.num_layers):
-        if i < placement.gpu_layers:
+    for i, tier in enumerate(placement.tiers()):
+        if tier == "device":
             homes.append(LayerHome(packed=store.ram_buffer(i).to(dev)))
         else:
             homes.append(LayerHome(store_index=i))

@@ -15,7 +15,7 @@ from engine.loading.load import LoadedModel, load_model
 from engine.loading.synthetic import tiny_model
 from engine.offload.layout import LayerLayout
 from engine.planning.placement import MemoryNeeds, plan_placement
-from engine.types import Completion, GenerationRequest, SpeculationSettings
+from engine.types import Completion, GenerationRequest, Placement, SpeculationSettings
 from engine.units import GIB
 
 PROMPTS = ["Paris is the capital of", "def add(a, b):", "Once upon a time there was"]
@@ -332,6 +332,26 @@ def test_placement_modes() -> None:
     cpu = plan_placement(offload="auto", device="cpu", **kw)  # type: ignore[arg-type]
     assert (cpu.gpu_layers, cpu.ram_layers, cpu.disk_layers) == (4, 0, 6)
     assert plan_placement(offload="none", device="cpu", **kw).gpu_layers == 10  # type: ignore[arg-type]
+
+
+def test_resident_layers_are_spread_among_the_streamed_ones() -> None:
+    """Placement.tiers: while a resident layer computes, the copy stream keeps filling the ring,
+    so resident layers sit between streamed ones, not all in front; RAM takes the first streamed
+    layers and the disk the last."""
+    tiers = Placement(80, 20, 50, 10, 1, "nf4", "cuda:0").tiers()
+    assert tiers.count("device") == 20 and tiers.count("ram") == 50 and tiers.count("disk") == 10
+    device_at = [i for i, t in enumerate(tiers) if t == "device"]
+    assert device_at == list(range(3, 80, 4))  # one in every four
+    streamed = [t for t in tiers if t != "device"]
+    assert streamed == ["ram"] * 50 + ["disk"] * 10
+    assert Placement(5, 5).tiers() == ["device"] * 5 and Placement(5, 0, 5).tiers() == ["ram"] * 5
+    for n in range(1, 40):
+        for g in range(n + 1):
+            t = Placement(n, g, n - g).tiers()
+            assert t.count("device") == g
+            at = [i for i, x in enumerate(t) if x == "device"]
+            gaps = [j - i for i, j in zip(at, at[1:])]
+            assert not gaps or max(gaps) - min(gaps) <= 1  # evenly spread
 
 
 # ---- CUDA (skipped without a GPU) --------------------------------------------------------------
