@@ -23,7 +23,7 @@ import torch
 
 from engine.decoding.acceptance import AcceptanceModel
 from engine.decoding.drafting import grow_tree
-from engine.decoding.generation import prefill
+from engine.decoding.prefill import prefill
 from engine.decoding.sampling import choose_token
 from engine.decoding.verification import accept, prune_to_accepted, run_tree
 from engine.model.causal_lm import CausalLM

@@ -9,7 +9,7 @@ draft-free trees verify candidates that did not pay for the dearer pass.
 Tree growth stops when a draft pass is worth less than it costs (drafting.grow_tree's
 stop_ratio), a draft-free tree is cut to the size that gives the most tokens per second
 (`best_size`), and a conversation's draft goes off while its steps are measured slower than
-steps without it (`DraftSwitch`).
+steps without it (`DraftSwitch`; `DraftSwitches` keeps one per recent conversation).
 
 What this module does not do: predict costs for models that are not loaded (engine.planning).
 """
@@ -96,6 +96,7 @@ DRAFT_EVIDENCE_STEPS = 4
 DRAFT_FAR_BEHIND = 0.5  # draft steps below this share of the alternative's speed go off after one step
 DRAFT_RETRY_TOKENS = 256  # tokens decoded without the draft before it is measured again...
 DRAFT_RETRY_FACTOR = 10.0  # ...and at least this many times the seconds its last measurement cost
+MAX_SWITCHES = 64  # conversations whose draft verdicts the engine remembers
 
 
 class DraftSwitch:
@@ -157,3 +158,22 @@ class DraftSwitch:
             self.off_tokens = None
             return True
         return False
+
+
+class DraftSwitches:
+    """The draft verdicts of the most recent conversations (None: requests without one), so a
+    conversation's verdict survives between its turns and the table stays bounded."""
+
+    def __init__(self, most: int = MAX_SWITCHES) -> None:
+        self._most = most
+        self._by_conversation: dict[str | None, DraftSwitch] = {}
+
+    def for_conversation(self, conversation: str | None) -> DraftSwitch:
+        switch = self._by_conversation.pop(conversation, None) or DraftSwitch()
+        self._by_conversation[conversation] = switch  # the most recent last
+        while len(self._by_conversation) > self._most:
+            del self._by_conversation[next(iter(self._by_conversation))]
+        return switch
+
+    def __len__(self) -> int:
+        return len(self._by_conversation)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.types import ModelShape, Offload, Packing, Placement
+from engine.types import Offload, Packing, Placement
 from engine.units import GIB
 
 RING_SLOTS = 3  # device slots the streamer cycles offloaded layers through
@@ -38,22 +38,6 @@ def activation_bytes(budget: int, context: int, hidden: int, intermediate: int, 
     scores = budget * context * (num_heads + 1) * dtype_bytes
     logits = budget * vocab * 4
     return states + scores + logits
-
-
-def generation_bytes(target: ModelShape, draft: ModelShape | None, dtype_bytes: int, prompt: int,
-                     max_new: int, budget: int) -> int:
-    """Memory one generation allocates besides the weights, as Engine.generate sizes it: both KV
-    caches at their full capacity (allocated up front), and for one target pass over a
-    `budget`-token tree its hidden states, the additive mask over the whole cache and fp32
-    logits. Not the per-head attention scores (fused attention kernels never hold them): this
-    is the floor a request needs, for refusing what cannot fit, not a planning estimate."""
-    target_tokens = prompt + max_new + budget + 8
-    need = target.kv_bytes_per_token(dtype_bytes) * target_tokens
-    need += budget * (6 * target.hidden_size + 3 * target.layer.intermediate_size) * dtype_bytes
-    need += budget * target_tokens * dtype_bytes + budget * target.vocab_size * 4
-    if draft is not None:
-        need += draft.kv_bytes_per_token(dtype_bytes) * (prompt + max_new + 4 * budget + 8)
-    return need
 
 
 def plan_placement(*, num_layers: int, layer_bytes: int, dense_layer_bytes: int, quant: Packing,
@@ -90,30 +74,3 @@ def plan_placement(*, num_layers: int, layer_bytes: int, dense_layer_bytes: int,
     rest = num_layers - gpu
     ram = min(rest, fit)
     return Placement(num_layers, gpu, ram, rest - ram, layer_bytes, quant, device)
-
-
-def pass_bytes(tokens: int, past: int, hidden: int, intermediate: int, num_heads: int, dtype_bytes: int) -> int:
-    """Transient memory of one pass over `tokens` new tokens after `past` cached ones (no logits:
-    a prefill or a first pass asks for a few rows only): residual and normed states, q/k/v/o and
-    the MLP's intermediates, the additive mask and every head's attention scores over the whole
-    context (SDPA's math fallback materialises them)."""
-    context = past + tokens
-    states = tokens * (6 * hidden + 3 * intermediate) * dtype_bytes
-    scores = tokens * context * (num_heads + 1) * dtype_bytes
-    mask = tokens * context * (dtype_bytes + 1)
-    return states + scores + mask
-
-
-def tokens_per_pass(free_bytes: int, past: int, hidden: int, intermediate: int, num_heads: int, dtype_bytes: int,
-                    most: int = 1 << 16) -> int:
-    """The most new tokens one pass can read with `free_bytes` for its activations: how many
-    prompt tokens a prefill (or a new turn's first pass) reads per stream of the weights.
-    At least 1."""
-    lo, hi = 1, max(1, most)
-    while lo < hi:  # pass_bytes grows with tokens: the largest n that fits
-        mid = (lo + hi + 1) // 2
-        if pass_bytes(mid, past, hidden, intermediate, num_heads, dtype_bytes) <= free_bytes:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo

@@ -23,7 +23,8 @@ from engine.decoding.context import (
     trie,
 )
 from engine.decoding.drafting import grow_tree
-from engine.decoding.generation import Engine, prefill
+from engine.decoding.generation import Engine
+from engine.decoding.prefill import prefill
 from engine.loading.load import LoadedModel
 from engine.types import (
     Completion,

@@ -19,7 +19,7 @@ import torch
 
 from engine.decoding.acceptance import AcceptanceModel, log_z, tempered
 from engine.decoding.drafting import grow_tree, scoring_distribution
-from engine.decoding.generation import prefill
+from engine.decoding.prefill import prefill
 from engine.decoding.sampling import process_logits
 from engine.loading.load import LoadedModel
 from engine.types import SamplingSettings, SpeculationSettings

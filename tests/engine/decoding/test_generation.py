@@ -206,20 +206,16 @@ def test_stop_during_a_long_prompt_starts_no_further_pass(close_engine: Engine, 
 def test_prefill_chunks_follow_what_a_pass_costs() -> None:
     """Compute-bound passes (a CPU) shrink the chunk to about PREFILL_STEP_S of work; passes that
     cost mostly their weights (twice the tokens, hardly more time) grow it to the largest."""
-    from engine.decoding.generation import (
-        PREFILL_MIN_CHUNK,
-        PREFILL_STEP_S,
-        _next_prefill_chunk,
-    )
+    from engine.decoding.prefill import PREFILL_MIN_CHUNK, PREFILL_STEP_S, next_prefill_chunk
 
     MOST = 512  # noqa: N806  (the largest chunk memory allows)
     per_token = 0.04  # the starter on this machine's 2 cores: ~20 s for 512 tokens
-    assert _next_prefill_chunk(32, 32 * per_token, None, MOST) == max(PREFILL_MIN_CHUNK,
+    assert next_prefill_chunk(32, 32 * per_token, None, MOST) == max(PREFILL_MIN_CHUNK,
                                                                       int(PREFILL_STEP_S / per_token))
-    assert _next_prefill_chunk(16, 0.001, None, MOST) == 32  # cheap: grows, doubling
+    assert next_prefill_chunk(16, 0.001, None, MOST) == 32  # cheap: grows, doubling
     weights = 5.0  # an offloaded 70B: each pass streams the weights
-    assert _next_prefill_chunk(64, weights + 0.1, (32, weights), MOST) == MOST
-    assert _next_prefill_chunk(64, 2 * 64 * per_token, (32, 32 * per_token), MOST) == PREFILL_MIN_CHUNK
+    assert next_prefill_chunk(64, weights + 0.1, (32, weights), MOST) == MOST
+    assert next_prefill_chunk(64, 2 * 64 * per_token, (32, 32 * per_token), MOST) == PREFILL_MIN_CHUNK
 
 
 def test_eos_finishes_with_eos_token(tiny_target: LoadedModel, tiny_close_draft: LoadedModel) -> None:

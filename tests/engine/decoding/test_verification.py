@@ -8,7 +8,8 @@ import torch
 
 from engine.decoding.acceptance import AcceptanceModel
 from engine.decoding.drafting import grow_tree
-from engine.decoding.generation import Engine, prefill
+from engine.decoding.generation import Engine
+from engine.decoding.prefill import prefill
 from engine.decoding.verification import accept, run_tree
 from engine.loading.load import LoadedModel
 from engine.types import (
@@ -80,7 +81,7 @@ def test_caches_after_steps_equal_recomputed_prefix(
     run = engine._start(req, engine.encode(req))
     accepted = []
     for _ in range(6):
-        step = engine._step(run)
+        step = engine._step(run).tokens
         engine._commit(run, step)
         seq = run.seq
         accepted.append(len(step))
