@@ -69,9 +69,9 @@ def _run_wizard(window: MainWindow, store: PreferencesStore) -> None:
 def show_store_notices(window: MainWindow, conversations: ConversationStore) -> None:
     """A damaged database set aside, or chats kept in memory only: said in the chat's banner,
     now or whenever it happens."""
-    conversations.on_notice = window.chat.show_error
+    conversations.on_notice = lambda message: window.chat.show_error(message, "store")
     if conversations.notice:
-        window.chat.show_error(conversations.notice)
+        window.chat.show_error(conversations.notice, "store")
 
 
 ICON_SIZES = (16, 24, 32, 48, 64, 128, 256, 512)
