@@ -64,14 +64,16 @@ class TurnStatus:
         self.status.begin_answer()
 
     def first_token(self, seconds: float, shown: bool) -> None:
-        if self._live is not None:
-            self._live.first_token = seconds
+        if self._live is None:
+            return  # forgotten: the model changed under it
+        self._live.first_token = seconds
         if shown:
             self.status.show_first_token(seconds)
 
     def progress(self, tokens: int, seconds: float, shown: bool) -> None:
-        if self._live is not None:
-            self._live.tokens, self._live.seconds = tokens, seconds
+        if self._live is None:
+            return
+        self._live.tokens, self._live.seconds = tokens, seconds
         if shown:
             self.status.show_live(tokens, seconds)
 
@@ -102,6 +104,8 @@ class TurnStatus:
             self.status.show_stats(*self._done[conversation_id])
 
     def forget(self) -> None:
-        """Another model: figures measured with the last one say nothing now."""
+        """Another model: figures measured with the last one say nothing now, nor do those of
+        an answer it is still ending (a load stops the answer being written)."""
         self._done.clear()
+        self._live = None
         self.status.clear_figures()

@@ -109,6 +109,24 @@ def test_an_answer_in_the_background_shows_no_figures_beside_another_conversatio
     assert _figures(window)[0].endswith("tok/s") and _figures(window)[1].endswith("tok/pass")
 
 
+def test_an_answer_stopped_by_a_new_load_leaves_no_figures_beside_it(
+        qtbot: QtBot, open_window, chat_prefs: PreferencesStore) -> None:
+    chat_prefs.update(max_new_tokens=1500)
+    window = open_window(chat_prefs)
+    chat = window.chat
+    rendered: list[str] = []
+    chat.view.rendered.connect(rendered.append)
+    at_end: list[tuple[str, list[str]]] = []
+    chat.answer_finished.connect(lambda reason: at_end.append((reason, _figures(window))))
+    chat.send("hello")
+    qtbot.waitUntil(lambda: len(rendered) >= 2, timeout=ANSWER_MS)
+    chat_prefs.update(context_length=1024)  # another load: the answer is stopped
+    qtbot.waitUntil(lambda: bool(at_end), timeout=ANSWER_MS)
+    assert at_end == [("cancelled", ["", "", "", ""])]  # not the last model's figures beside "Loading…"
+    qtbot.waitUntil(lambda: chat.model_state == "ready", timeout=LOAD_MS)
+    assert _figures(window) == ["", "", "", ""]
+
+
 def test_a_draft_beside_plain_decoding_says_why(qtbot: QtBot, open_window, chat_prefs: PreferencesStore) -> None:
     chat_prefs.update(max_new_tokens=6, tree_mode="autoregressive")
     window = open_window(chat_prefs)
