@@ -6,16 +6,17 @@ text in full); `set_text(text, short)` gives it a shorter wording to show before
 `FieldRow` lays widgets out in one line: a left group from the left edge, a right group against
 the right edge, free space between. While everything fits, every field has its full width. When
 the row is narrower, fields give way one step at a time in the order `give_way` sets ("short":
-its shorter wording; "min": down to a few characters), so a long model name yields before the
-time to first token does; a field never named there keeps its width. Empty or hidden fields
-take no room. Its minimum width is every field at its last step, so it never widens a window.
+its shorter wording; "min": down to a few characters; a plain QLabel is then clipped), so a
+long model name yields before the time to first token does; a field never named there keeps its
+width. Empty or hidden fields take no room; a field's new text or visibility lays the row out
+again. Its minimum width is every field at its last step, so it never widens a window.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from PySide6.QtCore import QSize, Qt
+from PySide6.QtCore import QEvent, QSize, Qt
 from PySide6.QtGui import QPainter, QPaintEvent, QResizeEvent
 from PySide6.QtWidgets import QLabel, QSizePolicy, QWidget
 
@@ -76,9 +77,13 @@ def _width(widget: QWidget, step: str) -> int:
         if step == "short":
             return min(full, widget.width_for(widget.short)) if widget.short else full
         return full if step == "full" else min(full, widget.minimumSizeHint().width())
-    if step == "min":
-        return min(widget.minimumSizeHint().width(), widget.maximumWidth())
-    return min(widget.sizeHint().width(), widget.maximumWidth())
+    full = min(widget.sizeHint().width(), widget.maximumWidth())
+    if step != "min":
+        return full
+    if isinstance(widget, QLabel):  # a plain label (another module's): clipped to a few characters
+        return min(full, widget.fontMetrics().horizontalAdvance(MIN_TEXT) + widget.contentsMargins().left()
+                   + widget.contentsMargins().right())
+    return min(widget.minimumSizeHint().width(), widget.maximumWidth())
 
 
 class FieldRow(QWidget):
@@ -142,6 +147,11 @@ class FieldRow(QWidget):
     def relayout(self) -> None:
         self.updateGeometry()
         self._place()
+
+    def event(self, event: QEvent) -> bool:
+        if event.type() == QEvent.Type.LayoutRequest:  # a field's text changed, or it was shown or hidden
+            self.relayout()
+        return super().event(event)
 
     def resizeEvent(self, event: QResizeEvent) -> None:  # noqa: N802
         super().resizeEvent(event)

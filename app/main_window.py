@@ -89,7 +89,7 @@ class MainWindow(QMainWindow):
         self.pages = QStackedWidget()
         self.remote_host = RemoteHost(self)  # conversations on remote engines (Settings > Engines)
         self.api = ApiServer(self.host, self)  # Settings > Server: the loaded model over the OpenAI API
-        self.status.addPermanentWidget(self.api.status_label)
+        self.status.add_field(self.api.status_label)
         self.chat = ChatPage(conversations, self.host, preferences, self.status, remote=self.remote_host)
         self.chat.starter_requested.connect(self.use_starter)
         self.chat.models_requested.connect(self.show_models)

@@ -160,10 +160,18 @@ class StatusBar(QStatusBar):
         for widget in (self.progress_text, self.progress, self.cancel_button):
             widget.hide()
         # what yields room first when the window is narrow; tok/s and tokens per pass never do
-        self.row.give_way([(self.progress_text, "min"), (self.pair, "short"), (self.placement, "short"),
-                           (self.budget, "short"), (self.ttft, "short"), (self.pair, "min"),
-                           (self.budget, "min"), (self.ttft, "min"), (self.placement, "min")])
+        self._give_way = [(self.progress_text, "min"), (self.pair, "short"), (self.placement, "short"),
+                          (self.budget, "short"), (self.ttft, "short"), (self.pair, "min"),
+                          (self.budget, "min"), (self.ttft, "min"), (self.placement, "min")]
+        self.row.give_way(self._give_way)
         self.addWidget(self.row, 1)
+
+    def add_field(self, widget: QWidget) -> None:
+        """Another module's field at the right end (the API server's): whole while it fits, the
+        last to give way."""
+        self.row.add_right(widget)
+        self._give_way.append((widget, "min"))
+        self.row.give_way(self._give_way)
 
     @property
     def figures(self) -> tuple[ElidedLabel, ...]:

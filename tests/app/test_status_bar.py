@@ -90,8 +90,7 @@ def test_narrower_fields_give_way_in_order_and_the_figures_never_elide(qtbot: Qt
     else:
         assert _painted(bar.budget) == "draft off" and _painted(bar.placement) == "18/80 on GPU"
         assert _painted(bar.ttft).endswith("5.02 s")  # the figure stays in sight
-    if not api:  # nothing widens the window (the API server's field keeps its own width)
-        assert window.minimumSizeHint().width() <= 640
+    assert window.width() == width and window.minimumSizeHint().width() <= 640  # nothing widens the window
 
 
 def test_figures_go_with_their_model(qtbot: QtBot, window: MainWindow) -> None:
