@@ -10,9 +10,11 @@
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -25,6 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
 LAUNCHES = 4
 ROUNDS = 6
 BARRIER_S = 0.3  # from handing out the start time to the start
+LINE_TIMEOUT_S = 60
 
 # One launch: Qt up, then the barrier (a start time on stdin, then spinning until that moment, so
 # the launches are running, not waking up, when it comes), then the single-instance check.
@@ -55,58 +58,80 @@ def _env(data: Path, **extra: str) -> dict[str, str]:
                 PYTHONPATH=str(REPO), **extra)
 
 
-def _launch_together(data: Path, n: int) -> list[subprocess.Popen[str]]:
+class Launch:
+    """One launch in a subprocess; its output lines arrive in a queue (a hung child fails the
+    test after LINE_TIMEOUT_S instead of hanging it)."""
+
+    def __init__(self, data: Path) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", CHILD, str(data)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(data),
+                                     cwd=REPO)
+        self._lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.put(line.strip())
+        self._lines.put("<exited>")
+
+    def line(self) -> str:
+        try:
+            return self._lines.get(timeout=LINE_TIMEOUT_S)
+        except queue.Empty:
+            return "<no answer>"
+
+    def start_at(self, moment: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(moment)
+        self.proc.stdin.flush()
+
+    def end(self, how: signal.Signals = signal.SIGTERM) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(how)
+        self.proc.wait(timeout=30)
+
+
+def _launch_together(data: Path, n: int) -> list[Launch]:
     """`n` launches that reach the check at the same moment: once every one is ready, each is
     given the same start time a little ahead."""
-    procs = [subprocess.Popen([sys.executable, "-c", CHILD, str(data)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, env=_env(data), cwd=REPO)
-             for _ in range(n)]
-    for proc in procs:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    launches = [Launch(data) for _ in range(n)]
+    for launch in launches:
+        assert launch.line() == "ready"
     start = f"{time.time() + BARRIER_S}\n"
-    for proc in procs:
-        assert proc.stdin is not None
-        proc.stdin.write(start)
-        proc.stdin.flush()
-    return procs
+    for launch in launches:
+        launch.start_at(start)
+    return launches
 
 
 def test_launches_at_the_same_moment_leave_exactly_one_running(tmp_path: Path) -> None:
     data = tmp_path / "data"
     for round_ in range(ROUNDS):
-        procs = _launch_together(data, LAUNCHES)
+        launches = _launch_together(data, LAUNCHES)
         try:
             firsts = []
-            for proc in procs:
-                assert proc.stdout is not None
-                line = proc.stdout.readline().strip()
+            for launch in launches:
+                line = launch.line()
                 if line == "first":
-                    firsts.append(proc)
+                    firsts.append(launch)
                 else:
                     assert line == "second True", (round_, line)
-                    assert proc.wait(timeout=30) == 0
+                    assert launch.proc.wait(timeout=30) == 0
             assert len(firsts) == 1, f"round {round_}: {len(firsts)} instances running"
             first = firsts[0]
-            assert first.stdout is not None
-            raises = [first.stdout.readline().strip() for _ in range(LAUNCHES - 1)]
-            assert raises == ["raise"] * (LAUNCHES - 1)
-            assert first.poll() is None  # still running
+            assert [first.line() for _ in range(LAUNCHES - 1)] == ["raise"] * (LAUNCHES - 1)
+            assert first.proc.poll() is None  # still running
         finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    # the last round is killed outright: its lock and socket file stay behind
-                    proc.send_signal(signal.SIGKILL if round_ % 2 else signal.SIGTERM)
-                proc.wait(timeout=30)
+            for launch in launches:  # every other round killed outright: its lock and socket file stay behind
+                launch.end(signal.SIGKILL if round_ % 2 else signal.SIGTERM)
     assert (data / LOCK_NAME).is_file()
 
 
 def test_a_killed_instance_does_not_block_the_next_start(qtbot: QtBot, tmp_path: Path) -> None:
     data = tmp_path / "data"
-    procs = _launch_together(data, 1)
-    proc = procs[0]
-    assert proc.stdout is not None and proc.stdout.readline().strip() == "first"
-    proc.kill()
-    proc.wait(timeout=30)
+    [launch] = _launch_together(data, 1)
+    assert launch.line() == "first"
+    launch.end(signal.SIGKILL)
     started = time.monotonic()
     again = acquire(data)
     assert isinstance(again, SingleInstance) and again.locked
