@@ -4,9 +4,13 @@ chat page's bookkeeping, apart from its widgets)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from engine.types import GenerationRequest, Message
+
 from .conversations import StoredMessage
+from .preferences import Preferences
 
 
 @dataclass
@@ -20,6 +24,23 @@ class Answer:
     tokens: int = 0
     started: float = 0.0
     first_token: bool = False
+
+
+def answer_request(prefs: Preferences, plan: object | None, system: str, messages: Sequence[StoredMessage],
+                   conversation_id: int, continue_final: bool = False) -> GenerationRequest:
+    """The request for the next answer of a conversation: its system prompt and `messages`, with
+    the settings (and the planner's `plan` for budget "auto"). `continue_final`: write on from
+    the last answer."""
+    history = [Message("system", system.strip())] if system.strip() else []
+    history += [Message(m.role, m.content) for m in messages]  # type: ignore[arg-type]
+    return GenerationRequest(
+        messages=tuple(history),
+        max_new_tokens=prefs.max_new_tokens,
+        sampling=prefs.sampling(),
+        speculation=prefs.speculation_for(plan),
+        continue_final=continue_final,
+        conversation=f"conversation-{conversation_id}",  # its KV cache continues turn to turn
+    )
 
 
 def length_note(tokens: int) -> str:

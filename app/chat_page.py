@@ -28,14 +28,9 @@ from PySide6.QtWidgets import (
 )
 
 from engine.errors import RemoteError
-from engine.types import (
-    Completion,
-    GenerationRequest,
-    Message,
-    RemoteModel,
-)
+from engine.types import Completion, RemoteModel
 
-from .answer import Answer, length_note, message_meta
+from .answer import Answer, answer_request, length_note, message_meta
 from .chat_view import ChatView
 from .composer import Composer
 from .conversations import ConversationStore, StoredMessage, stats_dict, title_from
@@ -48,6 +43,7 @@ from .remote_engines import LOCAL, RemoteHost, parse_engines, resolve
 from .sidebar import Sidebar
 from .status import ErrorBanner, StatusBar
 from .system_prompt import SystemPromptRow
+from .turn_status import TurnStatus, mode_context
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +66,7 @@ class ChatPage(QWidget):
         self._active: EngineHost | RemoteHost = host  # whichever runs the answer in progress
         self.preferences = preferences
         self.status = status
+        self.turn = TurnStatus(status)  # the figures per conversation; an answer waiting for the API
         self.conversation_id = 0
         self.model_state, self._model_detail = "none", ""
         self._ids: list[int] = []  # database id of each message in the view
@@ -81,14 +78,12 @@ class ChatPage(QWidget):
         self._save_timer.setInterval(BACKGROUND_SAVE_MS)
         self._save_timer.timeout.connect(self._save_answer)
         self._build()
-        host.worker.tokens_generated.connect(self._on_worker_tokens_generated)
-        host.worker.generation_finished.connect(self._on_worker_generation_finished)
-        host.worker.generation_failed.connect(self._on_worker_generation_failed)
+        for worker in (host.worker, remote.worker) if remote is not None else (host.worker,):
+            worker.tokens_generated.connect(self._on_worker_tokens_generated)
+            worker.generation_finished.connect(self._on_worker_generation_finished)
+            worker.generation_failed.connect(self._on_worker_generation_failed)
         host.worker.planned.connect(self._on_worker_planned)
-        if remote is not None:
-            remote.worker.tokens_generated.connect(self._on_worker_tokens_generated)
-            remote.worker.generation_finished.connect(self._on_worker_generation_finished)
-            remote.worker.generation_failed.connect(self._on_worker_generation_failed)
+        host.worker.serving.connect(self._on_worker_serving)
         self.sidebar.refresh()
         first = self.store.conversations()
         if first:
@@ -166,6 +161,8 @@ class ChatPage(QWidget):
 
     def set_model_state(self, state: str, detail: str = "") -> None:
         """"none" (no model chosen: the empty state), "loading", "ready" or "failed"."""
+        if state != self.model_state and state != "ready":
+            self.turn.forget()  # the last model's figures
         self.model_state, self._model_detail = state, detail
         shown = "ready" if self.engine_picker.choice() != LOCAL else state  # a remote model answers anyway
         self.stack.setCurrentWidget(self.empty if shown == "none" else self.view)
@@ -195,8 +192,12 @@ class ChatPage(QWidget):
     def set_palette(self, palette: MarkdownPalette) -> None:
         self.view.set_palette(palette)
 
-    def show_error(self, message: str) -> None:
-        self.banner.show_message(message)
+    def show_error(self, message: str, cause: str = "") -> None:
+        """An error in the banner; `cause` lets `clear_error` take it away once it is gone."""
+        self.banner.show_message(message, cause)
+
+    def clear_error(self, *causes: str) -> None:
+        self.banner.clear(*causes)
 
     def reload_presets(self) -> None:
         self.engine_picker.reload(self.preferences.load())  # the settings' servers may have changed
@@ -214,6 +215,7 @@ class ChatPage(QWidget):
         self.view.clear()
         self.system_edit.setText(self._default_system_prompt())
         self.sidebar.select(0)
+        self.turn.show_conversation(0)
         self._update_composer()
         self.composer.input.setFocus()
 
@@ -234,11 +236,14 @@ class ChatPage(QWidget):
         answer = self._answer if self.answering_here else None
         for m in self.store.messages(conv.id):
             if answer is not None and m.id == answer.message_id:
-                self.view.begin_answer(answer.text)  # still being written: it streams on here
+                widget = self.view.begin_answer(answer.text)  # still being written: it streams on here
+                if not answer.first_token and self._active is self.host:
+                    widget.set_placeholder(self.turn.waiting_text())
                 self._ids.append(m.id)
             else:
                 self._show(m)
         self.sidebar.select(conv.id)
+        self.turn.show_conversation(conv.id)
         self._update_composer()
         self.view.scroll_to_bottom()
 
@@ -271,6 +276,7 @@ class ChatPage(QWidget):
             self.conversation_id = 0
 
     def _on_engine_picker_choice_changed(self, choice: str) -> None:
+        self.clear_error("engine")  # "the server of this conversation is gone"
         if self.conversation_id:
             self.store.set_engine(self.conversation_id, choice)
         self.set_model_state(self.model_state, self._model_detail)
@@ -295,7 +301,7 @@ class ChatPage(QWidget):
         ok, remote = self._engine_for_answer()
         if not ok:
             return
-        self.banner.dismiss()
+        self.clear_error("answer", "engine")  # a new try
         if not self.conversation_id:
             self.conversation_id = self.store.create(title_from(text), self.system_edit.text()).id
             self.store.set_engine(self.conversation_id, self.engine_picker.choice())
@@ -344,12 +350,8 @@ class ChatPage(QWidget):
     def _set_editing(self, index: int | None) -> None:
         """Edit mode on the message at view index `index` (None: off); the message and the
         composer both say so."""
-        for m in self.view.messages:
-            if m.note.text() == "editing":
-                m.set_note("")
         self._editing_id = self._ids[index] if index is not None else 0
-        if index is not None:
-            self.view.messages[index].set_note("editing")
+        self.view.set_editing(index)
         self.composer.set_editing(index is not None)
 
     def stop(self) -> None:
@@ -369,31 +371,19 @@ class ChatPage(QWidget):
         self.view.remove_from(index)
         del self._ids[index:]
 
-    def _history(self) -> tuple[Message, ...]:
-        system = self.system_edit.text().strip()
-        msgs = [Message("system", system)] if system else []
-        msgs += [Message(m.role, m.content) for m in self.store.messages(self.conversation_id)]  # type: ignore[arg-type]
-        return tuple(msgs)
-
     def _engine_for_answer(self) -> tuple[bool, RemoteModel | None]:
         """The remote model this conversation runs on (None: the local one); False, with a banner,
         when its server was removed from the settings."""
         try:
             return True, resolve(self.engine_picker.choice(), parse_engines(self.preferences.load().remote_engines))
         except RemoteError as exc:
-            self.show_error(exc.user_message)
+            self.show_error(exc.user_message, "engine")
             return False, None
 
     def _start_answer(self, resume: object = None, remote: RemoteModel | None = None) -> None:
         prefs = self.preferences.load()
-        request = GenerationRequest(
-            messages=self._history(),
-            max_new_tokens=prefs.max_new_tokens,
-            sampling=prefs.sampling(),
-            speculation=prefs.speculation_for(self.plan),
-            continue_final=resume is not None,
-            conversation=f"conversation-{self.conversation_id}",  # its KV cache continues turn to turn
-        )
+        request = answer_request(prefs, self.plan, self.system_edit.text(), self.store.messages(self.conversation_id),
+                                 self.conversation_id, continue_final=resume is not None)
         if resume is None:
             message_id = self.store.add_message(self.conversation_id, "assistant", "", complete=False).id
             self._ids.append(message_id)
@@ -407,14 +397,22 @@ class ChatPage(QWidget):
         else:
             self._active = self.host
             request_id = self.host.generate(request)
+            widget.set_placeholder(self.turn.waiting_text())
         self._answer = Answer(request_id, self.conversation_id, message_id, widget.text, started=time.monotonic())
-        self.status.begin_answer()
+        self.turn.begin(self.conversation_id, mode_context(prefs, self.plan, self.status.has_draft, remote is not None))
         self.sidebar.set_writing(self.conversation_id)
         self.sidebar.select(self.conversation_id)
         self._update_composer()
 
     def _on_worker_planned(self, plan: object) -> None:
         self.plan = plan
+
+    def _on_worker_serving(self, busy: bool) -> None:
+        """The engine started or ended an API request: an answer waiting behind it says so."""
+        self.turn.serving = busy
+        answer = self._answer
+        if answer is not None and not answer.first_token and self._active is self.host and self.answering_here:
+            self.view.set_waiting(self.turn.waiting_text())
 
     def _save_partial(self, text: str) -> None:
         """Before each render of the answer on screen: the database gets it first."""
@@ -432,14 +430,15 @@ class ChatPage(QWidget):
         answer.text += text
         answer.tokens += tokens
         seconds = time.monotonic() - answer.started
+        here = self.answering_here
         if not answer.first_token:
             answer.first_token = True
-            self.status.show_first_token(seconds)
-        if self.answering_here:
+            self.turn.first_token(seconds, here)
+        if here:
             self.view.append_answer(text)
         elif not self._save_timer.isActive():
             self._save_timer.start()
-        self.status.show_live(answer.tokens, seconds)
+        self.turn.progress(answer.tokens, seconds, here)
 
     def _on_worker_generation_finished(self, request_id: int, completion: Completion) -> None:
         answer = self._answer
@@ -452,7 +451,9 @@ class ChatPage(QWidget):
             self.view.end_answer(note, complete=not stopped, can_continue=reason == "length")
         stats = {**stats_dict(completion.stats), "finish_reason": reason}
         self.store.update_message(answer.message_id, answer.text, complete=not stopped, stats=stats)
-        self.status.show_stats(completion.stats, auto_budget=self.preferences.load().budget <= 0)
+        self.turn.finish(completion.stats, self.answering_here)
+        if not stopped:
+            self.clear_error("answer")  # an answer works again
         self._finish_turn()
         self.answer_finished.emit(reason)
 
@@ -463,7 +464,8 @@ class ChatPage(QWidget):
         if self.answering_here:
             self.view.end_answer("failed", complete=False)
         self.store.update_message(answer.message_id, answer.text, complete=False)
-        self.show_error(message)
+        self.turn.finish(None, self.answering_here)
+        self.show_error(message, "answer")
         self._finish_turn()
         self.answer_finished.emit("error")
 

@@ -102,6 +102,16 @@ class MessageWidget(QFrame):
         layout.addLayout(header)
         # The text is rendered in pieces (app.chunking), one borderless browser each, so a
         # streaming answer re-renders and re-lays out only its last piece.
+        # in an answer that has no text yet: what it waits for (set_placeholder)
+        self.placeholder = QLabel("")
+        self.placeholder.setObjectName("messageNote")
+        self.placeholder.setAccessibleName("Waiting")
+        self.placeholder.setWordWrap(True)
+        font = self.placeholder.font()
+        font.setItalic(True)
+        self.placeholder.setFont(font)
+        self.placeholder.hide()
+        layout.addWidget(self.placeholder)
         self._bodies_layout = QVBoxLayout()
         self._bodies_layout.setSpacing(0)
         layout.addLayout(self._bodies_layout)
@@ -172,6 +182,8 @@ class MessageWidget(QFrame):
 
     def append(self, delta: str) -> None:
         """Add streamed text: renders the pieces it closed and the open one, nothing before."""
+        if delta:
+            self.set_placeholder("")
         self._parts.append(delta)
         first = len(self._chunker.closed)
         self._chunker.feed(delta)
@@ -203,6 +215,12 @@ class MessageWidget(QFrame):
 
     def set_note(self, note: str) -> None:
         self.note.setText(note)
+
+    def set_placeholder(self, text: str) -> None:
+        """Say in the message what an answer without text waits for ("" : nothing); its first
+        text takes the place."""
+        self.placeholder.setText(text)
+        self.placeholder.setVisible(bool(text) and not self.text)
 
     def set_palette(self, palette: MarkdownPalette) -> None:
         self._palette = palette
@@ -328,6 +346,14 @@ class ChatView(QScrollArea):
         for widget in self._messages:
             widget.set_palette(palette)
 
+    def set_editing(self, index: int | None) -> None:
+        """Mark the message at `index` as the one being edited (None: none)."""
+        for i, m in enumerate(self._messages):
+            if i == index:
+                m.set_note("editing")
+            elif m.note.text() == "editing":
+                m.set_note("")
+
     def set_busy(self, busy: bool) -> None:
         self._busy = busy
         self._update_actions()
@@ -356,6 +382,11 @@ class ChatView(QScrollArea):
         self._stick_to_bottom = True
         self._update_actions()
         return widget
+
+    def set_waiting(self, text: str) -> None:
+        """What the streaming answer waits for, in its bubble while it has no text ("": nothing)."""
+        if self._streaming is not None:
+            self._streaming.set_placeholder(text if not self._stream_text else "")
 
     def detach_answer(self) -> None:
         """Stop streaming into the view (the answer goes on elsewhere); text not yet rendered is
@@ -393,6 +424,7 @@ class ChatView(QScrollArea):
     def end_answer(self, note: str = "", complete: bool = True, can_continue: bool = False) -> None:
         self.flush()
         if self._streaming is not None:
+            self._streaming.set_placeholder("")
             self._streaming.complete = complete
             self._streaming.can_continue = can_continue
             self._streaming.set_note(note)

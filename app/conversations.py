@@ -348,6 +348,28 @@ def title_from(text: str, limit: int = 48) -> str:
     return (cut or line[:limit]) + "…"
 
 
+# what some file system refuses in a name: Windows' reserved characters, control characters
+_REFUSED = {**{c: "-" for c in '/\\|:'}, '"': "'", **{c: "" for c in "<>*?"}, **{chr(i): " " for i in range(32)}, "\x7f": " "}
+_RESERVED = {"CON", "PRN", "AUX", "NUL", *(f"COM{i}" for i in range(1, 10)), *(f"LPT{i}" for i in range(1, 10))}
+MAX_NAME_BYTES = 200  # below the usual 255-byte limit, with room for the suffix
+
+
+def export_file_name(title: str, suffix: str) -> str:
+    """A file name for exporting a conversation titled `title`: its words and punctuation as they
+    are, less only what a file system refuses (path separators, `<>:"|?*`, control characters,
+    a leading dot, trailing dots and spaces, Windows' reserved names), and the "…" a long title
+    was cut with. "What is 2/3? Answer in one…" -> "What is 2-3 Answer in one.md"."""
+    name = "".join(_REFUSED.get(c, c) for c in title.replace(": ", " - "))
+    name = " ".join(name.split()).removesuffix("…").strip()
+    while len(name.encode("utf-8")) > MAX_NAME_BYTES:
+        cut = name[:-1].rsplit(" ", 1)[0] if " " in name[:-1] else name[:-1]
+        name = cut.rstrip()
+    name = name.lstrip(".").rstrip(". ")
+    if name.split(".")[0].strip().upper() in _RESERVED:
+        name = f"{name} (conversation)"
+    return f"{name or 'conversation'}.{suffix}"
+
+
 def stats_dict(stats: object) -> dict[str, Any]:
     """A GenerationStats (a dataclass) as a JSON-able dict, for `update_message(stats=...)`."""
     return json.loads(json.dumps(asdict(stats), default=str))  # type: ignore[call-overload]

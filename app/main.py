@@ -1,8 +1,10 @@
 """`specchat` with no arguments: the desktop app.
 
-Start-up: one instance per data folder (a second launch raises the first window), the theme
-from preferences, the conversation database in the user data dir, the main window, then the
-first-run wizard unless it ran already (or SPECCHAT_SKIP_WIZARD=1).
+Start-up: on Linux with X11, the system libraries Qt needs (app/qt_platform.py: a missing one is
+named with the command that installs it, instead of Qt's abort); one instance per data folder
+(app/single_instance.py: a second launch raises the first window and exits before it logs
+anything), the log file, the theme from preferences, the conversation database in the user data
+dir, the main window, then the first-run wizard unless it ran already (or SPECCHAT_SKIP_WIZARD=1).
 
 Test hooks (documented, used by tests/app/test_kill.py; no effect when unset):
 - SPECCHAT_TEST_AUTOSEND=TEXT: send TEXT as soon as the model has loaded.
@@ -28,7 +30,8 @@ from .conversations import ConversationStore, default_path
 from .logfile import install_log_file
 from .main_window import MainWindow
 from .preferences import PreferencesStore
-from .single_instance import acquire
+from .qt_platform import startup_problem
+from .single_instance import Running, acquire
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +69,9 @@ def _run_wizard(window: MainWindow, store: PreferencesStore) -> None:
 def show_store_notices(window: MainWindow, conversations: ConversationStore) -> None:
     """A damaged database set aside, or chats kept in memory only: said in the chat's banner,
     now or whenever it happens."""
-    conversations.on_notice = window.chat.show_error
+    conversations.on_notice = lambda message: window.chat.show_error(message, "store")
     if conversations.notice:
-        window.chat.show_error(conversations.notice)
+        window.chat.show_error(conversations.notice, "store")
 
 
 ICON_SIZES = (16, 24, 32, 48, 64, 128, 256, 512)
@@ -100,7 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv if argv is None else argv)
     configure_runtime()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    install_log_file()
+    problem = startup_problem(argv)  # before QApplication, which would abort with a one-library hint
+    if problem:
+        print(problem, file=sys.stderr)
+        return 1
     app = QApplication.instance() or QApplication(argv)
     assert isinstance(app, QApplication)
     app.setApplicationName("SpecChat")
@@ -109,10 +115,12 @@ def main(argv: list[str] | None = None) -> int:
     app.setDesktopFileName(DESKTOP_FILE_NAME)
     app.setWindowIcon(app_icon())
     data = paths.data_dir()
-    instance = acquire(data)
-    if instance is None:
-        print("SpecChat is already running; its window was raised.")
+    instance = acquire(data)  # the data folder's lock, before any window: one instance per folder
+    if isinstance(instance, Running):
+        print("SpecChat is already running; its window was raised." if instance.raised else
+              "SpecChat is already running (it did not answer; see its window or the log).")
         return 0
+    install_log_file()  # only the instance that stays logs its start
     store = PreferencesStore()
     conversations = ConversationStore(default_path(data))
     window = MainWindow(store, conversations, endpoint=os.environ.get("HF_ENDPOINT"))

@@ -1,6 +1,7 @@
 """The main window: a toolbar to switch between Chat and Models, the status bar, shortcuts,
 and the engine's life cycle (load the chosen pair at start and whenever preferences change it;
-a cancellable progress bar while it loads; errors as a banner).
+a cancellable progress bar while it loads; errors as a banner, taken away once their cause is:
+a later load that works clears a failed one's).
 
 Pages from the other half of the app (models page, settings dialog) are created lazily, so a
 problem in one of them never keeps the chat from opening.
@@ -88,7 +89,7 @@ class MainWindow(QMainWindow):
         self.pages = QStackedWidget()
         self.remote_host = RemoteHost(self)  # conversations on remote engines (Settings > Engines)
         self.api = ApiServer(self.host, self)  # Settings > Server: the loaded model over the OpenAI API
-        self.status.addPermanentWidget(self.api.status_label)
+        self.status.add_field(self.api.status_label)
         self.chat = ChatPage(conversations, self.host, preferences, self.status, remote=self.remote_host)
         self.chat.starter_requested.connect(self.use_starter)
         self.chat.models_requested.connect(self.show_models)
@@ -170,8 +171,9 @@ class MainWindow(QMainWindow):
                 page = ModelsPage(self.preferences, self, endpoint=self.endpoint)
             except Exception as exc:  # noqa: BLE001 - the chat keeps working without it
                 log.exception("the models page failed to open")
-                self.chat.show_error(f"The Models page could not open ({exc}).")
+                self.chat.show_error(f"The Models page could not open ({exc}).", "models_page")
                 return None
+            self.chat.clear_error("models_page")
             page.active_pair_changed.connect(lambda _t, _d: self.show_chat())
             self.models_page = page
             self._models_scroll = scroll = QScrollArea()  # below its natural size (half a screen, 640x480) the page scrolls
@@ -197,8 +199,9 @@ class MainWindow(QMainWindow):
             dialog = SettingsDialog(self.preferences, self)
         except Exception as exc:  # noqa: BLE001
             log.exception("the settings dialog failed to open")
-            self.chat.show_error(f"Settings could not open ({exc}).")
+            self.chat.show_error(f"Settings could not open ({exc}).", "settings")
             return
+        self.chat.clear_error("settings")
         dialog.exec()
         self.chat.reload_presets()
 
@@ -216,6 +219,7 @@ class MainWindow(QMainWindow):
         key = _key(prefs)
         if not prefs.target:
             self.status.show_no_model()
+            self.chat.clear_error("load")  # nothing is to be loaded now
             self.chat.set_model_state("none")
             if not self._warmed:
                 self._warmed = True
@@ -254,6 +258,7 @@ class MainWindow(QMainWindow):
         self._loaded_key, self._loading_key = self._loading_key, None
         self.status.hide_load_progress()
         self.status.show_pair(target, draft, placement)
+        self.chat.clear_error("load")  # an earlier load's failure is no longer true
         self.chat.set_model_state("ready")
         self.model_loaded.emit()
 
@@ -265,7 +270,7 @@ class MainWindow(QMainWindow):
         has_target = bool(self.preferences.load().target)
         self.status.show_no_model("No model loaded")
         self.chat.set_model_state("failed" if has_target else "none", message)
-        self.chat.show_error(message)
+        self.chat.show_error(message, "load")
         self.model_failed.emit(message)
 
     def _on_preferences_changed(self, prefs: Preferences) -> None:

@@ -42,6 +42,7 @@ from app.benchmark_worker import benchmark_runner
 from app.engines_tab import EnginesTab
 from app.hub_tab import HubTab
 from app.logfile import current_log_file
+from app.mnemonics import give_buddies
 from app.plot import BudgetPlot
 from app.preferences import Preferences, PreferencesStore
 from app.recommend import load_profile, predicted_curve, profile_lines
@@ -98,7 +99,6 @@ class SettingsDialog(QDialog):
         super().__init__(parent)
         self.setWindowTitle("Settings")
         self.setAccessibleName("Settings")
-        self.resize(820, 640)
         self._store = store
         self._prefs = store.load()
         self._catalog = load_catalog()
@@ -121,6 +121,9 @@ class SettingsDialog(QDialog):
         self._own_tabs = (self.server_tab, self.engines_tab, self.hub_tab)
         for tab in self._own_tabs:
             self.tabs.addTab(tab, tab.title)
+        # every tab title in full, never "Hug…" nor behind scroll arrows: the dialog is as wide as they are
+        self.tabs.tabBar().setElideMode(Qt.TextElideMode.ElideNone)
+        self.tabs.setUsesScrollButtons(False)
         self.finished.connect(self.engines_tab.shutdown)
         self.buttons = QDialogButtonBox(
             QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel
@@ -139,6 +142,8 @@ class SettingsDialog(QDialog):
             QShortcut(QKeySequence(f"Alt+{index + 1}"), self, activated=lambda i=index: self.tabs.setCurrentIndex(i))
         for name, tip in TIPS.items():
             getattr(self, name).setToolTip(tip)
+        give_buddies(self)  # "API &key:" beside a row of widgets showed its "&"
+        self.resize(max(820, self.minimumSizeHint().width()), 640)
         self.show_preferences(self._prefs)
         self._show_profile()
 

@@ -4,7 +4,8 @@ which conversation to show.
 
 Conversations are grouped under date headings (Today, Yesterday, Previous 7 days, Previous 30
 days, then by month), as ChatGPT, LM Studio and Jan list them; each tooltip has the exact time.
-The one being answered carries a "writing…" mark. A click is handed on after the list has
+The one being answered carries a "✎" mark before its title (a long title is cut at its end, so the
+mark stays in sight) and says so in its tooltip. A click is handed on after the list has
 finished its own handling of it, so the list is never rebuilt under the click (which used to
 leave the highlight on the wrong row).
 """
@@ -33,9 +34,10 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from .conversations import ConversationStore
+from .conversations import ConversationStore, export_file_name
 
-WRITING = " · writing…"
+WRITING = "✎ "  # before the title: a long title is elided at its end, never the mark
+WRITING_TIP = "An answer is being written in this conversation."
 
 
 def date_group(when: float, today: date | None = None) -> str:
@@ -134,10 +136,13 @@ class Sidebar(QWidget):
                 if group != heading:
                     heading = group
                     self.list.addItem(self._heading(group))
-                title = conv.title + (WRITING if conv.id == self._writing else "")
-                item = QListWidgetItem(title)
+                writing = conv.id == self._writing
+                item = QListWidgetItem(WRITING + conv.title if writing else conv.title)
                 item.setData(Qt.ItemDataRole.UserRole, conv.id)
-                item.setToolTip(f"{conv.title}\nlast message {time.strftime('%d %b %Y, %H:%M', time.localtime(conv.updated))}")
+                when = time.strftime('%d %b %Y, %H:%M', time.localtime(conv.updated))
+                item.setToolTip(f"{conv.title}\nlast message {when}" + (f"\n{WRITING_TIP}" if writing else ""))
+                if writing:
+                    item.setData(Qt.ItemDataRole.AccessibleTextRole, f"{conv.title}, {WRITING_TIP}")
                 self.list.addItem(item)
                 if conv.id == current:
                     self.list.setCurrentItem(item)
@@ -244,8 +249,8 @@ class Sidebar(QWidget):
         if conv is None:
             return
         suffix = "md" if kind == "md" else "json"
-        safe = "".join(c if c.isalnum() or c in " -_" else "_" for c in conv.title).strip() or "conversation"
-        path, _ = QFileDialog.getSaveFileName(self, "Export conversation", str(Path.home() / f"{safe}.{suffix}"),
+        name = export_file_name(conv.title, suffix)
+        path, _ = QFileDialog.getSaveFileName(self, "Export conversation", str(Path.home() / name),
                                               "Markdown (*.md)" if kind == "md" else "JSON (*.json)")
         if path:
             export_conversation(self.store, conv.id, Path(path), kind)

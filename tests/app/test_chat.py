@@ -97,10 +97,10 @@ def test_send_stream_stop_regenerate(qtbot: QtBot, open_window, chat_prefs: Pref
     assert [(r, c) for r, _, c in msgs] == [("user", True), ("assistant", True)]  # replaced, not appended
     assert msgs[1][1] == chat.view.messages[-1].text and len(chat.view.messages) == 2
     stats = window.status
-    assert "tokens/pass" in stats.per_pass.text() and "first token" in stats.ttft.text()
+    assert "tok/pass" in stats.per_pass.text() and "first token" in stats.ttft.text()
     assert stats.budget.text() == "budget: 8"
     assert "tiny-llama" in stats.pair.text() and "draft" in stats.pair.text()
-    assert "layers resident in RAM" in stats.placement.text()
+    assert stats.placement.text() == "all 2 layers in RAM" and "resident" in stats.placement.toolTip()
 
 
 def test_edit_and_resend_the_last_user_message(qtbot: QtBot, open_window, chat_prefs: PreferencesStore,
@@ -321,7 +321,7 @@ def test_a_long_conversation_continues_after_a_restart_without_reading_it_again(
             _type_and_send(qtbot, second, "and another")
         *asked, last = again.messages(conv.id)
         stats = json.loads(last.stats)
-        assert stats["cached_tokens"] > 1500 and "reused" in second.status.ttft.text()
+        assert stats["cached_tokens"] > 1500 and "reused" in second.status.ttft.toolTip()
         request = GenerationRequest(messages=tuple(Message(m.role, m.content) for m in asked), max_new_tokens=8)
         reference = list(fresh.generate(request))[-1]
         assert last.content == reference.text

@@ -105,7 +105,7 @@ def test_switching_conversations_lets_the_answer_finish_in_the_background(
     assert sidebar.current_id() == other.id  # the highlight follows the shown conversation
     assert chat.busy and [m.text for m in chat.view.messages] == ["an older question", "an older answer"]
     writing = [i.text() for i in sidebar.conversation_items() if i.data(Qt.ItemDataRole.UserRole) == first]
-    assert writing == ["hello · writing…"]
+    assert writing == ["✎ hello"]
     composer = chat.composer
     assert composer.stop_button.isVisibleTo(window) and "“hello”" in composer.input.placeholderText()
     saved = _db(conversations, first)[-1][1]
@@ -121,7 +121,7 @@ def test_switching_conversations_lets_the_answer_finish_in_the_background(
     role, text, complete = _db(conversations, first)[-1]
     assert role == "assistant" and complete and text == answer.text and len(text) > len(saved)
     assert sidebar.current_id() == first
-    assert all(not i.text().endswith("writing…") for i in sidebar.conversation_items())
+    assert all(not i.text().startswith("✎") for i in sidebar.conversation_items())
 
 
 def test_an_answer_finished_in_the_background_is_kept_whole(

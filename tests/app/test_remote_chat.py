@@ -182,7 +182,7 @@ def test_a_conversation_on_specchat_serve(qtbot: QtBot, open_window, make_prefs,
         answer = window.chat.view.messages[-1].text
         assert answer and db(conversations, window)[-1] == ("assistant", answer, True)
         per_pass = window.status.per_pass.text()  # the served engine's own figures, through usage.specchat
-        assert per_pass.endswith("tokens/pass") and float(per_pass.split()[0]) > 1
+        assert per_pass.endswith("tok/pass") and float(per_pass.split()[0]) > 1
         server.wait_for(lambda line: line.startswith("request 1:") and line.endswith("length"))
     finally:
         server.stop()
