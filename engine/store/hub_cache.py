@@ -12,6 +12,7 @@ listed) is skipped with one warning naming it; the rest of the cache stays usabl
 from __future__ import annotations
 
 import logging
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,9 +65,14 @@ def _find_cached_repo(repo_id: str, cache_dir: Path, revision: str, gguf_file: s
     candidates: list[Path] = []
     ref = repo_dir / "refs" / revision
     if ref.is_file():
-        commit = read_bytes(ref, what="A Hugging Face cache ref", max_bytes=MAX_REF_BYTES) \
-            .decode("utf-8", errors="replace").strip()
-        if _SNAPSHOT_NAME.match(commit):
+        commit: str | None = None
+        try:
+            commit = read_bytes(ref, what="The ref", max_bytes=MAX_REF_BYTES).decode("utf-8", errors="replace").strip()
+        except MalformedInput as exc:  # far too large for a commit name: the other snapshots may still do
+            logger.warning("ignoring the damaged ref %s in the Hugging Face cache (%s)", ref, exc.user_message)
+        if commit is None:
+            pass
+        elif _SNAPSHOT_NAME.match(commit):
             candidates.append(snapshots / commit)
         else:  # the other snapshots may still do
             logger.warning("ignoring the damaged ref %s in the Hugging Face cache (it names %r, not a commit)",
@@ -114,7 +120,7 @@ def _usable_snapshot(repo_id: str, snapshot: Path) -> CachedRepo | None:
     size = sum(p.stat().st_size for p in files.values())
     names = tuple(sorted(files))
     index = snapshot / "model.safetensors.index.json"
-    if "config.json" in files and index.is_file():
+    if "config.json" in files and os.path.lexists(index):  # a pipe, or a link to a missing blob: damaged
         try:
             data = read_json_file(index, what="Its safetensors index", max_bytes=MAX_INDEX_BYTES)
             weight_map = data.get("weight_map") if isinstance(data, dict) else None
