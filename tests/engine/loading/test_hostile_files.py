@@ -124,9 +124,9 @@ def one_tensor(offset: int = 0, name2: str | None = None, align: bytes = b"") ->
 
 
 HOSTILE_GGUFS: dict[str, tuple[bytes, int]] = {  # name: (bytes, size to extend the file to, as a hole)
-    # 2^31 empty strings in a 16 GiB sparse file: room for every one of them, a walk of hours
+    # 2^31 empty strings in a 17 GiB sparse file: room for every one of them, a walk of hours
     "billions of empty strings": (gguf_head(0, 1) + gguf_string("tokenizer.ggml.tokens") +
-                                  struct.pack("<IIQ", 9, 8, 2**31), 16 * GiB + 64),
+                                  struct.pack("<IIQ", 9, 8, 2**31), 17 * GiB),
     # 2^31 zero metadata entries (an empty key, uint8 0): a sparse file of zeros parses as such
     "billions of metadata entries": (gguf_head(0, 2**31), 32 * GiB),
     "billions of tensors": (gguf_head(2**30, 0), 32 * GiB),
