@@ -36,7 +36,7 @@ from engine.errors import (
 )
 from engine.store.catalog import Catalog, CatalogModel
 from engine.store.discover import LM_STUDIO, FoundModel
-from engine.store.gguf_header import SPLIT_NAME, split_parts
+from engine.store.gguf_header import SPLIT_NAME, CorruptGGUF, open_regular, split_parts
 from engine.store.hub_cache import find_cached_repo, list_cached_repos
 from engine.store.integrity import check_model_files
 from engine.store.names import check_import_name, default_import_name, name_key
@@ -307,9 +307,9 @@ def _check_name_free(name: str, folder: Path, models_dir: Path) -> None:
 
 def _starts_like_gguf(path: Path) -> bool:
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             return f.read(4) == b"GGUF"
-    except OSError:
+    except (OSError, CorruptGGUF):
         return False
 
 

@@ -237,3 +237,17 @@ def test_a_damaged_catalog_is_one_clear_error(tmp_path: Path, catalog: str) -> N
         load_catalog(path)
     assert str(path) in caught.value.user_message and "Reinstall" in caught.value.user_message
     assert usable_catalog(path).models == ()  # local models still work
+
+
+@pytest.mark.parametrize("kind", ["fifo", "folder", "huge"])
+def test_a_pipe_folder_or_huge_file_where_the_token_belongs_is_no_token(
+        kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.store.hub_token import token_status
+
+    path = tmp_path / "token"
+    if kind == "huge":
+        path.write_text("hf_" + "a" * (1 << 20))
+    else:
+        special(path, kind)
+    monkeypatch.setenv("HF_TOKEN_PATH", str(path))
+    assert token_status().source == ""
