@@ -25,6 +25,7 @@ What this module does not do: load models (engine.loading) or import torch.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import re
@@ -54,6 +55,8 @@ LM_STUDIO, OLLAMA = "LM Studio", "Ollama"
 RUNNABLE = ("llama", "qwen2", "qwen3")
 MODEL_LAYER = "application/vnd.ollama.image.model"
 MAX_MANIFEST_BYTES = 1 << 20
+MAX_WALK_ENTRIES = 50_000  # per folder searched: far more than any model library holds
+MAX_WALK_PROBLEMS = 20  # lines per folder searched; the rest are counted
 _DIGEST = re.compile(r"^sha256[:-]([0-9a-f]{64})$")
 
 
@@ -219,6 +222,8 @@ class _BrokenManifest(ValueError):
 def _ollama(root: Path, problems: list[str]) -> list[Candidate]:
     manifests, blobs = root / "manifests", root / "blobs"
     found = []
+    if not os.path.lexists(manifests):  # nothing pulled yet
+        return []
     for rel in _walk(manifests, 4, problems, f"{OLLAMA}'s manifests", lambda r: r.count("/") == 3):
         parts = rel.split("/")
         if len(parts) != 4:
@@ -276,38 +281,62 @@ def _model_layer(data: object) -> tuple[str, int | None]:
 
 
 def _walk(root: Path, depth: int, problems: list[str], owner: str, wanted: Callable[[str], bool]) -> list[str]:
-    """Relative paths ("a/b/c") of the files under root, at most `depth` levels down, in order;
-    each name checked before it is joined (a name that would leave the folder is a problem). A
-    folder, pipe, socket, device or dangling link where `wanted` says a model file would be is
-    a problem too; elsewhere such entries are passed over."""
+    """Relative paths ("a/b/c") of the files under root that `wanted` picks, at most `depth`
+    levels down and MAX_WALK_ENTRIES entries in all, in order; each checked before it is used (a
+    name or link that would leave the folder is a problem). A folder, pipe, socket, device or
+    dangling link where `wanted` says a model file would be is a problem too; other entries are
+    passed over. At most MAX_WALK_PROBLEMS lines, then one that counts the rest."""
     out: list[str] = []
+    found: list[str] = []  # this walk's problems
+    left = MAX_WALK_ENTRIES  # a settings file may name "/" as the models folder: the walk stays bounded
 
     def visit(folder: Path, prefix: str, level: int) -> None:
-        try:
-            entries = sorted(os.scandir(folder), key=lambda e: e.name)
-        except OSError as exc:
-            problems.append(f"{owner}: cannot read {folder} ({exc.strerror or exc}).")
+        nonlocal left
+        if left <= 0:
             return
+        try:
+            with os.scandir(folder) as listing:
+                entries = sorted(itertools.islice(listing, left + 1), key=lambda e: e.name)
+        except OSError as exc:
+            found.append(f"{owner}: cannot read {folder} ({exc.strerror or exc}).")
+            return
+        left -= len(entries)
+        if left < 0:
+            found.append(f"{owner} holds more than {MAX_WALK_ENTRIES:,} files and folders; only some were "
+                         "searched for models.")
+            entries = entries[:-1]
         for entry in entries:
             if entry.name.startswith("."):
                 continue
             rel = f"{prefix}{entry.name}"
+            want = wanted(rel)
             try:
-                check_file_name(rel, owner)
                 if _is_file(entry):
-                    inside(root, rel, owner)  # a file symlinked from elsewhere is not the app's
-                    out.append(rel)
-                elif wanted(rel):
-                    problems.append(f"{owner}: {rel!r} is {_kind(entry)}, not a file; skipped.")
-                elif entry.is_dir() and level < depth:
+                    if want:
+                        inside(root, rel, owner)  # a file symlinked from elsewhere is not the app's
+                        out.append(rel)
+                elif want:
+                    check_file_name(rel, owner)
+                    found.append(f"{owner}: {rel!r} is {_kind(entry)}, not a file; skipped.")
+                elif level < depth and _is_dir(entry):
                     visit(inside(root, rel, owner), rel + "/", level + 1)
             except UnsupportedModel:
-                problems.append(f"{owner}: {rel!r} leads outside the folder (a link or an odd name); skipped.")
+                found.append(f"{owner}: {rel!r} leads outside the folder (a link or an odd name); skipped.")
             except OSError:
                 continue
 
     visit(root, "", 1)
+    problems += found[:MAX_WALK_PROBLEMS]
+    if len(found) > MAX_WALK_PROBLEMS:
+        problems.append(f"{owner}: {len(found) - MAX_WALK_PROBLEMS} more problems like these.")
     return out
+
+
+def _is_dir(entry: os.DirEntry[str]) -> bool:
+    try:
+        return entry.is_dir()
+    except OSError:  # a symlink loop
+        return False
 
 
 def _is_file(entry: os.DirEntry[str]) -> bool:

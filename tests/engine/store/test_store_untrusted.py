@@ -251,3 +251,10 @@ def test_a_pipe_folder_or_huge_file_where_the_token_belongs_is_no_token(
         special(path, kind)
     monkeypatch.setenv("HF_TOKEN_PATH", str(path))
     assert token_status().source == ""
+
+
+def test_a_settings_file_that_moves_the_models_folder_to_the_root_keeps_the_listing_bounded(home: Path) -> None:
+    (home / ".lmstudio" / "settings.json").write_text(json.dumps({"downloadsFolder": "/"}))
+    found = discover_models()
+    assert {"Good-Q8_0", "good:latest"} <= {m.name for m in found.models}
+    assert len(found.problems) <= 2 * 21 and all("\n" not in line for line in found.problems)
