@@ -49,6 +49,8 @@ def test_a_folder_named_tiny_u_imports_and_generates_by_its_name(
     assert json.loads(out.splitlines()[0])["stats"]["new_tokens"] == 2
     code, out, err = cli(capsys, "models", "list", "--json", "--models-dir", models_dir)
     assert [m["id"] for m in json.loads(out)["local"]] == ["tiny-ü"]
+    code, out, err = cli(capsys, "models", "remove", nfd("TINY-Ü"), "--yes", "--models-dir", models_dir)
+    assert code == 0 and "removed tiny-ü" in out and list_local_models(models_dir) == []
 
 
 @pytest.mark.parametrize("name", ["Modèles", "模型", "Llama-3-ü", "Ελληνικά 2", "मॉडल", "Модель_7b.q4", "_x"])
