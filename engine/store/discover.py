@@ -204,8 +204,6 @@ def _lm_studio(root: Path, problems: list[str]) -> list[Candidate]:
     found = []
     for rel in _walk(root, 4, problems, f"{LM_STUDIO}'s folder {root}", _is_model_file):
         name = rel.rsplit("/", 1)[-1]
-        if not _is_model_file(rel):
-            continue
         split = SPLIT_NAME.match(name)
         if split and split["no"] != "00001":
             continue  # a later part of a split model: listed once, by its first part
@@ -248,15 +246,13 @@ def _ollama(root: Path, problems: list[str]) -> list[Candidate]:
             continue
         short = f"blob sha256-{digest[:12]}…"
         try:
-            actual = blob.stat().st_size if os.path.lexists(blob) else None
-        except OSError:  # a link that leads nowhere, or a loop
-            actual = None
-        if actual is None:
+            st = blob.stat()
+        except OSError:  # not there, a link that leads nowhere, or a loop
             problems.append(f"{where}: its weights ({short}) are missing; re-pull it with `ollama pull {name}`.")
             continue
-        if size is not None and stat.S_ISREG(blob.stat().st_mode) and actual != size:
-            problems.append(f"{where}: its weights ({short}) are {actual:,} bytes where the manifest says {size:,} "
-                            f"(an interrupted pull, or damaged); re-pull it with `ollama pull {name}`.")
+        if size is not None and stat.S_ISREG(st.st_mode) and st.st_size != size:  # not a file: _found says so
+            problems.append(f"{where}: its weights ({short}) are {st.st_size:,} bytes where the manifest says "
+                            f"{size:,} (an interrupted pull, or damaged); re-pull it with `ollama pull {name}`.")
             continue
         found.append((name, OLLAMA, blob, where))
     # Ollama's own library first: a blob pulled under two names is listed by its shortest one

@@ -9,7 +9,7 @@ lines, so it is one path component that every file system SpecChat runs on can h
 - never a path separator ('/', '\\'), "..", a control or invisible formatting character (a
   right-to-left override would show another name than the one stored), nor what Windows
   cannot hold: `<>:"|?*`, a trailing dot or space, the reserved device names (CON, PRN, AUX,
-  NUL, COM1-9, LPT1-9, with or without an extension);
+  NUL, COM0-9, LPT0-9, with or without an extension);
 - at most 100 characters and 200 bytes of UTF-8 even when decomposed (macOS stores names
   decomposed; file names are limited to 255 bytes or UTF-16 units).
 
@@ -31,7 +31,7 @@ from engine.errors import UsageError
 MAX_CHARS = 100
 MAX_BYTES = 200
 _PUNCTUATION = frozenset(" _.-")
-_RESERVED = frozenset({"CON", "PRN", "AUX", "NUL", *(f"{d}{n}" for d in ("COM", "LPT") for n in "123456789¹²³")})
+_RESERVED = frozenset({"CON", "PRN", "AUX", "NUL", *(f"{d}{n}" for d in ("COM", "LPT") for n in "0123456789¹²³")})
 _HINT = ("use letters (any script), digits, spaces, '-', '_' or '.', starting with a letter, digit or '_', "
          f"at most {MAX_CHARS} characters")
 
