@@ -1,7 +1,10 @@
 """`specchat models list|download ID|import [PATH]|remove ID` (arguments in parser.py).
 
-`list` also shows the GGUFs LM Studio and Ollama keep (usable in place by the name shown);
-`import` without a PATH registers every runnable one of them, by reference.
+`list` also shows the GGUFs LM Studio and Ollama keep (usable in place by the name shown), and
+marks a local model whose files are damaged (a GGUF shorter than its tensors, a shard cut short)
+with a `!` line; each file it could not read from outside is one `!` line too, and the rest
+still shows. `import` without a PATH registers every runnable one of them, by reference; one
+that cannot be imported is a `note:` line and the others still are.
 
 CLI output goes to stdout (results) and stderr (progress bar, errors). An EngineError goes to
 main.py (one `error:` line, exit 1, or 2 for a usage error); Ctrl-C during a download keeps the
@@ -13,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import threading
 from pathlib import Path
@@ -22,10 +24,12 @@ from typing import TextIO
 from tqdm import tqdm
 
 from engine.cli.parser import EXIT_INTERRUPTED
-from engine.errors import ModelNotFound, UsageError
+from engine.errors import EngineError, ModelNotFound, UsageError
 from engine.store.catalog import usable_catalog
 from engine.store.discover import Discovery, app_folders, discover_models
 from engine.store.download import download_model
+from engine.store.integrity import model_damage
+from engine.store.names import default_import_name, name_key
 from engine.store.paths import default_models_dir, hf_hub_cache_dir
 from engine.store.registry import (
     FOUND_SOURCES,
@@ -66,11 +70,14 @@ def _list(models_dir: Path, as_json: bool, out: TextIO) -> int:
     found = discover_models()
     local = list_local_models(models_dir, hf_hub_cache_dir(), found.models)
     here = {m.id for m in catalog.models if match_local(local, m.id, m) is not None}
+    own = [m for m in local if m.source not in FOUND_SOURCES]  # the found ones get their own section
+    damage = {m.path: model_damage(m.path) for m in own}  # found ones were checked by discovery
     if as_json:
         json.dump({
             "models_dir": str(models_dir),
             "local": [{"id": m.model_id, "repo_id": m.repo_id, "source": m.source, "path": str(m.path),
-                       "size_bytes": m.size_bytes, "detail": m.detail} for m in local],
+                       "size_bytes": m.size_bytes, "detail": m.detail, "damaged": damage.get(m.path) or None}
+                      for m in local],
             "found": [{"name": f.name, "app": f.app, "path": str(f.path), "size_bytes": f.size_bytes,
                        "architecture": f.architecture, "quantisation": f.quantisation, "runnable": f.runnable,
                        "note": f.note} for f in found.models],
@@ -84,11 +91,12 @@ def _list(models_dir: Path, as_json: bool, out: TextIO) -> int:
         out.write("\n")
         return 0
     out.write(f"Local models in {models_dir} (and the Hugging Face cache):\n")
-    own = [m for m in local if m.source not in FOUND_SOURCES]  # the found ones get their own section
     if not own:
         out.write("  (none yet: try `specchat models download smollm2-135m-instruct`)\n")
     for m in own:
         out.write(f"  {m.model_id:<36} {format_bytes(m.size_bytes):>9}  {m.source:<10} {m.path}\n")
+        if damage[m.path]:
+            out.write(f"  ! {m.model_id} is damaged: {damage[m.path]}. Download it again.\n")
     _write_found(found, out)
     out.write(f"\nCatalog (checked {catalog.checked_on}):\n" if catalog.models else "\nCatalog: unavailable\n")
     for m in catalog.models:
@@ -127,8 +135,11 @@ def _import_found(models_dir: Path, copy: bool) -> int:
         if f.path.resolve() in imported:
             print(f"{f.name}: already imported")
             continue
-        name = re.sub(r"[^A-Za-z0-9._-]+", "-", f.name).strip("-.") or "model"
-        model = import_model(f.path, models_dir, name, copy)
+        try:  # one that cannot be imported (its name taken, its file changed since the listing) is a note
+            model = import_model(f.path, models_dir, default_import_name(f.name), copy)
+        except EngineError as exc:
+            print(f"note: {f.name} was not imported: {exc.user_message}", file=sys.stderr)
+            continue
         print(f"imported {model.model_id} ({format_bytes(model.size_bytes)}, {f.detail}) from {f.app}: {f.path}")
     return 0
 
@@ -154,7 +165,8 @@ def _download(args: argparse.Namespace, models_dir: Path) -> int:
 def _remove(args: argparse.Namespace, models_dir: Path) -> int:
     model = find_local_model(args.model, models_dir, hf_hub_cache_dir(), usable_catalog())
     if model is None:  # a GGUF LM Studio or Ollama keeps: remove_model explains whose it is
-        model = next((found_as_local(f) for f in discover_models().models if f.name == args.model), None)
+        model = next((found_as_local(f) for f in discover_models().models if name_key(f.name) == name_key(args.model)),
+                     None)
     if model is None:
         raise ModelNotFound(f"No local model {args.model!r}. See `specchat models list`.")
     if model.folder is None:

@@ -4,7 +4,9 @@ Each shard is memory-mapped; a tensor is copied out of the mapping (converted to
 caller asks for) and its pages are then dropped from this process with MADV_DONTNEED, so the
 resident set grows by the tensors the caller keeps, never by the checkpoint. The format is
 the documented one: an 8-byte little-endian header length, a JSON header of
-{name: {dtype, shape, data_offsets}}, then the data.
+{name: {dtype, shape, data_offsets}}, then the data. The header is read and checked by
+engine.store.safetensors_header (regular files only, bounded, every tensor within the file),
+which the model store also runs at import.
 
 Checkpoints saved by bitsandbytes in 4-bit (Hugging Face repos named *-bnb-4bit) keep each
 quantised Linear weight as packed uint8 codes plus `<name>.absmax`, `.quant_map`, optional
@@ -20,16 +22,15 @@ What this module does not do: decide where tensors go (materialise.py) or read p
 
 from __future__ import annotations
 
-import json
-import math
 import mmap
-import struct
+import os
 import warnings
 from pathlib import Path
 
 import torch
 
 from engine.errors import UnsupportedModel
+from engine.store.safetensors_header import CorruptCheckpoint, open_shard, read_shard_header
 
 DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -41,55 +42,17 @@ _QS_SUFFIXES = (".absmax", ".quant_map", ".nested_absmax", ".nested_quant_map",
                 ".quant_state.bitsandbytes__nf4", ".quant_state.bitsandbytes__fp4")
 
 
-class CorruptCheckpoint(ValueError):
-    """A shard whose header or sizes do not add up (truncated or damaged download)."""
-
-
-def check_header(header: object, name: str, data_bytes: int) -> None:
-    """CorruptCheckpoint unless `header` has the documented shape: an object whose entries
-    (besides "__metadata__") are objects {dtype: str, shape: [int >= 0, ...], data_offsets:
-    [start, end]} with 0 <= start <= end <= data_bytes and, for a known dtype, end - start the
-    bytes of that shape. Checked before anything is allocated from it."""
-    if not isinstance(header, dict):
-        raise CorruptCheckpoint(f"{name} has a damaged header (not a JSON object)")
-    for tensor, info in header.items():
-        if tensor == "__metadata__":
-            continue
-        ok = isinstance(info, dict) and isinstance(info.get("dtype"), str)
-        shape, offsets = (info.get("shape"), info.get("data_offsets")) if ok else (None, None)
-        ok = ok and isinstance(shape, list) and all(_count(d) for d in shape)
-        ok = ok and isinstance(offsets, list) and len(offsets) == 2 and all(_count(o) for o in offsets)
-        if not ok or not offsets[0] <= offsets[1]:  # type: ignore[index]
-            raise CorruptCheckpoint(f"{name} has a damaged header (the entry for {str(tensor)[:80]!r})")
-        if offsets[1] > data_bytes:  # type: ignore[index]
-            raise CorruptCheckpoint(f"{name} is truncated (tensor {str(tensor)[:80]!r} ends past the end of the file)")
-        dtype = DTYPES.get(info["dtype"])
-        if dtype is not None and offsets[1] - offsets[0] != math.prod(shape) * dtype.itemsize:  # type: ignore[index, arg-type]
-            raise CorruptCheckpoint(f"{name} has a damaged header (tensor {str(tensor)[:80]!r} has the wrong size)")
-
-
-def _count(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
 class _Shard:
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._file = open(path, "rb")  # noqa: SIM115 -- kept open with the mapping
-        size = path.stat().st_size
-        head = self._file.read(8)
-        if len(head) != 8:
-            raise CorruptCheckpoint(f"{path.name} is too short to be a safetensors file")
-        (n,) = struct.unpack("<Q", head)
-        if n > size - 8:
-            raise CorruptCheckpoint(f"{path.name} has a header longer than the file")
+        self._file = open_shard(path)  # kept open with the mapping
         try:
-            header = json.loads(self._file.read(n))
-        except (ValueError, RecursionError) as exc:  # RecursionError: JSON nested thousands deep
-            raise CorruptCheckpoint(f"{path.name} has a damaged header") from exc
-        check_header(header, path.name, size - 8 - n)
+            size = os.fstat(self._file.fileno()).st_size
+            header, self.base = read_shard_header(self._file, path.name, size)
+        except BaseException:
+            self._file.close()
+            raise
         header.pop("__metadata__", None)
-        self.base = 8 + n
         self.entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
         for name, info in header.items():
             if info.get("dtype") not in DTYPES:

@@ -38,7 +38,7 @@ from engine.loading.materialise import MaterialiseSettings, materialise
 from engine.loading.weights import SafetensorsWeights
 from engine.model.causal_lm import SUPPORTED_MODEL_TYPES, CausalLM
 from engine.store import resolve_model
-from engine.store.gguf_header import MissingPart, split_parts
+from engine.store.gguf_header import CorruptGGUF, MissingPart, open_regular, split_parts
 from engine.types import Offload, Quant, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -146,16 +146,18 @@ def check_quantisation(name: str, qc: dict | None) -> None:
 def is_gguf(path: Path) -> bool:
     """A file that starts like a GGUF (whatever its name)."""
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:  # a pipe never blocks
             return f.read(4) == b"GGUF"
-    except OSError:
+    except (OSError, CorruptGGUF):
         return False
 
 
 def check_gguf(path: Path) -> None:
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:  # a pipe or a folder named *.gguf is refused, never waited on
             magic = f.read(4)
+    except CorruptGGUF as exc:
+        raise UnsupportedModel(f"'{path}' cannot be loaded: {exc}.") from None
     except OSError as exc:
         raise ModelNotFound(f"Cannot read '{path}': {exc.strerror}.") from exc
     if magic != b"GGUF":

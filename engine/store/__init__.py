@@ -2,7 +2,9 @@
 
 Contract: catalog.py reads resources/catalog.json (pairs that share a tokenizer; a GGUF entry is
 one .gguf file of its repo, and only that file is fetched or counts as that model); registry.py
-lists local models (the models folder, the Hugging Face cache) and imports or removes them;
+lists local models (the models folder, the Hugging Face cache) and imports or removes them
+(names.py: which import names are allowed and when two are the same; integrity.py: whether a
+model's files are whole, from gguf_header.py's and safetensors_header.py's bounded header reads);
 discover.py finds the GGUFs LM Studio and Ollama keep (gguf_header.py reads their headers);
 download.py fetches a repo or a GGUF resumably, verified against the hub's sizes and SHA-256
 (transfer.py, the HTTP part; remote.py, the hub's listings; hub_cache.py, the HF cache layout).
@@ -10,6 +12,10 @@ download.py fetches a repo or a GGUF resumably, verified against the hub's sizes
 Public API: `resolve_model`, `download_model`, `DownloadSettings`, `list_local_models`,
 `import_model`, `remove_model`, `load_catalog` (strict), `usable_catalog` (empty, with a warning,
 when the catalog file is damaged), `discover_models` (plain data: FoundModel, Discovery).
+
+Everything read from outside (manifests, settings, indexes, refs, state files, the catalog) goes
+through engine.untrusted: regular files only, size and nesting bounded; a bad file is one line
+(a `!` line in a listing, or a warning) and the rest still works.
 
 What it does not do: load models (engine.loading) or import torch.
 """

@@ -1,25 +1,26 @@
 """The curated catalog (resources/catalog.json): target/draft pairs that share a tokenizer.
 
-Loads and validates the JSON into frozen dataclasses. The catalog only *describes* models;
+Loads and validates the JSON (read through engine.untrusted: bounded size and nesting; every
+field checked for type) into frozen dataclasses. The catalog only *describes* models;
 it is never written by the app. Sizes in it are for display and planning; the downloader
 takes exact sizes and checksums from the hub at download time.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.errors import UnsupportedModel
+from engine.errors import MalformedInput, UnsupportedModel
 from engine.paths import resource
 from engine.store.gguf_header import (
     SPLIT_NAME,  # a catalog entry is one whole file, never a part
 )
 from engine.types import LayerShape, ModelShape
+from engine.untrusted import read_json_file
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +29,7 @@ SCHEMA_VERSION = 1
 _FORMAT_LABELS = {"bfloat16": "BF16", "float16": "FP16", "bnb-nf4": "bnb NF4"}
 _SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_kv_heads", "head_dim")
 DEFAULT_CATALOG_PATH = resource("catalog.json")
+MAX_CATALOG_BYTES = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -142,11 +144,12 @@ def load_catalog(path: Path | None = None) -> Catalog:
     """Read and validate the catalog; a malformed file raises UnsupportedModel naming the entry."""
     source = path or DEFAULT_CATALOG_PATH
     try:
-        raw = json.loads(source.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
+        raw = read_json_file(source, what="The model catalog", max_bytes=MAX_CATALOG_BYTES)
+    except (OSError, MalformedInput) as exc:
+        why = exc.user_message.rstrip(".") if isinstance(exc, MalformedInput) else str(exc)
         raise UnsupportedModel(
-            f"The model catalog {source} cannot be read ({exc}). Reinstall SpecChat to restore it."
-        ) from exc
+            f"The model catalog {source} cannot be read ({why}). Reinstall SpecChat to restore it."
+        ) from None
     if not isinstance(raw, dict) or not isinstance(raw.get("models"), list):
         raise UnsupportedModel(
             f"The model catalog {source} is damaged (not an object with a list of models). Reinstall SpecChat "
@@ -165,12 +168,13 @@ def load_catalog(path: Path | None = None) -> Catalog:
         raise UnsupportedModel(f"The model catalog {source} lists a model id twice.")
     try:
         pairs = tuple(
-            CatalogPair(p["id"], p["target"], p["draft"], p["description"], p.get("note", ""))
+            CatalogPair(_text(p, "id"), _text(p, "target"), _text(p, "draft"), _text(p, "description"),
+                        _text(p, "note", ""))
             for p in raw.get("pairs", [])
         )
-        starter, checked_on = raw["starter"], str(raw["checked_on"])
+        starter, checked_on = _text(raw, "starter"), str(raw["checked_on"])
     except (KeyError, TypeError, AttributeError) as exc:
-        raise UnsupportedModel(f"The model catalog {source} is damaged ({exc!r}). Reinstall SpecChat.") from exc
+        raise UnsupportedModel(f"The model catalog {source} is damaged ({exc!r:.200}). Reinstall SpecChat.") from exc
     by_id = {m.id: m for m in models}
     for pair in pairs:
         if pair.target not in ids or pair.draft not in ids:
@@ -241,30 +245,36 @@ def _parse_model(entry: dict[str, Any], source: Path) -> CatalogModel:
                                "Reinstall SpecChat to restore the catalog.")
     try:
         fallback = entry.get("fallback")
+        files = entry["files"]
+        if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+            raise TypeError("files must be a list of file names")
+        prequantised = entry.get("prequantised")
+        if prequantised is not None and not isinstance(prequantised, str):
+            raise TypeError("prequantised must be text")
         return CatalogModel(
-            id=entry["id"],
-            repo_id=entry["repo_id"],
-            revision=entry.get("revision", "main"),
-            role=entry["role"],
-            files=tuple(entry["files"]),
+            id=_text(entry, "id"),
+            repo_id=_text(entry, "repo_id"),
+            revision=_text(entry, "revision", "main"),
+            role=_text(entry, "role"),
+            files=tuple(files),
             shards=int(entry["shards"]),
             download_bytes=int(entry["download_bytes"]),
             parameters=int(entry["parameters"]),
             layers=int(entry["layers"]),
             vocab_rows=int(entry["vocab_rows"]),
-            dtype=entry["dtype"],
-            prequantised=entry.get("prequantised"),
+            dtype=_text(entry, "dtype"),
+            prequantised=prequantised,
             memory=tuple(
                 MemoryNeed(q, float(m["ram_gb"]), float(m["vram_min_gb"]), float(m["vram_full_gb"]))
                 for q, m in entry["memory"].items()
             ),
-            license=entry["license"],
+            license=_text(entry, "license"),
             gated=bool(entry["gated"]),
-            template=entry["template"],
-            description=entry["description"],
+            template=_text(entry, "template"),
+            description=_text(entry, "description"),
             fallback=FallbackSource(
-                fallback["kind"], fallback["package"], fallback["version"], fallback["file"],
-                int(fallback["download_bytes"]),
+                _text(fallback, "kind"), _text(fallback, "package"), _text(fallback, "version"),
+                _text(fallback, "file"), int(fallback["download_bytes"]),
             )
             if fallback
             else None,
@@ -272,6 +282,14 @@ def _parse_model(entry: dict[str, Any], source: Path) -> CatalogModel:
         )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise UnsupportedModel(
-            f"Catalog entry {entry.get('id', '?')!r} in {source} is malformed ({exc!r}). "
+            f"Catalog entry {str(entry.get('id', '?'))[:80]!r} in {source} is malformed ({exc!r:.200}). "
             "Reinstall SpecChat to restore the catalog."
         ) from exc
+
+
+def _text(entry: dict[str, Any], key: str, default: str | None = None) -> str:
+    """entry[key] (or `default` when absent), which must be text; TypeError naming the key."""
+    value = entry.get(key, default) if default is not None else entry[key]
+    if not isinstance(value, str):
+        raise TypeError(f"{key} must be text, not {type(value).__name__}")
+    return value

@@ -7,7 +7,9 @@ Flow: already local (models folder or HF cache)? return it. Else read the repo's
 `<models>/.partial/<slug>/` (resumable `.part` files, see transfer.py), verify its SHA-256 against
 the hub (one re-fetch on mismatch), and finally write the manifest and rename the folder into
 place: a model is registered whole or not at all. Partial data survives pause, cancel (unless the
-user asks to discard it), crashes and restarts; the next call resumes it.
+user asks to discard it), crashes and restarts; the next call resumes it. The state file and the
+lock in `.partial/` are read through engine.untrusted (bounded, regular files only): a damaged
+state is ignored with a warning and the files it described are checked against the hub again.
 
 Blocking; run it in a worker thread. `on_progress` is called from that thread.
 """
@@ -15,7 +17,6 @@ Blocking; run it in a worker thread. `on_progress` is called from that thread.
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 import shutil
@@ -37,6 +38,7 @@ from engine.errors import (
     EngineError,
     HubUnreachable,
     InvalidRequest,
+    MalformedInput,
     ModelNotFound,
     NotWritable,
 )
@@ -69,10 +71,12 @@ from engine.store.transfer import (
     fetch_file,
     file_matches,
 )
+from engine.untrusted import read_bytes, read_json_file
 
 logger = logging.getLogger(__name__)
 
 STATE_NAME = "download-state.json"
+MAX_STATE_BYTES = 16 << 20  # sizes and checksums of a repo's files: kilobytes
 StarterSource = Callable[[Path], Path]
 
 
@@ -227,9 +231,9 @@ def _acquire_lock(lock: Path, model_id: str) -> Path:
         try:
             fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:
-            try:
-                owner = int(lock.read_text(encoding="utf-8").strip() or "0")
-            except (OSError, ValueError):
+            try:  # bounded, and never blocking: the lock is a file in a folder others can write
+                owner = int(read_bytes(lock, what="The download lock", max_bytes=64).strip() or b"0")
+            except (OSError, ValueError, MalformedInput):
                 owner = 0
             if owner and psutil.pid_exists(owner):
                 raise InvalidRequest(
@@ -245,15 +249,18 @@ def _acquire_lock(lock: Path, model_id: str) -> Path:
 
 def _reconcile_state(partial_dir: Path, repo_id: str, commit: str, files: tuple[RemoteFile, ...]) -> dict[str, Any]:
     """Keep partial files whose expected content is unchanged; drop those the repo changed since."""
-    previous: dict[str, Any] = {}
+    previous: object = {}
     try:
-        previous = json.loads((partial_dir / STATE_NAME).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        previous = read_json_file(partial_dir / STATE_NAME, what="The download state", max_bytes=MAX_STATE_BYTES)
+    except (OSError, MalformedInput) as exc:
+        if not isinstance(exc, FileNotFoundError):
+            logger.warning("ignoring the damaged download state in %s (%s)", partial_dir,
+                           exc.user_message if isinstance(exc, MalformedInput) else exc)
         previous = {}
     if not isinstance(previous, dict) or previous.get("repo_id") != repo_id \
             or not isinstance(previous.get("files"), dict):
         previous = {"files": {}}  # another repo's, or damaged: nothing in it is trusted
-    old_files = previous["files"]
+    old_files: dict[str, Any] = previous["files"]
     state: dict[str, Any] = {"repo_id": repo_id, "commit": commit, "files": {}}
     for f in files:
         expected = {"size": f.size, "sha256": f.sha256, "blob_id": f.blob_id}

@@ -11,7 +11,14 @@ gguf-py's GGUFReader reads the same thing but builds an object per array element
 a 128k-token vocabulary, on every load and for every file a folder listing shows. Here string
 arrays are walked and kept only when asked for (the tokenizer's), numeric arrays are one
 numpy copy. Every length is checked against the file's size first, so a damaged or hostile
-header is one CorruptGGUF, never a huge allocation.
+header is one CorruptGGUF, never a huge allocation. Whatever the file claims, the parse is bounded:
+the header must end within its first MAX_HEADER_BYTES (so no string or array it keeps is larger),
+and the entries, tensors and strings it walks one by one number at most MAX_ITEMS in all (so a
+sparse file of zeros claiming billions of empty strings is refused, not walked for an hour).
+
+Every tensor must lie within the file, at an offset that is a multiple of the alignment: a file
+cut short (a broken download, a full disk) is refused here by name, before anything is loaded or
+registered. Only a regular file is opened (a FIFO or a folder is refused without blocking).
 
 A model may be split by llama.cpp's gguf-split into files named `<name>-00001-of-00003.gguf`:
 every part is a GGUF of its own holding whole tensors, the first also the model's metadata,
@@ -25,12 +32,14 @@ What this module does not do: interpret the metadata (gguf.py) or read tensor da
 from __future__ import annotations
 
 import mmap
+import os
 import re
+import stat
 import struct
 from collections.abc import Container
 from dataclasses import dataclass
 from pathlib import Path, PurePath
-from typing import Any, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -40,6 +49,10 @@ _NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 
           12: "<f8"}
 STRING, ARRAY = 8, 9
 MAX_DIMS = 4
+# Bounds on what a header may claim. The largest real headers (a 256k-token vocabulary with its
+# scores, types and merges, a tokenizer.json copied in) are tens of MiB and ~1M strings.
+MAX_HEADER_BYTES = 256 << 20
+MAX_ITEMS = 1 << 22  # metadata entries + tensors + strings in arrays, each walked in Python
 
 
 P = TypeVar("P", bound=PurePath)
@@ -94,10 +107,21 @@ class GGUFHeader:
 class _Cursor:
     def __init__(self, buf: mmap.mmap | bytes, name: str) -> None:
         self.buf, self.pos, self.name, self.size = buf, 0, name, len(buf)
+        self.items = 0
 
     def need(self, n: int) -> None:
         if n < 0 or self.pos + n > self.size:
             raise CorruptGGUF(f"{self.name} ends inside its header (truncated or not a GGUF file)")
+        if self.pos + n > MAX_HEADER_BYTES:
+            raise CorruptGGUF(f"{self.name} has a header larger than {MAX_HEADER_BYTES >> 20} MiB, far more than "
+                              "any model's (damaged or not a GGUF file)")
+
+    def count(self, n: int, what: str) -> None:
+        """Walk budget: `n` more entries, tensors or strings, at most MAX_ITEMS in all."""
+        self.items += n
+        if self.items > MAX_ITEMS:
+            raise CorruptGGUF(f"{self.name} claims {n:,} {what}, more than any model has (damaged or not a "
+                              "GGUF file)")
 
     def scalar(self, fmt: str) -> Any:
         n = struct.calcsize(fmt)
@@ -124,7 +148,7 @@ class _Cursor:
         if vtype != ARRAY:
             raise CorruptGGUF(f"{self.name} has a metadata value of unknown type {vtype}")
         etype, count = self.scalar("<I"), self.scalar("<Q")
-        if etype in _NUMPY:
+        if etype in _NUMPY:  # bounded by need(): at most MAX_HEADER_BYTES copied
             width = np.dtype(_NUMPY[etype]).itemsize
             self.need(count * width)
             arr = np.frombuffer(self.buf, dtype=_NUMPY[etype], count=count, offset=self.pos).copy()
@@ -133,6 +157,7 @@ class _Cursor:
         if etype != STRING:
             raise CorruptGGUF(f"{self.name} has a metadata array of unsupported type {etype}")
         self.need(count * 8)  # every string needs at least its length
+        self.count(count, "strings in one array")
         if keep_strings:
             return [self.string() for _ in range(count)]
         for _ in range(count):
@@ -143,12 +168,31 @@ class _Cursor:
 def read_header(path: Path, string_arrays: Container[str] = ()) -> GGUFHeader:
     """The header of the GGUF at `path`; the string arrays named in `string_arrays` (e.g.
     "tokenizer.ggml.tokens") are read in full, the others are left as their length."""
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         size = f.seek(0, 2)
         if size < 24:
             raise CorruptGGUF(f"{path.name} is too short to be a GGUF file")
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
             return _parse(buf, path, size, string_arrays)
+
+
+def open_regular(path: Path, error: type[ValueError] = CorruptGGUF) -> BinaryIO:
+    """`path` opened for reading if it is a regular file; `error` if it is a folder, a FIFO
+    (opened without blocking, so a pipe where a model belongs cannot hang a listing), a socket
+    or a device; OSError (missing, no permission) passes through."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = "a folder" if stat.S_ISDIR(mode) else "a named pipe (FIFO)" if stat.S_ISFIFO(mode) else \
+                "a socket or device"
+            raise error(f"{path.name} is {kind}, not a model file")
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def split_parts(path: P) -> list[P]:
@@ -175,7 +219,7 @@ def read_model(path: Path, string_arrays: Container[str] = ()) -> GGUFHeader:
             raise CorruptGGUF(f"{path.name} is part of a model split into {count} files, but its name does not "
                               "say which: keep the names llama.cpp gave the parts (<name>-00001-of-0000N.gguf).")
         return first  # type: ignore[return-value]
-    missing = [p.name for p in parts if not p.is_file()]
+    missing = [p.name for p in parts if not p.exists()]  # a pipe or folder there: read_header says so
     if missing:
         raise MissingPart(f"{path.name} is one of {len(parts)} files of a split model, but "
                           f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} "
@@ -216,6 +260,8 @@ def _parse(buf: mmap.mmap, path: Path, size: int, string_arrays: Container[str])
     n_tensors, n_kv = c.scalar("<Q"), c.scalar("<Q")
     if n_tensors > size // 24 or n_kv > size // 12:  # each needs more bytes than that
         raise CorruptGGUF(f"{path.name} claims more entries than the file can hold")
+    c.count(n_kv, "metadata entries")
+    c.count(n_tensors, "tensors")
     metadata: dict[str, Any] = {}
     for _ in range(n_kv):
         key = c.string()
@@ -225,28 +271,39 @@ def _parse(buf: mmap.mmap, path: Path, size: int, string_arrays: Container[str])
         name = c.string()
         n_dims = c.scalar("<I")
         if not 1 <= n_dims <= MAX_DIMS:
-            raise CorruptGGUF(f"{path.name}: tensor {name} has {n_dims} dimensions")
+            raise CorruptGGUF(f"{path.name}: tensor {name[:80]} has {n_dims} dimensions")
         dims = [c.scalar("<Q") for _ in range(n_dims)]
         raw.append((name, tuple(reversed(dims)), c.scalar("<I"), c.scalar("<Q")))
     align = metadata.get("general.alignment", 32)
-    if not isinstance(align, int) or align <= 0 or align & (align - 1):
+    if not isinstance(align, int) or isinstance(align, bool) or not 0 < align <= 1 << 16 or align & (align - 1):
         raise CorruptGGUF(f"{path.name} has an invalid alignment {align!r}")
     data = (c.pos + align - 1) // align * align
-    tensors = tuple(_tensor(path.name, name, shape, qtype, data + offset, size) for name, shape, qtype, offset in raw)
+    tensors = tuple(_tensor(path.name, name, shape, qtype, offset, data, align, size)
+                    for name, shape, qtype, offset in raw)
+    if len({t.name for t in tensors}) != len(tensors):
+        raise CorruptGGUF(f"{path.name} names a tensor twice (damaged)")
     return GGUFHeader(path, size, metadata, tensors)
 
 
-def _tensor(file: str, name: str, shape: tuple[int, ...], qtype: int, offset: int, size: int) -> TensorInfo:
+def _tensor(file: str, name: str, shape: tuple[int, ...], qtype: int, offset: int, data: int, align: int,
+            size: int) -> TensorInfo:
+    """One tensor's entry, checked: a known type, whole blocks, an aligned offset (relative to the
+    data section at `data`), and its bytes within the file's `size`."""
     try:
         values, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
     except (ValueError, KeyError):
-        raise CorruptGGUF(f"{file}: tensor {name} has unknown ggml type {qtype}") from None
+        raise CorruptGGUF(f"{file}: tensor {name[:80]} has unknown ggml type {qtype}") from None
     numel = 1
     for d in shape:
         numel *= d
     if shape[-1] % values:
-        raise CorruptGGUF(f"{file}: tensor {name} has rows of {shape[-1]} values, not whole blocks")
+        raise CorruptGGUF(f"{file}: tensor {name[:80]} has rows of {shape[-1]} values, not whole blocks")
+    if offset % align:
+        raise CorruptGGUF(f"{file}: tensor {name[:80]} starts at offset {offset}, not a multiple of the "
+                          f"alignment {align} (damaged)")
     nbytes = numel // values * block_bytes
-    if offset + nbytes > size:
-        raise CorruptGGUF(f"{file} is truncated (tensor {name} runs past the end of the file)")
-    return TensorInfo(name, shape, qtype, offset, nbytes)
+    if data + offset + nbytes > size:
+        need = data + offset + nbytes
+        raise CorruptGGUF(f"{file} is truncated: tensor {name[:80]} ends at byte {need:,}, past the end of the "
+                          f"file ({size:,} bytes)")
+    return TensorInfo(name, shape, qtype, data + offset, nbytes)

@@ -3,23 +3,29 @@ reused in place, never copied or downloaded again.
 
 Reads the cache layout directly (`models--owner--name/refs/<rev>`, `snapshots/<commit>/...`
 symlinks into `blobs/`) instead of `huggingface_hub.scan_cache_dir`, which walks every repo and
-raises on the odd entries other tools leave there. Never writes to the cache. A damaged entry
-(a ref that is not a commit name, an unreadable index, a snapshot that cannot be listed) is
-skipped with one warning; the rest of the cache stays usable.
+raises on the odd entries other tools leave there. Never writes to the cache. Refs and index
+files are read through engine.untrusted (regular files only, size and nesting bounded). A
+damaged entry (a ref that is not a commit name, an unreadable index, a snapshot that cannot be
+listed) is skipped with one warning naming it; the rest of the cache stays usable.
 """
 
 from __future__ import annotations
 
-import json
 import logging
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+
+from engine.errors import MalformedInput
+from engine.untrusted import read_bytes, read_json_file
 
 logger = logging.getLogger(__name__)
 
 # What a ref file may name: a snapshot folder (a commit hash), never a path ("../..", "/").
 _SNAPSHOT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+MAX_REF_BYTES = 1024  # a commit hash and a newline
+MAX_INDEX_BYTES = 64 << 20  # a weight map of a 100k-tensor model is a few MiB
 
 
 @dataclass(frozen=True)
@@ -40,8 +46,9 @@ def find_cached_repo(repo_id: str, cache_dir: Path, revision: str = "main",
     holds many quantisations; another one cached there is not this model)."""
     try:
         return _find_cached_repo(repo_id, cache_dir, revision, gguf_file)
-    except (OSError, ValueError) as exc:  # ValueError: undecodable text, a NUL in a name
-        logger.warning("ignoring %s in the Hugging Face cache %s: it is damaged (%s)", repo_id, cache_dir, exc)
+    except (OSError, ValueError, MalformedInput) as exc:  # ValueError: undecodable text, a NUL in a name
+        why = exc.user_message if isinstance(exc, MalformedInput) else exc
+        logger.warning("ignoring %s in the Hugging Face cache %s: it is damaged (%s)", repo_id, cache_dir, why)
         return None
 
 
@@ -58,8 +65,14 @@ def _find_cached_repo(repo_id: str, cache_dir: Path, revision: str, gguf_file: s
     candidates: list[Path] = []
     ref = repo_dir / "refs" / revision
     if ref.is_file():
-        commit = ref.read_text(encoding="utf-8", errors="replace").strip()
-        if _SNAPSHOT_NAME.match(commit):
+        commit: str | None = None
+        try:
+            commit = read_bytes(ref, what="The ref", max_bytes=MAX_REF_BYTES).decode("utf-8", errors="replace").strip()
+        except MalformedInput as exc:  # far too large for a commit name: the other snapshots may still do
+            logger.warning("ignoring the damaged ref %s in the Hugging Face cache (%s)", ref, exc.user_message)
+        if commit is None:
+            pass
+        elif _SNAPSHOT_NAME.match(commit):
             candidates.append(snapshots / commit)
         else:  # the other snapshots may still do
             logger.warning("ignoring the damaged ref %s in the Hugging Face cache (it names %r, not a commit)",
@@ -107,11 +120,17 @@ def _usable_snapshot(repo_id: str, snapshot: Path) -> CachedRepo | None:
     size = sum(p.stat().st_size for p in files.values())
     names = tuple(sorted(files))
     index = snapshot / "model.safetensors.index.json"
-    if "config.json" in files and index.is_file():
+    if "config.json" in files and os.path.lexists(index):  # a pipe, or a link to a missing blob: damaged
         try:
-            shards = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            logger.warning("ignoring %s in the Hugging Face cache: its safetensors index is unreadable", snapshot)
+            data = read_json_file(index, what="Its safetensors index", max_bytes=MAX_INDEX_BYTES)
+            weight_map = data.get("weight_map") if isinstance(data, dict) else None
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise ValueError(f"{index} has no weight map of tensor names to shard files")
+            shards = set(weight_map.values())
+        except (OSError, ValueError, MalformedInput) as exc:
+            why = exc.user_message if isinstance(exc, MalformedInput) else exc
+            logger.warning("ignoring %s in the Hugging Face cache: its safetensors index is unreadable (%s)",
+                           snapshot, str(why)[:300])
             return None
         if shards and all(s in files for s in shards):
             return CachedRepo(repo_id, snapshot.name, snapshot, size, names)

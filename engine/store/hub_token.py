@@ -14,7 +14,8 @@ from pathlib import Path
 
 from huggingface_hub import constants
 
-from engine.errors import InvalidRequest
+from engine.errors import InvalidRequest, MalformedInput
+from engine.untrusted import read_text
 
 TOKEN_RE = re.compile(r"hf_[A-Za-z0-9]{20,}")
 
@@ -42,9 +43,9 @@ def token_status() -> TokenStatus:
     env = os.environ.get("HF_TOKEN", "").strip()
     if env:
         return TokenStatus("environment", env[-4:], path)
-    try:
-        saved = path.read_text(encoding="utf-8").strip()
-    except OSError:
+    try:  # bounded, and never blocking on a pipe: the file is other tools' too
+        saved = read_text(path, what="The saved Hugging Face token", max_bytes=4096).strip()
+    except (OSError, MalformedInput):
         saved = ""
     return TokenStatus("file" if saved else "", saved[-4:], path)
 

@@ -7,6 +7,12 @@ Each registered model is a folder `<models dir>/<slug>/` holding a manifest
 writing its manifest last (downloads build it in `.partial/` and rename the whole folder in), so a
 half-finished model is never listed. Imports may point at files elsewhere (no copy); removing
 those unregisters them and frees nothing, which `LocalModel.owns_files` says up front.
+
+Manifests are read through engine.untrusted (regular files, bounded size and nesting) and
+checked field by field; a damaged one is skipped with one warning naming it. An import is
+refused when its files are damaged (integrity.py: a GGUF shorter than the tensors it declares,
+a safetensors shard cut short) or when its name is not one names.py allows, or is the same as
+a registered model's up to case and Unicode normalisation. Names match the same way.
 """
 
 from __future__ import annotations
@@ -14,7 +20,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -25,23 +30,23 @@ from typing import Any, Iterable
 from engine.errors import (
     DiskFull,
     InvalidRequest,
+    MalformedInput,
     ModelNotFound,
     UnsupportedModel,
-    UsageError,
 )
 from engine.store.catalog import Catalog, CatalogModel
 from engine.store.discover import LM_STUDIO, FoundModel
-from engine.store.gguf_header import SPLIT_NAME, split_parts
+from engine.store.gguf_header import SPLIT_NAME, CorruptGGUF, open_regular, split_parts
 from engine.store.hub_cache import find_cached_repo, list_cached_repos
+from engine.store.integrity import check_model_files
+from engine.store.names import check_import_name, default_import_name, name_key
 from engine.store.paths import inside, is_repo_id
 from engine.units import format_bytes
+from engine.untrusted import read_json_file
 
 logger = logging.getLogger(__name__)
 
-# An import's name becomes a folder name: one path component, nothing a file system reads
-# specially (separators, "..", leading dots, control characters, Windows' reserved ":").
-_IMPORT_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9 _.\-]{0,99}$")
-_IMPORT_NAME_UNSAFE = re.compile(r"[^A-Za-z0-9 _.\-]+")
+MAX_MANIFEST_BYTES = 4 << 20  # a manifest lists file names and sizes: kilobytes
 MANIFEST_NAME = "specchat-model.json"
 MANIFEST_VERSION = 1
 PARTIAL_DIR = ".partial"
@@ -109,27 +114,40 @@ def read_manifest(folder: Path) -> LocalModel | None:
     skipped with a warning). A relative `path` must stay inside `folder`."""
     manifest = folder / MANIFEST_NAME
     try:
-        data = json.loads(manifest.read_text(encoding="utf-8"))
-        target = Path(data["path"])
+        data = read_json_file(manifest, what="The manifest", max_bytes=MAX_MANIFEST_BYTES)
+        if not isinstance(data, dict):
+            raise TypeError("not a JSON object")
+        raw_path, entries = data.get("path"), data.get("files")
+        model_id, source = data.get("model_id"), data.get("source")
+        if not isinstance(raw_path, str) or not raw_path or not isinstance(entries, list):
+            raise TypeError("its path must be text and its files a list")
+        if not isinstance(model_id, str) or not isinstance(source, str) or not model_id:
+            raise TypeError("model_id and source must be text")
+        if not all(isinstance(f, dict) and isinstance(f.get("name"), str) and _count(f.get("size")) for f in entries):
+            raise TypeError("each file must be a name and a size in bytes")
+        target = Path(raw_path)
         if target.is_absolute():
             path = target  # an import by reference: the files stay where they are
         else:  # "." (the folder itself) or a file in it
-            path = folder if data["path"] == "." else inside(folder, data["path"], f"The manifest {manifest}")
-        files = tuple(str(f["name"]) for f in data["files"])
-        size = sum(int(f["size"]) for f in data["files"])
-        model_id, source = data["model_id"], data["source"]
-        if not isinstance(model_id, str) or not isinstance(source, str) or not model_id:
-            raise TypeError("model_id and source must be text")
+            path = folder if raw_path == "." else inside(folder, raw_path, f"The manifest {manifest}")
+        files = tuple(f["name"] for f in entries)
+        size = sum(f["size"] for f in entries)
         repo_id, revision = data.get("repo_id"), data.get("revision")
         return LocalModel(model_id, repo_id if isinstance(repo_id, str) else None, source, path.resolve(), size,
                           files, revision if isinstance(revision, str) else None, folder, not target.is_absolute())
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, RuntimeError, UnsupportedModel) as exc:
-        # RuntimeError: a symlink loop (Path.resolve); UnsupportedModel: a path that leaves the folder
-        reason = exc.user_message if isinstance(exc, UnsupportedModel) else f"{type(exc).__name__}: {exc}"
-        logger.warning("ignoring the damaged manifest %s (%s)", manifest, reason[:200])
+    except (OSError, ValueError, TypeError, RuntimeError, UnsupportedModel, MalformedInput) as exc:
+        # RuntimeError: a symlink loop (Path.resolve); UnsupportedModel: a path that leaves the folder;
+        # MalformedInput: nested too deep, too large, not JSON, or a pipe or folder where the file belongs
+        reason = exc.user_message if isinstance(exc, (UnsupportedModel, MalformedInput)) \
+            else f"{type(exc).__name__}: {exc}"
+        logger.warning("ignoring the damaged manifest %s (%s)", manifest, reason[:300])
         return None
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def list_local_models(models_dir: Path, hf_cache_dir: Path | None = None,
@@ -137,12 +155,16 @@ def list_local_models(models_dir: Path, hf_cache_dir: Path | None = None,
     """Registered models, then HF-cache models not already registered under the same repo id,
     then the runnable `found` GGUFs (discover.py) not already imported."""
     listed: list[LocalModel] = []
-    if models_dir.is_dir():
-        for folder in sorted(models_dir.iterdir()):
-            if folder.is_dir() and not folder.name.startswith("."):
-                model = read_manifest(folder)
-                if model is not None:
-                    listed.append(model)
+    try:
+        folders = sorted(models_dir.iterdir()) if models_dir.is_dir() else []
+    except OSError as exc:
+        logger.warning("cannot list the models folder %s (%s)", models_dir, exc.strerror or exc)
+        folders = []
+    for folder in folders:
+        if folder.is_dir() and not folder.name.startswith("."):
+            model = read_manifest(folder)
+            if model is not None:
+                listed.append(model)
     if hf_cache_dir is not None:
         known = {m.repo_id.lower() for m in listed if m.repo_id}
         for cached in list_cached_repos(hf_cache_dir):
@@ -172,13 +194,14 @@ def find_local_model(
 
 def match_local(models: Iterable[LocalModel], spec: str, entry: CatalogModel | None) -> LocalModel | None:
     """The model of `models` that `spec` names: by id (the catalog entry's too), else by repo id
-    (`entry`'s, or `spec` itself when it is one). A GGUF catalog entry is one file of its repo:
+    (`entry`'s, or `spec` itself when it is one); ids compare by names.name_key (case and
+    Unicode normalisation do not matter). A GGUF catalog entry is one file of its repo:
     another quantisation downloaded from there is not this model."""
-    names = {spec.lower()} | ({entry.id.lower()} if entry else set())
+    names = {name_key(spec)} | ({name_key(entry.id)} if entry else set())
     repo = (entry.repo_id if entry else spec if is_repo_id(spec) else "").lower()
     gguf = entry.gguf_file if entry else None
     for model in models:
-        if model.model_id.lower() in names:
+        if name_key(model.model_id) in names:
             return model
         if repo and (model.repo_id or "").lower() == repo and (gguf is None or model.path.name == gguf):
             return model
@@ -193,7 +216,9 @@ def _from_cache(model_id: str, cached: Any) -> LocalModel:
 
 
 def import_model(path: Path, models_dir: Path, name: str | None = None, copy: bool = False) -> LocalModel:
-    """Register a local HF folder or .gguf file; with `copy` its files move under the models folder."""
+    """Register a local HF folder or .gguf file; with `copy` its files move under the models folder.
+    Refused: what cannot load, damaged files (integrity.py), and names names.py does not allow or
+    that are already taken up to case and normalisation."""
     try:
         source = path.expanduser().resolve()
     except (RuntimeError, OSError) as exc:  # RuntimeError: Python's "Symlink loop from ..."
@@ -207,12 +232,15 @@ def import_model(path: Path, models_dir: Path, name: str | None = None, copy: bo
                 "(config.json + *.safetensors + tokenizer files)."
             )
         files = split_parts(source)  # every part of a split model, which is named by its first
-        missing = [p.name for p in files if not p.is_file()]
+        missing = [p.name for p in files if not p.exists()]  # a pipe or folder there: the check below says so
         if missing:
             raise ModelNotFound(f"{source.name} is one of {len(files)} files of a split model, but "
                                 f"{', '.join(missing[:3])} {'is' if len(missing) == 1 else 'are'} not beside it. "
                                 "Put every part in the same folder, then import again.")
         source = files[0]
+    elif not source.is_dir():
+        raise UnsupportedModel(f"{source} is a named pipe, socket or device, not a model: import a .gguf file or "
+                               "a Hugging Face folder.")
     else:
         if not (source / "config.json").is_file() or not any(source.glob("*.safetensors")):
             raise UnsupportedModel(
@@ -228,16 +256,10 @@ def import_model(path: Path, models_dir: Path, name: str | None = None, copy: bo
         files = sorted(p for p in source.iterdir() if p.is_file())
     split = SPLIT_NAME.match(source.name) if source.is_file() else None
     stem = split["stem"] if split else source.stem if source.is_file() else source.name
-    model_name = name or _IMPORT_NAME_UNSAFE.sub("-", stem).strip("-. ")
-    if not _IMPORT_NAME.match(model_name):
-        raise UsageError(f"{model_name!r} cannot be an import name: use letters, digits, spaces, '-', '_' or '.' "
-                         "(not first), at most 100 characters.")
+    model_name = check_import_name(name if name is not None else default_import_name(stem))
     folder = inside(models_dir, f"local--{model_name}", "The import name")
-    if (folder / MANIFEST_NAME).exists():
-        raise InvalidRequest(
-            f"A model named {model_name!r} is already imported. Remove it first "
-            f"(specchat models remove {model_name}) or pass another --name."
-        )
+    _check_name_free(model_name, folder, models_dir)
+    check_model_files(source)  # a GGUF cut short, a shard missing its end: refused before registering
     entries = [{"name": p.name, "size": p.stat().st_size} for p in files]
     if copy:
         needed = sum(e["size"] for e in entries)
@@ -256,6 +278,8 @@ def import_model(path: Path, models_dir: Path, name: str | None = None, copy: bo
         target = files[0].name if source.is_file() else "."
         write_json_atomic(staging / MANIFEST_NAME, manifest_data(
             model_id=model_name, repo_id=None, source="import", path=target, revision=None, files=entries))
+        if folder.is_dir():  # a leftover without manifest (a crash during an earlier remove)
+            shutil.rmtree(folder)
         os.replace(staging, folder)
     else:
         write_json_atomic(folder / MANIFEST_NAME, manifest_data(
@@ -266,11 +290,26 @@ def import_model(path: Path, models_dir: Path, name: str | None = None, copy: bo
     return model
 
 
+def _check_name_free(name: str, folder: Path, models_dir: Path) -> None:
+    """InvalidRequest when a registered model already goes by `name`, up to case and Unicode
+    normalisation: on Windows and macOS the two would share one folder, and by name either
+    spelling would find either model."""
+    taken = next((m for m in list_local_models(models_dir) if name_key(m.model_id) == name_key(name)
+                  or name_key(m.folder.name if m.folder else "") == name_key(folder.name)), None)
+    if (folder / MANIFEST_NAME).exists() or taken is not None:
+        other = taken.model_id if taken is not None else name
+        same = "" if other == name else " (names that differ only in case or accents' encoding are the same name)"
+        raise InvalidRequest(
+            f"A model named {other!r} is already imported{same}. Remove it first "
+            f"(specchat models remove {other}) or pass another --name."
+        )
+
+
 def _starts_like_gguf(path: Path) -> bool:
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             return f.read(4) == b"GGUF"
-    except OSError:
+    except (OSError, CorruptGGUF):
         return False
 
 

@@ -96,6 +96,113 @@ def test_a_chat_template_that_raises_is_one_error_line_with_a_hint(
     assert main(["generate", "--target", str(folder), "--prompt", "hi", "--max-new-tokens", "2"]) == 0
 
 
+# ---- hostile GGUF headers: whatever the file claims, the parse is bounded ----------------------------
+GiB = 1 << 30
+
+
+def gguf_string(text: str | bytes) -> bytes:
+    raw = text.encode() if isinstance(text, str) else text
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def gguf_head(n_tensors: int, n_kv: int) -> bytes:
+    return b"GGUF" + struct.pack("<IQQ", 3, n_tensors, n_kv)
+
+
+def tensor_info(name: str, dims: tuple[int, ...], qtype: int, offset: int) -> bytes:
+    return gguf_string(name) + struct.pack("<I", len(dims)) + struct.pack(f"<{len(dims)}Q", *dims) + \
+        struct.pack("<IQ", qtype, offset)
+
+
+def one_tensor(offset: int = 0, name2: str | None = None, align: bytes = b"") -> bytes:
+    """A GGUF of one (or two) 8-float tensor(s) at `offset`, with its data; `align` is an extra
+    metadata entry."""
+    infos = tensor_info("w", (8,), 0, offset) + (tensor_info(name2, (8,), 0, 32) if name2 else b"")
+    head = gguf_head(2 if name2 else 1, 1 if align else 0) + align + infos
+    head += b"\0" * (-len(head) % 32)
+    return head + b"\0" * (min(offset, 1024) + 64)
+
+
+HOSTILE_GGUFS: dict[str, tuple[bytes, int]] = {  # name: (bytes, size to extend the file to, as a hole)
+    # 2^31 empty strings in a 17 GiB sparse file: room for every one of them, a walk of hours
+    "billions of empty strings": (gguf_head(0, 1) + gguf_string("tokenizer.ggml.tokens") +
+                                  struct.pack("<IIQ", 9, 8, 2**31), 17 * GiB),
+    # 2^31 zero metadata entries (an empty key, uint8 0): a sparse file of zeros parses as such
+    "billions of metadata entries": (gguf_head(0, 2**31), 32 * GiB),
+    "billions of tensors": (gguf_head(2**30, 0), 32 * GiB),
+    # one string or array of a GiB: a GiB allocated and copied from a sparse file
+    "a string of a GiB": (gguf_head(0, 1) + gguf_string("general.name") + struct.pack("<IQ", 8, GiB), 2 * GiB),
+    "an array of a GiB": (gguf_head(0, 1) + gguf_string("tokenizer.ggml.scores") + struct.pack("<IIQ", 9, 0, GiB),
+                          2 * GiB),
+    "an array of arrays": (gguf_head(0, 1) + gguf_string("x") + struct.pack("<IIQ", 9, 9, 1) +
+                           struct.pack("<IQ", 0, 1) + b"\0", 0),
+    "a string length past the end": (gguf_head(0, 1) + gguf_string("k") + struct.pack("<IQ", 8, 2**63), 0),
+    "an array count past the end": (gguf_head(0, 1) + gguf_string("k") + struct.pack("<IIQ", 9, 8, 2**62), 0),
+    "five dimensions": (gguf_head(1, 0) + tensor_info("w", (1, 1, 1, 1, 1), 0, 0), 1024),
+    "no dimensions": (gguf_head(1, 0) + tensor_info("w", (), 0, 0), 1024),
+    "dimensions that overflow": (gguf_head(1, 0) + tensor_info("w", (2**63, 2**63), 0, 0), 1024),
+    "an unknown tensor type": (gguf_head(1, 0) + tensor_info("w", (8,), 999, 0), 1024),
+    "an offset past the end": (one_tensor(offset=2**62), 0),
+    "a misaligned offset": (one_tensor(offset=4), 0),
+    "a tensor named twice": (one_tensor(name2="w"), 0),
+    "alignment zero": (one_tensor(align=gguf_string("general.alignment") + struct.pack("<II", 4, 0)), 0),
+    "alignment three": (one_tensor(align=gguf_string("general.alignment") + struct.pack("<II", 4, 3)), 0),
+    "alignment of a GiB": (one_tensor(align=gguf_string("general.alignment") + struct.pack("<II", 4, GiB)), 0),
+    "alignment true": (one_tensor(align=gguf_string("general.alignment") + struct.pack("<IB", 7, 1)), 0),
+}
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("case", sorted(HOSTILE_GGUFS))
+def test_a_hostile_gguf_header_is_refused_quickly_and_in_bounded_memory(case: str, tmp_path: Path) -> None:
+    import time
+    import tracemalloc
+
+    from engine.store.gguf_header import CorruptGGUF, read_header, read_model
+
+    data, size = HOSTILE_GGUFS[case]
+    path = tmp_path / "hostile.gguf"
+    with path.open("wb") as f:
+        f.write(data)
+        f.truncate(max(size, len(data)))  # the rest a hole: no disk used
+    for read in (lambda: read_header(path), lambda: read_model(path, ("tokenizer.ggml.tokens",))):
+        started = time.perf_counter()
+        tracemalloc.start()
+        try:
+            with pytest.raises(CorruptGGUF):
+                read()
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert time.perf_counter() - started < 5 and peak < 64 << 20, (case, peak)
+
+
+def test_the_valid_counterparts_of_the_hostile_cases_parse(tmp_path: Path) -> None:
+    from engine.store.gguf_header import read_header
+
+    path = tmp_path / "ok.gguf"
+    path.write_bytes(one_tensor())
+    assert [t.name for t in read_header(path).tensors] == ["w"]
+    path.write_bytes(one_tensor(offset=32, align=gguf_string("general.alignment") + struct.pack("<II", 4, 32)))
+    assert read_header(path).tensors[0].offset % 32 == 0
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("kind", ["fifo", "folder"])
+def test_a_pipe_or_folder_named_like_a_gguf_is_refused_without_blocking(
+        kind: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import os
+
+    path = tmp_path / "model.gguf"
+    os.mkfifo(path) if kind == "fifo" else path.mkdir()
+    from engine.store.gguf_header import CorruptGGUF, read_header
+
+    with pytest.raises(CorruptGGUF, match="named pipe" if kind == "fifo" else "folder"):
+        read_header(path)
+    if kind == "fifo":
+        assert "model.gguf" in cli_refuses(capsys, path)
+
+
 # ---- fuzz --------------------------------------------------------------------------------------
 def tiny_gguf(path: Path) -> bytes:
     """A small GGUF: a tiny Llama's metadata and one tensor (no tokenizer: it loads no model,

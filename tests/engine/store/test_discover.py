@@ -68,10 +68,10 @@ def trees(tmp_path: Path, tiny: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     shutil.copy2(tiny, lms / "lmstudio-community" / "Tiny-GGUF" / "Tiny-Q8_0.gguf")
     shutil.copy2(tiny, lms / "lmstudio-community" / "Tiny-GGUF" / "mmproj-Tiny-f16.gguf")  # a projector: skipped
     header_only(lms / "google" / "gemma-GGUF" / "gemma-Q4_K_M.gguf", "gemma2", general_file_type=15)
-    header_only(lms / "big" / "Big-GGUF" / "Big-Q4_K_M-00001-of-00002.gguf", "llama", split_count=2)
-    header_only(lms / "big" / "Big-GGUF" / "Big-Q4_K_M-00002-of-00002.gguf", "llama", split_count=2)
-    header_only(lms / "big" / "Half-GGUF" / "Half-Q4_K_M-00001-of-00003.gguf", "llama", split_count=3)
-    header_only(lms / "big" / "Half-GGUF" / "Half-Q4_K_M-00003-of-00003.gguf", "llama", split_count=3)
+    header_only(lms / "big" / "Big-GGUF" / "Big-Q4_K_M-00001-of-00002.gguf", "llama", split_no=0, split_count=2)
+    header_only(lms / "big" / "Big-GGUF" / "Big-Q4_K_M-00002-of-00002.gguf", "llama", split_no=1, split_count=2)
+    header_only(lms / "big" / "Half-GGUF" / "Half-Q4_K_M-00001-of-00003.gguf", "llama", split_no=0, split_count=3)
+    header_only(lms / "big" / "Half-GGUF" / "Half-Q4_K_M-00003-of-00003.gguf", "llama", split_no=2, split_count=3)
     (lms / "broken" / "Cut-GGUF").mkdir(parents=True)
     (lms / "broken" / "Cut-GGUF" / "cut.gguf").write_bytes(b"GGUF\x03\x00\x00\x00" + b"\xff" * 8)
     outside = tmp_path / "elsewhere"
@@ -186,8 +186,12 @@ def test_a_moved_lm_studio_folder_is_found_through_its_settings(tmp_path: Path, 
     assert (LM_STUDIO, moved) in app_folders()
     assert [m.name for m in discover_models().models] == ["Moved-Q8_0"]
     for junk in ('{"downloadsFolder": "relative/models"}', '{"downloadsFolder": 7}', "[1]", "{not json"):
-        (home / ".lmstudio" / "settings.json").write_text(junk)  # ignored, never an error
-        assert discover_models() == Discovery((), ())
+        (home / ".lmstudio" / "settings.json").write_text(junk)  # one line naming the file, never an error
+        found = discover_models()
+        assert found.models == () and len(found.problems) == 1
+        assert str(home / ".lmstudio" / "settings.json") in found.problems[0]
+    (home / ".lmstudio" / "settings.json").write_text('{"theme": "dark"}')  # the folder was never moved
+    assert discover_models() == Discovery((), ())
 
 
 def test_the_same_file_name_in_two_lm_studio_repos_gets_two_names(tmp_path: Path, tiny: Path,

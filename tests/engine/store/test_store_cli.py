@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from hub_server import STARTER_REPO, FakeRepo, HubServer
+from model_files import write_gguf
 
 from engine.cli.main import main
 from engine.cli.parser import build_parser
@@ -55,8 +56,7 @@ def test_errors_print_user_message_and_exit_1(
 
 
 def test_import_via_cli(tmp_path: Path, models_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    gguf = tmp_path / "x.gguf"
-    gguf.write_bytes(b"GGUF" + bytes(10))
+    gguf = write_gguf(tmp_path / "x.gguf")
     assert run(["models", "import", str(gguf), "--models-dir", str(models_dir)]) == 0
     assert capsys.readouterr().out.strip().endswith("x.gguf")
 

@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+from model_files import safetensors_bytes, write_gguf
 
 from engine.errors import InvalidRequest, ModelNotFound, UnsupportedModel
 from engine.store import (
@@ -25,7 +26,7 @@ def make_hf_folder(path: Path, weights: int = 10_000) -> Path:
     path.mkdir(parents=True)
     (path / "config.json").write_text('{"model_type": "llama"}')
     (path / "tokenizer.json").write_text("{}")
-    (path / "model.safetensors").write_bytes(b"\x00" * weights)
+    (path / "model.safetensors").write_bytes(safetensors_bytes(weights))
     return path
 
 
@@ -119,14 +120,13 @@ def test_import_folder_by_reference_then_remove_frees_nothing(tmp_path: Path, mo
 
 
 def test_import_gguf_with_copy_then_remove_frees_disk(tmp_path: Path, models_dir: Path) -> None:
-    gguf = tmp_path / "tiny.Q4_0.gguf"
-    gguf.write_bytes(b"GGUF" + bytes(4096))
+    gguf = write_gguf(tmp_path / "tiny.Q4_0.gguf")
     model = import_model(gguf, models_dir, name="tiny", copy=True)
     assert model.owns_files and model.path.parent.parent == models_dir.resolve()
     assert model.path.read_bytes() == gguf.read_bytes()
     with pytest.raises(InvalidRequest, match="already imported"):
         import_model(gguf, models_dir, name="tiny")
-    assert remove_model(model) == 4100
+    assert remove_model(model) == gguf.stat().st_size
     assert not model.path.exists() and gguf.exists()
 
 
