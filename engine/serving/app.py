@@ -58,6 +58,7 @@ from engine.serving.protocol import (
 from engine.serving.scheduler import (
     Finished,
     GenerationQueue,
+    Interrupted,
     Job,
     ModelState,
     NotReady,
@@ -133,7 +134,7 @@ def build_app(queue: GenerationQueue, defaults: Callable[[], RequestDefaults], a
                 return stream
             await _drain(job)
             if any(c.finish_reason == "cancelled" for c in job.completions):
-                raise _cut(job)
+                raise _cut(job.cut)
             return JSONResponse(response(kind, rid, name, writer.created, job.completions))
         finally:
             if watcher is not None:
@@ -227,7 +228,7 @@ async def _chunks(job: Job, writer: ChunkWriter) -> AsyncIterator[bytes]:
                 continue
             index, item = event
             if isinstance(item, Completion) and item.finish_reason == "cancelled":
-                yield _sse(_cut(job).body())
+                yield _sse(_cut(job.cut).body())
                 return
             if index not in opened:
                 opened.add(index)
@@ -304,9 +305,9 @@ def _unknown_model(asked: str, model: ModelState) -> ApiError:
                     "model")
 
 
-def _cut(job: Job) -> ApiError:
+def _cut(why: str) -> ApiError:
     """The answer to a job that ended before the model ended it: not a whole answer."""
-    why = job.cut or "it was cancelled"
+    why = why or "it was cancelled"
     return ApiError(503, f"The answer was cut off before its end: {why}. The text received is incomplete; "
                          "retry the request.", "server_error", "answer_interrupted",
                     headers={"Retry-After": RETRY_AFTER_SECONDS})
@@ -316,6 +317,8 @@ def _api_error(exc: BaseException) -> ApiError:
     """An exception from the queue or the engine as the answer to send."""
     if isinstance(exc, ApiError):
         return exc
+    if isinstance(exc, Interrupted):
+        return _cut(str(exc))
     if isinstance(exc, ContextTooLong):
         return ApiError(413, exc.user_message, "invalid_request_error", "context_length_exceeded", "messages")
     if isinstance(exc, InvalidRequest):

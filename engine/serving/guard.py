@@ -208,11 +208,12 @@ class AccessPolicy:
 
 
 def _is_address(name: str) -> bool:
+    """An IP address a client can connect to (0.0.0.0 and :: are not: a browser sending them
+    reaches this computer from any page, the "0.0.0.0 day" route to local servers)."""
     try:
-        ipaddress.ip_address(name)
+        return not ipaddress.ip_address(name).is_unspecified
     except ValueError:
         return False
-    return True
 
 
 def _shown(value: str) -> str:

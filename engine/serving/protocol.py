@@ -35,6 +35,7 @@ from engine.types import (
 
 Kind = Literal["chat", "completion"]
 MAX_STOP_STRINGS = 16
+IGNORED_PENALTIES = ("presence_penalty", "frequency_penalty")
 MAX_TOKENS_CEILING = 1 << 20  # when the model's context is not known: no local model reads more
 _SHOWN = 60  # most characters of a refused value quoted back
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -136,6 +137,10 @@ def parse_request(kind: Kind, body: object, defaults: RequestDefaults, context_l
         value = _optional(body, name, kind_)
         if value is not None:
             values[name] = value
+    for name in IGNORED_PENALTIES:  # accepted and ignored, but only as OpenAI defines them
+        value = _optional(body, name, float)
+        if value is not None and not -2.0 <= value <= 2.0:
+            raise bad_request(f"'{name}' must be from -2 to 2 (got {_shown(value)}).", name)
     try:
         sampling = replace(sampling, seed=None, **values)
         first = replace(base, messages=messages, raw_prompt=raw, stop=stop, sampling=sampling,

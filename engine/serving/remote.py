@@ -77,8 +77,12 @@ def normalise_url(url: str) -> str:
         raise RemoteError("The server's URL is empty: give one like http://gpu-box:8000/v1.")
     if "://" not in url:
         url = "http://" + url
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.netloc:
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError for a port out of range or not a number
+    except ValueError:
+        parts = None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
         raise RemoteError(f"'{url}' is not an http(s) URL: give one like http://gpu-box:8000/v1.")
     url = url.rstrip("/")
     return url + "/v1" if parts.path in ("", "/") else url
@@ -226,7 +230,7 @@ class RemoteEngine:
         """One stream event (or a whole answer) as an object; RemoteError for anything else,
         and for an error the server reports in it."""
         try:
-            chunk = parse_json(data, what="An event it sent", max_bytes=MAX_LINE_BYTES)
+            chunk = parse_json(data, what="the event", max_bytes=MAX_LINE_BYTES)
         except MalformedInput as exc:
             raise RemoteError(f"The server at {self.url} sent an answer this client cannot read: "
                               f"{exc.user_message}") from None

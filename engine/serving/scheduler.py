@@ -63,6 +63,11 @@ class NotReady(Exception):
     """The model is loading, failed to load, or none is chosen (the message says which)."""
 
 
+class Interrupted(Exception):
+    """The server ended a running job before the model ended it (the message says why). Posted
+    at once, so an open stream can say so without waiting for the engine's current step."""
+
+
 @dataclass(frozen=True)
 class Started:
     """The first choice passed validation and is running (its events follow)."""
@@ -173,9 +178,12 @@ class GenerationQueue:
             self._closed = True
             dropped = list(self._waiting)
             self._waiting.clear()
-            if self._running is not None:
-                self._running.stop("the server is shutting down")
+            running = self._running
+            if running is not None:
+                running.stop("the server is shutting down")
             self._lock.notify_all()
+        if running is not None:
+            running.post(Interrupted(running.cut))
         for job in dropped:
             job.stop("the server is shutting down")
             job.post(NotReady("The server is shutting down."))

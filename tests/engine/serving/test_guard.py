@@ -80,6 +80,7 @@ def test_a_foreign_origin_is_403(server: Server, backend: ScriptedBackend, origi
     "evil.example", "evil.example:{port}", "127.0.0.1.evil.example", "localhost.evil.example:{port}",
     "127.0.0.1:{other}", "localhost:{other}", "[::1]:{other}", "192.168.1.20:{port}", "10.0.0.1", "", " ",
     "127.0.0.1:{port}@evil.example", "evil.example, 127.0.0.1:{port}", "127.0.0.1:99999", "[::1", "*",
+    "0.0.0.0:{port}", "[::]:{port}", "127.1:{port}", "2130706433:{port}", "localhost..:{port}",
 ])
 def test_a_host_that_is_not_this_server_is_403(server: Server, backend: ScriptedBackend, host: str) -> None:
     before = backend.calls
@@ -168,7 +169,8 @@ def test_on_the_network_addresses_and_this_computers_names_are_accepted() -> Non
     for name, port in (("192.168.1.20", 8765), ("10.1.2.3", None), ("fe80::1", 8765), ("localhost", 8765),
                        ("models.corp", 1234), *((n, 8765) for n in machine_names())):
         assert policy.host_allowed(name, port), name
-    for name, port in (("evil.example", 8765), ("192.168.1.20", 8080), ("evil.example", None)):
+    for name, port in (("evil.example", 8765), ("192.168.1.20", 8080), ("evil.example", None), ("0.0.0.0", 8765),
+                       ("::", 8765)):
         assert not policy.host_allowed(name, port), name
     lan = AccessPolicy("192.168.1.20", 8765)
     assert lan.host_allowed("192.168.1.20", 8765) and not lan.host_allowed("attacker.example", 8765)

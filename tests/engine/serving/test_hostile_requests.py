@@ -79,6 +79,8 @@ FIELDS: list[tuple[str, object]] = [(name, value) for name, values in {
                  [{"role": "user", "content": [{"type": "text", "text": 5}]}], [{"role": "tool", "content": "x"}]],
     "response_format": ["json", [], {"type": []}, {"type": "json_object"}],
     "logprobs": [True, 5, "yes"],
+    "presence_penalty": ["0", True, 3, -2.5, [0]],
+    "frequency_penalty": ["0", False, 1e300],
 }.items() for value in values]
 
 

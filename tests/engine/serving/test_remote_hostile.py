@@ -122,6 +122,14 @@ def test_odd_but_harmless_answers_are_read(hostile: VllmStandIn) -> None:
         run(hostile)
 
 
+@pytest.mark.parametrize("url", ["http://[::1", "http://host:99999/v1", "http://host:port/v1", "ftp://host/v1",
+                                 "http://:8000/v1"])
+def test_a_url_that_is_not_one_is_a_remote_error(url: str) -> None:
+    with pytest.raises(RemoteError) as exc:
+        list_models(url)
+    assert "not an http(s) URL" in exc.value.user_message
+
+
 def chat(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], server: VllmStandIn,
          lines: str) -> tuple[int, str, str]:
     monkeypatch.setattr("sys.stdin", io.StringIO(lines))

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from scripted import CHAT, MODEL, ScriptedBackend, raw, start_server
+from scripted import CHAT, MODEL, ScriptedBackend, raw, start_server, stats
 from serve_process import ServeProcess
 
 from engine.cli.serve import job_line
@@ -112,6 +112,27 @@ def test_an_answer_not_streamed_that_is_cut_gets_an_error_status(held) -> None: 
     thread.join(10)
     [reply] = replies
     assert reply.status == 503 and reply.error()["code"] == "answer_interrupted"  # type: ignore[attr-defined]
+
+
+class SlowStep(ScriptedBackend):
+    """One word, then a decoding step of seconds that does not look at cancel meanwhile (an
+    offloaded 70B model streaming its layers from disk)."""
+
+    def _events(self, cancel: threading.Event) -> Iterator[TokenEvent | Completion]:
+        yield TokenEvent((1,), "slow ")
+        time.sleep(5)
+        yield Completion("slow ", (1,), "cancelled" if cancel.is_set() else "length", stats(1))
+
+
+def test_a_stream_stopped_during_a_long_step_is_told_at_once() -> None:
+    server = start_server(SlowStep())
+    stream = RawStream(server.port, CHAT)
+    stream.events(2)
+    started = time.monotonic()
+    threading.Thread(target=server.stop, daemon=True).start()
+    error = assert_cut(stream.rest())
+    assert time.monotonic() - started < 2.0  # not after the step, nor cut by the shutdown's timeout
+    assert error["code"] == "answer_interrupted"
 
 
 class FailsMidway(ScriptedBackend):
