@@ -6,9 +6,11 @@ API request goes to the EngineWorker (EngineHost.serve) and runs in the worker's
 with the chat's answers in arrival order. engine.serving's GenerationQueue hands the worker one
 API request at a time, so a chat message waits behind at most the API answer in progress, and
 API requests wait for the chat's. The status bar label says when the API is answering or
-waiting. The server follows the app: it answers 503 while a model loads or when none is
-chosen, and serves the loaded pair under its short name with the app's sampling settings as
-defaults.
+waiting. The server follows the app: it answers 503 while a model loads, after a load failed
+or when none is chosen (and /v1/models then lists nothing), and serves the loaded pair under its
+short name with the app's sampling settings as defaults. Like `specchat serve` it refuses what a
+web page could send (engine.serving.guard), letting in the hosts and web pages the Server tab
+allows.
 
 What this does not do: load models (the main window does) or show settings (server_tab.py).
 """
@@ -27,6 +29,7 @@ from app.engine_worker import SERVE_STARTED, EngineHost
 from app.preferences import Preferences
 from app.status import short_name
 from engine.errors import Cancelled, EngineError
+from engine.serving.guard import split_list
 from engine.serving.protocol import RequestDefaults
 from engine.serving.scheduler import GenerationQueue, ModelState, QueueState
 from engine.serving.server import Server, ServeSettings
@@ -131,7 +134,8 @@ class ApiServer(QObject):
         """Start, restart or stop the server as `prefs` say; the request defaults follow them."""
         self._prefs = prefs
         self._update_defaults()
-        key = (prefs.server_enabled, prefs.server_port, prefs.server_api_key, prefs.server_lan)
+        key = (prefs.server_enabled, prefs.server_port, prefs.server_api_key, prefs.server_lan,
+               prefs.server_allowed_hosts, prefs.server_allowed_origins)
         if key == self._key:
             return
         self._key = key
@@ -140,7 +144,9 @@ class ApiServer(QObject):
         if prefs.server_enabled:
             try:
                 settings = ServeSettings(host="0.0.0.0" if prefs.server_lan else "127.0.0.1", port=prefs.server_port,
-                                         api_key=prefs.server_api_key)
+                                         api_key=prefs.server_api_key,
+                                         allowed_hosts=split_list(prefs.server_allowed_hosts),
+                                         allowed_origins=split_list(prefs.server_allowed_origins))
                 queue_ = GenerationQueue(on_change=self._queue_changed.emit)
                 queue_.set_model(self._model, self._backend if self._model.status == "ready" else None)
                 try:
@@ -176,8 +182,9 @@ class ApiServer(QObject):
 
     @Slot(object)
     def _on_worker_load_progressed(self, progress: LoadProgress) -> None:
+        # the worker dropped the old pair; the new one's name comes with `loaded`: no id till then
         if self._model.status != "loading" or progress.message:
-            self._set_model(ModelState(self._model.id, "loading", progress.message or "loading"))
+            self._set_model(ModelState("", "loading", progress.message or "loading"))
 
     @Slot(int, str, str, object)
     def _on_worker_loaded(self, _load_id: int, target: str, _draft: str, _placement: object) -> None:
@@ -185,7 +192,7 @@ class ApiServer(QObject):
 
     @Slot(int, str)
     def _on_worker_load_failed(self, _load_id: int, message: str) -> None:
-        self._set_model(ModelState(self._model.id, "failed", message))
+        self._set_model(ModelState("", "failed", message))  # nothing is loaded: nothing is listed
 
     @Slot(object)
     def _on_worker_planned(self, plan: object) -> None:

@@ -90,6 +90,8 @@ class Preferences:
     server_port: int = 8765
     server_api_key: str = ""
     server_lan: bool = False  # listen on every network (needs the key), not only this computer
+    server_allowed_hosts: str = ""  # Host names let in beside this computer's own (engine.serving.guard)
+    server_allowed_origins: str = ""  # web pages whose scripts may use the API (CORS)
     # Remote engines (Settings > Engines): JSON, read by app/remote_engines.parse_engines
     remote_engines: str = ""
 

@@ -200,6 +200,15 @@ def _add_serving(commands: argparse._SubParsersAction, common: argparse.Argument
                      help="clients must send 'Authorization: Bearer KEY' (default: $SPECCHAT_API_KEY, else none)")
     net.add_argument("--insecure-no-api-key", action="store_true",
                      help="allow a non-loopback --host without an API key: anyone who reaches the port can use it")
+    net.add_argument("--allowed-hosts", metavar="LIST", default="",
+                     help="Host names accepted beside this computer's own (comma-separated, e.g. a reverse proxy's "
+                     "name, gpu-box.lan:8765, *.example.com; * = any). By default: localhost, 127.0.0.1, [::1] "
+                     "and --host; on a network address also any IP address and this computer's host names. "
+                     "Other names are refused (403): it stops web pages that rebind their name to this computer")
+    net.add_argument("--allowed-origins", metavar="LIST", default="",
+                     help="web pages whose scripts may use the API, with CORS (comma-separated origins, e.g. "
+                     "http://localhost:3000; null = local files; * = any page). By default none: a request from a "
+                     "web page gets 403, and every POST must be Content-Type: application/json (415)")
     net.add_argument("--queue-size", type=int_at_least(0), default=32, metavar="N",
                      help="most requests waiting behind the one being answered; more get HTTP 429 (default: 32)")
     net.add_argument("--served-model-name", metavar="NAME",

@@ -21,6 +21,7 @@ from engine.cli import common
 from engine.cli.parser import EXIT_FAILURE
 from engine.decoding.generation import Engine
 from engine.errors import InvalidRequest
+from engine.serving.guard import split_list
 from engine.serving.protocol import RequestDefaults
 from engine.serving.scheduler import GenerationQueue, Job, ModelState, describe_error
 from engine.serving.server import Server, ServeSettings
@@ -33,7 +34,9 @@ def run_serve(args: argparse.Namespace) -> int:
     setup = common.setup(args)
     try:
         settings = ServeSettings(host=args.host, port=args.port, api_key=args.api_key or "",
-                                 insecure=args.insecure_no_api_key, queue_size=args.queue_size)
+                                 insecure=args.insecure_no_api_key, queue_size=args.queue_size,
+                                 allowed_hosts=split_list(args.allowed_hosts),
+                                 allowed_origins=split_list(args.allowed_origins))
     except InvalidRequest as exc:
         raise common.UsageError(exc.user_message) from exc
     status = common.status_printer()
@@ -121,7 +124,7 @@ class PlannedEngine:
 
 def job_line(job: Job, error: BaseException | None) -> str:
     """One line per request on stderr: tokens, waits, speed, how it ended."""
-    waited = (job.started or job.submitted) - job.submitted
+    waited = job.waited()
     if job.started is None:
         return f"request {job.id}: cancelled while waiting ({waited:.1f} s)"
     if error is not None:

@@ -11,17 +11,21 @@ Contract:
   engine is free for the next). It runs any `engine.types.GenerationBackend`: the Engine in
   `specchat serve`, the app's engine thread in the app (which never lets another thread touch
   its Engine).
+- guard.py: what a web page in the user's browser could send is refused first: a Host that
+  does not name the server (DNS rebinding), a foreign or null Origin, a POST that is not
+  application/json; hosts and web pages the user allows get in (with CORS).
 - app.py: the Starlette app (/v1/models, /v1/chat/completions, /v1/completions, /health,
-  streaming as server-sent events, the API key check).
+  streaming as server-sent events, the API key check, bodies read with engine.untrusted).
 - server.py: `ServeSettings` (a non-loopback address needs an API key or an explicit opt-out),
   the bound socket, uvicorn in this thread or a background one.
 - remote.py: `RemoteEngine`, a client of any OpenAI-compatible server with the Engine's
   interface (generate(request, cancel) yields TokenEvents and a Completion), so the CLI and the
   app chat with a remote model the way they chat with the local one; `list_models`.
 
-Status codes: 400 bad JSON or parameters, 401 wrong or missing API key, 404 unknown model or
-route, 413 prompt longer than the context (or a body over 8 MiB), 429 queue full, 503 model
-loading / not loaded, 500 an engine failure.
+Status codes: 400 bad JSON or parameters, 401 wrong or missing API key, 403 a Host or Origin
+not allowed, 404 unknown model or route, 413 prompt longer than the context (or a body over
+8 MiB), 415 a POST that is not application/json, 429 queue full, 503 model loading / not loaded
+(or an answer cut by a shutdown), 500 an engine failure.
 
 What it does not do: load models or choose budgets (the caller does, as for `chat`), or import
 Qt. Only remote.py is imported by the app's chat path; it needs no torch.

@@ -1,17 +1,26 @@
 """The HTTP side of the OpenAI-compatible server: a Starlette app over a GenerationQueue.
 
-    GET  /v1/models                 the served model (with max_model_len when known)
+    GET  /v1/models                 the served model (with max_model_len when known); none when
+                                    its load failed or no model is chosen
     GET  /v1/models/{id}            one model, or 404
     POST /v1/chat/completions       chat messages through the model's chat template
     POST /v1/completions            a plain-text prompt
     GET  /health                    200 when ready, 503 while loading (no API key needed), with
                                     the queue: {"running": bool, "waiting": n}
 
+Before anything else, guard.RequestGuard refuses what a web page in the user's browser could
+send (a foreign Host or Origin, a POST that is not application/json), then the API key is
+checked. Bodies are read with engine.untrusted.parse_json (size, depth and number bounds), so
+hostile JSON is a 400, never a crash.
+
 Streaming answers are server-sent events (`data: {chunk}` ... `data: [DONE]`). A request's
 status is decided before its first byte: it waits its turn in the queue, the engine validates
 it, and only then does a stream start, so a prompt that does not fit still gets its 413. Every
-error is OpenAI's JSON shape (protocol.ApiError). While a request waits or runs, a task reads
-the connection: a client that goes away cancels its job (protocol: http.disconnect).
+error is OpenAI's JSON shape (protocol.ApiError). A stream that ends other than by the model's
+own end (the server shuts down, the engine fails mid-answer) ends with an error event,
+`data: {"error": {...}}`, and no `[DONE]`: it must not look complete (OpenAI's clients raise on
+it); an answer not streamed gets an error status instead. While a request waits or runs, a task
+reads the connection: a client that goes away cancels its job (protocol: http.disconnect).
 
 What this does not do: run the engine (scheduler.py), bind sockets or run uvicorn (server.py).
 """
@@ -33,7 +42,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from engine.errors import ContextTooLong, EngineError, InvalidRequest
+from engine.errors import ContextTooLong, EngineError, InvalidRequest, MalformedInput
+from engine.serving.guard import AccessPolicy, RequestGuard
 from engine.serving.protocol import (
     ApiError,
     ChunkWriter,
@@ -48,12 +58,15 @@ from engine.serving.protocol import (
 from engine.serving.scheduler import (
     Finished,
     GenerationQueue,
+    Interrupted,
     Job,
+    ModelState,
     NotReady,
     QueueFull,
     Started,
 )
 from engine.types import Completion, TokenEvent
+from engine.untrusted import parse_json
 
 log = logging.getLogger(__name__)
 
@@ -62,19 +75,20 @@ RETRY_AFTER_SECONDS = "5"
 
 
 def build_app(queue: GenerationQueue, defaults: Callable[[], RequestDefaults], api_key: str | None = None,
-              max_body_bytes: int = MAX_BODY_BYTES) -> ASGIApp:
+              max_body_bytes: int = MAX_BODY_BYTES, access: AccessPolicy | None = None) -> ASGIApp:
     """The ASGI app. `defaults()` is read per request (the app's settings can change);
-    `api_key` None or "" = no key needed."""
+    `api_key` None or "" = no key needed; `access` what the guard lets in (default: this
+    computer's loopback names on any port, no web pages)."""
 
     async def list_models(request: Request) -> Response:
         model = queue.model
-        data = [model_card(model.id, model.created, model.context_length)] if model.id else []
+        data = [model_card(model.id, model.created, model.context_length)] if _listed(model) else []
         return JSONResponse({"object": "list", "data": data})
 
     async def get_model(request: Request) -> Response:
         model = queue.model
-        if not model.id or request.path_params["model"] != model.id:
-            raise _unknown_model(request.path_params["model"], model.id)
+        if not _listed(model) or request.path_params["model"] != model.id:
+            raise _unknown_model(request.path_params["model"], model)
         return JSONResponse(model_card(model.id, model.created, model.context_length))
 
     async def health(request: Request) -> Response:
@@ -91,10 +105,11 @@ def build_app(queue: GenerationQueue, defaults: Callable[[], RequestDefaults], a
         return await _complete(request, "completion")
 
     async def _complete(request: Request, kind: Kind) -> Response:
-        parsed = parse_request(kind, await _read_json(request, max_body_bytes), defaults())
+        body = await _read_json(request, max_body_bytes)
         model = queue.model
+        parsed = parse_request(kind, body, defaults(), model.context_length)
         if parsed.model is not None and model.id and parsed.model != model.id:
-            raise _unknown_model(parsed.model, model.id)
+            raise _unknown_model(parsed.model, model)
         try:
             job = queue.submit(parsed.choices, asyncio.get_running_loop())
         except NotReady as exc:
@@ -118,6 +133,8 @@ def build_app(queue: GenerationQueue, defaults: Callable[[], RequestDefaults], a
                 watcher = None  # the stream ends it
                 return stream
             await _drain(job)
+            if any(c.finish_reason == "cancelled" for c in job.completions):
+                raise _cut(job.cut)
             return JSONResponse(response(kind, rid, name, writer.created, job.completions))
         finally:
             if watcher is not None:
@@ -132,8 +149,14 @@ def build_app(queue: GenerationQueue, defaults: Callable[[], RequestDefaults], a
     ]
     handlers: dict[Any, Callable[..., Any]] = {ApiError: _error_response, HTTPException: _http_error,
                                               Exception: _unexpected_error}
-    app = Starlette(routes=routes, exception_handlers=handlers)
-    return ApiKeyCheck(app, api_key) if api_key else app
+    app: ASGIApp = Starlette(routes=routes, exception_handlers=handlers)
+    app = ApiKeyCheck(app, api_key) if api_key else app
+    return RequestGuard(app, access or AccessPolicy())
+
+
+def _listed(model: ModelState) -> bool:
+    """Whether /v1/models shows the model: it is served or on its way (not after a failed load)."""
+    return bool(model.id) and model.status in ("ready", "loading")
 
 
 # ---- the pieces of a request ------------------------------------------------------------------------
@@ -148,10 +171,30 @@ async def _read_json(request: Request, limit: int) -> object:
     except ClientDisconnect:
         raise ApiError(400, "The client disconnected while sending the request.") from None
     try:
-        return json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ApiError(400, f"The request body is not valid JSON ({exc}).", "invalid_request_error",
-                       "invalid_json") from None
+        value = parse_json(body, what="The request body", max_bytes=limit)
+        _check_strings(value)
+    except MalformedInput as exc:
+        raise ApiError(400, exc.user_message, "invalid_request_error", "invalid_json") from None
+    return value
+
+
+def _check_strings(value: object) -> None:
+    """MalformedInput when a string in the body cannot be UTF-8 encoded (an unpaired surrogate
+    escape such as \\ud800): it could be neither tokenized nor quoted back in an answer."""
+    stack = [value]
+    while stack:  # no recursion: the depth is bounded already, but a loop costs nothing
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise MalformedInput("The request body holds text that is not valid Unicode (an unpaired "
+                                     "surrogate escape such as \\ud800).") from None
+        elif isinstance(item, dict):
+            stack.extend(item)
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
 
 
 async def _cancel_on_disconnect(receive: Receive, job: Job) -> None:
@@ -160,7 +203,7 @@ async def _cancel_on_disconnect(receive: Receive, job: Job) -> None:
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            job.cancel.set()
+            job.stop()
             return
 
 
@@ -172,27 +215,34 @@ async def _drain(job: Job) -> None:
 
 
 async def _chunks(job: Job, writer: ChunkWriter) -> AsyncIterator[bytes]:
-    """The job's events as server-sent events; an error after the stream started becomes an
-    `error` event (the status line is long gone), then [DONE]."""
+    """The job's events as server-sent events. A stream the model did not end itself (an error
+    after the stream started, a server shutting down) gets an `error` event (the status line is
+    long gone) and no [DONE], and no choice in it says "stop"."""
     opened: set[int] = set()
-    while not isinstance(event := await job.events.get(), Finished):
-        if isinstance(event, BaseException):
-            yield _sse(_api_error(event).body())
-            continue
-        if isinstance(event, Started):
-            continue
-        index, item = event
-        if index not in opened:
-            opened.add(index)
-            if (chunk := writer.opened(index)) is not None:
-                yield _sse(chunk)
-        if isinstance(item, TokenEvent) and item.text:
-            yield _sse(writer.text(index, item.text))
-        elif isinstance(item, Completion):
-            yield _sse(writer.finished(index, item))
-    if writer.include_usage and job.completions:
-        yield _sse(writer.usage(job.completions))
-    yield b"data: [DONE]\n\n"
+    try:
+        while not isinstance(event := await job.events.get(), Finished):
+            if isinstance(event, BaseException):
+                yield _sse(_api_error(event).body())
+                return
+            if isinstance(event, Started):
+                continue
+            index, item = event
+            if isinstance(item, Completion) and item.finish_reason == "cancelled":
+                yield _sse(_cut(job.cut).body())
+                return
+            if index not in opened:
+                opened.add(index)
+                if (chunk := writer.opened(index)) is not None:
+                    yield _sse(chunk)
+            if isinstance(item, TokenEvent) and item.text:
+                yield _sse(writer.text(index, item.text))
+            elif isinstance(item, Completion):
+                yield _sse(writer.finished(index, item))
+        if writer.include_usage and job.completions:
+            yield _sse(writer.usage(job.completions))
+        yield b"data: [DONE]\n\n"
+    finally:
+        job.stop()  # however the stream ended, nothing more of this job is wanted
 
 
 def _sse(data: dict[str, Any]) -> bytes:
@@ -243,15 +293,32 @@ class ApiKeyCheck:
 
 
 # ---- errors -------------------------------------------------------------------------------------------
-def _unknown_model(asked: str, served: str) -> ApiError:
-    return ApiError(404, f"The model '{asked}' does not exist: this server serves '{served}'.",
-                    "invalid_request_error", "model_not_found", "model")
+def _unknown_model(asked: str, model: ModelState) -> ApiError:
+    asked = asked if len(asked) <= 100 else asked[:100] + "…"
+    if _listed(model):
+        why = f"this server serves '{model.id}'"
+    elif model.status == "failed":
+        why = f"this server's model failed to load ({model.detail})"
+    else:
+        why = "no model is loaded"
+    return ApiError(404, f"The model '{asked}' does not exist: {why}.", "invalid_request_error", "model_not_found",
+                    "model")
+
+
+def _cut(why: str) -> ApiError:
+    """The answer to a job that ended before the model ended it: not a whole answer."""
+    why = why or "it was cancelled"
+    return ApiError(503, f"The answer was cut off before its end: {why}. The text received is incomplete; "
+                         "retry the request.", "server_error", "answer_interrupted",
+                    headers={"Retry-After": RETRY_AFTER_SECONDS})
 
 
 def _api_error(exc: BaseException) -> ApiError:
     """An exception from the queue or the engine as the answer to send."""
     if isinstance(exc, ApiError):
         return exc
+    if isinstance(exc, Interrupted):
+        return _cut(str(exc))
     if isinstance(exc, ContextTooLong):
         return ApiError(413, exc.user_message, "invalid_request_error", "context_length_exceeded", "messages")
     if isinstance(exc, InvalidRequest):

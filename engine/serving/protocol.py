@@ -7,7 +7,10 @@ reference (what the official clients parse); what SpecChat adds goes where the c
 unknown fields (`usage.specchat`).
 
 Parameters: temperature, top_p, max_tokens / max_completion_tokens, stop, seed, n, stream,
-stream_options.include_usage, and vLLM's extras top_k, min_p, repetition_penalty. Fields the
+stream_options.include_usage, and vLLM's extras top_k, min_p, repetition_penalty. Each is
+checked for its JSON type (a bool is not a number, a float is not a whole number) and its range;
+`max_tokens` above the model's context (MAX_TOKENS_CEILING when the context is not known) is
+refused with a 400 that says the limit, never capped silently. Fields the
 engine cannot honour (logprobs, tools, JSON response formats, logit_bias, best_of, echo,
 suffix) are refused with a 400 naming them; presence_penalty and frequency_penalty are accepted
 and ignored (clients send them by default), as is everything else OpenAI defines.
@@ -32,6 +35,9 @@ from engine.types import (
 
 Kind = Literal["chat", "completion"]
 MAX_STOP_STRINGS = 16
+IGNORED_PENALTIES = ("presence_penalty", "frequency_penalty")
+MAX_TOKENS_CEILING = 1 << 20  # when the model's context is not known: no local model reads more
+_SHOWN = 60  # most characters of a refused value quoted back
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 REFUSED = {  # field -> why; refused only when set to something other than "off"
     "logprobs": "log probabilities are not returned",
@@ -94,8 +100,9 @@ class ApiRequest:
 
 
 # ---- requests ------------------------------------------------------------------------------------
-def parse_request(kind: Kind, body: object, defaults: RequestDefaults) -> ApiRequest:
-    """An API request body -> ApiRequest; raises ApiError (400) naming the bad field."""
+def parse_request(kind: Kind, body: object, defaults: RequestDefaults, context_length: int = 0) -> ApiRequest:
+    """An API request body -> ApiRequest; raises ApiError (400) naming the bad field.
+    context_length: the model's (0 = unknown), the most `max_tokens` may ask for."""
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object.")
     for name, why in REFUSED.items():
@@ -120,9 +127,7 @@ def parse_request(kind: Kind, body: object, defaults: RequestDefaults) -> ApiReq
         messages, raw = _messages(body.get("messages"), defaults.system), None
     else:
         messages, raw = (), _prompt(body.get("prompt"))
-    max_tokens = _optional(body, "max_completion_tokens", int) if kind == "chat" else None
-    if max_tokens is None:
-        max_tokens = _optional(body, "max_tokens", int)
+    max_tokens = _max_tokens(body, kind, context_length)
     stop = _stop(body.get("stop"), base.stop)
     seed = _optional(body, "seed", int)
     sampling = base.sampling
@@ -132,6 +137,10 @@ def parse_request(kind: Kind, body: object, defaults: RequestDefaults) -> ApiReq
         value = _optional(body, name, kind_)
         if value is not None:
             values[name] = value
+    for name in IGNORED_PENALTIES:  # accepted and ignored, but only as OpenAI defines them
+        value = _optional(body, name, float)
+        if value is not None and not -2.0 <= value <= 2.0:
+            raise bad_request(f"'{name}' must be from -2 to 2 (got {_shown(value)}).", name)
     try:
         sampling = replace(sampling, seed=None, **values)
         first = replace(base, messages=messages, raw_prompt=raw, stop=stop, sampling=sampling,
@@ -149,22 +158,48 @@ def parse_request(kind: Kind, body: object, defaults: RequestDefaults) -> ApiReq
     return ApiRequest(kind, model, choices, stream, include_usage)
 
 
+def _max_tokens(body: Mapping[str, Any], kind: Kind, context_length: int) -> int | None:
+    """max_completion_tokens (chat) or max_tokens: at least 1, at most the model's context."""
+    name = "max_completion_tokens" if kind == "chat" and body.get("max_completion_tokens") is not None \
+        else "max_tokens"
+    value = _optional(body, name, int)
+    limit = context_length if context_length > 0 else MAX_TOKENS_CEILING
+    if value is not None and value > limit:
+        what = (f"this model's context, {limit:,} tokens (the prompt included)" if context_length > 0
+                else f"{limit:,} tokens, the most this server accepts")
+        raise bad_request(f"'{name}' is {_shown(value)}, more than {what}: ask for at most {limit} (the answer "
+                          "also ends where the context is full).", name)
+    return value
+
+
 def _optional(body: Mapping[str, Any], name: str, kind: type, label: str | None = None) -> Any:
-    """body[name] if present and not null, checked to be a `kind` (an int is a fine float; a
-    bool is never a number)."""
+    """body[name] if present and not null, checked to be a `kind`: a whole number is a fine
+    float, but a float (even 5.0) is no whole number and a bool is never a number; floats are
+    finite."""
     value = body.get(name)
     if value is None:
         return None
-    ok = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        value, ok = float(value), True
-    if kind is int and isinstance(value, float) and value.is_integer():
-        value, ok = int(value), True
-    if not ok or (kind is float and not math.isfinite(value)):
-        what = {bool: "true or false", int: "a whole number", float: "a number", str: "a string",
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is float:
+        ok = number and math.isfinite(value)
+        value = float(value) if ok else value
+    elif kind is int:
+        ok = number and isinstance(value, int)
+    else:
+        ok = isinstance(value, kind)
+    if not ok:
+        what = {bool: "true or false", int: "a whole number", float: "a finite number", str: "a string",
                 dict: "an object"}[kind]
-        raise bad_request(f"'{label or name}' must be {what} (got {value!r}).", label or name)
+        raise bad_request(f"'{label or name}' must be {what} (got {_shown(value)}).", label or name)
     return value
+
+
+def _shown(value: object) -> str:
+    """A value quoted back in a message, cut short (a refused field may be megabytes)."""
+    if isinstance(value, int) and not isinstance(value, bool) and len(str(abs(value))) > 15:
+        return f"a {len(str(abs(value)))}-digit number"
+    text = repr(value)
+    return text if len(text) <= _SHOWN else text[:_SHOWN] + "…"
 
 
 def _text(content: object, where: str) -> str:
@@ -192,9 +227,9 @@ def _messages(raw: object, system: str | None) -> tuple[Message, ...]:
         if not isinstance(item, dict):
             raise bad_request(f"{where} must be an object with 'role' and 'content'.", "messages")
         role = item.get("role")
-        if role not in ROLES:
-            raise bad_request(f"{where}: role {role!r} is not supported (system, developer, user, assistant).",
-                              "messages")
+        if not isinstance(role, str) or role not in ROLES:
+            raise bad_request(f"{where}: role {_shown(role)} is not supported (system, developer, user, "
+                              "assistant).", "messages")
         messages.append(Message(ROLES[role], _text(item.get("content"), where)))  # type: ignore[arg-type]
     if system and not any(m.role == "system" for m in messages):
         messages.insert(0, Message("system", system))

@@ -13,6 +13,13 @@ Errors are EngineErrors a user can act on: RemoteUnreachable (nothing answers), 
 away mid-answer: the text that came was already yielded, so the caller keeps it), RemoteError
 (anything else, with the server's own message).
 
+A server's answers are data from outside: every body and stream event goes through
+engine.untrusted.parse_json (depth, size and number bounds), reads are bounded (a model list,
+an error body, one stream line), and every field used is checked for its shape (`choices` a
+list of objects, `delta` an object, `content` a string, ...). An answer that is not what an
+OpenAI-compatible server sends is a RemoteError saying so, never a crash. A server that answers
+with one JSON object although a stream was asked for is read as that object.
+
 What this does not do: retry, pick models, or import torch.
 """
 
@@ -20,7 +27,9 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import queue
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -30,6 +39,7 @@ from urllib.parse import urlsplit
 import httpx2
 
 from engine.errors import (
+    MalformedInput,
     RemoteDisconnected,
     RemoteError,
     RemoteModelGone,
@@ -45,13 +55,18 @@ from engine.types import (
     SamplingSettings,
     TokenEvent,
 )
+from engine.untrusted import MIB, parse_json
 
 log = logging.getLogger(__name__)
 
 CONNECT_SECONDS = 10.0
 LIST_SECONDS = 15.0
 POLL_SECONDS = 0.05  # how often a waiting generate() looks at its cancel Event
+MAX_LIST_BYTES = 8 * MIB  # a model list (thousands of models are far below this)
+MAX_LINE_BYTES = 1 * MIB  # one stream line, or an answer sent whole; a chunk is a few hundred bytes
+MAX_ERROR_BYTES = 64 * 1024  # an error body: only its start is shown
 _OPEN, _END = object(), object()
+_LINE_END = re.compile(rb"\r\n|\r|\n")
 
 
 def normalise_url(url: str) -> str:
@@ -62,8 +77,12 @@ def normalise_url(url: str) -> str:
         raise RemoteError("The server's URL is empty: give one like http://gpu-box:8000/v1.")
     if "://" not in url:
         url = "http://" + url
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.netloc:
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError for a port out of range or not a number
+    except ValueError:
+        parts = None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
         raise RemoteError(f"'{url}' is not an http(s) URL: give one like http://gpu-box:8000/v1.")
     url = url.rstrip("/")
     return url + "/v1" if parts.path in ("", "/") else url
@@ -73,18 +92,26 @@ def list_models(url: str, api_key: str = "", timeout: float = LIST_SECONDS) -> t
     """The ids of the models a server offers (GET /models), sorted."""
     base = normalise_url(url)
     try:
-        with httpx2.Client(timeout=httpx2.Timeout(timeout, connect=CONNECT_SECONDS)) as client:
-            resp = client.get(f"{base}/models", headers=_headers(api_key))
+        with httpx2.Client(timeout=httpx2.Timeout(timeout, connect=CONNECT_SECONDS)) as client, \
+                client.stream("GET", f"{base}/models", headers=_headers(api_key)) as resp:
+            if resp.status_code >= 400:
+                raise _status_error(resp.status_code, _server_message(_read_some(resp, MAX_ERROR_BYTES)), base, None)
+            body = _read_some(resp, MAX_LIST_BYTES + 1)
     except httpx2.TransportError as exc:
         raise _unreachable(base, exc) from exc
-    if resp.status_code >= 400:
-        raise _status_error(resp.status_code, _server_message(resp.content), base, None)
+    except httpx2.HTTPError as exc:
+        raise RemoteError(f"The server at {base} sent an answer that cannot be read ({type(exc).__name__}: "
+                          f"{exc}).") from exc
+    not_a_list = (f"The server at {base} answered, but not with an OpenAI model list: check the URL (it usually "
+                  "ends in /v1).")
     try:
-        data = resp.json()["data"]
-        return tuple(sorted(str(item["id"]) for item in data))
-    except (ValueError, KeyError, TypeError) as exc:
-        raise RemoteError(f"The server at {base} answered, but not with an OpenAI model list: check the URL "
-                          "(it usually ends in /v1).") from exc
+        value = parse_json(body, what="Its answer", max_bytes=MAX_LIST_BYTES)
+    except MalformedInput as exc:
+        raise RemoteError(f"{not_a_list} {exc.user_message}") from None
+    data = value.get("data") if isinstance(value, dict) else None
+    if not isinstance(data, list) or not all(isinstance(m, dict) and isinstance(m.get("id"), str) for m in data):
+        raise RemoteError(not_a_list)
+    return tuple(sorted(m["id"] for m in data))
 
 
 class RemoteEngine:
@@ -123,15 +150,19 @@ class RemoteEngine:
             with httpx2.Client(timeout=timeout) as client, client.stream(
                     "POST", self.url + path, json=body, headers=_headers(self.remote.api_key)) as resp:
                 if resp.status_code >= 400:
-                    lines.put(_status_error(resp.status_code, _server_message(resp.read()), self.url,
-                                            self.remote.model))
+                    lines.put(_status_error(resp.status_code, _server_message(_read_some(resp, MAX_ERROR_BYTES)),
+                                            self.url, self.remote.model))
                     return
                 opened = True
                 lines.put(_OPEN)
-                for line in resp.iter_lines():
-                    if stop.is_set():
-                        return  # leaving the block closes the connection: the server stops too
-                    lines.put(line)
+                if resp.headers.get("content-type", "").split(";")[0].strip().lower() == "application/json":
+                    whole = _read_some(resp, MAX_LINE_BYTES + 1)  # one object, not a stream: one event
+                    lines.put(b"data: " + whole if len(whole) <= MAX_LINE_BYTES else _too_long(self.url))
+                else:
+                    for line in _bounded_lines(resp, self.url):
+                        if stop.is_set():
+                            return  # leaving the block closes the connection: the server stops too
+                        lines.put(line)
             lines.put(_END)
         except httpx2.TransportError as exc:
             if not opened:  # refused, timed out, or closed before it answered
@@ -139,6 +170,9 @@ class RemoteEngine:
             else:
                 lines.put(RemoteDisconnected(f"The server at {self.url} went away in the middle of the answer "
                                              f"({type(exc).__name__}); the part that arrived is kept."))
+        except httpx2.HTTPError as exc:  # a body that cannot be decoded (bad gzip), too many redirects
+            lines.put(RemoteError(f"The server at {self.url} sent an answer that cannot be read "
+                                  f"({type(exc).__name__}: {exc})."))
         except Exception as exc:  # noqa: BLE001 - handed to generate(), which raises it in the caller
             lines.put(exc)
 
@@ -166,28 +200,24 @@ class RemoteEngine:
                     break
                 if isinstance(item, BaseException):
                     raise item
-                data = _sse_data(str(item))
+                assert isinstance(item, bytes)
+                data = _sse_data(item)
                 if data is None:
                     continue
-                if data == "[DONE]":
+                if data.strip() == b"[DONE]":
                     finish = finish or "stop"
                     continue
-                chunk = _json(data)
-                if isinstance(chunk.get("error"), (dict, str)):
-                    raise RemoteError(f"The server at {self.url} stopped the answer: {_error_text(chunk)}")
+                chunk = self._event(data)
                 if isinstance(chunk.get("usage"), dict):
                     usage = chunk["usage"]
-                for choice in chunk.get("choices") or ():
-                    if choice.get("index", 0) != 0:
-                        continue
-                    piece = (choice.get("delta") or {}).get("content") if "delta" in choice else choice.get("text")
+                for piece, reason in self._choices(chunk, data):
                     if piece:
                         ttft = ttft if ttft is not None else time.perf_counter() - started
                         text += piece
                         deltas += 1
                         yield TokenEvent(token_ids=(), text=piece)
-                    if choice.get("finish_reason"):
-                        finish = choice["finish_reason"]
+                    if reason:
+                        finish = reason
         finally:
             stop.set()
         if finish is None:  # the stream ended without a finish reason or [DONE]: cut off
@@ -195,6 +225,50 @@ class RemoteEngine:
                                      "the part that arrived is kept.")
         reason: FinishReason = "length" if finish == "length" else "stop" if request.stop else "eos"
         yield self._completion(text, reason, usage, started, ttft, deltas)
+
+    def _event(self, data: bytes) -> dict[str, Any]:
+        """One stream event (or a whole answer) as an object; RemoteError for anything else,
+        and for an error the server reports in it."""
+        try:
+            chunk = parse_json(data, what="the event", max_bytes=MAX_LINE_BYTES)
+        except MalformedInput as exc:
+            raise RemoteError(f"The server at {self.url} sent an answer this client cannot read: "
+                              f"{exc.user_message}") from None
+        if not isinstance(chunk, dict):
+            raise _bad_event(self.url, "an event is not a JSON object", data)
+        if chunk.get("error") not in (None, False, "", {}):
+            raise RemoteError(f"The server at {self.url} stopped the answer: {_error_text(chunk)}")
+        return chunk
+
+    def _choices(self, chunk: dict[str, Any], data: bytes) -> Iterator[tuple[str | None, str | None]]:
+        """(text, finish reason) of the first choice in an event, after checking the shapes
+        OpenAI's API gives them: `choices` a list of objects; `delta` (streamed chat) or
+        `message` (a whole chat answer) an object whose `content` is text; `text` (completions)
+        text; `finish_reason` text."""
+        choices = chunk.get("choices")
+        if choices is None:
+            return
+        if not isinstance(choices, list):
+            raise _bad_event(self.url, f"'choices' is {_kind(choices)}, not a list", data)
+        for choice in choices:
+            if not isinstance(choice, dict):
+                raise _bad_event(self.url, f"a choice is {_kind(choice)}, not an object", data)
+            index = choice.get("index", 0)
+            if not isinstance(index, int) or isinstance(index, bool):
+                raise _bad_event(self.url, f"a choice's 'index' is {_kind(index)}, not a number", data)
+            if index != 0:
+                continue
+            key = "delta" if "delta" in choice else "message" if "message" in choice else None
+            part = choice.get(key) if key else None
+            if part is not None and not isinstance(part, dict):
+                raise _bad_event(self.url, f"'{key}' is {_kind(part)}, not an object", data)
+            piece = part.get("content") if key else choice.get("text")
+            if piece is not None and not isinstance(piece, str):
+                raise _bad_event(self.url, f"the text of a choice is {_kind(piece)}, not a string", data)
+            reason = choice.get("finish_reason")
+            if reason is not None and not isinstance(reason, str):
+                raise _bad_event(self.url, f"'finish_reason' is {_kind(reason)}, not a string", data)
+            yield piece, reason
 
     def _body(self, request: GenerationRequest) -> dict[str, Any]:
         s, default = request.sampling, SamplingSettings()
@@ -242,27 +316,62 @@ def _headers(api_key: str) -> dict[str, str]:
     return headers
 
 
-def _sse_data(line: str) -> str | None:
+def _read_some(resp: httpx2.Response, limit: int) -> bytes:
+    """At most `limit` bytes of a streamed response's body (a hostile server may send forever)."""
+    body = bytearray()
+    for chunk in resp.iter_bytes():
+        body += chunk
+        if len(body) >= limit:
+            break
+    return bytes(body[:limit])
+
+
+def _bounded_lines(resp: httpx2.Response, url: str) -> Iterator[bytes]:
+    """The body's lines (any of the three line ends), each at most MAX_LINE_BYTES."""
+    pending = b""
+    for chunk in resp.iter_bytes():
+        *lines, pending = _LINE_END.split(pending + chunk)
+        yield from lines
+        if len(pending) > MAX_LINE_BYTES:
+            raise _too_long(url)
+    if pending:
+        yield pending
+
+
+def _too_long(url: str) -> RemoteError:
+    return RemoteError(f"The server at {url} sent a stream line longer than {MAX_LINE_BYTES // MIB} MiB: that is "
+                       "not an OpenAI-compatible answer.")
+
+
+def _sse_data(line: bytes) -> bytes | None:
     """The payload of a server-sent event's `data:` line (None for comments, blanks, other fields)."""
-    if not line.startswith("data:"):
+    if not line.startswith(b"data:"):
         return None
     return line[5:].strip()
 
 
-def _json(data: str) -> dict[str, Any]:
-    try:
-        value = json.loads(data)
-    except json.JSONDecodeError as exc:
-        raise RemoteError(f"The server sent a stream event that is not JSON: {data[:120]!r}") from exc
-    return value if isinstance(value, dict) else {}
+def _bad_event(url: str, why: str, data: bytes) -> RemoteError:
+    shown = data[:120].decode("utf-8", "replace") + ("…" if len(data) > 120 else "")
+    return RemoteError(f"The server at {url} sent an answer this client cannot read: {why} (it sent {shown}). "
+                       "It does not answer as an OpenAI-compatible server does.")
+
+
+def _kind(value: object) -> str:
+    """A JSON value's type in words."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true/false"
+    return {str: "a string", int: "a number", float: "a number", list: "a list", dict: "an object"}.get(
+        type(value), type(value).__name__)
 
 
 def _int(value: object, default: int) -> int:
-    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else default
+    return max(0, int(value)) if _number(value) else default
 
 
 def _number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _error_text(data: dict[str, Any]) -> str:
@@ -270,21 +379,25 @@ def _error_text(data: dict[str, Any]) -> str:
     vLLM's older {"object": "error", "message"}, {"error": "Unauthorized"}, FastAPI's {"detail"}."""
     error = data.get("error")
     if isinstance(error, dict) and error.get("message"):
-        return str(error["message"])
+        return _cut(str(error["message"]))
     if isinstance(error, str):
-        return error
+        return _cut(error)
     for key in ("message", "detail"):
         if data.get(key):
-            return str(data[key])
-    return json.dumps(data)[:300]
+            return _cut(str(data[key]))
+    return _cut(json.dumps(data))
+
+
+def _cut(text: str, most: int = 300) -> str:
+    return text if len(text) <= most else text[:most] + "…"
 
 
 def _server_message(body: bytes) -> str:
     try:
-        data = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        return body.decode("utf-8", "replace").strip()[:300] or "no details"
-    return _error_text(data)[:300] if isinstance(data, dict) else str(data)[:300]
+        data = parse_json(body, what="The error body", max_bytes=MAX_ERROR_BYTES)
+    except MalformedInput:  # not JSON (an HTML page, plain text), or hostile JSON: its start as text
+        return _cut(body.decode("utf-8", "replace").strip()) or "no details"
+    return _error_text(data) if isinstance(data, dict) else _cut(str(data))
 
 
 def _unreachable(url: str, exc: BaseException) -> RemoteUnreachable:

@@ -63,6 +63,11 @@ class NotReady(Exception):
     """The model is loading, failed to load, or none is chosen (the message says which)."""
 
 
+class Interrupted(Exception):
+    """The server ended a running job before the model ended it (the message says why). Posted
+    at once, so an open stream can say so without waiting for the engine's current step."""
+
+
 @dataclass(frozen=True)
 class Started:
     """The first choice passed validation and is running (its events follow)."""
@@ -78,7 +83,11 @@ JobEvent = tuple[int, TokenEvent | Completion] | Started | Finished | BaseExcept
 
 @dataclass(eq=False)
 class Job:
-    """One API request: its choices, where its events go, and its cancel Event."""
+    """One API request: its choices, where its events go, and its cancel Event.
+
+    Times are time.monotonic(): `submitted`, `started` (its turn came), `stopped` (the first
+    stop(): its client left or the server cut it). `cut` says why the server ended it ("" when
+    its client left or it was not stopped): an answer ended that way is not complete."""
 
     id: int
     choices: tuple[GenerationRequest, ...]
@@ -87,14 +96,28 @@ class Job:
     cancel: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.monotonic)
     started: float | None = None
+    stopped: float | None = None
+    cut: str = ""
     completions: list[Completion] = field(default_factory=list)
+
+    def stop(self, cut: str = "") -> None:
+        """Cancel the job (once; later calls change nothing): `cut` is the server's reason."""
+        if not self.cancel.is_set():
+            self.stopped = time.monotonic()
+            self.cut = cut
+            self.cancel.set()
+
+    def waited(self) -> float:
+        """Seconds from submission until its turn came, or until it was stopped waiting."""
+        end = self.started if self.started is not None else self.stopped
+        return (end if end is not None else time.monotonic()) - self.submitted
 
     def post(self, event: JobEvent) -> None:
         """From the consumer thread to the job's event loop (dropped once that loop is closed)."""
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:  # the server's loop has ended: nobody is listening any more
-            self.cancel.set()
+            self.stop()
 
 
 class GenerationQueue:
@@ -155,10 +178,14 @@ class GenerationQueue:
             self._closed = True
             dropped = list(self._waiting)
             self._waiting.clear()
-            if self._running is not None:
-                self._running.cancel.set()
+            running = self._running
+            if running is not None:
+                running.stop("the server is shutting down")
             self._lock.notify_all()
+        if running is not None:
+            running.post(Interrupted(running.cut))
         for job in dropped:
+            job.stop("the server is shutting down")
             job.post(NotReady("The server is shutting down."))
         self._thread.join(wait)
 

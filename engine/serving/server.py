@@ -1,5 +1,6 @@
-"""Where the API listens and how it runs: `ServeSettings` (host, port, key, queue size; a
-non-loopback address needs an API key or an explicit opt-out), the listening socket, and
+"""Where the API listens and how it runs: `ServeSettings` (host, port, key, queue size, the
+Host names and web pages let in beside the defaults (guard.py); a non-loopback address needs an
+API key or an explicit opt-out), the listening socket, and
 uvicorn, either in the calling thread (`specchat serve`: Ctrl+C stops it) or in a background
 thread (the app: `start()` / `stop()`).
 
@@ -10,7 +11,6 @@ after a model load), and port 0 picks a free port (tests read `port` back).
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import socket
 import threading
@@ -21,6 +21,7 @@ import uvicorn
 
 from engine.errors import EngineError, InvalidRequest
 from engine.serving.app import build_app
+from engine.serving.guard import AccessPolicy, check_allowed_hosts, check_allowed_origins, is_loopback
 from engine.serving.protocol import RequestDefaults
 from engine.serving.scheduler import GenerationQueue
 
@@ -36,29 +37,28 @@ class PortInUse(EngineError):
     """The address or port cannot be listened on."""
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name: it may resolve to anything, so it counts as the network
-        return False
-
-
 @dataclass(frozen=True)
 class ServeSettings:
     """host: the address to listen on (127.0.0.1 = this computer only; 0.0.0.0 = every
     network this computer is on). api_key: required from clients when set ("" = none).
     insecure: listen on the network without a key (anyone who can reach the port can use the
-    model and the machine's time). queue_size: most requests waiting behind the one answered."""
+    model and the machine's time). queue_size: most requests waiting behind the one answered.
+    allowed_hosts: Host names accepted beside this computer's own (a reverse proxy's name, a
+    DNS name on the network; "*" = any); allowed_origins: web pages (scheme://host:port, "null",
+    "*") whose scripts may use the API, with CORS (guard.py). Both are checked and normalised
+    here (InvalidRequest for a malformed entry)."""
 
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
     api_key: str = field(default="", repr=False)
     insecure: bool = False
     queue_size: int = DEFAULT_QUEUE
+    allowed_hosts: tuple[str, ...] = ()
+    allowed_origins: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "allowed_hosts", check_allowed_hosts(self.allowed_hosts))
+        object.__setattr__(self, "allowed_origins", check_allowed_origins(self.allowed_origins))
         if not 0 <= self.port <= 65535:
             raise InvalidRequest(f"The port must be from 1 to 65535 (got {self.port}).")
         if self.queue_size < 0:
@@ -105,7 +105,8 @@ class Server:
         self.queue = queue
         self._socket = bind(settings.host, settings.port)
         self.port = int(self._socket.getsockname()[1])
-        app = build_app(queue, defaults, settings.api_key or None)
+        access = AccessPolicy(settings.host, self.port, settings.allowed_hosts, settings.allowed_origins)
+        app = build_app(queue, defaults, settings.api_key or None, access=access)
         config = uvicorn.Config(app, http="h11", lifespan="off", log_level="warning", access_log=False,
                                 timeout_graceful_shutdown=SHUTDOWN_SECONDS)
         self._uvicorn = _Uvicorn(config, queue)

@@ -4,6 +4,8 @@ status bar says so), answers 503 without a model, and reports a port it cannot u
 
 from __future__ import annotations
 
+import http.client
+import json
 import socket
 import threading
 import time
@@ -153,3 +155,63 @@ def test_without_a_model_the_api_says_so_and_a_taken_port_is_reported(qtbot: QtB
     assert "API key" in window.api.error
     prefs.update(server_enabled=False)
     assert window.api.error == "" and not window.api.status_label.isVisible()
+
+
+def _raw(port: int, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None,
+         host: str | None = None) -> tuple[int, dict[str, str], bytes]:
+    """One request with exactly these headers (Host: 127.0.0.1:PORT unless given)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.putrequest(method, path, skip_host=True, skip_accept_encoding=True)
+        conn.putheader("Host", host or f"127.0.0.1:{port}")
+        for name, value in {**(headers or {}), "Content-Length": str(len(body))}.items():
+            conn.putheader(name, value)
+        conn.endheaders(body)
+        resp = conn.getresponse()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+    finally:
+        conn.close()
+
+
+def test_the_apps_server_refuses_web_pages_and_lists_nothing_after_a_failed_load(
+        qtbot: QtBot, open_window, chat_prefs: PreferencesStore, tiny_target_path: Path, tmp_path: Path) -> None:
+    prefs = chat_prefs
+    prefs.update(server_enabled=True, server_port=0)
+    window = open_window(prefs)
+    api = window.api
+    port = int(api.url.rsplit(":", 1)[1].split("/")[0])
+    status, _, body = _raw(port, "GET", "/v1/models")
+    assert [m["id"] for m in json.loads(body)["data"]] == [tiny_target_path.name]
+    prefs.update(target=str(tmp_path / "no-such-model"), draft="")  # the next load fails
+    qtbot.waitUntil(lambda: api.model.status == "failed", timeout=LOAD_MS)
+    status, _, body = _raw(port, "GET", "/v1/models")
+    assert status == 200 and json.loads(body)["data"] == []  # neither the failed model nor the one unloaded
+    for name in ("no-such-model", tiny_target_path.name):
+        status, _, body = _raw(port, "GET", f"/v1/models/{name}")
+        assert status == 404 and json.loads(body)["error"]["code"] == "model_not_found"
+    assert _raw(port, "GET", "/health")[0] == 503
+    chat = json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode()
+    status, _, body = _raw(port, "POST", "/v1/chat/completions", chat, {"Content-Type": "application/json"})
+    assert status == 503 and json.loads(body)["error"]["code"] == "model_not_ready"
+
+    # what a web page can send is refused before anything else, naming the setting that allows it
+    for headers, host, code, setting in (
+            ({"Content-Type": "text/plain"}, None, 415, "Content-Type: application/json"),
+            ({"Content-Type": "application/x-www-form-urlencoded"}, None, 415, "Content-Type: application/json"),
+            ({"Content-Type": "application/json", "Origin": "null"}, None, 403, "Allowed web pages"),
+            ({"Content-Type": "application/json", "Origin": "https://evil.example"}, None, 403, "Allowed web pages"),
+            ({"Content-Type": "application/json"}, "evil.example", 403, "Allowed hosts")):
+        status, reply_headers, body = _raw(port, "POST", "/v1/chat/completions", chat, headers, host)
+        error = json.loads(body)["error"]
+        assert status == code and setting in error["message"] and set(error) == {"message", "type", "param", "code"}
+        assert "access-control-allow-origin" not in reply_headers
+
+    prefs.update(server_allowed_hosts="gpu-box.lan", server_allowed_origins="http://localhost:3000")
+    assert api.error == "" and api.url
+    port = int(api.url.rsplit(":", 1)[1].split("/")[0])
+    assert _raw(port, "GET", "/v1/models", host=f"gpu-box.lan:{port}")[0] == 200
+    status, headers, _ = _raw(port, "OPTIONS", "/v1/chat/completions", headers={
+        "Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST"})
+    assert status == 204 and headers["access-control-allow-origin"] == "http://localhost:3000"
+    prefs.update(server_allowed_origins="localhost:3000")  # no scheme: not an origin
+    assert "localhost:3000" in api.error and api.url == ""

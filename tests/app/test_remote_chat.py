@@ -186,3 +186,25 @@ def test_a_conversation_on_specchat_serve(qtbot: QtBot, open_window, make_prefs,
         server.wait_for(lambda line: line.startswith("request 1:") and line.endswith("length"))
     finally:
         server.stop()
+
+
+def test_a_server_answering_in_the_wrong_shape_is_named_not_a_bug(qtbot: QtBot, open_window, make_prefs,
+                                                                  vllm: VllmStandIn) -> None:
+    prefs = make_prefs(remote_engines=engines(("gpu-box", vllm.url, KEY, (VLLM_MODEL,))), temperature=0.0)
+    window = open_window(prefs)
+    chat = window.chat
+    pick(qtbot, window, encode_choice("gpu-box", VLLM_MODEL))
+    chunk = b'{"id": "c", "object": "chat.completion.chunk", "choices": %s}'
+    for events, said in (([chunk % b'[{"index": 0, "delta": {"content": "part "}}]', chunk % b'"abc"'],
+                          "'choices' is a string"),
+                         ([chunk % b'[{"index": 0, "delta": "abc"}]'], "'delta' is a string"),
+                         ([b"[" * 100_000 + b"]" * 100_000], "nests arrays or objects 100000 levels deep")):
+        vllm.events = events
+        assert send(qtbot, window, "hi") == ["error"]
+        message = chat.banner.message
+        assert vllm.url in message and said in message and "bug" not in message.lower(), message
+        assert chat.view.messages[-1].note.text() == "failed" and not chat.busy
+    assert [m.text for m in chat.view.messages][1] == "part "  # what came before the bad event is kept
+    vllm.events = None
+    assert send(qtbot, window, "fine now") == ["eos"]
+    assert chat.view.messages[-1].text == "You said: fine now "

@@ -53,7 +53,31 @@ def test_server_tab_saves_its_fields_and_guards_the_network(qtbot: QtBot, make_p
     again = SettingsDialog(store)
     qtbot.addWidget(again)
     assert again.server_tab.values() == {"server_enabled": True, "server_port": 9001, "server_api_key": "sk-mine",
-                                         "server_lan": True}
+                                         "server_lan": True, "server_allowed_hosts": "",
+                                         "server_allowed_origins": ""}
+    again.reject()
+
+
+def test_server_tab_sets_the_hosts_and_web_pages_let_in(qtbot: QtBot, make_prefs) -> None:
+    store = make_prefs()
+    dialog = SettingsDialog(store)
+    qtbot.addWidget(dialog)
+    tab = dialog.server_tab
+    assert tab.allowed_hosts.text() == tab.allowed_origins.text() == ""
+    assert "Allowed web pages" in tab.note.text()  # says that web pages are refused by default
+    tab.allowed_origins.setText("localhost:3000")  # no scheme: not an origin
+    assert "localhost:3000" in tab.note.text() and "Allowed web pages" in tab.note.text().split("\n")[0]
+    tab.allowed_hosts.setText("gpu-box.lan  models.example.com:8443")
+    tab.allowed_origins.setText("http://localhost:3000,null")
+    assert "localhost:3000" not in tab.note.text().split("\n")[0]
+    dialog.accept()
+    prefs = store.load()
+    assert prefs.server_allowed_hosts == "gpu-box.lan, models.example.com:8443"
+    assert prefs.server_allowed_origins == "http://localhost:3000, null"
+    again = SettingsDialog(store)
+    qtbot.addWidget(again)
+    assert again.server_tab.allowed_hosts.text() == "gpu-box.lan, models.example.com:8443"
+    assert again.server_tab.allowed_origins.text() == "http://localhost:3000, null"
     again.reject()
 
 

@@ -102,6 +102,24 @@ def test_while_loading_requests_get_503_and_health_says_why(idle_server: Server)
     assert httpx2.get(f"{idle_server.url}/models/other").status_code == 404
 
 
+def test_after_a_failed_load_no_model_is_listed(idle_server: Server) -> None:
+    base = idle_server.url
+    idle_server.queue.set_model(ModelState("big-model", "failed", "The file is corrupt."))
+    listed = httpx2.get(f"{base}/models")
+    assert listed.status_code == 200 and listed.json() == {"object": "list", "data": []}
+    one = httpx2.get(f"{base}/models/big-model")
+    assert one.status_code == 404 and one.json()["error"]["code"] == "model_not_found"
+    assert "failed to load" in one.json()["error"]["message"] and "corrupt" in one.json()["error"]["message"]
+    health = httpx2.get(base.removesuffix("/v1") + "/health")
+    assert health.status_code == 503 and health.json()["status"] == "failed"
+    chat = httpx2.post(f"{base}/chat/completions", json={"model": "big-model", "messages": [{"role": "user",
+                                                                                             "content": "hi"}]})
+    assert chat.status_code == 503 and "corrupt" in chat.json()["error"]["message"]
+    idle_server.queue.set_model(ModelState("", "none", "No model is loaded."))
+    assert httpx2.get(f"{base}/models").json()["data"] == []
+    assert httpx2.get(f"{base}/models/big-model").status_code == 404
+
+
 def test_a_taken_port_and_a_full_queue_are_refused(idle_server: Server) -> None:
     queue = GenerationQueue(capacity=0)
     with pytest.raises(PortInUse) as exc:

@@ -227,5 +227,6 @@ def test_clients_that_give_up_waiting_or_unstreamed_cancel_their_requests(
         httpx2.post(f"{tiny_server.url}/chat/completions", json=body, headers=headers, timeout=2.0)
     long_line, waited, unstreamed = tiny_server.wait_requests(3, start)
     assert long_line.endswith("cancelled") and "cancelled while waiting" in waited
+    assert float(waited.split("(")[1].split(" s)")[0]) >= 0.9  # its client gave up after 1 s, not at once
     assert unstreamed.endswith("cancelled") and int(unstreamed.split(" + ")[1].split(" tokens")[0]) < 1900
     assert client.completions.create(model=model, prompt="The", max_tokens=2).usage.completion_tokens == 2

@@ -17,7 +17,10 @@ unknown model is 404 {"error": {"message": "The model `x` does not exist.", "typ
 
 The answer is scripted: "You said: <the last user message>" word by word. Faults: `pause`
 (seconds between chunks), `die_after` (after that many words the server goes away: the
-connection is cut mid-stream and nothing listens any more). Requests are recorded.
+connection is cut mid-stream and nothing listens any more). A hostile server: `models_body`
+(raw bytes sent as the model list), `events` (raw payloads sent as the stream's `data:` lines,
+then [DONE]), `answer` ((content type, raw bytes) sent whole instead of a stream). Requests are
+recorded.
 """
 
 from __future__ import annotations
@@ -40,6 +43,9 @@ class VllmStandIn:
         self.api_key = api_key
         self.pause = 0.0
         self.die_after: int | None = None
+        self.models_body: bytes | None = None
+        self.events: list[bytes] | None = None
+        self.answer: tuple[str, bytes] | None = None
         self.requests: list[dict[str, Any]] = []
         self.disconnects = 0  # streams whose client went away before the end
         self._port = port
@@ -84,9 +90,11 @@ class _Handler(BaseHTTPRequestHandler):
 
     # ---- plumbing ---------------------------------------------------------------------------
     def _json(self, status: int, body: object) -> None:
-        data = json.dumps(body).encode()
+        self._raw(status, "application/json", json.dumps(body).encode())
+
+    def _raw(self, status: int, content_type: str, data: bytes) -> None:
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
@@ -105,7 +113,9 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802
         if not self._authorised():
             return
-        if self.path == "/v1/models":
+        if self.path == "/v1/models" and self.owner.models_body is not None:
+            self._raw(200, "application/json", self.owner.models_body)
+        elif self.path == "/v1/models":
             now = int(time.time())
             self._json(200, {"object": "list", "data": [
                 {"id": m, "object": "model", "created": now, "owned_by": "vllm", "root": m, "parent": None,
@@ -130,6 +140,12 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if not isinstance(body.get("max_tokens", 16), int) or body.get("max_tokens", 16) < 1:
             self._bad("max_tokens must be at least 1, got 0.")
+            return
+        if self.owner.answer is not None:
+            self._raw(200, *self.owner.answer)
+            return
+        if self.owner.events is not None:
+            self._hostile_stream(self.owner.events)
             return
         said = body["messages"][-1]["content"] if chat else body.get("prompt", "")
         words = [w + " " for w in f"You said: {said}".split()]
@@ -180,6 +196,19 @@ class _Handler(BaseHTTPRequestHandler):
                     return
                 self._chunk(b"data: " + json.dumps(event).encode() + b"\n\n")
                 time.sleep(self.owner.pause)
+            self._chunk(b"data: [DONE]\n\n")
+            self._chunk(b"")
+        except (BrokenPipeError, ConnectionResetError):
+            self.owner.disconnects += 1
+
+    def _hostile_stream(self, events: list[bytes]) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        try:
+            for event in events:
+                self._chunk(b"data: " + event + b"\n\n")
             self._chunk(b"data: [DONE]\n\n")
             self._chunk(b"")
         except (BrokenPipeError, ConnectionResetError):
