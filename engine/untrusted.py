@@ -5,7 +5,9 @@ Everything from outside goes through here, once, with bounds:
 
 - `parse_json` refuses JSON nested deeper than `max_depth` (before Python's parser recurses: a
   body nested 100,000 deep must be a message, not a RecursionError), larger than `max_bytes`,
-  numbers with more digits than any real setting has, and NaN/Infinity (not JSON).
+  numbers with more digits than any real setting has, NaN/Infinity (not JSON) and numbers that
+  overflow to them (1e400), and strings that are not Unicode (a lone surrogate such as
+  "\ud800": Python decodes it, then every later encode fails).
 - `read_bytes` / `read_text` / `read_json_file` open a path only if it is a regular file (not a
   folder, FIFO, socket or device such as /dev/zero), without blocking on a FIFO, and read at most
   `max_bytes`.
@@ -19,6 +21,7 @@ caller knows what it expects).
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import stat
@@ -52,8 +55,11 @@ def nesting_depth(data: bytes) -> int:
 
 
 def parse_json(data: str | bytes | bytearray, *, what: str, max_bytes: int = 8 * MIB,
-               max_depth: int = MAX_DEPTH) -> object:
-    """JSON text from outside -> Python value, or MalformedInput saying what is wrong with it."""
+               max_depth: int = MAX_DEPTH, finite: bool = True) -> object:
+    """JSON text from outside -> Python value, or MalformedInput saying what is wrong with it.
+    `finite=False` lets a number that overflows (1e400) through as infinity, for a reader that
+    checks its numbers itself and must not lose the rest of the message over one of them (a
+    foreign server's usage figures beside an answer)."""
     raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else bytes(data)
     if len(raw) > max_bytes:
         raise MalformedInput(f"{what} is larger than {_size(max_bytes)} ({_size(len(raw))}).")
@@ -63,7 +69,10 @@ def parse_json(data: str | bytes | bytearray, *, what: str, max_bytes: int = 8 *
                              "are accepted.")
     try:
         text = raw.decode("utf-8")
-        return json.loads(text, parse_int=_bounded_int, parse_constant=_no_constant)
+        value = json.loads(text, parse_int=_bounded_int, parse_float=_finite_float if finite else float,
+                           parse_constant=_no_constant)
+        _check_strings(value)
+        return value
     except UnicodeDecodeError as exc:
         raise MalformedInput(f"{what} is not UTF-8 text ({exc.reason} at byte {exc.start}).") from None
     except RecursionError:  # a depth the scan cannot see (it counts every bracket, so never in practice)
@@ -76,6 +85,30 @@ def _bounded_int(digits: str) -> int:
     if len(digits.lstrip("-")) > MAX_NUMBER_DIGITS:
         raise ValueError(f"a number with {len(digits.lstrip('-'))} digits; at most {MAX_NUMBER_DIGITS} are accepted")
     return int(digits)
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"{text[:20]} is too large for a number")
+    return value
+
+
+def _check_strings(value: object) -> None:
+    """Every string (keys included) must be Unicode; the value is at most MAX_DEPTH deep, so
+    this walk's recursion is bounded."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("a string holds a lone surrogate (\\ud800-\\udfff), which is not Unicode") from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_strings(k)
+            _check_strings(v)
+    elif isinstance(value, list):
+        for v in value:
+            _check_strings(v)
 
 
 def _no_constant(name: str) -> object:

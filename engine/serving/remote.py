@@ -230,7 +230,8 @@ class RemoteEngine:
         """One stream event (or a whole answer) as an object; RemoteError for anything else,
         and for an error the server reports in it."""
         try:
-            chunk = parse_json(data, what="the event", max_bytes=MAX_LINE_BYTES)
+            # its usage figures are checked where they are read: an overflowing one is not worth the answer
+            chunk = parse_json(data, what="the event", max_bytes=MAX_LINE_BYTES, finite=False)
         except MalformedInput as exc:
             raise RemoteError(f"The server at {self.url} sent an answer this client cannot read: "
                               f"{exc.user_message}") from None

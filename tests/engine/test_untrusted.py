@@ -29,6 +29,7 @@ def test_a_deep_body_is_a_message_not_a_recursion_error() -> None:
     with pytest.raises(MalformedInput, match="levels deep"):
         parse_json(inside, what="the body")
     assert parse_json('{"a": [[["x"]]]}', what="w") == {"a": [[["x"]]]}
+    assert parse_json('["\\ud83d\\ude00", 1e300]', what="w") == ["\U0001F600", 1e300]  # a pair is fine
 
 
 @pytest.mark.parametrize("text, reason", [
@@ -36,6 +37,10 @@ def test_a_deep_body_is_a_message_not_a_recursion_error() -> None:
     ('{"t": NaN}', "NaN"),
     ('{"t": -Infinity}', "Infinity"),
     ('{"a": 1', "not valid JSON"),
+    ('{"t": 1e400}', "too large"),
+    ('{"model": "\\ud800"}', "lone surrogate"),
+    ('{"\\udfff": 1}', "lone surrogate"),
+    ('["ok", ["\\udc00x"]]', "lone surrogate"),
 ])
 def test_numbers_and_constants_outside_json_are_refused(text: str, reason: str) -> None:
     with pytest.raises(MalformedInput, match=reason):
