@@ -26,7 +26,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from PySide6.QtCore import Qt, Signal
-from PySide6.QtGui import QKeySequence, QShortcut
+from PySide6.QtGui import QKeySequence, QShortcut, QShowEvent
 from PySide6.QtWidgets import (
     QComboBox,
     QFileDialog,
@@ -312,6 +312,11 @@ class ModelsPage(QWidget):
         """How the preferences name a model: the starter by its folder (what loads), others by id."""
         path = self._locate(spec) if spec and spec == self._catalog.starter else None
         return str(path) if path is not None else spec
+
+    def showEvent(self, event: QShowEvent) -> None:  # noqa: N802
+        """Answers given since the page was last shown changed what was measured: redraw."""
+        super().showEvent(event)
+        self.refresh()
 
     def set_running(self, running: RunningPair | None) -> None:
         """What the engine has loaded (None: nothing); the active pair's line describes it."""

@@ -107,3 +107,42 @@ def test_running_pair_words_the_decoding_mode() -> None:
     assert "SpecExec trees" in with_draft.decoding_text() and "turned off while" in with_draft.decoding_text()
     assert "turned off" not in replace(with_draft, keep_draft=True).decoding_text()
     assert Preferences().tree_mode == "specexec"
+
+
+def test_the_window_runs_the_starter_folder_and_tells_settings_and_the_models_page(
+        qtbot: QtBot, make_host: Callable[[], EngineHost], make_prefs: Callable[..., PreferencesStore],
+        tmp_path: Path, tiny_target_path: Path) -> None:
+    """An older wizard saved the starter by its catalog id and copied its GGUF into the models
+    folder: the window loads the one starter folder instead, and what it loaded reaches Settings
+    and the models page."""
+    from app.conversations import ConversationStore, default_path
+    from app.main_window import MainWindow
+    from engine.store.pypi import STARTER_GGUF_NAME
+    from engine.store.registry import manifest_data, write_json_atomic
+
+    folder = tmp_path / "cache" / "starter" / STARTER_FOLDER_NAME
+    folder.mkdir(parents=True)
+    for f in tiny_target_path.iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    old = tmp_path / "models" / "smollm2-135m-instruct"
+    old.mkdir(parents=True)
+    (old / STARTER_GGUF_NAME).write_bytes(b"GGUF" + bytes(64))  # would fail to load if it were used
+    write_json_atomic(old / "specchat-model.json", manifest_data(
+        model_id="smollm2-135m-instruct", repo_id=None, source="pypi-wheel", path=STARTER_GGUF_NAME,
+        revision=None, files=[{"name": STARTER_GGUF_NAME, "size": 68, "sha256": None}]))
+    store = make_prefs(target="smollm2-135m-instruct", device="cpu")
+    conversations = ConversationStore(default_path(tmp_path / "data"))
+    window = MainWindow(store, conversations, host=make_host())
+    qtbot.addWidget(window)
+    window.show()
+    try:
+        qtbot.waitUntil(lambda: window.running is not None, timeout=120_000)
+        assert window.running is not None and Path(window.running.target) == folder
+        assert window.running.fmt == "FP32" and "converted from a Q4_1 GGUF" in window.running.format_text()
+        window.show_models()
+        page = window.models_page
+        assert page is not None and "Running:" in page.active_label.text()  # type: ignore[attr-defined]
+        assert "SmolLM2-135M-Instruct" in page.active_label.text()  # type: ignore[attr-defined]
+    finally:
+        window.close()
+        conversations.close()
