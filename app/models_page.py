@@ -8,7 +8,15 @@ download by repo id) — and the download queue (a progress bar, speed,
 ETA, pause/resume and cancel per model).
 
 Downloads run in a `DownloadQueue` (app/download_worker.py); the page only reacts to its signals.
-Choosing a pair saves it into the preferences and emits `active_pair_changed`.
+A download of a pair that does not fit, a large one or one over the free disk space is confirmed
+first through the injected `confirm` (app/download_row.py). Choosing a pair saves it into the
+preferences and emits `active_pair_changed`.
+
+The catalog's starter is the one folder every part of SpecChat runs (engine.loading.starter:
+PyPI's Q4_1 GGUF converted once to FP32, in the cache): it is listed and chosen as that folder,
+never copied into the models folder. Speeds are what this computer measured for a pair, else the
+planner's prediction labelled as one (app/recommend.py); the active pair's line says what runs
+(`set_running`: format, where the layers live, the decoding mode, the measured speed).
 """
 
 from __future__ import annotations
@@ -18,9 +26,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from PySide6.QtCore import Qt, Signal
-from PySide6.QtGui import QKeySequence, QShortcut
+from PySide6.QtGui import QKeySequence, QShortcut, QShowEvent
 from PySide6.QtWidgets import (
-    QAbstractItemView,
     QComboBox,
     QFileDialog,
     QFrame,
@@ -30,26 +37,38 @@ from PySide6.QtWidgets import (
     QLabel,
     QLineEdit,
     QMessageBox,
-    QProgressBar,
     QPushButton,
     QScrollArea,
     QTableWidget,
-    QTableWidgetItem,
     QTabWidget,
     QVBoxLayout,
     QWidget,
 )
 
-from app.download_worker import (
-    DownloadOptions,
-    DownloadQueue,
-    StarterSource,
-    describe_progress,
-    progress_fraction,
+from app.download_row import Confirm, DownloadRow, confirm_with_dialog
+from app.download_worker import DownloadOptions, DownloadQueue, StarterSource
+from app.model_tables import (
+    CATALOG_COLUMNS,
+    COL_FIT,
+    COL_SPEED,
+    FIT_COLOURS,
+    fill_catalog,
+    fill_local,
+    selected_key,
+    table_defaults,
 )
 from app.preferences import Preferences, PreferencesStore
-from app.recommend import PairOption, load_profile, pair_options, profile_headline
+from app.recommend import (
+    PairOption,
+    download_bytes,
+    download_warning,
+    load_profile,
+    pair_options,
+    profile_headline,
+)
+from app.running import RunningPair
 from app.status import ElidedLabel
+from engine import paths
 from engine.errors import EngineError
 from engine.store import (
     Discovery,
@@ -64,93 +83,15 @@ from engine.store import (
     remove_model,
 )
 from engine.store.catalog import Catalog
+from engine.store.pypi import starter_local_model
 from engine.store.registry import FOUND_SOURCES, match_local
 from engine.types import DownloadProgress
 from engine.units import format_bytes
 
 log = logging.getLogger(__name__)
 
-CATALOG_COLUMNS = ("Pair", "Target", "Format", "Draft", "Download", "Fit", "Predicted speed", "On disk", "About")
-COL_PAIR, COL_FORMAT, COL_FIT, COL_SPEED, COL_ABOUT = (CATALOG_COLUMNS.index(c) for c in
-                                                       ("Pair", "Format", "Fit", "Predicted speed", "About"))
-FIT_COLOURS = {"fits": "#1e7d32", "slow": "#b26a00", "too big": "#b3261e", "unknown": "#666666"}
 NO_DRAFT = "(no draft)"
-
-
-class DownloadRow(QFrame):
-    """One download: name, progress bar, detail line, pause/resume and cancel.
-
-    Signals:
-        cleared(str): the user dismissed a finished row (spec).
-        retry_requested(str): Retry on a failed or cancelled row (spec).
-    """
-
-    cleared = Signal(str)
-    retry_requested = Signal(str)
-
-    def __init__(self, spec: str, queue: DownloadQueue, parent: QWidget | None = None) -> None:
-        super().__init__(parent)
-        self.spec = spec
-        self._queue = queue
-        self.setFrameShape(QFrame.Shape.StyledPanel)
-        self.setAccessibleName(f"Download of {spec}")
-        self.name = QLabel(f"<b>{spec}</b>")
-        self.bar = QProgressBar()
-        self.bar.setRange(0, 1000)
-        self.bar.setAccessibleName(f"{spec} download progress")
-        self.detail = QLabel("Waiting for its turn")
-        self.detail.setWordWrap(True)  # an error line says what to do: all of it must show
-        self.detail.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        self.detail.setAccessibleName(f"{spec} download status")
-        self.pause_button = QPushButton("Pause")
-        self.pause_button.setAccessibleName(f"Pause or resume {spec}")
-        self.pause_button.clicked.connect(self._on_pause_clicked)
-        self.cancel_button = QPushButton("Cancel")
-        self.cancel_button.setAccessibleName(f"Cancel {spec}")
-        self.cancel_button.clicked.connect(lambda: self._queue.cancel(self.spec))
-        top = QHBoxLayout()
-        top.addWidget(self.name, 1)
-        top.addWidget(self.detail, 2)
-        top.addWidget(self.pause_button)
-        top.addWidget(self.cancel_button)
-        layout = QVBoxLayout(self)
-        layout.setContentsMargins(8, 4, 8, 4)
-        layout.addLayout(top)
-        layout.addWidget(self.bar)
-        self.state = "queued"
-
-    def update_progress(self, event: DownloadProgress) -> None:
-        self.state = event.state
-        self.bar.setValue(int(1000 * progress_fraction(event)))
-        self.detail.setText(describe_progress(event))
-        self.pause_button.setText("Resume" if event.state == "paused" else "Pause")
-
-    def finish(self, state: str, text: str) -> None:
-        self.state = state
-        if state == "done":
-            self.bar.setValue(1000)
-        self.detail.setText(text)
-        self.detail.setToolTip(text)
-        if state in ("failed", "cancelled"):  # Pause becomes Retry (the partial data is kept: it resumes)
-            self.pause_button.setText("Retry")
-            self.pause_button.setAccessibleName(f"Retry {self.spec}")
-            self.pause_button.setToolTip("Download again, going on from what was already downloaded")
-            self.pause_button.clicked.disconnect()
-            self.pause_button.clicked.connect(lambda: self.retry_requested.emit(self.spec))
-        else:
-            self.pause_button.hide()
-        self.cancel_button.setText("Clear")
-        self.cancel_button.setAccessibleName(f"Clear {self.spec} from the list")
-        self.cancel_button.clicked.disconnect()
-        self.cancel_button.clicked.connect(lambda: self.cleared.emit(self.spec))
-
-    def _on_pause_clicked(self) -> None:
-        if self._queue.is_paused(self.spec):
-            self._queue.resume(self.spec)
-            self.pause_button.setText("Pause")
-        else:
-            self._queue.pause(self.spec)
-            self.pause_button.setText("Resume")
+__all__ = ["CATALOG_COLUMNS", "COL_FIT", "COL_SPEED", "FIT_COLOURS", "ModelsPage"]
 
 
 class ModelsPage(QWidget):
@@ -167,12 +108,15 @@ class ModelsPage(QWidget):
     def __init__(
         self, store: PreferencesStore, parent: QWidget | None = None, endpoint: str | None = None, *,
         download_settings: DownloadSettings | None = None, starter_source: StarterSource | None = None,
-        hf_cache_dir: Path | None = None, catalog: Catalog | None = None,
+        hf_cache_dir: Path | None = None, catalog: Catalog | None = None, confirm: Confirm | None = None,
+        running: RunningPair | None = None,
     ) -> None:
         super().__init__(parent)
         self.setAccessibleName("Models page")
         self._store = store
         self._catalog = catalog or load_catalog()
+        self.confirm: Confirm = confirm or confirm_with_dialog(self)
+        self._running = running
         self._prefs = store.load()
         self._hf_cache = hf_cache_dir
         self._local: list[LocalModel] = []
@@ -276,7 +220,7 @@ class ModelsPage(QWidget):
         self.catalog_table = QTableWidget(0, len(CATALOG_COLUMNS))
         self.catalog_table.setAccessibleName("Catalog pairs")
         self.catalog_table.setHorizontalHeaderLabels(list(CATALOG_COLUMNS))
-        self._table_defaults(self.catalog_table)
+        table_defaults(self.catalog_table)
         self.catalog_table.itemSelectionChanged.connect(self._update_buttons)
         self.catalog_table.itemDoubleClicked.connect(lambda _item: self._on_catalog_use_clicked())
         self.download_button = QPushButton("Do&wnload")
@@ -303,7 +247,7 @@ class ModelsPage(QWidget):
         self.local_table = QTableWidget(0, 4)
         self.local_table.setAccessibleName("Local models")
         self.local_table.setHorizontalHeaderLabels(["Name", "Source", "Size", "Location"])
-        self._table_defaults(self.local_table)
+        table_defaults(self.local_table)
         self.local_table.horizontalHeader().setSectionResizeMode(3, QHeaderView.ResizeMode.Stretch)
         self.local_table.itemSelectionChanged.connect(self._update_buttons)
         import_folder = QPushButton("Import &folder…")
@@ -340,17 +284,6 @@ class ModelsPage(QWidget):
         layout.addLayout(buttons)
         return tab
 
-    @staticmethod
-    def _table_defaults(table: QTableWidget) -> None:
-        table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
-        table.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
-        table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
-        table.verticalHeader().setVisible(False)
-        table.setAlternatingRowColors(True)
-        table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
-        table.horizontalHeader().setStretchLastSection(True)
-        table.setMinimumHeight(110)  # a few rows stay visible in a small window
-
     # ---- state -----------------------------------------------------------------------------
     @property
     def models_dir(self) -> Path:
@@ -366,7 +299,29 @@ class ModelsPage(QWidget):
         return self._find_local(model_id) is not None
 
     def _find_local(self, spec: str) -> LocalModel | None:
+        if spec and spec == self._catalog.starter:  # the one starter folder, never a models-folder copy
+            return next((m for m in self._local if m.model_id == spec and m.source == "pypi-wheel"
+                         and m.path.is_dir()), None)
         return match_local(self._local, spec, self._catalog.find(spec))
+
+    def _locate(self, spec: str) -> Path | None:
+        model = self._find_local(spec)
+        return model.path if model is not None else None
+
+    def _pref_spec(self, spec: str) -> str:
+        """How the preferences name a model: the starter by its folder (what loads), others by id."""
+        path = self._locate(spec) if spec and spec == self._catalog.starter else None
+        return str(path) if path is not None else spec
+
+    def showEvent(self, event: QShowEvent) -> None:  # noqa: N802
+        """Answers given since the page was last shown changed what was measured: redraw."""
+        super().showEvent(event)
+        self.refresh()
+
+    def set_running(self, running: RunningPair | None) -> None:
+        """What the engine has loaded (None: nothing); the active pair's line describes it."""
+        self._running = running
+        self._fill_pair_combos()
 
     def refresh(self) -> None:
         """Re-read the local models and the hardware profile; redraw everything."""
@@ -375,13 +330,14 @@ class ModelsPage(QWidget):
         self.folder_label.setToolTip(str(self.models_dir))
         cache = self._hf_cache if self._hf_cache is not None else hf_hub_cache_dir()
         self.found = discover_models(facts=self._facts)  # LM Studio's and Ollama's GGUFs, used in place
+        starter = starter_local_model(self._catalog.starter, paths.cache_dir()) if self._catalog.starter else None
         try:
-            self._local = list_local_models(self.models_dir, cache, self.found.models)
+            self._local = [starter] if starter is not None else []
+            self._local += list_local_models(self.models_dir, cache, self.found.models)
         except OSError as exc:
             log.warning("cannot list %s: %s", self.models_dir, exc)
-            self._local = []
         profile = load_profile()
-        self._options = pair_options(self._catalog, profile)
+        self._options = pair_options(self._catalog, profile, locate=self._locate)
         self.profile_label.setText("This computer: " + profile_headline(profile))
         self._fill_catalog()
         self._fill_local()
@@ -391,53 +347,33 @@ class ModelsPage(QWidget):
         self._update_buttons()
 
     def _fill_catalog(self) -> None:
-        table = self.catalog_table
         selected = self.selected_option()
-        table.setRowCount(len(self._options))
-        for row, option in enumerate(self._options):
-            on_disk = [m for m in (option.target, option.draft) if m and self.is_local(m)]
-            needed = [m for m in (option.target, option.draft) if m]
-            disk = "yes" if len(on_disk) == len(needed) else (f"{len(on_disk)} of {len(needed)}" if on_disk else "no")
-            cells = [option.title, option.target, option.target_format, option.draft or "—",
-                     format_bytes(option.download_bytes), option.fit_label, option.speed_text(), disk,
-                     option.description]
-            for col, text in enumerate(cells):
-                item = QTableWidgetItem(text)
-                item.setData(Qt.ItemDataRole.UserRole, option.pair_id)
-                if col in (COL_PAIR, COL_SPEED, COL_ABOUT):
-                    item.setToolTip(option.reason or option.description)
-                if col == COL_FORMAT:
-                    item.setToolTip(option.target_source)
-                if col == COL_FIT:
-                    item.setForeground(_colour("#ffffff"))
-                    item.setBackground(_colour(FIT_COLOURS.get(option.fit, "#666666")))
-                    item.setTextAlignment(Qt.AlignmentFlag.AlignCenter)
-                    item.setToolTip(option.reason or option.fit_label)
-                table.setItem(row, col, item)
+        fill_catalog(self.catalog_table, self._options, self.is_local)
         if selected is not None:
             self.select_pair(selected.pair_id)
 
     def _fill_local(self) -> None:
-        table = self.local_table
-        table.setRowCount(len(self._local))
-        sources = {"hub": "downloaded", "import": "imported", "pypi-wheel": "PyPI wheel", "hf-cache": "HF cache",
-                   **FOUND_SOURCES}
-        for row, model in enumerate(self._local):
-            size = format_bytes(model.size_bytes) + ("" if model.owns_files else " (not copied)")
-            source = sources.get(model.source, model.source) + (f" · {model.detail}" if model.detail else "")
-            for col, text in enumerate([model.model_id, source, size, str(model.path)]):
-                item = QTableWidgetItem(text)
-                item.setData(Qt.ItemDataRole.UserRole, model.model_id)
-                table.setItem(row, col, item)
+        fill_local(self.local_table, self._local)
 
     def _fill_pair_combos(self) -> None:
         prefs = self._prefs
-        self._fill_combo(self.target_combo, [m.model_id for m in self._local], prefs.target)
-        self._fill_draft_combo(prefs.draft)
+        self._fill_combo(self.target_combo, [m.model_id for m in self._local], self._combo_name(prefs.target))
+        self._fill_draft_combo(self._combo_name(prefs.draft))
         draft = _short_name(prefs.draft) or "no draft"
-        self.active_label.setText(f"In use: <b>{_short_name(prefs.target)}</b> + {draft}" if prefs.target
-                                  else "No pair chosen yet")
+        running = self._running
+        if running is not None:  # what the engine loaded, read from it: format, layers, decoding, speed
+            self.active_label.setText(f"Running: {running.summary()}")
+        else:
+            self.active_label.setText(f"Chosen: <b>{_short_name(prefs.target)}</b> + {draft} (not loaded)"
+                                      if prefs.target else "No pair chosen yet")
         self.active_label.setToolTip(f"{prefs.target}\n{prefs.draft}" if prefs.target else "")
+
+    def _combo_name(self, spec: str) -> str:
+        """A preference as the combos list it: the starter's folder by the catalog's starter id."""
+        starter = self._locate(self._catalog.starter) if self._catalog.starter else None
+        if spec and starter is not None and Path(spec).expanduser() == starter:
+            return self._catalog.starter
+        return spec
 
     def _on_target_combo_changed(self, _index: int) -> None:
         self._fill_draft_combo(self.draft_combo.currentData() or "")
@@ -470,7 +406,7 @@ class ModelsPage(QWidget):
         self.use_button.setEnabled(self.target_combo.count() > 0)
 
     def selected_option(self) -> PairOption | None:
-        pair_id = _selected_key(self.catalog_table)
+        pair_id = selected_key(self.catalog_table)
         return next((o for o in self._options if o.pair_id == pair_id), None) if pair_id is not None else None
 
     def select_pair(self, pair_id: str) -> None:
@@ -480,7 +416,7 @@ class ModelsPage(QWidget):
                 return
 
     def selected_local(self) -> LocalModel | None:
-        name = _selected_key(self.local_table)
+        name = selected_key(self.local_table)
         return next((m for m in self._local if m.model_id == name), None) if name is not None else None
 
     # ---- actions ---------------------------------------------------------------------------
@@ -502,10 +438,18 @@ class ModelsPage(QWidget):
         return True
 
     def download_pair(self, option: PairOption) -> list[str]:
-        started = [m for m in (option.target, option.draft) if m and not self.is_local(m) and self.download(m)]
-        return started
+        """Queue the pair's missing models, after a confirmation when the download deserves one
+        (recommend.download_warning); [] when the user says no."""
+        missing = [m for m in (option.target, option.draft) if m and not self.is_local(m)]
+        entries = [e for e in (self._catalog.find(m) for m in missing) if e is not None]
+        warning = download_warning(option, sum(download_bytes(e, self._catalog.starter) for e in entries),
+                                   self.models_dir)
+        if warning and not self.confirm("Download this pair?", warning):
+            return []
+        return [m for m in missing if self.download(m)]
 
     def set_active_pair(self, target: str, draft: str) -> None:
+        target, draft = self._pref_spec(target), self._pref_spec(draft)
         self._prefs = replace(self._store.load(), target=target, draft=draft)
         self._store.save(self._prefs)  # -> _on_store_changed -> refresh
         self.active_pair_changed.emit(target, draft)
@@ -612,20 +556,7 @@ class ModelsPage(QWidget):
             row.finish("cancelled", "Cancelled · the partial data is kept; download again to resume")
 
 
-def _colour(name: str):  # type: ignore[no-untyped-def]
-    from PySide6.QtGui import QBrush, QColor
-
-    return QBrush(QColor(name))
-
-
 def _short_name(spec: str) -> str:
     """A model as the page names it: a local path by its folder or file name (the full path is
     in the tooltip), a catalog or repo id as it is."""
     return Path(spec).name if spec and ("/" in spec or "\\" in spec) and Path(spec).expanduser().exists() else spec
-
-
-def _selected_key(table: QTableWidget) -> str | None:
-    """The key (UserRole data of column 0) of a table's selected row, or None."""
-    model = table.selectionModel()
-    rows = model.selectedRows() if model is not None else []
-    return table.item(rows[0].row(), 0).data(Qt.ItemDataRole.UserRole) if rows else None

@@ -1,9 +1,13 @@
 """Settings: sampling defaults, engine options, appearance, system prompts, and this computer.
 
 Every field edits a copy of the current `Preferences`; OK saves it into the `PreferencesStore`
-(whose `changed` signal tells the main window), Cancel drops it. The "This computer" tab runs
-the hardware benchmark in a worker thread (progress bar, cancel) and plots the planner's
-predicted tok/s against the tree budget for a catalog pair; the last saved profile is shown.
+(whose `changed` signal tells the main window), Cancel drops it. The Engine tab starts with what
+actually runs (`running`, read from the loaded model: its format, where its layers live, the
+decoding mode, the measured speed), since the fields below are requests that apply at the next
+load and that a GGUF, a CPU or a pair without a draft may not follow to the letter. The "This
+computer" tab runs the hardware benchmark in a worker thread (progress bar, cancel) and plots
+the planner's predicted tok/s against the tree budget for a catalog pair, the loaded model
+(the starter included) and what was measured here; the last saved profile is shown.
 """
 
 from __future__ import annotations
@@ -44,20 +48,23 @@ from app.hub_tab import HubTab
 from app.logfile import current_log_file
 from app.mnemonics import give_buddies
 from app.plot import BudgetPlot
+from app.plot_entries import PlotEntry, plot_entries
 from app.preferences import Preferences, PreferencesStore
-from app.recommend import load_profile, predicted_curve, profile_lines
+from app.recommend import load_profile, profile_lines
+from app.running import RunningPair
 from app.server_tab import ServerTab
 from app.setting_tips import TIPS
 from engine.about import installation
-from engine.planning import planner
 from engine.store import load_catalog
 
 CHOICE_LABELS: dict[str, list[tuple[str, str]]] = {
     "device": [("auto", "Automatic (GPU if present)"), ("cuda", "GPU (CUDA)"), ("cpu", "CPU only")],
-    "quant": [("none", "None (16-bit)"), ("nf4", "NF4 (4-bit)")],
+    "quant": [("none", "None: as stored (GPU 16-bit, CPU 32-bit, GGUF blocks)"),
+              ("nf4", "NF4 (4-bit) for 16-bit checkpoints")],
     "offload": [("auto", "Automatic (as many layers on the GPU as fit)"), ("none", "None (all on the GPU)"),
                 ("all", "All layers streamed from RAM")],
-    "tree_mode": [("specexec", "SpecExec tree (speculative)"), ("autoregressive", "Plain decoding (no draft)")],
+    "tree_mode": [("specexec", "Speculative: the draft's trees, or draft-free without a draft"),
+                  ("autoregressive", "Plain decoding (one token per pass)")],
     "theme": [("system", "Follow the system"), ("light", "Light"), ("dark", "Dark")],
 }
 
@@ -95,7 +102,7 @@ class SettingsDialog(QDialog):
     quick layer shape)."""
 
     def __init__(self, store: PreferencesStore, parent: QWidget | None = None, *,
-                 benchmark_options: Mapping[str, Any] | None = None) -> None:
+                 benchmark_options: Mapping[str, Any] | None = None, running: RunningPair | None = None) -> None:
         super().__init__(parent)
         self.setWindowTitle("Settings")
         self.setAccessibleName("Settings")
@@ -103,6 +110,7 @@ class SettingsDialog(QDialog):
         self._prefs = store.load()
         self._catalog = load_catalog()
         self._benchmark_options = dict(benchmark_options or {})
+        self._running = running
         self.runner = benchmark_runner(self)
         self.runner.progressed.connect(self._on_benchmark_progressed)
         self.runner.finished.connect(self._on_benchmark_finished)
@@ -212,13 +220,22 @@ class SettingsDialog(QDialog):
         self.kv_disk_gb.setSuffix(" GB")
         self.kv_disk_gb.setToolTip("Long conversations are saved here when SpecChat closes, so they continue "
                                    "after a restart without reading them again. 0 saves nothing.")
+        self.running_label = QLabel()
+        self.running_label.setAccessibleName("What runs now")
+        self.running_label.setWordWrap(True)
+        self.running_label.setTextFormat(Qt.TextFormat.RichText)
+        self.running_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.running_label.setText(f"<b>Running now:</b> {self._running.summary('<br>')}" if self._running is not None
+                                   else "<b>Running now:</b> no model is loaded.")
         form = QFormLayout()
+        form.addRow(self.running_label)
         for label, item in (("&Device:", self.device), ("&Quantisation:", self.quant), ("&Offload:", self.offload),
                             (budget_label, budget_row), ("Max tree &depth:", self.max_depth),
                             (mode_label, mode_row), (folder_label, folder_row),
                             ("Conversation &memory:", self.kv_ram_gb), ("Sa&ved conversations:", self.kv_disk_gb)):
             form.addRow(label, item)
-        note = QLabel("Engine changes apply the next time the pair is loaded. An empty models folder uses the default.")
+        note = QLabel("The fields are requests: they apply the next time the pair is loaded, as far as the model "
+                      "allows (the line above says what runs). An empty models folder uses the default.")
         note.setWordWrap(True)
         return _page(form, note)
 
@@ -274,12 +291,12 @@ class SettingsDialog(QDialog):
         self.profile_text.setMaximumHeight(130)
         self.plot_pair = QComboBox()
         self.plot_pair.setAccessibleName("Pair to predict")
-        for pair in self._catalog.pairs:
-            self.plot_pair.addItem(pair.id, pair.id)
-        active = next((p.id for p in self._catalog.pairs
-                       if (p.target, p.draft) == (self._prefs.target, self._prefs.draft)), None)
+        self._plot_entries: list[PlotEntry] = plot_entries(self._catalog, self._prefs, self._running)
+        for entry in self._plot_entries:
+            self.plot_pair.addItem(entry.label, entry.key)
+        active = next((i for i, e in enumerate(self._plot_entries) if e.active), None)
         if active is not None:
-            self.plot_pair.setCurrentIndex(self.plot_pair.findData(active))
+            self.plot_pair.setCurrentIndex(active)
         self.plot_pair.currentIndexChanged.connect(lambda _i: self._update_plot())
         self.plot = BudgetPlot()
         self.plot.setMinimumHeight(240)
@@ -417,22 +434,17 @@ class SettingsDialog(QDialog):
 
     def _update_plot(self) -> None:
         profile = load_profile()
-        pair = self._catalog.pair(self.plot_pair.currentData() or "")
-        if profile is None:
+        entry = next((e for e in self._plot_entries if e.key == self.plot_pair.currentData()), None)
+        if entry is None:
+            self.plot.set_message("No pair to predict.")
+            return
+        if profile is None and entry.measured is None:
             self.plot.set_message("Benchmark needed: press “Benchmark this computer” to see predicted speeds.")
             return
-        if pair is None:
-            self.plot.set_message("No catalog pair to predict.")
-            return
-        target, draft = self._catalog.find(pair.target), self._catalog.find(pair.draft)
-        assert target is not None and draft is not None
-        points = predicted_curve(profile, target, draft, quant=self._prefs.quant if self._prefs.quant != "none" else "auto")
-        chosen = None
-        try:
-            chosen = planner.predict_pair(profile, target, draft).budget
-        except Exception:  # noqa: BLE001 — any planner failure shows "no prediction"
-            chosen = None
-        self.plot.set_curve(points, chosen, title=f"{pair.id}: predicted tokens per second by tree budget")
+        quant = self._prefs.quant if self._prefs.quant != "none" else "auto"
+        points, chosen = entry.curve(profile, quant)
+        measured = entry.measured.tokens_per_second if entry.measured is not None else None
+        self.plot.set_curve(points, chosen, title=entry.title(points), measured=measured)
 
 
 def _page(form: QFormLayout, note: QLabel | None = None) -> QWidget:

@@ -3,10 +3,17 @@
 Each long step runs in its own worker thread (the benchmark and calibration in a `TaskRunner`,
 downloads in a `DownloadQueue`); a page's Next button is enabled by `isComplete()` once its step
 is done, failed or skipped. The benchmark can be skipped (the starter is then recommended). On a
-CPU-only machine only the starter (no draft) is offered. Without hub access the starter comes
-from its PyPI wheel (engine.store's fallback), so a fresh machine still reaches a chat.
+CPU-only machine only the starter (no draft) is offered. The starter always comes from its PyPI
+wheel and runs converted to FP32 (engine.loading.starter: the one starter `specchat chat` runs
+too), so a fresh machine without hub access still reaches a chat; its row says so.
 
-On finish the chosen target/draft and `first_run_done=True` are saved in the preferences.
+Speeds on the recommendation page are what this computer measured for a pair once it has run
+(the test run at the end counts), else the planner's prediction labelled as one. A download of
+a pair that does not fit, a large one or one larger than the free disk space is confirmed first
+(`confirm`, injected: tests answer without a dialog).
+
+On finish the chosen target/draft and `first_run_done=True` are saved in the preferences (the
+starter by its folder, which is what loads).
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import (
@@ -22,7 +29,6 @@ from PySide6.QtWidgets import (
     QLabel,
     QListWidget,
     QListWidgetItem,
-    QProgressBar,
     QPushButton,
     QVBoxLayout,
     QWidget,
@@ -30,13 +36,8 @@ from PySide6.QtWidgets import (
     QWizardPage,
 )
 
-from app.benchmark_worker import (
-    CalibrationRequest,
-    CalibrationResult,
-    TaskRunner,
-    benchmark_runner,
-    calibration_runner,
-)
+from app.benchmark_worker import benchmark_runner, calibration_runner
+from app.download_row import Confirm, confirm_with_dialog
 from app.download_worker import (
     DownloadOptions,
     DownloadQueue,
@@ -48,39 +49,25 @@ from app.models_page import FIT_COLOURS
 from app.preferences import PreferencesStore
 from app.recommend import (
     PairOption,
+    download_bytes,
+    download_warning,
     load_profile,
     pair_options,
     profile_has_gpu,
-    profile_lines,
     recommend,
 )
-from app.status import short_paths
+from app.status import short_paths  # noqa: F401  (tests import it from here)
+from app.wizard_runs import BenchmarkPage, CalibrationPage, progress_bar, rich_label
+from engine import paths
 from engine.store import (
     DownloadSettings,
     find_local_model,
     hf_hub_cache_dir,
     load_catalog,
 )
+from engine.store.pypi import built_starter
 from engine.types import DownloadProgress
 from engine.units import format_bytes
-
-RunState = Literal["idle", "running", "done", "failed", "skipped"]
-
-
-def _label(text: str, name: str) -> QLabel:
-    label = QLabel(text)
-    label.setWordWrap(True)
-    label.setAccessibleName(name)
-    label.setTextFormat(Qt.TextFormat.RichText)
-    return label
-
-
-def _bar(name: str) -> QProgressBar:
-    bar = QProgressBar()
-    bar.setRange(0, 1000)
-    bar.setAccessibleName(name)
-    return bar
-
 
 class WelcomePage(QWizardPage):
     def __init__(self, parent: QWidget | None = None) -> None:
@@ -88,7 +75,7 @@ class WelcomePage(QWizardPage):
         self.setTitle("Welcome to SpecChat")
         self.setSubTitle("Chat with large open models on this computer, privately.")
         layout = QVBoxLayout(self)
-        layout.addWidget(_label(
+        layout.addWidget(rich_label(
             "<p>A few steps get you to a first chat:</p><ol>"
             "<li><b>Measure this computer</b> (about a minute) to predict how fast each model runs here.</li>"
             "<li><b>Choose a model pair</b>: a large target model and a small draft that speeds it up.</li>"
@@ -96,155 +83,6 @@ class WelcomePage(QWizardPage):
             "<li><b>A short test run</b>, then the chat opens.</li></ol>"
             "<p>Press <b>Next</b> (Alt+N) to start.</p>", "Welcome text"))
         layout.addStretch(1)
-
-
-class RunnerPage(QWizardPage):
-    """A page whose step is one task on a TaskRunner (the benchmark, the test run): a progress
-    bar, a status line and a Skip button; Next/Finish is enabled once the task is done, failed
-    or skipped. A start asked for while an earlier run is still stopping waits for it to end.
-    Subclasses start the task in `initializePage` with `_run(arg)` and word its outcome."""
-
-    def __init__(self, runner: TaskRunner, title: str, subtitle: str, what: str, skip_text: str) -> None:
-        super().__init__()
-        self.runner = runner
-        self.setTitle(title)
-        self.setSubTitle(subtitle)
-        self.state: RunState = "idle"
-        self._queued: object = None  # a run asked for while an earlier one was still stopping
-        self._has_queued = False
-        self.bar = _bar(f"{what} progress")
-        self.status = _label("", f"{what} status")
-        self.skip_button = QPushButton(skip_text)
-        self.skip_button.setAccessibleName(skip_text.replace("&", ""))
-        self.skip_button.clicked.connect(self.skip)
-        self.body = QVBoxLayout(self)
-        self.body.addWidget(self.bar)
-        self.body.addWidget(self.status)
-        runner.progressed.connect(self._on_runner_progressed)
-        runner.finished.connect(self._on_runner_finished)
-        runner.failed.connect(self._on_runner_failed)
-        runner.cancelled.connect(self._on_runner_cancelled)
-
-    def _finish_layout(self) -> None:
-        self.body.addStretch(1)
-        self.body.addWidget(self.skip_button, 0, Qt.AlignmentFlag.AlignLeft)
-
-    # -- what subclasses word --
-    def _done_text(self, result: object) -> str:
-        raise NotImplementedError
-
-    def _failed_text(self, message: str) -> str:
-        raise NotImplementedError
-
-    def _skipped_text(self) -> str:
-        raise NotImplementedError
-
-    # -- the task --
-    def _run(self, arg: object) -> None:
-        self.state = "running"
-        self.bar.setRange(0, 0)  # busy until the task reports a fraction
-        self.skip_button.setEnabled(True)
-        self.skip_button.show()
-        self.status.setText("Starting…")
-        if not self.runner.start(arg):
-            self._queued, self._has_queued = arg, True
-        self.completeChanged.emit()
-
-    def _fail(self, text: str) -> None:
-        self.state = "failed"
-        self._step_over()
-        self.status.setText(text)
-        self.completeChanged.emit()
-
-    def _start_queued(self) -> bool:
-        """An earlier run has just ended: start the one asked for meanwhile, if any."""
-        if not self._has_queued:
-            return False
-        arg, self._queued, self._has_queued = self._queued, None, False
-        self.runner.start(arg)
-        return True
-
-    def isComplete(self) -> bool:
-        return self.state in ("done", "failed", "skipped")
-
-    def cleanupPage(self) -> None:  # Back: stop what this page started
-        if self.state == "running":
-            self.runner.cancel()
-        self._queued, self._has_queued = None, False
-        self.state = "idle"
-
-    def skip(self) -> None:
-        if self.state == "running":
-            self.runner.cancel()
-        self.state = "skipped"
-        self._step_over()
-        self.status.setText(self._skipped_text())
-        self.completeChanged.emit()
-
-    def _step_over(self) -> None:
-        """Nothing left to skip: the button goes (it used to stay, disabled), the bar stops."""
-        self.skip_button.hide()
-        self.bar.setRange(0, 1000)
-
-    def _on_runner_progressed(self, fraction: float, text: str) -> None:
-        if self.state == "running":
-            if fraction > 0:
-                self.bar.setRange(0, 1000)
-                self.bar.setValue(int(1000 * fraction))
-            text = short_paths(text)
-            self.status.setText(text[:1].upper() + text[1:])
-
-    def _on_runner_finished(self, result: object) -> None:
-        if self._start_queued() or self.state != "running":
-            return
-        self.state = "done"
-        self._step_over()
-        self.bar.setValue(1000)
-        self.status.setText(self._done_text(result))
-        self.completeChanged.emit()
-
-    def _on_runner_failed(self, message: str) -> None:
-        if self._start_queued() or self.state != "running":
-            return
-        self._fail(self._failed_text(message))
-
-    def _on_runner_cancelled(self) -> None:
-        if self._start_queued():
-            return
-        if self.state == "running":
-            self.state = "skipped"
-            self.completeChanged.emit()
-
-
-class BenchmarkPage(RunnerPage):
-    """Runs the hardware benchmark when shown; Next is enabled when it is done or skipped."""
-
-    def __init__(self, wizard: FirstRunWizard) -> None:
-        super().__init__(wizard.benchmark, "Measuring this computer",
-                         "SpecChat times the memory, disk, GPU and one model layer to predict speeds.",
-                         "Benchmark", "&Skip the benchmark")
-        self._wizard = wizard
-        self.summary = _label("", "Measured hardware")
-        self.body.addWidget(self.summary)
-        self._finish_layout()
-
-    def initializePage(self) -> None:
-        if self.state in ("idle", "failed"):
-            self._run(self._wizard.benchmark_options)
-
-    def cleanupPage(self) -> None:  # Back keeps a finished or running measurement
-        pass
-
-    def _done_text(self, result: object) -> str:
-        self.summary.setText("<br>".join(profile_lines(result)[1:5]))  # type: ignore[arg-type]
-        return "<b>Done.</b> Press Next to see the models that suit this computer."
-
-    def _failed_text(self, message: str) -> str:
-        return f"The benchmark failed: {message} You can go on; the starter model will be recommended."
-
-    def _skipped_text(self) -> str:
-        return ("Skipped. The small starter model will be recommended; you can measure later "
-                "in Settings → This computer.")
 
 
 class RecommendPage(QWizardPage):
@@ -255,7 +93,7 @@ class RecommendPage(QWizardPage):
         self._wizard = wizard
         self.setTitle("Choose a model pair")
         self.setSubTitle("Best first: the pairs that fit this computer, fastest first, then the small starter.")
-        self.intro = _label("", "Recommendation")
+        self.intro = rich_label("", "Recommendation")
         self.list = QListWidget()
         self.list.setAccessibleName("Recommended model pairs")
         self.list.setSpacing(2)
@@ -279,13 +117,13 @@ class RecommendPage(QWizardPage):
 
     def _fill(self) -> None:
         profile = load_profile() if self._wizard.benchmark_page.state == "done" else None
-        everything = pair_options(self._wizard.catalog, profile)
+        everything = pair_options(self._wizard.catalog, profile, locate=self._wizard.local_path)
         chosen = self.selected()
         self.options = recommend(everything, profile)
         if self.show_all.isChecked():  # the rest after the recommendation, fastest first
             offered = {o.pair_id for o in self.options}
             self.options += sorted((o for o in everything if o.pair_id not in offered),
-                                   key=lambda o: -(o.tokens_per_second or 0.0))
+                                   key=lambda o: -(o.speed or 0.0))
         if profile is None:
             intro = "Without a benchmark SpecChat recommends the small starter model, which runs anywhere."
         elif not profile_has_gpu(profile):
@@ -299,18 +137,17 @@ class RecommendPage(QWizardPage):
         self.list.clear()
         for option in self.options:
             draft = f" + {option.draft}" if option.draft else " (no draft)"
-            details = [f"{format_bytes(option.download_bytes)} to download"]
+            details = [f"{format_bytes(option.download_bytes)} to download", option.target_format]
             if option.fit != "unknown":
                 colour = FIT_COLOURS.get(option.fit, "#666666")
                 details.append(f"<span style='color:{colour}'><b>{option.fit_label}</b></span>")
-            if option.tokens_per_second is not None:
-                details.append(f"about <b>{option.speed_text()}</b> here")
+            speed = f"{option.speed_html()}<br>" if option.speed_html() else ""
             item = QListWidgetItem()
             item.setData(Qt.ItemDataRole.UserRole, option.pair_id)
             item.setToolTip(option.reason or option.description)
             item.setData(Qt.ItemDataRole.AccessibleTextRole, f"{option.title}: {option.target}{draft}")
-            label = QLabel(f"<b>{option.title}</b> — {option.target}{draft}<br>"
-                           f"{' · '.join(details)}<br><span style='color:#666666'>{option.description}</span>")
+            label = QLabel(f"<b>{option.title}</b> — {option.target}{draft}<br>{' · '.join(details)}<br>"
+                           f"{speed}<span style='color:#666666'>{option.description}</span>")
             label.setContentsMargins(8, 6, 8, 6)
             label.setAttribute(Qt.WidgetAttribute.WA_TransparentForMouseEvents)
             item.setSizeHint(label.sizeHint())
@@ -322,6 +159,17 @@ class RecommendPage(QWizardPage):
 
     def isComplete(self) -> bool:
         return self.selected() is not None
+
+    def validatePage(self) -> bool:
+        """Next: a download that deserves a second look (too big, large, over the free space) is
+        confirmed first; No stays on this page."""
+        option = self.selected()
+        if option is None:
+            return False
+        wizard = self._wizard
+        missing = sum(download_bytes(m, wizard.catalog.starter) for m in wizard.missing_models(option))
+        warning = download_warning(option, missing, wizard.models_dir)
+        return not warning or wizard.confirm("Download this pair?", warning)
 
     def selected(self) -> PairOption | None:
         item = self.list.currentItem()
@@ -338,8 +186,8 @@ class DownloadPage(QWizardPage):
         self._wizard = wizard
         self.setTitle("Downloading")
         self.setSubTitle("The files go to your models folder; an interrupted download resumes.")
-        self.bar = _bar("Download progress")
-        self.status = _label("", "Download status")
+        self.bar = progress_bar("Download progress")
+        self.status = rich_label("", "Download status")
         self.retry_button = QPushButton("&Retry")
         self.retry_button.setAccessibleName("Retry the download")
         self.retry_button.clicked.connect(self._start)
@@ -379,7 +227,10 @@ class DownloadPage(QWizardPage):
             self.status.setText("Already on this computer. Press Next.")
         else:
             self.bar.setValue(0)
-            self.status.setText(f"Downloading {', '.join(self.pending)}…")
+            starter = self._wizard.catalog.starter
+            self.status.setText(f"Downloading {', '.join(self.pending)}…" + (
+                " The starter comes from PyPI and is converted once to FP32, which runs faster on a CPU."
+                if starter in self.pending else ""))
             for spec in self.pending:
                 if not self._wizard.downloads.enqueue(spec):
                     self._restart.add(spec)
@@ -432,47 +283,6 @@ class DownloadPage(QWizardPage):
             self.completeChanged.emit()
 
 
-class CalibrationPage(RunnerPage):
-    """Loads the pair and generates a few tokens: proves it works and measures the real speed."""
-
-    def __init__(self, wizard: FirstRunWizard) -> None:
-        super().__init__(wizard.calibration, "A short test run", "Loading the models and generating a few tokens.",
-                         "Test run", "S&kip the test run")
-        self._wizard = wizard
-        self.setFinalPage(True)
-        self.result: CalibrationResult | None = None
-        self._finish_layout()
-
-    def initializePage(self) -> None:
-        option = self._wizard.chosen()
-        assert option is not None
-        target = self._wizard.local_path(option.target)
-        draft = self._wizard.local_path(option.draft) if option.draft else None
-        if target is None or (option.draft and draft is None):
-            self._fail("The models are not on this computer; go Back to download them.")
-            return
-        prefs = self._wizard.store.load()
-        self.result = None
-        self._run(CalibrationRequest(
-            target=target, draft=draft, load_settings=prefs.load_settings(),
-            speculation=prefs.speculation(auto_budget=option.budget, switch_draft=False),
-            max_new_tokens=self._wizard.calibration_tokens,
-        ))
-
-    def _done_text(self, result: object) -> str:
-        assert isinstance(result, CalibrationResult)
-        self.result = result
-        per_pass = f", {result.tokens_per_pass:.2f} tokens per target pass" if result.tokens_per_pass else ""
-        return (f"<b>It works.</b> {result.new_tokens} tokens at {result.tokens_per_second:.1f} tokens/s{per_pass} "
-                f"(loaded in {result.load_seconds:.1f} s). Press <b>Start chatting</b>.")
-
-    def _failed_text(self, message: str) -> str:
-        return f"The test run failed: {message}"
-
-    def _skipped_text(self) -> str:
-        return "Skipped. Press <b>Start chatting</b>."
-
-
 class FirstRunWizard(QWizard):
     """The first-run wizard. Extra keyword arguments serve tests: a quick benchmark, short
     download timeouts, a local starter source instead of pip, fewer calibration tokens."""
@@ -481,6 +291,7 @@ class FirstRunWizard(QWizard):
         self, store: PreferencesStore, parent: QWidget | None = None, endpoint: str | None = None, *,
         benchmark_options: Mapping[str, Any] | None = None, download_settings: DownloadSettings | None = None,
         starter_source: StarterSource | None = None, hf_cache_dir: Path | None = None, calibration_tokens: int = 24,
+        confirm: Confirm | None = None,
     ) -> None:
         super().__init__(parent)
         self.setWindowTitle("Set up SpecChat")
@@ -498,6 +309,7 @@ class FirstRunWizard(QWizard):
         self.benchmark_options = dict(benchmark_options or {})
         self.calibration_tokens = calibration_tokens
         self._hf_cache = hf_cache_dir
+        self.confirm: Confirm = confirm or confirm_with_dialog(self)
         prefs = store.load()
         self.models_dir = prefs.models_path()
         self.benchmark = benchmark_runner(self)
@@ -518,15 +330,25 @@ class FirstRunWizard(QWizard):
         return self.recommend_page.selected()
 
     def local_path(self, spec: str) -> Path | None:
+        """What loads for a catalog id: the starter's one folder, else the model store's copy."""
+        if spec and spec == self.catalog.starter:
+            return built_starter(paths.cache_dir())
         cache = self._hf_cache if self._hf_cache is not None else hf_hub_cache_dir()
         model = find_local_model(spec, self.models_dir, cache, self.catalog)
         return model.path if model is not None else None
 
+    def missing_models(self, option: PairOption) -> list[Any]:
+        """The catalog models of `option` not on this computer yet."""
+        ids = [m for m in (option.target, option.draft) if m and self.local_path(m) is None]
+        return [m for m in (self.catalog.find(i) for i in ids) if m is not None]
+
     def accept(self) -> None:
         option = self.chosen()
         prefs = self.store.load()
-        if option is not None:
-            prefs = replace(prefs, target=option.target, draft=option.draft)
+        if option is not None:  # the starter by its folder: the model store does not hold it
+            starter = self.catalog.starter
+            target, draft = (str(self.local_path(m) or m) if m == starter else m for m in (option.target, option.draft))
+            prefs = replace(prefs, target=target, draft=draft)
         self.store.save(replace(prefs, first_run_done=True))
         super().accept()
 

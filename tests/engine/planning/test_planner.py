@@ -239,3 +239,30 @@ def test_a_calibrated_curve_peaks_at_the_pairs_figure() -> None:
     assert max(t for _, t in curve) == pytest.approx(pred.tokens_per_second)
     plain = predict_pair(reference_profile("rtx4090"), target, draft)
     assert pred.tokens_per_second < plain.tokens_per_second  # the calibration mattered
+
+
+def test_a_cpu_prior_prices_the_format_that_runs() -> None:
+    """On a CPU a packed layer is unpacked on every pass (the starter's Q4_1 GGUF decoded 5-20x
+    slower than its FP32 conversion): a GGUF, NF4 or AWQ target is priced with that cost, not
+    as the dense FP32 layer it used to be priced as; the starter, which runs converted to FP32,
+    is priced as FP32."""
+    from engine.planning.planner import CPU_UNPACK_S_PER_PARAM, compute_seconds
+
+    profile = cpu_profile()
+    catalog = load_catalog()
+    starter = catalog.find(catalog.starter)
+    shape = starter.shape()
+    dense = Placement(shape.num_layers, shape.num_layers, 0, 0, shape.layer_params * 4, "none", "cpu")
+    packed = dataclasses.replace(dense, quant="gguf", layer_bytes=int(shape.layer_params * 0.6))
+    unpack = shape.num_layers * shape.layer_params * CPU_UNPACK_S_PER_PARAM["gguf"]
+    assert target_pass_seconds(profile, shape, packed, 1) == pytest.approx(
+        target_pass_seconds(profile, shape, dense, 1) + unpack)
+    assert unpack > target_pass_seconds(profile, shape, dense, 1)  # most of the pass, as measured
+    assert compute_seconds(profile, 10**6, 1, "nf4") > compute_seconds(profile, 10**6, 1, "none")
+    assert predict_pair(profile, starter, None).quant == "fp32"  # what starter_folder runs
+    gguf = catalog.find("llama-3.3-70b-instruct-q4_k_m")
+    assert predict_pair(profile, gguf, None).quant == "gguf"
+    assert predict_pair(profile, gguf, None).placement.layer_bytes < gguf.shape().layer_params  # packed bytes
+    # on a GPU the unpacking stays a VRAM-speed kernel
+    gpu = reference_profile("rtx4090")
+    assert compute_seconds(gpu, 10**6, 1, "gguf") == pytest.approx(compute_seconds(gpu, 10**6, 1, "nf4"))
