@@ -193,7 +193,8 @@ class SpeculationSettings:
     mode: "specexec" grows a tree each step (from the draft and from context candidates, or
         from context candidates alone when there is no draft model); "autoregressive" decodes
         one token per target pass.
-    budget: most tree tokens verified by one target pass (B in the paper).
+    budget: most tree tokens verified by one target pass (B in the paper); 0 = automatic:
+        engine.decoding.auto_budget resolves it per request before the Engine sees it.
     max_depth: most tokens on one root-to-leaf path of the tree.
     branching: most children per expanded node (top-k of the draft distribution).
     expand_per_pass: most nodes expanded by one batched draft pass; None = derived from budget.
@@ -237,8 +238,8 @@ class SpeculationSettings:
     def __post_init__(self) -> None:
         if self.mode not in ("specexec", "autoregressive"):
             raise InvalidRequest(f"The decoding mode must be 'specexec' or 'autoregressive' (got {self.mode!r}).")
-        if self.budget < 1:
-            raise InvalidRequest(f"The tree budget must be at least 1 (got {self.budget}).")
+        if self.budget < 0:
+            raise InvalidRequest(f"The tree budget must be at least 1, or 0 for automatic (got {self.budget}).")
         if self.max_depth < 1:
             raise InvalidRequest(f"The tree depth must be at least 1 (got {self.max_depth}).")
         if self.branching < 1:

@@ -52,7 +52,7 @@ from engine.decoding.sequoia import StaticTree, build_tree
 from engine.decoding.stats import StepTimers, generation_stats
 from engine.decoding.text import Detokenizer, encode_prompt, eos_ids
 from engine.decoding.verification import accept, prune_to_accepted, run_tree
-from engine.errors import ContextTooLong, OutOfMemory
+from engine.errors import ContextTooLong, InvalidRequest, OutOfMemory
 from engine.model.cache import KVCache
 from engine.model.cache_files import CacheFiles
 from engine.model.causal_lm import CausalLM
@@ -186,6 +186,9 @@ class Engine:
                 f"The conversation is {len(prompt)} tokens long but the model reads at most {context}. "
                 "Start a new conversation or shorten the messages."
             )
+        if request.speculation.budget < 1:
+            raise InvalidRequest("Budget 0 (automatic) is resolved by engine.decoding.auto_budget.AutoBudget, "
+                                 "which the CLI, the server and the app decode through; give the Engine a budget.")
         if len(prompt) + request.max_new_tokens > context:  # the answer stops at the context's end
             request = replace(request, max_new_tokens=context - len(prompt))
         check_fits(self.target, self.draft if self._wants_draft(request) else None, len(prompt), request)
