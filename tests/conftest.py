@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.loading.synthetic import tiny_model
+from engine.testing.synthetic import tiny_model
 
 pytest_plugins = ["pytester"]  # tests/app/test_qt_bindings.py runs the suite's own settings on a sample
 

@@ -32,7 +32,7 @@ import torch
 from engine import paths
 from engine.cli import common
 from engine.loading.load import LoadedModel, load_model, resolve_device
-from engine.loading.synthetic import (
+from engine.testing.synthetic import (
     SYNTHETIC_BIG,
     SYNTHETIC_GGUF_BIG,
     SYNTHETIC_GGUF_SMALL,

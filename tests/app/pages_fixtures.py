@@ -20,7 +20,7 @@ from pages_hub import HubServer
 from PySide6.QtCore import QSettings
 
 from app.preferences import PreferencesStore
-from engine.loading.synthetic import tiny_model
+from engine.testing.synthetic import tiny_model
 from engine.store.transfer import DownloadSettings
 
 

@@ -15,7 +15,7 @@ from app.engine_worker import EngineHost
 from app.preferences import Preferences, PreferencesStore
 from app.running import RunningPair, running_pair
 from app.settings_dialog import SettingsDialog
-from engine.loading.synthetic import tiny_gguf
+from engine.testing.synthetic import tiny_gguf
 from engine.planning.measured import measured_speed, record_answer
 from engine.store.pypi import STARTER_FOLDER_NAME
 from engine.types import GenerationRequest, GenerationStats, LoadSettings, Message, Placement, SamplingSettings

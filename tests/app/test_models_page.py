@@ -16,7 +16,7 @@ from pytestqt.qtbot import QtBot
 
 from app.models_page import CATALOG_COLUMNS, COL_FIT, COL_SPEED, ModelsPage
 from app.preferences import PreferencesStore
-from engine.loading.synthetic import tiny_model
+from engine.testing.synthetic import tiny_model
 from engine.store import list_local_models
 from engine.store.transfer import DownloadSettings
 from engine.types import DownloadProgress
@@ -165,7 +165,7 @@ def test_lm_studio_and_ollama_models_are_listed_in_place_and_usable(
     import os
     import shutil
 
-    from engine.loading.synthetic import tiny_gguf
+    from engine.testing.synthetic import tiny_gguf
     from engine.store import resolve_model
 
     gguf = tiny_gguf("llama", layers=1, layer_types=("Q8_0",), cache_dir=app_env / "cache")

@@ -16,7 +16,7 @@ from pytestqt.qtbot import QtBot
 
 from app.conversations import ConversationStore
 from app.main_window import MainWindow
-from engine.loading.synthetic import tiny_model
+from engine.testing.synthetic import tiny_model
 
 TICK_MS = 5
 FROZEN_MS = 1000

@@ -10,7 +10,7 @@ import torch
 
 from engine.decoding.generation import Engine
 from engine.loading.load import LoadedModel, load_model
-from engine.loading.synthetic import tiny_model
+from engine.testing.synthetic import tiny_model
 
 
 @pytest.fixture(autouse=True)

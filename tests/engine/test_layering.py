@@ -53,3 +53,23 @@ def test_the_launcher_opens_the_app_only_without_arguments() -> None:
     assert not opens_app(["chat"]) and not opens_app(["--help"]) and not opens_app(["--version"])
     out = subprocess.run([sys.executable, "-m", "engine"], capture_output=True, text=True, cwd=REPO)
     assert out.returncode == 0 and "usage: specchat" in out.stdout  # the engine alone never opens a window
+
+
+def test_the_product_never_imports_the_test_model_builders() -> None:
+    """engine.testing (random models, the GGUF writer) is for tests and benchmarks: no other
+    engine module imports it, at any level, except the benchmark commands (engine/cli/bench*)."""
+    import ast
+
+    engine_dir = REPO / "engine"
+    offenders = []
+    for path in sorted(engine_dir.rglob("*.py")):
+        rel = path.relative_to(REPO).with_suffix("")
+        name = ".".join(rel.parts)
+        if name.startswith("engine.testing") or name.startswith("engine.cli.bench"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            modules = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                       else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if any(m == "engine.testing" or m.startswith("engine.testing.") for m in modules):
+                offenders.append(name)
+    assert offenders == []

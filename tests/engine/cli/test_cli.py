@@ -26,7 +26,7 @@ import torch
 from engine.cli.common import JSON_STATS_FIELDS
 from engine.cli.main import main
 from engine.cli.parser import AUTO_BUDGET
-from engine.loading.synthetic import tiny_tokenizer_files
+from engine.testing.synthetic import tiny_tokenizer_files
 
 REPO = Path(__file__).resolve().parents[3]
 STATS_TYPES = {"prompt_tokens": int, "new_tokens": int, "target_passes": int, "tokens_per_pass": float,

@@ -14,7 +14,7 @@ from engine.decoding.auto_budget import FALLBACK_BUDGET, AutoBudget, BudgetChoic
 from engine.decoding.generation import Engine
 from engine.errors import InvalidRequest
 from engine.loading.load import LoadedModel, load_model
-from engine.loading.synthetic import tiny_model
+from engine.testing.synthetic import tiny_model
 from engine.planning.planner import DEFAULT_BUDGETS, plan_for_pair
 from engine.planning.profile import LAYER_SHAPES, HardwareProfile, LayerTiming
 from engine.planning.reference import reference_profile

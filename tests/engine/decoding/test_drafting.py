@@ -132,7 +132,7 @@ def test_only_a_compressed_copy_of_the_target_shares_its_context(
     same shape, or one of another shape, keeps its own."""
     from engine.decoding.drafting import copy_of_target
     from engine.loading.load import load_model
-    from engine.loading.synthetic import tiny_model
+    from engine.testing.synthetic import tiny_model
 
     assert copy_of_target(tiny_target.model, tiny_close_draft.model)
     assert not copy_of_target(tiny_target.model, tiny_random_draft.model)

@@ -19,7 +19,7 @@ import torch
 from engine.decoding.generation import Engine
 from engine.loading.load import LoadedModel, check_pair, load_model
 from engine.loading.starter import starter_folder
-from engine.loading.synthetic import tiny_gguf
+from engine.testing.synthetic import tiny_gguf
 from engine.store import list_local_models, load_catalog
 from engine.store.pypi import STARTER_GGUF_BYTES, STARTER_GGUF_NAME, adopt_registered_copy, built_starter
 from engine.store.registry import manifest_data, write_json_atomic

@@ -17,7 +17,7 @@ from engine.decoding.generation import Engine
 from engine.errors import UnsupportedModel
 from engine.loading.gguf import cache_key, gguf_config, isolated
 from engine.loading.load import LoadedModel, check_pair, load_model
-from engine.loading.synthetic import tiny_gguf
+from engine.testing.synthetic import tiny_gguf
 from engine.store.gguf_header import read_header
 from engine.types import Completion, GenerationRequest, SpeculationSettings
 

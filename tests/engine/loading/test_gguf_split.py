@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from engine.errors import ModelNotFound, UnsupportedModel
 from engine.loading.gguf import GGUFWeights
 from engine.loading.load import LoadedModel, load_model, model_fingerprint
-from engine.loading.synthetic import tiny_gguf
+from engine.testing.synthetic import tiny_gguf
 from engine.store.gguf_header import CorruptGGUF, read_header, read_model
 from engine.store.registry import import_model
 from engine.store.remote import RemoteFile, RemoteRepo, select_files

@@ -13,8 +13,8 @@ from gguf import GGMLQuantizationType as Q
 from gguf import quants as gq
 
 from engine.loading.gguf import isolated
-from engine.loading.gguf_write import quantize
-from engine.loading.synthetic import _random_model, tiny_gguf
+from engine.testing.gguf_write import quantize
+from engine.testing.synthetic import _random_model, tiny_gguf
 
 # mean relative error of a Gaussian row: bits per weight decide it
 PRECISION = {"Q2_K": 0.4, "Q3_K": 0.25, "Q4_K": 0.1, "Q5_K": 0.05, "Q6_K": 0.025, "IQ4_NL": 0.1, "IQ4_XS": 0.1}

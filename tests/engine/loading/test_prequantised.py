@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from engine.errors import UnsupportedModel
 from engine.loading.load import load_model
-from engine.loading.synthetic import tiny_model
+from engine.testing.synthetic import tiny_model
 
 GROUP = 32
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ: nibble k of an int32 holds output column 8c + AWQ_ORDER[k]

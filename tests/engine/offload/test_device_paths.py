@@ -14,7 +14,7 @@ from torch import nn
 
 from engine.loading.load import load_model
 from engine.loading.materialise import device_free_bytes
-from engine.loading.synthetic import tiny_model
+from engine.testing.synthetic import tiny_model
 from engine.offload import host_store
 from engine.offload.host_store import HostStore
 from engine.offload.layout import (

@@ -12,7 +12,7 @@ import torch
 from engine.cli.main import main
 from engine.decoding.generation import Engine
 from engine.loading.load import LoadedModel, load_model
-from engine.loading.synthetic import tiny_model
+from engine.testing.synthetic import tiny_model
 from engine.offload.layout import LayerLayout
 from engine.planning.placement import MemoryNeeds, plan_placement
 from engine.types import Completion, GenerationRequest, Placement, SpeculationSettings

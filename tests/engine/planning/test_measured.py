@@ -123,7 +123,7 @@ def test_a_fifo_or_a_folder_in_its_place_never_hangs(tmp_path: Path, model: Path
 
 
 def test_run_format_names_what_runs(tmp_path: Path) -> None:
-    from engine.loading.synthetic import tiny_gguf
+    from engine.testing.synthetic import tiny_gguf
 
     gguf = tiny_gguf("llama", layers=1, layer_types=("Q8_0",), cache_dir=tmp_path)
     assert run_format(gguf, Placement(1, 1, quant="gguf", device="cpu")) == "GGUF Q8_0"

@@ -14,7 +14,7 @@ from hub_server import FakeRepo, HubServer
 from safetensors.torch import load_file, save_file
 
 from engine.loading.load import load_model
-from engine.loading.synthetic import tiny_gguf, tiny_model
+from engine.testing.synthetic import tiny_gguf, tiny_model
 from engine.store import download_model, load_catalog, resolve_model
 from engine.store.catalog import CatalogModel
 from engine.store.hub_cache import find_cached_repo

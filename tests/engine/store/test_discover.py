@@ -24,7 +24,7 @@ HOME_OLLAMA = Path(".ollama") / "models"
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from engine.loading.synthetic import tiny_gguf
+    from engine.testing.synthetic import tiny_gguf
 
     return tiny_gguf("llama", layers=1, layer_types=("Q8_0",), cache_dir=tmp_path_factory.mktemp("gguf"))
 

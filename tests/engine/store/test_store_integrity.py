@@ -16,7 +16,7 @@ from test_discover import HOME_LMS
 
 from engine.cli.main import main
 from engine.errors import UnsupportedModel
-from engine.loading.synthetic import tiny_gguf
+from engine.testing.synthetic import tiny_gguf
 from engine.store import discover_models, import_model, list_local_models
 from engine.store.gguf_header import read_header
 

@@ -43,7 +43,7 @@ from transformers import (
 )
 
 from engine import paths
-from engine.loading.gguf_write import Q, random_blocks, write_gguf
+from engine.testing.gguf_write import Q, random_blocks, write_gguf
 from engine.loading.materialise import layer_template
 from engine.model.causal_lm import CausalLM
 from engine.offload.host_store import HostStore
