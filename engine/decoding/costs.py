@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 DECAY = 0.97  # per observation: the fit follows the machine's current load
 STOP_RATIO_START = 0.02  # a draft pass's share of a step before anything is measured
@@ -90,12 +91,18 @@ class PassCosts:
         return best
 
 
-SWITCH_DECAY = 0.9  # per step of one kind: the last ~10 steps count
-DRAFT_EVIDENCE_S = 2.0  # seconds of draft steps measured before they are judged (and 4 steps)
-DRAFT_EVIDENCE_STEPS = 4
-DRAFT_FAR_BEHIND = 0.5  # draft steps below this share of the alternative's speed go off after one step
-DRAFT_RETRY_TOKENS = 256  # tokens decoded without the draft before it is measured again...
-DRAFT_RETRY_FACTOR = 10.0  # ...and at least this many times the seconds its last measurement cost
+@dataclass(frozen=True)
+class SwitchSettings:
+    """When a conversation's draft is judged (DraftSwitch)."""
+
+    decay: float = 0.9  # per step of one kind: the last ~10 steps count
+    evidence_s: float = 2.0  # seconds of draft steps measured before they are judged...
+    evidence_steps: int = 4  # ...and this many steps
+    far_behind: float = 0.5  # draft steps below this share of the alternative's speed go off after one step
+    retry_tokens: int = 256  # tokens decoded without the draft before it is measured again...
+    retry_factor: float = 10.0  # ...and at least this many times the seconds its last measurement cost
+
+
 MAX_SWITCHES = 64  # conversations whose draft verdicts the engine remembers
 
 
@@ -104,18 +111,19 @@ class DraftSwitch:
     draft's trees and without them (context trees or single tokens), both measured as it
     decodes. The draft goes off while its steps are slower than the alternative (measured, or
     before any measurement a single-token target pass as the fit predicts it): after one step
-    when it is far behind, else after DRAFT_EVIDENCE_STEPS steps and DRAFT_EVIDENCE_S seconds.
-    It is measured again after DRAFT_RETRY_TOKENS tokens without it, and no sooner than
-    DRAFT_RETRY_FACTOR times what its last measurement cost, so that measuring a draft that does
+    when it is far behind, else after `evidence_steps` steps and `evidence_s` seconds (its
+    SwitchSettings). It is measured again after `retry_tokens` tokens without it, and no sooner
+    than `retry_factor` times what its last measurement cost, so that measuring a draft that does
     not pay costs at most about a tenth of the time: acceptance changes with the text (code
     being edited accepts deep trees, open chat fewer), and so do the machine's loads."""
 
-    def __init__(self) -> None:
+    def __init__(self, settings: SwitchSettings = SwitchSettings()) -> None:
+        self.settings = settings
         self._tokens = {True: 0.0, False: 0.0}
         self._seconds = {True: 0.0, False: 0.0}
         self.off_tokens: int | None = None  # tokens decoded since the draft went off; None: on
         self._off_seconds = 0.0  # seconds decoded since then
-        self._wait_s = 0.0  # the seconds to stay off: DRAFT_RETRY_FACTOR x the last measurement's
+        self._wait_s = 0.0  # the seconds to stay off: retry_factor x the last measurement's
         self._evidence = [0, 0.0]  # draft steps and their seconds since the draft was (re)measured
 
     @property
@@ -127,8 +135,9 @@ class DraftSwitch:
         return self._tokens[with_draft] / s if s > 0 else None
 
     def observe(self, with_draft: bool, tokens: int, seconds: float) -> None:
-        self._tokens[with_draft] = self._tokens[with_draft] * SWITCH_DECAY + tokens
-        self._seconds[with_draft] = self._seconds[with_draft] * SWITCH_DECAY + seconds
+        decay = self.settings.decay
+        self._tokens[with_draft] = self._tokens[with_draft] * decay + tokens
+        self._seconds[with_draft] = self._seconds[with_draft] * decay + seconds
         if with_draft:
             self._evidence = [self._evidence[0] + 1, self._evidence[1] + seconds]
         elif self.off_tokens is not None:
@@ -137,6 +146,7 @@ class DraftSwitch:
 
     def decide(self, costs: PassCosts) -> bool:
         """Whether the next step uses the draft; turns it off or back on as measured."""
+        cfg = self.settings
         if self.on:
             steps, seconds = self._evidence
             if steps < 1:
@@ -145,14 +155,14 @@ class DraftSwitch:
             without = self.rate(False)
             if without is None:
                 without = 1.0 / costs.target(1)
-            judged = steps >= DRAFT_EVIDENCE_STEPS and seconds >= DRAFT_EVIDENCE_S
-            if with_draft < DRAFT_FAR_BEHIND * without or (judged and with_draft < without):
+            judged = steps >= cfg.evidence_steps and seconds >= cfg.evidence_s
+            if with_draft < cfg.far_behind * without or (judged and with_draft < without):
                 self.off_tokens, self._off_seconds = 0, 0.0
-                self._wait_s = DRAFT_RETRY_FACTOR * seconds
+                self._wait_s = cfg.retry_factor * seconds
                 return False
             return True
         assert self.off_tokens is not None
-        if self.off_tokens >= DRAFT_RETRY_TOKENS and self._off_seconds >= self._wait_s:  # measure it afresh
+        if self.off_tokens >= cfg.retry_tokens and self._off_seconds >= self._wait_s:  # measure it afresh
             self._tokens[True] = self._seconds[True] = 0.0
             self._evidence = [0, 0.0]
             self.off_tokens = None
@@ -164,12 +174,13 @@ class DraftSwitches:
     """The draft verdicts of the most recent conversations (None: requests without one), so a
     conversation's verdict survives between its turns and the table stays bounded."""
 
-    def __init__(self, most: int = MAX_SWITCHES) -> None:
+    def __init__(self, settings: SwitchSettings = SwitchSettings(), most: int = MAX_SWITCHES) -> None:
+        self.settings = settings
         self._most = most
         self._by_conversation: dict[str | None, DraftSwitch] = {}
 
     def for_conversation(self, conversation: str | None) -> DraftSwitch:
-        switch = self._by_conversation.pop(conversation, None) or DraftSwitch()
+        switch = self._by_conversation.pop(conversation, None) or DraftSwitch(self.settings)
         self._by_conversation[conversation] = switch  # the most recent last
         while len(self._by_conversation) > self._most:
             del self._by_conversation[next(iter(self._by_conversation))]

@@ -34,7 +34,7 @@ import torch
 
 from engine.decoding.acceptance import AcceptanceModel, AcceptanceModels
 from engine.decoding.context import ContextIndex, trie
-from engine.decoding.costs import DRAFT_RETRY_TOKENS, DraftSwitch, DraftSwitches, PassCosts
+from engine.decoding.costs import DraftSwitch, DraftSwitches, PassCosts, SwitchSettings
 from engine.decoding.drafting import (
     DraftTrace,
     Seeds,
@@ -133,7 +133,8 @@ class Engine:
     prefilled in chunks, the last part read by the first decoding pass itself."""
 
     def __init__(self, target: CausalLM, tokenizer: Tokenizer, draft: CausalLM | None = None,
-                 cache: CacheSettings | None = None, files: CacheFiles | None = None) -> None:
+                 cache: CacheSettings | None = None, files: CacheFiles | None = None,
+                 switch: SwitchSettings = SwitchSettings()) -> None:
         self.target = target
         self.draft = draft
         self.tokenizer = tokenizer
@@ -148,7 +149,7 @@ class Engine:
         # per conversation whether the draft pays
         self.acceptance = AcceptanceModels()
         self.costs = PassCosts()
-        self.switches = DraftSwitches()
+        self.switches = DraftSwitches(switch)
         self.copied_draft = draft is not None and copy_of_target(target, draft)  # it may read the target's K/V
         if self.copied_draft:
             log.info("the draft is a compressed copy of the target: it reads the target's K/V of the text")
@@ -396,7 +397,7 @@ class Engine:
             log.info("the draft's trees decode %.2f tokens/s and decoding without them %s: the draft is off for "
                      "this conversation, measured again in %d tokens or more", draft.switch.rate(True) or 0.0,
                      f"{without:.2f}" if without else f"{1.0 / self.costs.target(1):.2f} (predicted)",
-                     DRAFT_RETRY_TOKENS)
+                     draft.switch.settings.retry_tokens)
         if on and not draft.on and not draft.share:  # back on: the draft reads what it missed, in chunks
             assert self.draft is not None and run.dcache is not None
             t0 = time.perf_counter()

@@ -5,6 +5,7 @@ reads is the real one."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -22,10 +23,7 @@ PROMPT = "Once upon a time there was"
 SLEEP_S = 0.03
 
 
-@pytest.fixture(autouse=True)
-def _quick_verdicts(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(costs, "DRAFT_EVIDENCE_S", 0.1)
-    monkeypatch.setattr(costs, "DRAFT_EVIDENCE_STEPS", 2)
+QUICK = costs.SwitchSettings(evidence_s=0.1, evidence_steps=2)  # verdicts after a few tiny steps
 
 
 def slowed(monkeypatch: pytest.MonkeyPatch, model: CausalLM) -> None:
@@ -52,7 +50,7 @@ def test_a_slow_draft_goes_off_and_the_text_stays_the_same(tiny_target: LoadedMo
                                                           monkeypatch: pytest.MonkeyPatch,
                                                           caplog: pytest.LogCaptureFixture) -> None:
     reference = generate(Engine(tiny_target.model, tiny_target.tokenizer, tiny_close_draft.model), switch=False)
-    engine = Engine(tiny_target.model, tiny_target.tokenizer, tiny_close_draft.model)
+    engine = Engine(tiny_target.model, tiny_target.tokenizer, tiny_close_draft.model, switch=QUICK)
     slowed(monkeypatch, tiny_close_draft.model)
     with caplog.at_level(logging.INFO, logger="engine.decoding.generation"):
         got = generate(engine, switch=True)
@@ -67,7 +65,7 @@ def test_a_slow_draft_goes_off_and_the_text_stays_the_same(tiny_target: LoadedMo
 
 def test_a_draft_that_pays_stays_on(tiny_target: LoadedModel, tiny_close_draft: LoadedModel,
                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    engine = Engine(tiny_target.model, tiny_target.tokenizer, tiny_close_draft.model)
+    engine = Engine(tiny_target.model, tiny_target.tokenizer, tiny_close_draft.model, switch=QUICK)
     slowed(monkeypatch, tiny_target.model)  # an offloaded target: every pass costs the same long time
     got = generate(engine, switch=True)
     assert got.stats.mode == "specexec"
@@ -78,11 +76,10 @@ def test_a_draft_that_pays_stays_on(tiny_target: LoadedModel, tiny_close_draft: 
 def test_an_off_draft_is_measured_again_after_a_while(tiny_target: LoadedModel, tiny_close_draft: LoadedModel,
                                                       monkeypatch: pytest.MonkeyPatch,
                                                       caplog: pytest.LogCaptureFixture, share: bool) -> None:
-    monkeypatch.setattr(costs, "DRAFT_RETRY_TOKENS", 8)
-    monkeypatch.setattr(costs, "DRAFT_RETRY_FACTOR", 0.0)  # the time backoff: test_the_switch_judges...
+    retry = dataclasses.replace(QUICK, retry_tokens=8, retry_factor=0.0)  # no time backoff: test_the_switch_judges...
     reference = generate(Engine(tiny_target.model, tiny_target.tokenizer, tiny_close_draft.model), switch=False,
                          tokens=60)
-    engine = Engine(tiny_target.model, tiny_target.tokenizer, tiny_close_draft.model)
+    engine = Engine(tiny_target.model, tiny_target.tokenizer, tiny_close_draft.model, switch=retry)
     slowed(monkeypatch, tiny_close_draft.model)
     with caplog.at_level(logging.INFO, logger="engine.decoding.generation"):
         got = generate(engine, switch=True, tokens=60, share=share)
@@ -103,7 +100,7 @@ def test_the_bench_row_switched_decodes_as_the_app_does(tiny_target: LoadedModel
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     from engine.cli.bench import run_engine_row
 
-    engine = Engine(tiny_target.model, tiny_target.tokenizer, tiny_close_draft.model)
+    engine = Engine(tiny_target.model, tiny_target.tokenizer, tiny_close_draft.model, switch=QUICK)
     slowed(monkeypatch, tiny_close_draft.model)
     prompts = ["Paris is the capital of", "def add(a, b):"]
     trees = run_engine_row(engine, prompts, "specexec", 16, 0.0, 24, max_depth=6)
@@ -114,9 +111,9 @@ def test_the_bench_row_switched_decodes_as_the_app_does(tiny_target: LoadedModel
 
 def test_the_switch_judges_a_far_slower_draft_at_once_and_backs_off_in_time() -> None:
     """On the switch alone, with measured seconds given (a fake clock): a draft far behind goes
-    off after one step and is measured again only after DRAFT_RETRY_TOKENS tokens and ten times
+    off after one step and is measured again only after retry_tokens tokens and ten times
     the seconds its measurement cost; one only a little behind gets the full evidence first."""
-    switch = costs.DraftSwitch()
+    switch = costs.DraftSwitch(QUICK)
     switch.observe(False, 10, 1.0)  # 10 tokens/s without the draft
     assert switch.decide(costs.PassCosts())
     switch.observe(True, 8, 4.0)  # 2 tokens/s: far behind
@@ -126,9 +123,9 @@ def test_the_switch_judges_a_far_slower_draft_at_once_and_backs_off_in_time() ->
     switch.observe(False, 10, 11.0)
     assert switch.decide(costs.PassCosts()) and switch.on
 
-    close = costs.DraftSwitch()
+    close = costs.DraftSwitch(QUICK)
     close.observe(False, 10, 1.0)
-    for _ in range(costs.DRAFT_EVIDENCE_STEPS - 1):
+    for _ in range(QUICK.evidence_steps - 1):
         close.observe(True, 9, 1.0)  # 9 tokens/s: a little behind
         assert close.decide(costs.PassCosts())
     close.observe(True, 9, 1.0)
