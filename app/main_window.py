@@ -26,17 +26,18 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.chat.markdown import warm_up_highlighting
+from app.chat.page import ChatPage
+from app.state.conversations import ConversationStore
+from app.state.names import short_name
+from app.state.preferences import Preferences, PreferencesStore
+from app.state.running import RunningPair, running_pair
+from app.widgets.status import StatusBar
+from app.workers.api_server import ApiServer
+from app.workers.engine_worker import EngineHost
+from app.workers.remote_worker import RemoteHost
 from engine.types import LoadProgress, LoadSettings, Placement
 
-from .api_server import ApiServer
-from .chat_page import ChatPage
-from .conversations import ConversationStore
-from .engine_worker import EngineHost
-from .markdown import warm_up_highlighting
-from .preferences import Preferences, PreferencesStore
-from .remote_engines import RemoteHost
-from .running import RunningPair, running_pair
-from .status import StatusBar, short_name
 from .theme import apply_theme, markdown_palette
 
 # closing waits this long for the engine thread: it saves the long conversations' caches first
@@ -168,7 +169,7 @@ class MainWindow(QMainWindow):
     def _ensure_models_page(self) -> QWidget | None:
         if self.models_page is None:
             try:
-                from .models_page import ModelsPage
+                from app.models.page import ModelsPage
 
                 page = ModelsPage(self.preferences, self, endpoint=self.endpoint, running=self.running)
             except Exception as exc:  # noqa: BLE001 - the chat keeps working without it
@@ -196,7 +197,7 @@ class MainWindow(QMainWindow):
 
     def open_settings(self) -> None:
         try:
-            from .settings_dialog import SettingsDialog
+            from app.settings.dialog import SettingsDialog
 
             dialog = SettingsDialog(self.preferences, self, running=self.running)
         except Exception as exc:  # noqa: BLE001

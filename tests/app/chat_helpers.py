@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from PySide6.QtCore import QObject, Signal, Slot
 
-from app.engine_worker import EngineHost
+from app.workers.engine_worker import EngineHost
 
 
 class WorkerEvents(QObject):

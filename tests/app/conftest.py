@@ -18,9 +18,9 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 from PySide6.QtCore import QSettings  # noqa: E402
 
-from app.conversations import ConversationStore, default_path  # noqa: E402
-from app.engine_worker import EngineHost  # noqa: E402
-from app.preferences import Preferences, PreferencesStore  # noqa: E402
+from app.state.conversations import ConversationStore, default_path  # noqa: E402
+from app.state.preferences import Preferences, PreferencesStore  # noqa: E402
+from app.workers.engine_worker import EngineHost  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

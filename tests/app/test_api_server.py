@@ -17,9 +17,9 @@ import pytest
 from PySide6.QtCore import Qt
 from pytestqt.qtbot import QtBot
 
-from app.conversations import ConversationStore
 from app.main_window import MainWindow
-from app.preferences import PreferencesStore
+from app.state.conversations import ConversationStore
+from app.state.preferences import PreferencesStore
 
 KEY = "sk-app-test"
 LOAD_MS = 120_000

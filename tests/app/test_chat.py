@@ -23,9 +23,9 @@ from PySide6.QtWidgets import (
 )
 from pytestqt.qtbot import QtBot
 
-from app.conversations import ConversationStore
 from app.main_window import MainWindow
-from app.preferences import PreferencesStore
+from app.state.conversations import ConversationStore
+from app.state.preferences import PreferencesStore
 
 LOAD_MS = 120_000
 
@@ -172,13 +172,13 @@ def test_new_search_rename_and_delete_in_the_sidebar(qtbot: QtBot, open_window, 
         dialog.setTextValue("Fruit talk")
         return True
 
-    monkeypatch.setattr("app.sidebar.QInputDialog.exec", rename_dialog)
+    monkeypatch.setattr("app.chat.sidebar.QInputDialog.exec", rename_dialog)
     chat.sidebar.rename_current()
     assert conversations.get(a.id).title == "Fruit talk"  # type: ignore[union-attr]
     assert widths[0] >= 400  # room for a title, not 20 characters
     from PySide6.QtWidgets import QMessageBox
 
-    monkeypatch.setattr("app.sidebar.QMessageBox.question", lambda *a, **k: QMessageBox.StandardButton.Yes)
+    monkeypatch.setattr("app.chat.sidebar.QMessageBox.question", lambda *a, **k: QMessageBox.StandardButton.Yes)
     chat.sidebar.delete_current()
     assert conversations.get(a.id) is None
     qtbot.keyClick(window, Qt.Key.Key_N, Qt.KeyboardModifier.ControlModifier)

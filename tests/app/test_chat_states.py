@@ -18,10 +18,10 @@ import pytest
 from PySide6.QtCore import QEvent, QObject, Qt
 from pytestqt.qtbot import QtBot
 
-from app.composer import PLACEHOLDER
-from app.conversations import ConversationStore
+from app.chat.composer import PLACEHOLDER
 from app.main_window import MainWindow
-from app.preferences import PreferencesStore
+from app.state.conversations import ConversationStore
+from app.state.preferences import PreferencesStore
 
 LOAD_MS = 120_000
 ANSWER_MS = 120_000

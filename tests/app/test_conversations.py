@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from app.conversations import MIGRATIONS, SCHEMA_VERSION, ConversationStore, title_from
-from app.sidebar import export_conversation
+from app.chat.sidebar import export_conversation
+from app.state.conversations import MIGRATIONS, SCHEMA_VERSION, ConversationStore, title_from
 
 
 def test_conversations_and_messages_survive_reopening(tmp_path: Path) -> None:

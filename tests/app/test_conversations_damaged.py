@@ -14,11 +14,11 @@ from filesystems import read_only, small_disk
 from PySide6.QtCore import Qt
 from pytestqt.qtbot import QtBot
 
-from app.conversations import ConversationStore, default_path
 from app.main import show_store_notices
 from app.main_window import MainWindow
-from app.preferences import PreferencesStore
-from app.recovery import LOST_TITLE
+from app.state.conversations import ConversationStore, default_path
+from app.state.preferences import PreferencesStore
+from app.state.recovery import LOST_TITLE
 
 LOAD_MS = 120_000
 

@@ -15,11 +15,11 @@ from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QApplication, QFormLayout, QLabel, QLineEdit, QWidget
 from pytestqt.qtbot import QtBot
 
-from app.conversations import ConversationStore, export_file_name, title_from
-from app.mnemonics import give_buddies, has_mnemonic, unpaired
-from app.settings_dialog import SettingsDialog
-from app.sidebar import WRITING, Sidebar
+from app.chat.sidebar import WRITING, Sidebar
+from app.settings.dialog import SettingsDialog
+from app.state.conversations import ConversationStore, export_file_name, title_from
 from app.theme import apply_theme
+from app.widgets.mnemonics import give_buddies, has_mnemonic, unpaired
 
 
 def _labels_showing_an_ampersand(root: QWidget) -> list[str]:
@@ -98,7 +98,7 @@ def test_the_export_dialog_proposes_the_title_and_the_file_is_written(qtbot: QtB
         proposed.append(path)
         return str(tmp_path / Path(path).name), ""
 
-    monkeypatch.setattr("app.sidebar.QFileDialog.getSaveFileName", save_dialog)
+    monkeypatch.setattr("app.chat.sidebar.QFileDialog.getSaveFileName", save_dialog)
     sidebar.export_current("md")
     assert Path(proposed[0]).name == "Why is the sky blue Answer in one sentence,.md"
     assert "Why is the sky blue?" in (tmp_path / Path(proposed[0]).name).read_text(encoding="utf-8")

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from pytestqt.qtbot import QtBot
 
-from app import logfile
-from app.status import ErrorBanner
+from app.state import logfile
+from app.widgets.status import ErrorBanner
 
 
 @pytest.fixture
@@ -37,7 +37,7 @@ def test_the_log_goes_to_the_platform_folder_rotates_and_is_named_in_errors(
     try:
         raise RuntimeError("the worker fell over")
     except RuntimeError:
-        logging.getLogger("app.engine_worker").exception("generation failed")
+        logging.getLogger("app.workers.engine_worker").exception("generation failed")
     logging.getLogger("engine.store").info("downloaded %s", "starter")
     text = path.read_text(encoding="utf-8")
     assert "generation failed" in text and "RuntimeError: the worker fell over" in text  # with its traceback

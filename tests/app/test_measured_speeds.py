@@ -11,10 +11,10 @@ from pathlib import Path
 from chat_helpers import WorkerEvents
 from pytestqt.qtbot import QtBot
 
-from app.engine_worker import EngineHost
-from app.preferences import Preferences, PreferencesStore
-from app.running import RunningPair, running_pair
-from app.settings_dialog import SettingsDialog
+from app.settings.dialog import SettingsDialog
+from app.state.preferences import Preferences, PreferencesStore
+from app.state.running import RunningPair, running_pair
+from app.workers.engine_worker import EngineHost
 from engine.loading.synthetic import tiny_gguf
 from engine.planning.measured import measured_speed, record_answer
 from engine.store.pypi import STARTER_FOLDER_NAME
@@ -115,8 +115,8 @@ def test_the_window_runs_the_starter_folder_and_tells_settings_and_the_models_pa
     """An older wizard saved the starter by its catalog id and copied its GGUF into the models
     folder: the window loads the one starter folder instead, and what it loaded reaches Settings
     and the models page."""
-    from app.conversations import ConversationStore, default_path
     from app.main_window import MainWindow
+    from app.state.conversations import ConversationStore, default_path
     from engine.store.pypi import STARTER_GGUF_NAME
     from engine.store.registry import manifest_data, write_json_atomic
 

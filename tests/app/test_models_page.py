@@ -14,8 +14,8 @@ import pytest
 from pages_hub import FakeRepo, HubServer
 from pytestqt.qtbot import QtBot
 
-from app.models_page import CATALOG_COLUMNS, COL_FIT, COL_SPEED, ModelsPage
-from app.preferences import PreferencesStore
+from app.models.page import CATALOG_COLUMNS, COL_FIT, COL_SPEED, ModelsPage
+from app.state.preferences import PreferencesStore
 from engine.loading.synthetic import tiny_model
 from engine.store import list_local_models
 from engine.store.transfer import DownloadSettings
@@ -421,7 +421,7 @@ def test_a_download_that_does_not_fit_asks_first_and_no_starts_nothing(
 def test_download_warnings_name_the_reason(tmp_path: Path) -> None:
     import shutil
 
-    from app.recommend import LARGE_DOWNLOAD_BYTES, PairOption, download_warning
+    from app.models.recommend import LARGE_DOWNLOAD_BYTES, PairOption, download_warning
 
     free = shutil.disk_usage(tmp_path).free
     fits = PairOption("p", "a pair", "", "t", "d", 0, fit="fits", tokens_per_second=5.0)
@@ -442,7 +442,7 @@ def replace_fit(option, fit: str):  # type: ignore[no-untyped-def]
 
 
 def test_progress_wording() -> None:
-    from app.download_worker import (
+    from app.workers.download_worker import (
         describe_progress,
         format_duration,
         progress_fraction,

@@ -12,7 +12,7 @@ import pytest
 from PySide6.QtCore import QSettings
 from pytestqt.qtbot import QtBot
 
-from app.preferences import Preferences, PreferencesStore
+from app.state.preferences import Preferences, PreferencesStore
 from engine.types import LoadSettings, SamplingSettings, SpeculationSettings
 
 

@@ -14,10 +14,10 @@ from PySide6.QtCore import Qt
 from pytestqt.qtbot import QtBot
 from remote_helpers import SERVE_KEY, VLLM_MODEL, ServeProcess, VllmStandIn
 
-from app.conversations import ConversationStore
 from app.main_window import MainWindow
-from app.preferences import PreferencesStore
-from app.remote_engines import encode_choice
+from app.state.conversations import ConversationStore
+from app.state.preferences import PreferencesStore
+from app.state.remote_engines import encode_choice
 
 KEY = "token-abc123"
 ANSWER_MS = 60_000

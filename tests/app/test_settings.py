@@ -15,8 +15,8 @@ from PySide6.QtWidgets import (
 )
 from pytestqt.qtbot import QtBot
 
-from app.preferences import Preferences, PreferencesStore
-from app.settings_dialog import SettingsDialog
+from app.settings.dialog import SettingsDialog
+from app.state.preferences import Preferences, PreferencesStore
 from engine import paths
 
 pytest_plugins = ("pages_fixtures",)  # app_env, prefs_store fixtures
@@ -190,7 +190,7 @@ def test_the_hugging_face_token_field_saves_where_hf_tools_read_it(
 
 
 def test_the_plot_labels_small_speeds_and_keeps_its_points_inside(qtbot: QtBot) -> None:
-    from app.plot import BudgetPlot, label_format
+    from app.settings.plot import BudgetPlot, label_format
 
     for top in (0.012, 0.04, 0.3, 3.0, 30.0):  # every tick label differs from the next
         ticks = [label_format(top) % (top * i / 5) for i in range(6)]

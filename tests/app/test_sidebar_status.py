@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from pytestqt.qtbot import QtBot
 
-from app.conversations import ConversationStore, default_path
-from app.sidebar import Sidebar, date_group
-from app.status import StatusBar
+from app.chat.sidebar import Sidebar, date_group
+from app.state.conversations import ConversationStore, default_path
+from app.widgets.status import StatusBar
 
 
 def test_conversations_are_grouped_by_date() -> None:
@@ -37,7 +37,7 @@ def test_export_is_confirmed_and_headings_are_not_conversations(qtbot: QtBot, tm
         assert [i.text() for i in sidebar.conversation_items()] == ["Lisbon"]
         assert "last message" in sidebar.conversation_items()[0].toolTip()
         target = tmp_path / "lisbon.md"
-        monkeypatch.setattr("app.sidebar.QFileDialog.getSaveFileName", lambda *a, **k: (str(target), ""))
+        monkeypatch.setattr("app.chat.sidebar.QFileDialog.getSaveFileName", lambda *a, **k: (str(target), ""))
         with qtbot.waitSignal(sidebar.exported) as exported:
             sidebar.export_current("md")
         assert exported.args == [str(target)] and "three days in Lisbon?" in target.read_text(encoding="utf-8")

@@ -13,10 +13,10 @@ import pytest
 from PySide6.QtWidgets import QLabel
 from pytestqt.qtbot import QtBot
 
-from app.conversations import ConversationStore
-from app.field_row import ElidedLabel, FieldRow
 from app.main_window import MainWindow
-from app.status import ModeContext, StatusBar, mode_text
+from app.state.conversations import ConversationStore
+from app.widgets.field_row import ElidedLabel, FieldRow
+from app.widgets.status import ModeContext, StatusBar, mode_text
 from engine.types import GenerationStats, Placement
 
 TARGET = "/home/ann/.local/share/specchat/models/Llama-3.1-70B-Instruct"

@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 from pytestqt.qtbot import QtBot
 
-from app.conversations import ConversationStore
+from app.chat.turn_status import WAITING_FOR_API
 from app.main_window import MainWindow
-from app.preferences import PreferencesStore
-from app.turn_status import WAITING_FOR_API
+from app.state.conversations import ConversationStore
+from app.state.preferences import PreferencesStore
 
 LOAD_MS = 120_000
 ANSWER_MS = 120_000

@@ -9,7 +9,7 @@ from chat_helpers import WorkerEvents
 from PySide6.QtCore import QThread
 from pytestqt.qtbot import QtBot
 
-from app.engine_worker import EngineHost
+from app.workers.engine_worker import EngineHost
 from engine.types import (
     Completion,
     GenerationRequest,
