@@ -26,7 +26,7 @@ from PySide6.QtWidgets import QApplication
 
 from app.state.conversations import ConversationStore, default_path
 from app.state.logfile import install_log_file
-from app.state.preferences import PreferencesStore
+from app.state.preferences_store import PreferencesStore
 from engine import paths
 
 from .main_window import MainWindow

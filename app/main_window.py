@@ -30,8 +30,10 @@ from app.chat.markdown import warm_up_highlighting
 from app.chat.page import ChatPage
 from app.state.conversations import ConversationStore
 from app.state.names import short_name
-from app.state.preferences import Preferences, PreferencesStore
+from app.state.preferences import Preferences
+from app.state.preferences_store import PreferencesStore
 from app.state.running import RunningPair, running_pair
+from app.widgets.dialogs import Dialogs
 from app.widgets.status import StatusBar
 from app.workers.api_server import ApiServer
 from app.workers.engine_worker import EngineHost
@@ -65,7 +67,7 @@ class MainWindow(QMainWindow):
 
     def __init__(self, preferences: PreferencesStore, conversations: ConversationStore,
                  host: EngineHost | None = None, endpoint: str | None = None,
-                 parent: QWidget | None = None) -> None:
+                 parent: QWidget | None = None, dialogs: Dialogs | None = None) -> None:
         super().__init__(parent)
         self.setWindowTitle("SpecChat")
         self.setAccessibleName("SpecChat")
@@ -78,6 +80,7 @@ class MainWindow(QMainWindow):
             apply_theme(app, prefs.theme, prefs.font_size)
         self._look = (prefs.theme, prefs.font_size)
         self.endpoint = endpoint
+        self.dialogs = dialogs or Dialogs.over(self)  # every confirm and ask of the pages (tests answer them)
         self.host = host if host is not None else EngineHost(self)
         self._loaded_key: _PairKey | None = None
         self._loading_key: _PairKey | None = None
@@ -90,10 +93,13 @@ class MainWindow(QMainWindow):
         self.setStatusBar(self.status)
         self.status.load_cancel_requested.connect(self.cancel_load)
         self.pages = QStackedWidget()
-        self.remote_host = RemoteHost(self)  # conversations on remote engines (Settings > Engines)
+        # conversations on remote engines (Settings > Engines); its request ids come from the
+        # engine host's counter: the chat page hears both workers
+        self.remote_host = RemoteHost(self, ids=self.host.ids)
         self.api = ApiServer(self.host, self)  # Settings > Server: the loaded model over the OpenAI API
-        self.status.add_field(self.api.status_label)
-        self.chat = ChatPage(conversations, self.host, preferences, self.status, remote=self.remote_host)
+        self.api.status_changed.connect(self._on_api_status_changed)
+        self.chat = ChatPage(conversations, self.host, preferences, self.status, remote=self.remote_host,
+                             dialogs=self.dialogs)
         self.chat.starter_requested.connect(self.use_starter)
         self.chat.models_requested.connect(self.show_models)
         self.pages.addWidget(self.chat)
@@ -251,6 +257,9 @@ class MainWindow(QMainWindow):
         self.chat.set_model_state("loading")
         self._load_id = self.host.prepare_starter()
 
+    def _on_api_status_changed(self, text: str) -> None:
+        self.status.show_api(text, self.api.tooltip())
+
     def _on_worker_starter_prepared(self, load_id: int, path: str) -> None:
         if load_id == self._load_id:
             self.preferences.update(target=path, draft="")  # -> _on_preferences_changed -> load
@@ -258,7 +267,8 @@ class MainWindow(QMainWindow):
     def _on_worker_load_progressed(self, progress: LoadProgress) -> None:
         self.status.show_load_progress(progress)
 
-    def _on_worker_loaded(self, load_id: int, target: str, draft: str, placement: Placement | None) -> None:
+    def _on_worker_loaded(self, load_id: int, target: str, draft: str, placement: Placement | None,
+                          _context: int) -> None:
         if load_id != self._load_id:
             return  # a load that was replaced by a newer one
         self._loaded_key, self._loading_key = self._loading_key, None

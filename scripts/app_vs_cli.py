@@ -82,7 +82,8 @@ def _child(model: str, max_new: int, penalty: float, state: str) -> int:
 
     from app.main_window import MainWindow
     from app.state.conversations import ConversationStore, default_path
-    from app.state.preferences import Preferences, PreferencesStore
+    from app.state.preferences import Preferences
+    from app.state.preferences_store import PreferencesStore
 
     app = QApplication(["specchat"])
     prefs = PreferencesStore(QSettings(f"{state}/specchat.ini", QSettings.Format.IniFormat))

@@ -103,7 +103,8 @@ def _shoot(out: Path, starter: Path, draft: Path, state: Path) -> int:
 
     from app.main_window import MainWindow
     from app.state.conversations import ConversationStore, default_path
-    from app.state.preferences import Preferences, PreferencesStore
+    from app.state.preferences import Preferences
+    from app.state.preferences_store import PreferencesStore
 
     app = QApplication(["specchat"])
     app.setApplicationName("SpecChat")

@@ -1,31 +1,25 @@
-"""The chat page: conversation sidebar, system prompt, messages, composer, and the turn logic
-(send -> stream -> stop / finish; regenerate; continue; edit-and-resend).
+"""The chat page: conversation sidebar, system prompt, messages and composer, wired to the turn
+controller (app/chat/turn.py: history -> request, the answer being written, the save rule) and
+the workers (the local engine's host and the remote engines').
 
 One answer is written at a time (the engine has one worker). It belongs to its conversation,
 not to the screen: switching to another conversation, or to a new one, lets it go on in the
 background (as LM Studio and Jan do). The sidebar marks that conversation, the composer shows
 Stop wherever the user is (sending waits for the engine), and coming back shows the answer
-where it has got to, still streaming.
+where it has got to, still streaming. What is saved when is the turn controller's rule; this
+page tells it whether the answer is on screen and saves before every render of it.
 
-Persistence rule: the answer's row is created (complete = 0) before its first token. While it is
-on screen its text is written just before every render (ChatView.before_render), so the
-database always holds at least what the window shows; in the background it is written every
-BACKGROUND_SAVE_MS. A finished answer is marked complete with its stats and finish reason.
+What this does not do: decide anything about the database or the request itself (the turn
+controller does), or touch the engine (the hosts do).
 """
 
 from __future__ import annotations
 
 import logging
-import time
+from typing import TYPE_CHECKING
 
-from PySide6.QtCore import Qt, QTimer, Signal
-from PySide6.QtWidgets import (
-    QHBoxLayout,
-    QSplitter,
-    QStackedWidget,
-    QVBoxLayout,
-    QWidget,
-)
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtWidgets import QHBoxLayout, QSplitter, QStackedWidget, QVBoxLayout, QWidget
 
 from app.chat.composer import Composer
 from app.chat.empty_state import EmptyState
@@ -33,21 +27,23 @@ from app.chat.engine_picker import EnginePicker
 from app.chat.markdown import MarkdownPalette
 from app.chat.sidebar import Sidebar
 from app.chat.system_prompt import SystemPromptRow
-from app.chat.turn import Answer, answer_request, length_note, message_meta
+from app.chat.turn import Ending, TurnController, TurnSettings, length_note, message_meta
 from app.chat.turn_status import TurnStatus, mode_context
-from app.chat.view import ChatView
-from app.state.conversations import ConversationStore, StoredMessage, stats_dict, title_from
-from app.state.preferences import PreferencesStore
-from app.state.remote_engines import LOCAL, parse_engines, resolve
+from app.chat.view import ChatView, MessageWidget
+from app.state.conversations import ConversationStore, StoredMessage
+from app.state.preferences_store import PreferencesStore
+from app.state.remote_engines import LOCAL
+from app.widgets.dialogs import Dialogs
 from app.widgets.status import ErrorBanner, StatusBar
 from app.workers.engine_worker import EngineHost
 from app.workers.remote_worker import RemoteHost
 from engine.errors import RemoteError
-from engine.types import Completion, RemoteModel
+from engine.types import Completion, GenerationRequest, RemoteModel
+
+if TYPE_CHECKING:
+    from engine.decoding.auto_budget import BudgetChoice
 
 log = logging.getLogger(__name__)
-
-BACKGROUND_SAVE_MS = 500
 
 
 class ChatPage(QWidget):
@@ -58,31 +54,27 @@ class ChatPage(QWidget):
     answer_finished = Signal(str)
 
     def __init__(self, conversations: ConversationStore, host: EngineHost, preferences: PreferencesStore,
-                 status: StatusBar, parent: QWidget | None = None, remote: RemoteHost | None = None) -> None:
+                 status: StatusBar, parent: QWidget | None = None, remote: RemoteHost | None = None,
+                 dialogs: Dialogs | None = None, settings: TurnSettings | None = None) -> None:
         super().__init__(parent)
         self.store = conversations
         self.host = host
-        self.remote = remote  # answers from remote engines (app/state/remote_engines.py), same signals as host's
-        self._active: EngineHost | RemoteHost = host  # whichever runs the answer in progress
+        self.remote = remote  # answers from remote engines (app/workers/remote_worker.py), same signals as host's
         self.preferences = preferences
         self.status = status
+        self.dialogs = dialogs or Dialogs.over(self)
+        self.controller = TurnController(conversations, self._send, settings)
         self.turn = TurnStatus(status)  # the figures per conversation; an answer waiting for the API
         self.conversation_id = 0
         self.model_state, self._model_detail = "none", ""
         self._ids: list[int] = []  # database id of each message in the view
-        self._answer: Answer | None = None
         self._editing_id = 0
-        self.plan: object | None = None  # engine.planning.planner.Plan for budget "auto", from the worker
-        self._save_timer = QTimer(self)
-        self._save_timer.setSingleShot(True)
-        self._save_timer.setInterval(BACKGROUND_SAVE_MS)
-        self._save_timer.timeout.connect(self._save_answer)
         self._build()
         for worker in (host.worker, remote.worker) if remote is not None else (host.worker,):
             worker.tokens_generated.connect(self._on_worker_tokens_generated)
             worker.generation_finished.connect(self._on_worker_generation_finished)
             worker.generation_failed.connect(self._on_worker_generation_failed)
-        host.worker.planned.connect(self._on_worker_planned)
+        host.worker.budget_chosen.connect(self._on_worker_budget_chosen)
         host.worker.serving.connect(self._on_worker_serving)
         self.sidebar.refresh()
         first = self.store.conversations()
@@ -97,7 +89,7 @@ class ChatPage(QWidget):
         outer.setContentsMargins(0, 0, 0, 0)
         splitter = QSplitter(Qt.Orientation.Horizontal)
         splitter.setChildrenCollapsible(False)
-        self.sidebar = Sidebar(self.store)
+        self.sidebar = Sidebar(self.store, dialogs=self.dialogs)
         self.sidebar.conversation_selected.connect(self.open_conversation)
         self.sidebar.conversation_deleted.connect(self._on_sidebar_conversation_deleted)
         self.sidebar.new_requested.connect(self.new_conversation)
@@ -112,7 +104,7 @@ class ChatPage(QWidget):
         banner_row.setContentsMargins(12, 8, 12, 0)
         banner_row.addWidget(self.banner)
         column.addLayout(banner_row)
-        self.system_row = SystemPromptRow()
+        self.system_row = SystemPromptRow(dialogs=self.dialogs)
         self.system_row.edited.connect(self._on_system_row_edited)
         self.system_row.save_requested.connect(self.save_preset)
         self.system_edit, self.preset_combo = self.system_row.edit, self.system_row.presets
@@ -123,7 +115,7 @@ class ChatPage(QWidget):
         self.reload_presets()
         column.addWidget(self.system_row)
         self.view = ChatView()
-        self.view.before_render = self._save_partial
+        self.view.before_render = self._on_view_before_render
         self.view.edit_requested.connect(self.edit_last)
         self.view.regenerate_requested.connect(self.regenerate)
         self.view.continue_requested.connect(self.continue_answer)
@@ -148,16 +140,21 @@ class ChatPage(QWidget):
     @property
     def busy(self) -> bool:
         """An answer is being written (in this conversation or another)."""
-        return self._answer is not None
+        return self.controller.busy
 
     @property
     def answering_here(self) -> bool:
-        return self._answer is not None and self._answer.conversation_id == self.conversation_id
+        return self.controller.busy and self.controller.answering_in == self.conversation_id
 
     @property
     def answering_in(self) -> int:
         """The conversation an answer is being written in (0: none)."""
-        return self._answer.conversation_id if self._answer is not None else 0
+        return self.controller.answering_in
+
+    def _active(self) -> EngineHost | RemoteHost:
+        """The host whose worker writes the answer in progress (the local one when none)."""
+        answer = self.controller.answer
+        return self.remote if answer is not None and answer.remote and self.remote is not None else self.host
 
     def set_model_state(self, state: str, detail: str = "") -> None:
         """"none" (no model chosen: the empty state), "loading", "ready" or "failed"."""
@@ -172,7 +169,7 @@ class ChatPage(QWidget):
         return self.model_state == "ready" or self.engine_picker.choice() != LOCAL
 
     def _update_composer(self) -> None:
-        answer = self._answer
+        answer = self.controller.answer
         self.composer.set_busy(answer is not None)  # Stop wherever the user is
         self.view.set_busy(answer is not None)
         if answer is not None:
@@ -233,11 +230,11 @@ class ChatPage(QWidget):
         self.system_edit.setText(conv.system_prompt)
         self.engine_picker.set_choice(conv.engine)
         self.set_model_state(self.model_state, self._model_detail)
-        answer = self._answer if self.answering_here else None
+        answer = self.controller.answer if self.answering_here else None
         for m in self.store.messages(conv.id):
             if answer is not None and m.id == answer.message_id:
                 widget = self.view.begin_answer(answer.text)  # still being written: it streams on here
-                if not answer.first_token and self._active is self.host:
+                if not answer.first_token and not answer.remote:
                     widget.set_placeholder(self.turn.waiting_text())
                 self._ids.append(m.id)
             else:
@@ -253,7 +250,7 @@ class ChatPage(QWidget):
         if self.answering_here:
             self.view.flush()
             self.view.detach_answer()
-            self._save_answer()
+            self.controller.save()
         if self._editing_id:
             self.cancel_edit()
 
@@ -267,10 +264,9 @@ class ChatPage(QWidget):
         self._ids.append(m.id)
 
     def _on_sidebar_conversation_deleted(self, conversation_id: int) -> None:
-        if self.answering_in == conversation_id:  # its row is gone with it: stop writing
-            self._active.cancel_generation()
-            self._save_timer.stop()
-            self._answer = None
+        active = self._active()
+        if self.controller.forget(conversation_id):  # its row is gone with it: stop writing
+            active.cancel_generation()
             self._update_composer()
         if conversation_id == self.conversation_id:
             self.conversation_id = 0
@@ -302,13 +298,13 @@ class ChatPage(QWidget):
         if not ok:
             return
         self.clear_error("answer", "engine")  # a new try
-        if not self.conversation_id:
-            self.conversation_id = self.store.create(title_from(text), self.system_edit.text()).id
-            self.store.set_engine(self.conversation_id, self.engine_picker.choice())
-        elif self._editing_id:
-            self._drop_from(self._editing_id)
+        replace_from = self._editing_id if self.conversation_id else 0
+        if replace_from:
+            self._unshow_from(replace_from)
         self._set_editing(None)
-        self._show(self.store.add_message(self.conversation_id, "user", text))
+        self.conversation_id, message = self.controller.post(
+            self.conversation_id, text, self.system_edit.text(), self.engine_picker.choice(), replace_from)
+        self._show(message)
         self._start_answer(remote=remote)
 
     def regenerate(self) -> None:
@@ -318,7 +314,9 @@ class ChatPage(QWidget):
         ok, remote = self._engine_for_answer()
         if not ok:
             return
-        self._drop_from(self._ids[-1])
+        last = self._ids[-1]
+        self._unshow_from(last)
+        self.controller.drop_from(self.conversation_id, last)
         self._start_answer(remote=remote)
 
     def continue_answer(self) -> None:
@@ -328,9 +326,7 @@ class ChatPage(QWidget):
         ok, remote = self._engine_for_answer()
         if not ok:
             return
-        widget = self.view.messages[-1]
-        self.store.update_message(self._ids[-1], widget.text, complete=False)
-        self._start_answer(resume=widget, remote=remote)
+        self._start_answer(resume=self.view.messages[-1], remote=remote)
 
     def edit_last(self) -> None:
         """Put the last user message in the composer; sending it replaces it and what followed."""
@@ -356,7 +352,7 @@ class ChatPage(QWidget):
 
     def stop(self) -> None:
         if self.busy:
-            self._active.cancel_generation()
+            self._active().cancel_generation()
 
     def escape(self) -> None:
         """Esc: stop the answer being written, else leave edit mode."""
@@ -365,9 +361,9 @@ class ChatPage(QWidget):
         else:
             self.cancel_edit()
 
-    def _drop_from(self, message_id: int) -> None:
+    def _unshow_from(self, message_id: int) -> None:
+        """Take a message and every later one off the view (the controller drops them from the database)."""
         index = self._ids.index(message_id)
-        self.store.delete_messages_from(self.conversation_id, message_id)
         self.view.remove_from(index)
         del self._ids[index:]
 
@@ -375,103 +371,84 @@ class ChatPage(QWidget):
         """The remote model this conversation runs on (None: the local one); False, with a banner,
         when its server was removed from the settings."""
         try:
-            return True, resolve(self.engine_picker.choice(), parse_engines(self.preferences.load().remote_engines))
+            return True, self.controller.route(self.engine_picker.choice(), self.preferences.load())
         except RemoteError as exc:
             self.show_error(exc.user_message, "engine")
             return False, None
 
-    def _start_answer(self, resume: object = None, remote: RemoteModel | None = None) -> None:
+    def _send(self, request: GenerationRequest, remote: RemoteModel | None) -> int:
+        """The turn controller's way to the engine: a remote server's worker or the local one."""
+        if remote is not None and self.remote is not None:
+            return self.remote.generate(request, remote)
+        return self.host.generate(request)
+
+    def _start_answer(self, resume: MessageWidget | None = None, remote: RemoteModel | None = None) -> None:
         prefs = self.preferences.load()
-        request = answer_request(prefs, self.plan, self.system_edit.text(), self.store.messages(self.conversation_id),
-                                 self.conversation_id, continue_final=resume is not None)
+        resumed = (self._ids[-1], resume.text) if resume is not None else None
+        answer = self.controller.begin(self.conversation_id, prefs, self.system_edit.text(), remote, resumed)
         if resume is None:
-            message_id = self.store.add_message(self.conversation_id, "assistant", "", complete=False).id
-            self._ids.append(message_id)
+            self._ids.append(answer.message_id)
             widget = self.view.begin_answer()
         else:
-            message_id = self._ids[-1]
-            widget = self.view.resume_answer(resume)  # type: ignore[arg-type]
-        if remote is not None and self.remote is not None:
-            self._active = self.remote
-            request_id = self.remote.generate(request, remote)
-        else:
-            self._active = self.host
-            request_id = self.host.generate(request)
+            widget = self.view.resume_answer(resume)
+        if not answer.remote:
             widget.set_placeholder(self.turn.waiting_text())
-        self._answer = Answer(request_id, self.conversation_id, message_id, widget.text, started=time.monotonic())
-        self.turn.begin(self.conversation_id, mode_context(prefs, self.plan, self.status.has_draft, remote is not None))
+        self.turn.begin(self.conversation_id, mode_context(prefs, self.status.has_draft, answer.remote))
         self.sidebar.set_writing(self.conversation_id)
         self.sidebar.select(self.conversation_id)
         self._update_composer()
 
-    def _on_worker_planned(self, plan: object) -> None:
-        self.plan = plan
+    def _on_worker_budget_chosen(self, request_id: int, choice: BudgetChoice) -> None:
+        """What budget "auto" chose for the answer being written: its mode field says why."""
+        if self.controller.owns(request_id):
+            self.turn.choose(choice)
 
     def _on_worker_serving(self, busy: bool) -> None:
         """The engine started or ended an API request: an answer waiting behind it says so."""
         self.turn.serving = busy
-        answer = self._answer
-        if answer is not None and not answer.first_token and self._active is self.host and self.answering_here:
+        answer = self.controller.answer
+        if answer is not None and not answer.first_token and not answer.remote and self.answering_here:
             self.view.set_waiting(self.turn.waiting_text())
 
-    def _save_partial(self, text: str) -> None:
+    def _on_view_before_render(self, text: str) -> None:
         """Before each render of the answer on screen: the database gets it first."""
         if self.answering_here:
-            self.store.update_message(self._answer.message_id, text)  # type: ignore[union-attr]
-
-    def _save_answer(self) -> None:
-        if self._answer is not None:
-            self.store.update_message(self._answer.message_id, self._answer.text)
+            self.controller.save_shown(text)
 
     def _on_worker_tokens_generated(self, request_id: int, text: str, tokens: int) -> None:
-        answer = self._answer
-        if answer is None or request_id != answer.request_id:
-            return
-        answer.text += text
-        answer.tokens += tokens
-        seconds = time.monotonic() - answer.started
         here = self.answering_here
-        if not answer.first_token:
-            answer.first_token = True
-            self.turn.first_token(seconds, here)
+        progress = self.controller.tokens(request_id, text, tokens, shown=here)
+        if progress is None:
+            return
+        if progress.first:
+            self.turn.first_token(progress.seconds, here)
         if here:
             self.view.append_answer(text)
-        elif not self._save_timer.isActive():
-            self._save_timer.start()
-        self.turn.progress(answer.tokens, seconds, here)
+        self.turn.progress(progress.tokens, progress.seconds, here)
 
     def _on_worker_generation_finished(self, request_id: int, completion: Completion) -> None:
-        answer = self._answer
-        if answer is None or request_id != answer.request_id:
+        here = self.answering_here
+        ending = self.controller.finish(request_id, completion)
+        if ending is None:
             return
-        reason = completion.finish_reason
-        stopped = reason == "cancelled"
-        note = "stopped" if stopped else length_note(completion.stats.new_tokens) if reason == "length" else ""
-        if self.answering_here:
-            self.view.end_answer(note, complete=not stopped, can_continue=reason == "length")
-        stats = {**stats_dict(completion.stats), "finish_reason": reason}
-        self.store.update_message(answer.message_id, answer.text, complete=not stopped, stats=stats)
-        self.turn.finish(completion.stats, self.answering_here)
-        if not stopped:
+        self._end_turn(ending, here)
+        self.turn.finish(completion.stats, here)
+        if ending.complete:
             self.clear_error("answer")  # an answer works again
-        self._finish_turn()
-        self.answer_finished.emit(reason)
+        self.answer_finished.emit(ending.reason)
 
     def _on_worker_generation_failed(self, request_id: int, message: str) -> None:
-        answer = self._answer
-        if answer is None or request_id != answer.request_id:
+        here = self.answering_here
+        ending = self.controller.fail(request_id)
+        if ending is None:
             return
-        if self.answering_here:
-            self.view.end_answer("failed", complete=False)
-        self.store.update_message(answer.message_id, answer.text, complete=False)
-        self.turn.finish(None, self.answering_here)
+        self._end_turn(ending, here)
+        self.turn.finish(None, here)
         self.show_error(message, "answer")
-        self._finish_turn()
-        self.answer_finished.emit("error")
+        self.answer_finished.emit(ending.reason)
 
-    def _finish_turn(self) -> None:
-        self._save_timer.stop()
-        self._answer = None
+    def _end_turn(self, ending: Ending, here: bool) -> None:
+        if here:
+            self.view.end_answer(ending.note, complete=ending.complete, can_continue=ending.can_continue)
         self.sidebar.set_writing(0)
         self._update_composer()
-

@@ -20,14 +20,11 @@ from pathlib import Path
 from PySide6.QtCore import QPoint, Qt, QTimer, Signal
 from PySide6.QtGui import QFont
 from PySide6.QtWidgets import (
-    QFileDialog,
     QHBoxLayout,
-    QInputDialog,
     QLineEdit,
     QListWidget,
     QListWidgetItem,
     QMenu,
-    QMessageBox,
     QPushButton,
     QToolButton,
     QVBoxLayout,
@@ -35,6 +32,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.state.conversations import ConversationStore, export_file_name
+from app.widgets.dialogs import Dialogs
 
 WRITING = "✎ "  # before the title: a long title is elided at its end, never the mark
 WRITING_TIP = "An answer is being written in this conversation."
@@ -64,9 +62,10 @@ class Sidebar(QWidget):
     new_requested = Signal()
     exported = Signal(str)
 
-    def __init__(self, store: ConversationStore, parent: QWidget | None = None) -> None:
+    def __init__(self, store: ConversationStore, parent: QWidget | None = None, dialogs: Dialogs | None = None) -> None:
         super().__init__(parent)
         self.store = store
+        self.dialogs = dialogs or Dialogs.over(self)
         self._writing = 0
         layout = QVBoxLayout(self)
         layout.setContentsMargins(8, 8, 4, 8)
@@ -214,13 +213,9 @@ class Sidebar(QWidget):
         conv = self.store.get(self.current_id())
         if conv is None:
             return
-        dialog = QInputDialog(self)
-        dialog.setWindowTitle("Rename conversation")
-        dialog.setLabelText("Title:")
-        dialog.setTextValue(conv.title)
-        dialog.resize(max(420, dialog.fontMetrics().horizontalAdvance(conv.title) + 80), dialog.sizeHint().height())
-        if dialog.exec() and dialog.textValue().strip():
-            self.rename(conv.id, dialog.textValue())
+        title = self.dialogs.ask_text("Rename conversation", "Title:", conv.title)
+        if title is not None and title.strip():
+            self.rename(conv.id, title)
 
     def rename(self, conversation_id: int, title: str) -> None:
         self.store.rename(conversation_id, title)
@@ -230,8 +225,7 @@ class Sidebar(QWidget):
         conv = self.store.get(self.current_id())
         if conv is None:
             return
-        answer = QMessageBox.question(self, "Delete conversation", f"Delete “{conv.title}” and all its messages?")
-        if answer != QMessageBox.StandardButton.Yes:
+        if not self.dialogs.confirm("Delete conversation", f"Delete “{conv.title}” and all its messages?"):
             return
         items = self.conversation_items()
         row = next((n for n, i in enumerate(items) if i.data(Qt.ItemDataRole.UserRole) == conv.id), 0)
@@ -250,11 +244,11 @@ class Sidebar(QWidget):
             return
         suffix = "md" if kind == "md" else "json"
         name = export_file_name(conv.title, suffix)
-        path, _ = QFileDialog.getSaveFileName(self, "Export conversation", str(Path.home() / name),
-                                              "Markdown (*.md)" if kind == "md" else "JSON (*.json)")
-        if path:
-            export_conversation(self.store, conv.id, Path(path), kind)
-            self.exported.emit(path)
+        path = self.dialogs.ask_save_path("Export conversation", Path.home() / name,
+                                          "Markdown (*.md)" if kind == "md" else "JSON (*.json)")
+        if path is not None:
+            export_conversation(self.store, conv.id, path, kind)
+            self.exported.emit(str(path))
 
 
 def export_conversation(store: ConversationStore, conversation_id: int, path: Path, kind: str) -> None:

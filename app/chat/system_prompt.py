@@ -7,12 +7,13 @@ from PySide6.QtCore import Signal
 from PySide6.QtWidgets import (
     QComboBox,
     QHBoxLayout,
-    QInputDialog,
     QLabel,
     QLineEdit,
     QToolButton,
     QWidget,
 )
+
+from app.widgets.dialogs import Dialogs
 
 
 class SystemPromptRow(QWidget):
@@ -22,8 +23,9 @@ class SystemPromptRow(QWidget):
     edited = Signal(str)
     save_requested = Signal(str, str)
 
-    def __init__(self, parent: QWidget | None = None) -> None:
+    def __init__(self, parent: QWidget | None = None, dialogs: Dialogs | None = None) -> None:
         super().__init__(parent)
+        self.dialogs = dialogs or Dialogs.over(self)
         row = QHBoxLayout(self)
         row.setContentsMargins(12, 8, 12, 4)
         label = QLabel("System")  # short: the row must fit a half-screen window; the box says the rest
@@ -67,6 +69,6 @@ class SystemPromptRow(QWidget):
         text = self.edit.text().strip()
         if not text:
             return
-        name, ok = QInputDialog.getText(self, "Save system prompt", "Preset name:")
-        if ok and name.strip():
+        name = self.dialogs.ask_text("Save system prompt", "Preset name:", "")
+        if name is not None and name.strip():
             self.save_requested.emit(name.strip(), text)

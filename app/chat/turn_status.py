@@ -10,25 +10,26 @@ in an answer's bubble while it waits for the engine. The chat page's helper; no 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from app.state.preferences import Preferences
 from app.widgets.status import ModeContext, StatusBar
 from engine.types import GenerationStats
 
+if TYPE_CHECKING:
+    from engine.decoding.auto_budget import BudgetChoice
+
 WAITING_FOR_API = "Waiting for the API request to finish…"
 
 
-def mode_context(prefs: Preferences, plan: object | None, has_draft: bool, remote: bool) -> ModeContext:
-    """Why an answer about to be sent will be decoded as it will: the settings, the planner's
-    plan (engine.planning.planner.Plan, for budget "auto") and whether a draft is loaded. An
+def mode_context(prefs: Preferences, has_draft: bool, remote: bool) -> ModeContext:
+    """What is known of how an answer about to be sent will be decoded: the settings and whether
+    a draft is loaded (what budget "auto" chooses comes from the worker: `TurnStatus.choose`). An
     answer from a remote engine has none of these."""
     if remote:
         return ModeContext()
-    auto = prefs.budget <= 0
-    plain_by_plan = auto and getattr(plan, "mode", "") == "autoregressive"
-    return ModeContext(auto_budget=auto, has_draft=has_draft, setting=prefs.tree_mode,
-                       plan_reason=str(getattr(plan, "reason", "")) if plain_by_plan else "")
+    return ModeContext(auto_budget=prefs.budget <= 0, has_draft=has_draft, setting=prefs.tree_mode)
 
 
 @dataclass
@@ -61,6 +62,12 @@ class TurnStatus:
         self._live = _Live(conversation_id, context)
         self._done.pop(conversation_id, None)
         self.status.begin_answer()
+
+    def choose(self, choice: BudgetChoice) -> None:
+        """What budget "auto" chose for the answer being written (the worker says so before its
+        first token): its mode field will say why the draft was or was not used."""
+        if self._live is not None:
+            self._live.context = replace(self._live.context, choice=choice)
 
     def first_token(self, seconds: float, shown: bool) -> None:
         if self._live is None:

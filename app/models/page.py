@@ -64,7 +64,8 @@ from app.models.tables import (
     selected_key,
     table_defaults,
 )
-from app.state.preferences import Preferences, PreferencesStore
+from app.state.preferences import Preferences
+from app.state.preferences_store import PreferencesStore
 from app.state.running import RunningPair
 from app.widgets.status import ElidedLabel
 from app.workers.download_worker import DownloadOptions, DownloadQueue, StarterSource

@@ -50,7 +50,8 @@ from app.settings.plot_entries import PlotEntry, plot_entries
 from app.settings.server_tab import ServerTab
 from app.settings.tips import TIPS
 from app.state.logfile import current_log_file
-from app.state.preferences import Preferences, PreferencesStore
+from app.state.preferences import Preferences
+from app.state.preferences_store import PreferencesStore
 from app.state.running import RunningPair
 from app.widgets.mnemonics import give_buddies
 from app.workers.benchmark_worker import benchmark_runner

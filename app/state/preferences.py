@@ -1,23 +1,16 @@
-"""The user's preferences: one frozen dataclass and a QSettings-backed store.
+"""The user's preferences: one frozen dataclass, plain data the whole app passes around.
 
-`Preferences` is plain data the whole app passes around; it turns itself into the engine's
-settings (`sampling()`, `speculation()`, `load_settings()`). `PreferencesStore` reads and writes
-it under the "preferences/" group of a QSettings (the app's default, or an INI file in tests) and
-announces every save, so the main window can re-theme or reload without polling.
-
-Values that cannot be read back (a hand-edited file, a setting from an older version) fall back
-to their defaults one field at a time; loading never fails.
+`Preferences` turns itself into the engine's settings (`sampling()`, `speculation()`,
+`load_settings()`); `decode_value` / `encode_value` turn one field to and from what a settings
+file holds (app/state/preferences_store.py keeps them in a QSettings). Qt-free.
 """
 
 from __future__ import annotations
 
 import json
-import logging
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
-
-from PySide6.QtCore import QObject, QSettings, Signal
 
 from engine import paths
 from engine.types import (
@@ -27,8 +20,6 @@ from engine.types import (
     SpeculationSettings,
 )
 from engine.units import GB
-
-log = logging.getLogger(__name__)
 
 DEFAULT_SYSTEM_PRESETS: tuple[tuple[str, str], ...] = (
     ("Default", "You are a helpful assistant."),
@@ -46,15 +37,14 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "theme": ("system", "light", "dark"),
 }
 
-_GROUP = "preferences"
 
 
 @dataclass(frozen=True)
 class Preferences:
     """Everything the user can set. Change with `dataclasses.replace`.
 
-    budget 0 = automatic (the planner's choice for this machine and pair). models_dir "" = the
-    engine's default folder. target/draft: a catalog id, a repo id or a local path ("" = none).
+    budget 0 = automatic (engine.decoding.auto_budget chooses per request, for this machine and
+    pair). models_dir "" = the engine's default folder. target/draft: a catalog id, a repo id or a local path ("" = none).
     """
 
     # Sampling
@@ -105,26 +95,15 @@ class Preferences:
             seed=seed,
         )
 
-    def speculation(self, auto_budget: int | None = None, switch_draft: bool = True) -> SpeculationSettings:
-        """The tree shape. With budget 0 (automatic) the caller may pass the planner's budget
-        as `auto_budget`; without one the engine's default budget is used. The engine turns the
-        draft off for a conversation where it is measured not to pay, unless the user keeps it
-        on (`keep_draft`) or the caller measures the trees (`switch_draft=False`: the wizard's
-        calibration)."""
-        default = SpeculationSettings()
-        budget = self.budget if self.budget > 0 else (auto_budget or default.budget)
-        return replace(default, mode=self.tree_mode, budget=budget, max_depth=self.max_depth,  # type: ignore[arg-type]
-                       switch_draft=switch_draft and not self.keep_draft)
-
-    def speculation_for(self, plan: object | None) -> SpeculationSettings:
-        """The tree shape a chat or API request uses: the user's budget, or with budget 0 (auto)
-        the planner's budget, depth and mode (the engine's default budget without a plan)."""
-        spec = self.speculation()
-        if self.budget > 0 or plan is None:
-            return spec
-        if getattr(plan, "mode", "") == "autoregressive":
-            return replace(spec, mode="autoregressive")
-        return replace(spec, budget=int(plan.budget), max_depth=int(plan.max_depth))  # type: ignore[attr-defined]
+    def speculation(self, switch_draft: bool = True) -> SpeculationSettings:
+        """The tree shape every request of the app carries: the user's budget, or budget 0 when
+        it is automatic, which engine.decoding.auto_budget.AutoBudget (the workers decode
+        through it) turns into the planner's choice for this pair and machine, per request.
+        The engine turns the draft off for a conversation where it is measured not to pay,
+        unless the user keeps it on (`keep_draft`) or the caller measures the trees
+        (`switch_draft=False`: the wizard's calibration)."""
+        return replace(SpeculationSettings(), mode=self.tree_mode, budget=max(0, self.budget),  # type: ignore[arg-type]
+                       max_depth=self.max_depth, switch_draft=switch_draft and not self.keep_draft)
 
     def load_settings(self) -> LoadSettings:
         return LoadSettings(
@@ -145,7 +124,7 @@ class Preferences:
         return bool(self.target)
 
 
-def _decode(name: str, raw: Any, default: Any) -> Any:
+def decode_value(name: str, raw: Any, default: Any) -> Any:
     """One stored value back to the field's type; raises ValueError/TypeError when it can't."""
     if isinstance(default, bool):  # before int: bool is an int
         if isinstance(raw, bool):
@@ -172,65 +151,9 @@ def _decode(name: str, raw: Any, default: Any) -> Any:
     return value
 
 
-def _encode(value: Any) -> Any:
+def encode_value(value: Any) -> Any:
     if isinstance(value, tuple):
         return json.dumps([list(item) for item in value])
     if isinstance(value, bool):
         return "true" if value else "false"
     return value
-
-
-class PreferencesStore(QObject):
-    """Reads and writes `Preferences` in a QSettings.
-
-    Signals:
-        changed(object): a `Preferences` was saved (the new value).
-    """
-
-    changed = Signal(object)
-
-    def __init__(self, settings: QSettings | None = None, parent: QObject | None = None) -> None:
-        super().__init__(parent)
-        self._settings = settings if settings is not None else QSettings("SpecChat", "SpecChat")
-
-    @property
-    def settings(self) -> QSettings:
-        return self._settings
-
-    def load(self) -> Preferences:
-        defaults = Preferences()
-        values: dict[str, Any] = {}
-        self._settings.beginGroup(_GROUP)
-        try:
-            for f in fields(Preferences):
-                if not self._settings.contains(f.name):
-                    continue
-                default = getattr(defaults, f.name)
-                raw = self._settings.value(f.name)
-                try:
-                    values[f.name] = _decode(f.name, raw, default)
-                except (ValueError, TypeError, json.JSONDecodeError) as exc:
-                    log.warning("preference %s unreadable (%s); using the default", f.name, exc)
-        finally:
-            self._settings.endGroup()
-        return replace(defaults, **values)
-
-    def save(self, prefs: Preferences) -> None:
-        self._settings.beginGroup(_GROUP)
-        try:
-            for f in fields(Preferences):
-                self._settings.setValue(f.name, _encode(getattr(prefs, f.name)))
-        finally:
-            self._settings.endGroup()
-        self._settings.sync()
-        try:  # the CLI reads the models folder from the shared settings file (engine.paths)
-            paths.set_shared_setting("models_dir", prefs.models_dir)
-        except OSError as exc:
-            log.warning("could not write %s: %s", paths.settings_file(), exc)
-        self.changed.emit(prefs)
-
-    def update(self, **changes: Any) -> Preferences:
-        """Load, replace the given fields, save; returns the saved value."""
-        prefs = replace(self.load(), **changes)
-        self.save(prefs)
-        return prefs

@@ -16,6 +16,7 @@ conversation changes (the chat page restores a conversation's own)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
@@ -35,6 +36,9 @@ from app.state.names import short_name, short_paths
 from app.widgets.field_row import ElidedLabel, FieldRow
 from engine.types import PACKING_LABELS, GenerationStats, LoadProgress, Placement
 
+if TYPE_CHECKING:  # it imports torch; the GUI thread never does
+    from engine.decoding.auto_budget import BudgetChoice
+
 TOKENS_PER_PASS_TIP = ("Answer tokens per pass over the big model's weights. Plain decoding makes 1; with "
                        "speculation each pass checks a tree of guesses and keeps every one the big model agrees "
                        "with, so good guesses make several.")
@@ -46,25 +50,37 @@ TTFT_TIP = ("Seconds from sending until the first token: mostly reading the conv
 
 @dataclass(frozen=True)
 class ModeContext:
-    """Why an answer was decoded the way it was, besides its stats: known when it is sent.
+    """Why an answer was decoded the way it was, besides its stats.
 
-    auto_budget: the tree budget is "auto" (the planner's). has_draft: a draft model runs with
-    the target (the local engine). setting: Settings > Engine > Mode ("specexec" or
-    "autoregressive"). plan_reason: the planner's reason when it chose plain decoding."""
+    auto_budget: the tree budget is "auto". has_draft: a draft model runs with the target (the
+    local engine). setting: Settings > Engine > Mode ("specexec" or "autoregressive"). choice:
+    what budget "auto" chose for this answer (engine.decoding.auto_budget.BudgetChoice: draft on
+    or off, budget, depth, reason), told by the worker before the first token; None when the
+    budget was set, or for a remote answer."""
 
     auto_budget: bool = False
     has_draft: bool = False
     setting: str = "specexec"
-    plan_reason: str = ""
+    choice: BudgetChoice | None = None
 
 
 def mode_text(stats: GenerationStats, context: ModeContext) -> tuple[str, str, str]:
     """The mode field: how this answer was decoded and, where a loaded draft was not used, why;
-    as (text, its shorter wording, tooltip)."""
+    as (text, its shorter wording, tooltip). The stats say what ran; the context says who
+    decided: budget "auto" (its reason), the engine's per-conversation switch, or the settings."""
+    choice = context.choice
+    auto_off = choice is not None and not choice.draft and context.has_draft  # budget auto left the draft out
     if stats.mode == "specexec":
         text = budget_text(stats.budget, context.auto_budget)
-        return text, text, BUDGET_TIP
+        why = f"\nBudget auto chose it: {choice.reason}." if choice is not None and choice.draft else ""
+        return text, text, BUDGET_TIP + why
     if stats.mode == "context":
+        if auto_off:
+            assert choice is not None
+            return "draft off (auto)", "draft off", (
+                f"Draft-free speculation: budget auto left the draft out for this answer ({choice.reason}). Each "
+                "pass checks continuations copied from the conversation instead, so text that repeats comes "
+                "several tokens per pass. Set a tree budget in Settings > Engine to use the draft anyway.")
         if context.has_draft:
             return "draft off (slower)", "draft off", (
                 "Draft-free speculation: the draft's trees were measured slower than decoding without them in "
@@ -79,10 +95,11 @@ def mode_text(stats: GenerationStats, context: ModeContext) -> tuple[str, str, s
     if stats.oom_retries:
         return "plain (out of memory)", "plain", (f"{plain} The device ran out of memory for the trees; a smaller "
                                                   "tree budget in Settings > Engine may fit.")
-    if context.plan_reason:
-        return "plain (faster)", "plain", (f"{plain} The planner predicts it is faster on this computer than "
-                                                f"speculating ({context.plan_reason}). Set a tree budget in "
-                                                "Settings > Engine to speculate anyway.")
+    if auto_off:
+        assert choice is not None
+        return "plain (faster)", "plain", (f"{plain} Budget auto predicts it is faster on this computer than "
+                                           f"speculating ({choice.reason}). Set a tree budget in Settings > "
+                                           "Engine to speculate anyway.")
     return "no speculation", "plain", plain
 
 
@@ -133,24 +150,24 @@ class StatusBar(QStatusBar):
         self.cancel_button = QPushButton("Cancel")
         self.cancel_button.setAccessibleName("Cancel loading")
         self.cancel_button.clicked.connect(self.load_cancel_requested)
+        self.api = self._field("", "API server", "")  # Settings > Server (app/workers/api_server.py)
         self.row = FieldRow()
         self.row.add_left(self.pair, self.placement, self.progress_text, self.progress, self.cancel_button)
-        self.row.add_right(*self.figures)
-        for widget in (self.progress_text, self.progress, self.cancel_button):
+        self.row.add_right(*self.figures, self.api)
+        for widget in (self.progress_text, self.progress, self.cancel_button, self.api):
             widget.hide()
-        # what yields room first when the window is narrow; tok/s and tokens per pass never do
-        self._give_way = [(self.progress_text, "min"), (self.pair, "short"), (self.placement, "short"),
-                          (self.budget, "short"), (self.ttft, "short"), (self.pair, "min"),
-                          (self.budget, "min"), (self.ttft, "min"), (self.placement, "min")]
-        self.row.give_way(self._give_way)
+        # what yields room first when the window is narrow; tok/s and tokens per pass never do,
+        # the API server's field gives way last
+        self.row.give_way([(self.progress_text, "min"), (self.pair, "short"), (self.placement, "short"),
+                           (self.budget, "short"), (self.ttft, "short"), (self.pair, "min"),
+                           (self.budget, "min"), (self.ttft, "min"), (self.placement, "min"), (self.api, "min")])
         self.addWidget(self.row, 1)
 
-    def add_field(self, widget: QWidget) -> None:
-        """Another module's field at the right end (the API server's): whole while it fits, the
-        last to give way."""
-        self.row.add_right(widget)
-        self._give_way.append((widget, "min"))
-        self.row.give_way(self._give_way)
+    def show_api(self, text: str, tip: str = "") -> None:
+        """The API server's field ("" hides it); `tip` explains it."""
+        self._set(self.api, text, tip)
+        self.api.setVisible(bool(text))
+        self.row.relayout()
 
     @property
     def figures(self) -> tuple[ElidedLabel, ...]:

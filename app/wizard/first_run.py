@@ -48,7 +48,7 @@ from app.models.recommend import (
     recommend,
 )
 from app.state.names import short_paths  # noqa: F401  (tests import it from here)
-from app.state.preferences import PreferencesStore
+from app.state.preferences_store import PreferencesStore
 from app.wizard.runs import BenchmarkPage, CalibrationPage, progress_bar, rich_label
 from app.workers.benchmark_worker import benchmark_runner, calibration_runner
 from app.workers.download_worker import (

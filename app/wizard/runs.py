@@ -213,7 +213,7 @@ class CalibrationPage(RunnerPage):
         self.result = None
         self._run(CalibrationRequest(
             target=target, draft=draft, load_settings=prefs.load_settings(),
-            speculation=prefs.speculation(auto_budget=option.budget, switch_draft=False),
+            speculation=prefs.speculation(switch_draft=False),  # budget auto: as the chat will run it
             max_new_tokens=self._wizard.calibration_tokens,
         ))
 

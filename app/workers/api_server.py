@@ -8,11 +8,14 @@ API request at a time, so a chat message waits behind at most the API answer in 
 API requests wait for the chat's. The status bar label says when the API is answering or
 waiting. The server follows the app: it answers 503 while a model loads, after a load failed
 or when none is chosen (and /v1/models then lists nothing), and serves the loaded pair under its
-short name with the app's sampling settings as defaults. Like `specchat serve` it refuses what a
-web page could send (engine.serving.guard), letting in the hosts and web pages the Server tab
-allows.
+short name with the app's sampling settings as defaults (budget "auto" is resolved per request by
+the worker's AutoBudget), and refuses a `max_tokens` beyond the loaded model's context, which
+the worker's `loaded` signal carries. Like `specchat serve` it refuses what a web page could send
+(engine.serving.guard), letting in the hosts and web pages the Server tab allows.
 
-What this does not do: load models (the main window does) or show settings (server_tab.py).
+What this does not do: load models (the main window does), show settings (server_tab.py) or
+draw its status field (the status bar shows `status_text()` and `tooltip()` when
+`status_changed` says so).
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ import threading
 from collections.abc import Iterator
 
 from PySide6.QtCore import QObject, Signal, Slot
-from PySide6.QtWidgets import QLabel
 
 from app.state.names import short_name
 from app.state.preferences import Preferences
@@ -85,11 +87,12 @@ def _events(mailbox: queue.Queue[object]) -> Iterator[TokenEvent | Completion]:
 class ApiServer(QObject):
     """Runs the API server while the preferences say so (`apply`), over `host`'s engine.
 
-    `status_label` is the status bar's field; `url` the API's base URL while it runs; `error`
-    why it does not run (port in use, a network address without a key), else "".
+    `url` is the API's base URL while it runs; `error` why it does not run (port in use, a
+    network address without a key), else "".
 
     Signals:
-        status_changed(str): the status field's new text ("" when the server is off).
+        status_changed(str): the status field's new text ("" when the server is off);
+            `tooltip()` explains it.
     """
 
     status_changed = Signal(str)
@@ -102,23 +105,16 @@ class ApiServer(QObject):
         self._server: Server | None = None
         self._key: tuple[object, ...] | None = None
         self._prefs = Preferences()
-        self._plan: object | None = None
         self._defaults = RequestDefaults()
         self._model = ModelState("", "none", NO_MODEL)
         self._queue_state = QueueState(False, 0)
         self._busy = False
         self.error = ""
-        self.status_label = QLabel("")
-        self.status_label.setObjectName("statusField")
-        self.status_label.setAccessibleName("API server")
-        self.status_label.hide()
-        self.status_changed.connect(self._on_self_status_changed)
         self._queue_changed.connect(self._on_queue_changed)
         worker = host.worker
         worker.load_progressed.connect(self._on_worker_load_progressed)
         worker.loaded.connect(self._on_worker_loaded)
         worker.load_failed.connect(self._on_worker_load_failed)
-        worker.planned.connect(self._on_worker_planned)
         worker.serving.connect(self._on_worker_serving)
 
     @property
@@ -171,7 +167,7 @@ class ApiServer(QObject):
     def _update_defaults(self) -> None:
         prefs = self._prefs
         request = GenerationRequest(max_new_tokens=prefs.max_new_tokens, sampling=prefs.sampling(),
-                                    speculation=prefs.speculation_for(self._plan))
+                                    speculation=prefs.speculation())
         self._defaults = RequestDefaults(request=request)  # read by the server's thread: replaced, never changed
 
     # ---- the model ------------------------------------------------------------------------------
@@ -186,18 +182,13 @@ class ApiServer(QObject):
         if self._model.status != "loading" or progress.message:
             self._set_model(ModelState("", "loading", progress.message or "loading"))
 
-    @Slot(int, str, str, object)
-    def _on_worker_loaded(self, _load_id: int, target: str, _draft: str, _placement: object) -> None:
-        self._set_model(ModelState(short_name(target), "ready"))
+    @Slot(int, str, str, object, int)
+    def _on_worker_loaded(self, _load_id: int, target: str, _draft: str, _placement: object, context: int) -> None:
+        self._set_model(ModelState(short_name(target), "ready", context_length=context))
 
     @Slot(int, str)
     def _on_worker_load_failed(self, _load_id: int, message: str) -> None:
         self._set_model(ModelState("", "failed", message))  # nothing is loaded: nothing is listed
-
-    @Slot(object)
-    def _on_worker_planned(self, plan: object) -> None:
-        self._plan = plan
-        self._update_defaults()
 
     # ---- the status field ----------------------------------------------------------------------
     @Slot(bool)
@@ -222,11 +213,8 @@ class ApiServer(QObject):
             return f"API: {waiting + 1} request{'s' if waiting else ''} waiting for the chat"
         return f"API: {self._server.url.removeprefix('http://').removesuffix('/v1')}"
 
+    def tooltip(self) -> str:
+        return self.error or (f"OpenAI-compatible API at {self.url}" if self.url else "")
+
     def _show(self) -> None:
         self.status_changed.emit(self.status_text())
-
-    @Slot(str)
-    def _on_self_status_changed(self, text: str) -> None:
-        self.status_label.setText(text)
-        self.status_label.setToolTip(self.error or (f"OpenAI-compatible API at {self.url}" if self.url else ""))
-        self.status_label.setVisible(bool(text))

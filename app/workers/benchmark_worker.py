@@ -7,8 +7,9 @@ carry plain data (floats, strings, frozen dataclasses). `TaskRunner` is the GUI-
 
 - `BenchmarkWorker`: `engine.planning.profile.measure_hardware(...)`, then `save_profile`; its result
   is the `HardwareProfile`.
-- `CalibrationWorker`: loads a pair with `engine.loading.load.load_engine`, generates a few tokens
-  greedily and reports tokens per pass and tokens per second (`CalibrationResult`); the speed is
+- `CalibrationWorker`: loads a pair with `engine.decoding.pair.load_engine`, generates a few tokens
+  greedily through AutoBudget (budget "auto" as the chat runs it) and reports tokens per pass and
+  tokens per second (`CalibrationResult`); the speed is
   recorded as this computer's first measurement of the pair (engine.planning.measured), so the
   predictions give way to it. The engine is dropped afterwards: the chat worker loads its own.
 """
@@ -173,9 +174,8 @@ class CalibrationWorker(TaskWorker):
     """`run(CalibrationRequest)`: load the pair, generate a few tokens, report the speed."""
 
     def work(self, arg: Any) -> object:
-        from engine.decoding.pair import (
-            load_engine,  # imports torch: in the worker thread
-        )
+        from engine.decoding.auto_budget import AutoBudget  # imports torch: in the worker thread
+        from engine.decoding.pair import load_engine
 
         request: CalibrationRequest = arg
         started = time.monotonic()
@@ -195,7 +195,7 @@ class CalibrationWorker(TaskWorker):
         )
         produced = 0
         completion: Completion | None = None
-        for event in engine.generate(generation, self.cancel_event):
+        for event in AutoBudget(engine).generate(generation, self.cancel_event):  # budget 0: as the chat runs it
             if isinstance(event, Completion):
                 completion = event
             else:

@@ -12,16 +12,14 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
 
-import pytest
 from PySide6.QtCore import QEvent, QObject, Qt
 from pytestqt.qtbot import QtBot
 
 from app.chat.composer import PLACEHOLDER
 from app.main_window import MainWindow
 from app.state.conversations import ConversationStore
-from app.state.preferences import PreferencesStore
+from app.state.preferences_store import PreferencesStore
 
 LOAD_MS = 120_000
 ANSWER_MS = 120_000
@@ -42,22 +40,6 @@ class PaintLog(QObject):
         return False
 
 
-@pytest.fixture
-def open_window(qtbot: QtBot, make_host, conversations: ConversationStore) -> Iterator[Callable[..., MainWindow]]:
-    windows: list[MainWindow] = []
-
-    def open_(prefs: PreferencesStore, wait_loaded: bool = True) -> MainWindow:
-        window = MainWindow(prefs, conversations, host=make_host())
-        qtbot.addWidget(window)
-        window.show()
-        windows.append(window)
-        if wait_loaded:
-            qtbot.waitUntil(lambda: window.chat.model_state == "ready", timeout=LOAD_MS)
-        return window
-
-    yield open_
-    for window in windows:
-        window.close()
 
 
 def test_the_message_box_says_ready_once_the_model_is_loaded(qtbot: QtBot, open_window,

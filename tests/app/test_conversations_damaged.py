@@ -17,7 +17,7 @@ from pytestqt.qtbot import QtBot
 from app.main import show_store_notices
 from app.main_window import MainWindow
 from app.state.conversations import ConversationStore, default_path
-from app.state.preferences import PreferencesStore
+from app.state.preferences_store import PreferencesStore
 from app.state.recovery import LOST_TITLE
 
 LOAD_MS = 120_000

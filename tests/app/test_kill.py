@@ -23,7 +23,8 @@ import pytest
 from PySide6.QtCore import QSettings
 
 from app.state.conversations import default_path
-from app.state.preferences import Preferences, PreferencesStore
+from app.state.preferences import Preferences
+from app.state.preferences_store import PreferencesStore
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -12,7 +12,8 @@ from chat_helpers import WorkerEvents
 from pytestqt.qtbot import QtBot
 
 from app.settings.dialog import SettingsDialog
-from app.state.preferences import Preferences, PreferencesStore
+from app.state.preferences import Preferences
+from app.state.preferences_store import PreferencesStore
 from app.state.running import RunningPair, running_pair
 from app.workers.engine_worker import EngineHost
 from engine.loading.synthetic import tiny_gguf

@@ -15,7 +15,7 @@ from pages_hub import FakeRepo, HubServer
 from pytestqt.qtbot import QtBot
 
 from app.models.page import CATALOG_COLUMNS, COL_FIT, COL_SPEED, ModelsPage
-from app.state.preferences import PreferencesStore
+from app.state.preferences_store import PreferencesStore
 from engine.loading.synthetic import tiny_model
 from engine.store import list_local_models
 from engine.store.transfer import DownloadSettings

@@ -16,7 +16,8 @@ from PySide6.QtWidgets import (
 from pytestqt.qtbot import QtBot
 
 from app.settings.dialog import SettingsDialog
-from app.state.preferences import Preferences, PreferencesStore
+from app.state.preferences import Preferences
+from app.state.preferences_store import PreferencesStore
 from engine import paths
 
 pytest_plugins = ("pages_fixtures",)  # app_env, prefs_store fixtures

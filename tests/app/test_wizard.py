@@ -15,7 +15,7 @@ from PySide6.QtWidgets import QWizard
 from pytestqt.qtbot import QtBot
 
 from app.models.recommend import STARTER_PAIR_ID, pair_options, recommend
-from app.state.preferences import PreferencesStore
+from app.state.preferences_store import PreferencesStore
 from app.wizard.first_run import FirstRunWizard
 from engine.planning.measure import measure_hardware
 from engine.planning.measured import measured_speed
