@@ -177,7 +177,8 @@ class MainWindow(QMainWindow):
             try:
                 from app.models.page import ModelsPage
 
-                page = ModelsPage(self.preferences, self, endpoint=self.endpoint, running=self.running)
+                page = ModelsPage(self.preferences, self, endpoint=self.endpoint, running=self.running,
+                                  dialogs=self.dialogs)
             except Exception as exc:  # noqa: BLE001 - the chat keeps working without it
                 log.exception("the models page failed to open")
                 self.chat.show_error(f"The Models page could not open ({exc}).", "models_page")

@@ -104,9 +104,8 @@ class ChatPage(QWidget):
         banner_row.setContentsMargins(12, 8, 12, 0)
         banner_row.addWidget(self.banner)
         column.addLayout(banner_row)
-        self.system_row = SystemPromptRow(dialogs=self.dialogs)
+        self.system_row = SystemPromptRow(self.preferences, dialogs=self.dialogs)
         self.system_row.edited.connect(self._on_system_row_edited)
-        self.system_row.save_requested.connect(self.save_preset)
         self.system_edit, self.preset_combo = self.system_row.edit, self.system_row.presets
         self.engine_picker = EnginePicker()
         self.engine_picker.reload(self.preferences.load())
@@ -197,12 +196,9 @@ class ChatPage(QWidget):
         self.banner.clear(*causes)
 
     def reload_presets(self) -> None:
-        self.engine_picker.reload(self.preferences.load())  # the settings' servers may have changed
-        self.system_row.set_presets(self.preferences.load().system_presets)
-
-    def _default_system_prompt(self) -> str:
-        presets = self.preferences.load().system_presets
-        return presets[0][1] if presets else ""
+        """The preferences changed: the settings' servers and the saved presets may have."""
+        self.engine_picker.reload(self.preferences.load())
+        self.system_row.reload()
 
     # ---- conversations -------------------------------------------------------------------
     def new_conversation(self) -> None:
@@ -210,7 +206,7 @@ class ChatPage(QWidget):
         self.conversation_id = 0
         self._ids = []
         self.view.clear()
-        self.system_edit.setText(self._default_system_prompt())
+        self.system_edit.setText(self.system_row.default_prompt())
         self.sidebar.select(0)
         self.turn.show_conversation(0)
         self._update_composer()
@@ -280,11 +276,6 @@ class ChatPage(QWidget):
     def _on_system_row_edited(self, text: str) -> None:
         if self.conversation_id:
             self.store.set_system_prompt(self.conversation_id, text)
-
-    def save_preset(self, name: str, text: str) -> None:
-        presets = tuple(p for p in self.preferences.load().system_presets if p[0] != name) + ((name, text),)
-        self.preferences.update(system_presets=presets)
-        self.reload_presets()
 
     # ---- a turn --------------------------------------------------------------------------
     def _ready(self) -> bool:

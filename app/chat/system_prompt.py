@@ -1,5 +1,7 @@
 """The row above the messages: the conversation's system prompt, a menu of saved presets, and
-a button that saves the prompt as a preset (its name asked in a small dialog)."""
+a button that saves the prompt as a preset (its name asked through the injected dialogs). The
+presets live in the preferences (`system_presets`); the first one is a new conversation's
+prompt."""
 
 from __future__ import annotations
 
@@ -13,18 +15,19 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.state.preferences_store import PreferencesStore
 from app.widgets.dialogs import Dialogs
 
 
 class SystemPromptRow(QWidget):
-    """Signals: edited(str) (the prompt was typed or a preset chosen); save_requested(str, str)
-    (name, text of a new preset)."""
+    """Signals: edited(str) (the prompt was typed or a preset chosen)."""
 
     edited = Signal(str)
-    save_requested = Signal(str, str)
 
-    def __init__(self, parent: QWidget | None = None, dialogs: Dialogs | None = None) -> None:
+    def __init__(self, preferences: PreferencesStore, parent: QWidget | None = None,
+                 dialogs: Dialogs | None = None) -> None:
         super().__init__(parent)
+        self.preferences = preferences
         self.dialogs = dialogs or Dialogs.over(self)
         row = QHBoxLayout(self)
         row.setContentsMargins(12, 8, 12, 4)
@@ -52,11 +55,23 @@ class SystemPromptRow(QWidget):
         self.save_button.clicked.connect(self._on_save_clicked)
         row.addWidget(self.save_button)
 
-    def set_presets(self, presets: tuple[tuple[str, str], ...]) -> None:
+    def reload(self) -> None:
+        """List the presets the preferences hold now."""
         self.presets.clear()
         self.presets.addItem("Presets…", None)
-        for name, text in presets:
+        for name, text in self.preferences.load().system_presets:
             self.presets.addItem(name, text)
+
+    def default_prompt(self) -> str:
+        """A new conversation's system prompt: the first preset's."""
+        presets = self.preferences.load().system_presets
+        return presets[0][1] if presets else ""
+
+    def save_preset(self, name: str, text: str) -> None:
+        """Save `text` as the preset `name` (replacing one of that name) and list it."""
+        presets = tuple(p for p in self.preferences.load().system_presets if p[0] != name) + ((name, text),)
+        self.preferences.update(system_presets=presets)
+        self.reload()
 
     def _on_presets_activated(self, index: int) -> None:
         text = self.presets.itemData(index)
@@ -71,4 +86,4 @@ class SystemPromptRow(QWidget):
             return
         name = self.dialogs.ask_text("Save system prompt", "Preset name:", "")
         if name is not None and name.strip():
-            self.save_requested.emit(name.strip(), text)
+            self.save_preset(name.strip(), text)

@@ -1,45 +1,31 @@
-"""One download's row on the models page, and how a download is confirmed.
+"""The models page's downloads: one row per model (`DownloadRow`) in a scrolling box
+(`DownloadsBox`).
 
-`DownloadRow` shows a model's name, progress bar and status line with pause/resume and cancel
-(Retry and Clear once it ended); it drives a `DownloadQueue` and reacts to nothing else.
+A row shows a model's name, progress bar and status line with pause/resume and cancel (Retry
+and Clear once it ended); it drives the `DownloadQueue` (app/workers/download_worker.py) and
+reacts to nothing else. The box keeps the rows by model spec and says when there are none.
 
-`Confirm` is how the models page and the wizard ask before a download that deserves a second
-look (recommend.download_warning: a pair that does not fit, a large download, more than the
-free disk space): a callable (title, text) -> bool, injected, so tests answer it without a
-dialog. `confirm_with_dialog(parent)` is the app's: a Yes/No question, No by default.
+What this does not do: start downloads or confirm them (the page does, through its injected
+dialogs).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
     QFrame,
+    QGroupBox,
     QHBoxLayout,
     QLabel,
-    QMessageBox,
     QProgressBar,
     QPushButton,
+    QScrollArea,
     QVBoxLayout,
     QWidget,
 )
 
 from app.workers.download_worker import DownloadQueue, describe_progress, progress_fraction
 from engine.types import DownloadProgress
-
-Confirm = Callable[[str, str], bool]  # (title, text) -> go ahead?
-
-
-def confirm_with_dialog(parent: QWidget | None) -> Confirm:
-    """A Yes/No question box over `parent`; No is the default (Enter does not start 45 GB)."""
-    def ask(title: str, text: str) -> bool:
-        answer = QMessageBox.question(parent, title, text,
-                                      QMessageBox.StandardButton.Yes | QMessageBox.StandardButton.No,
-                                      QMessageBox.StandardButton.No)
-        return answer == QMessageBox.StandardButton.Yes
-
-    return ask
 
 
 class DownloadRow(QFrame):
@@ -116,3 +102,57 @@ class DownloadRow(QFrame):
         else:
             self._queue.pause(self.spec)
             self.pause_button.setText("Resume")
+
+
+class DownloadsBox(QGroupBox):
+    """The download rows, by spec. Signals: retry_requested(str): Retry on a row (spec)."""
+
+    retry_requested = Signal(str)
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__("Downloads", parent)
+        self.setAccessibleName("Downloads")
+        self.rows: dict[str, DownloadRow] = {}
+        self._layout = QVBoxLayout()
+        self._layout.setContentsMargins(0, 0, 0, 0)
+        self.empty_label = QLabel("No downloads. Pick a pair in the catalog and press Download.")
+        self.empty_label.setAccessibleName("No downloads")
+        self._layout.addWidget(self.empty_label)
+        self._layout.addStretch(1)
+        inner = QWidget()
+        inner.setLayout(self._layout)
+        scroll = QScrollArea()
+        scroll.setWidgetResizable(True)
+        scroll.setFrameShape(QFrame.Shape.NoFrame)
+        scroll.setWidget(inner)
+        scroll.setMinimumHeight(60)
+        QVBoxLayout(self).addWidget(scroll)
+
+    def add(self, spec: str, queue: DownloadQueue) -> DownloadRow:
+        """A new row for `spec` (replacing an ended one)."""
+        old = self.rows.pop(spec, None)
+        if old is not None:
+            old.deleteLater()
+        row = DownloadRow(spec, queue)
+        row.cleared.connect(self._on_row_cleared)
+        row.retry_requested.connect(self.retry_requested)
+        self.rows[spec] = row
+        self._layout.insertWidget(self._layout.count() - 1, row)
+        self.empty_label.hide()
+        return row
+
+    def progress(self, event: DownloadProgress) -> None:
+        row = self.rows.get(event.model_id)
+        if row is not None:
+            row.update_progress(event)
+
+    def finish(self, spec: str, state: str, text: str) -> None:
+        row = self.rows.get(spec)
+        if row is not None:
+            row.finish(state, text)
+
+    def _on_row_cleared(self, spec: str) -> None:
+        row = self.rows.pop(spec, None)
+        if row is not None:
+            row.deleteLater()
+        self.empty_label.setVisible(not self.rows)

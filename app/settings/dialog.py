@@ -5,9 +5,8 @@ Every field edits a copy of the current `Preferences`; OK saves it into the `Pre
 actually runs (`running`, read from the loaded model: its format, where its layers live, the
 decoding mode, the measured speed), since the fields below are requests that apply at the next
 load and that a GGUF, a CPU or a pair without a draft may not follow to the letter. The "This
-computer" tab runs the hardware benchmark in a worker thread (progress bar, cancel) and plots
-the planner's predicted tok/s against the tree budget for a catalog pair, the loaded model
-(the starter included) and what was measured here; the last saved profile is shown.
+computer" tab (hardware_tab.py) benchmarks and plots; the Server, Engines and Hugging Face tabs
+are their own modules too. The models folder is chosen through the injected `dialogs`.
 """
 
 from __future__ import annotations
@@ -25,14 +24,11 @@ from PySide6.QtWidgets import (
     QDialog,
     QDialogButtonBox,
     QDoubleSpinBox,
-    QFileDialog,
     QFormLayout,
     QHBoxLayout,
     QHeaderView,
     QLabel,
     QLineEdit,
-    QPlainTextEdit,
-    QProgressBar,
     QPushButton,
     QSpinBox,
     QTableWidget,
@@ -42,20 +38,16 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.models.recommend import load_profile, profile_lines
 from app.settings.engines_tab import EnginesTab
+from app.settings.hardware_tab import HardwareTab
 from app.settings.hub_tab import HubTab
-from app.settings.plot import BudgetPlot
-from app.settings.plot_entries import PlotEntry, plot_entries
 from app.settings.server_tab import ServerTab
 from app.settings.tips import TIPS
-from app.state.logfile import current_log_file
 from app.state.preferences import Preferences
 from app.state.preferences_store import PreferencesStore
 from app.state.running import RunningPair
+from app.widgets.dialogs import Dialogs
 from app.widgets.mnemonics import give_buddies
-from app.workers.benchmark_worker import benchmark_runner
-from engine.about import installation
 from engine.store import load_catalog
 
 CHOICE_LABELS: dict[str, list[tuple[str, str]]] = {
@@ -103,20 +95,17 @@ class SettingsDialog(QDialog):
     quick layer shape)."""
 
     def __init__(self, store: PreferencesStore, parent: QWidget | None = None, *,
-                 benchmark_options: Mapping[str, Any] | None = None, running: RunningPair | None = None) -> None:
+                 benchmark_options: Mapping[str, Any] | None = None, running: RunningPair | None = None,
+                 dialogs: Dialogs | None = None) -> None:
         super().__init__(parent)
         self.setWindowTitle("Settings")
         self.setAccessibleName("Settings")
         self._store = store
         self._prefs = store.load()
         self._catalog = load_catalog()
-        self._benchmark_options = dict(benchmark_options or {})
         self._running = running
-        self.runner = benchmark_runner(self)
-        self.runner.progressed.connect(self._on_benchmark_progressed)
-        self.runner.finished.connect(self._on_benchmark_finished)
-        self.runner.failed.connect(self._on_benchmark_failed)
-        self.runner.cancelled.connect(self._on_benchmark_cancelled)
+        self.dialogs = dialogs or Dialogs.over(self)
+        self.hardware = HardwareTab(self._catalog, self._prefs, running, benchmark_options)
 
         self.tabs = QTabWidget()
         self.tabs.setAccessibleName("Settings sections")
@@ -124,7 +113,7 @@ class SettingsDialog(QDialog):
         self.tabs.addTab(self._engine_tab(), "&Engine")
         self.tabs.addTab(self._appearance_tab(), "&Appearance")
         self.tabs.addTab(self._prompts_tab(), "S&ystem prompts")
-        self.tabs.addTab(self._hardware_tab(), "This &computer")
+        self.tabs.addTab(self.hardware, "This &computer")
         # tabs in their own modules: show_preferences(prefs) fills them, values() is what they own
         self.server_tab, self.engines_tab, self.hub_tab = ServerTab(), EnginesTab(), HubTab()
         self._own_tabs = (self.server_tab, self.engines_tab, self.hub_tab)
@@ -154,7 +143,6 @@ class SettingsDialog(QDialog):
         give_buddies(self)  # "API &key:" beside a row of widgets showed its "&"
         self.resize(max(820, self.minimumSizeHint().width()), 640)
         self.show_preferences(self._prefs)
-        self._show_profile()
 
     # ---- tabs ------------------------------------------------------------------------------
     def _sampling_tab(self) -> QWidget:
@@ -273,60 +261,6 @@ class SettingsDialog(QDialog):
         layout.addLayout(buttons)
         return tab
 
-    def _hardware_tab(self) -> QWidget:
-        self.benchmark_button = QPushButton("&Benchmark this computer")
-        self.benchmark_button.setAccessibleName("Benchmark this computer")
-        self.benchmark_button.clicked.connect(self.start_benchmark)
-        self.cancel_benchmark_button = QPushButton("Stop")
-        self.cancel_benchmark_button.setAccessibleName("Stop the benchmark")
-        self.cancel_benchmark_button.setEnabled(False)
-        self.cancel_benchmark_button.clicked.connect(self.runner.cancel)
-        self.benchmark_bar = QProgressBar()
-        self.benchmark_bar.setRange(0, 1000)
-        self.benchmark_bar.setAccessibleName("Benchmark progress")
-        self.benchmark_status = QLabel("")
-        self.benchmark_status.setAccessibleName("Benchmark status")
-        self.profile_text = QPlainTextEdit()
-        self.profile_text.setReadOnly(True)
-        self.profile_text.setAccessibleName("Last hardware profile")
-        self.profile_text.setMaximumHeight(130)
-        self.plot_pair = QComboBox()
-        self.plot_pair.setAccessibleName("Pair to predict")
-        self._plot_entries: list[PlotEntry] = plot_entries(self._catalog, self._prefs, self._running)
-        for entry in self._plot_entries:
-            self.plot_pair.addItem(entry.label, entry.key)
-        active = next((i for i, e in enumerate(self._plot_entries) if e.active), None)
-        if active is not None:
-            self.plot_pair.setCurrentIndex(active)
-        self.plot_pair.currentIndexChanged.connect(lambda _i: self._update_plot())
-        self.plot = BudgetPlot()
-        self.plot.setMinimumHeight(240)
-        row = QHBoxLayout()
-        row.addWidget(self.benchmark_button)
-        row.addWidget(self.cancel_benchmark_button)
-        row.addWidget(self.benchmark_bar, 1)
-        pair_row = QHBoxLayout()
-        pair_label = QLabel("&Pair:")
-        pair_label.setBuddy(self.plot_pair)
-        pair_row.addWidget(pair_label)
-        pair_row.addWidget(self.plot_pair, 1)
-        tab = QWidget()
-        layout = QVBoxLayout(tab)
-        layout.addLayout(row)
-        layout.addWidget(self.benchmark_status)
-        layout.addWidget(self.profile_text)
-        layout.addLayout(pair_row)
-        layout.addWidget(self.plot, 1)
-        about = installation()
-        log = current_log_file()
-        self.about = QLabel(f"{about.summary()}\nInstalled in {about.prefix} · your data in {about.data}"
-                            + (f"\nLog file: {log}" if log is not None else ""))
-        self.about.setAccessibleName("SpecChat version and installation")
-        self.about.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        self.about.setWordWrap(True)
-        layout.addWidget(self.about)
-        return tab
-
     # ---- values ----------------------------------------------------------------------------
     def show_preferences(self, prefs: Preferences) -> None:
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "kv_ram_gb", "kv_disk_gb"):
@@ -373,15 +307,15 @@ class SettingsDialog(QDialog):
 
     def accept(self) -> None:
         self._store.save(self.preferences())
-        self.runner.shutdown()
+        self.hardware.shutdown()
         super().accept()
 
     def reject(self) -> None:
-        self.runner.shutdown()
+        self.hardware.shutdown()
         super().reject()
 
     def closeEvent(self, event: QCloseEvent) -> None:
-        self.runner.shutdown()
+        self.hardware.shutdown()
         super().closeEvent(event)
 
     def _add_preset(self, title: str, text: str) -> None:
@@ -396,56 +330,9 @@ class SettingsDialog(QDialog):
             self.presets.removeRow(row)
 
     def _on_browse_clicked(self) -> None:
-        folder = QFileDialog.getExistingDirectory(self, "Models folder", self.models_dir.text())
-        if folder:
-            self.models_dir.setText(folder)
-
-    # ---- benchmark -------------------------------------------------------------------------
-    def start_benchmark(self) -> None:
-        if self.runner.start(self._benchmark_options):
-            self.benchmark_button.setEnabled(False)
-            self.cancel_benchmark_button.setEnabled(True)
-            self.benchmark_bar.setValue(0)
-            self.benchmark_status.setText("Measuring… the computer may feel busy for a minute.")
-
-    def _benchmark_done(self, text: str) -> None:
-        self.benchmark_button.setEnabled(True)
-        self.cancel_benchmark_button.setEnabled(False)
-        self.benchmark_status.setText(text)
-
-    def _on_benchmark_progressed(self, fraction: float, text: str) -> None:
-        self.benchmark_bar.setValue(int(1000 * fraction))
-        if text:
-            self.benchmark_status.setText(text)
-
-    def _on_benchmark_finished(self, _profile: object) -> None:
-        self.benchmark_bar.setValue(1000)
-        self._benchmark_done("Done: the profile below is saved and used for predictions.")
-        self._show_profile()
-
-    def _on_benchmark_failed(self, message: str) -> None:
-        self._benchmark_done(f"The benchmark failed: {message}")
-
-    def _on_benchmark_cancelled(self) -> None:
-        self._benchmark_done("Stopped; the previous profile (if any) is kept.")
-
-    def _show_profile(self) -> None:
-        self.profile_text.setPlainText("\n".join(profile_lines(load_profile())))
-        self._update_plot()
-
-    def _update_plot(self) -> None:
-        profile = load_profile()
-        entry = next((e for e in self._plot_entries if e.key == self.plot_pair.currentData()), None)
-        if entry is None:
-            self.plot.set_message("No pair to predict.")
-            return
-        if profile is None and entry.measured is None:
-            self.plot.set_message("Benchmark needed: press “Benchmark this computer” to see predicted speeds.")
-            return
-        quant = self._prefs.quant if self._prefs.quant != "none" else "auto"
-        points, chosen = entry.curve(profile, quant)
-        measured = entry.measured.tokens_per_second if entry.measured is not None else None
-        self.plot.set_curve(points, chosen, title=entry.title(points), measured=measured)
+        folder = self.dialogs.ask_folder("Models folder", self.models_dir.text())
+        if folder is not None:
+            self.models_dir.setText(str(folder))
 
 
 def _page(form: QFormLayout, note: QLabel | None = None) -> QWidget:

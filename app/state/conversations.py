@@ -12,8 +12,10 @@ The database never keeps the app from working. A damaged file (garbage bytes, tr
 by SQLite's quick_check at open) is moved aside, kept, and what SQLite can still read of it is
 copied into a fresh one (recovery.py). A folder that cannot be written (read-only, full, not
 ours: at open or at any later write) turns the store into an in-memory copy of what it held, so
-the chat goes on for this session. Either way `notice` says what happened in a sentence the app
-shows, and `on_notice` is told when it happens later.
+the chat goes on for this session. A file a newer SpecChat wrote (a schema version above
+SCHEMA_VERSION) is never written to, migrated or set aside: this session starts empty in memory.
+Either way `notice` says what happened and what to do, in sentences the app shows in its banner,
+and `on_notice` is told when it happens later.
 """
 
 from __future__ import annotations
@@ -108,6 +110,8 @@ class ConversationStore:
         self.in_memory = False
         try:
             self._db = self._open_file(path)
+        except _Newer as newer:
+            self._db = self._memory_copy(_newer(path, newer.version), copy=False)
         except _Damaged:
             self._db = self._recover(path)
         except (sqlite3.DatabaseError, OSError) as exc:  # OSError: the data folder cannot be created
@@ -117,6 +121,9 @@ class ConversationStore:
         path.parent.mkdir(parents=True, exist_ok=True)
         db = sqlite3.connect(str(path), isolation_level=None)  # autocommit; explicit BEGINs
         try:
+            version = int(db.execute("PRAGMA user_version").fetchone()[0])  # before anything writes to it
+            if version > SCHEMA_VERSION:
+                raise _Newer(version)
             _configure(db)
             check = db.execute("PRAGMA quick_check(1)").fetchone()  # reads every page: finds truncation
             if check is None or check[0] != "ok":
@@ -127,7 +134,7 @@ class ConversationStore:
             if _code(exc) in _DAMAGED:
                 raise _Damaged(str(exc)) from exc
             raise
-        except _Damaged:
+        except (_Damaged, _Newer):
             db.close()
             raise
         return db
@@ -152,13 +159,14 @@ class ConversationStore:
         log.warning("%s", self.notice)
         return db
 
-    def _memory_copy(self, reason: str) -> sqlite3.Connection:
-        """An in-memory database holding what the file held (if it can be read at all)."""
+    def _memory_copy(self, reason: str, copy: bool = True) -> sqlite3.Connection:
+        """An in-memory database holding what the file held (if it can be read at all; nothing
+        when `copy` is False)."""
         memory = sqlite3.connect(":memory:", isolation_level=None)
         memory.row_factory = sqlite3.Row
         source = getattr(self, "_db", None)
         # a read-only open of a WAL file needs its -shm; immutable=1 reads it without one
-        uris = [f"file:{self.path}?mode=ro", f"file:{self.path}?immutable=1"] if self.path.is_file() else []
+        uris = [f"file:{self.path}?mode=ro", f"file:{self.path}?immutable=1"] if self.path.is_file() and copy else []
         for uri in [None] if source is not None else uris:
             try:
                 reader = source if uri is None else sqlite3.connect(uri, uri=True)
@@ -309,8 +317,8 @@ def _configure(db: sqlite3.Connection) -> None:
 
 def _migrate(db: sqlite3.Connection, path: Path) -> None:
     version = int(db.execute("PRAGMA user_version").fetchone()[0])
-    if version > SCHEMA_VERSION:
-        raise RuntimeError(f"{path} was written by a newer SpecChat (schema {version}); update the app.")
+    if version > SCHEMA_VERSION:  # _open_file checks first; a copy in memory of such a file is never made
+        raise _Newer(version)
     for target in range(version, SCHEMA_VERSION):
         db.execute("BEGIN IMMEDIATE")
         try:
@@ -326,6 +334,21 @@ def _migrate(db: sqlite3.Connection, path: Path) -> None:
 
 class _Damaged(Exception):
     """The database file is damaged (SQLite says so, or quick_check finds a fault)."""
+
+
+class _Newer(Exception):
+    """The database file was written by a newer SpecChat (its schema `version` is above ours)."""
+
+    def __init__(self, version: int) -> None:
+        super().__init__(version)
+        self.version = version
+
+
+def _newer(path: Path, version: int) -> str:
+    return (f"Your conversations in {path} were saved by a newer version of SpecChat (database version {version}; "
+            f"this one reads up to {SCHEMA_VERSION}), so this version cannot show them. The file is left untouched: "
+            "update SpecChat to see them again (or set SPECCHAT_DATA_DIR to another folder). Until then, new chats "
+            "are kept in memory only and are lost when SpecChat closes.")
 
 
 def _code(exc: sqlite3.Error) -> int:

@@ -2,14 +2,16 @@
 a failure in a build without a console (the Windows app) still leaves a trace. About (Settings)
 and every error banner name it.
 
-INFO and above go to the file (loads, downloads, generation failures with their tracebacks);
-the console keeps WARNING and above. Uncaught exceptions are written to it too.
+INFO and above go to the file (loads, downloads, failures: a bug's with its traceback, a
+condition the user is told about in one line); the console keeps WARNING and above. Uncaught
+exceptions are written to it too. How big it grows is `LogFileSettings`.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+from dataclasses import dataclass
 from logging.handlers import RotatingFileHandler
 from pathlib import Path
 from types import TracebackType
@@ -17,20 +19,30 @@ from types import TracebackType
 from engine import paths
 
 LOG_NAME = "specchat.log"
-MAX_BYTES = 2_000_000
-BACKUPS = 3  # specchat.log.1 .. .3: at most ~8 MB in all
-
-_current: Path | None = None
 
 
-def install_log_file(folder: Path | None = None) -> Path | None:
+@dataclass(frozen=True)
+class LogFileSettings:
+    """max_bytes: the file's size before it rotates; backups: rotated files kept
+    (specchat.log.1 .. .3: at most ~8 MB in all)."""
+
+    max_bytes: int = 2_000_000
+    backups: int = 3
+
+
+_current: Path | None = None  # the process's one log file (the root logger is process-wide too)
+
+
+def install_log_file(folder: Path | None = None, settings: LogFileSettings | None = None) -> Path | None:
     """Add the rotating file handler to the root logger; returns the file, or None when the
     folder cannot be written (the app then runs without one and says nothing about it)."""
     global _current
+    settings = settings or LogFileSettings()
     path = (folder or paths.log_dir()) / LOG_NAME
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        handler = RotatingFileHandler(path, maxBytes=MAX_BYTES, backupCount=BACKUPS, encoding="utf-8")
+        handler = RotatingFileHandler(path, maxBytes=settings.max_bytes, backupCount=settings.backups,
+                                      encoding="utf-8")
     except OSError as exc:
         logging.getLogger(__name__).warning("no log file at %s: %s", path, exc)
         return None

@@ -36,8 +36,6 @@ from PySide6.QtWidgets import (
     QWizardPage,
 )
 
-from app.models.downloads import Confirm, confirm_with_dialog
-from app.models.page import FIT_COLOURS
 from app.models.recommend import (
     PairOption,
     download_bytes,
@@ -47,8 +45,10 @@ from app.models.recommend import (
     profile_has_gpu,
     recommend,
 )
+from app.models.tables import FIT_COLOURS
 from app.state.names import short_paths  # noqa: F401  (tests import it from here)
 from app.state.preferences_store import PreferencesStore
+from app.widgets.dialogs import Confirm, Dialogs
 from app.wizard.runs import BenchmarkPage, CalibrationPage, progress_bar, rich_label
 from app.workers.benchmark_worker import benchmark_runner, calibration_runner
 from app.workers.download_worker import (
@@ -310,7 +310,7 @@ class FirstRunWizard(QWizard):
         self.benchmark_options = dict(benchmark_options or {})
         self.calibration_tokens = calibration_tokens
         self._hf_cache = hf_cache_dir
-        self.confirm: Confirm = confirm or confirm_with_dialog(self)
+        self.confirm: Confirm = confirm or Dialogs.over(self).confirm
         prefs = store.load()
         self.models_dir = prefs.models_path()
         self.benchmark = benchmark_runner(self)

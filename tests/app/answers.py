@@ -45,3 +45,12 @@ class Answers:
 def answering(confirm: bool | Confirm = False, text: str | None = None, path: Path | None = None) -> Dialogs:
     """Dialogs that answer every question the same way (see Answers)."""
     return Answers(confirm, text, path).dialogs()
+
+
+def refusing() -> Dialogs:
+    """Dialogs that fail the test if anything is asked: a question nobody expected would block."""
+
+    def refuse(*args: object) -> None:
+        raise AssertionError(f"unexpected dialog: {args[:2]}")
+
+    return Dialogs(refuse, refuse, refuse, refuse, refuse, refuse)  # type: ignore[arg-type]

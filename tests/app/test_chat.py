@@ -216,7 +216,7 @@ def test_system_prompt_presets_are_saved_and_applied(qtbot: QtBot, open_window, 
     conv = conversations.create("Pirates")
     chat.open_conversation(conv.id)
     chat.system_edit.setText("Talk like a pirate.")
-    chat.save_preset("Pirate", "Talk like a pirate.")
+    chat.system_row.save_preset("Pirate", "Talk like a pirate.")
     assert ("Pirate", "Talk like a pirate.") in prefs.load().system_presets
     index = chat.preset_combo.findText("Pirate")
     assert index > 0

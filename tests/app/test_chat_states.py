@@ -226,8 +226,8 @@ def test_the_window_fits_half_a_screen_and_long_status_text_never_widens_it(
     buttons = window.chat.sidebar.findChildren(QAbstractButton)
     assert buttons and all(b.width() >= b.sizeHint().width() for b in buttons if b.isVisible())
     window.show_models()
-    assert window.models_page.catalog_table.rowCount() > 0
-    table = window.models_page.catalog_table
+    assert window.models_page.catalog.table.rowCount() > 0
+    table = window.models_page.catalog.table
     assert table.viewport().height() >= 2 * table.rowHeight(0)  # rows show, not just a header
     window.show_chat()
     window.statusBar().show_load_progress(LoadProgress("target", 0.5, "streaming " + "layer weights " * 40))

@@ -31,8 +31,8 @@ def isolated_root(monkeypatch: pytest.MonkeyPatch) -> Iterator[logging.Logger]:
 def test_the_log_goes_to_the_platform_folder_rotates_and_is_named_in_errors(
         qtbot: QtBot, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, isolated_root: logging.Logger) -> None:
     monkeypatch.setenv("SPECCHAT_LOG_DIR", str(tmp_path / "logs"))
-    monkeypatch.setattr(logfile, "MAX_BYTES", 4_000)
-    path = logfile.install_log_file()
+    settings = logfile.LogFileSettings(max_bytes=4_000)
+    path = logfile.install_log_file(settings=settings)
     assert path == tmp_path / "logs" / "specchat.log" and logfile.current_log_file() == path
     try:
         raise RuntimeError("the worker fell over")
@@ -46,7 +46,7 @@ def test_the_log_goes_to_the_platform_folder_rotates_and_is_named_in_errors(
     for i in range(200):
         logging.getLogger("app").info("line %d %s", i, "x" * 40)
     assert (tmp_path / "logs" / "specchat.log.1").is_file()
-    assert len(list((tmp_path / "logs").iterdir())) <= 1 + logfile.BACKUPS
+    assert len(list((tmp_path / "logs").iterdir())) <= 1 + settings.backups
 
     banner = ErrorBanner()
     qtbot.addWidget(banner)

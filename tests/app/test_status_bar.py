@@ -7,14 +7,11 @@ streamed to a GPU, the longest the status bar shows.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 from PySide6.QtWidgets import QLabel
 from pytestqt.qtbot import QtBot
 
 from app.main_window import MainWindow
-from app.state.conversations import ConversationStore
 from app.widgets.field_row import ElidedLabel, FieldRow
 from app.widgets.status import ModeContext, StatusBar, mode_text
 from engine.decoding.auto_budget import BudgetChoice
@@ -35,13 +32,10 @@ def _stats(mode: str = "context", **fields: object) -> GenerationStats:
 
 
 @pytest.fixture
-def window(qtbot: QtBot, make_prefs, make_host, conversations: ConversationStore) -> Iterator[MainWindow]:
-    win = MainWindow(make_prefs(), conversations, host=make_host())
-    qtbot.addWidget(win)
-    win.show()
+def window(qtbot: QtBot, make_prefs, open_window) -> MainWindow:  # type: ignore[no-untyped-def]
+    win = open_window(make_prefs(), wait_loaded=False)
     qtbot.waitExposed(win)
-    yield win
-    win.close()
+    return win
 
 
 def _fill(win: MainWindow, api: str) -> StatusBar:
@@ -122,11 +116,11 @@ def _on(budget: int, reason: str) -> BudgetChoice:
      "Settings > Engine > Mode"),
     (_stats("autoregressive", oom_retries=2), ModeContext(has_draft=True), "plain (out of memory)",
      "ran out of memory"),
-    (_stats("autoregressive"), ModeContext(auto_budget=True, has_draft=True, choice=_off("the draft costs 40 % of a pass")),
-     "plain (faster)", "the draft costs 40 % of a pass"),
+    (_stats("autoregressive"), ModeContext(auto_budget=True, has_draft=True, choice=_off("the draft costs 40 %")),
+     "plain (faster)", "the draft costs 40 %"),
     # budget auto found the draft does not pay: AutoBudget decodes draft-free (context candidates),
     # and the field says so, not that the engine measured the draft slower
-    (_stats("context"), ModeContext(auto_budget=True, has_draft=True, choice=_off("the draft costs 40 % of a pass")),
+    (_stats("context"), ModeContext(auto_budget=True, has_draft=True, choice=_off("the draft costs 40 %")),
      "draft off (auto)", "budget auto left the draft out"),
     (_stats("specexec", budget=128), ModeContext(auto_budget=True, has_draft=True, choice=_on(128, "trees pay")),
      "budget: auto (128)", "trees pay"),

@@ -9,7 +9,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-
 from chat_helpers import WorkerEvents
 from PySide6.QtCore import QThread
 from pytestqt.qtbot import QtBot
