@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QAction, QActionGroup, QCloseEvent, QKeySequence, QShortcut
@@ -39,6 +40,11 @@ from app.workers.api_server import ApiServer
 from app.workers.engine_worker import EngineHost
 from app.workers.remote_worker import RemoteHost
 from engine.types import LoadProgress, LoadSettings, Placement
+
+if TYPE_CHECKING:  # the models page opens lazily (a problem in it never keeps the chat from opening);
+    # BudgetChoice's module imports torch, which the GUI thread never does
+    from app.models.page import ModelsPage
+    from engine.decoding.auto_budget import BudgetChoice
 
 from .theme import apply_theme, markdown_palette
 
@@ -103,7 +109,7 @@ class MainWindow(QMainWindow):
         self.chat.starter_requested.connect(self.use_starter)
         self.chat.models_requested.connect(self.show_models)
         self.pages.addWidget(self.chat)
-        self.models_page: QWidget | None = None
+        self.models_page: ModelsPage | None = None
         self.setCentralWidget(self.pages)
         self._build_actions()
         worker = self.host.worker
@@ -111,6 +117,7 @@ class MainWindow(QMainWindow):
         worker.loaded.connect(self._on_worker_loaded)
         worker.load_failed.connect(self._on_worker_load_failed)
         worker.starter_prepared.connect(self._on_worker_starter_prepared)
+        worker.budget_chosen.connect(self._on_worker_budget_chosen)
         preferences.changed.connect(self._on_preferences_changed)
         self.chat.set_palette(markdown_palette(prefs.theme))
         self.api.apply(prefs)
@@ -157,9 +164,10 @@ class MainWindow(QMainWindow):
         self.stop_shortcut.setContext(Qt.ShortcutContext.WindowShortcut)
         self.stop_shortcut.activated.connect(self.chat.escape)
         for widget in bar.findChildren(QWidget):
-            action = getattr(widget, "defaultAction", lambda: None)()
-            if action is not None:
-                widget.setAccessibleName(action.text())
+            default = getattr(widget, "defaultAction", None)  # the toolbar's buttons
+            shown = default() if default is not None else None
+            if shown is not None:
+                widget.setAccessibleName(shown.text())
 
     def show_chat(self) -> None:
         self.pages.setCurrentWidget(self.chat)
@@ -172,7 +180,7 @@ class MainWindow(QMainWindow):
         self.pages.setCurrentWidget(self._models_scroll)
         self.models_action.setChecked(True)
 
-    def _ensure_models_page(self) -> QWidget | None:
+    def _ensure_models_page(self) -> ModelsPage | None:
         if self.models_page is None:
             try:
                 from app.models.page import ModelsPage
@@ -279,9 +287,19 @@ class MainWindow(QMainWindow):
         prefs = self.preferences.load()
         self.running = running_pair(target, draft, placement, prefs.tree_mode, prefs.keep_draft)
         if self.models_page is not None:
-            self.models_page.set_running(self.running)  # type: ignore[attr-defined]
+            self.models_page.set_running(self.running)
         self.chat.set_model_state("ready")
         self.model_loaded.emit()
+
+    def _on_worker_budget_chosen(self, _request_id: int, choice: BudgetChoice) -> None:
+        """Budget "auto" chose for an answer: what runs says whether it leaves the draft out."""
+        if self.running is None or not self.running.draft:
+            return
+        running = replace(self.running, auto_off="" if choice.draft else choice.reason)
+        if running != self.running:
+            self.running = running
+            if self.models_page is not None:
+                self.models_page.set_running(running)
 
     def _on_worker_load_failed(self, load_id: int, message: str) -> None:
         if load_id != self._load_id:
@@ -289,7 +307,7 @@ class MainWindow(QMainWindow):
         self._loading_key = None
         self.running = None
         if self.models_page is not None:
-            self.models_page.set_running(None)  # type: ignore[attr-defined]
+            self.models_page.set_running(None)
         self.status.hide_load_progress()
         has_target = bool(self.preferences.load().target)
         self.status.show_no_model("No model loaded")
@@ -316,7 +334,7 @@ class MainWindow(QMainWindow):
     def closeEvent(self, event: QCloseEvent) -> None:  # noqa: N802
         self.chat.stop()
         if self.models_page is not None:
-            self.models_page.shutdown()  # type: ignore[attr-defined]  # its download thread
+            self.models_page.shutdown()  # its download thread
         self.api.stop()  # before the engine: its requests end first
         self.remote_host.shutdown()
         self.host.persist_caches()  # queued before the thread's quit: long conversations are saved

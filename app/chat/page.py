@@ -110,7 +110,7 @@ class ChatPage(QWidget):
         self.engine_picker = EnginePicker()
         self.engine_picker.reload(self.preferences.load())
         self.engine_picker.choice_changed.connect(self._on_engine_picker_choice_changed)
-        self.system_row.layout().insertWidget(0, self.engine_picker)
+        self.system_row.add_leading(self.engine_picker)
         self.reload_presets()
         column.addWidget(self.system_row)
         self.view = ChatView()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from datetime import date, datetime, timedelta
 from pathlib import Path
 
@@ -113,7 +114,7 @@ class Sidebar(QWidget):
         self.setMinimumWidth(max(150, row.sizeHint().width() + margins.left() + margins.right()))
         self._quiet = False
 
-    def _tool(self, text: str, tip: str, slot) -> QToolButton:  # type: ignore[no-untyped-def]
+    def _tool(self, text: str, tip: str, slot: Callable[[], None] | None) -> QToolButton:
         button = QToolButton(self)
         button.setText(text)
         button.setToolTip(tip)
@@ -146,7 +147,7 @@ class Sidebar(QWidget):
                 if conv.id == current:
                     self.list.setCurrentItem(item)
             if not current:
-                self.list.setCurrentItem(None)
+                self.list.setCurrentRow(-1)  # no conversation is current
         finally:
             self._quiet = False
 
@@ -180,7 +181,10 @@ class Sidebar(QWidget):
             return
         self._quiet = True
         try:
-            self.list.setCurrentItem(match)
+            if match is None:
+                self.list.setCurrentRow(-1)
+            else:
+                self.list.setCurrentItem(match)
         finally:
             self._quiet = False
 

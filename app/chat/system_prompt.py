@@ -29,7 +29,7 @@ class SystemPromptRow(QWidget):
         super().__init__(parent)
         self.preferences = preferences
         self.dialogs = dialogs or Dialogs.over(self)
-        row = QHBoxLayout(self)
+        self._row = row = QHBoxLayout(self)
         row.setContentsMargins(12, 8, 12, 4)
         label = QLabel("System")  # short: the row must fit a half-screen window; the box says the rest
         label.setToolTip("Instructions the model reads before the conversation")
@@ -54,6 +54,10 @@ class SystemPromptRow(QWidget):
         self.save_button.setAccessibleName("Save the system prompt as a preset")
         self.save_button.clicked.connect(self._on_save_clicked)
         row.addWidget(self.save_button)
+
+    def add_leading(self, widget: QWidget) -> None:
+        """A widget at the row's start (the chat page's engine menu)."""
+        self._row.insertWidget(0, widget)
 
     def reload(self) -> None:
         """List the presets the preferences hold now."""

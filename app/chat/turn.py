@@ -30,6 +30,7 @@ import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from app.state.conversations import ConversationStore, StoredMessage, stats_dict, title_from
 from app.state.preferences import Preferences
@@ -106,7 +107,7 @@ def length_note(tokens: int) -> str:
     return f"cut at the token limit ({tokens:,} new tokens) · Continue writes on"
 
 
-def message_meta(m: StoredMessage) -> dict[str, object]:
+def message_meta(m: StoredMessage) -> dict[str, Any]:
     """A stored message's stats (finish reason, new tokens, …); {} when absent or damaged (the
     database is read as data only)."""
     try:

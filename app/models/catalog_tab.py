@@ -68,7 +68,8 @@ class CatalogTab(QWidget):
 
     def select_pair(self, pair_id: str) -> None:
         for row in range(self.table.rowCount()):
-            if self.table.item(row, 0).data(Qt.ItemDataRole.UserRole) == pair_id:
+            item = self.table.item(row, 0)
+            if item is not None and item.data(Qt.ItemDataRole.UserRole) == pair_id:
                 self.table.selectRow(row)
                 return
 

@@ -75,7 +75,7 @@ class LocalTab(QWidget):
         self.remove_button = QPushButton("Re&move…")
         self.remove_button.setAccessibleName("Remove the selected model")
         self.remove_button.clicked.connect(self._on_remove_clicked)
-        QShortcut(QKeySequence.StandardKey.Delete, self.table, activated=self._on_remove_clicked)
+        QShortcut(QKeySequence.StandardKey.Delete, self.table).activated.connect(self._on_remove_clicked)
         self.repo_edit = QLineEdit()
         self.repo_edit.setPlaceholderText("owner/name or owner/name:FILE.gguf")
         self.repo_edit.setAccessibleName("Hugging Face repo id to download")
@@ -103,11 +103,13 @@ class LocalTab(QWidget):
             why = damage.get(model.path)
             if why:
                 lines.append(damage_line(model, why))
-                for col in range(self.table.columnCount()):
-                    item = self.table.item(row, col)
+                items = [self.table.item(row, col) for col in range(self.table.columnCount())]
+                for item in items:
+                    assert item is not None  # fill_local set every cell
                     item.setForeground(QBrush(QColor(DAMAGED_COLOUR)))
                     item.setToolTip(lines[-1])
-                source = self.table.item(row, 1)
+                source = items[1]
+                assert source is not None
                 source.setText(f"{source.text()} · damaged")
         lines += problems
         self.problems_label.setText("\n".join(f"⚠ {line}" for line in lines))

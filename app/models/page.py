@@ -105,8 +105,9 @@ class ModelsPage(QWidget):
         self.found = Discovery((), ())  # the last scan's: LM Studio's and Ollama's models
         self._damage: dict[Path, str] = {}  # the last scan's: why each damaged model is damaged
         self._options: list[PairOption] = []
-        self._download_args = {"endpoint": endpoint, "settings": download_settings or DownloadSettings(),
-                               "hf_cache_dir": hf_cache_dir, "starter_source": starter_source}
+        self._download_options = DownloadOptions(  # the models folder follows the preferences
+            models_dir=self._prefs.models_path(), endpoint=endpoint, settings=download_settings or DownloadSettings(),
+            hf_cache_dir=hf_cache_dir, starter_source=starter_source)
         self.queue = self._make_queue(self._prefs.models_path())
         self.scanner = ScanHost(self)
         self.scanner.worker.scanned.connect(self._on_scanner_scanned)
@@ -117,7 +118,7 @@ class ModelsPage(QWidget):
 
     # ---- construction ----------------------------------------------------------------------
     def _make_queue(self, models_dir: Path) -> DownloadQueue:
-        queue = DownloadQueue(DownloadOptions(models_dir=models_dir, **self._download_args), self)
+        queue = DownloadQueue(replace(self._download_options, models_dir=models_dir), self)
         queue.progressed.connect(self._on_queue_progressed)
         queue.finished.connect(self._on_queue_finished)
         queue.failed.connect(self._on_queue_failed)
@@ -157,8 +158,8 @@ class ModelsPage(QWidget):
         layout.addWidget(self.profile_label)
         layout.addWidget(self.tabs, 2)
         layout.addWidget(self.downloads, 1)
-        QShortcut(QKeySequence.StandardKey.Refresh, self, activated=self.refresh)
-        QShortcut(QKeySequence("Ctrl+I"), self, activated=self.local.import_folder)
+        QShortcut(QKeySequence.StandardKey.Refresh, self).activated.connect(self.refresh)
+        QShortcut(QKeySequence("Ctrl+I"), self).activated.connect(self.local.import_folder)
 
     # ---- state -----------------------------------------------------------------------------
     @property

@@ -26,6 +26,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from engine.errors import EngineError
 from engine.planning import planner, profile
@@ -170,7 +171,7 @@ def _option(pair_id: str, title: str, description: str, target: CatalogModel, dr
             profile: HardwareProfile | None, quant: str, starter: str, locate: Locate | None) -> PairOption:
     size = download_bytes(target, starter) + (download_bytes(draft, starter) if draft else 0)
     if target.id == starter:
-        about = dict(target_format=STARTER_FORMAT, target_source=STARTER_SOURCE)
+        about: dict[str, Any] = dict(target_format=STARTER_FORMAT, target_source=STARTER_SOURCE)
     else:
         source = f"{target.repo_id}:{target.gguf_file}" if target.gguf_file else target.repo_id
         about = dict(target_format=target.format_label, target_source=source)

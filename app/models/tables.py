@@ -79,4 +79,5 @@ def selected_key(table: QTableWidget) -> str | None:
     """The key (UserRole data of column 0) of a table's selected row, or None."""
     model = table.selectionModel()
     rows = model.selectedRows() if model is not None else []
-    return table.item(rows[0].row(), 0).data(Qt.ItemDataRole.UserRole) if rows else None
+    item = table.item(rows[0].row(), 0) if rows else None
+    return item.data(Qt.ItemDataRole.UserRole) if item is not None else None

@@ -137,7 +137,8 @@ class SettingsDialog(QDialog):
         layout.addWidget(self.tabs)
         layout.addWidget(self.buttons)
         for index in range(self.tabs.count()):  # Alt+1..5 jump between sections
-            QShortcut(QKeySequence(f"Alt+{index + 1}"), self, activated=lambda i=index: self.tabs.setCurrentIndex(i))
+            QShortcut(QKeySequence(f"Alt+{index + 1}"), self).activated.connect(
+                lambda i=index: self.tabs.setCurrentIndex(i))
         for name, tip in TIPS.items():
             getattr(self, name).setToolTip(tip)
         give_buddies(self)  # "API &key:" beside a row of widgets showed its "&"
@@ -286,8 +287,9 @@ class SettingsDialog(QDialog):
         """The preferences as the widgets now show them (fields not shown here are kept)."""
         presets = []
         for row in range(self.presets.rowCount()):
-            title = (self.presets.item(row, 0).text() if self.presets.item(row, 0) else "").strip()
-            text = self.presets.item(row, 1).text() if self.presets.item(row, 1) else ""
+            cells = [self.presets.item(row, col) for col in (0, 1)]
+            title, text = ((c.text() if c is not None else "") for c in cells)
+            title = title.strip()
             if title:
                 presets.append((title, text))
         values: dict[str, Any] = {name: getattr(self, name).value() for name in (

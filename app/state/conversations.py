@@ -167,10 +167,11 @@ class ConversationStore:
         source = getattr(self, "_db", None)
         # a read-only open of a WAL file needs its -shm; immutable=1 reads it without one
         uris = [f"file:{self.path}?mode=ro", f"file:{self.path}?immutable=1"] if self.path.is_file() and copy else []
-        for uri in [None] if source is not None else uris:
+        readers: list[sqlite3.Connection | str] = [source] if source is not None else list(uris)
+        for reader in readers:
             try:
-                reader = source if uri is None else sqlite3.connect(uri, uri=True)
-                reader.backup(memory)  # SQLite's online backup: a consistent copy of every page
+                db = reader if isinstance(reader, sqlite3.Connection) else sqlite3.connect(reader, uri=True)
+                db.backup(memory)  # SQLite's online backup: a consistent copy of every page
                 break
             except (sqlite3.Error, OSError) as exc:
                 log.warning("could not copy %s into memory: %s", self.path, exc)

@@ -36,6 +36,7 @@ class RunningPair:
     fmt: str  # "FP32", "GGUF Q4_1", ... (engine.planning.measured.run_format)
     tree_mode: str = "specexec"
     keep_draft: bool = False
+    auto_off: str = ""  # why budget "auto" leaves the draft out (its latest choice); "" while it uses it
 
     @property
     def key(self) -> SpeedKey:
@@ -63,10 +64,13 @@ class RunningPair:
         elif not self.draft:
             text = "draft-free: no draft model; text copied from the context is checked, several tokens per pass " \
                    "where it repeats"
+        elif self.auto_off:
+            text = f"draft-free: budget auto leaves the draft out on this computer ({self.auto_off})"
         else:
             text = "SpecExec trees from the draft" + ("" if self.keep_draft else
                                                        "; the draft is turned off while it is measured slower")
-        nominal = "autoregressive" if self.tree_mode == "autoregressive" else "specexec" if self.draft else "context"
+        nominal = ("autoregressive" if self.tree_mode == "autoregressive"
+                   else "specexec" if self.draft and not self.auto_off else "context")
         if measured is not None and measured.last_mode in MODE_WORDS and measured.last_mode != nominal:
             text += f" (the last answer: {MODE_WORDS[measured.last_mode]})"
         return text

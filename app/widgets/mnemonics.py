@@ -42,7 +42,7 @@ def _focusable(item: QWidget | QLayout | None) -> QWidget | None:
     if isinstance(item, QLayout):
         for i in range(item.count()):
             child = item.itemAt(i)
-            found = _focusable(child.widget() or child.layout())
+            found = _focusable(child.widget() or child.layout()) if child is not None else None
             if found is not None:
                 return found
     return None

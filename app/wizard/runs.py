@@ -5,25 +5,41 @@ progress bar, a status line and a Skip button; Next/Finish is enabled once the t
 failed or skipped. `BenchmarkPage` measures this computer; `CalibrationPage` loads the chosen
 pair, generates a few tokens and says what it measured against what the benchmark predicted
 (the run is recorded as this computer's first measurement of the pair). The pages reach the
-wizard (app/wizard/first_run.py) for its runners, choice and preferences.
+wizard (app/wizard/first_run.py) for its runners, choice and preferences, as `Wizard` says.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal, Protocol
 
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QLabel, QProgressBar, QPushButton, QVBoxLayout, QWizardPage
 
-from app.models.recommend import profile_lines
+from app.models.recommend import PairOption, profile_lines
 from app.state.names import short_paths
+from app.state.preferences_store import PreferencesStore
 from app.workers.benchmark_worker import CalibrationRequest, CalibrationResult, TaskRunner
 from engine.planning.measured import format_rate
 
-if TYPE_CHECKING:
-    from app.wizard.first_run import FirstRunWizard
-
 RunState = Literal["idle", "running", "done", "failed", "skipped"]
+
+
+class Wizard(Protocol):
+    """What the measuring pages use of the wizard (app/wizard/first_run.FirstRunWizard)."""
+
+    benchmark: TaskRunner
+    calibration: TaskRunner
+    calibration_tokens: int
+    store: PreferencesStore
+
+    @property
+    def benchmark_options(self) -> Mapping[str, Any]: ...
+
+    def chosen(self) -> PairOption | None: ...
+
+    def local_path(self, spec: str) -> Path | None: ...
 
 
 def rich_label(text: str, name: str) -> QLabel:
@@ -162,7 +178,7 @@ class RunnerPage(QWizardPage):
 class BenchmarkPage(RunnerPage):
     """Runs the hardware benchmark when shown; Next is enabled when it is done or skipped."""
 
-    def __init__(self, wizard: FirstRunWizard) -> None:
+    def __init__(self, wizard: Wizard) -> None:
         super().__init__(wizard.benchmark, "Measuring this computer",
                          "SpecChat times the memory, disk, GPU and one model layer to predict speeds.",
                          "Benchmark", "&Skip the benchmark")
@@ -193,7 +209,7 @@ class BenchmarkPage(RunnerPage):
 class CalibrationPage(RunnerPage):
     """Loads the pair and generates a few tokens: proves it works and measures the real speed."""
 
-    def __init__(self, wizard: FirstRunWizard) -> None:
+    def __init__(self, wizard: Wizard) -> None:
         super().__init__(wizard.calibration, "A short test run", "Loading the models and generating a few tokens.",
                          "Test run", "S&kip the test run")
         self._wizard = wizard

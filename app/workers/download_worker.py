@@ -166,7 +166,7 @@ class DownloadQueue(WorkerHost):
     worker: DownloadWorker
 
     def __init__(self, options: DownloadOptions, parent: QObject | None = None) -> None:
-        lock, controls = threading.Lock(), {}
+        lock, controls = threading.Lock(), dict[str, _Controls]()
         super().__init__(DownloadWorker(options, controls, lock), "downloads", parent)
         self._lock = lock
         self._controls: dict[str, _Controls] = controls

@@ -6,8 +6,9 @@ every import counts, those inside functions too."""
 from __future__ import annotations
 
 import ast
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 REPO = Path(__file__).resolve().parents[2]
 APP = REPO / "app"

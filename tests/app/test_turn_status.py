@@ -146,6 +146,8 @@ def test_budget_auto_is_chosen_in_the_worker_and_the_mode_field_says_what_and_wh
     _answer(qtbot, window, "hello again")
     assert mode.text() == "draft off (auto)" and "budget auto left the draft out" in mode.toolTip()
     assert "does not pay" in mode.toolTip() or "do not pay" in mode.toolTip()
+    assert window.running is not None  # what runs (Settings > Engine, the models page) says so too
+    assert "budget auto leaves the draft out" in window.running.decoding_text()
 
 
 def test_a_failed_load_banner_goes_when_a_load_works(qtbot: QtBot, open_window, chat_prefs: PreferencesStore,
