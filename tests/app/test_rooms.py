@@ -85,8 +85,7 @@ def test_every_package_is_in_the_wheel() -> None:
     installer's wheel): the app would fail at its first import there, never in a checkout."""
     listed = set(tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
                  ["tool"]["setuptools"]["packages"])
-    packages = {".".join(p.parent.relative_to(REPO).parts) for top in ("app", "engine")
-                for p in (REPO / top).rglob("__init__.py")}
+    packages = {".".join(p.parent.relative_to(REPO).parts) for p in APP.rglob("__init__.py")}
     assert packages - listed == set()
 
 
