@@ -24,12 +24,12 @@ from PySide6.QtCore import QTimer
 from PySide6.QtGui import QIcon
 from PySide6.QtWidgets import QApplication
 
+from app.state.conversations import ConversationStore, default_path
+from app.state.logfile import install_log_file
+from app.state.preferences_store import PreferencesStore
 from engine import paths
 
-from .conversations import ConversationStore, default_path
-from .logfile import install_log_file
 from .main_window import MainWindow
-from .preferences import PreferencesStore
 from .qt_platform import startup_problem
 from .single_instance import Running, acquire
 
@@ -57,7 +57,7 @@ def _install_test_hooks(window: MainWindow) -> None:
 
 def _run_wizard(window: MainWindow, store: PreferencesStore) -> None:
     try:
-        from .wizard import FirstRunWizard
+        from app.wizard.first_run import FirstRunWizard
 
         wizard = FirstRunWizard(store, window)
     except Exception:  # noqa: BLE001 - without a wizard the empty state still offers the starter

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QAction, QActionGroup, QCloseEvent, QKeySequence, QShortcut
@@ -26,17 +27,25 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.chat.markdown import warm_up_highlighting
+from app.chat.page import ChatPage
+from app.state.conversations import ConversationStore
+from app.state.names import short_name
+from app.state.preferences import Preferences
+from app.state.preferences_store import PreferencesStore
+from app.state.running import RunningPair, running_pair
+from app.widgets.dialogs import Dialogs
+from app.widgets.status import StatusBar
+from app.workers.api_server import ApiServer
+from app.workers.engine_worker import EngineHost
+from app.workers.remote_worker import RemoteHost
 from engine.types import LoadProgress, LoadSettings, Placement
 
-from .api_server import ApiServer
-from .chat_page import ChatPage
-from .conversations import ConversationStore
-from .engine_worker import EngineHost
-from .markdown import warm_up_highlighting
-from .preferences import Preferences, PreferencesStore
-from .remote_engines import RemoteHost
-from .running import RunningPair, running_pair
-from .status import StatusBar, short_name
+if TYPE_CHECKING:  # the models page opens lazily (a problem in it never keeps the chat from opening);
+    # BudgetChoice's module imports torch, which the GUI thread never does
+    from app.models.page import ModelsPage
+    from engine.decoding.auto_budget import BudgetChoice
+
 from .theme import apply_theme, markdown_palette
 
 # closing waits this long for the engine thread: it saves the long conversations' caches first
@@ -64,7 +73,7 @@ class MainWindow(QMainWindow):
 
     def __init__(self, preferences: PreferencesStore, conversations: ConversationStore,
                  host: EngineHost | None = None, endpoint: str | None = None,
-                 parent: QWidget | None = None) -> None:
+                 parent: QWidget | None = None, dialogs: Dialogs | None = None) -> None:
         super().__init__(parent)
         self.setWindowTitle("SpecChat")
         self.setAccessibleName("SpecChat")
@@ -77,6 +86,7 @@ class MainWindow(QMainWindow):
             apply_theme(app, prefs.theme, prefs.font_size)
         self._look = (prefs.theme, prefs.font_size)
         self.endpoint = endpoint
+        self.dialogs = dialogs or Dialogs.over(self)  # every confirm and ask of the pages (tests answer them)
         self.host = host if host is not None else EngineHost(self)
         self._loaded_key: _PairKey | None = None
         self._loading_key: _PairKey | None = None
@@ -89,14 +99,17 @@ class MainWindow(QMainWindow):
         self.setStatusBar(self.status)
         self.status.load_cancel_requested.connect(self.cancel_load)
         self.pages = QStackedWidget()
-        self.remote_host = RemoteHost(self)  # conversations on remote engines (Settings > Engines)
+        # conversations on remote engines (Settings > Engines); its request ids come from the
+        # engine host's counter: the chat page hears both workers
+        self.remote_host = RemoteHost(self, ids=self.host.ids)
         self.api = ApiServer(self.host, self)  # Settings > Server: the loaded model over the OpenAI API
-        self.status.add_field(self.api.status_label)
-        self.chat = ChatPage(conversations, self.host, preferences, self.status, remote=self.remote_host)
+        self.api.status_changed.connect(self._on_api_status_changed)
+        self.chat = ChatPage(conversations, self.host, preferences, self.status, remote=self.remote_host,
+                             dialogs=self.dialogs)
         self.chat.starter_requested.connect(self.use_starter)
         self.chat.models_requested.connect(self.show_models)
         self.pages.addWidget(self.chat)
-        self.models_page: QWidget | None = None
+        self.models_page: ModelsPage | None = None
         self.setCentralWidget(self.pages)
         self._build_actions()
         worker = self.host.worker
@@ -104,6 +117,7 @@ class MainWindow(QMainWindow):
         worker.loaded.connect(self._on_worker_loaded)
         worker.load_failed.connect(self._on_worker_load_failed)
         worker.starter_prepared.connect(self._on_worker_starter_prepared)
+        worker.budget_chosen.connect(self._on_worker_budget_chosen)
         preferences.changed.connect(self._on_preferences_changed)
         self.chat.set_palette(markdown_palette(prefs.theme))
         self.api.apply(prefs)
@@ -150,9 +164,10 @@ class MainWindow(QMainWindow):
         self.stop_shortcut.setContext(Qt.ShortcutContext.WindowShortcut)
         self.stop_shortcut.activated.connect(self.chat.escape)
         for widget in bar.findChildren(QWidget):
-            action = getattr(widget, "defaultAction", lambda: None)()
-            if action is not None:
-                widget.setAccessibleName(action.text())
+            default = getattr(widget, "defaultAction", None)  # the toolbar's buttons
+            shown = default() if default is not None else None
+            if shown is not None:
+                widget.setAccessibleName(shown.text())
 
     def show_chat(self) -> None:
         self.pages.setCurrentWidget(self.chat)
@@ -165,12 +180,13 @@ class MainWindow(QMainWindow):
         self.pages.setCurrentWidget(self._models_scroll)
         self.models_action.setChecked(True)
 
-    def _ensure_models_page(self) -> QWidget | None:
+    def _ensure_models_page(self) -> ModelsPage | None:
         if self.models_page is None:
             try:
-                from .models_page import ModelsPage
+                from app.models.page import ModelsPage
 
-                page = ModelsPage(self.preferences, self, endpoint=self.endpoint, running=self.running)
+                page = ModelsPage(self.preferences, self, endpoint=self.endpoint, running=self.running,
+                                  dialogs=self.dialogs)
             except Exception as exc:  # noqa: BLE001 - the chat keeps working without it
                 log.exception("the models page failed to open")
                 self.chat.show_error(f"The Models page could not open ({exc}).", "models_page")
@@ -196,7 +212,7 @@ class MainWindow(QMainWindow):
 
     def open_settings(self) -> None:
         try:
-            from .settings_dialog import SettingsDialog
+            from app.settings.dialog import SettingsDialog
 
             dialog = SettingsDialog(self.preferences, self, running=self.running)
         except Exception as exc:  # noqa: BLE001
@@ -250,6 +266,9 @@ class MainWindow(QMainWindow):
         self.chat.set_model_state("loading")
         self._load_id = self.host.prepare_starter()
 
+    def _on_api_status_changed(self, text: str) -> None:
+        self.status.show_api(text, self.api.tooltip())
+
     def _on_worker_starter_prepared(self, load_id: int, path: str) -> None:
         if load_id == self._load_id:
             self.preferences.update(target=path, draft="")  # -> _on_preferences_changed -> load
@@ -257,7 +276,8 @@ class MainWindow(QMainWindow):
     def _on_worker_load_progressed(self, progress: LoadProgress) -> None:
         self.status.show_load_progress(progress)
 
-    def _on_worker_loaded(self, load_id: int, target: str, draft: str, placement: Placement | None) -> None:
+    def _on_worker_loaded(self, load_id: int, target: str, draft: str, placement: Placement | None,
+                          _context: int) -> None:
         if load_id != self._load_id:
             return  # a load that was replaced by a newer one
         self._loaded_key, self._loading_key = self._loading_key, None
@@ -267,9 +287,19 @@ class MainWindow(QMainWindow):
         prefs = self.preferences.load()
         self.running = running_pair(target, draft, placement, prefs.tree_mode, prefs.keep_draft)
         if self.models_page is not None:
-            self.models_page.set_running(self.running)  # type: ignore[attr-defined]
+            self.models_page.set_running(self.running)
         self.chat.set_model_state("ready")
         self.model_loaded.emit()
+
+    def _on_worker_budget_chosen(self, _request_id: int, choice: BudgetChoice) -> None:
+        """Budget "auto" chose for an answer: what runs says whether it leaves the draft out."""
+        if self.running is None or not self.running.draft:
+            return
+        running = replace(self.running, auto_off="" if choice.draft else choice.reason)
+        if running != self.running:
+            self.running = running
+            if self.models_page is not None:
+                self.models_page.set_running(running)
 
     def _on_worker_load_failed(self, load_id: int, message: str) -> None:
         if load_id != self._load_id:
@@ -277,7 +307,7 @@ class MainWindow(QMainWindow):
         self._loading_key = None
         self.running = None
         if self.models_page is not None:
-            self.models_page.set_running(None)  # type: ignore[attr-defined]
+            self.models_page.set_running(None)
         self.status.hide_load_progress()
         has_target = bool(self.preferences.load().target)
         self.status.show_no_model("No model loaded")
@@ -304,7 +334,7 @@ class MainWindow(QMainWindow):
     def closeEvent(self, event: QCloseEvent) -> None:  # noqa: N802
         self.chat.stop()
         if self.models_page is not None:
-            self.models_page.shutdown()  # type: ignore[attr-defined]  # its download thread
+            self.models_page.shutdown()  # its download thread
         self.api.stop()  # before the engine: its requests end first
         self.remote_host.shutdown()
         self.host.persist_caches()  # queued before the thread's quit: long conversations are saved

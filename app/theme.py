@@ -8,7 +8,7 @@ from PySide6.QtCore import Qt
 from PySide6.QtGui import QColor, QFont, QGuiApplication, QPalette
 from PySide6.QtWidgets import QApplication
 
-from .markdown import DARK, LIGHT, MarkdownPalette
+from app.chat.markdown import DARK, LIGHT, MarkdownPalette
 
 
 def is_dark(theme: str) -> bool:

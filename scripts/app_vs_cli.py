@@ -80,9 +80,10 @@ def _child(model: str, max_new: int, penalty: float, state: str) -> int:
     from PySide6.QtCore import QEventLoop, QSettings, QTimer
     from PySide6.QtWidgets import QApplication
 
-    from app.conversations import ConversationStore, default_path
     from app.main_window import MainWindow
-    from app.preferences import Preferences, PreferencesStore
+    from app.state.conversations import ConversationStore, default_path
+    from app.state.preferences import Preferences
+    from app.state.preferences_store import PreferencesStore
 
     app = QApplication(["specchat"])
     prefs = PreferencesStore(QSettings(f"{state}/specchat.ini", QSettings.Format.IniFormat))

@@ -101,9 +101,10 @@ def _shoot(out: Path, starter: Path, draft: Path, state: Path) -> int:
     from PySide6.QtGui import QImage
     from PySide6.QtWidgets import QApplication, QWidget
 
-    from app.conversations import ConversationStore, default_path
     from app.main_window import MainWindow
-    from app.preferences import Preferences, PreferencesStore
+    from app.state.conversations import ConversationStore, default_path
+    from app.state.preferences import Preferences
+    from app.state.preferences_store import PreferencesStore
 
     app = QApplication(["specchat"])
     app.setApplicationName("SpecChat")
@@ -165,14 +166,14 @@ def _shoot(out: Path, starter: Path, draft: Path, state: Path) -> int:
     save(window, "chat-800x600.png")
     window.resize(1280, 800)
 
-    from app.settings_dialog import SettingsDialog
+    from app.settings.dialog import SettingsDialog
 
     dialog = SettingsDialog(prefs, window)
     dialog.show()
     save(dialog, "settings.png")
     dialog.close()
 
-    from app.wizard import FirstRunWizard
+    from app.wizard.first_run import FirstRunWizard
 
     wizard = FirstRunWizard(prefs, window)
     wizard.show()

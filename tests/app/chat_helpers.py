@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from PySide6.QtCore import QObject, Signal, Slot
 
-from app.engine_worker import EngineHost
+from app.workers.engine_worker import EngineWorker
+from app.workers.generation import GenerationHost
 
 
 class WorkerEvents(QObject):
@@ -14,34 +15,38 @@ class WorkerEvents(QObject):
     run in the worker thread (no receiver object), so tests listen here instead.
     """
 
-    loaded = Signal(int, str, str, object)
+    loaded = Signal(int, str, str, object, int)
     load_failed = Signal(int, str)
     tokens_generated = Signal(int, str, int)
     generation_finished = Signal(int, object)
     generation_failed = Signal(int, str)
     warmed_up = Signal()
 
-    def __init__(self, host: EngineHost) -> None:
+    def __init__(self, host: GenerationHost) -> None:
         super().__init__()
         self.progress: list[object] = []
         self.chunks: list[tuple[int, str, int]] = []
         self.finished: dict[int, object] = {}
+        self.failed: dict[int, str] = {}
+        self.chosen: dict[int, object] = {}
         w = host.worker
-        w.load_progressed.connect(self._on_progress)
-        w.loaded.connect(self._on_loaded)
-        w.load_failed.connect(self._on_load_failed)
         w.tokens_generated.connect(self._on_tokens)
         w.generation_finished.connect(self._on_finished)
         w.generation_failed.connect(self._on_failed)
-        w.warmed_up.connect(self._on_warmed_up)
+        if isinstance(w, EngineWorker):  # the local engine's own signals
+            w.load_progressed.connect(self._on_progress)
+            w.loaded.connect(self._on_loaded)
+            w.load_failed.connect(self._on_load_failed)
+            w.warmed_up.connect(self._on_warmed_up)
+            w.budget_chosen.connect(self._on_budget_chosen)
 
     @Slot(object)
     def _on_progress(self, p: object) -> None:
         self.progress.append(p)
 
-    @Slot(int, str, str, object)
-    def _on_loaded(self, i: int, t: str, d: str, p: object) -> None:
-        self.loaded.emit(i, t, d, p)
+    @Slot(int, str, str, object, int)
+    def _on_loaded(self, i: int, t: str, d: str, p: object, context: int) -> None:
+        self.loaded.emit(i, t, d, p, context)
 
     @Slot(int, str)
     def _on_load_failed(self, i: int, m: str) -> None:
@@ -59,7 +64,12 @@ class WorkerEvents(QObject):
 
     @Slot(int, str)
     def _on_failed(self, i: int, m: str) -> None:
+        self.failed[i] = m
         self.generation_failed.emit(i, m)
+
+    @Slot(int, object)
+    def _on_budget_chosen(self, i: int, choice: object) -> None:
+        self.chosen[i] = choice
 
     @Slot()
     def _on_warmed_up(self) -> None:

@@ -2,7 +2,8 @@
 
 An autouse fixture points SPECCHAT_DATA_DIR / CACHE_DIR / MODELS_DIR, XDG_CONFIG_HOME, HOME and
 QSettings' user-scope INI path into tmp_path and sets SPECCHAT_SKIP_WIZARD=1. The chat tests
-build windows over a real EngineHost (a real QThread) and a real tiny model.
+build windows (`open_window`) over a real EngineHost (a real QThread) and a real tiny model;
+their dialogs answer at once (`answers`, tests/app/answers.py).
 """
 
 from __future__ import annotations
@@ -16,11 +17,16 @@ from dataclasses import replace  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+from answers import Answers  # noqa: E402
 from PySide6.QtCore import QSettings  # noqa: E402
 
-from app.conversations import ConversationStore, default_path  # noqa: E402
-from app.engine_worker import EngineHost  # noqa: E402
-from app.preferences import Preferences, PreferencesStore  # noqa: E402
+from app.main_window import MainWindow  # noqa: E402
+from app.state.conversations import ConversationStore, default_path  # noqa: E402
+from app.state.preferences import Preferences  # noqa: E402
+from app.state.preferences_store import PreferencesStore  # noqa: E402
+from app.workers.engine_worker import EngineHost  # noqa: E402
+
+LOAD_MS = 120_000  # loading the tiny pair on two busy cores
 
 
 @pytest.fixture(autouse=True)
@@ -92,3 +98,31 @@ def make_host(qtbot) -> Iterator[Callable[[], EngineHost]]:  # type: ignore[no-u
     for host in hosts:
         host.shutdown()
 
+
+
+@pytest.fixture
+def answers() -> Answers:
+    """How the windows' dialogs answer (No to every question, unless a test says otherwise)."""
+    return Answers()
+
+
+@pytest.fixture
+def open_window(qtbot, make_host, conversations: ConversationStore,  # type: ignore[no-untyped-def]
+                answers: Answers) -> Iterator[Callable[..., MainWindow]]:
+    """Main windows over a real EngineHost, shown, closed after the test. `open_window(prefs)`
+    waits until the model is loaded; `wait_loaded=False` does not; `store` replaces the test's
+    ConversationStore (a second window over the same file)."""
+    windows: list[MainWindow] = []
+
+    def open_(prefs: PreferencesStore, wait_loaded: bool = True, store: ConversationStore | None = None) -> MainWindow:
+        window = MainWindow(prefs, store or conversations, host=make_host(), dialogs=answers.dialogs())
+        qtbot.addWidget(window)
+        window.show()
+        windows.append(window)
+        if wait_loaded:
+            qtbot.waitUntil(lambda: window.chat.model_state == "ready", timeout=LOAD_MS)
+        return window
+
+    yield open_
+    for window in windows:
+        window.close()

@@ -19,7 +19,7 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 from pages_hub import HubServer
 from PySide6.QtCore import QSettings
 
-from app.preferences import PreferencesStore
+from app.state.preferences_store import PreferencesStore
 from engine.testing.synthetic import tiny_model
 from engine.store.transfer import DownloadSettings
 

@@ -9,7 +9,6 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import openai
@@ -17,30 +16,13 @@ import pytest
 from PySide6.QtCore import Qt
 from pytestqt.qtbot import QtBot
 
-from app.conversations import ConversationStore
 from app.main_window import MainWindow
-from app.preferences import PreferencesStore
+from app.state.preferences_store import PreferencesStore
 
 KEY = "sk-app-test"
 LOAD_MS = 120_000
 
 
-@pytest.fixture
-def open_window(qtbot: QtBot, make_host, conversations: ConversationStore) -> Iterator[Callable[..., MainWindow]]:
-    windows: list[MainWindow] = []
-
-    def open_(prefs: PreferencesStore, wait_loaded: bool = True) -> MainWindow:
-        window = MainWindow(prefs, conversations, host=make_host())
-        qtbot.addWidget(window)
-        window.show()
-        windows.append(window)
-        if wait_loaded:
-            qtbot.waitUntil(lambda: window.chat.model_state == "ready", timeout=LOAD_MS)
-        return window
-
-    yield open_
-    for window in windows:
-        window.close()
 
 
 def _send(qtbot: QtBot, window: MainWindow, text: str) -> None:
@@ -85,7 +67,7 @@ def test_the_api_and_the_chat_take_turns_on_the_one_engine(qtbot: QtBot, open_wi
     api, chat = window.api, window.chat
     statuses: list[str] = []
     api.status_changed.connect(statuses.append)
-    assert api.status_label.text() == "API: " + api.url.removeprefix("http://").removesuffix("/v1")
+    assert window.status.api.text() == "API: " + api.url.removeprefix("http://").removesuffix("/v1")
     client = openai.OpenAI(base_url=api.url, api_key=KEY, max_retries=0, timeout=120)
     [card] = client.models.list().data
     assert card.id == tiny_target_path.name
@@ -104,9 +86,9 @@ def test_the_api_and_the_chat_take_turns_on_the_one_engine(qtbot: QtBot, open_wi
     qtbot.waitUntil(lambda: bool(rendered), timeout=60_000)
     waiting = ApiCall(client, card.id, max_tokens=6)
     waiting.start()
-    qtbot.waitUntil(lambda: "waiting for the chat" in api.status_label.text(), timeout=30_000)
+    qtbot.waitUntil(lambda: "waiting for the chat" in window.status.api.text(), timeout=30_000)
     queued.set()
-    assert waiting.first_at is None and api.status_label.isVisible()
+    assert waiting.first_at is None and window.status.api.isVisible()
     with qtbot.waitSignal(chat.answer_finished, timeout=60_000) as finished:
         qtbot.keyClick(window, Qt.Key.Key_Escape)
     assert finished.args == ["cancelled"]
@@ -130,7 +112,7 @@ def test_the_api_and_the_chat_take_turns_on_the_one_engine(qtbot: QtBot, open_wi
     assert finished.args == ["length"] and chat.view.messages[-1].text
     running.join(30)
     assert running.error is None
-    qtbot.waitUntil(lambda: api.status_label.text().startswith("API: 127.0.0.1:"), timeout=30_000)
+    qtbot.waitUntil(lambda: window.status.api.text().startswith("API: 127.0.0.1:"), timeout=30_000)
 
 
 def test_without_a_model_the_api_says_so_and_a_taken_port_is_reported(qtbot: QtBot, open_window,
@@ -149,12 +131,12 @@ def test_without_a_model_the_api_says_so_and_a_taken_port_is_reported(qtbot: QtB
         port = taken.getsockname()[1]
         prefs.update(server_port=port)
         assert str(port) in window.api.error and window.api.url == ""
-        assert window.api.status_label.text() == "API: off (see Settings > Server)"
-        assert str(port) in window.api.status_label.toolTip()
+        assert window.status.api.text() == "API: off (see Settings > Server)"
+        assert str(port) in window.status.api.toolTip()
     prefs.update(server_port=0, server_lan=True)  # every network, no key: refused
     assert "API key" in window.api.error
     prefs.update(server_enabled=False)
-    assert window.api.error == "" and not window.api.status_label.isVisible()
+    assert window.api.error == "" and not window.status.api.isVisible()
 
 
 def _raw(port: int, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None,
@@ -181,7 +163,13 @@ def test_the_apps_server_refuses_web_pages_and_lists_nothing_after_a_failed_load
     api = window.api
     port = int(api.url.rsplit(":", 1)[1].split("/")[0])
     status, _, body = _raw(port, "GET", "/v1/models")
-    assert [m["id"] for m in json.loads(body)["data"]] == [tiny_target_path.name]
+    [card] = json.loads(body)["data"]
+    assert card["id"] == tiny_target_path.name and card["max_model_len"] == 2048  # the loaded model's context
+    # more than the model can read is refused at its real context, not at 2^20 (the worker's
+    # `loaded` signal carries it)
+    ask = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2049}).encode()
+    status, _, body = _raw(port, "POST", "/v1/chat/completions", ask, {"Content-Type": "application/json"})
+    assert status == 400 and "this model's context, 2,048 tokens" in json.loads(body)["error"]["message"]
     prefs.update(target=str(tmp_path / "no-such-model"), draft="")  # the next load fails
     qtbot.waitUntil(lambda: api.model.status == "failed", timeout=LOAD_MS)
     status, _, body = _raw(port, "GET", "/v1/models")

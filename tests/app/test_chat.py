@@ -7,10 +7,9 @@ window over the same database; errors as a banner; the no-model empty state; sho
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import pytest
+from answers import Answers
 from PySide6.QtCore import Qt, QUrl
 from PySide6.QtGui import QGuiApplication
 from PySide6.QtWidgets import (
@@ -23,29 +22,13 @@ from PySide6.QtWidgets import (
 )
 from pytestqt.qtbot import QtBot
 
-from app.conversations import ConversationStore
 from app.main_window import MainWindow
-from app.preferences import PreferencesStore
+from app.state.conversations import ConversationStore
+from app.state.preferences_store import PreferencesStore
 
 LOAD_MS = 120_000
 
 
-@pytest.fixture
-def open_window(qtbot: QtBot, make_host, conversations: ConversationStore) -> Iterator[Callable[..., MainWindow]]:
-    windows: list[MainWindow] = []
-
-    def open_(prefs: PreferencesStore, wait_loaded: bool = True, store: ConversationStore | None = None) -> MainWindow:
-        window = MainWindow(prefs, store or conversations, host=make_host())
-        qtbot.addWidget(window)
-        window.show()
-        windows.append(window)
-        if wait_loaded:
-            qtbot.waitUntil(lambda: window.chat.model_state == "ready", timeout=LOAD_MS)
-        return window
-
-    yield open_
-    for window in windows:
-        window.close()
 
 
 def _db_messages(store: ConversationStore, window: MainWindow) -> list[tuple[str, str, bool]]:
@@ -148,8 +131,8 @@ def test_conversations_survive_a_restart(qtbot: QtBot, open_window, chat_prefs: 
         again.close()
 
 
-def test_new_search_rename_and_delete_in_the_sidebar(qtbot: QtBot, open_window, make_prefs,
-                                                     conversations: ConversationStore, monkeypatch) -> None:
+def test_new_search_rename_and_delete_in_the_sidebar(qtbot: QtBot, open_window, make_prefs, answers: Answers,
+                                                     conversations: ConversationStore) -> None:
     a = conversations.create("Apples")
     conversations.add_message(a.id, "user", "tell me about fruit")
     b = conversations.create("Boats")
@@ -165,22 +148,16 @@ def test_new_search_rename_and_delete_in_the_sidebar(qtbot: QtBot, open_window, 
     chat.sidebar.list.setCurrentItem(chat.sidebar.conversation_items()[0])
     qtbot.waitUntil(lambda: chat.conversation_id == a.id, timeout=5_000)
     assert chat.view.messages[0].text == "tell me about fruit"
-    widths = []
-
-    def rename_dialog(dialog) -> bool:  # type: ignore[no-untyped-def]
-        widths.append(dialog.width())
-        dialog.setTextValue("Fruit talk")
-        return True
-
-    monkeypatch.setattr("app.sidebar.QInputDialog.exec", rename_dialog)
+    answers.text = "Fruit talk"
     chat.sidebar.rename_current()
     assert conversations.get(a.id).title == "Fruit talk"  # type: ignore[union-attr]
-    assert widths[0] >= 400  # room for a title, not 20 characters
-    from PySide6.QtWidgets import QMessageBox
-
-    monkeypatch.setattr("app.sidebar.QMessageBox.question", lambda *a, **k: QMessageBox.StandardButton.Yes)
+    assert answers.asked[-1] == ("Rename conversation", "Title:")
+    chat.sidebar.delete_current()  # No: it stays
+    assert conversations.get(a.id) is not None
+    answers.confirm = True
     chat.sidebar.delete_current()
     assert conversations.get(a.id) is None
+    assert answers.asked[-1] == ("Delete conversation", "Delete “Fruit talk” and all its messages?")
     qtbot.keyClick(window, Qt.Key.Key_N, Qt.KeyboardModifier.ControlModifier)
     assert chat.conversation_id == 0 and chat.view.messages == []
 
@@ -239,7 +216,7 @@ def test_system_prompt_presets_are_saved_and_applied(qtbot: QtBot, open_window, 
     conv = conversations.create("Pirates")
     chat.open_conversation(conv.id)
     chat.system_edit.setText("Talk like a pirate.")
-    chat.save_preset("Pirate", "Talk like a pirate.")
+    chat.system_row.save_preset("Pirate", "Talk like a pirate.")
     assert ("Pirate", "Talk like a pirate.") in prefs.load().system_presets
     index = chat.preset_combo.findText("Pirate")
     assert index > 0

@@ -12,16 +12,14 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
 
-import pytest
 from PySide6.QtCore import QEvent, QObject, Qt
 from pytestqt.qtbot import QtBot
 
-from app.composer import PLACEHOLDER
-from app.conversations import ConversationStore
+from app.chat.composer import PLACEHOLDER
 from app.main_window import MainWindow
-from app.preferences import PreferencesStore
+from app.state.conversations import ConversationStore
+from app.state.preferences_store import PreferencesStore
 
 LOAD_MS = 120_000
 ANSWER_MS = 120_000
@@ -42,22 +40,6 @@ class PaintLog(QObject):
         return False
 
 
-@pytest.fixture
-def open_window(qtbot: QtBot, make_host, conversations: ConversationStore) -> Iterator[Callable[..., MainWindow]]:
-    windows: list[MainWindow] = []
-
-    def open_(prefs: PreferencesStore, wait_loaded: bool = True) -> MainWindow:
-        window = MainWindow(prefs, conversations, host=make_host())
-        qtbot.addWidget(window)
-        window.show()
-        windows.append(window)
-        if wait_loaded:
-            qtbot.waitUntil(lambda: window.chat.model_state == "ready", timeout=LOAD_MS)
-        return window
-
-    yield open_
-    for window in windows:
-        window.close()
 
 
 def test_the_message_box_says_ready_once_the_model_is_loaded(qtbot: QtBot, open_window,
@@ -244,8 +226,8 @@ def test_the_window_fits_half_a_screen_and_long_status_text_never_widens_it(
     buttons = window.chat.sidebar.findChildren(QAbstractButton)
     assert buttons and all(b.width() >= b.sizeHint().width() for b in buttons if b.isVisible())
     window.show_models()
-    assert window.models_page.catalog_table.rowCount() > 0
-    table = window.models_page.catalog_table
+    assert window.models_page.catalog.table.rowCount() > 0
+    table = window.models_page.catalog.table
     assert table.viewport().height() >= 2 * table.rowHeight(0)  # rows show, not just a header
     window.show_chat()
     window.statusBar().show_load_progress(LoadProgress("target", 0.5, "streaming " + "layer weights " * 40))

@@ -6,10 +6,8 @@ import json
 import sqlite3
 from pathlib import Path
 
-import pytest
-
-from app.conversations import MIGRATIONS, SCHEMA_VERSION, ConversationStore, title_from
-from app.sidebar import export_conversation
+from app.chat.sidebar import export_conversation
+from app.state.conversations import MIGRATIONS, SCHEMA_VERSION, ConversationStore, title_from
 
 
 def test_conversations_and_messages_survive_reopening(tmp_path: Path) -> None:
@@ -76,13 +74,29 @@ def test_a_version_1_database_is_migrated_in_place(tmp_path: Path) -> None:
     assert store.get(1).engine == '{"engine": "gpu-box", "model": "m"}'
 
 
-def test_a_newer_schema_is_refused_rather_than_damaged(tmp_path: Path) -> None:
+def test_a_newer_database_is_left_untouched_and_the_app_says_what_to_do(tmp_path: Path) -> None:
+    """A file a newer SpecChat wrote (after a downgrade, or a data folder shared with a newer
+    install) used to raise a RuntimeError that kept the app from opening. Now the store opens
+    empty in memory, never writes to the file, and its notice says what happened and what to do."""
     path = tmp_path / "new.sqlite3"
     db = sqlite3.connect(path)
-    db.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    db.execute("CREATE TABLE conversations (id INTEGER PRIMARY KEY, title TEXT, tomorrow BLOB)")
+    db.execute("INSERT INTO conversations (title, tomorrow) VALUES ('from the future', x'00')")
+    db.commit()
+    db.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 4}")
     db.close()
-    with pytest.raises(RuntimeError, match="newer SpecChat"):
-        ConversationStore(path)
+    before = path.read_bytes()
+    store = ConversationStore(path)
+    assert store.in_memory and store.conversations() == []
+    notice = store.notice or ""
+    assert "newer version of SpecChat" in notice and f"database version {SCHEMA_VERSION + 4}" in notice
+    assert "update SpecChat" in notice and "left untouched" in notice and str(path) in notice
+    conv = store.create("today")  # the chat goes on, in memory
+    store.add_message(conv.id, "user", "hello")
+    assert [m.content for m in store.messages(conv.id)] == ["hello"]
+    store.close()
+    assert path.read_bytes() == before  # not migrated, not set aside, not written
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["new.sqlite3"]
 
 
 def test_export_markdown_and_json(tmp_path: Path) -> None:

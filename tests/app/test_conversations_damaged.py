@@ -14,11 +14,11 @@ from filesystems import read_only, small_disk
 from PySide6.QtCore import Qt
 from pytestqt.qtbot import QtBot
 
-from app.conversations import ConversationStore, default_path
 from app.main import show_store_notices
 from app.main_window import MainWindow
-from app.preferences import PreferencesStore
-from app.recovery import LOST_TITLE
+from app.state.conversations import ConversationStore, default_path
+from app.state.preferences_store import PreferencesStore
+from app.state.recovery import LOST_TITLE
 
 LOAD_MS = 120_000
 
@@ -191,4 +191,26 @@ def test_recovery_never_raises_on_random_damage(tmp_path: Path, damage: str) -> 
         store = ConversationStore(path)  # never raises
         store.add_message(store.create("after").id, "user", "ok")
         assert sqlite3.connect(path).execute("PRAGMA quick_check").fetchone()[0] == "ok"
+        store.close()
+
+
+def test_the_window_opens_over_a_newer_database_and_its_banner_says_what_to_do(
+        qtbot: QtBot, make_prefs: Callable[..., PreferencesStore], make_host, tmp_path: Path) -> None:
+    path = default_path(tmp_path / "data")
+    path.parent.mkdir(parents=True)
+    db = sqlite3.connect(path)
+    db.execute("PRAGMA user_version = 99")
+    db.close()
+    store = ConversationStore(path)
+    window = MainWindow(make_prefs(), store, host=make_host())
+    qtbot.addWidget(window)
+    try:
+        show_store_notices(window, store)
+        window.show()
+        banner = window.chat.banner
+        assert banner.isVisible() and banner.cause == "store"
+        assert "saved by a newer version of SpecChat" in banner.message and "update SpecChat" in banner.message
+        assert window.chat.composer.isEnabled()  # the window works; chats are kept in memory
+    finally:
+        window.close()
         store.close()

@@ -22,8 +22,9 @@ from pathlib import Path
 import pytest
 from PySide6.QtCore import QSettings
 
-from app.conversations import default_path
-from app.preferences import Preferences, PreferencesStore
+from app.state.conversations import default_path
+from app.state.preferences import Preferences
+from app.state.preferences_store import PreferencesStore
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -8,18 +8,20 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from answers import answering
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QApplication, QFormLayout, QLabel, QLineEdit, QWidget
 from pytestqt.qtbot import QtBot
 
-from app.conversations import ConversationStore, export_file_name, title_from
-from app.mnemonics import give_buddies, has_mnemonic, unpaired
-from app.settings_dialog import SettingsDialog
-from app.sidebar import WRITING, Sidebar
+from app.chat.sidebar import WRITING, Sidebar
+from app.settings.dialog import SettingsDialog
+from app.state.conversations import ConversationStore, export_file_name, title_from
 from app.theme import apply_theme
+from app.widgets.mnemonics import give_buddies, has_mnemonic, unpaired
 
 
 def _labels_showing_an_ampersand(root: QWidget) -> list[str]:
@@ -85,20 +87,18 @@ def test_an_export_name_is_never_too_long_for_a_file_system() -> None:
 
 
 def test_the_export_dialog_proposes_the_title_and_the_file_is_written(qtbot: QtBot, conversations: ConversationStore,
-                                                                       tmp_path: Path,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                       tmp_path: Path) -> None:
     conv = conversations.create(title_from("Why is the sky blue? Answer in one sentence, please, for a child"))
     conversations.add_message(conv.id, "user", "Why is the sky blue?")
-    sidebar = Sidebar(conversations)
+    proposed: list[Path] = []
+
+    def save_path(_title: str, suggested: Path, _filter: str) -> Path:
+        proposed.append(suggested)
+        return tmp_path / suggested.name
+
+    sidebar = Sidebar(conversations, dialogs=replace(answering(), ask_save_path=save_path))
     qtbot.addWidget(sidebar)
     sidebar.refresh(select=conv.id)
-    proposed: list[str] = []
-
-    def save_dialog(_parent: object, _caption: str, path: str, _filter: str) -> tuple[str, str]:
-        proposed.append(path)
-        return str(tmp_path / Path(path).name), ""
-
-    monkeypatch.setattr("app.sidebar.QFileDialog.getSaveFileName", save_dialog)
     sidebar.export_current("md")
     assert Path(proposed[0]).name == "Why is the sky blue Answer in one sentence,.md"
     assert "Why is the sky blue?" in (tmp_path / Path(proposed[0]).name).read_text(encoding="utf-8")

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from pytestqt.qtbot import QtBot
 
-from app import logfile
-from app.status import ErrorBanner
+from app.state import logfile
+from app.widgets.status import ErrorBanner
 
 
 @pytest.fixture
@@ -31,13 +31,13 @@ def isolated_root(monkeypatch: pytest.MonkeyPatch) -> Iterator[logging.Logger]:
 def test_the_log_goes_to_the_platform_folder_rotates_and_is_named_in_errors(
         qtbot: QtBot, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, isolated_root: logging.Logger) -> None:
     monkeypatch.setenv("SPECCHAT_LOG_DIR", str(tmp_path / "logs"))
-    monkeypatch.setattr(logfile, "MAX_BYTES", 4_000)
-    path = logfile.install_log_file()
+    settings = logfile.LogFileSettings(max_bytes=4_000)
+    path = logfile.install_log_file(settings=settings)
     assert path == tmp_path / "logs" / "specchat.log" and logfile.current_log_file() == path
     try:
         raise RuntimeError("the worker fell over")
     except RuntimeError:
-        logging.getLogger("app.engine_worker").exception("generation failed")
+        logging.getLogger("app.workers.engine_worker").exception("generation failed")
     logging.getLogger("engine.store").info("downloaded %s", "starter")
     text = path.read_text(encoding="utf-8")
     assert "generation failed" in text and "RuntimeError: the worker fell over" in text  # with its traceback
@@ -46,7 +46,7 @@ def test_the_log_goes_to_the_platform_folder_rotates_and_is_named_in_errors(
     for i in range(200):
         logging.getLogger("app").info("line %d %s", i, "x" * 40)
     assert (tmp_path / "logs" / "specchat.log.1").is_file()
-    assert len(list((tmp_path / "logs").iterdir())) <= 1 + logfile.BACKUPS
+    assert len(list((tmp_path / "logs").iterdir())) <= 1 + settings.backups
 
     banner = ErrorBanner()
     qtbot.addWidget(banner)

@@ -11,10 +11,11 @@ from pathlib import Path
 from chat_helpers import WorkerEvents
 from pytestqt.qtbot import QtBot
 
-from app.engine_worker import EngineHost
-from app.preferences import Preferences, PreferencesStore
-from app.running import RunningPair, running_pair
-from app.settings_dialog import SettingsDialog
+from app.settings.dialog import SettingsDialog
+from app.state.preferences import Preferences
+from app.state.preferences_store import PreferencesStore
+from app.state.running import RunningPair, running_pair
+from app.workers.engine_worker import EngineHost
 from engine.testing.synthetic import tiny_gguf
 from engine.planning.measured import measured_speed, record_answer
 from engine.store.pypi import STARTER_FOLDER_NAME
@@ -62,8 +63,8 @@ def test_settings_engine_says_what_runs_not_what_was_asked(
     assert dialog.quant.currentText() != "None (16-bit)" and "GGUF blocks" in dialog.quant.currentText()
     assert "SpecExec" not in dialog.tree_mode.currentText() and "draft-free" in dialog.tree_mode.currentText()
     # the loaded model, though the catalog does not know it, has its entry in the plot's menu
-    keys = [dialog.plot_pair.itemData(i) for i in range(dialog.plot_pair.count())]
-    assert "loaded" in keys and dialog.plot_pair.currentData() == "loaded"
+    keys = [dialog.hardware.plot_pair.itemData(i) for i in range(dialog.hardware.plot_pair.count())]
+    assert "loaded" in keys and dialog.hardware.plot_pair.currentData() == "loaded"
 
     nothing = SettingsDialog(store)
     qtbot.addWidget(nothing)
@@ -91,11 +92,11 @@ def test_the_plot_lists_the_loaded_starter_with_its_measured_speed(
     qtbot.addWidget(dialog)
     dialog.show()
     dialog.tabs.setCurrentIndex(4)
-    assert dialog.plot_pair.currentData() == "starter" and "Starter" in dialog.plot_pair.currentText()
-    assert dialog.plot.message() == ""  # a chart, not "no prediction"
-    assert len(dialog.plot.points) == 1 and dialog.plot.points[0][0] == 1  # one token per pass
-    assert dialog.plot.measured == 2.9
-    assert "measured here: 2.9 tok/s over 10 answers" in dialog.plot.title()
+    assert dialog.hardware.plot_pair.currentData() == "starter" and "Starter" in dialog.hardware.plot_pair.currentText()
+    assert dialog.hardware.plot.message() == ""  # a chart, not "no prediction"
+    assert len(dialog.hardware.plot.points) == 1 and dialog.hardware.plot.points[0][0] == 1  # one token per pass
+    assert dialog.hardware.plot.measured == 2.9
+    assert "measured here: 2.9 tok/s over 10 answers" in dialog.hardware.plot.title()
     assert "measured here: 2.9 tok/s over 10 answers" in dialog.running_label.text()
     assert "FP32, converted from a Q4_1 GGUF" in dialog.running_label.text()
 
@@ -115,8 +116,8 @@ def test_the_window_runs_the_starter_folder_and_tells_settings_and_the_models_pa
     """An older wizard saved the starter by its catalog id and copied its GGUF into the models
     folder: the window loads the one starter folder instead, and what it loaded reaches Settings
     and the models page."""
-    from app.conversations import ConversationStore, default_path
     from app.main_window import MainWindow
+    from app.state.conversations import ConversationStore, default_path
     from engine.store.pypi import STARTER_GGUF_NAME
     from engine.store.registry import manifest_data, write_json_atomic
 
@@ -141,8 +142,8 @@ def test_the_window_runs_the_starter_folder_and_tells_settings_and_the_models_pa
         assert window.running.fmt == "FP32" and "converted from a Q4_1 GGUF" in window.running.format_text()
         window.show_models()
         page = window.models_page
-        assert page is not None and "Running:" in page.active_label.text()  # type: ignore[attr-defined]
-        assert "SmolLM2-135M-Instruct" in page.active_label.text()  # type: ignore[attr-defined]
+        assert page is not None and "Running:" in page.pair.active_label.text()  # type: ignore[attr-defined]
+        assert "SmolLM2-135M-Instruct" in page.pair.active_label.text()  # type: ignore[attr-defined]
     finally:
         window.close()
         conversations.close()

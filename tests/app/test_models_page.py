@@ -10,12 +10,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-import pytest
+from answers import Answers, refusing
 from pages_hub import FakeRepo, HubServer
+from PySide6.QtCore import Qt
 from pytestqt.qtbot import QtBot
 
-from app.models_page import CATALOG_COLUMNS, COL_FIT, COL_SPEED, ModelsPage
-from app.preferences import PreferencesStore
+from app.models.page import CATALOG_COLUMNS, COL_FIT, COL_SPEED, ModelsPage
+from app.state.preferences_store import PreferencesStore
 from engine.testing.synthetic import tiny_model
 from engine.store import list_local_models
 from engine.store.transfer import DownloadSettings
@@ -29,6 +30,7 @@ HUB_MODEL, HUB_REPO, PAIR = "smollm2-1.7b-instruct", "HuggingFaceTB/SmolLM2-1.7B
 
 def make_page(qtbot: QtBot, store: PreferencesStore, hub: HubServer, settings: DownloadSettings,
               starter: Callable[[Path], Path] | None = None, **kwargs: object) -> ModelsPage:
+    kwargs.setdefault("dialogs", refusing())  # a question nobody expected fails the test
     page = ModelsPage(store, endpoint=hub.url, download_settings=settings, starter_source=starter,
                       **kwargs)  # type: ignore[arg-type]
     qtbot.addWidget(page)
@@ -46,13 +48,13 @@ def test_download_from_catalog_with_progress_then_use_it(
     try:
         assert not page.is_local(HUB_MODEL) and not page.is_local(STARTER)
         page.select_pair(PAIR)  # the 1.7B from the hub, the starter as its draft
-        assert page.download_button.isEnabled() and not page.catalog_use_button.isEnabled()
+        assert page.catalog.download_button.isEnabled() and not page.catalog.use_button.isEnabled()
         seen: list[DownloadProgress] = []
         page.queue.progressed.connect(seen.append)
         finished: list[tuple[str, str]] = []
         page.download_finished.connect(lambda spec, path: finished.append((spec, path)))
-        qtbot.mouseClick(page.download_button, _left())
-        assert HUB_MODEL in page.rows and STARTER in page.rows and page.no_downloads.isHidden()
+        qtbot.mouseClick(page.catalog.download_button, _left())
+        assert HUB_MODEL in page.downloads.rows and STARTER in page.downloads.rows and page.downloads.empty_label.isHidden()
         qtbot.waitUntil(lambda: len(finished) == 2, timeout=60_000)
         paths = dict(finished)
         assert (Path(paths[HUB_MODEL]) / "model.safetensors").read_bytes() == repo.files["model.safetensors"]
@@ -61,21 +63,21 @@ def test_download_from_catalog_with_progress_then_use_it(
 
         fractions = [e.bytes_done for e in seen if e.state == "downloading" and e.model_id == HUB_MODEL]
         assert len(fractions) > 3 and fractions == sorted(fractions)  # the bar moved forward, in steps
-        row = page.rows[HUB_MODEL]
+        row = page.downloads.rows[HUB_MODEL]
         assert row.bar.value() == row.bar.maximum() and row.state == "done"
 
         # The local tab and the catalog both know them now; the pair can be used.
         assert sorted(m.model_id for m in page.local_models()) == sorted([STARTER, HUB_MODEL])
         assert [m.model_id for m in list_local_models(app_env / "models")] == [HUB_MODEL]
         page.select_pair(PAIR)
-        assert page.catalog_use_button.isEnabled() and not page.download_button.isEnabled()
+        assert page.catalog.use_button.isEnabled() and not page.catalog.download_button.isEnabled()
         with qtbot.waitSignal(page.active_pair_changed) as chosen:
-            qtbot.mouseClick(page.catalog_use_button, _left())
+            qtbot.mouseClick(page.catalog.use_button, _left())
         assert chosen.args == [HUB_MODEL, str(starter)]  # the starter by the folder that loads
         prefs = prefs_store.load()
         assert (prefs.target, prefs.draft) == (HUB_MODEL, str(starter))
-        assert HUB_MODEL in page.active_label.text() and "not loaded" in page.active_label.text()
-        assert page.target_combo.currentData() == HUB_MODEL and page.draft_combo.currentData() == STARTER
+        assert HUB_MODEL in page.pair.active_label.text() and "not loaded" in page.pair.active_label.text()
+        assert page.pair.target_combo.currentData() == HUB_MODEL and page.pair.draft_combo.currentData() == STARTER
     finally:
         page.shutdown()
 
@@ -93,7 +95,7 @@ def test_pause_resume_and_cancel_a_download(
         page.queue.progressed.connect(lambda e: states.append(e.state))
         assert page.download(HUB_MODEL)
         assert not page.download(HUB_MODEL)  # already queued
-        row = page.rows[HUB_MODEL]
+        row = page.downloads.rows[HUB_MODEL]
         qtbot.waitUntil(lambda: row.bar.value() > 0, timeout=30_000)
 
         qtbot.mouseClick(row.pause_button, _left())
@@ -113,7 +115,7 @@ def test_pause_resume_and_cancel_a_download(
         assert states.index("paused") < len(states) - 1
 
         qtbot.mouseClick(row.cancel_button, _left())  # clear the finished row
-        assert HUB_MODEL not in page.rows and page.no_downloads.isVisibleTo(page)
+        assert HUB_MODEL not in page.downloads.rows and page.downloads.empty_label.isVisibleTo(page)
     finally:
         page.shutdown()
 
@@ -129,28 +131,74 @@ def test_import_remove_and_choose_a_pair_from_local_models(
         assert page.import_path(target) is not None
         assert page.import_path(draft) is not None
         names = sorted(m.model_id for m in page.local_models())
-        assert names == sorted([target.name, draft.name]) and page.local_table.rowCount() == 2
+        assert names == sorted([target.name, draft.name]) and page.local.table.rowCount() == 2
 
-        page.target_combo.setCurrentIndex(page.target_combo.findData(target.name))
-        drafts = [page.draft_combo.itemData(i) for i in range(page.draft_combo.count())]
+        page.pair.target_combo.setCurrentIndex(page.pair.target_combo.findData(target.name))
+        drafts = [page.pair.draft_combo.itemData(i) for i in range(page.pair.draft_combo.count())]
         assert drafts == ["", draft.name]  # (no draft) and the other model: never the target itself
-        page.draft_combo.setCurrentIndex(page.draft_combo.findData(draft.name))
-        page.target_combo.setCurrentIndex(page.target_combo.findData(draft.name))  # the draft as target...
-        assert page.draft_combo.findData(draft.name) == -1 and page.draft_combo.currentData() == ""  # ...is no draft
-        page.target_combo.setCurrentIndex(page.target_combo.findData(target.name))
-        page.draft_combo.setCurrentIndex(page.draft_combo.findData(draft.name))
+        page.pair.draft_combo.setCurrentIndex(page.pair.draft_combo.findData(draft.name))
+        page.pair.target_combo.setCurrentIndex(page.pair.target_combo.findData(draft.name))  # the draft as target...
+        assert page.pair.draft_combo.findData(draft.name) == -1 and page.pair.draft_combo.currentData() == ""  # ...is no draft
+        page.pair.target_combo.setCurrentIndex(page.pair.target_combo.findData(target.name))
+        page.pair.draft_combo.setCurrentIndex(page.pair.draft_combo.findData(draft.name))
         with qtbot.waitSignal(page.active_pair_changed) as chosen:
-            qtbot.mouseClick(page.use_button, _left())
+            qtbot.mouseClick(page.pair.use_button, _left())
         assert chosen.args == [target.name, draft.name]
         assert (prefs_store.load().target, prefs_store.load().draft) == (target.name, draft.name)
 
-        page.local_table.selectRow(next(r for r in range(2) if page.local_table.item(r, 0).text() == draft.name))
-        assert page.remove_button.isEnabled()
+        page.local.table.selectRow(next(r for r in range(2) if page.local.table.item(r, 0).text() == draft.name))
+        assert page.local.remove_button.isEnabled()
         assert page.remove_local(page.selected_local(), confirm=False)  # type: ignore[arg-type]
         assert [m.model_id for m in list_local_models(app_env / "models")] == [target.name]
         assert draft.is_dir()  # imported by reference: the files stay
         # The removed draft is still the preference; the combo says it is missing.
-        assert "not downloaded" in page.draft_combo.currentText()
+        assert "not downloaded" in page.pair.draft_combo.currentText()
+    finally:
+        page.shutdown()
+
+
+def test_a_damaged_model_is_marked_found_off_the_gui_thread_and_dialogs_are_asked_not_patched(
+    qtbot: QtBot, prefs_store: PreferencesStore, hub: HubServer, download_settings: DownloadSettings,
+    app_env: Path,
+) -> None:
+    """A model whose weights file was cut after it was imported (a disk, a sync tool): the page
+    says so as `specchat models list` does. The disk is read in the scan thread, never the GUI's.
+    Importing and removing ask through the injected dialogs."""
+    import shutil
+    import threading
+
+    source = app_env / "elsewhere" / "tiny-cut"
+    shutil.copytree(tiny_model("llama", seed=0, cache_dir=app_env / "cache"), source)
+    answers = Answers(confirm=False, path=source)
+    page = make_page(qtbot, prefs_store, hub, download_settings, dialogs=answers.dialogs())
+    scanned_in: list[int] = []
+    page.scanner.worker.scanned.connect(lambda *_: scanned_in.append(threading.get_ident()),
+                                        Qt.ConnectionType.DirectConnection)
+    try:
+        page.tabs.setCurrentIndex(1)  # "On this computer"
+        page.local.import_folder()  # the "Import folder…" button: the folder chooser is asked
+        assert answers.asked[-1][0] == "Import a Hugging Face model folder" and page.is_local("tiny-cut")
+        qtbot.waitUntil(lambda: not page.scanning, timeout=30_000)
+        assert page.damage() == {} and page.local.problems_label.isHidden()
+        weights = source / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # cut in half
+        page.refresh()
+        qtbot.waitUntil(lambda: not page.scanning, timeout=30_000)
+        assert scanned_in and threading.get_ident() not in scanned_in  # read in the scan thread
+        why = page.damage()[source]
+        assert why and not why.endswith(".")
+        assert f"⚠ tiny-cut is damaged: {why}. Download it again." in page.local.problems_label.text()
+        assert page.local.problems_label.isVisibleTo(page)
+        row = next(r for r in range(page.local.table.rowCount()) if page.local.table.item(r, 0).text() == "tiny-cut")
+        assert page.local.table.item(row, 1).text().endswith("· damaged")
+        assert "is damaged" in page.local.table.item(row, 0).toolTip()
+
+        page.local.table.selectRow(row)
+        qtbot.mouseClick(page.local.remove_button, _left())  # asked, and No: it stays
+        assert answers.asked[-1][0] == "Remove model" and page.is_local("tiny-cut")
+        answers.confirm = True
+        qtbot.mouseClick(page.local.remove_button, _left())
+        assert not page.is_local("tiny-cut") and source.is_dir()  # imported by reference: the files stay
     finally:
         page.shutdown()
 
@@ -186,20 +234,21 @@ def test_lm_studio_and_ollama_models_are_listed_in_place_and_usable(
 
     page = make_page(qtbot, prefs_store, hub, download_settings)
     try:
+        qtbot.waitUntil(lambda: not page.scanning, timeout=30_000)  # the other apps' folders are read in a thread
         page.tabs.setCurrentIndex(1)  # "On this computer"
-        rows = {page.local_table.item(r, 0).text(): r for r in range(page.local_table.rowCount())}
+        rows = {page.local.table.item(r, 0).text(): r for r in range(page.local.table.rowCount())}
         assert set(rows) == {"Tiny-Q8_0", "tiny:latest"}
-        cells = [[page.local_table.item(rows[n], c).text() for c in range(4)] for n in ("Tiny-Q8_0", "tiny:latest")]
+        cells = [[page.local.table.item(rows[n], c).text() for c in range(4)] for n in ("Tiny-Q8_0", "tiny:latest")]
         assert cells[0][1] == "LM Studio · Q8_0 · llama" and cells[1][1] == "Ollama · Q8_0 · llama"
         assert all("(not copied)" in c[2] for c in cells)
         assert cells[1][3] == str(ollama / "blobs" / f"sha256-{digest}")  # the blob itself: no copy
-        assert page.found_label.isVisibleTo(page) and "ollama pull broken:latest" in page.found_label.text()
-        page.local_table.selectRow(rows["tiny:latest"])
-        assert not page.remove_button.isEnabled()  # Ollama's own: removed in Ollama
+        assert page.local.problems_label.isVisibleTo(page) and "ollama pull broken:latest" in page.local.problems_label.text()
+        page.local.table.selectRow(rows["tiny:latest"])
+        assert not page.local.remove_button.isEnabled()  # Ollama's own: removed in Ollama
 
-        page.target_combo.setCurrentIndex(page.target_combo.findData("tiny:latest"))
+        page.pair.target_combo.setCurrentIndex(page.pair.target_combo.findData("tiny:latest"))
         with qtbot.waitSignal(page.active_pair_changed) as chosen:
-            qtbot.mouseClick(page.use_button, _left())
+            qtbot.mouseClick(page.pair.use_button, _left())
         assert chosen.args == ["tiny:latest", ""]
         assert resolve_model("tiny:latest") == ollama / "blobs" / f"sha256-{digest}"  # what the engine loads
         assert not (app_env / "models").exists() or not any((app_env / "models").iterdir())  # nothing written
@@ -235,15 +284,15 @@ def test_a_failed_download_offers_retry_and_shows_its_whole_error(
     try:
         with qtbot.waitSignal(page.queue.failed, timeout=30_000):
             page.download(HUB_MODEL)  # the hub has no such repo yet
-        row = page.rows[HUB_MODEL]
+        row = page.downloads.rows[HUB_MODEL]
         assert row.state == "failed" and row.detail.wordWrap() and row.detail.text()
         assert row.pause_button.text() == "Retry" and row.pause_button.isEnabled()
         assert row.cancel_button.text() == "Clear"
         hub.add_repo(FakeRepo(HUB_REPO, dict(tiny_starter_files)))  # back online
         with qtbot.waitSignal(page.queue.finished, timeout=30_000):
             qtbot.mouseClick(row.pause_button, _left())
-        assert page.is_local(HUB_MODEL) and page.rows[HUB_MODEL].state == "done"
-        assert not page.rows[HUB_MODEL].pause_button.isVisibleTo(page)  # nothing left to pause
+        assert page.is_local(HUB_MODEL) and page.downloads.rows[HUB_MODEL].state == "done"
+        assert not page.downloads.rows[HUB_MODEL].pause_button.isVisibleTo(page)  # nothing left to pause
     finally:
         page.shutdown()
 
@@ -261,19 +310,19 @@ def test_fit_and_speed_columns_follow_the_hardware_profile(
     torch.set_num_threads(1)
     page = make_page(qtbot, prefs_store, hub, download_settings)
     try:
-        speeds = {page.catalog_table.item(r, 0).data(256): page.catalog_table.item(r, COL_SPEED).text()
-                  for r in range(page.catalog_table.rowCount())}
+        speeds = {page.catalog.table.item(r, 0).data(256): page.catalog.table.item(r, COL_SPEED).text()
+                  for r in range(page.catalog.table.rowCount())}
         assert set(speeds.values()) == {"benchmark needed"} and "Benchmark needed" in page.profile_label.text()
 
         save_profile(measure_hardware(quick=True))  # this machine, measured for real
         page.refresh()
         catalog = load_catalog()
         expected = planner.predict_pair(load_profile(), catalog.find(STARTER), None)
-        row = next(r for r in range(page.catalog_table.rowCount())
-                   if page.catalog_table.item(r, 0).data(256) == "starter")
-        assert page.catalog_table.item(row, COL_FIT).text() == {"fits": "Fits", "slow": "Slow", "too big": "Too big"}[expected.fit]
-        assert page.catalog_table.item(row, COL_SPEED).text().endswith("tok/s predicted")
-        assert "not measured here yet" in page.catalog_table.item(row, COL_SPEED).toolTip()
+        row = next(r for r in range(page.catalog.table.rowCount())
+                   if page.catalog.table.item(r, 0).data(256) == "starter")
+        assert page.catalog.table.item(row, COL_FIT).text() == {"fits": "Fits", "slow": "Slow", "too big": "Too big"}[expected.fit]
+        assert page.catalog.table.item(row, COL_SPEED).text().endswith("tok/s predicted")
+        assert "not measured here yet" in page.catalog.table.item(row, COL_SPEED).toolTip()
         assert "CPU:" in page.profile_label.text()
     finally:
         page.shutdown()
@@ -284,7 +333,7 @@ def test_each_pair_shows_its_target_format_and_source(
 ) -> None:
     page = make_page(qtbot, prefs_store, hub, download_settings)
     try:
-        table = page.catalog_table
+        table = page.catalog.table
         assert [table.horizontalHeaderItem(c).text() for c in range(table.columnCount())] == list(CATALOG_COLUMNS)
         column = CATALOG_COLUMNS.index("Format")
         cells = {table.item(r, 0).data(256): table.item(r, column) for r in range(table.rowCount())}
@@ -319,7 +368,7 @@ def test_the_starter_row_shows_what_arrives_and_runs_and_it_is_stored_once(
         files=[{"name": STARTER_GGUF_NAME, "size": STARTER_GGUF_BYTES, "sha256": None}]))
     page = make_page(qtbot, prefs_store, hub, download_settings, tiny_starter)
     try:
-        table = page.catalog_table
+        table = page.catalog.table
         row = next(r for r in range(table.rowCount()) if table.item(r, 0).data(256) == "starter")
         cell = {name: table.item(row, CATALOG_COLUMNS.index(name)) for name in ("Download", "Format", "On disk")}
         assert cell["Download"].text() == "98.4 MB"  # what arrives: PyPI's GGUF, not the hub's 273 MB
@@ -329,18 +378,18 @@ def test_the_starter_row_shows_what_arrives_and_runs_and_it_is_stored_once(
 
         with qtbot.waitSignal(page.download_finished, timeout=60_000) as done:
             page.select_pair("starter")
-            qtbot.mouseClick(page.download_button, _left())
+            qtbot.mouseClick(page.catalog.download_button, _left())
         starter = app_env / "cache" / "starter" / "SmolLM2-135M-Instruct"
         assert done.args == [STARTER, str(starter)]
         assert not old.exists() and list_local_models(app_env / "models") == []  # the copy went...
         assert (app_env / "cache" / "starter" / STARTER_GGUF_NAME).stat().st_size == STARTER_GGUF_BYTES  # ...into the cache
         listed = [m for m in page.local_models() if m.model_id == STARTER]
         assert len(listed) == 1 and listed[0].path == starter
-        local_row = next(r for r in range(page.local_table.rowCount()) if page.local_table.item(r, 0).text() == STARTER)
-        assert page.local_table.item(local_row, 1).text() == f"PyPI wheel · {STARTER_FORMAT}"
+        local_row = next(r for r in range(page.local.table.rowCount()) if page.local.table.item(r, 0).text() == STARTER)
+        assert page.local.table.item(local_row, 1).text() == f"PyPI wheel · {STARTER_FORMAT}"
         page.select_pair("starter")
         with qtbot.waitSignal(page.active_pair_changed) as chosen:
-            qtbot.mouseClick(page.catalog_use_button, _left())
+            qtbot.mouseClick(page.catalog.use_button, _left())
         assert chosen.args == [str(starter), ""]  # what `specchat chat` runs too: one starter
     finally:
         page.shutdown()
@@ -362,7 +411,7 @@ def test_speeds_are_what_was_measured_here_once_there_is_a_measurement(
     folder = tiny_starter(app_env / "cache")
     page = make_page(qtbot, prefs_store, hub, download_settings)
     try:
-        table = page.catalog_table
+        table = page.catalog.table
         row = next(r for r in range(table.rowCount()) if table.item(r, 0).data(256) == "starter")
         speed = table.item(row, COL_SPEED)
         assert speed.text().startswith("~") and speed.text().endswith("tok/s predicted")
@@ -403,17 +452,17 @@ def test_a_download_that_does_not_fit_asks_first_and_no_starts_nothing(
         asked.append((title, text))
         return answer[0]
 
-    page = make_page(qtbot, prefs_store, hub, download_settings, confirm=confirm)
+    page = make_page(qtbot, prefs_store, hub, download_settings, dialogs=replace(refusing(), confirm=confirm))
     try:
         page.select_pair("llama-3.3-70b+1b")
         assert page.selected_option().fit == "too big"  # type: ignore[union-attr]
-        qtbot.mouseClick(page.download_button, _left())  # the mis-click
+        qtbot.mouseClick(page.catalog.download_button, _left())  # the mis-click
         assert len(asked) == 1 and "does not fit this computer" in asked[0][1] and "143.6 GB" in asked[0][1]
-        assert page.rows == {} and page.queue.active() == []  # No: nothing started
+        assert page.downloads.rows == {} and page.queue.active() == []  # No: nothing started
         answer[0] = True
         with qtbot.waitSignal(page.queue.failed, timeout=30_000):  # (the local hub has no such repo)
-            qtbot.mouseClick(page.download_button, _left())
-            assert len(asked) == 2 and set(page.rows) == {"llama-3.3-70b-instruct", "llama-3.2-1b-instruct"}
+            qtbot.mouseClick(page.catalog.download_button, _left())
+            assert len(asked) == 2 and set(page.downloads.rows) == {"llama-3.3-70b-instruct", "llama-3.2-1b-instruct"}
     finally:
         page.shutdown()
 
@@ -421,7 +470,7 @@ def test_a_download_that_does_not_fit_asks_first_and_no_starts_nothing(
 def test_download_warnings_name_the_reason(tmp_path: Path) -> None:
     import shutil
 
-    from app.recommend import LARGE_DOWNLOAD_BYTES, PairOption, download_warning
+    from app.models.recommend import LARGE_DOWNLOAD_BYTES, PairOption, download_warning
 
     free = shutil.disk_usage(tmp_path).free
     fits = PairOption("p", "a pair", "", "t", "d", 0, fit="fits", tokens_per_second=5.0)
@@ -442,7 +491,7 @@ def replace_fit(option, fit: str):  # type: ignore[no-untyped-def]
 
 
 def test_progress_wording() -> None:
-    from app.download_worker import (
+    from app.workers.download_worker import (
         describe_progress,
         format_duration,
         progress_fraction,
@@ -462,15 +511,3 @@ def _left():  # type: ignore[no-untyped-def]
     from PySide6.QtCore import Qt
 
     return Qt.MouseButton.LeftButton
-
-
-@pytest.fixture(autouse=True)
-def _no_dialogs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A message box would block the test: fail loudly instead."""
-    from PySide6.QtWidgets import QMessageBox
-
-    def refuse(*args: object, **kwargs: object) -> None:
-        raise AssertionError(f"unexpected dialog: {args[1:3]}")
-
-    monkeypatch.setattr(QMessageBox, "warning", refuse)
-    monkeypatch.setattr(QMessageBox, "question", refuse)

@@ -12,8 +12,9 @@ import pytest
 from PySide6.QtCore import QSettings
 from pytestqt.qtbot import QtBot
 
-from app.preferences import Preferences, PreferencesStore
-from engine.types import LoadSettings, SamplingSettings, SpeculationSettings
+from app.state.preferences import Preferences
+from app.state.preferences_store import PreferencesStore
+from engine.types import LoadSettings, SamplingSettings
 
 
 def _ini(path: Path) -> QSettings:
@@ -71,12 +72,11 @@ def test_engine_settings() -> None:
     assert prefs.sampling(seed=3) == SamplingSettings(
         temperature=0.5, top_k=20, top_p=0.95, min_p=0.1, repetition_penalty=1.2, seed=3)
     assert prefs.load_settings() == LoadSettings(device="cpu", quant="nf4", offload="none", context_length=1024)
-    auto = prefs.speculation()
-    assert (auto.mode, auto.budget, auto.max_depth) == ("specexec", SpeculationSettings().budget, 12)
-    assert prefs.speculation(auto_budget=200).budget == 200
+    auto = prefs.speculation()  # budget "auto" travels as 0: AutoBudget chooses per request, in the worker
+    assert (auto.mode, auto.budget, auto.max_depth) == ("specexec", 0, 12)
     assert prefs.speculation().switch_draft and not replace(prefs, keep_draft=True).speculation().switch_draft
     assert not prefs.speculation(switch_draft=False).switch_draft  # the wizard's calibration measures trees
-    assert replace(prefs, budget=32).speculation(auto_budget=200).budget == 32
+    assert replace(prefs, budget=32).speculation().budget == 32
 
 
 def test_models_path(tmp_path: Path, monkeypatch) -> None:

@@ -6,7 +6,7 @@ partial answer when the server goes away mid-answer, and the app stays usable.""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,10 +14,10 @@ from PySide6.QtCore import Qt
 from pytestqt.qtbot import QtBot
 from remote_helpers import SERVE_KEY, VLLM_MODEL, ServeProcess, VllmStandIn
 
-from app.conversations import ConversationStore
 from app.main_window import MainWindow
-from app.preferences import PreferencesStore
-from app.remote_engines import encode_choice
+from app.state.conversations import ConversationStore
+from app.state.preferences_store import PreferencesStore
+from app.state.remote_engines import encode_choice
 
 KEY = "token-abc123"
 ANSWER_MS = 60_000
@@ -34,20 +34,6 @@ def engines(*servers: tuple[str, str, str, tuple[str, ...]]) -> str:
     return json.dumps([{"name": n, "url": u, "api_key": k, "models": list(m)} for n, u, k, m in servers])
 
 
-@pytest.fixture
-def open_window(qtbot: QtBot, make_host, conversations: ConversationStore) -> Iterator[Callable[..., MainWindow]]:
-    windows: list[MainWindow] = []
-
-    def open_(prefs: PreferencesStore) -> MainWindow:
-        window = MainWindow(prefs, conversations, host=make_host())
-        qtbot.addWidget(window)
-        window.show()
-        windows.append(window)
-        return window
-
-    yield open_
-    for window in windows:
-        window.close()
 
 
 def pick(qtbot: QtBot, window: MainWindow, choice: str) -> None:
@@ -78,7 +64,7 @@ def db(store: ConversationStore, window: MainWindow) -> list[tuple[str, str, boo
 def test_a_conversation_on_a_vllm_server(qtbot: QtBot, open_window, make_prefs, vllm: VllmStandIn,
                                          conversations: ConversationStore) -> None:
     prefs = make_prefs(remote_engines=engines(("gpu-box", vllm.url, KEY, (VLLM_MODEL,))), temperature=0.0)
-    window = open_window(prefs)  # no local model at all
+    window = open_window(prefs, wait_loaded=False)  # no local model at all
     chat = window.chat
     assert chat.model_state == "none" and chat.stack.currentWidget() is chat.empty
     choice = encode_choice("gpu-box", VLLM_MODEL)
@@ -137,7 +123,7 @@ def test_remote_errors_name_their_cause_and_the_choice_belongs_to_the_conversati
         conversations: ConversationStore) -> None:
     chat_prefs.update(max_new_tokens=6, remote_engines=engines(
         ("gpu-box", vllm.url, "wrong-key", (VLLM_MODEL,)), ("old-box", vllm.url, KEY, ("retired-model",))))
-    window = open_window(chat_prefs)
+    window = open_window(chat_prefs, wait_loaded=False)
     chat = window.chat
     qtbot.waitUntil(lambda: chat.model_state == "ready", timeout=120_000)
     assert send(qtbot, window, "local first") == ["length"]  # the local tiny model
@@ -176,7 +162,7 @@ def test_a_conversation_on_specchat_serve(qtbot: QtBot, open_window, make_prefs,
         name = tiny_target_path.name
         prefs = make_prefs(remote_engines=engines(("workstation", server.url, SERVE_KEY, (name,))),
                            temperature=0.0, max_new_tokens=10)
-        window = open_window(prefs)
+        window = open_window(prefs, wait_loaded=False)
         pick(qtbot, window, encode_choice("workstation", name))
         assert send(qtbot, window, "hello") == ["length"]
         answer = window.chat.view.messages[-1].text
@@ -191,7 +177,7 @@ def test_a_conversation_on_specchat_serve(qtbot: QtBot, open_window, make_prefs,
 def test_a_server_answering_in_the_wrong_shape_is_named_not_a_bug(qtbot: QtBot, open_window, make_prefs,
                                                                   vllm: VllmStandIn) -> None:
     prefs = make_prefs(remote_engines=engines(("gpu-box", vllm.url, KEY, (VLLM_MODEL,))), temperature=0.0)
-    window = open_window(prefs)
+    window = open_window(prefs, wait_loaded=False)
     chat = window.chat
     pick(qtbot, window, encode_choice("gpu-box", VLLM_MODEL))
     chunk = b'{"id": "c", "object": "chat.completion.chunk", "choices": %s}'

@@ -14,8 +14,8 @@ from chat_helpers import WorkerEvents
 from PySide6.QtCore import QElapsedTimer, QObject, QTimer
 from pytestqt.qtbot import QtBot
 
-from app.conversations import ConversationStore
 from app.main_window import MainWindow
+from app.state.conversations import ConversationStore
 from engine.testing.synthetic import tiny_model
 
 TICK_MS = 5

@@ -12,9 +12,9 @@ from PySide6.QtWidgets import QTableWidgetItem
 from pytestqt.qtbot import QtBot
 from remote_helpers import VLLM_MODEL, VllmStandIn
 
-from app.engine_picker import EnginePicker
-from app.remote_engines import RemoteEngineEntry, encode_choice, parse_engines
-from app.settings_dialog import SettingsDialog
+from app.chat.engine_picker import EnginePicker
+from app.settings.dialog import SettingsDialog
+from app.state.remote_engines import RemoteEngineEntry, encode_choice, parse_engines
 
 KEY = "token-abc123"
 

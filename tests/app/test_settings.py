@@ -15,8 +15,9 @@ from PySide6.QtWidgets import (
 )
 from pytestqt.qtbot import QtBot
 
-from app.preferences import Preferences, PreferencesStore
-from app.settings_dialog import SettingsDialog
+from app.settings.dialog import SettingsDialog
+from app.state.preferences import Preferences
+from app.state.preferences_store import PreferencesStore
 from engine import paths
 
 pytest_plugins = ("pages_fixtures",)  # app_env, prefs_store fixtures
@@ -128,31 +129,31 @@ def test_benchmark_runs_in_a_thread_then_the_plot_shows_predictions(
     dialog = open_dialog(qtbot, prefs_store, benchmark_options={"quick": True})
     dialog.tabs.setCurrentIndex(4)
     assert load_profile() is None
-    assert "Benchmark needed" in dialog.plot.message() and "No hardware profile" in dialog.profile_text.toPlainText()
+    assert "Benchmark needed" in dialog.hardware.plot.message() and "No hardware profile" in dialog.hardware.profile_text.toPlainText()
 
-    with qtbot.waitSignal(dialog.runner.finished, timeout=180_000):
-        qtbot.mouseClick(dialog.benchmark_button, _left())
-        assert not dialog.benchmark_button.isEnabled() and dialog.cancel_benchmark_button.isEnabled()
-    assert dialog.benchmark_bar.value() == 1000 and dialog.benchmark_button.isEnabled()
+    with qtbot.waitSignal(dialog.hardware.runner.finished, timeout=180_000):
+        qtbot.mouseClick(dialog.hardware.benchmark_button, _left())
+        assert not dialog.hardware.benchmark_button.isEnabled() and dialog.hardware.cancel_benchmark_button.isEnabled()
+    assert dialog.hardware.benchmark_bar.value() == 1000 and dialog.hardware.benchmark_button.isEnabled()
     profile = load_profile()
     assert profile is not None  # saved by the worker
-    assert profile.summary_lines()[1] in dialog.profile_text.toPlainText()
+    assert profile.summary_lines()[1] in dialog.hardware.profile_text.toPlainText()
 
     # The plot is the planner's curve for the selected pair, on the measured profile.
     catalog = load_catalog()
-    pair = catalog.pair(dialog.plot_pair.currentData())
+    pair = catalog.pair(dialog.hardware.plot_pair.currentData())
     assert pair is not None
     expected = planner.predict_curve(profile, catalog.find(pair.target), catalog.find(pair.draft))
-    assert dialog.plot.message() == "" and dialog.plot.points == [(b, t) for b, t in expected]
-    dialog.plot_pair.setCurrentIndex(1)  # another pair redraws
-    other = catalog.pair(dialog.plot_pair.currentData())
-    assert dialog.plot.points == planner.predict_curve(profile, catalog.find(other.target), catalog.find(other.draft))
+    assert dialog.hardware.plot.message() == "" and dialog.hardware.plot.points == [(b, t) for b, t in expected]
+    dialog.hardware.plot_pair.setCurrentIndex(1)  # another pair redraws
+    other = catalog.pair(dialog.hardware.plot_pair.currentData())
+    assert dialog.hardware.plot.points == planner.predict_curve(profile, catalog.find(other.target), catalog.find(other.draft))
 
     # A second run can be stopped; the saved profile stays.
-    with qtbot.waitSignal(dialog.runner.cancelled, timeout=60_000):
-        dialog.start_benchmark()
-        qtbot.mouseClick(dialog.cancel_benchmark_button, _left())
-    assert "Stopped" in dialog.benchmark_status.text() and load_profile() == profile
+    with qtbot.waitSignal(dialog.hardware.runner.cancelled, timeout=60_000):
+        dialog.hardware.start_benchmark()
+        qtbot.mouseClick(dialog.hardware.cancel_benchmark_button, _left())
+    assert "Stopped" in dialog.hardware.benchmark_status.text() and load_profile() == profile
     dialog.reject()
 
 
@@ -160,7 +161,7 @@ def test_this_computer_names_the_version_and_pytorch_build(qtbot: QtBot, prefs_s
     import importlib.metadata as metadata
 
     dialog = open_dialog(qtbot, prefs_store)
-    text = dialog.about.text()
+    text = dialog.hardware.about.text()
     assert f"SpecChat {metadata.version('specchat')}" in text
     assert f"PyTorch {metadata.version('torch')}" in text and "build)" in text
     assert str(paths.data_dir()) in text
@@ -190,7 +191,7 @@ def test_the_hugging_face_token_field_saves_where_hf_tools_read_it(
 
 
 def test_the_plot_labels_small_speeds_and_keeps_its_points_inside(qtbot: QtBot) -> None:
-    from app.plot import BudgetPlot, label_format
+    from app.settings.plot import BudgetPlot, label_format
 
     for top in (0.012, 0.04, 0.3, 3.0, 30.0):  # every tick label differs from the next
         ticks = [label_format(top) % (top * i / 5) for i in range(6)]

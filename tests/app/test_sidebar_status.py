@@ -6,12 +6,12 @@ from __future__ import annotations
 from datetime import date, datetime, timedelta
 from pathlib import Path
 
-import pytest
+from answers import answering
 from pytestqt.qtbot import QtBot
 
-from app.conversations import ConversationStore, default_path
-from app.sidebar import Sidebar, date_group
-from app.status import StatusBar
+from app.chat.sidebar import Sidebar, date_group
+from app.state.conversations import ConversationStore, default_path
+from app.widgets.status import StatusBar
 
 
 def test_conversations_are_grouped_by_date() -> None:
@@ -24,20 +24,18 @@ def test_conversations_are_grouped_by_date() -> None:
         ["Today", "Yesterday", "Previous 7 days", "Previous 30 days", "October 2026"]
 
 
-def test_export_is_confirmed_and_headings_are_not_conversations(qtbot: QtBot, tmp_path: Path,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_export_is_confirmed_and_headings_are_not_conversations(qtbot: QtBot, tmp_path: Path) -> None:
     store = ConversationStore(default_path(tmp_path / "data"))
     try:
         conv = store.create("Lisbon")
         store.add_message(conv.id, "user", "three days in Lisbon?")
-        sidebar = Sidebar(store)
+        target = tmp_path / "lisbon.md"
+        sidebar = Sidebar(store, dialogs=answering(path=target))
         qtbot.addWidget(sidebar)
         sidebar.refresh(select=conv.id)
         assert sidebar.list.item(0).text() == "Today" and not sidebar.list.item(0).flags()  # a heading
         assert [i.text() for i in sidebar.conversation_items()] == ["Lisbon"]
         assert "last message" in sidebar.conversation_items()[0].toolTip()
-        target = tmp_path / "lisbon.md"
-        monkeypatch.setattr("app.sidebar.QFileDialog.getSaveFileName", lambda *a, **k: (str(target), ""))
         with qtbot.waitSignal(sidebar.exported) as exported:
             sidebar.export_current("md")
         assert exported.args == [str(target)] and "three days in Lisbon?" in target.read_text(encoding="utf-8")

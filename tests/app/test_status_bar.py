@@ -7,16 +7,14 @@ streamed to a GPU, the longest the status bar shows.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 from PySide6.QtWidgets import QLabel
 from pytestqt.qtbot import QtBot
 
-from app.conversations import ConversationStore
-from app.field_row import ElidedLabel, FieldRow
 from app.main_window import MainWindow
-from app.status import ModeContext, StatusBar, mode_text
+from app.widgets.field_row import ElidedLabel, FieldRow
+from app.widgets.status import ModeContext, StatusBar, mode_text
+from engine.decoding.auto_budget import BudgetChoice
 from engine.types import GenerationStats, Placement
 
 TARGET = "/home/ann/.local/share/specchat/models/Llama-3.1-70B-Instruct"
@@ -34,21 +32,17 @@ def _stats(mode: str = "context", **fields: object) -> GenerationStats:
 
 
 @pytest.fixture
-def window(qtbot: QtBot, make_prefs, make_host, conversations: ConversationStore) -> Iterator[MainWindow]:
-    win = MainWindow(make_prefs(), conversations, host=make_host())
-    qtbot.addWidget(win)
-    win.show()
+def window(qtbot: QtBot, make_prefs, open_window) -> MainWindow:  # type: ignore[no-untyped-def]
+    win = open_window(make_prefs(), wait_loaded=False)
     qtbot.waitExposed(win)
-    yield win
-    win.close()
+    return win
 
 
 def _fill(win: MainWindow, api: str) -> StatusBar:
     bar = win.status
     bar.show_pair(TARGET, DRAFT, ON_GPU)
     bar.show_stats(_stats(), ModeContext(auto_budget=True, has_draft=True))
-    win.api.status_label.setText(api)
-    win.api.status_label.setVisible(bool(api))
+    bar.show_api(api)
     return bar
 
 
@@ -105,6 +99,14 @@ def test_figures_go_with_their_model(qtbot: QtBot, window: MainWindow) -> None:
     assert [f.text() for f in bar.figures] == ["", "", "", ""] and not bar.has_draft
 
 
+def _off(reason: str) -> BudgetChoice:
+    return BudgetChoice(False, 64, 16, "planner", reason, 9.0)
+
+
+def _on(budget: int, reason: str) -> BudgetChoice:
+    return BudgetChoice(True, budget, 16, "planner", reason, 30.0)
+
+
 @pytest.mark.parametrize(("stats", "context", "text", "why"), [
     (_stats("specexec", budget=64), ModeContext(auto_budget=True, has_draft=True), "budget: auto (64)", "tree budget"),
     (_stats("specexec", budget=8), ModeContext(has_draft=True), "budget: 8", "tree budget"),
@@ -114,8 +116,14 @@ def test_figures_go_with_their_model(qtbot: QtBot, window: MainWindow) -> None:
      "Settings > Engine > Mode"),
     (_stats("autoregressive", oom_retries=2), ModeContext(has_draft=True), "plain (out of memory)",
      "ran out of memory"),
-    (_stats("autoregressive"), ModeContext(auto_budget=True, has_draft=True, plan_reason="the draft costs 40 % of a pass"),
-     "plain (faster)", "the draft costs 40 % of a pass"),
+    (_stats("autoregressive"), ModeContext(auto_budget=True, has_draft=True, choice=_off("the draft costs 40 %")),
+     "plain (faster)", "the draft costs 40 %"),
+    # budget auto found the draft does not pay: AutoBudget decodes draft-free (context candidates),
+    # and the field says so, not that the engine measured the draft slower
+    (_stats("context"), ModeContext(auto_budget=True, has_draft=True, choice=_off("the draft costs 40 %")),
+     "draft off (auto)", "budget auto left the draft out"),
+    (_stats("specexec", budget=128), ModeContext(auto_budget=True, has_draft=True, choice=_on(128, "trees pay")),
+     "budget: auto (128)", "trees pay"),
     (_stats("autoregressive"), ModeContext(), "no speculation", "one token per pass"),
 ])
 def test_the_mode_says_why_a_draft_is_not_used(stats: GenerationStats, context: ModeContext, text: str,
@@ -128,7 +136,7 @@ def test_a_draft_beside_plain_decoding_shows_the_reason_in_the_bar(qtbot: QtBot,
     bar = window.status
     bar.show_pair(TARGET, DRAFT, ON_GPU)
     bar.show_stats(_stats("autoregressive", tokens_per_pass=1.0),
-                   ModeContext(auto_budget=True, has_draft=True, plan_reason="plain decoding predicted 1.4x faster"))
+                   ModeContext(auto_budget=True, has_draft=True, choice=_off("plain decoding predicted 1.4x faster")))
     assert bar.budget.text() == "plain (faster)" and "1.4x faster" in bar.budget.toolTip()
     assert bar.per_pass.text() == "1.00 tok/pass"
 

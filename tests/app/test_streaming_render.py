@@ -15,9 +15,9 @@ from PySide6.QtCore import QUrl
 from PySide6.QtGui import QGuiApplication
 from pytestqt.qtbot import QtBot
 
-from app.chat_view import ChatView, MessageWidget
-from app.chunking import HARD_LIMIT, LINE_LIMIT, Chunker, split_chunks
-from app.markdown import LIGHT, code_blocks
+from app.chat.chunking import HARD_LIMIT, LINE_LIMIT, Chunker, split_chunks
+from app.chat.markdown import LIGHT, code_blocks
+from app.chat.view import ChatView, MessageWidget
 
 SHAPES = {
     "prose": lambda i: f"Sentence {i} of a paragraph with several words in it. " + ("\n\n" if i % 5 == 4 else ""),

@@ -10,41 +10,27 @@ the real API server over HTTP): issue 26 items 7, 9 and 11.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from pytestqt.qtbot import QtBot
 
-from app.conversations import ConversationStore
+from app.chat.turn_status import WAITING_FOR_API
 from app.main_window import MainWindow
-from app.preferences import PreferencesStore
-from app.turn_status import WAITING_FOR_API
+from app.state.conversations import ConversationStore
+from app.state.preferences_store import PreferencesStore
+from engine.planning.profile import LAYER_SHAPES, HardwareProfile, LayerTiming, save_profile
+from engine.planning.reference import reference_profile
 
 LOAD_MS = 120_000
 ANSWER_MS = 120_000
 
 
-@pytest.fixture
-def open_window(qtbot: QtBot, make_host, conversations: ConversationStore) -> Iterator[Callable[..., MainWindow]]:
-    windows: list[MainWindow] = []
-
-    def open_(prefs: PreferencesStore, wait_loaded: bool = True) -> MainWindow:
-        window = MainWindow(prefs, conversations, host=make_host())
-        qtbot.addWidget(window)
-        window.show()
-        windows.append(window)
-        if wait_loaded:
-            qtbot.waitUntil(lambda: window.chat.model_state == "ready", timeout=LOAD_MS)
-        return window
-
-    yield open_
-    for window in windows:
-        window.close()
 
 
 def _figures(window: MainWindow) -> list[str]:
@@ -135,6 +121,33 @@ def test_a_draft_beside_plain_decoding_says_why(qtbot: QtBot, open_window, chat_
     mode = window.status.budget
     assert mode.text() == "plain (Settings)" and "Settings > Engine > Mode" in mode.toolTip()
     assert window.status.per_pass.text() == "1.00 tok/pass"
+
+
+def _profile_where_trees_do_not_pay() -> HardwareProfile:
+    """A CPU whose layer costs 16x more for 16 tokens than for 1: the draft's trees cannot pay."""
+    shape = LAYER_SHAPES["llama-70b"]
+    steep = LayerTiming(shape, "cpu", "float32", shape.params * 4, ((1, 0.3), (16, 4.8), (128, 38.4)), 0.0)
+    return dataclasses.replace(reference_profile("rtx4090"), gpus=(), layer_timing=steep)
+
+
+def test_budget_auto_is_chosen_in_the_worker_and_the_mode_field_says_what_and_why(
+        qtbot: QtBot, open_window, chat_prefs: PreferencesStore) -> None:
+    """No GUI round trip: the request carries budget 0, AutoBudget chooses in the worker, and the
+    choice comes back for display only. Without a hardware profile: the fallback, and why."""
+    chat_prefs.update(max_new_tokens=6, budget=0)
+    window = open_window(chat_prefs)
+    _answer(qtbot, window, "hello")
+    mode = window.status.budget
+    assert mode.text().startswith("budget: auto (") and "no hardware profile" in mode.toolTip()
+
+    # where the planner finds the draft's trees do not pay, the draft is left out: the answer
+    # decodes draft-free, and the field says budget auto decided it (not a measured slowdown)
+    save_profile(_profile_where_trees_do_not_pay())
+    _answer(qtbot, window, "hello again")
+    assert mode.text() == "draft off (auto)" and "budget auto left the draft out" in mode.toolTip()
+    assert "does not pay" in mode.toolTip() or "do not pay" in mode.toolTip()
+    assert window.running is not None  # what runs (Settings > Engine, the models page) says so too
+    assert "budget auto leaves the draft out" in window.running.decoding_text()
 
 
 def test_a_failed_load_banner_goes_when_a_load_works(qtbot: QtBot, open_window, chat_prefs: PreferencesStore,

@@ -14,9 +14,9 @@ from pages_hub import FakeRepo, HubServer
 from PySide6.QtWidgets import QWizard
 from pytestqt.qtbot import QtBot
 
-from app.preferences import PreferencesStore
-from app.recommend import STARTER_PAIR_ID, pair_options, recommend
-from app.wizard import FirstRunWizard
+from app.models.recommend import STARTER_PAIR_ID, pair_options, recommend
+from app.state.preferences_store import PreferencesStore
+from app.wizard.first_run import FirstRunWizard
 from engine.planning.measure import measure_hardware
 from engine.planning.measured import measured_speed
 from engine.planning.profile import GpuProfile, load_profile
@@ -257,7 +257,7 @@ def test_with_a_gpu_fitting_pairs_are_ranked_by_predicted_speed(app_env: Path) -
 
 
 def test_status_lines_show_names_not_paths() -> None:
-    from app.wizard import short_paths
+    from app.wizard.first_run import short_paths
 
     assert short_paths("loading /home/ann/.local/share/specchat/models/smollm2 on cpu") == "loading smollm2 on cpu"
     assert short_paths("loading C:\\Users\\ann\\models\\llama-3.3-70b on cuda") == "loading llama-3.3-70b on cuda"

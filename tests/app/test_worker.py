@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import logging
+import socket
 import threading
+from dataclasses import replace
 from pathlib import Path
 
+import pytest
 from chat_helpers import WorkerEvents
 from PySide6.QtCore import QThread
 from pytestqt.qtbot import QtBot
 
-from app.engine_worker import EngineHost
+from app.workers.engine_worker import EngineHost
+from app.workers.remote_worker import RemoteHost
 from engine.types import (
     Completion,
     GenerationRequest,
     LoadSettings,
     Message,
+    RemoteModel,
     SamplingSettings,
     SpeculationSettings,
 )
@@ -107,3 +113,50 @@ def test_a_cancelled_load_reports_it_and_leaves_no_engine(qtbot: QtBot, make_hos
     assert blocker.args == [load_id, "Loading was cancelled."]
     with qtbot.waitSignal(events.generation_failed, timeout=10_000):
         host.generate(long)
+
+
+def test_the_loaded_signal_carries_the_context_and_budget_auto_is_chosen_in_the_worker(
+        qtbot: QtBot, make_host, tiny_target_path: Path, tiny_draft_path: Path) -> None:
+    """Budget "auto" travels as 0 and is chosen per request by AutoBudget in the worker (here no
+    hardware profile: the fallback); the GUI hears the choice before the first token."""
+    host = make_host()
+    events = WorkerEvents(host)
+    with qtbot.waitSignal(events.loaded, timeout=120_000) as loaded:
+        host.load(str(tiny_target_path), str(tiny_draft_path), LoadSettings(device="cpu"))
+    assert loaded.args[4] == 2048  # the tiny model's max_position_embeddings: the API server's limit
+    request = GenerationRequest(messages=(Message("user", "hello"),), max_new_tokens=12, sampling=GREEDY,
+                                speculation=SpeculationSettings(budget=0, max_depth=4))
+    with qtbot.waitSignal(events.generation_finished, timeout=120_000) as blocker:
+        request_id = host.generate(request)
+    completion = blocker.args[1]
+    choice = events.chosen[request_id]
+    assert choice.source == "fallback" and "bench hardware" in choice.reason  # type: ignore[attr-defined]
+    assert completion.stats.mode == "specexec" and completion.stats.budget == choice.budget  # type: ignore[attr-defined]
+    with qtbot.waitSignal(events.generation_finished, timeout=120_000):
+        fixed = host.generate(replace(request, speculation=SpeculationSettings(budget=8, max_depth=4)))
+    assert fixed not in events.chosen  # a budget the user set is not "chosen"
+
+
+def test_a_remote_error_is_one_warning_line_and_ids_come_from_one_counter(
+        qtbot: QtBot, make_host, caplog: pytest.LogCaptureFixture) -> None:
+    """A server that is not there is the user's condition, not a bug: the banner says what to do
+    and the log gets one WARNING line, no traceback. The remote host draws its request ids from
+    the engine host's counter: a page hears both workers and never sees one id twice."""
+    host = make_host()
+    remote = RemoteHost(ids=host.ids)
+    try:
+        events = WorkerEvents(remote)
+        with socket.socket() as gone:
+            gone.bind(("127.0.0.1", 0))
+            port = gone.getsockname()[1]  # closed when the block ends: nothing listens there
+        caplog.set_level(logging.INFO)
+        with qtbot.waitSignal(events.generation_failed, timeout=30_000) as failed:
+            request_id = remote.generate(GenerationRequest(messages=(Message("user", "hi"),)),
+                                         RemoteModel(f"http://127.0.0.1:{port}/v1", "m", "", "box"))
+        assert failed.args[0] == request_id and f"127.0.0.1:{port}" in failed.args[1]
+        assert next(host.ids) == request_id + 1  # one counter for both hosts, no offsets
+        records = [r for r in caplog.records if r.name.startswith("app.")]
+        assert [(r.levelno, r.exc_info) for r in records] == [(logging.WARNING, None)]
+        assert str(port) in records[0].getMessage() and "\n" not in records[0].getMessage()
+    finally:
+        remote.shutdown()

@@ -33,7 +33,7 @@ IGNORED = shutil.ignore_patterns(".venv", ".git", "__pycache__", "*.egg-info", "
                                  ".pytest_cache", "screenshots")
 WRITE_STATE = """
 from PySide6.QtCore import QSettings
-from app.conversations import ConversationStore, default_path
+from app.state.conversations import ConversationStore, default_path
 from engine import paths
 store = ConversationStore(default_path(paths.data_dir()))
 chat = store.create("Kept across upgrades")
@@ -47,7 +47,7 @@ settings.sync()
 READ_STATE = """
 import json
 from PySide6.QtCore import QSettings
-from app.conversations import ConversationStore, default_path
+from app.state.conversations import ConversationStore, default_path
 from engine import paths
 store = ConversationStore(default_path(paths.data_dir()))
 chats = store.conversations()

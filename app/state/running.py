@@ -1,0 +1,106 @@
+"""What actually runs: the loaded pair described from the loaded model, not from the settings.
+
+The settings say what the user asked for ("Quantisation: none", "Mode: speculative"); what
+runs can differ: a GGUF keeps its own blocks, a CPU computes in FP32, a pair without a draft
+decodes draft-free, the draft switches itself off where it is slower. `RunningPair` is built
+when a load finishes (main_window, from the worker's `loaded` signal: the paths loaded and the
+engine's Placement) and shown by Settings -> Engine and the models page.
+
+Plain data, no widgets and no tensors: the GGUF's type comes from its header, the decoding mode
+from the same rule the engine applies (engine.decoding.generation: a draft and mode "specexec"
+-> draft trees; no draft -> draft-free context trees; "autoregressive" -> one token per pass),
+and the last answer's mode from the measured speeds (engine.planning.measured).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.planning.measured import MeasuredSpeed, SpeedKey, measured_speed, speed_key
+from engine.store.pypi import STARTER_FORMAT, built_starter
+from engine.types import Placement
+
+MODE_WORDS = {"specexec": "SpecExec trees from the draft", "context": "draft-free (text from the context)",
+              "autoregressive": "one token per pass"}
+
+
+@dataclass(frozen=True)
+class RunningPair:
+    """The loaded pair: paths as loaded ("" = no draft), where and how its layers run, the
+    decoding mode the settings lead to, and its measured-speed key."""
+
+    target: str
+    draft: str
+    placement: Placement | None
+    fmt: str  # "FP32", "GGUF Q4_1", ... (engine.planning.measured.run_format)
+    tree_mode: str = "specexec"
+    keep_draft: bool = False
+    auto_off: str = ""  # why budget "auto" leaves the draft out (its latest choice); "" while it uses it
+
+    @property
+    def key(self) -> SpeedKey:
+        return speed_key(self.target, self.draft or None, self.placement)
+
+    @property
+    def name(self) -> str:
+        return Path(self.target).name or self.target
+
+    def format_text(self) -> str:
+        """"FP32, converted from a Q4_1 GGUF, on the CPU" / "GGUF Q4_1 blocks, de-quantised as
+        each layer runs, on the CPU" / "BF16 on the GPU"."""
+        where = "on the GPU" if self.placement is not None and self.placement.device.startswith("cuda") else "on the CPU"
+        if self.fmt.startswith("GGUF"):
+            return f"{self.fmt} blocks, de-quantised as each layer runs, {where}"
+        starter = built_starter()
+        if starter is not None and _same(starter, self.target):
+            return f"{STARTER_FORMAT}, {where}"
+        return f"{self.fmt} {where}"
+
+    def decoding_text(self, measured: MeasuredSpeed | None = None) -> str:
+        """The decoding mode that runs, and the one the last answer measured when it differed."""
+        if self.tree_mode == "autoregressive":
+            text = "plain decoding, one token per pass"
+        elif not self.draft:
+            text = "draft-free: no draft model; text copied from the context is checked, several tokens per pass " \
+                   "where it repeats"
+        elif self.auto_off:
+            text = f"draft-free: budget auto leaves the draft out on this computer ({self.auto_off})"
+        else:
+            text = "SpecExec trees from the draft" + ("" if self.keep_draft else
+                                                       "; the draft is turned off while it is measured slower")
+        nominal = ("autoregressive" if self.tree_mode == "autoregressive"
+                   else "specexec" if self.draft and not self.auto_off else "context")
+        if measured is not None and measured.last_mode in MODE_WORDS and measured.last_mode != nominal:
+            text += f" (the last answer: {MODE_WORDS[measured.last_mode]})"
+        return text
+
+    def measured(self) -> MeasuredSpeed | None:
+        key = self.key
+        return measured_speed(key.target, key.draft or None, key.device, key.fmt)
+
+    def summary(self, sep: str = " · ") -> str:
+        """Model, format, where the layers live, decoding, measured speed, joined by `sep`."""
+        measured = self.measured()
+        parts = [f"<b>{self.name}</b>" + (f" + draft <b>{Path(self.draft).name}</b>" if self.draft else ", no draft"),
+                 self.format_text()]
+        if self.placement is not None:
+            parts.append(self.placement.describe())
+        parts.append(f"decoding: {self.decoding_text(measured)}")
+        parts.append(measured.describe() if measured is not None else "not measured here yet")
+        return sep.join(parts)
+
+
+def running_pair(target: str, draft: str, placement: Placement | None, tree_mode: str = "specexec",
+                 keep_draft: bool = False) -> RunningPair:
+    """Describe a pair the worker has just loaded (its `loaded` signal's paths and Placement)."""
+    from engine.planning.measured import run_format
+
+    return RunningPair(target, draft, placement, run_format(target, placement), tree_mode, keep_draft)
+
+
+def _same(a: Path, b: str) -> bool:
+    try:
+        return a.resolve() == Path(b).expanduser().resolve()
+    except (OSError, RuntimeError):
+        return False
