@@ -19,7 +19,6 @@ both as given.
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -49,6 +48,7 @@ from engine.errors import ContextTooLong, OutOfMemory
 from engine.model.cache import KVCache
 from engine.model.cache_files import CacheFiles
 from engine.model.causal_lm import CausalLM
+from engine.peak_memory import peak_rss_bytes
 from engine.planning.placement import generation_bytes, tokens_per_pass
 from engine.types import (
     CacheSettings,
@@ -183,7 +183,8 @@ class Engine:
             request = replace(request, max_new_tokens=context - len(prompt))
         spec = request.speculation
         use_draft = spec.mode == "specexec" and spec.draft and self.draft is not None
-        check_fits(self.target, self.draft if use_draft else None, len(prompt), request)
+        tree = spec.budget if use_draft or (spec.mode == "specexec" and spec.context) else 1  # as _start sizes it
+        check_fits(self.target, self.draft if use_draft else None, len(prompt), request, tree)
         return self._decode(request, prompt, cancel or threading.Event())
 
     def _decode(self, request: GenerationRequest, prompt: list[int],
@@ -361,7 +362,7 @@ class Engine:
             seconds=seconds,
             ttft_seconds=run.ttft if run.ttft is not None else seconds,
             tokens_per_second=len(run.new) / seconds if seconds > 0 else 0.0,
-            peak_rss_bytes=_peak_rss(),
+            peak_rss_bytes=peak_rss_bytes(),
             draft_seconds=timers.draft,
             target_seconds=timers.target,
             prefill_seconds=timers.prefill,
@@ -521,11 +522,12 @@ def _next_prefill_chunk(size: int, seconds: float, last: tuple[int, float] | Non
     return max(PREFILL_MIN_CHUNK, min(most, fit, size * 2))
 
 
-def check_fits(target: CausalLM, draft: CausalLM | None, prompt: int, request: GenerationRequest) -> None:
+def check_fits(target: CausalLM, draft: CausalLM | None, prompt: int, request: GenerationRequest,
+               tree: int) -> None:
     """OutOfMemory, naming the largest tree budget and answer length that would fit, when the
-    caches and one pass of this request cannot fit in the memory free where they live (a
+    caches and one pass of a `tree`-token tree cannot fit in the memory free where they live (a
     budget of 10^9 would otherwise die in the allocator, asking for 100+ GB)."""
-    budget = request.speculation.budget if draft is not None else 1
+    budget = tree
     esize = target.dtype.itemsize
 
     def need(max_new: int, tree: int) -> int:
@@ -537,7 +539,7 @@ def check_fits(target: CausalLM, draft: CausalLM | None, prompt: int, request: G
         return
     where = "GPU memory" if target.device.type == "cuda" else "RAM"
     advice = []
-    if draft is not None:
+    if budget > 1:
         most = _largest(lambda b: need(request.max_new_tokens, b) <= free, budget)
         advice += [f"a tree budget of at most {most}"] if most else []
     most = _largest(lambda m: need(m, budget) <= free, request.max_new_tokens)
@@ -578,12 +580,3 @@ def _shrink_after_oom(request: GenerationRequest, device: torch.device) -> tuple
         return request, False
     log.warning("out of device memory at tree budget %d: retrying the step with %d", budget, budget // 2)
     return replace(request, speculation=replace(request.speculation, budget=budget // 2)), True
-
-
-def _peak_rss() -> int:
-    if sys.platform == "win32":
-        return int(psutil.Process().memory_info().peak_wset)
-    import resource  # POSIX only
-
-    peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
-    return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
