@@ -17,6 +17,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
+import stat
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -143,19 +145,30 @@ def check_quantisation(name: str, qc: dict | None) -> None:
             "download one of those versions of the model.")
 
 
-def is_gguf(path: Path) -> bool:
-    """A file that starts like a GGUF (whatever its name)."""
+def file_head(path: Path, n: int) -> bytes:
+    """The first `n` bytes of a regular file. A FIFO, socket or device named as a model is
+    refused (UnsupportedModel) without blocking or reading it; OSError passes through."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
     try:
-        with open(path, "rb") as f:
-            return f.read(4) == b"GGUF"
-    except OSError:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise UnsupportedModel(f"'{path}' is not a regular file (a named pipe, socket or device): give a model "
+                                   "folder or a .gguf file.")
+        return os.read(fd, n)
+    finally:
+        os.close(fd)
+
+
+def is_gguf(path: Path) -> bool:
+    """A regular file that starts like a GGUF (whatever its name)."""
+    try:
+        return file_head(path, 4) == b"GGUF"
+    except (OSError, UnsupportedModel):
         return False
 
 
 def check_gguf(path: Path) -> None:
     try:
-        with open(path, "rb") as f:
-            magic = f.read(4)
+        magic = file_head(path, 4)
     except OSError as exc:
         raise ModelNotFound(f"Cannot read '{path}': {exc.strerror}.") from exc
     if magic != b"GGUF":
@@ -219,6 +232,8 @@ def _load_model(
             generation = GenerationConfig.from_pretrained(path) if (path / "generation_config.json").is_file() else None
             model = materialise(SafetensorsWeights(path, config_dict), config, settings, report, generation)
             return LoadedModel(model=model, tokenizer=tokenizer, path=path)
+        if not path.is_file():  # a FIFO, socket or device: refused before anything opens it
+            file_head(path, 0)
         if path.suffix.lower() == ".gguf" or is_gguf(path):  # Ollama's blobs have no suffix
             check_gguf(path)
             weights = GGUFWeights(path)
