@@ -257,6 +257,11 @@ def run_bench_speculation(args: argparse.Namespace) -> int:
     if min(budgets) < 1:
         raise UsageError("Every budget must be at least 1.")
     temperatures = common.parse_list(args.temperatures, float, "temperatures")
+    for t in temperatures:  # refused before the models load, as a usage error
+        try:
+            SamplingSettings(temperature=t)
+        except InvalidRequest as exc:
+            raise UsageError(f"--temperatures: {exc.user_message}") from None
     prompts = common.read_prompts(args.prompts, DEFAULT_PROMPTS)
     methods = common.parse_list(args.methods, str, "methods")
     unknown = sorted(set(methods) - set(BENCH_METHODS))
@@ -384,7 +389,7 @@ def run_bench_plan(args: argparse.Namespace) -> int:
     draft = catalog.find(args.draft) if args.draft else None
     for spec, found in ((args.target, target), (args.draft, draft)):
         if spec and found is None:
-            raise InvalidRequest(f"'{spec}' is not in the catalog; `specchat models list` shows the ids.")
+            raise UsageError(f"'{spec}' is not in the catalog; `specchat models list` shows the ids.")
     if args.gpu:
         ram_gb = args.ram_gb or 128.0
         profile = reference_profile(args.gpu, pinned_gbps=args.pcie_gbps, ram_gb=ram_gb)

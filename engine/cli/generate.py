@@ -1,5 +1,9 @@
 """`specchat generate`: one prompt -> one or more completions, streamed as text or printed as
-one JSON object per sample (the CLI contract in parser.py and the README)."""
+one JSON object per sample (the CLI contract in parser.py and the README).
+
+Every refusal of what the options asked for is a UsageError (exit 2), also those only the
+loaded model can tell: a prompt that is empty, longer than its context, or refused by its chat
+template. A request that does not fit in memory stays a runtime failure (OutOfMemory, exit 1)."""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import uuid
 
 from engine.cli import common
 from engine.cli.main import EXIT_INTERRUPTED
+from engine.errors import InvalidRequest, UsageError
 from engine.types import Message
 
 log = logging.getLogger(__name__)
@@ -18,7 +23,7 @@ log = logging.getLogger(__name__)
 
 def run_generate(args: argparse.Namespace) -> int:
     if args.target is None:
-        raise common.UsageError("generate needs --target MODEL (a catalog id, a model folder or a .gguf file).")
+        raise UsageError("generate needs --target MODEL (a catalog id, a model folder or a .gguf file).")
     setup = common.setup(args)
     messages: tuple[Message, ...] = ()
     if args.prompt is not None:
@@ -30,6 +35,7 @@ def run_generate(args: argparse.Namespace) -> int:
     base_seed = args.seed if args.seed is not None else secrets.randbelow(2**31)
     sampled = args.temperature > 0
     engine = common.load(args.target, args.draft, args, setup, log.info)
+    common.check_messages_fit(messages, engine.context_length)
     setup = common.plan(engine, setup, log.info, None if args.json else common.status_printer())
     common.note_limits(engine, args, common.status_printer())
     out = common.writer(sys.stdout)
@@ -38,7 +44,12 @@ def run_generate(args: argparse.Namespace) -> int:
         seed = base_seed + i
         log.info("sample %d: seed %d", i, seed)
         request = common.request(args, setup, messages, args.raw_prompt, seed, conversation=session)
-        completion, interrupted = common.stream(engine, request, (lambda _: None) if args.json else out)
+        try:
+            completion, interrupted = common.stream(engine, request, (lambda _: None) if args.json else out)
+        except UsageError:
+            raise
+        except InvalidRequest as exc:  # the prompt the options gave: empty, longer than the context, refused
+            raise UsageError(exc.user_message) from exc  # by the chat template (memory is OutOfMemory: 1)
         if args.json:
             print(common.completion_json(completion), flush=True)
         else:
