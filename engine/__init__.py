@@ -7,3 +7,7 @@ loading (where models come from), planning (the hardware profile and the cost mo
 (catalog, local models, downloads), cli (`specchat`). types, errors, paths and units are the
 shared vocabulary; interrupts notes a Ctrl+C for the entry points before anything imports.
 """
+
+from engine.notices import quiet_optional_kernels
+
+quiet_optional_kernels()  # before anything imports bitsandbytes (engine/notices.py)
