@@ -71,6 +71,7 @@ def resolve_path(spec: str) -> Path:
 
 def check_folder(path: Path) -> dict:
     """Validate a Hugging Face folder without loading weights; return its config dict."""
+    check_entries(path)
     config_file = path / "config.json"
     if not config_file.is_file():
         raise UnsupportedModel(
@@ -100,6 +101,24 @@ def check_folder(path: Path) -> dict:
             )
         raise UnsupportedModel(f"'{path}' holds no .safetensors weights; re-download the model.")
     return config
+
+
+def check_entries(path: Path) -> None:
+    """UnsupportedModel when the folder holds a named pipe, socket or device (a link is judged
+    by what it points to, as the loaders read it): the tokenizer and weight readers open what
+    they find, and opening a FIFO blocks for ever."""
+    try:
+        entries = list(path.iterdir())
+    except OSError as exc:
+        raise ModelNotFound(f"Cannot read the folder '{path}': {exc.strerror}.") from exc
+    for entry in entries:
+        try:
+            mode = entry.stat().st_mode
+        except OSError:  # a broken link: the checks below name what is missing
+            continue
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            raise UnsupportedModel(f"'{entry.name}' in the model folder '{path}' is not a file (a named pipe, socket "
+                                   "or device); a model folder holds files: remove it or re-download the model.")
 
 
 # Sizes no decoder-only model comes near: anything past them is a damaged config.json, caught

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -50,6 +51,15 @@ def written(root: Path, text: str | bytes, name: str = "chat.json") -> Path:
     path = root / name
     path.write_bytes(text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text)
     return path
+
+
+def model_with_a_fifo(root: Path, model: Path, name: str) -> Path:
+    """The tiny model's folder with one of its files replaced by a FIFO."""
+    copy = root / "model"
+    shutil.copytree(model, copy)
+    (copy / name).unlink()
+    os.mkfifo(copy / name)
+    return copy
 
 
 def long_file(root: Path, size: int) -> Path:
@@ -136,6 +146,10 @@ CASES: dict[str, tuple[Args, int, str]] = {
     "target missing": (lambda r, t: [*GEN, "--target", r / "nowhere", *HI], 1, "No model at"),
     "target a folder without config.json": (lambda r, t: [*GEN, "--target", r, *HI], 1, "config.json"),
     "target a FIFO": (lambda r, t: [*GEN, "--target", fifo(r), *HI], 1, "not a regular file"),
+    "weights a FIFO": (lambda r, t: [*GEN, "--target", model_with_a_fifo(r, t, "model.safetensors"), *HI], 1,
+                       "not a file"),
+    "chat template a FIFO": (lambda r, t: [*GEN, "--target", model_with_a_fifo(r, t, "chat_template.jinja"), *HI],
+                             1, "not a file"),
     "budget past memory": (lambda r, t: [*GEN, "--target", t, *HI, "--budget", 10**9], 1, "tree budget of at most"),
     "draft-free budget past memory": (lambda r, t: [*GEN, "--target", t, *HI, "--budget", 2**31 - 1], 1,
                                       "tree budget of at most"),

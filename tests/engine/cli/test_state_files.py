@@ -187,5 +187,6 @@ def test_a_hostile_settings_file_or_hardware_profile_never_stops_an_answer(
     # --budget auto with a draft reads the profile; the models folder comes from the settings file
     rc, out, err = generate(capsys, tiny_target_path, "--draft", tiny_draft_path)
     assert rc == 0 and out, err
+    signal.alarm(60)  # the next command on a fresh alarm: the first may have spent the last one
     rc, out, err = (main(["models", "list", "--json"]), *capsys.readouterr())
     assert rc == 0 and '"local"' in out, err
