@@ -22,9 +22,9 @@ def _no_hang() -> Iterator[None]:
         raise TimeoutError("blocked for 20 s (a FIFO opened?)")
 
     old = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(20)
+    signal.setitimer(signal.ITIMER_REAL, 20, 20)  # again and again: each blocked read fails
     yield
-    signal.alarm(0)
+    signal.setitimer(signal.ITIMER_REAL, 0)
     signal.signal(signal.SIGALRM, old)
 
 

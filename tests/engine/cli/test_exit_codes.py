@@ -29,9 +29,9 @@ def _no_hang() -> Iterator[None]:
         raise TimeoutError("the command blocked for 60 s")
 
     old = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(60)
+    signal.setitimer(signal.ITIMER_REAL, 60, 60)  # again and again: each blocked read fails
     yield
-    signal.alarm(0)
+    signal.setitimer(signal.ITIMER_REAL, 0)
     signal.signal(signal.SIGALRM, old)
 
 

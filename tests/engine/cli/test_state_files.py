@@ -33,9 +33,9 @@ def _no_hang() -> Iterator[None]:
         raise TimeoutError("blocked for 60 s (a FIFO opened for reading?)")
 
     old = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(60)
+    signal.setitimer(signal.ITIMER_REAL, 60, 60)  # again and again: each blocked read fails
     yield
-    signal.alarm(0)
+    signal.setitimer(signal.ITIMER_REAL, 0)
     signal.signal(signal.SIGALRM, old)
 
 
@@ -187,6 +187,5 @@ def test_a_hostile_settings_file_or_hardware_profile_never_stops_an_answer(
     # --budget auto with a draft reads the profile; the models folder comes from the settings file
     rc, out, err = generate(capsys, tiny_target_path, "--draft", tiny_draft_path)
     assert rc == 0 and out, err
-    signal.alarm(60)  # the next command on a fresh alarm: the first may have spent the last one
     rc, out, err = (main(["models", "list", "--json"]), *capsys.readouterr())
     assert rc == 0 and '"local"' in out, err

@@ -30,9 +30,9 @@ def _no_hang() -> Iterator[None]:
         raise TimeoutError("blocked for 30 s (a FIFO opened?)")
 
     old = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(30)
+    signal.setitimer(signal.ITIMER_REAL, 30, 30)  # again and again: each blocked read fails
     yield
-    signal.alarm(0)
+    signal.setitimer(signal.ITIMER_REAL, 0)
     signal.signal(signal.SIGALRM, old)
 
 
