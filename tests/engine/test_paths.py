@@ -16,10 +16,15 @@ import pytest
 from engine import paths
 
 
+class Blocked(BaseException):
+    """Raised by the timer: not an OSError (TimeoutError is one), so no `except OSError` in the
+    code under test can swallow it."""
+
+
 @pytest.fixture(autouse=True)
 def _no_hang() -> Iterator[None]:
     def expire(signum: int, frame: object) -> None:
-        raise TimeoutError("blocked for 20 s (a FIFO opened?)")
+        raise Blocked("blocked for 20 s (a FIFO opened?)")
 
     old = signal.signal(signal.SIGALRM, expire)
     signal.setitimer(signal.ITIMER_REAL, 20, 20)  # again and again: each blocked read fails

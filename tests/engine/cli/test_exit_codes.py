@@ -21,12 +21,17 @@ from engine.cli.main import main
 Args = Callable[[Path, Path], list[object]]  # (tmp folder, tiny model) -> argv
 
 
+class Blocked(BaseException):
+    """Raised by the timer: not an OSError (TimeoutError is one), so no `except OSError` in the
+    code under test can swallow it."""
+
+
 @pytest.fixture(autouse=True)
 def _no_hang() -> Iterator[None]:
     """A read that blocks (a FIFO opened for reading) fails the test instead of hanging it."""
 
     def expire(signum: int, frame: object) -> None:
-        raise TimeoutError("the command blocked for 60 s")
+        raise Blocked("the command blocked for 60 s")
 
     old = signal.signal(signal.SIGALRM, expire)
     signal.setitimer(signal.ITIMER_REAL, 60, 60)  # again and again: each blocked read fails

@@ -27,10 +27,15 @@ from engine.types import CacheSettings
 PROMPT = "Tell me a long story about the little robot who loved to read books about the sea and the stars"
 
 
+class Blocked(BaseException):
+    """Raised by the timer: not an OSError (TimeoutError is one), so no `except OSError` in the
+    code under test can swallow it."""
+
+
 @pytest.fixture(autouse=True)
 def _no_hang() -> Iterator[None]:
     def expire(signum: int, frame: object) -> None:
-        raise TimeoutError("blocked for 60 s (a FIFO opened for reading?)")
+        raise Blocked("blocked for 60 s (a FIFO opened for reading?)")
 
     old = signal.signal(signal.SIGALRM, expire)
     signal.setitimer(signal.ITIMER_REAL, 60, 60)  # again and again: each blocked read fails

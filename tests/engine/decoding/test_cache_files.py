@@ -24,10 +24,15 @@ SYSTEM = Message("system", "You are a helpful robot who loved to read books abou
 TURNS = ("Paris is the capital of", "def add(a, b):", "Once upon a time there was")
 
 
+class Blocked(BaseException):
+    """Raised by the timer: not an OSError (TimeoutError is one), so no `except OSError` in the
+    code under test can swallow it."""
+
+
 @pytest.fixture(autouse=True)
 def _no_hang() -> Iterator[None]:
     def expire(signum: int, frame: object) -> None:
-        raise TimeoutError("blocked for 30 s (a FIFO opened?)")
+        raise Blocked("blocked for 30 s (a FIFO opened?)")
 
     old = signal.signal(signal.SIGALRM, expire)
     signal.setitimer(signal.ITIMER_REAL, 30, 30)  # again and again: each blocked read fails
