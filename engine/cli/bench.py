@@ -389,7 +389,7 @@ def run_bench_plan(args: argparse.Namespace) -> int:
     draft = catalog.find(args.draft) if args.draft else None
     for spec, found in ((args.target, target), (args.draft, draft)):
         if spec and found is None:
-            raise UsageError(f"'{spec}' is not in the catalog; `specchat models list` shows the ids.")
+            raise InvalidRequest(f"'{spec}' is not in the catalog; `specchat models list` shows the ids.")
     if args.gpu:
         ram_gb = args.ram_gb or 128.0
         profile = reference_profile(args.gpu, pinned_gbps=args.pcie_gbps, ram_gb=ram_gb)

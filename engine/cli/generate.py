@@ -2,8 +2,9 @@
 one JSON object per sample (the CLI contract in parser.py and the README).
 
 Every refusal of what the options asked for is a UsageError (exit 2), also those only the
-loaded model can tell: a prompt that is empty, longer than its context, or refused by its chat
-template. A request that does not fit in memory stays a runtime failure (OutOfMemory, exit 1)."""
+loaded model can tell: more messages than its context has tokens, a prompt longer than its
+context. What the model itself refuses (its chat template) and a request that does not fit in
+memory (OutOfMemory) stay runtime failures (exit 1)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import uuid
 
 from engine.cli import common
 from engine.cli.main import EXIT_INTERRUPTED
-from engine.errors import InvalidRequest, UsageError
+from engine.errors import ContextTooLong, UsageError
 from engine.types import Message
 
 log = logging.getLogger(__name__)
@@ -46,10 +47,8 @@ def run_generate(args: argparse.Namespace) -> int:
         request = common.request(args, setup, messages, args.raw_prompt, seed, conversation=session)
         try:
             completion, interrupted = common.stream(engine, request, (lambda _: None) if args.json else out)
-        except UsageError:
-            raise
-        except InvalidRequest as exc:  # the prompt the options gave: empty, longer than the context, refused
-            raise UsageError(exc.user_message) from exc  # by the chat template (memory is OutOfMemory: 1)
+        except ContextTooLong as exc:  # the prompt the options gave is longer than the model's context
+            raise UsageError(exc.user_message) from exc
         if args.json:
             print(common.completion_json(completion), flush=True)
         else:

@@ -172,7 +172,7 @@ CASES: dict[str, tuple[Args, int, str]] = {
     "bench: unknown method": (lambda r, t: ["bench", "speculation", "--target", t, "--methods", "magic"], 2,
                               "Unknown bench methods"),
     "bench plan: unknown catalog id": (lambda r, t: ["bench", "plan", "--target", "no-such-model", "--gpu",
-                                                     "rtx3090"], 2, "not in the catalog"),
+                                                     "rtx3090"], 1, "not in the catalog"),  # as a missing --target
     "models remove: no such model": (lambda r, t: ["models", "remove", "x", "--models-dir", r], 1, "No local model"),
     "models download stall timeout 0": (lambda r, t: ["models", "download", "a/b", "--stall-timeout", 0,
                                                       "--models-dir", r], 2, "--stall-timeout"),
