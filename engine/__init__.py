@@ -9,3 +9,7 @@ testing builds random models for tests and benchmarks (the product never imports
 errors, paths, units and untrusted (bounded reads of outside data) are the
 shared vocabulary; interrupts notes a Ctrl+C for the entry points before anything imports.
 """
+
+from engine.notices import quiet_optional_kernels
+
+quiet_optional_kernels()  # before anything imports bitsandbytes (engine/notices.py)

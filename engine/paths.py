@@ -4,6 +4,7 @@ tmp_path); environment variables let a user or CI move the folders without code 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -11,6 +12,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import platformdirs
+
+from engine.errors import MalformedInput
+from engine.untrusted import read_json_file
+
+log = logging.getLogger(__name__)
 
 APP_NAME = "specchat"
 
@@ -42,25 +48,38 @@ def settings_file() -> Path:
     return folder / "settings.json"
 
 
+SETTINGS_MAX_BYTES = 1024 * 1024  # the file holds a few short strings
+
+
+def shared_settings() -> dict[str, object]:
+    """The shared settings file's object ({} when it is missing, or not what we write: a file
+    another program or a hand edit left there is read as data only, within bounds, never
+    trusted further: a folder, FIFO or device of that name, deep nesting, or a huge file is
+    ignored with a log line)."""
+    path = settings_file()
+    try:
+        data = read_json_file(path, what="the shared settings file", max_bytes=SETTINGS_MAX_BYTES)
+    except FileNotFoundError:
+        return {}
+    except (OSError, MalformedInput) as exc:
+        log.info("ignoring %s: %s", path, getattr(exc, "user_message", None) or exc)
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def shared_setting(name: str) -> str:
     """A string from the shared settings file ("" when unset, or when the file is missing or
-    not what we write: it is read as data only, never trusted further)."""
-    try:
-        data = json.loads(settings_file().read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return ""
-    value = data.get(name) if isinstance(data, dict) else None
+    not what we write)."""
+    value = shared_settings().get(name)
     return value if isinstance(value, str) else ""
 
 
 def set_shared_setting(name: str, value: str) -> None:
-    """Write one string into the shared settings file ("" removes it), atomically."""
+    """Write one string into the shared settings file ("" removes it), atomically: through a
+    new temporary file (created exclusively, so nothing already there is opened) renamed over
+    it. OSError when the folder cannot be written."""
     path = settings_file()
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        data = {}
-    data = data if isinstance(data, dict) else {}
+    data = shared_settings()
     if (data.get(name) or "") == value:
         return
     if value:
@@ -68,9 +87,14 @@ def set_shared_setting(name: str, value: str) -> None:
     else:
         data.pop(name, None)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(json.dumps(data, indent=1) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def models_dir() -> Path:

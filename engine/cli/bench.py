@@ -257,6 +257,11 @@ def run_bench_speculation(args: argparse.Namespace) -> int:
     if min(budgets) < 1:
         raise UsageError("Every budget must be at least 1.")
     temperatures = common.parse_list(args.temperatures, float, "temperatures")
+    for t in temperatures:  # refused before the models load, as a usage error
+        try:
+            SamplingSettings(temperature=t)
+        except InvalidRequest as exc:
+            raise UsageError(f"--temperatures: {exc.user_message}") from None
     prompts = common.read_prompts(args.prompts, DEFAULT_PROMPTS)
     methods = common.parse_list(args.methods, str, "methods")
     unknown = sorted(set(methods) - set(BENCH_METHODS))

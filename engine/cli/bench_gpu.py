@@ -49,7 +49,8 @@ import torch
 
 from engine.cli.bench_gpu_report import format_summary, write_plot
 from engine.cli.parser import HANDLER
-from engine.errors import InvalidRequest
+from engine.errors import InvalidRequest, MalformedInput
+from engine.untrusted import MIB, read_text
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +155,16 @@ def environment(dry_run: bool) -> dict[str, Any]:
 def gpu_test_files(tests_dir: Path) -> list[Path]:
     """The test files that mark tests `gpu` (collecting only these keeps the run short and free
     of the app's Qt imports)."""
-    return sorted(p for p in tests_dir.rglob("test_*.py") if "mark.gpu" in p.read_text(encoding="utf-8"))
+    return sorted(p for p in tests_dir.rglob("test_*.py") if _marks_gpu(p))
+
+
+def _marks_gpu(path: Path) -> bool:
+    """Whether a test file marks a test `gpu`; a file that is not a readable regular text file
+    (a FIFO, a folder, a huge or binary file) does not."""
+    try:
+        return "mark.gpu" in read_text(path, what="a test file", max_bytes=4 * MIB)
+    except (OSError, MalformedInput):
+        return False
 
 
 def parse_pytest(output: str) -> dict[str, Any]:

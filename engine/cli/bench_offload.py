@@ -40,6 +40,7 @@ from engine.testing.synthetic import (
     synthetic_gguf,
     synthetic_llama,
 )
+from engine.peak_memory import peak_rss_bytes, reset_peak, rss_bytes
 from engine.units import GB, MIB
 
 
@@ -148,28 +149,20 @@ def run_packing_table(budgets: list[int], device: str, repeats: int) -> list[dic
 def load_rss_child(folder: str, quant: str, offload: str) -> None:
     """The child of measure_load_rss (run as `python -m engine.cli.bench_offload FOLDER QUANT
     OFFLOAD`): load the model after this module's imports (torch, transformers, bitsandbytes:
-    the fixed overhead) and print the figures as one JSON line. Linux /proc only: VmHWM is per
-    process image, unlike ru_maxrss, which a child inherits from its parent across exec."""
-
-    def status(key: str) -> int:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024
-        raise KeyError(key)
+    the fixed overhead) and print the figures as one JSON line. The peak is engine.peak_memory's
+    (VmHWM on Linux, reset to the RSS before the load: ru_maxrss would carry the parent's over)."""
 
     torch.set_num_threads(1)
-    base = status("VmRSS")
-    with open("/proc/self/clear_refs", "w", encoding="ascii") as f:  # reset the high-water mark to the RSS
-        f.write("5")
+    base = rss_bytes()
+    reset_peak()  # the high-water mark back to the RSS: what follows is the load's
     t0 = time.perf_counter()
     m = load_model(folder, "cpu", torch.float32, quant=quant, offload=offload)  # type: ignore[arg-type]
     seconds = time.perf_counter() - t0
-    peak = status("VmHWM")
+    peak = peak_rss_bytes()
     p = m.model.placement
     outer = sum(t.numel() * t.element_size() for n, t in m.model.hf_model.named_parameters()
                 if not t.is_meta and not n.startswith("model.layers."))
-    print(json.dumps(dict(base=base, peak=peak, final=status("VmRSS"), layers_bytes=held_layer_bytes(m),
+    print(json.dumps(dict(base=base, peak=peak, final=rss_bytes(), layers_bytes=held_layer_bytes(m),
                           layer_bytes=p.layer_bytes, outer_bytes=outer, placement=p.describe(), seconds=seconds)))
 
 

@@ -10,6 +10,7 @@ import threading
 import uuid
 
 from engine.cli import common
+from engine.cli.load_progress import LoadProgressLine
 from engine.cli.parser import CHAT_HELP
 from engine.cli.typed_input import typed_lines
 from engine.decoding.generation import Engine
@@ -34,7 +35,11 @@ def run_chat(args: argparse.Namespace) -> int:
         target = str(common.in_worker(starter_folder, threading.Event(), "specchat-starter"))
         # The starter has no real draft: its FP4 proxy costs as much as the model itself, so
         # speculation would only slow it down. Pass --draft to try it anyway.
-    engine = common.load(target, draft, args, setup, status)
+    progress = LoadProgressLine(sys.stderr)  # one line, not one per layer
+    try:
+        engine = common.load(target, draft, args, setup, status, progress)
+    finally:
+        progress.finish()
     setup = common.plan(engine, setup, status)
     if interactive:
         try:

@@ -23,7 +23,7 @@ from engine.cli.main import leave_now
 from engine.cli.parser import AUTO_BUDGET, EXIT_INTERRUPTED
 from engine.decoding.generation import Engine
 from engine.decoding.pair import load_engine
-from engine.errors import InvalidRequest, UsageError
+from engine.errors import InvalidRequest, MalformedInput, UsageError
 from engine.loading.load import resolve_device
 from engine.planning.planner import plan_for_pair
 from engine.planning.profile import load_profile
@@ -32,6 +32,7 @@ from engine.types import (
     DecodeMode,
     GenerationRequest,
     GenerationStats,
+    LoadProgress,
     LoadSettings,
     Message,
     SamplingSettings,
@@ -40,10 +41,13 @@ from engine.types import (
     check_text,
 )
 from engine.units import GB
+from engine.untrusted import MIB, parse_json, read_text
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+MESSAGES_MAX_BYTES = 32 * MIB  # --messages: ~8M tokens of text, more than any model's context
+PROMPTS_MAX_BYTES = 8 * MIB  # a benchmark's prompts file
 JSON_STATS_FIELDS = ("prompt_tokens", "new_tokens", "target_passes", "tokens_per_pass", "draft_passes",
                      "budget", "seconds", "ttft_seconds", "tokens_per_second", "peak_rss_bytes", "cached_tokens",
                      "prefill_passes")
@@ -72,14 +76,16 @@ def parse_list(text: str, kind: type, what: str) -> list:
 def read_prompts(path: Path | None, default: tuple[str, ...]) -> tuple[str, ...]:
     """The chat prompts of `path`: one per non-empty line, or, when the file has lines of
     three dashes, the blocks between them (multi-line prompts; lines before the first dashes
-    are a comment); `default` without a file."""
+    are a comment); `default` without a file. A file that cannot be read (missing, a folder, a
+    FIFO, a device, too large, not UTF-8) or holds no prompts is a UsageError."""
     if path is None:
         return default
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        why = exc.strerror if isinstance(exc, OSError) else "it is not UTF-8 text"
-        raise InvalidRequest(f"Cannot read the prompts file '{path}': {why}.") from exc
+        lines = read_text(path, what="the prompts file", max_bytes=PROMPTS_MAX_BYTES).splitlines()
+    except MalformedInput as exc:
+        raise UsageError(exc.user_message) from None
+    except OSError as exc:
+        raise UsageError(f"Cannot read the prompts file '{path}': {exc.strerror or exc}.") from None
     if "---" in (line.rstrip() for line in lines):
         blocks, current = [], []
         for line in lines[[line.rstrip() for line in lines].index("---") + 1:] + ["---"]:
@@ -92,7 +98,7 @@ def read_prompts(path: Path | None, default: tuple[str, ...]) -> tuple[str, ...]
     else:
         prompts = tuple(line.strip() for line in lines if line.strip())
     if not prompts:
-        raise InvalidRequest(f"The prompts file '{path}' has no prompts (one per line).")
+        raise UsageError(f"The prompts file '{path}' has no prompts (one per line).")
     return prompts
 
 
@@ -112,6 +118,8 @@ def setup(args: argparse.Namespace) -> Setup:
         raise UsageError("--system applies to --prompt (the chat template), not to --raw-prompt.")
     if getattr(args, "messages", None) is not None and args.system is not None:
         raise UsageError("--system applies to --prompt; with --messages, put the system message in the list.")
+    if getattr(args, "raw_prompt", None) == "":
+        raise UsageError("--raw-prompt is empty: give the text the model should continue.")
     texts = [(f"--{name.replace('_', '-')}", getattr(args, name, None)) for name in ("prompt", "raw_prompt", "system")]
     for option, text in texts + [("--stop", stop) for stop in args.stop]:
         if text is not None:
@@ -151,18 +159,21 @@ def note_limits(engine: Engine, args: argparse.Namespace, status: Callable[[str]
 
 
 def read_messages(text: str) -> tuple[Message, ...]:
-    """--messages: a JSON list of {"role", "content"} objects, or @FILE holding one."""
+    """--messages: a JSON list of {"role", "content"} objects, or @FILE holding one. Anything
+    that is not that (a file that is missing, a folder, a FIFO, a device such as /dev/zero or
+    larger than MESSAGES_MAX_BYTES; JSON nested too deep; text that is not UTF-8) is a
+    UsageError naming what is wrong."""
     where = "--messages"
-    if text.startswith("@"):
-        where = text[1:]
-        try:
-            text = Path(where).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise UsageError(f"Cannot read the messages file '{where}': {exc}.") from exc
     try:
-        raw = json.loads(text)
-    except ValueError as exc:
-        raise UsageError(f"{where} is not valid JSON ({exc}).") from exc
+        if text.startswith("@"):
+            where = text[1:]
+            try:
+                text = read_text(where, what="the messages file", max_bytes=MESSAGES_MAX_BYTES)
+            except OSError as exc:
+                raise UsageError(f"Cannot read the messages file '{where}': {exc.strerror or exc}.") from None
+        raw = parse_json(text, what=where, max_bytes=MESSAGES_MAX_BYTES)
+    except MalformedInput as exc:
+        raise UsageError(exc.user_message) from None
     if not isinstance(raw, list) or not raw:
         raise UsageError(f'{where} must be a non-empty JSON list of {{"role", "content"}} objects.')
     out = []
@@ -171,8 +182,21 @@ def read_messages(text: str) -> tuple[Message, ...]:
                 or not isinstance(m.get("content"), str)):
             raise UsageError(f'{where}: message {i + 1} must be {{"role": "system"|"user"|"assistant", '
                              '"content": TEXT}.')
+        try:
+            check_text(m["content"], f"{where}: message {i + 1}")
+        except InvalidRequest as exc:
+            raise UsageError(exc.user_message) from None
         out.append(Message(m["role"], m["content"]))
     return tuple(out)
+
+
+def check_messages_fit(messages: tuple[Message, ...], context: int) -> None:
+    """A UsageError, before any of them is tokenised, when there are more messages than the
+    model's context has tokens (each takes at least one): 100,000 messages are refused at once
+    rather than after seconds of tokenising."""
+    if len(messages) >= context:
+        raise UsageError(f"--messages holds {len(messages)} messages, more than this model's context of {context} "
+                         "tokens can hold; pass fewer (the newest), or a model with a longer context.")
 
 
 def request(args: argparse.Namespace, setup: Setup, messages: tuple[Message, ...] = (),
@@ -189,14 +213,16 @@ def request(args: argparse.Namespace, setup: Setup, messages: tuple[Message, ...
 
 
 def load(target: str, draft: str | None, args: argparse.Namespace, setup: Setup,
-         status: Callable[[str], None]) -> Engine:
+         status: Callable[[str], None], progress: Callable[[LoadProgress], None] | None = None) -> Engine:
+    """Load the pair in a worker (see in_worker); each progress message goes to `status`, or
+    the whole LoadProgress to `progress` when given (a LoadProgressLine)."""
     quiet_libraries(args.verbose)
     if draft is not None and args.mode != "specexec":
         log.info("--mode autoregressive: the draft %s is not loaded", draft)
         draft = None
     cancel = threading.Event()
-    return in_worker(lambda: load_engine(target, draft, load_settings(args, setup), cancel=cancel,
-                                         progress=lambda p: status(p.message) if p.stage != "ready" else None),
+    report = progress or (lambda p: status(p.message) if p.stage != "ready" else None)
+    return in_worker(lambda: load_engine(target, draft, load_settings(args, setup), cancel=cancel, progress=report),
                      cancel, "specchat-load")
 
 

@@ -1,5 +1,10 @@
 """`specchat generate`: one prompt -> one or more completions, streamed as text or printed as
-one JSON object per sample (the CLI contract in parser.py and the README)."""
+one JSON object per sample (the CLI contract in parser.py and the README).
+
+Every refusal of what the options asked for is a UsageError (exit 2), also those only the
+loaded model can tell: more messages than its context has tokens, a prompt longer than its
+context. What the model itself refuses (its chat template) and a request that does not fit in
+memory (OutOfMemory) stay runtime failures (exit 1)."""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ import uuid
 
 from engine.cli import common
 from engine.cli.main import EXIT_INTERRUPTED
+from engine.errors import ContextTooLong, UsageError
 from engine.types import Message
 
 log = logging.getLogger(__name__)
@@ -18,7 +24,7 @@ log = logging.getLogger(__name__)
 
 def run_generate(args: argparse.Namespace) -> int:
     if args.target is None:
-        raise common.UsageError("generate needs --target MODEL (a catalog id, a model folder or a .gguf file).")
+        raise UsageError("generate needs --target MODEL (a catalog id, a model folder or a .gguf file).")
     setup = common.setup(args)
     messages: tuple[Message, ...] = ()
     if args.prompt is not None:
@@ -30,6 +36,7 @@ def run_generate(args: argparse.Namespace) -> int:
     base_seed = args.seed if args.seed is not None else secrets.randbelow(2**31)
     sampled = args.temperature > 0
     engine = common.load(args.target, args.draft, args, setup, log.info)
+    common.check_messages_fit(messages, engine.context_length)
     setup = common.plan(engine, setup, log.info, None if args.json else common.status_printer())
     common.note_limits(engine, args, common.status_printer())
     out = common.writer(sys.stdout)
@@ -38,7 +45,10 @@ def run_generate(args: argparse.Namespace) -> int:
         seed = base_seed + i
         log.info("sample %d: seed %d", i, seed)
         request = common.request(args, setup, messages, args.raw_prompt, seed, conversation=session)
-        completion, interrupted = common.stream(engine, request, (lambda _: None) if args.json else out)
+        try:
+            completion, interrupted = common.stream(engine, request, (lambda _: None) if args.json else out)
+        except ContextTooLong as exc:  # the prompt the options gave is longer than the model's context
+            raise UsageError(exc.user_message) from exc
         if args.json:
             print(common.completion_json(completion), flush=True)
         else:

@@ -76,13 +76,19 @@ def float_in(low: float, high: float, low_open: bool = False) -> Callable[[str],
     return parse
 
 
+MAX_BUDGET = 2**31 - 1  # far past any machine's memory; much larger ones overflow tensor sizes
+
+
 def budget_value(text: str) -> int | str:
     if text == "auto":
         return "auto"
     try:
-        return int(text)
+        value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number or 'auto', got '{text}'") from None
+    if value > MAX_BUDGET:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_BUDGET}, got {text}")
+    return value
 
 
 # ---- the engine options shared by generate and chat ------------------------------------------

@@ -192,7 +192,9 @@ class Engine:
                                  "which the CLI, the server and the app decode through; give the Engine a budget.")
         if len(prompt) + request.max_new_tokens > context:  # the answer stops at the context's end
             request = replace(request, max_new_tokens=context - len(prompt))
-        check_fits(self.target, self.draft if self._wants_draft(request) else None, len(prompt), request)
+        spec, use_draft = request.speculation, self._wants_draft(request)
+        tree = spec.budget if use_draft or (spec.mode == "specexec" and spec.context) else 1  # as _start sizes it
+        check_fits(self.target, self.draft if use_draft else None, len(prompt), request, tree)
         return self._decode(request, prompt, cancel or threading.Event())
 
     def _decode(self, request: GenerationRequest, prompt: list[int],

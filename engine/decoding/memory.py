@@ -67,11 +67,12 @@ def tokens_per_pass(free_bytes: int, past: int, hidden: int, intermediate: int, 
     return lo
 
 
-def check_fits(target: CausalLM, draft: CausalLM | None, prompt: int, request: GenerationRequest) -> None:
+def check_fits(target: CausalLM, draft: CausalLM | None, prompt: int, request: GenerationRequest,
+               tree: int) -> None:
     """OutOfMemory, naming the largest tree budget and answer length that would fit, when the
-    caches and one pass of this request cannot fit in the memory free where they live (a
+    caches and one pass of a `tree`-token tree cannot fit in the memory free where they live (a
     budget of 10^9 would otherwise die in the allocator, asking for 100+ GB)."""
-    budget = request.speculation.budget if draft is not None else 1
+    budget = tree
     esize = target.dtype.itemsize
 
     def need(max_new: int, tree: int) -> int:
@@ -83,7 +84,7 @@ def check_fits(target: CausalLM, draft: CausalLM | None, prompt: int, request: G
         return
     where = "GPU memory" if target.device.type == "cuda" else "RAM"
     advice = []
-    if draft is not None:
+    if budget > 1:
         most = largest(lambda b: need(request.max_new_tokens, b) <= free, budget)
         advice += [f"a tree budget of at most {most}"] if most else []
     most = largest(lambda m: need(m, budget) <= free, request.max_new_tokens)

@@ -182,7 +182,10 @@ class PrefixPool:
         if path is None:
             return False
         if prefix.saved is not None and prefix.saved != path:  # a shorter version of the same prefix
-            prefix.saved.unlink(missing_ok=True)
+            try:
+                prefix.saved.unlink(missing_ok=True)
+            except OSError as exc:  # the budget's pruning takes it later
+                log.debug("could not remove %s: %s", prefix.saved, exc)
         prefix.saved = path
         return True
 

@@ -1,16 +1,14 @@
-"""What one generation measured: the timers its steps add to while it runs, the GenerationStats
-its Completion carries, and the process's peak resident memory.
+"""What one generation measured: the timers its steps add to while it runs and the
+GenerationStats its Completion carries (with the process's own peak memory, engine.peak_memory).
 
 What this module does not do: learn from the figures (costs, acceptance) or print them (cli).
 """
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 
-import psutil
-
+from engine.peak_memory import peak_rss_bytes
 from engine.types import GenerationStats, Placement, StepMode
 
 
@@ -39,7 +37,7 @@ def generation_stats(*, prompt_tokens: int, new_tokens: int, timers: StepTimers,
         seconds=seconds,
         ttft_seconds=ttft if ttft is not None else seconds,
         tokens_per_second=new_tokens / seconds if seconds > 0 else 0.0,
-        peak_rss_bytes=peak_rss(),
+        peak_rss_bytes=peak_rss_bytes(),
         draft_seconds=timers.draft,
         target_seconds=timers.target,
         prefill_seconds=timers.prefill,
@@ -49,12 +47,3 @@ def generation_stats(*, prompt_tokens: int, new_tokens: int, timers: StepTimers,
         cached_tokens=cached_tokens,
         prefill_passes=timers.prefill_passes,
     )
-
-
-def peak_rss() -> int:
-    if sys.platform == "win32":
-        return int(psutil.Process().memory_info().peak_wset)
-    import resource  # POSIX only
-
-    peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
-    return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB

@@ -17,6 +17,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
+import stat
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -69,6 +71,7 @@ def resolve_path(spec: str) -> Path:
 
 def check_folder(path: Path) -> dict:
     """Validate a Hugging Face folder without loading weights; return its config dict."""
+    check_entries(path)
     config_file = path / "config.json"
     if not config_file.is_file():
         raise UnsupportedModel(
@@ -98,6 +101,24 @@ def check_folder(path: Path) -> dict:
             )
         raise UnsupportedModel(f"'{path}' holds no .safetensors weights; re-download the model.")
     return config
+
+
+def check_entries(path: Path) -> None:
+    """UnsupportedModel when the folder holds a named pipe, socket or device (a link is judged
+    by what it points to, as the loaders read it): the tokenizer and weight readers open what
+    they find, and opening a FIFO blocks for ever."""
+    try:
+        entries = list(path.iterdir())
+    except OSError as exc:
+        raise ModelNotFound(f"Cannot read the folder '{path}': {exc.strerror}.") from exc
+    for entry in entries:
+        try:
+            mode = entry.stat().st_mode
+        except OSError:  # a broken link: the checks below name what is missing
+            continue
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            raise UnsupportedModel(f"'{entry.name}' in the model folder '{path}' is not a file (a named pipe, socket "
+                                   "or device); a model folder holds files: remove it or re-download the model.")
 
 
 # Sizes no decoder-only model comes near: anything past them is a damaged config.json, caught
@@ -143,21 +164,30 @@ def check_quantisation(name: str, qc: dict | None) -> None:
             "download one of those versions of the model.")
 
 
-def is_gguf(path: Path) -> bool:
-    """A file that starts like a GGUF (whatever its name)."""
+def file_head(path: Path, n: int) -> bytes:
+    """The first `n` bytes of a regular file. A FIFO, socket or device named as a model is
+    refused (UnsupportedModel) without blocking or reading it; OSError passes through."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
     try:
-        with open_regular(path) as f:  # a pipe never blocks
-            return f.read(4) == b"GGUF"
-    except (OSError, CorruptGGUF):
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise UnsupportedModel(f"'{path}' is not a regular file (a named pipe, socket or device): give a model "
+                                   "folder or a .gguf file.")
+        return os.read(fd, n)
+    finally:
+        os.close(fd)
+
+
+def is_gguf(path: Path) -> bool:
+    """A regular file that starts like a GGUF (whatever its name)."""
+    try:
+        return file_head(path, 4) == b"GGUF"
+    except (OSError, UnsupportedModel):
         return False
 
 
 def check_gguf(path: Path) -> None:
     try:
-        with open_regular(path) as f:  # a pipe or a folder named *.gguf is refused, never waited on
-            magic = f.read(4)
-    except CorruptGGUF as exc:
-        raise UnsupportedModel(f"'{path}' cannot be loaded: {exc}.") from None
+        magic = file_head(path, 4)
     except OSError as exc:
         raise ModelNotFound(f"Cannot read '{path}': {exc.strerror}.") from exc
     if magic != b"GGUF":
@@ -221,6 +251,8 @@ def _load_model(
             generation = GenerationConfig.from_pretrained(path) if (path / "generation_config.json").is_file() else None
             model = materialise(SafetensorsWeights(path, config_dict), config, settings, report, generation)
             return LoadedModel(model=model, tokenizer=tokenizer, path=path)
+        if not path.is_file():  # a FIFO, socket or device: refused before anything opens it
+            file_head(path, 0)
         if path.suffix.lower() == ".gguf" or is_gguf(path):  # Ollama's blobs have no suffix
             check_gguf(path)
             weights = GGUFWeights(path)

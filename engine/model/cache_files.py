@@ -12,7 +12,13 @@ budget; the least recently used file leaves first.
 
 Files are untrusted: a file that does not parse, names another pair, fails its tag, or whose
 tensors do not fit the loaded models' caches is ignored and deleted with a log line; the
-caller then reads the prompt again. safetensors never runs code.
+caller then reads the prompt again. safetensors never runs code. Only regular files are opened
+(never through a link, never blocking on a FIFO), at most the disk budget in size; any other
+entry named like a cache file (a folder, a FIFO, a link, a device) is skipped, and removed when
+that is only unlinking a name in our folder (a folder is left alone, a link is never followed).
+
+Saving is optional: a read-only or full disk, or a key file that cannot be read or written,
+costs the saved caches (one warning per CacheFiles) and never an answer.
 
 What this module does not do: decide what to keep in memory or when to save
 (engine.decoding.prefix_cache does).
@@ -20,12 +26,17 @@ What this module does not do: decide what to keep in memory or when to save
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import json
 import logging
 import os
 import secrets
+import stat
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,12 +44,16 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from engine.errors import MalformedInput
 from engine.model.cache import KVCache
+from engine.untrusted import read_bytes
 
 log = logging.getLogger(__name__)
 
 FORMAT = "specchat-kv-1"
 KEY_BYTES = 32
+MAX_TOKENS = 1 << 24  # no model reads 16M tokens: a longer token list is not one of ours
+SUFFIX = ".safetensors"
 
 
 @dataclass(frozen=True)
@@ -55,22 +70,38 @@ def shape_of(cache: KVCache) -> CacheShape:
     return CacheShape(cache.num_layers, cache.num_kv_heads, cache.head_dim, cache.dtype)
 
 
-def install_key(path: Path) -> bytes:
-    """The per-install secret that tags saved caches (created on first use, owner-only)."""
+def install_key(path: Path) -> bytes | None:
+    """The per-install secret that tags saved caches (created on first use, owner-only); None,
+    with one warning, when it can be neither read nor created (a read-only data folder): caches
+    are then not kept."""
     try:
-        key = path.read_bytes()
+        key = read_bytes(path, what="the KV cache key file", max_bytes=KEY_BYTES + 1)
         if len(key) == KEY_BYTES:
             return key
-    except OSError:
+    except (OSError, MalformedInput):  # missing, unreadable, or not a file: made afresh below
         pass
-    path.parent.mkdir(parents=True, exist_ok=True)
     key = secrets.token_bytes(KEY_BYTES)
-    tmp = path.with_suffix(".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(key)
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_private(path, key)
+    except OSError as exc:
+        log.warning("saved KV caches are not kept: the key file that tags them, %s, cannot be written (%s); "
+                    "long conversations are read again after a restart", path, exc.strerror or exc)
+        return None
     return key
+
+
+def write_private(path: Path, data: bytes) -> None:
+    """Write `data` to `path` atomically, owner-only: through a new temporary file beside it
+    (created exclusively, so a FIFO or link of that name is never opened), renamed over `path`."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def tokens_hash(tokens: list[int]) -> str:
@@ -78,19 +109,22 @@ def tokens_hash(tokens: list[int]) -> str:
 
 
 class CacheFiles:
-    """The saved caches of one model pair (`pair`: the pair's fingerprint)."""
+    """The saved caches of one model pair (`pair`: the pair's fingerprint). `key` None: nothing
+    is kept (install_key could not make one)."""
 
-    def __init__(self, root: Path, pair: str, key: bytes, budget_bytes: int) -> None:
+    def __init__(self, root: Path, pair: str, key: bytes | None, budget_bytes: int) -> None:
         self.dir = root / hashlib.sha256(pair.encode()).hexdigest()[:16]
         self.root = root
         self.pair = pair
         self.key = key
         self.budget_bytes = budget_bytes
+        self._warned: set[str] = set()  # what was said once already (a failed save, a skipped entry)
 
     # ---- writing ---------------------------------------------------------------------------
     def save(self, tokens: list[int], target: KVCache, draft: KVCache | None) -> Path | None:
-        """Write (or refresh) the file of this prefix; None when the budget allows no file."""
-        if self.budget_bytes <= 0 or not tokens:
+        """Write (or refresh) the file of this prefix; None when the budget allows no file, or
+        when it could not be written (a full or read-only disk: said once, and not kept)."""
+        if self.budget_bytes <= 0 or not tokens or self.key is None:
             return None
         tensors: dict[str, torch.Tensor] = {"tokens": torch.tensor(tokens, dtype=torch.int64)}
         for role, cache in (("target", target), ("draft", draft)):
@@ -101,39 +135,58 @@ class CacheFiles:
                 tensors[f"{role}.{i}.v"] = v.detach().to("cpu").contiguous()
         meta = {"format": FORMAT, "pair": self.pair, "tokens": str(len(tokens)), "draft": str(draft is not None)}
         meta["tag"] = self._tag(meta, tensors)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        path = self.dir / f"{tokens_hash(tokens)}.safetensors"
-        tmp = path.with_suffix(".tmp")
+        path = self.dir / f"{tokens_hash(tokens)}{SUFFIX}"
+        tmp: str | None = None
         try:
-            save_file(tensors, str(tmp), metadata=meta)
+            self.dir.mkdir(parents=True, exist_ok=True)
+            if not _is_folder(self.dir):  # a link or a file where our folder belongs
+                raise NotADirectoryError(errno.ENOTDIR, "not a folder of ours", str(self.dir))
+            # a new file of our own (created exclusively: never a FIFO or link already there)
+            fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".", suffix=".tmp")
+            os.close(fd)
+            save_file(tensors, tmp, metadata=meta)
             os.replace(tmp, path)
         except OSError as exc:  # a full or read-only disk: the conversation simply is not saved
-            log.warning("could not save a KV cache to %s: %s", self.dir, exc)
-            tmp.unlink(missing_ok=True)
+            self._warn_once("save", "saved KV caches are not kept: %s cannot be written (%s); long conversations "
+                            "are read again after a restart", self.dir, exc.strerror or exc)
+            if tmp is not None:
+                _remove(Path(tmp))
             return None
         self.prune()
         return path
 
     def prune(self) -> None:
         """Delete the least recently used files of every pair until all fit the budget."""
-        files = sorted(self.root.glob("*/*.safetensors"), key=_mtime)
-        total = sum(_size(f) for f in files)
-        for f in files:
+        files = sorted(((p, info) for folder in _pair_folders(self.root) for p, info in _entries(folder)
+                        if stat.S_ISREG(info.st_mode)), key=lambda e: e[1].st_mtime)
+        total = sum(info.st_size for _, info in files)
+        for path, info in files:
             if total <= self.budget_bytes:
                 break
-            total -= _size(f)
-            f.unlink(missing_ok=True)
+            total -= info.st_size
+            _remove(path)
 
     # ---- reading ---------------------------------------------------------------------------
     def best_match(self, prompt: list[int]) -> tuple[Path, int]:
         """The file whose tokens share the longest prefix with `prompt`, and that length
         ((no path, 0) without one). Reads only each file's token list."""
         best: tuple[Path, int] = (Path(), 0)
-        for path in self.dir.glob("*.safetensors") if self.dir.is_dir() else ():
+        if self.key is None or not _is_folder(self.dir):
+            return best
+        for path, info in _entries(self.dir):
+            if not self._usable(path, info):
+                continue
             try:
-                with safe_open(str(path), framework="pt") as f:
+                with self._opened(path) as f:
+                    if f is None:
+                        continue
+                    tokens_slice = f.get_slice("tokens")
+                    shape = tokens_slice.get_shape()
+                    if len(shape) != 1 or shape[0] > MAX_TOKENS or tokens_slice.get_dtype() != "I64":
+                        self._reject(path, "no token list")
+                        continue
                     tokens = f.get_tensor("tokens").tolist()
-            except (SafetensorError, OSError, KeyError, RuntimeError, ValueError) as exc:
+            except (SafetensorError, OSError, KeyError, RuntimeError, ValueError, TypeError) as exc:
                 self._reject(path, f"unreadable ({exc})")
                 continue
             n = common_prefix(tokens, prompt)
@@ -146,10 +199,12 @@ class CacheFiles:
         """The tokens and caches of a file, checked against its tag and the loaded models'
         cache shapes; None (the file deleted, a log line) when anything does not fit."""
         try:
-            with safe_open(str(path), framework="pt") as f:
+            with self._opened(path) as f:
+                if f is None:
+                    return None
                 meta = dict(f.metadata() or {})
                 tensors = {name: f.get_tensor(name) for name in f.keys()}
-        except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
+        except (SafetensorError, OSError, RuntimeError, ValueError, TypeError) as exc:
             self._reject(path, f"unreadable ({exc})")
             return None
         tag = meta.pop("tag", "")
@@ -174,11 +229,54 @@ class CacheFiles:
                 self._reject(path, f"its {role} cache does not fit the loaded {role} model")
                 return None
             caches.append(cache)
-        os.utime(path)  # recently used: the last to leave the disk budget
+        try:
+            os.utime(path)  # recently used: the last to leave the disk budget
+        except OSError:  # a read-only disk: the order of leaving is only a little less right
+            pass
         assert caches[0] is not None
         return tokens, caches[0], caches[1]
 
+    @contextmanager
+    def _opened(self, path: Path) -> Iterator[safe_open | None]:
+        """safe_open of `path` if it is still a regular file within the budget, else None (the
+        entry rejected). The file is opened here first, not following a link and not blocking
+        on a FIFO, and checked; on Linux safetensors then opens that very file through
+        /proc/self/fd, so nothing can be swapped in between."""
+        flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
+        try:
+            fd = os.open(path, flags)
+        except FileNotFoundError:  # gone meanwhile
+            yield None
+            return
+        except OSError as exc:  # ELOOP: a link (O_NOFOLLOW); no permission
+            self._reject(path, f"unreadable ({exc.strerror or exc})")
+            yield None
+            return
+        try:
+            info = os.fstat(fd)
+            if not self._usable(path, info):
+                yield None
+                return
+            via = Path(f"/proc/self/fd/{fd}")
+            with safe_open(str(via if via.exists() else path), framework="pt") as f:
+                yield f
+        finally:
+            os.close(fd)
+
+    def _usable(self, path: Path, info: os.stat_result) -> bool:
+        """A regular file within the budget; anything else is rejected here."""
+        if stat.S_ISLNK(info.st_mode):
+            self._reject(path, "a link, not a file of ours")
+        elif not stat.S_ISREG(info.st_mode):
+            self._reject(path, f"{_kind(info.st_mode)}, not a file")
+        elif info.st_size > max(self.budget_bytes, 0):
+            self._reject(path, "larger than the disk budget for saved caches")
+        else:
+            return True
+        return False
+
     def _tag(self, meta: dict[str, str], tensors: dict[str, torch.Tensor]) -> str:
+        assert self.key is not None
         mac = hashlib.blake2b(key=self.key, digest_size=32)
         mac.update(json.dumps(meta, sort_keys=True).encode())
         for name in sorted(tensors):
@@ -188,8 +286,21 @@ class CacheFiles:
         return mac.hexdigest()
 
     def _reject(self, path: Path, why: str) -> None:
-        log.warning("ignoring the saved KV cache %s: %s; the conversation is read again", path.name, why)
-        path.unlink(missing_ok=True)
+        """Skip a bad entry, and remove it unless it is a folder (unlinking a file, FIFO or link
+        removes only its name here; a link is never followed)."""
+        try:
+            folder = stat.S_ISDIR(path.lstat().st_mode)
+        except OSError:
+            return  # gone meanwhile
+        self._warn_once(str(path), "ignoring the saved KV cache %s: %s; the conversation is read again%s",
+                        path.name, why, " (a folder: left where it is)" if folder else "")
+        if not folder:
+            _remove(path)
+
+    def _warn_once(self, what: str, message: str, *args: object) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            log.warning(message, *args)
 
 
 def _rebuild(tensors: dict[str, torch.Tensor], role: str, shape: CacheShape, n_tokens: int,
@@ -218,15 +329,51 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
-def _mtime(path: Path) -> float:
+def _is_folder(path: Path) -> bool:
+    """A real folder, not a link to one (a pair's folder is ours: a link there is not)."""
     try:
-        return path.stat().st_mtime
+        return stat.S_ISDIR(path.lstat().st_mode)
     except OSError:
-        return 0.0
+        return False
 
 
-def _size(path: Path) -> int:
+def _pair_folders(root: Path) -> list[Path]:
     try:
-        return path.stat().st_size
+        return [p for p in root.iterdir() if _is_folder(p)]
+    except OSError:  # no root yet, or unreadable
+        return []
+
+
+def _entries(folder: Path) -> list[tuple[Path, os.stat_result]]:
+    """The entries of `folder` named like cache files, with what lstat says of each."""
+    out = []
+    try:
+        names = [p for p in folder.iterdir() if p.name.endswith(SUFFIX) and not p.name.startswith(".")]
     except OSError:
-        return 0
+        return []
+    for path in names:
+        try:
+            out.append((path, path.lstat()))
+        except OSError:  # gone meanwhile
+            pass
+    return out
+
+
+def _remove(path: Path) -> None:
+    """Unlink `path` (never a folder); a read-only disk leaves it, said at debug level."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:
+        log.debug("could not remove %s: %s", path, exc)
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    if stat.S_ISFIFO(mode):
+        return "a named pipe (FIFO)"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    return "not a regular file"

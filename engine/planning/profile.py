@@ -24,12 +24,15 @@ from pathlib import Path
 from typing import Any
 
 from engine import paths
+from engine.errors import MalformedInput
 from engine.types import LayerShape
 from engine.units import GB
+from engine.untrusted import MIB, read_json_file
 
 log = logging.getLogger(__name__)
 
 PROFILE_VERSION = 1
+PROFILE_MAX_BYTES = 4 * MIB  # a profile is a few KB
 GPU_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)  # tree sizes a GPU curve covers
 
 # From the models' published config.json files.
@@ -190,7 +193,7 @@ def load_profile(path: Path | None = None) -> HardwareProfile | None:
     also set aside (renamed, kept), so the warning comes once and a new measurement replaces it."""
     source = path or profile_path()
     try:
-        raw = json.loads(source.read_text(encoding="utf-8"))
+        raw = read_json_file(source, what="the hardware profile", max_bytes=PROFILE_MAX_BYTES)
         if isinstance(raw, dict) and raw.get("version") != PROFILE_VERSION:
             log.info("the hardware profile %s is from another version; not used", source)
             return None
@@ -203,10 +206,11 @@ def load_profile(path: Path | None = None) -> HardwareProfile | None:
         return None
     except OSError as exc:
         log.warning("cannot read the hardware profile %s (%s); planning without it", source, exc.strerror)
-    except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError, MalformedInput) as exc:
         kept = set_aside(source) if path is None else None
+        why = exc.user_message if isinstance(exc, MalformedInput) else str(exc)[:120] or type(exc).__name__
         log.warning("ignoring the damaged hardware profile %s (%s)%s; `specchat bench hardware` measures a new one",
-                    source, str(exc)[:120] or type(exc).__name__, f", kept as {kept.name}" if kept else "")
+                    source, why, f", kept as {kept.name}" if kept else "")
     return None
 
 

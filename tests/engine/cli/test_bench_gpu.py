@@ -144,3 +144,19 @@ def test_the_model_sections_on_cuda_with_tiny_shapes(tmp_path: Path) -> None:
         assert torch.cuda.get_per_process_memory_fraction(dev) == 1.0  # the cap is lifted afterwards
     finally:
         bench.close()
+
+
+def test_the_gpu_test_files_are_found_without_opening_fifos_or_folders(tmp_path: Path) -> None:
+    """--tests DIR is a folder a user names: a FIFO or folder named like a test file is passed
+    over, never read (a FIFO would block the run)."""
+    import os
+
+    from engine.cli.bench_gpu import gpu_test_files
+
+    (tmp_path / "test_gpu.py").write_text(GPU_TESTS)
+    (tmp_path / "test_cpu.py").write_text("def test_x():\n    pass\n")
+    os.mkfifo(tmp_path / "test_pipe.py")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "test_folder.py").mkdir()
+    (tmp_path / "test_binary.py").write_bytes(b"\xff\xfe mark.gpu")
+    assert gpu_test_files(tmp_path) == [tmp_path / "test_gpu.py"]
