@@ -40,7 +40,7 @@ from engine.loading.materialise import MaterialiseSettings, materialise
 from engine.loading.weights import SafetensorsWeights
 from engine.model.causal_lm import SUPPORTED_MODEL_TYPES, CausalLM
 from engine.store import resolve_model
-from engine.store.gguf_header import CorruptGGUF, MissingPart, open_regular, split_parts
+from engine.store.gguf_header import MissingPart, split_parts
 from engine.types import Offload, Quant, Tokenizer
 
 log = logging.getLogger(__name__)
