@@ -186,6 +186,9 @@ class SamplingSettings:
         return self.temperature <= 0.0
 
 
+AUTO_FALLBACK_BUDGET = 64  # budget "auto" without a plan (engine.decoding.auto_budget)
+
+
 @dataclass(frozen=True)
 class SpeculationSettings:
     """Shape of the speculation tree.

@@ -7,16 +7,16 @@ import argparse
 import logging
 import sys
 import threading
-import uuid
 
 from engine.cli import common
+from engine.cli.conversation import Turns, converse
 from engine.cli.load_progress import LoadProgressLine
 from engine.cli.parser import CHAT_HELP
-from engine.cli.typed_input import typed_lines
+from engine.cli.streaming import status_printer
 from engine.decoding.generation import Engine
-from engine.errors import EngineError, InvalidRequest
+from engine.errors import InvalidRequest
 from engine.loading.starter import starter_folder
-from engine.types import GenerationRequest, Message
+from engine.types import Completion, GenerationRequest, Message
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +26,7 @@ def run_chat(args: argparse.Namespace) -> int:
     interactive = sys.stdin.isatty()
     if hasattr(sys.stdin, "reconfigure"):  # a line in another encoding shows as U+FFFD, never a crash
         sys.stdin.reconfigure(errors="replace")
-    status = common.status_printer()
+    status = status_printer()
     target, draft = args.target, args.draft
     if target is None:
         common.quiet_libraries(args.verbose)  # the first run converts the starter's GGUF with transformers
@@ -40,53 +40,23 @@ def run_chat(args: argparse.Namespace) -> int:
         engine = common.load(target, draft, args, setup, status, progress)
     finally:
         progress.finish()
-    setup = common.plan(engine, setup, status)
+    backend = common.planned(engine, status)
+    system = (Message("system", args.system),) if args.system else ()
+    backend.resolve(common.request(args, setup, system + (Message("user", "."),)))  # says the plan now
     if interactive:
         try:
             import readline  # noqa: F401  (line editing and history for input(); not on Windows)
         except ImportError:
             pass
-    if setup.mode == "autoregressive" or args.mode == "autoregressive" or (engine.draft is None and args.no_context):
-        mode = "autoregressive"
-    else:
-        mode = f"specexec, budget {setup.budget}" if engine.draft is not None else "draft-free speculation"
-    status(f"ready ({mode}). {CHAT_HELP}")
-    system = (Message("system", args.system),) if args.system else ()
-    messages: list[Message] = []
-    session = f"chat-{uuid.uuid4().hex}"  # its KV cache continues from turn to turn
-    seed = args.seed
-    out = common.writer(sys.stdout)
-    for text in typed_lines(interactive):
-        if text == "/reset":
-            messages.clear()
-            session = f"chat-{uuid.uuid4().hex}"
-            status("conversation cleared")
-            continue
-        if text.startswith("/") and " " not in text:
-            status(f"unknown command {text}. {CHAT_HELP}")
-            continue
-        messages.append(Message("user", text))
-        try:
-            request, dropped = fit_context(engine, args, setup, system, messages, seed, session)
-            del messages[:dropped]
-            if dropped:
-                status(f"the conversation outgrew the model's context ({engine.context_length} tokens): the "
-                       f"{dropped} oldest messages are left out from now on; /reset starts afresh")
-            completion, _ = common.stream(engine, request, out)
-        except EngineError as exc:  # this turn failed; the conversation goes on without it
-            messages.pop()
-            print(f"error: {exc.user_message}", file=sys.stderr, flush=True)
-            continue
-        if seed is not None:  # a fixed --seed makes the whole conversation reproducible, not every turn alike
-            seed = (seed + 1) % 2**64
-        out("\n")
-        messages.append(Message("assistant", completion.text))  # a stopped answer stays, as shown
-        note = common.stats_line(completion.stats, completion.finish_reason)
-        print(common.dim(note, sys.stderr), file=sys.stderr, flush=True)
-        setup = common.plan(engine, setup, log.info)  # --budget auto: re-plan with this answer's passes
-    if interactive:
-        print(file=sys.stderr)
-    return 0
+    status(f"ready ({common.describe_mode(engine, args, backend.choice())}). {CHAT_HELP}")
+
+    def request(messages: list[Message], seed: int | None, session: str) -> tuple[GenerationRequest, int]:
+        return fit_context(engine, args, setup, system, messages, seed, session)
+
+    def summary(completion: Completion) -> str:
+        return common.stats_line(completion.stats, completion.finish_reason)
+
+    return converse(backend, Turns(request, summary, CHAT_HELP), status, args.seed, interactive)
 
 
 def fit_context(engine: Engine, args: argparse.Namespace, setup: common.Setup, system: tuple[Message, ...],

@@ -8,28 +8,24 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
-import queue
 import sys
 import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import TextIO, TypeVar
+from typing import TypeVar
 
 from transformers.utils import logging as hf_logging
 
 from engine.cli.main import leave_now
-from engine.cli.parser import AUTO_BUDGET, EXIT_INTERRUPTED
+from engine.cli.parser import EXIT_INTERRUPTED
+from engine.decoding.auto_budget import AUTO, AutoBudget, BudgetChoice
 from engine.decoding.generation import Engine
 from engine.decoding.pair import load_engine
 from engine.errors import InvalidRequest, MalformedInput, UsageError
 from engine.loading.load import resolve_device
-from engine.planning.planner import plan_for_pair
-from engine.planning.profile import load_profile
 from engine.types import (
     Completion,
-    DecodeMode,
     GenerationRequest,
     GenerationStats,
     LoadProgress,
@@ -37,7 +33,6 @@ from engine.types import (
     Message,
     SamplingSettings,
     SpeculationSettings,
-    TokenEvent,
     check_text,
 )
 from engine.units import GB
@@ -105,11 +100,9 @@ def read_prompts(path: Path | None, default: tuple[str, ...]) -> tuple[str, ...]
 # ---- settings from options ----------------------------------------------------------------------
 @dataclass(frozen=True)
 class Setup:
+    """What the options decide before a model loads."""
+
     device: str
-    budget: int
-    auto: bool = False  # --budget auto: the planner may change budget, depth and mode after loading
-    mode: DecodeMode | None = None  # the planner's mode (None: --mode)
-    max_depth: int | None = None  # the planner's depth (None: --max-depth)
 
 
 def setup(args: argparse.Namespace) -> Setup:
@@ -131,8 +124,7 @@ def setup(args: argparse.Namespace) -> Setup:
         device, _ = resolve_device(args.device)
     except InvalidRequest as exc:
         raise UsageError(f"--device {args.device}: {exc.user_message}") from exc
-    budget = AUTO_BUDGET if args.budget == "auto" else int(args.budget)
-    result = Setup(device=device, budget=budget, auto=args.budget == "auto")
+    result = Setup(device=device)
     try:
         # the settings validate themselves: before the (slow) load, with every seed a run uses
         request(args, result, seed=args.seed)
@@ -204,9 +196,9 @@ def request(args: argparse.Namespace, setup: Setup, messages: tuple[Message, ...
             conversation: str | None = None) -> GenerationRequest:
     sampling = SamplingSettings(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                 min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=seed)
-    speculation = replace(SpeculationSettings(), mode=setup.mode or args.mode, budget=setup.budget,
-                          max_depth=setup.max_depth or args.max_depth, tree_mode=args.tree,
-                          context=not args.no_context, switch_draft=not args.keep_draft)
+    budget = AUTO if args.budget == "auto" else int(args.budget)  # auto: AutoBudget resolves it per request
+    speculation = replace(SpeculationSettings(), mode=args.mode, budget=budget, max_depth=args.max_depth,
+                          tree_mode=args.tree, context=not args.no_context, switch_draft=not args.keep_draft)
     return GenerationRequest(messages=messages, raw_prompt=raw_prompt, max_new_tokens=args.max_new_tokens,
                              stop=tuple(args.stop), sampling=sampling, speculation=speculation,
                              conversation=conversation)
@@ -264,97 +256,34 @@ def load_settings(args: argparse.Namespace, setup: Setup) -> LoadSettings:
     return LoadSettings(device=setup.device, quant=args.quant, offload=args.offload, ram_limit_bytes=ram_limit)
 
 
-def plan(engine: Engine, setup: Setup, status: Callable[[str], None],
-         notice: Callable[[str], None] | None = None) -> Setup:
-    """--budget auto: the planner's budget and depth for this pair on the saved hardware
-    profile, or autoregressive when speculation does not pay (always said, through `notice`,
-    default `status`). Without a profile the fixed AUTO_BUDGET stays, with a hint."""
-    if not setup.auto or engine.draft is None:
-        return setup
-    profile = load_profile()
-    chosen = None if profile is None else plan_for_pair(
-        profile, engine.target.shape, engine.draft.shape, engine.placement, engine.pass_record)
-    if chosen is None:
-        status(f"budget {AUTO_BUDGET} (no hardware profile for this device; `specchat bench hardware` "
-               "measures one so --budget auto can plan)")
-        return setup
-    if chosen.mode == "autoregressive":
-        (notice or status)(f"planner: autoregressive decoding, the draft is not used ({chosen.reason})")
-        return replace(setup, mode="autoregressive")
-    status(f"planner: budget {chosen.budget}, depth {chosen.max_depth}, "
-           f"~{chosen.tokens_per_second:.1f} tok/s predicted")
-    return replace(setup, budget=chosen.budget, max_depth=chosen.max_depth, mode=None)
+def planned(engine: Engine, status: Callable[[str], None],
+            notice: Callable[[str], None] | None = None) -> AutoBudget:
+    """The engine behind budget "auto" (engine.decoding.auto_budget), saying each new choice:
+    the planner's budget, or the fallback without a hardware profile, through `status`; that
+    the draft is not used, through `notice` (default `status`)."""
+
+    def said(choice: BudgetChoice) -> None:
+        if choice.source == "fallback" and engine.draft is not None:
+            status(f"budget {choice.budget} ({choice.reason})")
+        elif choice.source == "planner" and not choice.draft:
+            (notice or status)(f"planner: the draft is not used, draft-free decoding ({choice.reason})")
+        elif choice.source == "planner":
+            tps = choice.predicted_tokens_per_second
+            status(f"planner: budget {choice.budget}, depth {choice.max_depth}"
+                   + (f", ~{tps:.1f} tok/s predicted" if tps else ""))
+
+    return AutoBudget(engine, on_choice=said)
 
 
-# ---- running one generation ------------------------------------------------------------------
-_DONE = object()
-
-
-def stream(engine: Engine, request: GenerationRequest, on_text: Callable[[str], None]) -> tuple[Completion, bool]:
-    """Run one generation in a worker thread, pass each text delta to `on_text`, return the
-    Completion and whether Ctrl+C stopped it.
-
-    The worker is what makes Ctrl+C a clean cancel: the main thread receives KeyboardInterrupt
-    while it waits on the queue, sets the Event, and keeps reading until the engine's own
-    Completion (finish_reason "cancelled", real stats) arrives after the current step. A second
-    Ctrl+C stops waiting: the process ends at once with 130.
-
-    However this returns or raises (a closed stdout pipe, an error), the worker has ended: a
-    thread still inside PyTorch when the interpreter exits is ended by Python with
-    pthread_exit, whose unwinding through PyTorch's C++ frames aborts the whole process
-    ("terminate called without an active exception").
-    """
-    cancel = threading.Event()
-    events: queue.Queue[object] = queue.Queue()
-
-    def work() -> None:
-        try:
-            for event in engine.generate(request, cancel):
-                events.put(event)
-        except BaseException as exc:  # handed to the main thread, which re-raises it
-            events.put(exc)
-        finally:
-            events.put(_DONE)
-
-    worker = threading.Thread(target=work, name="specchat-generate", daemon=True)
-    worker.start()
-    completion: Completion | None = None
-    interrupted = False
-    try:
-        while True:
-            try:
-                try:
-                    event = events.get(timeout=0.2)  # a timeout keeps Ctrl+C responsive on every platform
-                except queue.Empty:
-                    continue
-                if event is _DONE:
-                    break
-                if isinstance(event, BaseException):
-                    raise event
-                if isinstance(event, TokenEvent):
-                    if event.text:
-                        on_text(event.text)
-                elif isinstance(event, Completion):
-                    completion = event
-            except KeyboardInterrupt:  # only the main thread gets signals, so this is the user
-                if interrupted:
-                    leave_now(EXIT_INTERRUPTED)
-                interrupted = True
-                cancel.set()
-    finally:
-        cancel.set()  # leaving early: the engine stops after its current step
-        join(worker)
-    assert completion is not None, "generate() ended without a Completion"
-    return completion, interrupted
-
-
-def join(worker: threading.Thread) -> None:
-    """Wait for `worker` to end; a Ctrl+C meanwhile ends the process at once (130)."""
-    while worker.is_alive():
-        try:
-            worker.join(0.2)
-        except KeyboardInterrupt:
-            leave_now(EXIT_INTERRUPTED)
+def describe_mode(engine: Engine, args: argparse.Namespace, choice: BudgetChoice | None) -> str:
+    """How answers are decoded, for the ready line: "autoregressive", "draft-free speculation"
+    or "specexec, budget N"."""
+    if args.mode == "autoregressive" or (engine.draft is None and args.no_context):
+        return "autoregressive"
+    if engine.draft is None or (choice is not None and not choice.draft):
+        return "autoregressive" if args.no_context else "draft-free speculation"
+    budget = choice.budget if choice is not None and args.budget == "auto" else args.budget
+    return f"specexec, budget {budget}"
 
 
 def completion_json(completion: Completion) -> str:
@@ -390,22 +319,3 @@ def stats_line(stats: GenerationStats, finish_reason: str, seed: int | None = No
     return "[" + " · ".join(parts) + "]"
 
 
-def dim(text: str, out: TextIO) -> str:
-    if out.isatty() and not os.environ.get("NO_COLOR"):
-        return f"\x1b[2m{text}\x1b[0m"
-    return text
-
-
-def writer(out: TextIO) -> Callable[[str], None]:
-    def write(text: str) -> None:
-        out.write(text)
-        out.flush()
-
-    return write
-
-
-def status_printer() -> Callable[[str], None]:
-    def status(message: str) -> None:
-        print(dim(f"specchat: {message}", sys.stderr), file=sys.stderr, flush=True)
-
-    return status

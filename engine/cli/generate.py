@@ -15,6 +15,7 @@ import sys
 import uuid
 
 from engine.cli import common
+from engine.cli.streaming import dim, status_printer, stream, writer
 from engine.cli.main import EXIT_INTERRUPTED
 from engine.errors import ContextTooLong, UsageError
 from engine.types import Message
@@ -37,16 +38,16 @@ def run_generate(args: argparse.Namespace) -> int:
     sampled = args.temperature > 0
     engine = common.load(args.target, args.draft, args, setup, log.info)
     common.check_messages_fit(messages, engine.context_length)
-    setup = common.plan(engine, setup, log.info, None if args.json else common.status_printer())
-    common.note_limits(engine, args, common.status_printer())
-    out = common.writer(sys.stdout)
+    backend = common.planned(engine, log.info, None if args.json else status_printer())
+    common.note_limits(engine, args, status_printer())
+    out = writer(sys.stdout)
     session = f"generate-{uuid.uuid4().hex}"  # the samples share the prompt's KV cache
     for i in range(args.samples):
         seed = base_seed + i
         log.info("sample %d: seed %d", i, seed)
         request = common.request(args, setup, messages, args.raw_prompt, seed, conversation=session)
         try:
-            completion, interrupted = common.stream(engine, request, (lambda _: None) if args.json else out)
+            completion, interrupted = stream(backend, request, (lambda _: None) if args.json else out)
         except ContextTooLong as exc:  # the prompt the options gave is longer than the model's context
             raise UsageError(exc.user_message) from exc
         if args.json:
@@ -55,7 +56,7 @@ def run_generate(args: argparse.Namespace) -> int:
             if completion.text and not completion.text.endswith("\n"):
                 out("\n")
             line = common.stats_line(completion.stats, completion.finish_reason, seed if sampled else None)
-            print(common.dim(line, sys.stderr), file=sys.stderr, flush=True)
+            print(dim(line, sys.stderr), file=sys.stderr, flush=True)
         if interrupted:
             return EXIT_INTERRUPTED
     return 0

@@ -22,7 +22,7 @@ from typing import Any, NoReturn
 from engine.planning.profile import LAYER_SHAPES
 from engine.planning.reference import REFERENCE_GPUS
 from engine.store.transfer import MAX_STALL_TIMEOUT_S, DownloadSettings
-from engine.types import GenerationRequest, SamplingSettings, SpeculationSettings
+from engine.types import AUTO_FALLBACK_BUDGET, GenerationRequest, SamplingSettings, SpeculationSettings
 
 EXIT_FAILURE = 1  # a runtime failure: the model, the files, the network, the disk
 EXIT_USAGE = 2  # the command line itself: unknown option, bad value or combination
@@ -30,7 +30,6 @@ EXIT_INTERRUPTED = 130  # Ctrl+C (128 + SIGINT, as shells report it)
 EXIT_CODES = ("exit codes: 0 done; 1 a runtime failure (model, files, network, disk); 2 a usage error "
               "(unknown option, bad value or combination); 130 interrupted by Ctrl+C. Errors print one "
               "`error: ...` line on stderr.")
-AUTO_BUDGET = 64  # `--budget auto` when there is no hardware profile for the planner
 CHAT_HELP = "/reset clears the conversation, /exit (or Ctrl+D) quits, Ctrl+C stops an answer."
 HANDLER = "handler"  # the Namespace attribute naming a command's "module:function"
 
@@ -88,6 +87,8 @@ def budget_value(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected a whole number or 'auto', got '{text}'") from None
     if value > MAX_BUDGET:
         raise argparse.ArgumentTypeError(f"must be at most {MAX_BUDGET}, got {text}")
+    if value < 1:  # 0 is how a request asks for "auto" inside the engine; on the command line it is 'auto'
+        raise argparse.ArgumentTypeError(f"must be at least 1 (or 'auto'), got {text}")
     return value
 
 
@@ -142,7 +143,7 @@ def engine_options() -> argparse.ArgumentParser:
     decoding.add_argument("--budget", type=budget_value, default="auto", metavar="N|auto",
                           help="most draft-tree tokens the target verifies per pass. 'auto': the planner "
                           "picks budget and depth (or autoregressive decoding) from the saved hardware profile "
-                          f"(`specchat bench hardware`); {AUTO_BUDGET} without one (default: auto)")
+                          f"(`specchat bench hardware`); {AUTO_FALLBACK_BUDGET} without one (default: auto)")
     decoding.add_argument("--max-depth", type=int, default=spec.max_depth, metavar="D",
                           help=f"most tokens on one path of the tree (default: {spec.max_depth})")
     decoding.add_argument("--tree", choices=("specexec", "sequoia"), default=spec.tree_mode,

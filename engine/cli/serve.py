@@ -3,8 +3,8 @@
 The socket is bound first (a port in use fails at once), the server answers /health and 503
 while the model loads in a background thread, then requests are answered one at a time
 (engine.serving). The engine options are those of `chat`; the text options are the defaults for
-what a request leaves out. `--budget auto` is planned after loading and again after every
-answer, as in `chat`. One line per request goes to stderr. Ctrl+C cancels what runs and exits 0.
+what a request leaves out. `--budget auto` is planned for every request
+(engine.decoding.auto_budget), as in `chat`. One line per request goes to stderr. Ctrl+C cancels what runs and exits 0.
 """
 
 from __future__ import annotations
@@ -13,19 +13,17 @@ import argparse
 import logging
 import sys
 import threading
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
 from engine.cli import common
 from engine.cli.parser import EXIT_FAILURE
-from engine.decoding.generation import Engine
+from engine.cli.streaming import status_printer
 from engine.errors import InvalidRequest
 from engine.serving.guard import split_list
 from engine.serving.protocol import RequestDefaults
 from engine.serving.scheduler import GenerationQueue, Job, ModelState, describe_error
 from engine.serving.server import Server, ServeSettings
-from engine.types import Completion, GenerationRequest, TokenEvent
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +37,7 @@ def run_serve(args: argparse.Namespace) -> int:
                                  allowed_origins=split_list(args.allowed_origins))
     except InvalidRequest as exc:
         raise common.UsageError(exc.user_message) from exc
-    status = common.status_printer()
+    status = status_printer()
     target = args.target
     name = args.served_model_name or served_name(target)
     queue = GenerationQueue(settings.queue_size, on_done=lambda job, error: status(job_line(job, error)))
@@ -61,9 +59,10 @@ def run_serve(args: argparse.Namespace) -> int:
                 path = str(starter_folder())
             engine = common.load(path, args.draft, args, setup,
                                  lambda m: queue.set_model(replace(queue.model, detail=m)))
-            planned = PlannedEngine(engine, args, common.plan(engine, setup, status))
-            queue.set_model(ModelState(name, "ready", context_length=engine.context_length), planned)
-            status(f"ready: {name} ({planned.describe()}) at {server.url}")
+            backend = common.planned(engine, status)
+            backend.resolve(base)  # says the plan now (each request is planned again as the engine learns)
+            queue.set_model(ModelState(name, "ready", context_length=engine.context_length), backend)
+            status(f"ready: {name} ({common.describe_mode(engine, args, backend.choice())}) at {server.url}")
         except Exception as exc:  # noqa: BLE001 - reported like any CLI error, after the server stops
             log.debug("loading failed", exc_info=True)
             queue.set_model(ModelState(name, "failed", describe_error(exc)))
@@ -93,33 +92,6 @@ def served_name(target: str | None) -> str:
     if path.suffix.lower() == ".gguf":
         return path.stem
     return path.name if path.exists() else target
-
-
-class PlannedEngine:
-    """The Engine with the server's tree settings: `--budget auto` re-planned after every
-    answer (as `chat` does), the budget and depth applied to every request when it starts."""
-
-    def __init__(self, engine: Engine, args: argparse.Namespace, setup: common.Setup) -> None:
-        self.engine = engine
-        self.args = args
-        self.setup = setup
-
-    def describe(self) -> str:
-        if self.setup.mode == "autoregressive" or self.args.mode == "autoregressive":
-            return "autoregressive"
-        if self.engine.draft is None:
-            return "autoregressive" if self.args.no_context else "draft-free speculation"
-        return f"specexec, budget {self.setup.budget}"
-
-    def generate(self, request: GenerationRequest,
-                 cancel: threading.Event | None = None) -> Iterator[TokenEvent | Completion]:
-        request = replace(request, speculation=common.request(self.args, self.setup).speculation)
-        events = self.engine.generate(request, cancel)  # validates now: errors raise from this call
-        return self._replan_after(events)
-
-    def _replan_after(self, events: Iterator[TokenEvent | Completion]) -> Iterator[TokenEvent | Completion]:
-        yield from events
-        self.setup = common.plan(self.engine, self.setup, log.info)
 
 
 def job_line(job: Job, error: BaseException | None) -> str:

@@ -31,11 +31,11 @@ from engine.decoding.memory import free_memory
 from engine.planning.placement import activation_bytes
 from engine.planning.planner import DEFAULT_BUDGETS, plan_for_pair
 from engine.planning.profile import HardwareProfile, load_profile
-from engine.types import Completion, DecodeMode, GenerationRequest, ModelShape, TokenEvent
+from engine.types import AUTO_FALLBACK_BUDGET, Completion, DecodeMode, GenerationRequest, ModelShape, TokenEvent
 
 log = logging.getLogger(__name__)
 
-FALLBACK_BUDGET = 64  # budget "auto" without a plan (no hardware profile for this device, or no draft)
+FALLBACK_BUDGET = AUTO_FALLBACK_BUDGET  # without a plan (no hardware profile for this device, or no draft)
 AUTO = 0  # SpeculationSettings.budget that asks for this module's choice
 
 

@@ -25,7 +25,7 @@ import torch
 
 from engine.cli.common import JSON_STATS_FIELDS
 from engine.cli.main import main
-from engine.cli.parser import AUTO_BUDGET
+from engine.types import AUTO_FALLBACK_BUDGET as AUTO_BUDGET
 from engine.testing.synthetic import tiny_tokenizer_files
 
 REPO = Path(__file__).resolve().parents[3]

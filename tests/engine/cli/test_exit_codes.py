@@ -95,7 +95,7 @@ CASES: dict[str, tuple[Args, int, str]] = {
     "prompt and messages": (lambda r, t: [*GEN, "--target", t, *HI, "--messages", messages(1)], 2, "not allowed"),
     # values the settings check before loading
     "no target": (lambda r, t: [*GEN, *HI], 2, "--target"),
-    "budget 0": (lambda r, t: [*GEN, "--target", t, *HI, "--budget", 0], 2, "tree budget must be at least 1"),
+    "budget 0": (lambda r, t: [*GEN, "--target", t, *HI, "--budget", 0], 2, "--budget: must be at least 1"),
     "max new tokens 0": (lambda r, t: ["generate", "--target", t, *HI, "--max-new-tokens", 0], 2, "new tokens"),
     "temperature -1": (lambda r, t: [*GEN, "--target", t, *HI, "--temperature", -1], 2, "temperature"),
     "temperature inf": (lambda r, t: [*GEN, "--target", t, *HI, "--temperature", "inf"], 2, "temperature"),
@@ -128,7 +128,7 @@ CASES: dict[str, tuple[Args, int, str]] = {
                                                         f"@{written(r, '[' * 100_000 + ']' * 100_000)}"], 2,
                                           "levels deep"),
     "messages with a lone surrogate": (lambda r, t: [*GEN, "--target", t, "--messages",
-                                                     '[{"role": "user", "content": "\\udc80"}]'], 2, "UTF-8"),
+                                                     '[{"role": "user", "content": "\\udc80"}]'], 2, "lone surrogate"),
     "messages file missing": (lambda r, t: [*GEN, "--target", t, "--messages", f"@{r / 'missing.json'}"], 2,
                               "No such file"),
     "messages file a folder": (lambda r, t: [*GEN, "--target", t, "--messages", f"@{folder(r)}"], 2, "a folder"),

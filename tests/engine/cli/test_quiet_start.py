@@ -16,7 +16,7 @@ import pytest
 
 from engine.cli.load_progress import LoadProgressLine
 from engine.cli.main import main
-from engine.loading.synthetic import tiny_model
+from engine.testing.synthetic import tiny_model
 from engine.notices import BNB_CPU_LOGGER
 from engine.types import LoadProgress
 
