@@ -39,7 +39,8 @@ from app.widgets.status import StatusBar
 from app.workers.api_server import ApiServer
 from app.workers.engine_worker import EngineHost
 from app.workers.remote_worker import RemoteHost
-from engine.types import LoadProgress, LoadSettings, Placement
+from engine.shapes import Placement
+from engine.types import LoadProgress, LoadSettings
 
 if TYPE_CHECKING:  # the models page opens lazily (a problem in it never keeps the chat from opening);
     # BudgetChoice's module imports torch, which the GUI thread never does

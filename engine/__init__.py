@@ -6,7 +6,7 @@ model (the layer-by-layer decoder and its KV cache), offload (packed layers off 
 loading (where models come from), planning (the hardware profile and the cost model), store
 (catalog, local models, downloads), serving (the OpenAI-compatible server), cli (`specchat`);
 testing builds random models for tests and benchmarks (the product never imports it). types,
-errors, paths, units and untrusted (bounded reads of outside data) are the
+shapes, errors, paths, units and untrusted (bounded reads of outside data) are the
 shared vocabulary; interrupts notes a Ctrl+C for the entry points before anything imports.
 """
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from engine.planning.measured import MeasuredSpeed, SpeedKey, measured_speed, speed_key
 from engine.store.pypi import STARTER_FORMAT, built_starter
-from engine.types import Placement
+from engine.shapes import Placement
 
 MODE_WORDS = {"specexec": "SpecExec trees from the draft", "context": "draft-free (text from the context)",
               "autoregressive": "one token per pass"}

@@ -34,7 +34,8 @@ from PySide6.QtWidgets import (
 from app.state.logfile import current_log_file
 from app.state.names import short_name, short_paths
 from app.widgets.field_row import ElidedLabel, FieldRow
-from engine.types import PACKING_LABELS, GenerationStats, LoadProgress, Placement
+from engine.shapes import PACKING_LABELS, Placement
+from engine.types import GenerationStats, LoadProgress
 
 if TYPE_CHECKING:  # it imports torch; the GUI thread never does
     from engine.decoding.auto_budget import BudgetChoice

@@ -59,7 +59,8 @@ from engine.planning.measure import measure_hardware
 from engine.planning.placement import RING_SLOTS
 from engine.planning.profile import HardwareProfile
 from engine.store.catalog import load_catalog
-from engine.types import LayerShape, ModelShape, Placement, default_expand_per_pass
+from engine.shapes import LayerShape, ModelShape, Placement
+from engine.types import default_expand_per_pass
 from engine.units import GB, GIB
 
 log = logging.getLogger(__name__)

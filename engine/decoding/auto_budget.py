@@ -31,7 +31,8 @@ from engine.decoding.memory import free_memory
 from engine.planning.placement import activation_bytes
 from engine.planning.planner import DEFAULT_BUDGETS, plan_for_pair
 from engine.planning.profile import HardwareProfile, load_profile
-from engine.types import AUTO_FALLBACK_BUDGET, Completion, DecodeMode, GenerationRequest, ModelShape, TokenEvent
+from engine.shapes import ModelShape
+from engine.types import AUTO_FALLBACK_BUDGET, Completion, DecodeMode, GenerationRequest, TokenEvent
 
 log = logging.getLogger(__name__)
 

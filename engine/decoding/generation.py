@@ -56,6 +56,7 @@ from engine.errors import ContextTooLong, InvalidRequest, OutOfMemory
 from engine.model.cache import KVCache
 from engine.model.cache_files import CacheFiles
 from engine.model.causal_lm import CausalLM
+from engine.shapes import Placement
 from engine.types import (
     CacheSettings,
     Completion,
@@ -63,7 +64,6 @@ from engine.types import (
     GenerationRequest,
     GenerationStats,
     PassTotals,
-    Placement,
     SpeculationSettings,
     TokenEvent,
     Tokenizer,

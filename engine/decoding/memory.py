@@ -18,7 +18,8 @@ import torch
 
 from engine.errors import OutOfMemory
 from engine.model.causal_lm import CausalLM
-from engine.types import GenerationRequest, ModelShape
+from engine.shapes import ModelShape
+from engine.types import GenerationRequest
 from engine.units import format_bytes
 
 log = logging.getLogger(__name__)

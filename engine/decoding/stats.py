@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.peak_memory import peak_rss_bytes
-from engine.types import GenerationStats, Placement, StepMode
+from engine.shapes import Placement
+from engine.types import GenerationStats, StepMode
 
 
 @dataclass

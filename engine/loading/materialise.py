@@ -44,7 +44,8 @@ from engine.planning.placement import (
     plan_placement,
 )
 from engine.store.gguf_header import split_parts
-from engine.types import Offload, Packing, Placement, Quant
+from engine.shapes import Packing, Placement
+from engine.types import Offload, Quant
 from engine.units import GIB
 
 log = logging.getLogger(__name__)

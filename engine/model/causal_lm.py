@@ -22,7 +22,7 @@ from torch import nn
 
 from engine.model.cache import KVCache
 from engine.offload.streamer import LayerStreamer
-from engine.types import ModelShape, Placement
+from engine.shapes import ModelShape, Placement
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 FREE_MARGIN_BYTES = 512 << 20  # left to the allocator's fragmentation and the draft's pass

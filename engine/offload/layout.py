@@ -27,7 +27,8 @@ import bitsandbytes.functional as bnbf
 import torch
 from torch import nn
 
-from engine.types import Packing, Quant
+from engine.shapes import Packing
+from engine.types import Quant
 
 ALIGN = 256  # byte alignment of every entry: safe for any dtype view and for DMA
 NF4_BLOCK = 64

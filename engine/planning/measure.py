@@ -51,7 +51,7 @@ from engine.planning.profile import (
     LayerTiming,
     profile_warnings,
 )
-from engine.types import LayerShape
+from engine.shapes import LayerShape
 from engine.units import GB
 
 log = logging.getLogger(__name__)

@@ -38,7 +38,8 @@ from pathlib import Path
 
 from engine.errors import MalformedInput
 from engine.planning.profile import profile_path
-from engine.types import GenerationStats, Placement
+from engine.shapes import Placement
+from engine.types import GenerationStats
 from engine.untrusted import read_json_file
 
 log = logging.getLogger(__name__)

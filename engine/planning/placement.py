@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.types import Offload, Packing, Placement
+from engine.shapes import Packing, Placement
+from engine.types import Offload
 from engine.units import GIB
 
 RING_SLOTS = 3  # device slots the streamer cycles offloaded layers through

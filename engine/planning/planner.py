@@ -35,15 +35,8 @@ from engine.planning.calibration import AcceptanceCurve
 from engine.planning.placement import MemoryNeeds, activation_bytes, plan_placement
 from engine.planning.profile import HardwareProfile
 from engine.store.catalog import CatalogModel
-from engine.types import (
-    DecodeMode,
-    Fit,
-    ModelShape,
-    Packing,
-    PassRecord,
-    Placement,
-    default_expand_per_pass,
-)
+from engine.shapes import ModelShape, Packing, Placement
+from engine.types import DecodeMode, Fit, PassRecord, default_expand_per_pass
 from engine.units import GB
 
 DEFAULT_BUDGETS = tuple(2**i for i in range(12))  # 1 .. 2048

@@ -25,7 +25,7 @@ from typing import Any
 
 from engine import paths
 from engine.errors import MalformedInput
-from engine.types import LayerShape
+from engine.shapes import LayerShape
 from engine.units import GB
 from engine.untrusted import MIB, read_json_file
 

@@ -19,7 +19,7 @@ from engine.paths import resource
 from engine.store.gguf_header import (
     SPLIT_NAME,  # a catalog entry is one whole file, never a part
 )
-from engine.types import LayerShape, ModelShape
+from engine.shapes import LayerShape, ModelShape
 from engine.untrusted import read_json_file
 
 log = logging.getLogger(__name__)

@@ -50,7 +50,7 @@ from engine.offload.host_store import HostStore
 from engine.offload.layout import LayerLayout, set_parameter
 from engine.offload.streamer import LayerHome, LayerStreamer
 from engine.planning.placement import RING_SLOTS
-from engine.types import ModelShape, Placement
+from engine.shapes import ModelShape, Placement
 
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] "

@@ -19,7 +19,8 @@ from app.workers.engine_worker import EngineHost
 from engine.testing.synthetic import tiny_gguf
 from engine.planning.measured import measured_speed, record_answer
 from engine.store.pypi import STARTER_FOLDER_NAME
-from engine.types import GenerationRequest, GenerationStats, LoadSettings, Message, Placement, SamplingSettings
+from engine.shapes import Placement
+from engine.types import GenerationRequest, GenerationStats, LoadSettings, Message, SamplingSettings
 
 
 def _answer(qtbot: QtBot, host: EngineHost, events: WorkerEvents, tokens: int = 12) -> None:

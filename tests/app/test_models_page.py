@@ -404,7 +404,8 @@ def test_speeds_are_what_was_measured_here_once_there_is_a_measurement(
     from engine.planning.measure import measure_hardware
     from engine.planning.measured import record_answer, speed_key
     from engine.planning.profile import save_profile
-    from engine.types import GenerationStats, Placement
+    from engine.shapes import Placement
+    from engine.types import GenerationStats
 
     torch.set_num_threads(1)
     save_profile(measure_hardware(quick=True))

@@ -15,7 +15,8 @@ from app.main_window import MainWindow
 from app.widgets.field_row import ElidedLabel, FieldRow
 from app.widgets.status import ModeContext, StatusBar, mode_text
 from engine.decoding.auto_budget import BudgetChoice
-from engine.types import GenerationStats, Placement
+from engine.shapes import Placement
+from engine.types import GenerationStats
 
 TARGET = "/home/ann/.local/share/specchat/models/Llama-3.1-70B-Instruct"
 DRAFT = "/home/ann/.local/share/specchat/models/Llama-3.2-1B-Instruct"

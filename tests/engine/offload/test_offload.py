@@ -15,7 +15,8 @@ from engine.loading.load import LoadedModel, load_model
 from engine.testing.synthetic import tiny_model
 from engine.offload.layout import LayerLayout
 from engine.planning.placement import MemoryNeeds, plan_placement
-from engine.types import Completion, GenerationRequest, Placement, SpeculationSettings
+from engine.shapes import Placement
+from engine.types import Completion, GenerationRequest, SpeculationSettings
 from engine.units import GIB
 
 PROMPTS = ["Paris is the capital of", "def add(a, b):", "Once upon a time there was"]

@@ -20,7 +20,8 @@ from engine.planning.measured import (
     run_format,
     speed_key,
 )
-from engine.types import GenerationStats, Placement
+from engine.shapes import Placement
+from engine.types import GenerationStats
 
 
 def stats(tokens: int, seconds: float, prefill: float = 0.0, mode: str = "context") -> GenerationStats:

@@ -37,7 +37,8 @@ from engine.planning.planner import (
 from engine.planning.profile import LAYER_SHAPES, HardwareProfile, LayerTiming
 from engine.planning.reference import reference_profile
 from engine.store.catalog import load_catalog
-from engine.types import GenerationStats, LayerShape, ModelShape, PassTotals, Placement
+from engine.shapes import LayerShape, ModelShape, Placement
+from engine.types import GenerationStats, PassTotals
 
 LLAMA2_70B = ModelShape("llama-2-70b", 80, LAYER_SHAPES["llama-70b"], 32000)
 LLAMA2_7B = ModelShape("llama-2-7b", 32, LayerShape("llama-2-7b", 4096, 11008, 32, 32, 128), 32000)
