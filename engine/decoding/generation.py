@@ -176,17 +176,13 @@ class Engine:
         return self.prefixes.persist()
 
     # ---- the loop ---------------------------------------------------------------------------
-    def generate(
-        self, request: GenerationRequest, cancel: threading.Event | None = None
-    ) -> Iterator[TokenEvent | Completion]:
+    def generate(self, request: GenerationRequest,
+                 cancel: threading.Event | None = None) -> Iterator[TokenEvent | Completion]:
         """Validate and encode now (errors raise here, before the first step), decode lazily."""
-        prompt = self.encode(request)
-        context = self.context_length
+        prompt, context = self.encode(request), self.context_length
         if len(prompt) >= context:
-            raise ContextTooLong(
-                f"The conversation is {len(prompt)} tokens long but the model reads at most {context}. "
-                "Start a new conversation or shorten the messages."
-            )
+            raise ContextTooLong(f"The conversation is {len(prompt)} tokens long but the model reads at most "
+                                 f"{context}. Start a new conversation or shorten the messages.")
         if request.speculation.budget < 1:
             raise InvalidRequest("Budget 0 (automatic) is resolved by engine.decoding.auto_budget.AutoBudget, "
                                  "which the CLI, the server and the app decode through; give the Engine a budget.")
