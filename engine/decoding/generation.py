@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from engine.decoding.acceptance import AcceptanceModel, AcceptanceModels
+from engine.decoding.acceptance import AcceptanceModel, AcceptanceModels, teach
 from engine.decoding.context import ContextIndex, trie
 from engine.decoding.costs import DraftSwitch, DraftSwitches, PassCosts, SwitchSettings
 from engine.decoding.drafting import (
@@ -307,7 +307,7 @@ class Engine:
         timers.target += step.target_seconds
         timers.target_passes += 1
         if step.trace is not None:
-            _teach(self.acceptance[run.request.sampling], step.trace, step.path, step.tokens)
+            teach(self.acceptance[run.request.sampling], step.trace, step.path, step.tokens)
             if step.verified:
                 self.costs.observe_step(step.trace.seconds, step.trace.passes, step.target_seconds)
                 timers.draft += step.trace.seconds
@@ -436,16 +436,3 @@ class Engine:
                                     self.draft_vocab_limit)
         return grow_tree(self.draft, dcache, pending, spec, request.sampling, self.draft_vocab_limit, model, seeds,
                          self.costs.stop_ratio())
-
-
-def _teach(model: AcceptanceModel, trace: DraftTrace, path: list[int], chosen: list[int]) -> None:
-    """Label every child of a node on the accepted path: accepted when it carries the token the
-    target chose there."""
-    tree = trace.tree
-    known = min(len(path), len(chosen))
-    choice = torch.full((len(tree),), -1, dtype=torch.long, device=tree.tokens.device)
-    choice[torch.tensor(path[:known], device=choice.device)] = torch.tensor(chosen[:known], device=choice.device)
-    kids = (tree.parents >= 0).nonzero()[:, 0]
-    kids = kids[choice[tree.parents[kids]] >= 0]
-    if kids.numel():
-        model.observe(trace.logq[kids], trace.match[kids], trace.logq_t[kids], tree.tokens[kids] == choice[tree.parents[kids]])
