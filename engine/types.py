@@ -205,6 +205,8 @@ class CacheSettings:
         loading a file (see the README's conversation benchmark).
     disk_dir: where saved caches live (None: <cache dir>/kv).
     enabled: False starts every request from empty caches (a benchmark's baseline).
+    max_parked: most prefixes kept in memory: every request scans them, and stateless API
+        requests sharing a prompt would otherwise each leave a copy behind (within the RAM budget).
     """
 
     enabled: bool = True
@@ -212,8 +214,11 @@ class CacheSettings:
     disk_budget_bytes: int = 8 * 10**9
     min_saved_tokens: int = 512
     disk_dir: str | None = None
+    max_parked: int = 32
 
     def __post_init__(self) -> None:
+        if self.max_parked < 1:
+            raise InvalidRequest("At least one conversation's cache must be kept (max_parked >= 1).")
         if self.ram_budget_bytes < 0 or self.disk_budget_bytes < 0 or self.min_saved_tokens < 0:
             raise InvalidRequest("Cache budgets and the shortest saved prefix must be 0 or more.")
 

@@ -26,6 +26,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+import torch
+
 from engine.decoding.generation import Engine
 from engine.decoding.memory import free_memory
 from engine.planning.placement import activation_bytes
@@ -69,9 +71,11 @@ class AutoBudget:
     is called whenever the choice changes (the CLI prints it, the app shows it)."""
 
     def __init__(self, backend: Backend, profile: Callable[[], HardwareProfile | None] = load_profile,
-                 on_choice: Callable[[BudgetChoice], None] | None = None) -> None:
+                 on_choice: Callable[[BudgetChoice], None] | None = None,
+                 free: Callable[[torch.device], int] = free_memory) -> None:
         self.backend = backend
         self._profile = profile
+        self._free = free
         self._on_choice = on_choice
         self._last: BudgetChoice | None = None
 
@@ -108,7 +112,7 @@ class AutoBudget:
         if engine.draft is None or not wants_draft:
             return BudgetChoice(False, FALLBACK_BUDGET, depth, "fallback",
                                 "no draft: context candidates are priced step by step")
-        fits = budgets_that_fit(engine, request)
+        fits = budgets_that_fit(engine, request, self._free(engine.target.device))
         if not fits:
             return BudgetChoice(False, FALLBACK_BUDGET, depth, "planner", "no draft tree fits in the free memory")
         try:
@@ -129,14 +133,13 @@ class AutoBudget:
                             plan.tokens_per_second)
 
 
-def budgets_that_fit(engine: Engine, request: GenerationRequest,
+def budgets_that_fit(engine: Engine, request: GenerationRequest, free: int,
                      budgets: tuple[int, ...] = DEFAULT_BUDGETS) -> tuple[int, ...]:
-    """The budgets whose tree pass fits beside the caches in the memory free where the target
-    runs now: both models' activations for the tree (placement.activation_bytes: a generous
-    estimate, every head's attention scores included) plus both KV caches for the prompt, the
-    answer and the tree. On a CPU that is the available RAM."""
+    """The budgets whose tree pass fits beside the caches in `free` bytes, the memory free where
+    the target runs (memory.free_memory; on a CPU the available RAM): both models' activations
+    for the tree (placement.activation_bytes: a generous estimate, every head's attention
+    scores included) plus both KV caches for the prompt, the answer and the tree."""
     target, draft = engine.target, engine.draft
-    free = free_memory(target.device)
     esize = target.dtype.itemsize
     context = engine.context_length
     tokens = min(context, len(engine.encode(request)) + request.max_new_tokens)

@@ -14,7 +14,7 @@ longest token prefix with its prompt and reads only the rest:
 
 Parked prefixes live in host memory within a RAM budget (on a GPU they leave the device: its
 memory is the target's); the least recently used leave first, written to disk when long
-enough; at most MAX_PARKED stay. `persist()` writes every long prefix (the app calls it on closing).
+enough; at most CacheSettings.max_parked stay. `persist()` writes every long prefix (the app calls it on closing).
 
 What this module does not do: run models (the engine prefills what a prefix lacks).
 """
@@ -36,8 +36,6 @@ from engine.types import CacheSettings
 log = logging.getLogger(__name__)
 
 MIN_COPIED_TOKENS = 16  # a shorter shared prefix is read again rather than copied
-MAX_PARKED = 32  # most prefixes kept in memory: every request scans them, and stateless API
-# requests sharing a prompt would otherwise each leave a copy behind (within the RAM budget)
 
 
 @dataclass
@@ -152,7 +150,7 @@ class PrefixPool:
     def give_back(self, prefix: Prefix) -> None:
         """Park a prefix after a generation. It stays where it is (on a GPU: the KV room the
         placement reserved), the others move to host memory; over the RAM budget the least
-        recently used leave (saved first when long enough), and so they do over MAX_PARKED
+        recently used leave (saved first when long enough), and so they do over settings.max_parked
         prefixes. The newest always stays."""
         for p in self._parked:  # device memory belongs to the target's layers and one context
             p.target.to("cpu")
@@ -162,7 +160,7 @@ class PrefixPool:
             self._parked = [p for p in self._parked if p.conversation != prefix.conversation]
         self._touch(prefix)
         self._parked.append(prefix)
-        while len(self._parked) > 1 and (len(self._parked) > MAX_PARKED or sum(
+        while len(self._parked) > 1 and (len(self._parked) > self.settings.max_parked or sum(
                 p.nbytes() for p in self._parked[:-1]) > self.settings.ram_budget_bytes):
             oldest = min(self._parked[:-1], key=lambda p: p.used)
             self._parked.remove(oldest)

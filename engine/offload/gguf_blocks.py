@@ -194,10 +194,11 @@ def dequantize(data: torch.Tensor, qtype: int) -> torch.Tensor:
 
 
 def dequantize_into(data: torch.Tensor, qtype: int, out: torch.Tensor,
-                    row_order: torch.Tensor | None = None) -> None:
+                    row_order: torch.Tensor | None = None, chunk_values: int = CHUNK_VALUES) -> None:
     """Fill `out` (rows, cols) or (cols,), any dtype, on data's device, from the bytes of a tensor
     stored row after row. `row_order[j]` is the stored row that becomes row j (llama.cpp stores
-    Llama's q/k rows permuted); None keeps the order."""
+    Llama's q/k rows permuted); None keeps the order. Rows are de-quantised about `chunk_values`
+    values at a time (x8 on a GPU)."""
     out2 = out.reshape(-1, out.shape[-1])
     rows, cols = out2.shape
     if qtype in FLOATS:
@@ -207,7 +208,7 @@ def dequantize_into(data: torch.Tensor, qtype: int, out: torch.Tensor,
     per_row = row_bytes(qtype, cols)
     stored_rows = data.reshape(rows, per_row)
     # fewer, larger steps on a GPU, where each op is a kernel launch
-    step = max(1, CHUNK_VALUES * (8 if data.device.type == "cuda" else 1) // cols)
+    step = max(1, chunk_values * (8 if data.device.type == "cuda" else 1) // cols)
     for r in range(0, rows, step):
         end = min(rows, r + step)
         src = stored_rows[r:end] if row_order is None else stored_rows[row_order[r:end]]

@@ -37,7 +37,7 @@ class HostStore:
     prepared-layer cache, or a GGUF file itself (its layers are spans of the file)."""
 
     def __init__(self, sizes: Sequence[int], ram_layers: int, pin: bool, disk_dir: Path | None = None,
-                 disk_file: tuple[Path, Sequence[int]] | None = None) -> None:
+                 disk_file: tuple[Path, Sequence[int]] | None = None, arena_bytes: int = HOST_ARENA_BYTES) -> None:
         self.sizes = list(sizes)
         self.layer_nbytes = max(self.sizes, default=0)
         self.ram_layers = ram_layers
@@ -52,7 +52,7 @@ class HostStore:
             starts: list[int] = []
             end = 0
             for k in range(j, ram_layers):
-                if starts and end + self.sizes[k] > HOST_ARENA_BYTES:
+                if starts and end + self.sizes[k] > arena_bytes:
                     break
                 starts.append(end)
                 end += _aligned(self.sizes[k], ALIGN)

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from engine.decoding import auto_budget
+from engine.decoding.memory import free_memory
 from engine.decoding.auto_budget import FALLBACK_BUDGET, AutoBudget, BudgetChoice, budgets_that_fit
 from engine.decoding.generation import Engine
 from engine.errors import InvalidRequest
@@ -70,7 +70,7 @@ def test_the_planners_choice_is_what_runs(big_small: Engine) -> None:
     auto = AutoBudget(big_small, profile=lambda: profile)
     resolved = auto.resolve(request())
     assert big_small.draft is not None
-    fits = budgets_that_fit(big_small, request())
+    fits = budgets_that_fit(big_small, request(), free_memory(big_small.target.device))
     plan = plan_for_pair(profile, big_small.target.shape, big_small.draft.shape, big_small.placement,
                          big_small.pass_record, budgets=fits)
     assert plan is not None and plan.mode == "specexec"
@@ -90,23 +90,21 @@ def test_where_the_draft_does_not_pay_the_text_decodes_draft_free(close_engine: 
     assert choice is not None and not choice.draft and "does not pay" in choice.reason
 
 
-def test_only_trees_that_fit_in_free_memory_are_planned(big_small: Engine,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_only_trees_that_fit_in_free_memory_are_planned(big_small: Engine) -> None:
     """The GPU proof's planner chose a 2,048-token tree under a 12 GiB cap and it ran out of
     memory. Here the free memory (what a capped card reports) holds trees up to some size."""
-    all_fit = budgets_that_fit(big_small, request())
+    all_fit = budgets_that_fit(big_small, request(), free_memory(big_small.target.device))
     assert all_fit == DEFAULT_BUDGETS  # RAM: a tiny model's trees all fit
     needs = _needs(big_small)
     assert all(needs[a] < needs[b] for a, b in zip(DEFAULT_BUDGETS, DEFAULT_BUDGETS[1:]))
-    monkeypatch.setattr(auto_budget, "free_memory", lambda device: needs[256])
-    fits = budgets_that_fit(big_small, request())
+    fits = budgets_that_fit(big_small, request(), needs[256])
     assert fits == tuple(b for b in DEFAULT_BUDGETS if b <= 256)
-    auto = AutoBudget(big_small, profile=profile_where_trees_pay)
+    auto = AutoBudget(big_small, profile=profile_where_trees_pay, free=lambda device: needs[256])
     assert auto.resolve(request()).speculation.budget <= 256
     choice = auto.choice()
     assert choice is not None and choice.draft and "do not fit" in choice.reason
-    monkeypatch.setattr(auto_budget, "free_memory", lambda device: 0)
-    assert not AutoBudget(big_small, profile=profile_where_trees_pay).resolve(request()).speculation.draft
+    nothing = AutoBudget(big_small, profile=profile_where_trees_pay, free=lambda device: 0)
+    assert not nothing.resolve(request()).speculation.draft
 
 
 def _needs(engine: Engine) -> dict[int, int]:
@@ -116,10 +114,7 @@ def _needs(engine: Engine) -> dict[int, int]:
         low, high = 0, 1 << 40
         while high - low > 1:
             mid = (low + high) // 2
-            with pytest.MonkeyPatch.context() as mp:
-                mp.setattr(auto_budget, "free_memory", lambda device, m=mid: m)
-                ok = b in budgets_that_fit(engine, request())
-            low, high = (low, mid) if ok else (mid, high)
+            low, high = (low, mid) if b in budgets_that_fit(engine, request(), mid) else (mid, high)
         out[b] = high
     return out
 

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.decoding import prefix_cache
 from engine.decoding.generation import Engine
 from engine.decoding.pair import cache_files
 from engine.loading.load import LoadedModel, load_model
@@ -142,8 +141,7 @@ def test_repeated_stateless_requests_keep_a_bounded_pool_and_the_least_recent_go
     """API clients repeat one prompt without a conversation key: each request copies the match
     and parks its own prefix, so without a cap on their number every request would scan a longer
     list (and hold more memory) than the last."""
-    monkeypatch.setattr(prefix_cache, "MAX_PARKED", 3)
-    settings = CacheSettings(min_saved_tokens=8, disk_dir=str(tmp_path / "kv"))
+    settings = CacheSettings(min_saved_tokens=8, disk_dir=str(tmp_path / "kv"), max_parked=3)
     engine = Engine(tiny_target.model, tiny_target.tokenizer, None, settings,
                     cache_files(settings, tiny_target.model, None))
     messages = (SYSTEM, Message("user", TURNS[0]))

@@ -15,7 +15,6 @@ from torch import nn
 from engine.loading.load import load_model
 from engine.loading.materialise import device_free_bytes
 from engine.testing.synthetic import tiny_model
-from engine.offload import host_store
 from engine.offload.host_store import HostStore
 from engine.offload.layout import (
     LayerLayout,
@@ -93,9 +92,8 @@ def test_nf4_dequantised_on_the_device_equals_the_cpu_reference() -> None:
 
 @pytest.mark.gpu
 @cuda
-def test_pinned_arenas_hold_and_return_exact_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(host_store, "HOST_ARENA_BYTES", 8 * MIB)  # several arenas without GBs of RAM
-    store = HostStore([3 * MIB + 256] * 5, ram_layers=5, pin=True)
+def test_pinned_arenas_hold_and_return_exact_bytes() -> None:
+    store = HostStore([3 * MIB + 256] * 5, ram_layers=5, pin=True, arena_bytes=8 * MIB)  # several arenas
     views = [store.ram_buffer(j) for j in range(5)]
     assert store.pinned and all(v.is_pinned() for v in views)
     assert len({v.untyped_storage().data_ptr() for v in views}) == 3  # two layers per 8 MiB arena

@@ -52,8 +52,7 @@ def test_quantised_weights_equal_gguf_py_bit_for_bit(qtype: Q) -> None:
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q8_0, Q.F16], ids=lambda t: t.name)
-def test_dequantize_into_fills_rows_in_chunks_and_reorders_them(qtype: Q, monkeypatch: pytest.MonkeyPatch) -> None:
-    import engine.offload.gguf_blocks as gb
+def test_dequantize_into_fills_rows_in_chunks_and_reorders_them(qtype: Q) -> None:
 
     rows, cols = 37, 512
     if qtype == Q.F16:
@@ -62,8 +61,7 @@ def test_dequantize_into_fills_rows_in_chunks_and_reorders_them(qtype: Q, monkey
         values, nbytes = block_size(qtype)
         stored = random_blocks(qtype, rows * cols // values).reshape(rows, -1)
     ref = gq.dequantize(stored, qtype).reshape(rows, cols)
-    monkeypatch.setattr(gb, "CHUNK_VALUES", 5 * cols)  # several chunks, the last one short
     order = torch.randperm(rows, generator=torch.Generator().manual_seed(0))
     out = torch.empty(rows, cols, dtype=torch.bfloat16)
-    dequantize_into(torch.from_numpy(stored).reshape(-1), qtype, out, order)
+    dequantize_into(torch.from_numpy(stored).reshape(-1), qtype, out, order, chunk_values=5 * cols)  # several chunks
     assert torch.equal(out, torch.from_numpy(ref)[order].to(torch.bfloat16))
