@@ -30,18 +30,19 @@ class LogFileSettings:
     backups: int = 3
 
 
-_current: Path | None = None  # the process's one log file (the root logger is process-wide too)
+class _AppLogHandler(RotatingFileHandler):
+    """The app's log file handler: found again on the root logger by its type (the root logger
+    is process-wide, so the handler on it is the one record of which file is in use)."""
 
 
 def install_log_file(folder: Path | None = None, settings: LogFileSettings | None = None) -> Path | None:
     """Add the rotating file handler to the root logger; returns the file, or None when the
     folder cannot be written (the app then runs without one and says nothing about it)."""
-    global _current
     settings = settings or LogFileSettings()
     path = (folder or paths.log_dir()) / LOG_NAME
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        handler = RotatingFileHandler(path, maxBytes=settings.max_bytes, backupCount=settings.backups,
+        handler = _AppLogHandler(path, maxBytes=settings.max_bytes, backupCount=settings.backups,
                                       encoding="utf-8")
     except OSError as exc:
         logging.getLogger(__name__).warning("no log file at %s: %s", path, exc)
@@ -62,11 +63,13 @@ def install_log_file(folder: Path | None = None, settings: LogFileSettings | Non
         previous(kind, value, tb)
 
     sys.excepthook = log_uncaught
-    _current = path
     logging.getLogger(__name__).info("SpecChat started; this log: %s", path)
     return path
 
 
 def current_log_file() -> Path | None:
     """The log file in use (None: none installed, as in tests)."""
-    return _current
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, _AppLogHandler):
+            return Path(handler.baseFilename)
+    return None

@@ -15,10 +15,9 @@ from app.widgets.status import ErrorBanner
 
 
 @pytest.fixture
-def isolated_root(monkeypatch: pytest.MonkeyPatch) -> Iterator[logging.Logger]:
+def isolated_root() -> Iterator[logging.Logger]:
     root = logging.getLogger()
     handlers, level, hook = list(root.handlers), root.level, sys.excepthook
-    monkeypatch.setattr(logfile, "_current", None)
     yield root
     for handler in root.handlers:
         if handler not in handlers:
