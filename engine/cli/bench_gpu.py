@@ -1,14 +1,13 @@
-"""`specchat bench gpu --out DIR`: one command that proves the GPU path and leaves the numbers
-for the README's GPU part.
+"""`specchat bench gpu --out DIR`: the command that measures the GPU path and leaves the numbers
+for the README's GPU part. From a checkout, scripts/gpu_proof.py runs it after the gpu-marked
+tests and the installer's check, in the same report (an installed copy has neither).
 
 Sections, in this order, each with its own time budget; each records its own error and the
 rest still run, and DIR/gpu_bench.json is rewritten whenever one records something (a run cut
 short keeps what it measured):
 
   environment  the packages the engine needs and their versions, the device, the RAM
-  tests        `pytest -m gpu` over the test files that hold gpu-marked tests (a subprocess,
-               before this process takes any GPU memory; its output in DIR/gpu_tests.log)
-  installer    `installer/install.sh check`: the PyTorch build the installer would pick here
+  (a caller's sections: scripts/gpu_proof.py's tests and installer)
   profile      the hardware profile `bench hardware` measures: the planner's inputs
   build        the Llama-3.1-70B-shaped target in NF4 with random codes straight into pinned RAM,
                the Llama-3.2-1B-shaped random draft on the device
@@ -34,12 +33,10 @@ import json
 import logging
 import os
 import platform
-import re
-import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -49,17 +46,16 @@ import torch
 
 from engine.cli.bench_gpu_report import format_summary, write_plot
 from engine.cli.parser import HANDLER
-from engine.errors import InvalidRequest, MalformedInput
-from engine.untrusted import MIB, read_text
+from engine.errors import InvalidRequest
 
 log = logging.getLogger(__name__)
 
-ROOT = Path(__file__).resolve().parents[2]  # the checkout holding engine/, tests/ and installer/
 JSON_NAME, PNG_NAME, TESTS_LOG = "gpu_bench.json", "gpu_bench.png", "gpu_tests.log"
+SECTIONS = ("profile", "streaming", "caps")
 PACKAGES = ("torch", "transformers", "bitsandbytes", "huggingface-hub", "httpx2", "safetensors", "tokenizers",
             "accelerate", "psutil", "platformdirs", "nvidia-ml-py", "gguf", "matplotlib", "pytest")
 # seconds per section (full, quick); the run also stops starting work at --max-minutes
-BUDGETS = {"tests": (300, 180), "installer": (60, 60), "profile": (180, 120), "build": (300, 240),
+BUDGETS = {"profile": (180, 120), "build": (300, 240),
            "streaming": (150, 60), "cap": (240, 120)}
 FULL_BUDGETS, QUICK_BUDGETS, DRY_BUDGETS = (64, 128, 256, 512, 1024, 2048), (64, 512, 2048), (4, 16)
 FULL_TOKENS, QUICK_TOKENS, DRY_TOKENS = (1, 256, 2048), (1, 2048), (1, 16)
@@ -152,63 +148,6 @@ def environment(dry_run: bool) -> dict[str, Any]:
     return out
 
 
-def gpu_test_files(tests_dir: Path) -> list[Path]:
-    """The test files that mark tests `gpu` (collecting only these keeps the run short and free
-    of the app's Qt imports)."""
-    return sorted(p for p in tests_dir.rglob("test_*.py") if _marks_gpu(p))
-
-
-def _marks_gpu(path: Path) -> bool:
-    """Whether a test file marks a test `gpu`; a file that is not a readable regular text file
-    (a FIFO, a folder, a huge or binary file) does not."""
-    try:
-        return "mark.gpu" in read_text(path, what="a test file", max_bytes=4 * MIB)
-    except (OSError, MalformedInput):
-        return False
-
-
-def parse_pytest(output: str) -> dict[str, Any]:
-    """Counts from pytest's last summary line and the per-test lines of its -rA report."""
-    summary = next((line for line in reversed(output.splitlines()) if re.search(r"\bin [\d.]+s\b", line)), "")
-    counts = {word.rstrip("s") if word in ("errors", "warnings") else word: int(n)
-              for n, word in re.findall(r"(\d+) (passed|failed|skipped|deselected|errors?|xfailed|xpassed|warnings?)",
-                                        summary)}
-    tests = [line for line in output.splitlines() if re.match(r"(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) ", line)]
-    return {"summary": summary.strip("= "), "counts": counts, "tests": tests}
-
-
-def run_gpu_tests(tests_dir: Path, log_path: Path, deadline: Deadline) -> dict[str, Any]:
-    files = gpu_test_files(tests_dir) if tests_dir.is_dir() else []
-    if not files:
-        return {"outcome": f"no gpu-marked tests under {tests_dir}", "counts": {}}
-    command = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rA", "-p", "no:cacheprovider",
-               *(str(f) for f in files)]
-    env = {**os.environ, "QT_QPA_PLATFORM": "offscreen", "PYTHONUNBUFFERED": "1"}
-    try:
-        done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=max(deadline.left(), 1.0))
-        output, code = done.stdout + done.stderr, done.returncode
-    except subprocess.TimeoutExpired as exc:
-        output = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        output, code = output + "\n[bench gpu] pytest stopped: section time budget", None
-    log_path.write_text(output, encoding="utf-8")
-    parsed = parse_pytest(output)
-    return {"command": " ".join(["python", *command[1:4], "..."]), "files": [str(f.relative_to(ROOT)) if
-            f.is_relative_to(ROOT) else str(f) for f in files], "returncode": code, **parsed,
-            "tail": output.splitlines()[-40:], "log": log_path.name}
-
-
-def installer_check(deadline: Deadline) -> dict[str, Any]:
-    script = ROOT / "installer" / "install.sh"
-    if not script.is_file():
-        return {"torch_build": None, "note": "no installer/ next to this engine (an installed copy)"}
-    done = subprocess.run(["sh", str(script), "check"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=max(min(deadline.left(), 120.0), 1.0))
-    lines = done.stdout.splitlines()
-    return {"returncode": done.returncode, "torch_build": next((ln for ln in lines if ln.startswith("PyTorch")), None),
-            "output": lines[-30:], "stderr": done.stderr.splitlines()[-10:]}
-
-
 # ---- the command ------------------------------------------------------------------------------------
 def device_choice(choice: str) -> tuple[str, torch.dtype]:
     """--device -> (device, compute dtype), as the loader resolves it (engine.loading.load,
@@ -221,7 +160,12 @@ def device_choice(choice: str) -> tuple[str, torch.dtype]:
     return "cuda", torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
 
 
-def run_bench_gpu(args: argparse.Namespace) -> int:
+Section = tuple[str, float, Callable[[Deadline, Callable[[dict], None]], dict]]  # name, budget s, fn
+
+
+def run_bench_gpu(args: argparse.Namespace, before: Sequence[Section] = ()) -> int:
+    """The command. `before`: sections a caller runs first, in the same report (from a
+    checkout, scripts/gpu_proof.py adds the gpu-marked tests and the installer's check)."""
     device, dtype = device_choice(args.device)
     dry = device == "cpu"
     quick = bool(args.quick)
@@ -229,7 +173,7 @@ def run_bench_gpu(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     budgets = tuple(args.budgets or (DRY_BUDGETS if dry else QUICK_BUDGETS if quick else FULL_BUDGETS))
     caps = tuple(args.caps or ((24.0,) if quick and not dry else (24.0, 12.0)))
-    sections = [s for s in args.only or ("tests", "installer", "profile", "streaming", "caps") if s not in args.skip]
+    sections = [s for s in args.only or SECTIONS if s not in args.skip]
     minutes = args.max_minutes or (6.0 if quick else 18.0)
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -243,11 +187,8 @@ def run_bench_gpu(args: argparse.Namespace) -> int:
     report = Report(out, head, end)
     pick = 1 if quick else 0
     report.section("environment", 30, lambda d, p: environment(dry))
-    if "tests" in sections:
-        tests_dir = args.tests or ROOT / "tests"
-        report.section("tests", BUDGETS["tests"][pick], lambda d, p: run_gpu_tests(tests_dir, out / TESTS_LOG, d))
-    if "installer" in sections:
-        report.section("installer", BUDGETS["installer"][pick], lambda d, p: installer_check(d))
+    for name, budget_s, fn in before:
+        report.section(name, budget_s, fn)
     if {"profile", "streaming", "caps"} & set(sections):
         _model_sections(report, args, sections, caps, budgets, quick, dry, device, dtype, pick)
     report.data["finished"] = datetime.now(timezone.utc).isoformat(timespec="seconds")

@@ -375,8 +375,9 @@ def _add_bench_conversation(kinds: argparse._SubParsersAction) -> None:
 
 
 def _add_bench_gpu(kinds: argparse._SubParsersAction) -> None:
-    """`specchat bench gpu`: the one command that proves the GPU path (engine/cli/bench_gpu.py)."""
-    sections = ("tests", "installer", "profile", "streaming", "caps")
+    """`specchat bench gpu`: the command that measures the GPU path (engine/cli/bench_gpu.py);
+    scripts/gpu_proof.py adds the gpu-marked tests and the installer's check from a checkout."""
+    sections = ("profile", "streaming", "caps")
 
     def numbers(kind: type, low: float, what: str) -> Callable[[str], tuple]:
         def parse(text: str) -> tuple:
@@ -398,16 +399,16 @@ def _add_bench_gpu(kinds: argparse._SubParsersAction) -> None:
         return chosen
 
     gpu = kinds.add_parser(
-        "gpu", help="prove the GPU path: gpu tests, streaming rate, 70B NF4 steps under VRAM caps",
-        description="On a CUDA machine (under 20 minutes; --quick: a few): run the gpu-marked tests; measure a "
-        "streamed pass's host-to-device rate against a plain pinned copy (goal: >= 85 %) and the copy/compute "
-        "overlap; build a Llama-3.1-70B-shaped target in NF4 with random weights straight into pinned RAM and a "
-        "1B-shaped random draft; time autoregressive and SpecExec steps (budgets 64..2048) with the card capped "
-        "like a 24 GB and a 12 GB one, against the planner's prediction (goal: within 20 %); report the "
-        "PyTorch build `installer/install.sh check` picks. Writes gpu_bench.json (as it goes), gpu_bench.png "
-        "and gpu_tests.log in DIR and prints a table. Without CUDA: the CPU dry run on tiny shapes (seconds). "
-        "Exit status 1 when a section or a gpu test failed.")
-    gpu.add_argument("--out", type=Path, required=True, metavar="DIR", help="folder for the JSON, PNG and test log")
+        "gpu", help="measure the GPU path: streaming rate, 70B NF4 steps under VRAM caps",
+        description="On a CUDA machine (under 20 minutes; --quick: a few): measure a streamed pass's "
+        "host-to-device rate against a plain pinned copy (goal: >= 85 %) and the copy/compute overlap; build a "
+        "Llama-3.1-70B-shaped target in NF4 with random weights straight into pinned RAM and a 1B-shaped random "
+        "draft; time autoregressive and SpecExec steps (budgets 64..2048) with the card capped like a 24 GB and a "
+        "12 GB one, against the planner's prediction (goal: within 20 %). Writes gpu_bench.json (as it goes) and "
+        "gpu_bench.png in DIR and prints a table. Without CUDA: the CPU dry run on tiny shapes (seconds). From a "
+        "checkout, `python scripts/gpu_proof.py --out DIR` runs the gpu-marked tests and the installer's check "
+        "first, in the same report. Exit status 1 when a section failed.")
+    gpu.add_argument("--out", type=Path, required=True, metavar="DIR", help="folder for the JSON and the PNG")
     gpu.add_argument("--quick", action="store_true",
                      help="one cap (24 GiB), budgets 64,512,2048, fewer repeats: a few minutes on a GPU")
     gpu.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
@@ -421,8 +422,6 @@ def _add_bench_gpu(kinds: argparse._SubParsersAction) -> None:
                      "figures are then also scaled to 80)")
     gpu.add_argument("--only", type=names, default=None, metavar="LIST", help=f"run only these: {','.join(sections)}")
     gpu.add_argument("--skip", type=names, default=(), metavar="LIST", help="skip these sections")
-    gpu.add_argument("--tests", type=Path, default=None, metavar="DIR",
-                     help="folder searched for gpu-marked tests (default: this checkout's tests/)")
     gpu.add_argument("--max-minutes", type=float_in(0.0, 600.0, low_open=True), default=None, metavar="M",
                      help="start no new work after M minutes (default: 18; --quick: 6)")
     gpu.add_argument("--threads", type=int_at_least(1), default=None, metavar="N", help="torch CPU threads")

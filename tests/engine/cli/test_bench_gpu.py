@@ -1,4 +1,5 @@
-"""`specchat bench gpu`: the CPU dry run end to end (every section, a real pytest subprocess on
+"""The GPU proof (`python scripts/gpu_proof.py` = the gpu-marked tests + the installer's check +
+`specchat bench gpu`): the CPU dry run end to end (every section, a real pytest subprocess on
 gpu-marked tests written here, the real installer check, tiny random models streamed through
 the real executor), the report's fail-soft behaviour, and, on a GPU, the model sections on tiny
 shapes with real VRAM caps."""
@@ -15,6 +16,18 @@ import torch
 from engine.cli.bench_gpu import Deadline, Report
 from engine.cli.bench_gpu_passes import CPU_TOKENS_PER_PASS, cpu_tokens_per_pass
 from engine.cli.main import main
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def gpu_proof():  # scripts/ is not a package: load the script as a module
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_proof", REPO / "scripts" / "gpu_proof.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 GPU_TESTS = """
 import pytest
@@ -39,7 +52,7 @@ def test_the_cpu_dry_run_runs_every_section_and_says_gpu_figures_need_a_gpu(
     (tests / "test_sample.py").write_text(GPU_TESTS)
     (tests / "test_other.py").write_text("def test_plain():\n    pass\n")  # no gpu mark: not collected
     out = tmp_path / "out"
-    rc = main(["bench", "gpu", "--device", "cpu", "--out", str(out), "--tests", str(tests), "--layers", "4"])
+    rc = gpu_proof().main(["--device", "cpu", "--out", str(out), "--tests", str(tests), "--layers", "4"])
     printed = capsys.readouterr()
     assert rc == 1  # a gpu-marked test failed, and the command says so
     assert "CPU DRY RUN" in printed.out and "GPU figures need a GPU" in printed.out
@@ -111,7 +124,8 @@ def test_cpu_tokens_per_pass_are_the_readme_figures_interpolated_and_held() -> N
 def test_help_and_bad_options(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert main(["bench", "gpu", "--help"]) == 0
     assert "--quick" in capsys.readouterr().out
-    assert main(["bench", "gpu", "--out", str(tmp_path), "--only", "tests,nope"]) == 2
+    assert main(["bench", "gpu", "--out", str(tmp_path), "--only", "tests"]) == 2  # the tests are the script's
+    assert main(["bench", "gpu", "--out", str(tmp_path), "--only", "streaming,nope"]) == 2
     assert main(["bench", "gpu", "--out", str(tmp_path), "--budgets", "64,0"]) == 2
     assert "error:" in capsys.readouterr().err
 
@@ -151,7 +165,7 @@ def test_the_gpu_test_files_are_found_without_opening_fifos_or_folders(tmp_path:
     over, never read (a FIFO would block the run)."""
     import os
 
-    from engine.cli.bench_gpu import gpu_test_files
+    gpu_test_files = gpu_proof().gpu_test_files
 
     (tmp_path / "test_gpu.py").write_text(GPU_TESTS)
     (tmp_path / "test_cpu.py").write_text("def test_x():\n    pass\n")
