@@ -228,7 +228,7 @@ def test_eos_finishes_with_eos_token(tiny_target: LoadedModel, tiny_close_draft:
     assert eos is not None
 
 
-@pytest.mark.parametrize("bad", [dict(budget=0), dict(max_depth=0), dict(branching=0), dict(expand_per_pass=0)])
+@pytest.mark.parametrize("bad", [dict(budget=-1), dict(max_depth=0), dict(branching=0), dict(expand_per_pass=0)])
 def test_bad_speculation_settings_are_refused_where_they_are_made(bad: dict[str, int]) -> None:
     with pytest.raises(InvalidRequest) as info:
         SpeculationSettings(**bad)
