@@ -37,14 +37,10 @@ What this module does not do: grow trees (drafting.py) or decide budgets (engine
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 
 from engine.types import SamplingSettings
-
-if TYPE_CHECKING:  # drafting imports this module
-    from engine.decoding.drafting import DraftTrace
 
 # bins of log q (draft nodes): edges between them, from likely to unlikely
 LOGQ_EDGES = (-0.05, -0.15, -0.3, -0.5, -0.75, -1.0, -1.5, -2.0, -3.0, -4.5)
@@ -208,17 +204,3 @@ class AcceptanceModels:
 
     def __getitem__(self, sampling: SamplingSettings) -> AcceptanceModel:
         return self._models.setdefault(regime(sampling), AcceptanceModel())
-
-
-def teach(model: AcceptanceModel, trace: DraftTrace, path: list[int], chosen: list[int]) -> None:
-    """Label every child of a node on the accepted `path` of a step's tree: accepted when it
-    carries the token the target `chosen` there."""
-    tree = trace.tree
-    known = min(len(path), len(chosen))
-    choice = torch.full((len(tree),), -1, dtype=torch.long, device=tree.tokens.device)
-    choice[torch.tensor(path[:known], device=choice.device)] = torch.tensor(chosen[:known], device=choice.device)
-    kids = (tree.parents >= 0).nonzero()[:, 0]
-    kids = kids[choice[tree.parents[kids]] >= 0]
-    if kids.numel():
-        model.observe(trace.logq[kids], trace.match[kids], trace.logq_t[kids],
-                      tree.tokens[kids] == choice[tree.parents[kids]])

@@ -356,3 +356,17 @@ def grow_static_tree(
     return DraftTrace(tree=tree, slots=slots, passes=passes, seconds=time.perf_counter() - t0,
                       logq=torch.full((n,), math.nan, device=device), match=torch.zeros(n, dtype=torch.long, device=device),
                       logq_t=torch.full((n, len(TAUS)), math.nan, device=device))
+
+
+def teach(model: AcceptanceModel, trace: DraftTrace, path: list[int], chosen: list[int]) -> None:
+    """Label every child of a node on the accepted `path` of a step's tree: accepted when it
+    carries the token the target `chosen` there."""
+    tree = trace.tree
+    known = min(len(path), len(chosen))
+    choice = torch.full((len(tree),), -1, dtype=torch.long, device=tree.tokens.device)
+    choice[torch.tensor(path[:known], device=choice.device)] = torch.tensor(chosen[:known], device=choice.device)
+    kids = (tree.parents >= 0).nonzero()[:, 0]
+    kids = kids[choice[tree.parents[kids]] >= 0]
+    if kids.numel():
+        model.observe(trace.logq[kids], trace.match[kids], trace.logq_t[kids],
+                      tree.tokens[kids] == choice[tree.parents[kids]])

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from engine.decoding.acceptance import AcceptanceModel, AcceptanceModels, teach
+from engine.decoding.acceptance import AcceptanceModel, AcceptanceModels
 from engine.decoding.context import ContextIndex, trie
 from engine.decoding.costs import DraftSwitch, DraftSwitches, PassCosts, SwitchSettings
 from engine.decoding.drafting import (
@@ -42,6 +42,7 @@ from engine.decoding.drafting import (
     grow_static_tree,
     grow_tree,
     share_context,
+    teach,
     top_nodes,
 )
 from engine.decoding.memory import check_fits, shrink_after_oom
