@@ -29,6 +29,7 @@ import logging
 import mmap
 import os
 import shutil
+import sys
 import tempfile
 import warnings
 from collections.abc import Iterator, Sequence
@@ -290,7 +291,7 @@ class GGUFWeights:
     def _drop(self, part: int, lo: int, hi: int) -> None:
         """Drop pages just read from this process (the OS may keep them cached)."""
         advice = getattr(mmap, "MADV_DONTNEED", None)
-        if advice is not None and hasattr(self._maps[part], "madvise"):
+        if sys.platform != "win32" and advice is not None and hasattr(self._maps[part], "madvise"):
             start = lo // mmap.PAGESIZE * mmap.PAGESIZE
             self._maps[part].madvise(advice, start, hi - start)
 
