@@ -13,12 +13,17 @@ Nothing here imports Qt widgets; `render` is a pure function of (text, palette).
 from __future__ import annotations
 
 import html
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
 from markdown_it import MarkdownIt
+from markdown_it.renderer import RendererProtocol
+from markdown_it.token import Token
+from markdown_it.utils import EnvType, OptionsDict
 from pygments import highlight
 from pygments.formatters import HtmlFormatter
+from pygments.lexer import Lexer
 from pygments.lexers import TextLexer, get_lexer_by_name
 from pygments.util import ClassNotFound
 
@@ -52,7 +57,7 @@ def _parser() -> MarkdownIt:
     md = MarkdownIt("commonmark", {"html": False, "linkify": False, "breaks": False})
     md.enable(["table", "strikethrough"])
 
-    def code(renderer, tokens, idx, options, env):  # type: ignore[no-untyped-def]
+    def code(renderer: RendererProtocol, tokens: Sequence[Token], idx: int, options: OptionsDict, env: EnvType) -> str:
         tok = tokens[idx]
         lang = (tok.info or "").strip().split(" ")[0] if tok.type == "fence" else ""
         index = env["blocks"]
@@ -73,7 +78,7 @@ def _formatter(style: str) -> HtmlFormatter:
     return HtmlFormatter(noclasses=True, nowrap=True, style=style)
 
 
-def _lexer(lang: str):  # type: ignore[no-untyped-def]
+def _lexer(lang: str) -> Lexer:
     # No guessing for unlabelled blocks: guess_lexer tries every lexer (~0.1-0.8 s a block).
     if lang:
         try:

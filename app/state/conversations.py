@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from app.state.recovery import Recovery, recover_into, set_aside
+from engine.types import GenerationStats
 
 log = logging.getLogger(__name__)
 
@@ -266,10 +267,11 @@ class ConversationStore:
                        stats: dict[str, Any] | None = None) -> None:
         """Replace a message's text (the streaming answer's text so far); optionally mark it
         complete and attach its stats."""
-        sets, args = ["content = ?"], [content]
+        sets: list[str] = ["content = ?"]
+        args: list[str | int] = [content]
         if complete is not None:
             sets.append("complete = ?")
-            args.append(int(complete))  # type: ignore[arg-type]
+            args.append(int(complete))
         if stats is not None:
             sets.append("stats = ?")
             args.append(json.dumps(stats))
@@ -394,9 +396,9 @@ def export_file_name(title: str, suffix: str) -> str:
     return f"{name or 'conversation'}.{suffix}"
 
 
-def stats_dict(stats: object) -> dict[str, Any]:
+def stats_dict(stats: GenerationStats) -> dict[str, Any]:
     """A GenerationStats (a dataclass) as a JSON-able dict, for `update_message(stats=...)`."""
-    return json.loads(json.dumps(asdict(stats), default=str))  # type: ignore[call-overload]
+    return json.loads(json.dumps(asdict(stats), default=str))
 
 
 def _conversation(row: sqlite3.Row) -> Conversation:

@@ -15,7 +15,11 @@ from typing import Any
 from engine import paths
 from engine.types import (
     CacheSettings,
+    DecodeMode,
+    Device,
     LoadSettings,
+    Offload,
+    Quant,
     SamplingSettings,
     SpeculationSettings,
 )
@@ -56,12 +60,12 @@ class Preferences:
     max_new_tokens: int = 1024
     context_length: int = 4096
     # Engine
-    device: str = "auto"
-    quant: str = "none"
-    offload: str = "auto"
+    device: Device = "auto"
+    quant: Quant = "none"
+    offload: Offload = "auto"
     budget: int = 0
     max_depth: int = 16
-    tree_mode: str = "specexec"
+    tree_mode: DecodeMode = "specexec"
     keep_draft: bool = False  # keep the draft on where it is measured slower than decoding without it
     models_dir: str = ""
     # KV caches of conversations (engine.types.CacheSettings): kept in RAM, saved on disk
@@ -102,14 +106,14 @@ class Preferences:
         The engine turns the draft off for a conversation where it is measured not to pay,
         unless the user keeps it on (`keep_draft`) or the caller measures the trees
         (`switch_draft=False`: the wizard's calibration)."""
-        return replace(SpeculationSettings(), mode=self.tree_mode, budget=max(0, self.budget),  # type: ignore[arg-type]
+        return replace(SpeculationSettings(), mode=self.tree_mode, budget=max(0, self.budget),
                        max_depth=self.max_depth, switch_draft=switch_draft and not self.keep_draft)
 
     def load_settings(self) -> LoadSettings:
         return LoadSettings(
-            device=self.device,  # type: ignore[arg-type]
-            quant=self.quant,  # type: ignore[arg-type]
-            offload=self.offload,  # type: ignore[arg-type]
+            device=self.device,
+            quant=self.quant,
+            offload=self.offload,
             context_length=self.context_length,
             cache=CacheSettings(ram_budget_bytes=int(self.kv_ram_gb * GB), disk_budget_bytes=int(self.kv_disk_gb * GB)),
         )

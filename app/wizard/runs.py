@@ -22,6 +22,7 @@ from app.state.names import short_paths
 from app.state.preferences_store import PreferencesStore
 from app.workers.benchmark_worker import CalibrationRequest, CalibrationResult, TaskRunner
 from engine.planning.measured import format_rate
+from engine.planning.profile import HardwareProfile
 
 RunState = Literal["idle", "running", "done", "failed", "skipped"]
 
@@ -195,7 +196,8 @@ class BenchmarkPage(RunnerPage):
         pass
 
     def _done_text(self, result: object) -> str:
-        self.summary.setText("<br>".join(profile_lines(result)[1:5]))  # type: ignore[arg-type]
+        assert isinstance(result, HardwareProfile)  # what BenchmarkWorker returns
+        self.summary.setText("<br>".join(profile_lines(result)[1:5]))
         return "<b>Done.</b> Press Next to see the models that suit this computer."
 
     def _failed_text(self, message: str) -> str:

@@ -20,10 +20,11 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from types import ModuleType
+from typing import cast
 
 import torch
 
@@ -130,6 +131,8 @@ def run_hf_assisted_row(engine: Engine, prompts: Sequence[str], temperature: flo
     """Hugging Face assisted generation on the same pair; target passes counted with a hook."""
     assert engine.draft is not None
     target, draft = engine.target.hf_model, engine.draft.hf_model
+    # GenerationMixin's, which the *ForCausalLM has and PreTrainedModel's type lacks: token ids here
+    generate = cast("Callable[..., torch.Tensor]", target.generate)
     calls = {"target": 0, "draft": 0}
     hooks = [target.register_forward_pre_hook(lambda *_: calls.__setitem__("target", calls["target"] + 1)),
              draft.register_forward_pre_hook(lambda *_: calls.__setitem__("draft", calls["draft"] + 1))]
@@ -143,8 +146,8 @@ def run_hf_assisted_row(engine: Engine, prompts: Sequence[str], temperature: flo
             calls.update(target=0, draft=0)
             t0 = time.perf_counter()
             kwargs = dict(do_sample=True, temperature=temperature, top_p=0.9) if temperature else dict(do_sample=False)
-            out = target.generate(x, attention_mask=torch.ones_like(x), assistant_model=draft,
-                                  max_new_tokens=new_tokens, **kwargs)
+            out = generate(x, attention_mask=torch.ones_like(x), assistant_model=draft,
+                           max_new_tokens=new_tokens, **kwargs)
             seconds += time.perf_counter() - t0
             n += out.shape[1] - len(ids)
             passes += calls["target"] - 1  # the first call is the prompt's prefill
@@ -235,8 +238,8 @@ def write_plot(rows: Sequence[BenchRow], path: Path,
                 ax_speed.axhline(r.tokens_per_second, linestyle=":", color="grey" if r.method == "autoregressive" else "tab:red")
                 ax_speed.annotate(f"{r.method} T={temperature:g}", (1, r.tokens_per_second), fontsize=7)
     if predicted:
-        pts = sorted((b, v) for (m, b), v in predicted.items() if m == "specexec")
-        ax_speed.plot([p[0] for p in pts], [p[1] for p in pts], "k--", label="planner (predicted)")
+        curve = sorted((b, v) for (m, b), v in predicted.items() if m == "specexec")
+        ax_speed.plot([p[0] for p in curve], [p[1] for p in curve], "k--", label="planner (predicted)")
     for ax, label in ((ax_speed, "tokens / s"), (ax_pass, "tokens per target pass")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("tree budget")

@@ -28,6 +28,7 @@ package (bitsandbytes, say) fails those sections and leaves the others' results.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.metadata
 import json
 import logging
@@ -123,7 +124,7 @@ class Report:
 
 # ---- the sections that need no model -------------------------------------------------------------
 def environment(dry_run: bool) -> dict[str, Any]:
-    versions = {}
+    versions: dict[str, str | None] = {}
     for name in PACKAGES:
         try:
             versions[name] = importlib.metadata.version(name)
@@ -221,7 +222,7 @@ def _model_sections(report: Report, args: argparse.Namespace, sections: list[str
             repeats=1 if dry else 2 if quick else 3))
     except Exception as exc:  # noqa: BLE001 -- a missing package (bitsandbytes, say): each model section says so
         for name in ("profile", "build", "streaming", *(f"cap {c:g} GiB" for c in caps)):
-            report.section(name, 1, lambda d, p, e=exc: _raise(e))
+            report.section(name, 1, lambda d, p: _raise(exc))  # run at once, inside this except
         return
     try:
         if "profile" in sections or "caps" in sections:  # the caps compare against it
@@ -233,8 +234,7 @@ def _model_sections(report: Report, args: argparse.Namespace, sections: list[str
             report.section("streaming", BUDGETS["streaming"][pick], bench.streaming)
         if "caps" in sections:
             for cap in caps:
-                report.section(f"cap {cap:g} GiB", BUDGETS["cap"][pick],
-                               lambda d, p, c=cap: bench.cap(c, d, p))  # type: ignore[misc]
+                report.section(f"cap {cap:g} GiB", BUDGETS["cap"][pick], functools.partial(bench.cap, cap))
     finally:
         bench.close()
 

@@ -21,7 +21,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -62,6 +62,9 @@ from engine.store.catalog import load_catalog
 from engine.shapes import LayerShape, ModelShape, Placement
 from engine.types import default_expand_per_pass
 from engine.units import GB, GIB
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +124,7 @@ class Workbench:
         self.cuda = self.device.type == "cuda"
         self.profile: HardwareProfile | None = None
         self.target_shape, self.draft_shape = (DRY_TARGET, DRY_DRAFT) if settings.tiny else _catalog_shapes()
-        self.hf: torch.nn.Module | None = None
+        self.hf: PreTrainedModel | None = None
         self.layout: LayerLayout | None = None
         self.store: Any = None
         self.draft: CausalLM | None = None
@@ -176,7 +179,7 @@ class Workbench:
                 "draft_params": sum(p.numel() for p in self.draft.hf_model.parameters()),
                 "store_seconds": t_store, "seconds": time.perf_counter() - t0}
 
-    def _built(self) -> tuple[torch.nn.Module, LayerLayout]:
+    def _built(self) -> tuple[PreTrainedModel, LayerLayout]:
         if self.hf is None or self.layout is None or self.draft is None:
             raise RuntimeError("the models were not built (see the build section)")
         return self.hf, self.layout

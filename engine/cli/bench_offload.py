@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -41,6 +42,7 @@ from engine.testing.synthetic import (
     synthetic_llama,
 )
 from engine.peak_memory import peak_rss_bytes, reset_peak, rss_bytes
+from engine.types import Offload, Quant
 from engine.units import GB, MIB
 
 
@@ -84,12 +86,14 @@ def pinned_copy_gbps(nbytes: int, device: torch.device, repeats: int = 5) -> flo
     return nbytes / statistics.median(times[1:]) / GB
 
 
-def run_pass_table(target: Path, budgets: list[int], device: str, quant: str, disk: bool, repeats: int) -> list[dict]:
+def run_pass_table(target: Path, budgets: list[int], device: str, quant: Quant, disk: bool, repeats: int) -> list[dict]:
     dev, dtype = resolve_device(device)
-    kinds = {"resident": dict(offload="none"), "streamed": dict(offload="all")}
+    # kind -> (offload, RAM limit: 0 sends every streamed layer to the disk tier)
+    kinds: dict[str, tuple[Offload, int | None]] = {"resident": ("none", None), "streamed": ("all", None)}
     if disk:
-        kinds["disk"] = dict(offload="all", ram_limit_bytes=0)
-    models = {k: load_model(target, dev, dtype, quant=quant, **kw) for k, kw in kinds.items()}  # type: ignore[arg-type]
+        kinds["disk"] = ("all", 0)
+    models = {k: load_model(target, dev, dtype, quant=quant, offload=offload, ram_limit_bytes=ram)
+              for k, (offload, ram) in kinds.items()}
     rows = []
     for b in budgets:
         row: dict = {"budget": b}
@@ -124,19 +128,19 @@ def run_packing_table(budgets: list[int], device: str, repeats: int) -> list[dic
     streamed layer, resident and streamed pass seconds per budget."""
     dev, dtype = resolve_device(device)
     root = paths.cache_dir() / "synthetic"
-    folder = synthetic_llama(root / "llama-gguf-small-bf16", **SYNTHETIC_GGUF_SMALL)  # type: ignore[arg-type]
-    kinds: list[tuple[str, Path, str]] = [
+    folder = synthetic_llama(root / "llama-gguf-small-bf16", **SYNTHETIC_GGUF_SMALL)
+    kinds: list[tuple[str, Path, Quant]] = [
         (f"GGUF {name}", synthetic_gguf(root / f"llama-gguf-small-{name}.gguf", layer_types=(types,),
-                                        **SYNTHETIC_GGUF_SMALL), "none")  # type: ignore[arg-type]
+                                        **SYNTHETIC_GGUF_SMALL), "none")
         for name, types in (("Q4_K", "Q4_K"), ("Q4_K_M", "Q4_K/Q6_K"), ("IQ4_XS", "IQ4_XS"))]
     kinds += [("NF4", folder, "nf4"), (f"dense {str(dtype)[6:]}", folder, "none")]
     rows = []
     print(f"synthetic Llama {SYNTHETIC_GGUF_SMALL}, device {dev}")
     print(f"{'packing':>14} {'MiB/layer':>9} {'budget':>6} {'resident s':>11} {'streamed s':>11} {'ratio':>6}")
     for label, target, quant in kinds:
-        resident = load_model(target, dev, dtype, quant=quant, offload="none")  # type: ignore[arg-type]
-        streamed = load_model(target, dev, dtype, quant=quant, offload="all")  # type: ignore[arg-type]
-        layer = streamed.model.placement.layer_bytes  # type: ignore[union-attr]
+        resident = load_model(target, dev, dtype, quant=quant, offload="none")
+        streamed = load_model(target, dev, dtype, quant=quant, offload="all")
+        layer = streamed.model.placement.layer_bytes
         for b in budgets:
             r, s = pass_seconds(resident, b, repeats=repeats), pass_seconds(streamed, b, repeats=repeats)
             rows.append(dict(packing=label, layer_bytes=layer, budget=b, resident=r, streamed=s))
@@ -146,7 +150,7 @@ def run_packing_table(budgets: list[int], device: str, repeats: int) -> list[dic
 
 
 # ---- peak RSS of a load ------------------------------------------------------------------------
-def load_rss_child(folder: str, quant: str, offload: str) -> None:
+def load_rss_child(folder: str, quant: Quant, offload: Offload) -> None:
     """The child of measure_load_rss (run as `python -m engine.cli.bench_offload FOLDER QUANT
     OFFLOAD`): load the model after this module's imports (torch, transformers, bitsandbytes:
     the fixed overhead) and print the figures as one JSON line. The peak is engine.peak_memory's
@@ -156,7 +160,7 @@ def load_rss_child(folder: str, quant: str, offload: str) -> None:
     base = rss_bytes()
     reset_peak()  # the high-water mark back to the RSS: what follows is the load's
     t0 = time.perf_counter()
-    m = load_model(folder, "cpu", torch.float32, quant=quant, offload=offload)  # type: ignore[arg-type]
+    m = load_model(folder, "cpu", torch.float32, quant=quant, offload=offload)
     seconds = time.perf_counter() - t0
     peak = peak_rss_bytes()
     p = m.model.placement
@@ -177,7 +181,8 @@ def held_layer_bytes(m: LoadedModel) -> int:
     return held
 
 
-def measure_load_rss(folder: Path, quant: str = "nf4", offload: str = "none", cache_dir: Path | None = None) -> dict:
+def measure_load_rss(folder: Path, quant: Quant = "nf4", offload: Offload = "none",
+                     cache_dir: Path | None = None) -> dict:
     """Peak RSS of loading `folder` on CPU, in a fresh interpreter (Linux: /proc). Returns base
     (after imports), peak, final, the final footprint parts (packed layers, outer weights) and
     seconds. `cache_dir` is the child's SPECCHAT_CACHE_DIR (the prepared-layer cache): a fresh
@@ -190,7 +195,7 @@ def measure_load_rss(folder: Path, quant: str = "nf4", offload: str = "none", ca
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def print_load_rss(folder: Path, quant: str, offload: str = "none") -> None:
+def print_load_rss(folder: Path, quant: Quant, offload: Offload = "none") -> None:
     mb = MIB
     if folder.is_file():
         print(f"GGUF {folder.stat().st_size / mb:.0f} MiB, loaded on CPU with --quant {quant} --offload {offload}")
@@ -214,22 +219,23 @@ def run_bench_offload(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.load_rss and args.gguf:
-        gguf = synthetic_gguf(paths.cache_dir() / "synthetic" / "llama-1.5g-q4km.gguf", **SYNTHETIC_GGUF_BIG)  # type: ignore[arg-type]
+        gguf = synthetic_gguf(paths.cache_dir() / "synthetic" / "llama-1.5g-q4km.gguf", **SYNTHETIC_GGUF_BIG)
         print_load_rss(gguf, args.quant, "all")
         return 0
     if args.load_rss:
-        folder = synthetic_llama(paths.cache_dir() / "synthetic" / "llama-1.5g", **SYNTHETIC_BIG)  # type: ignore[arg-type]
+        folder = synthetic_llama(paths.cache_dir() / "synthetic" / "llama-1.5g", **SYNTHETIC_BIG)
         print_load_rss(folder, args.quant)
         return 0
     if args.gguf:
         run_packing_table(common.parse_list(args.budgets, int, "budgets"), args.device, args.repeats)
         return 0
     target = Path(args.target) if args.target else synthetic_llama(
-        paths.cache_dir() / "synthetic" / "llama-small", **SYNTHETIC_SMALL)  # type: ignore[arg-type]
+        paths.cache_dir() / "synthetic" / "llama-small", **SYNTHETIC_SMALL)
     run_pass_table(target, common.parse_list(args.budgets, int, "budgets"), args.device, args.quant,
                    not args.no_disk, args.repeats)
     return 0
 
 
 if __name__ == "__main__":
-    load_rss_child(*sys.argv[1:4])
+    folder, quant, offload = sys.argv[1:4]
+    load_rss_child(folder, cast(Quant, quant), cast(Offload, offload))  # as measure_load_rss passed them

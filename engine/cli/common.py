@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 from transformers.utils import logging as hf_logging
 
@@ -82,7 +82,8 @@ def read_prompts(path: Path | None, default: tuple[str, ...]) -> tuple[str, ...]
     except OSError as exc:
         raise UsageError(f"Cannot read the prompts file '{path}': {exc.strerror or exc}.") from None
     if "---" in (line.rstrip() for line in lines):
-        blocks, current = [], []
+        blocks: list[str] = []
+        current: list[str] = []
         for line in lines[[line.rstrip() for line in lines].index("---") + 1:] + ["---"]:
             if line.rstrip() == "---":
                 blocks.append("\n".join(current).strip())
@@ -102,7 +103,7 @@ def read_prompts(path: Path | None, default: tuple[str, ...]) -> tuple[str, ...]
 class Setup:
     """What the options decide before a model loads."""
 
-    device: str
+    device: Literal["cpu", "cuda"]  # resolved: "auto" is decided here
 
 
 def setup(args: argparse.Namespace) -> Setup:

@@ -99,11 +99,11 @@ def _list(models_dir: Path, as_json: bool, out: TextIO) -> int:
             out.write(f"  ! {m.model_id} is damaged: {damage[m.path]}. Download it again.\n")
     _write_found(found, out)
     out.write(f"\nCatalog (checked {catalog.checked_on}):\n" if catalog.models else "\nCatalog: unavailable\n")
-    for m in catalog.models:
-        mark = "*" if m.id in here else " "
-        gated = "gated" if m.gated else ""
-        out.write(f" {mark}{m.id:<34} {format_bytes(m.download_bytes):>9}  {m.format_label:<11} "
-                  f"{m.parameters / 1e9:6.2f}B  {m.license:<10} {gated:<5} {m.repo_id}\n")
+    for entry in catalog.models:
+        mark = "*" if entry.id in here else " "
+        gated = "gated" if entry.gated else ""
+        out.write(f" {mark}{entry.id:<34} {format_bytes(entry.download_bytes):>9}  {entry.format_label:<11} "
+                  f"{entry.parameters / 1e9:6.2f}B  {entry.license:<10} {gated:<5} {entry.repo_id}\n")
     out.write("\nPairs (target + draft):\n")
     for p in catalog.pairs:
         out.write(f"  {p.id:<24} {p.target} + {p.draft}\n")

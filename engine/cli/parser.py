@@ -158,7 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "target model, SpecExec speculative decoding. Without a command: open the desktop app.")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="log progress (INFO) on stderr")
     parser.add_argument("--version", action="store_true", help="print SpecChat's version and PyTorch build")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    # typed as the helpers below take it: its parsers' `parents` are plain ArgumentParsers
+    commands: argparse._SubParsersAction = parser.add_subparsers(dest="command", metavar="COMMAND")
     common = engine_options()
 
     generate = commands.add_parser("generate", parents=[common], help="complete one prompt",

@@ -85,13 +85,13 @@ class Calibrator:
 
 def _non_increasing(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Weighted isotonic (non-increasing) fit by pooling adjacent violators."""
-    blocks: list[list[float]] = []  # [value, weight, count]
+    blocks: list[tuple[float, float, int]] = []  # (value, weight, count)
     for v, w in zip(values.tolist(), weights.tolist()):
-        blocks.append([v, w, 1])
+        blocks.append((v, w, 1))
         while len(blocks) > 1 and blocks[-2][0] < blocks[-1][0]:
             v2, w2, n2 = blocks.pop()
             v1, w1, n1 = blocks.pop()
-            blocks.append([(v1 * w1 + v2 * w2) / (w1 + w2), w1 + w2, n1 + n2])
+            blocks.append(((v1 * w1 + v2 * w2) / (w1 + w2), w1 + w2, n1 + n2))
     return torch.tensor([v for v, _, n in blocks for _ in range(n)], dtype=torch.float64)
 
 

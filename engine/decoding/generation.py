@@ -352,8 +352,8 @@ class Engine:
         if self.cache_settings.enabled:
             prefix, cached = self.prefixes.take(prompt, request.conversation, self._new_caches)
         else:
-            target, draft = self._new_caches()
-            prefix, cached = Prefix([], target, draft, request.conversation), 0
+            target_cache, draft_cache = self._new_caches()
+            prefix, cached = Prefix([], target_cache, draft_cache, request.conversation), 0
         prefix.target.reserve(len(prompt) - prefix.target.length + spare)
         timers = StepTimers()
         first_pass = (spec.budget + 1) if use_spec else 1  # tokens the first step reads besides the prompt's tail

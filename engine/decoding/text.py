@@ -74,6 +74,7 @@ class Detokenizer:
     def push(self, ids: list[int], final: bool) -> tuple[str, bool]:
         """The new text of the answer `ids` (all of it so far) and whether a stop string ended it."""
         full = self.tokenizer.decode(ids, skip_special_tokens=True)
+        assert isinstance(full, str), "one sequence of ids decodes to one string"
         stopped = False
         for s in self.stops:
             at = full.find(s)

@@ -63,7 +63,8 @@ def accept(
 ) -> Acceptance:
     """Walk the tree as described in the module docstring; emit at most `limit` tokens and stop
     after a token in `stop_ids` (EOS)."""
-    node, path, out = 0, [0], []
+    node, path = 0, [0]
+    out: list[int] = []
     while len(out) < limit:
         token = choose(logits_of(hidden[node : node + 1])[0], out)
         out.append(token)

@@ -26,11 +26,15 @@ import mmap
 import os
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.errors import UnsupportedModel
 from engine.store.safetensors_header import CorruptCheckpoint, open_shard, read_shard_header
+
+if TYPE_CHECKING:  # bitsandbytes is imported only when a 4-bit checkpoint needs it
+    from bitsandbytes.functional import QuantState
 
 DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -167,7 +171,7 @@ class Checkpoint:
         """Whether `name` is a bitsandbytes 4-bit weight (packed codes + quant state)."""
         return self.bnb_4bit and f"{name}.absmax" in self._where
 
-    def _quant_state(self, name: str):  # type: ignore[no-untyped-def]
+    def _quant_state(self, name: str) -> QuantState:
         import bitsandbytes.functional as bnbf
 
         parts = {s.lstrip("."): self.read(name + s) for s in _QS_SUFFIXES if name + s in self._where}

@@ -29,11 +29,12 @@ import logging
 import mmap
 import os
 import shutil
+import sys
 import tempfile
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -56,7 +57,10 @@ from engine.errors import UnsupportedModel
 from engine.offload import gguf_blocks
 from engine.offload.layout import Entry, LayerLayout, pack_entry
 from engine.store.gguf_header import CorruptGGUF, GGUFHeader, TensorInfo, read_model
-from engine.types import Quant, Tokenizer
+from engine.types import Quant
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +91,9 @@ def gguf_config(header: GGUFHeader) -> PretrainedConfig:
     if arch not in GGUF_CONFIG_MAPPING:
         raise UnsupportedModel(f"'{header.path.name}' is a '{arch or 'unknown'}' GGUF, an architecture "
                                "transformers cannot map; SpecChat runs llama, mistral, qwen2 and qwen3 models.")
-    table = {prefix: GGUF_CONFIG_MAPPING[prefix] for prefix in ("general", "tokenizer", arch)}
+    # GGUF key -> config field (None: not mapped); transformers' literal table reads as object
+    table = {prefix: cast("dict[str, str | None]", GGUF_CONFIG_MAPPING[prefix])
+             for prefix in ("general", "tokenizer", arch)}
     config: dict[str, Any] = dict(GGUF_CONFIG_DEFAULTS_MAPPING.get(arch, {}))
     for key, value in header.metadata.items():
         prefix, _, rest = key.partition(".")
@@ -104,7 +110,7 @@ def gguf_config(header: GGUFHeader) -> PretrainedConfig:
         raise CorruptGGUF(f"{header.path.name} has an incomplete model description ({exc})") from exc
 
 
-def gguf_tokenizer(gguf: Path, cache_dir: Path | None = None) -> Tokenizer:
+def gguf_tokenizer(gguf: Path, cache_dir: Path | None = None) -> PreTrainedTokenizerBase:
     """transformers' tokenizer for a GGUF, converted once and then read from the cache."""
     root = (cache_dir or paths.cache_dir()) / "gguf"
     folder = root / cache_key(gguf)
@@ -147,7 +153,7 @@ class GGUFWeights:
                 self._maps.append(mmap.mmap(self._files[-1].fileno(), 0, access=mmap.ACCESS_READ))
                 with warnings.catch_warnings():  # a read-only mapping: only ever read from
                     warnings.simplefilter("ignore", UserWarning)
-                    self._bytes.append(torch.frombuffer(self._maps[-1], dtype=torch.uint8))  # type: ignore[call-overload]
+                    self._bytes.append(torch.frombuffer(self._maps[-1], dtype=torch.uint8))
         except BaseException:
             self.close()
             raise
@@ -157,7 +163,7 @@ class GGUFWeights:
         self._spans: dict[int, tuple[int, int]] = {}
 
     # -- names --
-    def bind(self, hf: nn.Module) -> None:
+    def bind(self, hf: PreTrainedModel) -> None:
         """Map the file's tensor names onto `hf` (a model built from `config`, meta is fine)."""
         arch = self.header.architecture
         processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=self.config.to_dict())
@@ -172,11 +178,11 @@ class GGUFWeights:
             order = _row_order(processor, t, names)
             self._orders[hf_name] = None if order is None else shared.setdefault(order, order)
         for name, p in list(hf.named_parameters()):
-            t = self._by_name.get(name)
-            if t is None and not (name == "lm_head.weight" and self.config.tie_word_embeddings):
+            found = self._by_name.get(name)
+            if found is None and not (name == "lm_head.weight" and self.config.tie_word_embeddings):
                 raise CorruptGGUF(f"{self.path.name} has no tensor for {name}")
-            if t is not None and t.shape != tuple(p.shape):
-                raise CorruptGGUF(f"{self.path.name}: {t.name} is {t.shape}, the model needs {tuple(p.shape)}")
+            if found is not None and found.shape != tuple(p.shape):
+                raise CorruptGGUF(f"{self.path.name}: {found.name} is {found.shape}, the model needs {tuple(p.shape)}")
 
     def has(self, name: str) -> bool:
         return name in self._by_name
@@ -213,7 +219,7 @@ class GGUFWeights:
         self._drop(t.part, t.offset, t.offset + t.nbytes)
 
     # -- decoder layers --
-    def layouts(self, hf: nn.Module, dtype: torch.dtype, quant: Quant) -> list[LayerLayout]:
+    def layouts(self, hf: PreTrainedModel, dtype: torch.dtype, quant: Quant) -> list[LayerLayout]:
         """One layout per decoder layer: the file's own blocks ("gguf"), or NF4 when asked."""
         layers = hf.model.layers
         if quant == "nf4":
@@ -285,7 +291,7 @@ class GGUFWeights:
     def _drop(self, part: int, lo: int, hi: int) -> None:
         """Drop pages just read from this process (the OS may keep them cached)."""
         advice = getattr(mmap, "MADV_DONTNEED", None)
-        if advice is not None and hasattr(self._maps[part], "madvise"):
+        if sys.platform != "win32" and advice is not None and hasattr(self._maps[part], "madvise"):
             start = lo // mmap.PAGESIZE * mmap.PAGESIZE
             self._maps[part].madvise(advice, start, hi - start)
 
@@ -305,7 +311,7 @@ class _Names:
     real model it recurses into every submodule and builds gguf-py's name table for each: a
     minute for 80 layers. The names of our architectures all map from the top.)"""
 
-    def __init__(self, hf: nn.Module) -> None:
+    def __init__(self, hf: PreTrainedModel) -> None:
         self.config = hf.config
         self._names = [n for n, _ in hf.named_parameters(remove_duplicate=False)]
 

@@ -23,6 +23,7 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 from huggingface_hub.errors import StrictDataclassError
@@ -246,7 +247,7 @@ def _load_model(
     try:
         if path.is_dir():
             config_dict = check_folder(path)
-            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+            tokenizer: Tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
             config = AutoConfig.from_pretrained(path, trust_remote_code=False)
             generation = GenerationConfig.from_pretrained(path) if (path / "generation_config.json").is_file() else None
             model = materialise(SafetensorsWeights(path, config_dict), config, settings, report, generation)
@@ -302,7 +303,7 @@ def check_pair(target: LoadedModel, draft: LoadedModel) -> None:
         )
 
 
-def resolve_device(device: str) -> tuple[str, torch.dtype]:
+def resolve_device(device: str) -> tuple[Literal["cpu", "cuda"], torch.dtype]:
     """--device value -> (device, compute dtype): bf16 (fp16 without bf16 support) on CUDA,
     fp32 on CPU (CPU matmuls in 16-bit are slow and the tests compare against fp32)."""
     if device == "auto":
@@ -310,8 +311,8 @@ def resolve_device(device: str) -> tuple[str, torch.dtype]:
     elif device == "cuda" and not torch.cuda.is_available():
         raise InvalidRequest("PyTorch sees no CUDA GPU here (a CPU-only build of torch, or no driver); "
                              "choose the CPU device.")
-    if device not in ("cpu", "cuda"):
-        raise InvalidRequest(f"Unknown device '{device}'; choose auto, cpu or cuda.")
     if device == "cuda":
-        return device, torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return device, torch.float32
+        return "cuda", torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if device == "cpu":
+        return "cpu", torch.float32
+    raise InvalidRequest(f"Unknown device '{device}'; choose auto, cpu or cuda.")

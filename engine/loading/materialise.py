@@ -21,6 +21,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psutil
 import torch
@@ -47,6 +48,9 @@ from engine.store.gguf_header import split_parts
 from engine.shapes import Packing, Placement
 from engine.types import Offload, Quant
 from engine.units import GIB
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +131,7 @@ def materialise(weights: Weights, config: PretrainedConfig, settings: Materialis
     return CausalLM(hf, streamer=streamer, placement=placement)
 
 
-def layer_template(hf: nn.Module) -> Callable[[], nn.Module]:
+def layer_template(hf: PreTrainedModel) -> Callable[[], nn.Module]:
     """A factory of empty (meta) decoder layers of `hf`'s kind: the streamer binds their
     parameters to its ring slots or its dense buffer."""
     cls, cfg = type(hf.model.layers[0]), hf.config
@@ -156,7 +160,7 @@ def device_free_bytes(device: torch.device | str) -> int:
     return int(max(0, min(free, limit - torch.cuda.memory_reserved(index))))
 
 
-def _place_outer(hf: nn.Module, weights: Weights, device: torch.device, dtype: torch.dtype) -> None:
+def _place_outer(hf: PreTrainedModel, weights: Weights, device: torch.device, dtype: torch.dtype) -> None:
     """Embeddings, final norm, head (and anything else outside the decoder layers) -> device."""
     names = [n for n, _ in hf.named_parameters(remove_duplicate=False) if not n.startswith(LAYERS)]
     tied = bool(getattr(hf.config, "tie_word_embeddings", False))
@@ -174,7 +178,7 @@ def _place_outer(hf: nn.Module, weights: Weights, device: torch.device, dtype: t
     assert not left, f"not materialised: {left}"
 
 
-def plan_layers(hf: nn.Module, layouts: LayerLayout | list[LayerLayout], settings: MaterialiseSettings,
+def plan_layers(hf: PreTrainedModel, layouts: LayerLayout | list[LayerLayout], settings: MaterialiseSettings,
                 quant: Packing) -> Placement:
     """Where `hf`'s decoder layers go: the device memory free now (under any allocator cap),
     less the KV cache for the context and the activations of the largest tree. One layout
@@ -209,7 +213,7 @@ def plan_layers(hf: nn.Module, layouts: LayerLayout | list[LayerLayout], setting
     return placement
 
 
-def _place_layers(hf: nn.Module, weights: Weights, layouts: list[LayerLayout], placement: Placement,
+def _place_layers(hf: PreTrainedModel, weights: Weights, layouts: list[LayerLayout], placement: Placement,
                   device: torch.device, dtype: torch.dtype, report: Callable[[float, str], None] | None,
                   prepared: PreparedLayers | None) -> tuple[list[LayerHome], HostStore | None]:
     num_layers = placement.num_layers
@@ -217,14 +221,16 @@ def _place_layers(hf: nn.Module, weights: Weights, layouts: list[LayerLayout], p
     streamed = [i for i, t in enumerate(tiers) if t != "device"]
     store_index = {layer: j for j, layer in enumerate(streamed)}  # the host store's j holds layer streamed[j]
     on_disk = [i for i, t in enumerate(tiers) if t == "disk"]
-    reuse = prepared is not None and prepared.ready
-    writing = prepared is not None and not reuse and prepared.start_writing()
+    # the prepared-layer cache this load reads its layers from, or else writes them to
+    reader = prepared if prepared is not None and prepared.ready else None
+    writer = prepared if prepared is not None and reader is None and prepared.start_writing() else None
+    cache_file = reader if reader is not None else writer
     # the disk tier maps a file in place when there is one: the prepared-layer file being
     # read or written, or the GGUF the layers come from (no second copy on disk)
     disk_file = None
     if on_disk:
-        if reuse or writing:
-            disk_file = (prepared.path, [i * prepared.stride for i in on_disk])  # type: ignore[union-attr]
+        if cache_file is not None:
+            disk_file = (cache_file.path, [i * cache_file.stride for i in on_disk])
         else:
             disk_file = weights.mapped(on_disk, layouts)
     in_place = disk_file is not None
@@ -234,13 +240,14 @@ def _place_layers(hf: nn.Module, weights: Weights, layouts: list[LayerLayout], p
                           pin=device.type == "cuda", disk_dir=paths.cache_dir() / "offload", disk_file=disk_file)
     # disk layers are packed into one reused buffer, then written (unless the mapped file has them)
     scratch = (torch.empty(max(layouts[i].nbytes for i in on_disk), dtype=torch.uint8)
-               if on_disk and (writing or not in_place) else None)
+               if on_disk and (writer is not None or not in_place) else None)
     # quantise where it is fast: on the GPU when there is one
     work = device if device.type == "cuda" else torch.device("cpu")
-    if reuse:
-        log.info("packed layers from the prepared cache %s", prepared.path.name)  # type: ignore[union-attr]
+    if reader is not None:
+        log.info("packed layers from the prepared cache %s", reader.path.name)
     homes: list[LayerHome] = []
     where_name = "GPU" if device.type == "cuda" else "memory"
+    buf: torch.Tensor | None  # where layer i is packed (None: a disk layer already in the mapped file)
     try:
         for i in range(num_layers):
             layout = layouts[i]
@@ -261,27 +268,29 @@ def _place_layers(hf: nn.Module, weights: Weights, layouts: list[LayerLayout], p
                     if store.tier(j) == "ram":
                         buf, where = store.ram_buffer(j), "RAM"
                     else:
-                        buf, where = scratch, "disk"  # type: ignore[assignment]
+                        buf, where = scratch, "disk"
                     home = LayerHome(store_index=j)
-                if where == "disk" and in_place and not writing:
+                if where == "disk" and in_place and writer is None:
                     pass  # already in the file the store maps
-                elif reuse:
-                    prepared.read_into(i, buf)  # type: ignore[union-attr]
                 else:
-                    weights.pack_layer(i, layout, buf, work)
-                    if writing:
-                        prepared.write(i, buf)  # type: ignore[union-attr]
-                    elif where == "disk":
-                        assert store is not None and home.store_index is not None
-                        store.write_disk(home.store_index, buf)
+                    assert buf is not None, "a disk layer packed here has the scratch buffer"
+                    if reader is not None:
+                        reader.read_into(i, buf)
+                    else:
+                        weights.pack_layer(i, layout, buf, work)
+                        if writer is not None:
+                            writer.write(i, buf)
+                        elif where == "disk":
+                            assert store is not None and home.store_index is not None
+                            store.write_disk(home.store_index, buf)
                 homes.append(home)
             if report is not None:
                 report((i + 1) / num_layers, f"layer {i + 1} of {num_layers} -> {where}")
-        if writing:
-            prepared.finish()  # type: ignore[union-attr]
+        if writer is not None:
+            writer.finish()
     except BaseException:
-        if writing:
-            prepared.discard()  # type: ignore[union-attr]
+        if writer is not None:
+            writer.discard()
         raise
     finally:
         if prepared is not None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
 from torch import nn
@@ -26,6 +26,9 @@ from engine.loading.checkpoint import Checkpoint
 from engine.offload.layout import Entry, LayerLayout, pack_entry, pack_prequantized
 from engine.types import Quant
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 LAYERS = "model.layers."
 INT4_SIDES = ("scales", "qzeros", "g_idx")
 
@@ -33,13 +36,13 @@ INT4_SIDES = ("scales", "qzeros", "g_idx")
 class Weights(Protocol):
     path: Path
 
-    def bind(self, hf: nn.Module) -> None: ...
+    def bind(self, hf: PreTrainedModel) -> None: ...
 
     def has(self, name: str) -> bool: ...
 
     def load(self, name: str, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor: ...
 
-    def layouts(self, hf: nn.Module, dtype: torch.dtype, quant: Quant) -> list[LayerLayout]: ...
+    def layouts(self, hf: PreTrainedModel, dtype: torch.dtype, quant: Quant) -> list[LayerLayout]: ...
 
     def pack_layer(self, i: int, layout: LayerLayout, buf: torch.Tensor, work: torch.device) -> None: ...
 
@@ -58,10 +61,10 @@ class SafetensorsWeights:
         self.ckpt = Checkpoint(path, config)
         qc = config.get("quantization_config") or {}
         method = qc.get("quant_method")
-        self.int4 = method if method in ("awq", "gptq") else None
+        self.int4: Literal["awq", "gptq"] | None = method if method in ("awq", "gptq") else None
         self.gptq_v2 = qc.get("checkpoint_format") == "gptq_v2"
 
-    def bind(self, hf: nn.Module) -> None:
+    def bind(self, hf: PreTrainedModel) -> None:
         pass  # the checkpoint already uses transformers' names
 
     def has(self, name: str) -> bool:
@@ -70,14 +73,14 @@ class SafetensorsWeights:
     def load(self, name: str, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
         return self.ckpt.load(name, dtype, device)
 
-    def layouts(self, hf: nn.Module, dtype: torch.dtype, quant: Quant) -> list[LayerLayout]:
+    def layouts(self, hf: PreTrainedModel, dtype: torch.dtype, quant: Quant) -> list[LayerLayout]:
         layer = hf.model.layers[0]
         n = len(hf.model.layers)
         if self.int4 is not None:
-            return [self._int4_layout(layer, dtype)] * n
+            return [self._int4_layout(layer, dtype, self.int4)] * n
         return [LayerLayout.of(layer, dtype, "nf4" if self.ckpt.bnb_4bit else quant)] * n
 
-    def _int4_layout(self, layer: nn.Module, dtype: torch.dtype) -> LayerLayout:
+    def _int4_layout(self, layer: nn.Module, dtype: torch.dtype, int4: Literal["awq", "gptq"]) -> LayerLayout:
         """Linear weights stored as int4 stay packed, with their scales, zeros (and g_idx) as
         side entries; the rest (norms, biases, any Linear left in 16-bit) is dense."""
         esize = torch.empty((), dtype=dtype).element_size()
@@ -85,7 +88,7 @@ class SafetensorsWeights:
         for name, p in layer.named_parameters():
             q = f"{LAYERS}0.{_module(name)}.qweight"
             if name.endswith(".weight") and self.ckpt.has(q):
-                entries.append(Entry(name, self.int4, tuple(p.shape), torch.int32, 0, _nbytes(self.ckpt, q),
+                entries.append(Entry(name, int4, tuple(p.shape), torch.int32, 0, _nbytes(self.ckpt, q),
                                      qtype=2 if self.gptq_v2 else 1))
                 for side in INT4_SIDES:
                     s = f"{LAYERS}0.{_module(name)}.{side}"
@@ -94,7 +97,7 @@ class SafetensorsWeights:
                         entries.append(Entry(f"{name}#{side}", side, self.ckpt.shape(s), dt, 0, _nbytes(self.ckpt, s)))
             else:
                 entries.append(Entry(name, "dense", tuple(p.shape), dtype, 0, p.numel() * esize))
-        return LayerLayout.packed(entries, dtype, self.int4)  # type: ignore[arg-type]
+        return LayerLayout.packed(entries, dtype, int4)
 
     def pack_layer(self, i: int, layout: LayerLayout, buf: torch.Tensor, work: torch.device) -> None:
         prefix = f"{LAYERS}{i}."

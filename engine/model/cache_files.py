@@ -219,7 +219,7 @@ class CacheFiles:
             self._reject(path, "no token list")
             return None
         tokens = tokens_t.tolist()
-        caches = []
+        caches: list[KVCache | None] = []
         for role, shape, where in (("target", target, device), ("draft", draft, draft_device)):
             if shape is None or where is None:
                 caches.append(None)
@@ -305,7 +305,7 @@ class CacheFiles:
 
 def _rebuild(tensors: dict[str, torch.Tensor], role: str, shape: CacheShape, n_tokens: int,
              device: torch.device) -> KVCache | None:
-    layers = []
+    layers: list[tuple[torch.Tensor, torch.Tensor]] = []
     for i in range(shape.num_layers):
         k, v = tensors.get(f"{role}.{i}.k"), tensors.get(f"{role}.{i}.v")
         if k is None or v is None or k.shape != v.shape or k.dtype != shape.dtype or v.dtype != shape.dtype:

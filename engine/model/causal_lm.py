@@ -15,6 +15,7 @@ things to the two.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import psutil
 import torch
@@ -23,6 +24,9 @@ from torch import nn
 from engine.model.cache import KVCache
 from engine.offload.streamer import LayerStreamer
 from engine.shapes import ModelShape, Placement
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 FREE_MARGIN_BYTES = 512 << 20  # left to the allocator's fragmentation and the draft's pass
@@ -37,25 +41,26 @@ class CausalLM:
     (their modules in `hf_model` then stay on the meta device); `placement` says where they
     live (all resident on the model's device when not given)."""
 
-    def __init__(self, hf_model: nn.Module, streamer: LayerStreamer | None = None,
+    def __init__(self, hf_model: PreTrainedModel, streamer: LayerStreamer | None = None,
                  placement: Placement | None = None, fingerprint: str = "") -> None:
-        self.hf_model = hf_model.eval()
+        self.hf_model: PreTrainedModel = hf_model.eval()
         self.streamer = streamer
         # what the KV this model computes depends on (weights, quantisation, dtype, device kind),
         # set by the loader; saved caches are keyed by it ("" = never saved)
         self.fingerprint = fingerprint
         cfg = hf_model.config
         self.config = cfg
+        # the llama-family layout (transformers' modules name their children untyped)
         inner = hf_model.model
-        self.embed = inner.embed_tokens
-        self.layers = list(inner.layers)
-        self.norm = inner.norm
-        self.rotary = inner.rotary_emb
-        self.head = hf_model.lm_head
+        self.embed: nn.Embedding = inner.embed_tokens
+        self.layers: list[nn.Module] = list(inner.layers)
+        self.norm: nn.Module = inner.norm
+        self.rotary: nn.Module = inner.rotary_emb
+        self.head: nn.Linear = hf_model.lm_head
         # the head's rows, not config.vocab_size: some checkpoints pad the embedding matrix
         self.shape = replace(ModelShape.from_config(cfg, cfg.model_type), vocab_size=self.head.weight.shape[0])
-        self.dtype = self.embed.weight.dtype
-        self.device = self.embed.weight.device
+        self.dtype: torch.dtype = self.embed.weight.dtype
+        self.device: torch.device = self.embed.weight.device
         if placement is None:
             n = self.shape.num_layers
             layer_bytes = self.shape.layer_params * self.dtype.itemsize
@@ -106,7 +111,9 @@ class CausalLM:
                     hidden = hidden[0]
         else:
             def call(layer: nn.Module, index: int, h: torch.Tensor) -> torch.Tensor:
-                layer.self_attn.layer_idx = index  # a streamed template serves every layer index
+                # a streamed template serves every layer index (setattr: nn.Module's stubs type
+                # attribute writes as Tensor | Module)
+                setattr(layer.self_attn, "layer_idx", index)
                 out = layer(h, attention_mask=mask, position_ids=pos, past_key_values=cache,
                             position_embeddings=rope)
                 return out[0] if isinstance(out, tuple) else out

@@ -111,7 +111,7 @@ class HostStore:
         """Write packed layer j (a disk-tier index) through the page cache, not into this
         process's memory."""
         assert self._owned and self._fd is not None and self._map is None, "write every disk layer before reading"
-        data = memoryview(buf[: self.sizes[j]].contiguous().numpy())
+        data = buf[: self.sizes[j]].contiguous().numpy().data  # its bytes as a memoryview, no copy
         os.lseek(self._fd, self._offset(j), os.SEEK_SET)
         while len(data):
             data = data[os.write(self._fd, data):]
@@ -124,7 +124,7 @@ class HostStore:
             self._map = mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ)
             with warnings.catch_warnings():  # read-only mapping: the tensor is only ever read
                 warnings.simplefilter("ignore", UserWarning)
-                self._disk = torch.frombuffer(self._map, dtype=torch.uint8)  # type: ignore[call-overload]
+                self._disk = torch.frombuffer(self._map, dtype=torch.uint8)
             if self._owned and self._file is not None and os.name == "posix":
                 self._file.unlink()  # the mapping keeps it; nothing is left behind after exit
 

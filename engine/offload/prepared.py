@@ -62,10 +62,10 @@ class PreparedLayers:
         if self._fd is None:
             self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
         if buf.device.type == "cpu":
-            view = memoryview(buf.numpy())
+            view = buf.numpy().data  # the array's bytes as a memoryview, no copy
         else:
             host = torch.empty(self.layer_nbytes, dtype=torch.uint8)
-            view = memoryview(host.numpy())
+            view = host.numpy().data
         os.lseek(self._fd, i * self.stride, os.SEEK_SET)
         got = 0
         while got < self.layer_nbytes:
@@ -95,7 +95,7 @@ class PreparedLayers:
 
     def write(self, i: int, buf: torch.Tensor) -> None:
         assert self._fd is not None
-        data = memoryview(buf.cpu().contiguous().numpy())
+        data = buf.cpu().contiguous().numpy().data
         os.lseek(self._fd, i * self.stride, os.SEEK_SET)
         while len(data):
             data = data[os.write(self._fd, data):]

@@ -22,6 +22,7 @@ import functools
 import logging
 import os
 import platform
+import sys
 import tempfile
 import threading
 import time
@@ -98,7 +99,7 @@ def measure_hardware(progress: Progress | None = None, cancel: threading.Event |
     shape = LAYER_SHAPES["tiny" if quick else layer_shape]
     if cuda and not quick and torch.cuda.mem_get_info(0)[0] < 3 * shape.params * 2:
         shape = LAYER_SHAPES["llama-8b"]  # a small GPU: time a smaller layer, the planner rescales it
-    tokens = GPU_TOKENS if cuda else CPU_TOKENS
+    tokens: tuple[int, ...] = GPU_TOKENS if cuda else CPU_TOKENS
     if quick:
         tokens = tuple(n for n in tokens if n <= 64)
     step(0.5, f"building one {shape.name} decoder layer")
@@ -139,7 +140,7 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _best_of(fn: Callable[[], None], repeats: int) -> float:
+def _best_of(fn: Callable[[], object], repeats: int) -> float:
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -181,7 +182,8 @@ def _disk_read_gbps(folder: Path, nbytes: int) -> tuple[float, bool, Path]:
             os.fsync(f.fileno())
         size = os.path.getsize(name)
         with open(name, "rb", buffering=0) as f:
-            if hasattr(os, "posix_fadvise"):
+            # posix_fadvise: not on macOS or Windows (said by platform, which type checkers follow)
+            if sys.platform != "darwin" and sys.platform != "win32" and hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # drop it from the page cache
                 uncached = True
             t0 = time.perf_counter()
@@ -285,7 +287,11 @@ def _measure_gpu(index: int, quick: bool) -> GpuProfile:
     pinned = nbytes / _best_of(copy(host_pinned), 5) / GB
     pageable = nbytes / _best_of(copy(host_pageable), 2) / GB
     gpu_dst = torch.empty_like(gpu_buf)
-    dev_bw = 2 * nbytes / _best_of(lambda: (gpu_dst.copy_(gpu_buf), sync()), 3) / GB  # read + write
+    def copy_on_device() -> None:
+        gpu_dst.copy_(gpu_buf)
+        sync()
+
+    dev_bw = 2 * nbytes / _best_of(copy_on_device, 3) / GB  # read + write
     link = _pcie_link(index, lambda: [gpu_buf.copy_(host_pinned, non_blocking=True) for _ in range(8)])
     sync()
     size = 2048 if quick else 8192
@@ -294,7 +300,12 @@ def _measure_gpu(index: int, quick: bool) -> GpuProfile:
     side = torch.cuda.Stream(dev)
     a = torch.randn(size, size, device=dev, dtype=torch.float16)
     t_copy = _best_of(copy(host_pinned), 2)
-    t_mm = _best_of(lambda: ([torch.matmul(a, a) for _ in range(5)], sync()), 2)
+    def multiply() -> None:
+        products = [torch.matmul(a, a) for _ in range(5)]  # all five held until the sync
+        sync()
+        del products
+
+    t_mm = _best_of(multiply, 2)
 
     def both() -> None:
         with torch.cuda.stream(side):

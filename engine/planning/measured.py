@@ -35,6 +35,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypedDict, TypeGuard
 
 from engine.errors import MalformedInput
 from engine.planning.profile import profile_path
@@ -82,6 +83,19 @@ class MeasuredSpeed:
         many = "answer" if self.answers == 1 else "answers"
         last = " the last" if self.total_answers > self.answers else ""
         return f"measured here: {format_rate(self.tokens_per_second)} tok/s over{last} {self.answers} {many}"
+
+
+class _Entry(TypedDict):
+    """One key's figures as the file keeps them (`_valid` checks an entry read back)."""
+
+    target: str
+    fmt: str
+    draft: str
+    device: str
+    answers: int
+    recent: list[list[float]]  # [new tokens, seconds] of the newest answers, oldest first
+    last_mode: str
+    updated: float
 
 
 def format_rate(tok_s: float) -> str:
@@ -150,7 +164,7 @@ def _identity(spec: Path | str) -> str:
 
 
 # ---- the file ------------------------------------------------------------------------------------
-def _read(path: Path) -> list[dict[str, object]]:
+def _read(path: Path) -> list[_Entry]:
     """The file's entries; [] when it is missing or damaged (said once in the log)."""
     try:
         raw = read_json_file(path, what="The measured speeds file", max_bytes=MAX_FILE_BYTES)
@@ -165,7 +179,7 @@ def _read(path: Path) -> list[dict[str, object]]:
     return [e for e in raw["entries"] if _valid(e)]
 
 
-def _valid(entry: object) -> bool:
+def _valid(entry: object) -> TypeGuard[_Entry]:
     if not isinstance(entry, dict):
         return False
     texts = all(isinstance(entry.get(k), str) for k in ("target", "fmt", "draft", "device", "last_mode"))
@@ -177,7 +191,7 @@ def _valid(entry: object) -> bool:
     return texts and pairs and counts
 
 
-def _write(path: Path, entries: list[dict[str, object]]) -> None:
+def _write(path: Path, entries: list[_Entry]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
     try:
@@ -189,16 +203,15 @@ def _write(path: Path, entries: list[dict[str, object]]) -> None:
         raise
 
 
-def _key_of(entry: dict[str, object]) -> SpeedKey:
+def _key_of(entry: _Entry) -> SpeedKey:
     return SpeedKey(str(entry["target"]), str(entry["fmt"]), str(entry["draft"]), str(entry["device"]))
 
 
-def _speed(entry: dict[str, object]) -> MeasuredSpeed:
+def _speed(entry: _Entry) -> MeasuredSpeed:
     recent = entry["recent"]
-    assert isinstance(recent, list)
-    return MeasuredSpeed(_key_of(entry), len(recent), int(entry["answers"]),  # type: ignore[call-overload]
+    return MeasuredSpeed(_key_of(entry), len(recent), int(entry["answers"]),
                          sum(int(t) for t, _ in recent), sum(float(s) for _, s in recent),
-                         str(entry["last_mode"]), float(entry["updated"]))  # type: ignore[arg-type]
+                         str(entry["last_mode"]), float(entry["updated"]))
 
 
 def record_answer(key: SpeedKey, stats: GenerationStats, path: Path | None = None) -> MeasuredSpeed | None:
@@ -212,13 +225,15 @@ def record_answer(key: SpeedKey, stats: GenerationStats, path: Path | None = Non
     entry = next((e for e in entries if _key_of(e) == key), None)
     if entry is None:
         entry = {"target": key.target, "fmt": key.fmt, "draft": key.draft, "device": key.device,
-                 "answers": 0, "recent": []}
+                 "answers": 0, "recent": [], "last_mode": "", "updated": 0.0}  # the last two are set below
     else:
         entries.remove(entry)
-    recent = list(entry["recent"])  # type: ignore[call-overload]
+    recent = list(entry["recent"])
     recent.append([int(stats.new_tokens), round(seconds, 4)])
-    entry.update(recent=recent[-RECENT_ANSWERS:], answers=int(entry["answers"]) + 1,  # type: ignore[call-overload]
-                 last_mode=str(stats.mode), updated=time.time())
+    entry["recent"] = recent[-RECENT_ANSWERS:]
+    entry["answers"] = int(entry["answers"]) + 1
+    entry["last_mode"] = str(stats.mode)
+    entry["updated"] = time.time()
     entries.insert(0, entry)
     _write(target, entries[:MAX_ENTRIES])
     return _speed(entry)

@@ -228,8 +228,10 @@ def _quant_options(profile: HardwareProfile, model: CatalogModel, quant: str) ->
         return ["gguf" if packed == "gguf" else "awq" if packed in ("awq", "gptq") else "nf4"]
     if profile.gpu is None:
         return ["none"]  # CPU runs fp32; NF4 kernels are GPU-only
-    if quant in ("none", "nf4"):
-        return [quant]
+    if quant == "none":
+        return ["none"]
+    if quant == "nf4":
+        return ["nf4"]
     if quant == "bf16":
         return ["none"]
     return ["none", "nf4"]

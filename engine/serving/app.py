@@ -118,6 +118,7 @@ def build_app(queue: GenerationQueue, defaults: Callable[[], RequestDefaults], a
         except QueueFull as exc:
             raise ApiError(429, str(exc), "server_busy", "queue_full",
                            headers={"Retry-After": RETRY_AFTER_SECONDS}) from exc
+        watcher: asyncio.Task[None] | None  # None once the stream owns it
         watcher = asyncio.create_task(_cancel_on_disconnect(request.receive, job))
         try:
             first = await job.events.get()

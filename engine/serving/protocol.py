@@ -38,7 +38,9 @@ MAX_STOP_STRINGS = 16
 IGNORED_PENALTIES = ("presence_penalty", "frequency_penalty")
 MAX_TOKENS_CEILING = 1 << 20  # when the model's context is not known: no local model reads more
 _SHOWN = 60  # most characters of a refused value quoted back
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+# an API role -> the engine's (OpenAI's "developer" is a system message)
+ROLES: dict[str, Literal["system", "user", "assistant"]] = {
+    "system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 REFUSED = {  # field -> why; refused only when set to something other than "off"
     "logprobs": "log probabilities are not returned",
     "top_logprobs": "log probabilities are not returned",
@@ -230,7 +232,7 @@ def _messages(raw: object, system: str | None) -> tuple[Message, ...]:
         if not isinstance(role, str) or role not in ROLES:
             raise bad_request(f"{where}: role {_shown(role)} is not supported (system, developer, user, "
                               "assistant).", "messages")
-        messages.append(Message(ROLES[role], _text(item.get("content"), where)))  # type: ignore[arg-type]
+        messages.append(Message(ROLES[role], _text(item.get("content"), where)))
     if system and not any(m.role == "system" for m in messages):
         messages.insert(0, Message("system", system))
     return tuple(messages)

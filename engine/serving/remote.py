@@ -33,7 +33,7 @@ import re
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TypeGuard
 from urllib.parse import urlsplit
 
 import httpx2
@@ -189,7 +189,10 @@ class RemoteEngine:
     # ---- the answer --------------------------------------------------------------------------
     def _stream(self, request: GenerationRequest, lines: queue.Queue[object], cancel: threading.Event,
                 stop: threading.Event, started: float) -> Iterator[TokenEvent | Completion]:
-        text, finish, usage, ttft, deltas = "", None, {}, None, 0
+        text, deltas = "", 0
+        finish: str | None = None
+        usage: dict[str, Any] = {}
+        ttft: float | None = None
         try:
             while True:
                 item = self._next(lines, cancel)
@@ -223,8 +226,8 @@ class RemoteEngine:
         if finish is None:  # the stream ended without a finish reason or [DONE]: cut off
             raise RemoteDisconnected(f"The server at {self.url} closed the connection in the middle of the answer; "
                                      "the part that arrived is kept.")
-        reason: FinishReason = "length" if finish == "length" else "stop" if request.stop else "eos"
-        yield self._completion(text, reason, usage, started, ttft, deltas)
+        ended: FinishReason = "length" if finish == "length" else "stop" if request.stop else "eos"
+        yield self._completion(text, ended, usage, started, ttft, deltas)
 
     def _event(self, data: bytes) -> dict[str, Any]:
         """One stream event (or a whole answer) as an object; RemoteError for anything else,
@@ -263,7 +266,10 @@ class RemoteEngine:
             part = choice.get(key) if key else None
             if part is not None and not isinstance(part, dict):
                 raise _bad_event(self.url, f"'{key}' is {_kind(part)}, not an object", data)
-            piece = part.get("content") if key else choice.get("text")
+            if key is None:
+                piece = choice.get("text")
+            else:  # a null delta or message carries no text
+                piece = part.get("content") if part is not None else None
             if piece is not None and not isinstance(piece, str):
                 raise _bad_event(self.url, f"the text of a choice is {_kind(piece)}, not a string", data)
             reason = choice.get("finish_reason")
@@ -294,8 +300,7 @@ class RemoteEngine:
     def _completion(self, text: str, reason: FinishReason, usage: dict[str, Any], started: float,
                     ttft: float | None, deltas: int) -> Completion:
         seconds = time.perf_counter() - started
-        extra = usage.get("specchat") if isinstance(usage.get("specchat"), dict) else {}
-        details = usage.get("prompt_tokens_details") if isinstance(usage.get("prompt_tokens_details"), dict) else {}
+        extra, details = _object(usage.get("specchat")), _object(usage.get("prompt_tokens_details"))
         new = _int(usage.get("completion_tokens"), deltas)
         stats = GenerationStats(
             prompt_tokens=_int(usage.get("prompt_tokens"), 0), new_tokens=new,
@@ -367,11 +372,16 @@ def _kind(value: object) -> str:
         type(value), type(value).__name__)
 
 
+def _object(value: object) -> dict[str, Any]:
+    """A JSON object as it is; anything else as an empty one."""
+    return value if isinstance(value, dict) else {}
+
+
 def _int(value: object, default: int) -> int:
     return max(0, int(value)) if _number(value) else default
 
 
-def _number(value: object) -> bool:
+def _number(value: object) -> TypeGuard[int | float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 

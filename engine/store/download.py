@@ -272,7 +272,7 @@ def _reconcile_state(partial_dir: Path, repo_id: str, commit: str, files: tuple[
             _local(partial_dir, f"{f.name}.part").unlink(missing_ok=True)
         # Without a record (the state file could not be written: a full disk, a crash) the files
         # stay; _present_bytes checks a finished one against the hub's checksum before trusting it.
-        state["files"][f.name] = {**expected, "verified": bool(same and old.get("verified"))}  # type: ignore[union-attr]
+        state["files"][f.name] = {**expected, "verified": bool(same and old is not None and old.get("verified"))}
     return state
 
 

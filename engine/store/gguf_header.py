@@ -218,7 +218,8 @@ def read_model(path: Path, string_arrays: Container[str] = ()) -> GGUFHeader:
         if count > 1:
             raise CorruptGGUF(f"{path.name} is part of a model split into {count} files, but its name does not "
                               "say which: keep the names llama.cpp gave the parts (<name>-00001-of-0000N.gguf).")
-        return first  # type: ignore[return-value]
+        assert first is not None, "a one-file model is read above (read_header raises if it cannot)"
+        return first
     missing = [p.name for p in parts if not p.exists()]  # a pipe or folder there: read_header says so
     if missing:
         raise MissingPart(f"{path.name} is one of {len(parts)} files of a split model, but "

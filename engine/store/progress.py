@@ -11,7 +11,7 @@ import time
 from collections import deque
 from typing import Callable
 
-from engine.types import DownloadProgress
+from engine.types import DownloadProgress, DownloadState
 
 ProgressCallback = Callable[[DownloadProgress], None]
 
@@ -55,7 +55,7 @@ class ProgressTracker:
         self._interval_s = interval_s
         self._meter = RateMeter()
         self._last_emit = float("-inf")
-        self._state = "checking"
+        self._state: DownloadState = "checking"
 
     def start_file(self, name: str, size: int, already: int) -> None:
         self.file_name, self.file_total, self.file_done = name, size, already
@@ -73,7 +73,7 @@ class ProgressTracker:
         elif now - self._last_emit >= self._interval_s:
             self.emit("downloading")
 
-    def emit(self, state: str, message: str = "") -> None:
+    def emit(self, state: DownloadState, message: str = "") -> None:
         if state in ("paused", "retrying"):
             self._meter.reset()  # speed after a gap restarts from fresh samples
         self._state = state

@@ -260,7 +260,7 @@ def import_model(path: Path, models_dir: Path, name: str | None = None, copy: bo
     folder = inside(models_dir, f"local--{model_name}", "The import name")
     _check_name_free(model_name, folder, models_dir)
     check_model_files(source)  # a GGUF cut short, a shard missing its end: refused before registering
-    entries = [{"name": p.name, "size": p.stat().st_size} for p in files]
+    entries: list[dict[str, Any]] = [{"name": p.name, "size": p.stat().st_size} for p in files]
     if copy:
         needed = sum(e["size"] for e in entries)
         models_dir.mkdir(parents=True, exist_ok=True)

@@ -44,16 +44,16 @@ def check_header(header: object, name: str, data_bytes: int) -> None:
     for tensor, info in header.items():
         if tensor == "__metadata__":
             continue
-        ok = isinstance(info, dict) and isinstance(info.get("dtype"), str)
-        shape, offsets = (info.get("shape"), info.get("data_offsets")) if ok else (None, None)
-        ok = ok and isinstance(shape, list) and all(_count(d) for d in shape)
-        ok = ok and isinstance(offsets, list) and len(offsets) == 2 and all(_count(o) for o in offsets)
-        if not ok or not offsets[0] <= offsets[1]:  # type: ignore[index]
+        shape, offsets = (info.get("shape"), info.get("data_offsets")) if isinstance(info, dict) else (None, None)
+        if not (isinstance(info, dict) and isinstance(info.get("dtype"), str)
+                and isinstance(shape, list) and all(_count(d) for d in shape)
+                and isinstance(offsets, list) and len(offsets) == 2 and all(_count(o) for o in offsets)
+                and offsets[0] <= offsets[1]):
             raise CorruptCheckpoint(f"{name} has a damaged header (the entry for {str(tensor)[:80]!r})")
-        if offsets[1] > data_bytes:  # type: ignore[index]
+        if offsets[1] > data_bytes:
             raise CorruptCheckpoint(f"{name} is truncated (tensor {str(tensor)[:80]!r} ends past the end of the file)")
         item = ITEM_BYTES.get(info["dtype"])
-        if item is not None and offsets[1] - offsets[0] != math.prod(shape) * item:  # type: ignore[index, arg-type]
+        if item is not None and offsets[1] - offsets[0] != math.prod(shape) * item:
             raise CorruptCheckpoint(f"{name} has a damaged header (tensor {str(tensor)[:80]!r} has the wrong size)")
 
 

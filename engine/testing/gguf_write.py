@@ -17,7 +17,7 @@ What this module does not do: read GGUF files (engine.loading.gguf) or choose we
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -75,16 +75,24 @@ def _nibbles_k(q: np.ndarray) -> np.ndarray:
     return (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
 
 
+def _packed(fields: Iterable[np.ndarray]) -> np.ndarray:
+    """Bit fields (disjoint bits, already shifted into place) added into one array."""
+    total, *rest = fields
+    for f in rest:
+        total = total + f
+    return total
+
+
 def _crumbs(q: np.ndarray, bits: int = 2) -> np.ndarray:
     """(n, 256) codes < 4 -> 64 bytes: in each 128 values, four runs of 32 share 32 bytes."""
     q = q.reshape(-1, 2, 4, 32)
-    return sum(q[:, :, k] << (bits * k) for k in range(4)).reshape(-1, 64)
+    return _packed(q[:, :, k] << (bits * k) for k in range(4)).reshape(-1, 64)
 
 
 def _bitplane(q: np.ndarray) -> np.ndarray:
     """(n, 256) bits -> 32 bytes: byte l holds bit i of value 32*i + l."""
     q = q.reshape(-1, 8, 32)
-    return sum(q[:, i] << i for i in range(8))
+    return _packed(q[:, i] << i for i in range(8))
 
 
 def _q4_k(x: np.ndarray) -> np.ndarray:
@@ -117,7 +125,7 @@ def _q3_k(x: np.ndarray) -> np.ndarray:
     u, q = sc + 32, q.reshape(-1, 256)
     low, high = u & 15, u >> 4
     scales = np.concatenate([low[:, :8] | (low[:, 8:] << 4),
-                             sum(high[:, 4 * k:4 * k + 4] << (2 * k) for k in range(4))], axis=1)
+                             _packed(high[:, 4 * k:4 * k + 4] << (2 * k) for k in range(4))], axis=1)
     return _bytes(_bitplane((q >= 0).astype(np.int32)), _crumbs(q & 3), scales, d)
 
 
@@ -153,7 +161,7 @@ def _iq4_xs(x: np.ndarray) -> np.ndarray:
     ls = _round(_div(scale, d), -32, 31)
     q = _iq4_codes(x, (d * ls)[..., None])  # (n, 8, 32)
     u = ls + 32
-    scales_h = sum((u[:, s] >> 4) << (2 * s) for s in range(8)).astype(np.uint16)[:, None]
+    scales_h = _packed((u[:, s] >> 4) << (2 * s) for s in range(8)).astype(np.uint16)[:, None]
     scales_l = (u[:, 0::2] & 15) | ((u[:, 1::2] & 15) << 4)
     qs = (q[:, :, :16] | (q[:, :, 16:] << 4)).reshape(-1, 128)
     return _bytes(d.astype(np.float16), scales_h.view(np.uint8), scales_l, qs)

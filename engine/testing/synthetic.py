@@ -27,16 +27,18 @@ import json
 import os
 import tempfile
 from pathlib import Path
+from typing import TypedDict
 
 import numpy as np
 import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from torch import nn
 from transformers import (
     AutoTokenizer,
     LlamaConfig,
     LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -106,18 +108,15 @@ def _build_tiny(tmp: Path, arch: str, seed: int, noise: float, vocab_pad: int, l
     _random_model(arch, tok, seed, noise, len(tok) + vocab_pad, layers, hidden).save_pretrained(tmp)
 
 
-def _random_model(arch: str, tok: PreTrainedTokenizerFast, seed: int, noise: float, vocab: int, layers: int,
+def _random_model(arch: str, tok: PreTrainedTokenizerBase, seed: int, noise: float, vocab: int, layers: int,
                   hidden: int, std: float = 0.15) -> LlamaForCausalLM | Qwen2ForCausalLM:
     common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                   bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                   tie_word_embeddings=False)
-    if arch == "llama":
-        config, cls = LlamaConfig(**common), LlamaForCausalLM
-    else:
-        config, cls = Qwen2Config(**common, use_sliding_window=False), Qwen2ForCausalLM
+    config = LlamaConfig(**common) if arch == "llama" else Qwen2Config(**common, use_sliding_window=False)
     torch.manual_seed(seed)
-    model = cls(config)
+    model = LlamaForCausalLM(config) if isinstance(config, LlamaConfig) else Qwen2ForCausalLM(config)
     with torch.no_grad():
         # a larger init than the default makes logits peaked enough for non-trivial trees
         for p in model.parameters():
@@ -194,7 +193,7 @@ def tiny_gguf(
     return paths.publish_folder(folder, build) / file
 
 
-def _gguf_vocab(folder: Path, tok: PreTrainedTokenizerFast) -> dict:
+def _gguf_vocab(folder: Path, tok: PreTrainedTokenizerBase) -> dict:
     """The tiny tokenizer as GGUF metadata: tokens by id, merges, control tokens, template."""
     data = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
     by_id = {i: t for t, i in data["model"]["vocab"].items()}
@@ -206,8 +205,19 @@ def _gguf_vocab(folder: Path, tok: PreTrainedTokenizerFast) -> dict:
             "chat_template": CHATML}
 
 
-SYNTHETIC_BIG = dict(hidden=2048, intermediate=5632, layers=14, vocab=32000, heads=16, kv_heads=4)  # ~1.5 GB bf16
-SYNTHETIC_SMALL = dict(hidden=512, intermediate=1408, layers=8, vocab=8000, heads=8, kv_heads=4)  # ~45 MB bf16
+class SyntheticShape(TypedDict):
+    """The size of a synthetic Llama: synthetic_llama's and synthetic_gguf's shape arguments."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    vocab: int
+    heads: int
+    kv_heads: int
+
+
+SYNTHETIC_BIG: SyntheticShape = dict(hidden=2048, intermediate=5632, layers=14, vocab=32000, heads=16, kv_heads=4)  # ~1.5 GB bf16
+SYNTHETIC_SMALL: SyntheticShape = dict(hidden=512, intermediate=1408, layers=8, vocab=8000, heads=8, kv_heads=4)  # ~45 MB bf16
 
 
 def synthetic_llama(folder: Path, hidden: int, intermediate: int, layers: int, vocab: int, heads: int,
@@ -257,8 +267,8 @@ def _write_shard(folder: Path, tensors: dict[str, torch.Tensor]) -> None:
     save_file(tensors, str(folder / f"model-{n:05d}.safetensors"), metadata={"format": "pt"})
 
 
-SYNTHETIC_GGUF_BIG = dict(hidden=4096, intermediate=11008, layers=12, vocab=32000, heads=32, kv_heads=8)  # ~1.5 GB
-SYNTHETIC_GGUF_SMALL = dict(hidden=1024, intermediate=2816, layers=6, vocab=8000, heads=16, kv_heads=4)  # ~55 MB
+SYNTHETIC_GGUF_BIG: SyntheticShape = dict(hidden=4096, intermediate=11008, layers=12, vocab=32000, heads=32, kv_heads=8)  # ~1.5 GB
+SYNTHETIC_GGUF_SMALL: SyntheticShape = dict(hidden=1024, intermediate=2816, layers=6, vocab=8000, heads=16, kv_heads=4)  # ~55 MB
 
 
 def synthetic_gguf(path: Path, hidden: int, intermediate: int, layers: int, vocab: int, heads: int, kv_heads: int,
@@ -274,11 +284,12 @@ def synthetic_gguf(path: Path, hidden: int, intermediate: int, layers: int, voca
         tiny_tokenizer_files(Path(tmp))
         vocab_meta = _gguf_vocab(Path(tmp), AutoTokenizer.from_pretrained(tmp, trust_remote_code=False))
     kv = kv_heads * (hidden // heads)
-    shapes = {"input_layernorm": (hidden,), "self_attn.q_proj": (hidden, hidden), "self_attn.k_proj": (kv, hidden),
-              "self_attn.v_proj": (kv, hidden), "self_attn.o_proj": (hidden, hidden),
-              "post_attention_layernorm": (hidden,), "mlp.gate_proj": (intermediate, hidden),
-              "mlp.up_proj": (intermediate, hidden), "mlp.down_proj": (hidden, intermediate)}
-    tensors = [("model.embed_tokens.weight", (vocab, hidden), Q[embed_type])]
+    shapes: dict[str, tuple[int, ...]] = {
+        "input_layernorm": (hidden,), "self_attn.q_proj": (hidden, hidden), "self_attn.k_proj": (kv, hidden),
+        "self_attn.v_proj": (kv, hidden), "self_attn.o_proj": (hidden, hidden),
+        "post_attention_layernorm": (hidden,), "mlp.gate_proj": (intermediate, hidden),
+        "mlp.up_proj": (intermediate, hidden), "mlp.down_proj": (hidden, intermediate)}
+    tensors: list[tuple[str, tuple[int, ...], Q]] = [("model.embed_tokens.weight", (vocab, hidden), Q[embed_type])]
     for i in range(layers):
         main, _, side = layer_types[i % len(layer_types)].partition("/")
         for name, shape in shapes.items():
@@ -321,10 +332,11 @@ def llama_config(shape: ModelShape, tie_embeddings: bool = False) -> LlamaConfig
                        tie_word_embeddings=tie_embeddings, bos_token_id=0, eos_token_id=1)
 
 
-def meta_model(config: LlamaConfig, dtype: torch.dtype) -> nn.Module:
+def meta_model(config: LlamaConfig, dtype: torch.dtype) -> PreTrainedModel:
     """The transformers model on the meta device (no memory), as the loader builds it."""
     with torch.device("meta"):
-        return LlamaForCausalLM(config).to(dtype)
+        # transformers wraps PreTrainedModel.to with functools.wraps, whose stub drops the bound self
+        return LlamaForCausalLM(config).to(dtype)  # type: ignore[arg-type]
 
 
 @torch.no_grad()
@@ -335,7 +347,7 @@ def _fill_random(p: torch.Tensor, g: torch.Generator) -> None:
         p.fill_(1.0)
 
 
-def _rotary_on(hf: nn.Module, device: torch.device) -> None:
+def _rotary_on(hf: PreTrainedModel, device: torch.device) -> None:
     with torch.device(device):  # rotary tables are computed, not stored
         hf.model.rotary_emb = type(hf.model.rotary_emb)(config=hf.config)
 
@@ -354,7 +366,7 @@ def random_model(config: LlamaConfig, device: torch.device | str, dtype: torch.d
     return CausalLM(hf)
 
 
-def random_outer(hf: nn.Module, device: torch.device | str, seed: int = 0) -> None:
+def random_outer(hf: PreTrainedModel, device: torch.device | str, seed: int = 0) -> None:
     """Give a meta model its embeddings, final norm and head, random on `device` (its decoder
     layers stay on the meta device, for the streamer to run)."""
     dev = torch.device(device)
@@ -394,7 +406,7 @@ def random_packed_store(layout: LayerLayout, layers: int, pin: bool, device: tor
     return store
 
 
-def streamed_target(hf: nn.Module, layout: LayerLayout, store: HostStore, placement: Placement,
+def streamed_target(hf: PreTrainedModel, layout: LayerLayout, store: HostStore, placement: Placement,
                     device: torch.device | str) -> CausalLM:
     """A CausalLM over packed layers in `store` (store index = layer index): the
     `placement.gpu_layers` that Placement.tiers puts on the device copied there and run from

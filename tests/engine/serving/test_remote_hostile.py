@@ -102,6 +102,7 @@ def test_a_hostile_stream_is_a_remote_error(hostile: VllmStandIn, case: str, eve
 
 def test_odd_but_harmless_answers_are_read(hostile: VllmStandIn) -> None:
     hostile.events = [CHUNK % b'[{"index": 0, "delta": {"role": "assistant", "content": null}}]',
+                      CHUNK % b'[{"index": 0, "delta": null}]',
                       CHUNK % b'[{"index": 1, "delta": {"content": "other choice"}}]',
                       CHUNK % b'[{"index": 0, "delta": {"content": "Hi"}, "finish_reason": null}]',
                       CHUNK % b'[{"index": 0, "delta": {}, "finish_reason": "stop"}]',
