@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import stat
 from pathlib import Path
 
@@ -34,17 +33,27 @@ MAX_NUMBER_DIGITS = 40  # an int64 has 19; JSON from outside never needs a bignu
 KIB = 1024
 MIB = 1024 * KIB
 
-_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
-_NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
+_KEPT = b'"[]{}'  # the bytes the depth scan needs once escapes are gone
+_OTHER = bytes(b for b in range(256) if b not in _KEPT)
 _OPEN = frozenset(b"[{")
+_CHUNK = 64 * 1024
 
 
 def nesting_depth(data: bytes) -> int:
     """How deep the arrays and objects of JSON text `data` nest (brackets inside strings do not
-    count). Linear time and no recursion, so it is safe on any input."""
-    brackets = _STRING.sub(b"", data).translate(None, _NOT_BRACKET)
+    count). Linear time, no recursion and a few bytes of memory per quote, so it is safe on any
+    input: no regular expression walks a string, because one that does keeps state for every
+    character (an 8 MiB string took 1 GB)."""
+    # Inside a string every backslash starts an escape, so pairing backslashes from the left is
+    # JSON's own reading: drop escaped backslashes, then escaped quotes; the quotes left delimit.
+    delimiters = data.replace(b"\\\\", b"").replace(b'\\"', b"").translate(None, _OTHER)
+    outside, inside = [], False
+    for start in range(0, len(delimiters), _CHUNK):  # in chunks: split() holds a pointer per quote
+        pieces = delimiters[start:start + _CHUNK].split(b'"')
+        outside.append(b"".join(pieces[1 if inside else 0::2]))
+        inside ^= len(pieces) % 2 == 0  # an odd number of quotes in this chunk
     depth = deepest = 0
-    for b in brackets:
+    for b in b"".join(outside):
         if b in _OPEN:
             depth += 1
             if depth > deepest:
