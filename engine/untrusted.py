@@ -11,6 +11,8 @@ Everything from outside goes through here, once, with bounds:
 - `read_bytes` / `read_text` / `read_json_file` open a path only if it is a regular file (not a
   folder, FIFO, socket or device such as /dev/zero), without blocking on a FIFO, and read at most
   `max_bytes`.
+- `run_within` runs code from outside that executes here (a model's chat template, sandboxed but
+  free to loop 10^10 times) with a time limit: `Overran` is raised inside it when the time is up.
 
 Each refusal is a `MalformedInput` whose `user_message` names `what` was read and why it was
 refused; callers turn it into their own answer (HTTP 400, a `!` line in a listing, `error:` and
@@ -20,11 +22,15 @@ caller knows what it expects).
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import os
 import stat
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from engine.errors import MalformedInput
 
@@ -167,6 +173,37 @@ def read_json_file(path: str | os.PathLike[str], *, what: str, max_bytes: int = 
     """read_bytes + parse_json; the message names the file."""
     data = read_bytes(path, what=what, max_bytes=max_bytes)
     return parse_json(data, what=f"{what} ({path})", max_bytes=max_bytes, max_depth=max_depth)
+
+
+T = TypeVar("T")
+
+
+class Overran(BaseException):
+    """Raised inside `run_within`'s work when its time is up. A BaseException, so that no
+    `except Exception` in the code it interrupts (a template engine's own) can swallow it."""
+
+
+def run_within(seconds: float, work: Callable[[], T]) -> T:
+    """work() in this thread, or Overran once it has run `seconds`. The exception lands at the
+    next Python instruction, so loops and recursion stop; one long C call (a huge power of a
+    number) runs to its end first."""
+    me, lock, done = threading.get_ident(), threading.Lock(), threading.Event()
+
+    def expire() -> None:
+        with lock:
+            if not done.is_set():
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(me), ctypes.py_object(Overran))
+
+    timer = threading.Timer(seconds, expire)
+    timer.daemon = True
+    timer.start()
+    try:
+        return work()
+    finally:
+        timer.cancel()
+        with lock:  # an Overran set but not landed yet is taken back: it must not hit the caller later
+            done.set()
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(me), None)
 
 
 def _kind(mode: int) -> str:
