@@ -83,7 +83,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def report(message: str, code: int) -> int:
-    """The one `error:` line; returns `code`."""
+    """The one `error:` line; returns `code`. A value quoted in it keeps it one line: control
+    characters (a line break in a URL or a name) are shown escaped, and so are bytes of a path
+    that are not UTF-8 (Python keeps them as lone surrogates, which a strict stream cannot write)."""
+    message = "".join(repr(c)[1:-1] if c.isspace() and c != " " or not c.isprintable() and c.isascii() else c
+                      for c in message).encode("utf-8", "backslashreplace").decode("utf-8")
     try:
         print(f"error: {message}", file=sys.stderr, flush=True)
     except OSError:  # stderr is gone too: the exit code still tells

@@ -10,6 +10,10 @@ from typing import Any
 
 from engine.errors import InvalidRequest
 from engine.types import GenerationRequest, Tokenizer
+from engine.untrusted import MIB, Overran, run_within
+
+TEMPLATE_SECONDS = 30.0  # real templates take milliseconds, even for a conversation of thousands of messages
+RENDERED_PER_CHARACTER = 8  # a template repeats a system prompt, wraps each message: never 8 times the text
 
 
 def encode_prompt(tokenizer: Tokenizer, request: GenerationRequest) -> list[int]:
@@ -23,18 +27,36 @@ def encode_prompt(tokenizer: Tokenizer, request: GenerationRequest) -> list[int]
             raise InvalidRequest("The prompt is empty: type a message first.")
         if not tokenizer.chat_template:
             raise InvalidRequest("This model has no chat template; use --raw-prompt to feed plain text.")
-        msgs = [{"role": m.role, "content": m.content} for m in request.messages]
-        try:
-            if request.continue_final:  # the answer's own end-of-turn is left out, so it goes on
-                out = tokenizer.apply_chat_template(msgs, continue_final_message=True, tokenize=True)
-            else:
-                out = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-            ids = [int(i) for i in (out if isinstance(out, list) else out["input_ids"])]
-        except Exception as exc:  # noqa: BLE001 - the template is the model's own (sandboxed) code: any error is its refusal
-            raise InvalidRequest(template_refusal(exc, request)) from exc
+        text = render_chat(tokenizer, request)
+        ids = [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
     if not ids:
         raise InvalidRequest("The prompt is empty: type a message first.")
     return ids
+
+
+def render_chat(tokenizer: Tokenizer, request: GenerationRequest, seconds: float | None = None) -> str:
+    """The request's messages through the model's chat template, as text (what
+    apply_chat_template(tokenize=True) then tokenizes without special tokens). The template is
+    the model's code: sandboxed, but free to loop for hours or render gigabytes, so it gets
+    `seconds` (default TEMPLATE_SECONDS) and at most RENDERED_PER_CHARACTER times the
+    conversation's text (plus 1 MiB)."""
+    seconds = TEMPLATE_SECONDS if seconds is None else seconds
+    msgs = [{"role": m.role, "content": m.content} for m in request.messages]
+    options = {"continue_final_message": True} if request.continue_final else {"add_generation_prompt": True}
+    try:  # continue_final: the answer's own end-of-turn is left out, so it goes on
+        text = run_within(seconds, lambda: tokenizer.apply_chat_template(msgs, tokenize=False, **options))
+    except Overran:
+        raise InvalidRequest(f"The model's chat template did not finish this conversation in {seconds:g} s (it may "
+                             "loop without end): the model's files are faulty. A raw prompt (--raw-prompt) skips the "
+                             "template.") from None
+    except Exception as exc:  # noqa: BLE001 - the template is the model's own (sandboxed) code: any error is its refusal
+        raise InvalidRequest(template_refusal(exc, request)) from exc
+    given = sum(len(m["content"]) for m in msgs)
+    if not isinstance(text, str) or len(text) > RENDERED_PER_CHARACTER * given + MIB:
+        raise InvalidRequest(f"The model's chat template turned {given:,} characters of conversation into "
+                             f"{len(text) if isinstance(text, str) else 0:,}: the model's files are faulty. A raw "
+                             "prompt (--raw-prompt) skips the template.")
+    return text
 
 
 def template_refusal(exc: Exception, request: GenerationRequest) -> str:

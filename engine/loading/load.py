@@ -60,6 +60,12 @@ def resolve_path(spec: str) -> Path:
     """A --target/--draft value -> a local path: an existing path, else a model from the store."""
     path = Path(spec).expanduser()
     if path.exists():
+        try:
+            str(path.resolve()).encode("utf-8")  # bytes that are not UTF-8 are kept as lone surrogates
+        except UnicodeEncodeError:
+            raise UnsupportedModel(f"'{path}' cannot be loaded: its path holds bytes that are not UTF-8 text, which "
+                                   "the model readers cannot open. Rename the folder or file (letters in any script "
+                                   "are fine).") from None
         return path
     found = resolve_model(spec)  # a catalog id or owner/name repo id in the model store
     if found is not None:

@@ -162,13 +162,15 @@ def _listed(model: ModelState) -> bool:
 
 # ---- the pieces of a request ------------------------------------------------------------------------
 async def _read_json(request: Request, limit: int) -> object:
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:  # refused before a byte is read (no "100 Continue")
+        raise _too_large(limit)
     body = bytearray()
     try:
         async for chunk in request.stream():
             body += chunk
             if len(body) > limit:
-                raise ApiError(413, f"The request body is larger than {limit // (1024 * 1024)} MiB.",
-                               "invalid_request_error", "request_too_large")
+                raise _too_large(limit)
     except ClientDisconnect:
         raise ApiError(400, "The client disconnected while sending the request.") from None
     try:
@@ -177,6 +179,11 @@ async def _read_json(request: Request, limit: int) -> object:
     except MalformedInput as exc:
         raise ApiError(400, exc.user_message, "invalid_request_error", "invalid_json") from None
     return value
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"The request body is larger than {limit // (1024 * 1024)} MiB.", "invalid_request_error",
+                    "request_too_large")
 
 
 def _check_strings(value: object) -> None:

@@ -18,7 +18,11 @@ engine.untrusted.parse_json (depth, size and number bounds), reads are bounded (
 an error body, one stream line), and every field used is checked for its shape (`choices` a
 list of objects, `delta` an object, `content` a string, ...). An answer that is not what an
 OpenAI-compatible server sends is a RemoteError saying so, never a crash. A server that answers
-with one JSON object although a stream was asked for is read as that object.
+with one JSON object although a stream was asked for is read as that object. Bounded too: the
+reader runs at most QUEUED_LINES stream lines ahead, an answer longer than max_tokens can be
+(MAX_CHARS_PER_TOKEN characters a token) is stopped, and redirects are not followed (the
+request carries the API key): the error names where one points. A URL or key that no request
+can carry is a RemoteError before anything is sent.
 
 What this does not do: retry, pick models, or import torch.
 """
@@ -65,6 +69,8 @@ POLL_SECONDS = 0.05  # how often a waiting generate() looks at its cancel Event
 MAX_LIST_BYTES = 8 * MIB  # a model list (thousands of models are far below this)
 MAX_LINE_BYTES = 1 * MIB  # one stream line, or an answer sent whole; a chunk is a few hundred bytes
 MAX_ERROR_BYTES = 64 * 1024  # an error body: only its start is shown
+MAX_CHARS_PER_TOKEN = 1024  # no vocabulary has longer tokens: more text than this per token asked for is a flood
+QUEUED_LINES = 256  # stream lines the reader may be ahead of generate() (a server can send faster than we read)
 _OPEN, _END = object(), object()
 _LINE_END = re.compile(rb"\r\n|\r|\n")
 
@@ -80,7 +86,8 @@ def normalise_url(url: str) -> str:
     try:
         parts = urlsplit(url)
         parts.port  # noqa: B018 - raises ValueError for a port out of range or not a number
-    except ValueError:
+        httpx2.URL(url)  # what the client refuses: a host name that is not IDNA, control characters
+    except (ValueError, httpx2.InvalidURL):
         parts = None
     if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
         raise RemoteError(f"'{url}' is not an http(s) URL: give one like http://gpu-box:8000/v1.")
@@ -128,7 +135,7 @@ class RemoteEngine:
         cancel = cancel or threading.Event()
         chat = request.raw_prompt is None
         path = "/chat/completions" if chat else "/completions"
-        lines: queue.Queue[object] = queue.Queue()
+        lines: queue.Queue[object] = queue.Queue(QUEUED_LINES)
         stop = threading.Event()
         started = time.perf_counter()
         reader = threading.Thread(target=self._read, args=(path, self._body(request), lines, stop),
@@ -150,31 +157,38 @@ class RemoteEngine:
             with httpx2.Client(timeout=timeout) as client, client.stream(
                     "POST", self.url + path, json=body, headers=_headers(self.remote.api_key)) as resp:
                 if resp.status_code >= 400:
-                    lines.put(_status_error(resp.status_code, _server_message(_read_some(resp, MAX_ERROR_BYTES)),
-                                            self.url, self.remote.model))
+                    _put(lines, _status_error(resp.status_code, _server_message(_read_some(resp, MAX_ERROR_BYTES)),
+                                              self.url, self.remote.model), stop)
+                    return
+                if 300 <= resp.status_code < 400:  # not followed: the request carries the API key
+                    _put(lines, _redirected(self.url, resp), stop)
                     return
                 opened = True
-                lines.put(_OPEN)
-                if resp.headers.get("content-type", "").split(";")[0].strip().lower() == "application/json":
+                _put(lines, _OPEN, stop)
+                kind = resp.headers.get("content-type", "").split(";")[0].strip().lower()
+                if kind == "application/json":
                     whole = _read_some(resp, MAX_LINE_BYTES + 1)  # one object, not a stream: one event
-                    lines.put(b"data: " + whole if len(whole) <= MAX_LINE_BYTES else _too_long(self.url))
+                    _put(lines, b"data: " + whole if len(whole) <= MAX_LINE_BYTES else _too_long(self.url), stop)
                 else:
                     for line in _bounded_lines(resp, self.url):
                         if stop.is_set():
                             return  # leaving the block closes the connection: the server stops too
-                        lines.put(line)
-            lines.put(_END)
+                        if line.startswith(b"data:"):  # comments, blank lines and other fields are skipped here
+                            _put(lines, line, stop)
+                    if kind != "text/event-stream":  # an answer, but no stream: a web page, an empty 200
+                        _put(lines, _not_a_stream(self.url, resp.status_code, kind), stop)
+            _put(lines, _END, stop)
         except httpx2.TransportError as exc:
             if not opened:  # refused, timed out, or closed before it answered
-                lines.put(_unreachable(self.url, exc))
+                _put(lines, _unreachable(self.url, exc), stop)
             else:
-                lines.put(RemoteDisconnected(f"The server at {self.url} went away in the middle of the answer "
-                                             f"({type(exc).__name__}); the part that arrived is kept."))
+                _put(lines, RemoteDisconnected(f"The server at {self.url} went away in the middle of the answer "
+                                               f"({type(exc).__name__}); the part that arrived is kept."), stop)
         except httpx2.HTTPError as exc:  # a body that cannot be decoded (bad gzip), too many redirects
-            lines.put(RemoteError(f"The server at {self.url} sent an answer that cannot be read "
-                                  f"({type(exc).__name__}: {exc})."))
+            _put(lines, RemoteError(f"The server at {self.url} sent an answer that cannot be read "
+                                    f"({type(exc).__name__}: {exc})."), stop)
         except Exception as exc:  # noqa: BLE001 - handed to generate(), which raises it in the caller
-            lines.put(exc)
+            _put(lines, exc, stop)
 
     @staticmethod
     def _next(lines: queue.Queue[object], cancel: threading.Event) -> object | None:
@@ -190,6 +204,7 @@ class RemoteEngine:
     def _stream(self, request: GenerationRequest, lines: queue.Queue[object], cancel: threading.Event,
                 stop: threading.Event, started: float) -> Iterator[TokenEvent | Completion]:
         text, deltas = "", 0
+        most = request.max_new_tokens * MAX_CHARS_PER_TOKEN
         finish: str | None = None
         usage: dict[str, Any] = {}
         ttft: float | None = None
@@ -214,6 +229,10 @@ class RemoteEngine:
                 if isinstance(chunk.get("usage"), dict):
                     usage = chunk["usage"]
                 for piece, reason in self._choices(chunk, data):
+                    if piece and len(text) + len(piece) > most:
+                        raise RemoteError(f"The server at {self.url} sent more text than the "
+                                          f"{request.max_new_tokens} tokens asked for, so the answer was stopped "
+                                          "there (the part that arrived is kept): it does not honour max_tokens.")
                     if piece:
                         ttft = ttft if ttft is not None else time.perf_counter() - started
                         text += piece
@@ -316,6 +335,12 @@ class RemoteEngine:
 
 # ---- wire details -------------------------------------------------------------------------------
 def _headers(api_key: str) -> dict[str, str]:
+    """The request's headers; RemoteError for a key no HTTP header can carry (a line break, a
+    letter outside ASCII: API keys are printable ASCII)."""
+    if not (api_key.isascii() and api_key.isprintable()):
+        raise RemoteError("The API key holds characters an HTTP header cannot carry (a line break, a letter "
+                          "outside ASCII, or bytes that are not text): check that the whole key was pasted, and "
+                          "only the key.")
     headers = {"Accept": "application/json, text/event-stream"}
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
@@ -342,6 +367,30 @@ def _bounded_lines(resp: httpx2.Response, url: str) -> Iterator[bytes]:
             raise _too_long(url)
     if pending:
         yield pending
+
+
+def _put(lines: queue.Queue[object], item: object, stop: threading.Event) -> None:
+    """Hand `item` to generate(), waiting while it is QUEUED_LINES behind; dropped once it has
+    stopped reading (nobody would take it, and the reader must end)."""
+    while not stop.is_set():
+        try:
+            lines.put(item, timeout=POLL_SECONDS)
+            return
+        except queue.Full:
+            continue
+
+
+def _redirected(url: str, resp: httpx2.Response) -> RemoteError:
+    where = resp.headers.get("location", "")
+    shown = where[:200].encode("ascii", "replace").decode() or "nowhere"
+    return RemoteError(f"The server at {url} redirects (HTTP {resp.status_code}) to {shown}. SpecChat does not follow "
+                       "redirects, which would carry the API key elsewhere: if you trust that address, use it as the "
+                       "server's URL.")
+
+
+def _not_a_stream(url: str, status: int, kind: str) -> RemoteError:
+    return RemoteError(f"The server at {url} answered (HTTP {status}, {kind or 'no content type'}) but not with an "
+                       "OpenAI answer: check the URL (it usually ends in /v1).")
 
 
 def _too_long(url: str) -> RemoteError:

@@ -254,6 +254,11 @@ def import_model(path: Path, models_dir: Path, name: str | None = None, copy: bo
                 "Fix or remove them, then import again."
             )
         files = sorted(p for p in source.iterdir() if p.is_file())
+    not_text = next((p for p in (source, *files) if not _is_text(str(p))), None)
+    if not_text is not None:  # the manifest could not hold it, and the model readers cannot open it
+        raise UnsupportedModel(f"{not_text} cannot be imported: its name holds bytes that are not UTF-8 text, which "
+                               "the model readers cannot open. Rename it (letters in any script are fine) and import "
+                               "again.")
     split = SPLIT_NAME.match(source.name) if source.is_file() else None
     stem = split["stem"] if split else source.stem if source.is_file() else source.name
     model_name = check_import_name(name if name is not None else default_import_name(stem))
@@ -288,6 +293,15 @@ def import_model(path: Path, models_dir: Path, name: str | None = None, copy: bo
     assert model is not None
     logger.info("imported %s from %s (copy=%s)", model_name, source, copy)
     return model
+
+
+def _is_text(name: str) -> bool:
+    """Whether a path is Unicode text (Python keeps bytes that are not UTF-8 as lone surrogates)."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _check_name_free(name: str, folder: Path, models_dir: Path) -> None:

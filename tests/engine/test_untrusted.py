@@ -7,6 +7,7 @@ import os
 import random
 import threading
 import time
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,47 @@ def test_size_and_encoding_bounds() -> None:
         parse_json(b'"' + b"x" * 2000 + b'"', what="w", max_bytes=1024)
     with pytest.raises(MalformedInput, match="not UTF-8"):
         parse_json(b'"\xff"', what="w")
+
+
+@pytest.mark.parametrize("text", ["a" * 7_000_000, '\\"[' * 1_000_000, "é" * 3_000_000, '"' * 3_000_000],
+                         ids=["plain", "escapes", "utf-8", "quotes"])
+def test_a_long_string_is_read_in_memory_proportional_to_it(text: str) -> None:
+    """A body at the size bound holding one long string: the depth scan once kept state for
+    every character of it (an 8 MiB string took 1 GB, and four such requests at once 4 GB)."""
+    body = json.dumps({"content": text}, ensure_ascii=False).encode()
+    tracemalloc.start()
+    try:
+        assert parse_json(body, what="the body") == {"content": text}
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 * len(body), f"{peak / len(body):.0f} bytes per byte read"
+
+
+def test_depth_agrees_with_the_parsed_value_across_escapes_and_chunks() -> None:
+    rng = random.Random(11)
+
+    def depth(value: object) -> int:
+        if isinstance(value, list):
+            return 1 + max((depth(v) for v in value), default=0)
+        if isinstance(value, dict):
+            return 1 + max((depth(v) for v in value.values()), default=0)
+        return 0
+
+    def value(level: int) -> object:
+        roll = rng.random()
+        if level > 6 or roll < 0.3:
+            return rng.choice(['a\\"[', "\\\\", ']"{', "", 1, '\\\\\\"}}', '""', None])
+        if roll < 0.65:
+            return [value(level + 1) for _ in range(rng.randint(0, 4))]
+        return {rng.choice(["[", "\\", '"', "k"]) + str(i): value(level + 1) for i in range(rng.randint(0, 4))}
+
+    for _ in range(2000):
+        item = value(0)
+        assert nesting_depth(json.dumps(item, ensure_ascii=rng.random() < 0.5).encode()) == depth(item)
+    for n in range(65_530, 65_540):  # strings that cross the scan's 64 KiB chunks
+        item = ["x" * n, [['\\"' * 3]], "]" * 70_000, {"a": [[[]]]}]
+        assert nesting_depth(json.dumps(item).encode()) == depth(item) == 5
 
 
 def test_fuzzed_json_never_escapes_as_another_error() -> None:

@@ -78,6 +78,16 @@ def messages(n: int, text: str = "hi") -> str:
     return json.dumps([{"role": "user", "content": text}] * n)
 
 
+def copied(root: Path, model: Path, name: str, extra: str | None = None) -> Path:
+    """The tiny model's folder copied to `name` (a name with a lone surrogate is made of bytes
+    that are not UTF-8, as Linux allows), with an `extra` empty file beside its files."""
+    copy = root / name
+    shutil.copytree(model, copy)
+    if extra is not None:
+        (copy / extra).touch()
+    return copy
+
+
 GEN = ["generate", "--max-new-tokens", 2]
 NOT_UTF8 = b"\xff[]"
 HI = ["--prompt", "hi"]
@@ -173,6 +183,17 @@ CASES: dict[str, tuple[Args, int, str]] = {
                               "Unknown bench methods"),
     "bench plan: unknown catalog id": (lambda r, t: ["bench", "plan", "--target", "no-such-model", "--gpu",
                                                      "rtx3090"], 1, "not in the catalog"),  # as a missing --target
+    "models import: a folder named in bytes that are not UTF-8": (
+        lambda r, t: ["models", "import", copied(r, t, "m\udcff"), "--models-dir", r / "md"], 1, "not UTF-8 text"),
+    "models import: a file in the folder named in bytes that are not UTF-8": (
+        lambda r, t: ["models", "import", copied(r, t, "m", "notes\udcfe.txt"), "--models-dir", r / "md"], 1,
+        "not UTF-8 text"),
+    "target named in bytes that are not UTF-8": (lambda r, t: [*GEN, "--target", copied(r, t, "m\udcff"), *HI], 1,
+                                                 "not UTF-8 text"),
+    "chat --remote: a URL with a line break": (lambda r, t: ["chat", "--remote", "http://gpu-box\n:8000/v1"], 1,
+                                              "not an http(s) URL"),
+    "chat --remote: a key outside ASCII": (lambda r, t: ["chat", "--remote", "http://127.0.0.1:9/v1", "--api-key",
+                                                         "ключ"], 1, "API key"),
     "models remove: no such model": (lambda r, t: ["models", "remove", "x", "--models-dir", r], 1, "No local model"),
     "models download stall timeout 0": (lambda r, t: ["models", "download", "a/b", "--stall-timeout", 0,
                                                       "--models-dir", r], 2, "--stall-timeout"),

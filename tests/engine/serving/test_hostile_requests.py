@@ -7,6 +7,7 @@ Also: a max_tokens beyond the model's context is refused, saying the limit."""
 from __future__ import annotations
 
 import json
+import socket
 from collections.abc import Iterator
 
 import pytest
@@ -129,6 +130,23 @@ def test_a_body_over_the_limit_is_413(server: Server, backend: ScriptedBackend) 
     reply = post(server, big)
     assert reply.status == 413 and reply.error()["code"] == "request_too_large"
     assert backend.calls == before
+
+
+@pytest.mark.parametrize("expect", [False, True])
+def test_a_body_declared_over_the_limit_is_413_before_it_is_sent(server: Server, backend: ScriptedBackend,
+                                                                 expect: bool) -> None:
+    """A client that declares 100 GB (and may send it slowly, or never) is answered at once,
+    without "100 Continue": nothing is read, nothing waits for the body."""
+    before = backend.calls
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as conn:
+        conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100000000000\r\n" + (b"Expect: 100-continue\r\n" if expect else b"")
+                     + b"\r\n{")
+        answer = b""
+        while b"request_too_large" not in answer and (chunk := conn.recv(65536)):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 413 "), answer[:200]
+    assert b"100 Continue" not in answer and backend.calls == before
 
 
 def test_the_server_answers_after_the_hostile_bodies(server: Server, backend: ScriptedBackend) -> None:
