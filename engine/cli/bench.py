@@ -36,7 +36,7 @@ from engine.loading.load import check_pair, load_model
 from engine.planning import planner
 from engine.planning.calibration import AcceptanceCurve
 from engine.planning.measure import measure_hardware
-from engine.planning.profile import load_profile, profile_path, save_profile
+from engine.planning.profile import HardwareProfile, load_profile, profile_path, read_profile, save_profile
 from engine.planning.reference import reference_profile
 from engine.store.catalog import load_catalog
 from engine.types import (
@@ -266,6 +266,7 @@ def run_bench_speculation(args: argparse.Namespace) -> int:
         except InvalidRequest as exc:
             raise UsageError(f"--temperatures: {exc.user_message}") from None
     prompts = common.read_prompts(args.prompts, DEFAULT_PROMPTS)
+    named_profile(args.profile)  # a --profile FILE that cannot be read is refused before the load
     methods = common.parse_list(args.methods, str, "methods")
     unknown = sorted(set(methods) - set(BENCH_METHODS))
     if unknown:
@@ -386,6 +387,17 @@ def run_bench_hardware(args: argparse.Namespace) -> int:
     return 0
 
 
+def named_profile(path: Path | None) -> HardwareProfile | None:
+    """The profile a user named with --profile (None when none was named); a file that is not
+    one is a usage error (exit 2) saying what is wrong with it."""
+    if path is None:
+        return None
+    try:
+        return read_profile(path)
+    except InvalidRequest as exc:
+        raise UsageError(f"--profile: {exc.user_message}") from None
+
+
 def run_bench_plan(args: argparse.Namespace) -> int:
     catalog = load_catalog()
     target = catalog.find(args.target)
@@ -398,7 +410,7 @@ def run_bench_plan(args: argparse.Namespace) -> int:
         profile = reference_profile(args.gpu, pinned_gbps=args.pcie_gbps, ram_gb=ram_gb)
         where = f"{args.gpu} (datasheet roofline), {args.pcie_gbps:g} GB/s host->GPU, {ram_gb:g} GB RAM"
     else:
-        loaded = load_profile(args.profile)
+        loaded = named_profile(args.profile) if args.profile is not None else load_profile()
         if loaded is None:
             raise InvalidRequest("No hardware profile: run `specchat bench hardware` first, or pass --gpu NAME.")
         profile, where = loaded, f"profile {args.profile or profile_path()}"

@@ -32,6 +32,7 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 from engine.errors import (
     EngineError,
     InvalidRequest,
+    MalformedInput,
     ModelNotFound,
     OutOfMemory,
     UnsupportedModel,
@@ -43,10 +44,12 @@ from engine.model.causal_lm import SUPPORTED_MODEL_TYPES, CausalLM
 from engine.store import resolve_model
 from engine.store.gguf_header import MissingPart, split_parts
 from engine.types import Offload, Quant, Tokenizer
+from engine.untrusted import MIB, read_json_file
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CONFIG_MAX_BYTES = 4 * MIB  # a config.json is a few kB; a vision model's with its processor config, tens
 
 
 @dataclass
@@ -86,9 +89,13 @@ def check_folder(path: Path) -> dict:
             "Point to the folder that holds config.json and the .safetensors files."
         )
     try:
-        config = json.loads(config_file.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise UnsupportedModel(f"'{config_file}' is not valid JSON ({exc}); re-download the model.") from exc
+        config = read_json_file(config_file, what="the model's config.json", max_bytes=CONFIG_MAX_BYTES)
+    except MalformedInput as exc:
+        raise UnsupportedModel(f"{exc.user_message} Re-download the model.") from None
+    except OSError as exc:
+        raise UnsupportedModel(f"'{config_file}' cannot be read ({exc.strerror}); re-download the model.") from exc
+    if not isinstance(config, dict):
+        raise UnsupportedModel(f"'{config_file}' is not a JSON object; re-download the model.")
     check_config(config, path.name)
     model_type = config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:

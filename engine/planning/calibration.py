@@ -18,11 +18,14 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.errors import MalformedInput
 from engine.planning.profile import profile_path
 from engine.types import GenerationStats, PassRecord, PassTotals
+from engine.untrusted import KIB, read_json_file
 
 PRIOR_SLOPE = 0.78  # tokens per pass gained per doubling of the budget (see module docstring)
 CALIBRATION_ROWS = 200  # the newest calibration runs kept
+CALIBRATION_MAX_BYTES = 256 * KIB  # 200 rows of four numbers are ~10 kB
 
 
 def prior_tokens_per_pass(budget: int, max_depth: int, slope: float = PRIOR_SLOPE) -> float:
@@ -102,8 +105,8 @@ def record_calibration(stats: GenerationStats, path: Path | None = None) -> None
         return
     target = path or calibration_path()
     try:
-        rows = json.loads(target.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        rows = read_json_file(target, what="the calibration file", max_bytes=CALIBRATION_MAX_BYTES)
+    except (OSError, MalformedInput):
         rows = []
     if not isinstance(rows, list):
         rows = []
@@ -117,13 +120,15 @@ def saved_curve(path: Path | None = None) -> AcceptanceCurve:
     or when the file is damaged)."""
     source = path or calibration_path()
     try:
-        rows = json.loads(source.read_text(encoding="utf-8"))
+        rows = read_json_file(source, what="the calibration file", max_bytes=CALIBRATION_MAX_BYTES)
+        if not isinstance(rows, list):
+            return AcceptanceCurve()
         totals: dict[tuple[str, int], PassTotals] = {}
         for budget, passes, tokens, drafts in rows:
             if int(budget) < 1 or int(passes) < 1 or int(tokens) < 0 or int(drafts) < 0:
                 continue  # a damaged row: no run records these
             key = ("specexec", int(budget))
             totals[key] = totals.get(key, PassTotals()) + PassTotals(int(passes), int(tokens), int(drafts))
-    except (OSError, ValueError, TypeError, OverflowError):
+    except (OSError, MalformedInput, ValueError, TypeError, OverflowError):
         return AcceptanceCurve()
     return AcceptanceCurve.from_records(totals)

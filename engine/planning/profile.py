@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from engine import paths
-from engine.errors import MalformedInput
+from engine.errors import InvalidRequest, MalformedInput
 from engine.shapes import LayerShape
 from engine.units import GB
 from engine.untrusted import MIB, read_json_file
@@ -212,6 +212,33 @@ def load_profile(path: Path | None = None) -> HardwareProfile | None:
         log.warning("ignoring the damaged hardware profile %s (%s)%s; `specchat bench hardware` measures a new one",
                     source, why, f", kept as {kept.name}" if kept else "")
     return None
+
+
+def read_profile(path: Path) -> HardwareProfile:
+    """A profile file a user names (`--profile FILE`): the profile, or InvalidRequest saying
+    what is wrong with that file (missing, not a regular file, not a profile, another
+    version, values no measurement gives). Unlike load_profile nothing is set aside."""
+    try:
+        raw = read_json_file(path, what="the hardware profile", max_bytes=PROFILE_MAX_BYTES)
+    except FileNotFoundError:
+        raise InvalidRequest(f"No hardware profile at '{path}': `specchat bench hardware --output FILE` "
+                             "measures one.") from None
+    except OSError as exc:
+        raise InvalidRequest(f"Cannot read the hardware profile '{path}' ({exc.strerror}).") from None
+    except MalformedInput as exc:
+        raise InvalidRequest(exc.user_message) from None
+    if not isinstance(raw, dict):
+        raise InvalidRequest(f"'{path}' is not a hardware profile (a JSON {type(raw).__name__}, not an object).")
+    if raw.get("version") != PROFILE_VERSION:
+        raise InvalidRequest(f"'{path}' is a hardware profile of another SpecChat version; "
+                             "`specchat bench hardware` measures a new one.")
+    try:
+        profile = HardwareProfile.from_json(raw)
+        check_profile(profile)
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
+        raise InvalidRequest(f"'{path}' is not a valid hardware profile ({str(exc)[:120] or type(exc).__name__}).") \
+            from None
+    return profile
 
 
 def check_profile(profile: HardwareProfile) -> None:

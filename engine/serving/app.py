@@ -70,12 +70,14 @@ from engine.untrusted import parse_json
 
 log = logging.getLogger(__name__)
 
+BODY_STALL_SECONDS = 30.0  # most time between two pieces of a request body
 MAX_BODY_BYTES = 8 * 1024 * 1024  # a long conversation is far below this; a flood is refused early
 RETRY_AFTER_SECONDS = "5"
 
 
 def build_app(queue: GenerationQueue, defaults: Callable[[], RequestDefaults], api_key: str | None = None,
-              max_body_bytes: int = MAX_BODY_BYTES, access: AccessPolicy | None = None) -> ASGIApp:
+              max_body_bytes: int = MAX_BODY_BYTES, access: AccessPolicy | None = None,
+              body_stall_s: float = BODY_STALL_SECONDS) -> ASGIApp:
     """The ASGI app. `defaults()` is read per request (the app's settings can change);
     `api_key` None or "" = no key needed; `access` what the guard lets in (default: this
     computer's loopback names on any port, no web pages)."""
@@ -105,7 +107,7 @@ def build_app(queue: GenerationQueue, defaults: Callable[[], RequestDefaults], a
         return await _complete(request, "completion")
 
     async def _complete(request: Request, kind: Kind) -> Response:
-        body = await _read_json(request, max_body_bytes)
+        body = await _read_json(request, max_body_bytes, body_stall_s)
         model = queue.model
         parsed = parse_request(kind, body, defaults(), model.context_length)
         if parsed.model is not None and model.id and parsed.model != model.id:
@@ -161,18 +163,26 @@ def _listed(model: ModelState) -> bool:
 
 
 # ---- the pieces of a request ------------------------------------------------------------------------
-async def _read_json(request: Request, limit: int) -> object:
+async def _read_json(request: Request, limit: int, stall_s: float) -> object:
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:  # refused before a byte is read (no "100 Continue")
         raise _too_large(limit)
     body = bytearray()
+    chunks = request.stream().__aiter__()
     try:
-        async for chunk in request.stream():
+        while True:
+            try:  # a client that stops sending mid-body would otherwise hold the connection forever
+                chunk = await asyncio.wait_for(chunks.__anext__(), stall_s)
+            except StopAsyncIteration:
+                break
             body += chunk
             if len(body) > limit:
                 raise _too_large(limit)
     except ClientDisconnect:
         raise ApiError(400, "The client disconnected while sending the request.") from None
+    except asyncio.TimeoutError:
+        raise ApiError(408, f"The request body stopped arriving for {stall_s:g} s; send it whole.",
+                       "invalid_request_error", "request_timeout") from None
     try:
         value = parse_json(body, what="The request body", max_bytes=limit)
         _check_strings(value)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import uvicorn
 
 from engine.errors import EngineError, InvalidRequest
-from engine.serving.app import build_app
+from engine.serving.app import BODY_STALL_SECONDS, build_app
 from engine.serving.guard import AccessPolicy, check_allowed_hosts, check_allowed_origins, is_loopback
 from engine.serving.protocol import RequestDefaults
 from engine.serving.scheduler import GenerationQueue
@@ -46,7 +46,9 @@ class ServeSettings:
     allowed_hosts: Host names accepted beside this computer's own (a reverse proxy's name, a
     DNS name on the network; "*" = any); allowed_origins: web pages (scheme://host:port, "null",
     "*") whose scripts may use the API, with CORS (guard.py). Both are checked and normalised
-    here (InvalidRequest for a malformed entry)."""
+    here (InvalidRequest for a malformed entry). body_stall_s: most seconds between two pieces
+    of a request body (a client that stops mid-body gets a 408 instead of holding the
+    connection forever)."""
 
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
@@ -55,6 +57,7 @@ class ServeSettings:
     queue_size: int = DEFAULT_QUEUE
     allowed_hosts: tuple[str, ...] = ()
     allowed_origins: tuple[str, ...] = ()
+    body_stall_s: float = BODY_STALL_SECONDS
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "allowed_hosts", check_allowed_hosts(self.allowed_hosts))
@@ -106,7 +109,7 @@ class Server:
         self._socket = bind(settings.host, settings.port)
         self.port = int(self._socket.getsockname()[1])
         access = AccessPolicy(settings.host, self.port, settings.allowed_hosts, settings.allowed_origins)
-        app = build_app(queue, defaults, settings.api_key or None, access=access)
+        app = build_app(queue, defaults, settings.api_key or None, access=access, body_stall_s=settings.body_stall_s)
         config = uvicorn.Config(app, http="h11", lifespan="off", log_level="warning", access_log=False,
                                 timeout_graceful_shutdown=SHUTDOWN_SECONDS)
         self._uvicorn = _Uvicorn(config, queue)

@@ -67,6 +67,14 @@ def model_with_a_fifo(root: Path, model: Path, name: str) -> Path:
     return copy
 
 
+def model_with_config(root: Path, model: Path, text: str) -> Path:
+    """The tiny model's folder with `text` as its config.json."""
+    copy = root / "model"
+    shutil.copytree(model, copy)
+    (copy / "config.json").write_text(text)
+    return copy
+
+
 def long_file(root: Path, size: int) -> Path:
     path = root / "big.json"
     with open(path, "wb") as f:
@@ -194,6 +202,20 @@ CASES: dict[str, tuple[Args, int, str]] = {
                                               "not an http(s) URL"),
     "chat --remote: a key outside ASCII": (lambda r, t: ["chat", "--remote", "http://127.0.0.1:9/v1", "--api-key",
                                                          "ключ"], 1, "API key"),
+    "config.json nested 100,000 deep": (lambda r, t: [*GEN, "--target", model_with_config(
+        r, t, '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}"), *HI], 1, "levels deep"),
+    "config.json a list": (lambda r, t: [*GEN, "--target", model_with_config(r, t, "[1, 2]"), *HI], 1,
+                           "not a JSON object"),
+    "config.json a FIFO": (lambda r, t: [*GEN, "--target", model_with_a_fifo(r, t, "config.json"), *HI], 1,
+                           "named pipe"),
+    "bench plan: --profile a FIFO": (lambda r, t: ["bench", "plan", "--target", "llama-3.1-70b-instruct",
+                                                   "--profile", fifo(r)], 2, "--profile"),
+    "bench plan: --profile missing": (lambda r, t: ["bench", "plan", "--target", "llama-3.1-70b-instruct",
+                                                    "--profile", r / "none.json"], 2, "No hardware profile at"),
+    "bench plan: --profile nested": (lambda r, t: ["bench", "plan", "--target", "llama-3.1-70b-instruct", "--profile",
+                                                   written(r, "[" * 5000 + "]" * 5000)], 2, "levels deep"),
+    "bench: --profile not a profile": (lambda r, t: ["bench", "speculation", "--target", t, "--profile",
+                                                     written(r, '{"version": 1}')], 2, "--profile"),
     "models remove: no such model": (lambda r, t: ["models", "remove", "x", "--models-dir", r], 1, "No local model"),
     "models download stall timeout 0": (lambda r, t: ["models", "download", "a/b", "--stall-timeout", 0,
                                                       "--models-dir", r], 2, "--stall-timeout"),

@@ -267,3 +267,21 @@ def test_a_cpu_prior_prices_the_format_that_runs() -> None:
     # on a GPU the unpacking stays a VRAM-speed kernel
     gpu = reference_profile("rtx4090")
     assert compute_seconds(gpu, 10**6, 1, "gguf") == pytest.approx(compute_seconds(gpu, 10**6, 1, "nf4"))
+
+
+def test_a_calibration_file_from_outside_is_read_within_bounds(tmp_path: Path) -> None:
+    """calibration.json is only ever written by the app, but read as outside data: a FIFO, a
+    folder, deep nesting or a huge file gives the prior curve, never a hang or a traceback."""
+    import os
+
+    from engine.planning.calibration import AcceptanceCurve, saved_curve
+
+    prior = AcceptanceCurve()
+    os.mkfifo(tmp_path / "pipe.json")
+    (tmp_path / "dir.json").mkdir()
+    (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    with open(tmp_path / "huge.json", "wb") as f:
+        f.truncate(1 << 30)  # sparse
+    (tmp_path / "obj.json").write_text('{"rows": 1}')
+    for name in ("pipe.json", "dir.json", "deep.json", "huge.json", "obj.json"):
+        assert saved_curve(tmp_path / name) == prior, name

@@ -149,6 +149,28 @@ def test_a_body_declared_over_the_limit_is_413_before_it_is_sent(server: Server,
     assert b"100 Continue" not in answer and backend.calls == before
 
 
+def test_a_body_that_stops_arriving_is_408_and_frees_the_connection(backend: ScriptedBackend) -> None:
+    """A client that declares a body and stops sending (slowloris) is answered after the stall
+    limit instead of holding the connection forever; nothing runs."""
+    import time
+
+    slow = start_server(backend, body_stall_s=0.5)
+    try:
+        before = backend.calls
+        with socket.create_connection(("127.0.0.1", slow.port), timeout=10) as conn:
+            conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"model\"")
+            t0 = time.perf_counter()
+            answer = b""
+            while b"request_timeout" not in answer and (chunk := conn.recv(65536)):
+                answer += chunk
+            waited = time.perf_counter() - t0
+        assert answer.startswith(b"HTTP/1.1 408 "), answer[:200]
+        assert 0.4 < waited < 5 and backend.calls == before
+    finally:
+        slow.stop()
+
+
 def test_the_server_answers_after_the_hostile_bodies(server: Server, backend: ScriptedBackend) -> None:
     for _, body, _ in BODIES:
         post(server, body)
