@@ -39,6 +39,7 @@ from engine.planning.measure import measure_hardware
 from engine.planning.profile import HardwareProfile, load_profile, profile_path, read_profile, save_profile
 from engine.planning.reference import reference_profile
 from engine.store.catalog import load_catalog
+from engine.threads import set_threads
 from engine.types import (
     Completion,
     GenerationRequest,
@@ -276,7 +277,7 @@ def run_bench_speculation(args: argparse.Namespace) -> int:
     if args.no_hf_assisted:
         methods = [m for m in methods if m != "hf-assisted"]
     if args.threads:
-        torch.set_num_threads(args.threads)
+        set_threads(args.threads)
     common.quiet_libraries(args.verbose)
     target = load_model(args.target)
     draft = load_model(args.draft) if args.draft else None
@@ -369,7 +370,7 @@ def _planner_view(engine: Engine, profile_file: Path | None, budgets: Sequence[i
 
 def run_bench_hardware(args: argparse.Namespace) -> int:
     if args.threads:
-        torch.set_num_threads(args.threads)
+        set_threads(args.threads)
 
     def progress(fraction: float, message: str) -> None:
         if not args.json:

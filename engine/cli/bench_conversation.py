@@ -23,6 +23,7 @@ from engine.cli import common
 from engine.decoding.generation import Engine
 from engine.loading.load import check_pair, load_model, resolve_device
 from engine.loading.starter import starter_folder
+from engine.threads import set_threads
 from engine.types import (
     CacheSettings,
     Completion,
@@ -107,7 +108,7 @@ def format_table(rows: list[TurnRow]) -> str:
 
 def run_bench_conversation(args: argparse.Namespace) -> int:
     if args.threads:
-        torch.set_num_threads(args.threads)
+        set_threads(args.threads)
     common.quiet_libraries(args.verbose)
     device, dtype = resolve_device(args.device)
     target_path = args.target or str(starter_folder())

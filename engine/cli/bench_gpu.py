@@ -48,6 +48,7 @@ import torch
 from engine.cli.bench_gpu_report import format_summary, write_plot
 from engine.cli.parser import HANDLER
 from engine.errors import InvalidRequest
+from engine.threads import set_threads
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +172,7 @@ def run_bench_gpu(args: argparse.Namespace, before: Sequence[Section] = ()) -> i
     dry = device == "cpu"
     quick = bool(args.quick)
     if args.threads:
-        torch.set_num_threads(args.threads)
+        set_threads(args.threads)
     budgets = tuple(args.budgets or (DRY_BUDGETS if dry else QUICK_BUDGETS if quick else FULL_BUDGETS))
     caps = tuple(args.caps or ((24.0,) if quick and not dry else (24.0, 12.0)))
     sections = [s for s in args.only or SECTIONS if s not in args.skip]

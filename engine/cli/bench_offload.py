@@ -42,6 +42,7 @@ from engine.testing.synthetic import (
     synthetic_llama,
 )
 from engine.peak_memory import peak_rss_bytes, reset_peak, rss_bytes
+from engine.threads import set_threads
 from engine.types import Offload, Quant
 from engine.units import GB, MIB
 
@@ -217,7 +218,7 @@ def print_load_rss(folder: Path, quant: Quant, offload: Offload = "none") -> Non
 
 def run_bench_offload(args: argparse.Namespace) -> int:
     if args.threads:
-        torch.set_num_threads(args.threads)
+        set_threads(args.threads)
     if args.load_rss and args.gguf:
         gguf = synthetic_gguf(paths.cache_dir() / "synthetic" / "llama-1.5g-q4km.gguf", **SYNTHETIC_GGUF_BIG)
         print_load_rss(gguf, args.quant, "all")

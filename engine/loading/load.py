@@ -43,6 +43,7 @@ from engine.loading.weights import SafetensorsWeights
 from engine.model.causal_lm import SUPPORTED_MODEL_TYPES, CausalLM
 from engine.store import resolve_model
 from engine.store.gguf_header import MissingPart, split_parts
+from engine.threads import use_compute_threads
 from engine.types import Offload, Quant, Tokenizer
 from engine.untrusted import MIB, read_json_file
 
@@ -230,7 +231,10 @@ def load_model(
     reserve_bytes: int = 0,
     report: Callable[[float, str], None] | None = None,
 ) -> LoadedModel:
-    """Load one model (see _load_model) and record its fingerprint."""
+    """Load one model (see _load_model) and record its fingerprint. On the CPU, PyTorch's
+    threads are set to the physical cores first (engine.threads)."""
+    if torch.device(device).type == "cpu":
+        use_compute_threads()
     loaded = _load_model(spec, device, dtype, quant=quant, offload=offload, ram_limit_bytes=ram_limit_bytes,
                          context_length=context_length, reserve_bytes=reserve_bytes, report=report)
     loaded.model.fingerprint = model_fingerprint(loaded.path, quant, dtype, device)

@@ -1,6 +1,7 @@
-"""GGUF files load tensor by tensor and keep their decoder layers in the file's own blocks:
-config, tokenizer and logits equal transformers reading the same file, resident, streamed from
-RAM and streamed from the disk tier (which reads the GGUF itself); greedy text is identical."""
+"""GGUF files load tensor by tensor: config, tokenizer and logits equal transformers reading the
+same file, de-quantised once at load (a CPU with the RAM for it), kept in the file's own blocks
+(resident, streamed from RAM, streamed from the disk tier, which reads the GGUF itself); greedy
+text is identical."""
 
 from __future__ import annotations
 
@@ -24,8 +25,8 @@ from engine.types import Completion, GenerationRequest, SpeculationSettings
 PROMPTS = ["Paris is the capital of", "def add(a, b):", "Once upon a time there was"]
 # layer 0 Q8_0, layer 1 Q4_0, layer 2 a Q4_K_M layer (Q6_K attn_v/ffn_down), layer 3 Q5_K
 TYPES = ("Q8_0", "Q4_0", "Q4_K/Q6_K", "Q5_K")
-PLACES = {"resident": dict(offload="none"), "RAM": dict(offload="all"),
-          "disk": dict(offload="all", ram_limit_bytes=0)}
+PLACES = {"unpacked": dict(offload="none"), "resident": dict(offload="none", ram_limit_bytes=0),
+          "RAM": dict(offload="all"), "disk": dict(offload="all", ram_limit_bytes=0)}
 
 
 @pytest.fixture(autouse=True)
@@ -78,7 +79,10 @@ def test_logits_and_greedy_text_equal_transformers(gguf_pair: tuple, place: str)
     path, ref, ref_tok = gguf_pair
     m = load_model(path, **PLACES[place])  # type: ignore[arg-type]
     p = m.model.placement
-    assert p is not None and p.quant == "gguf" and p.describe().endswith("(GGUF blocks)")
+    if place == "unpacked":  # a CPU with the RAM: de-quantised at load, no layer streams
+        assert p is not None and p.quant == "none" and m.model.streamer is None
+    else:  # no RAM to spare for a de-quantised copy, or streamed: the file's blocks
+        assert p is not None and p.quant == "gguf" and p.describe().endswith("(GGUF blocks)")
     engine = Engine(m.model, m.tokenizer)
     for prompt in PROMPTS:
         ids = ref_tok(prompt)["input_ids"]

@@ -22,7 +22,7 @@ from engine.store.registry import import_model
 from engine.store.remote import RemoteFile, RemoteRepo, select_files
 
 TYPES = ("Q8_0", "Q4_0", "Q4_K/Q6_K", "Q5_K")
-PLACES = {"resident": dict(offload="none"), "RAM": dict(offload="all"),
+PLACES = {"unpacked": dict(offload="none"), "resident": dict(offload="none", ram_limit_bytes=0), "RAM": dict(offload="all"),
           "disk": dict(offload="all", ram_limit_bytes=0)}
 IDS = [5, 17, 99, 3, 250, 41, 7, 88]
 
@@ -68,7 +68,7 @@ def test_split_model_gives_the_one_files_logits(whole_and_split: tuple, place: s
     want = logits(load_model(whole, **PLACES[place]))  # type: ignore[arg-type]
     got = load_model(parts[2], **PLACES[place])  # type: ignore[arg-type]
     assert got.path == parts[2]
-    assert got.model.placement is not None and got.model.placement.quant == "gguf"
+    assert got.model.placement is not None and got.model.placement.quant == ("none" if place == "unpacked" else "gguf")
     assert torch.equal(logits(got), want)
     if place == "disk":
         store = got.model.streamer.store  # type: ignore[union-attr]

@@ -153,9 +153,12 @@ def test_int4_checkpoints_stay_packed_and_match_the_reference(method: str, sourc
     dense = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
     with torch.no_grad():
         assert not torch.allclose(dense(IDS[None]).logits[0], ref, atol=1e-3)  # quantisation shows
-    for kw in (dict(offload="none"), dict(offload="all"), dict(offload="all", ram_limit_bytes=0)):
+    places = (dict(offload="none"), dict(offload="none", ram_limit_bytes=0), dict(offload="all"),
+              dict(offload="all", ram_limit_bytes=0))
+    for kw in places:
         ours, placement = our_logits(folder, IDS, **kw)
-        assert placement.quant == method  # type: ignore[attr-defined]
+        # a CPU with the RAM de-quantises the layers once, at load; else they stay packed
+        assert placement.quant == ("none" if kw == dict(offload="none") else method)  # type: ignore[attr-defined]
         assert (ours - ref).abs().max() <= 1e-3 * ref.abs().max(), kw
 
 
