@@ -82,6 +82,15 @@ class Calibrator:
     def observations(self) -> float:
         return float(self.seen.sum())
 
+    def state(self) -> dict[str, list[float]]:
+        return {"hits": self.hits.tolist(), "seen": self.seen.tolist()}
+
+    def restore(self, state: dict[str, list[float]]) -> None:
+        """Take back a `state()`; the caller has checked it (lengths, finite, 0 <= hits <= seen)."""
+        self.hits = torch.tensor(state["hits"], dtype=torch.float64)
+        self.seen = torch.tensor(state["seen"], dtype=torch.float64)
+        self._table = None
+
 
 def _non_increasing(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Weighted isotonic (non-increasing) fit by pooling adjacent violators."""
@@ -149,6 +158,14 @@ class AcceptanceModel:
     def tau(self) -> float:
         return TAUS[int(torch.argmax(self.tau_ll))]
 
+    def state(self) -> dict[str, object]:
+        return {"tau_ll": self.tau_ll.tolist(), "backed": self.backed.state(), "context": self.context.state()}
+
+    def restore(self, state: dict) -> None:
+        self.tau_ll = torch.tensor(state["tau_ll"], dtype=torch.float64)
+        self.backed.restore(state["backed"])
+        self.context.restore(state["context"])
+
     def draft_bins(self, logq: torch.Tensor) -> torch.Tensor:
         return torch.bucketize(-logq.float().cpu(), -self._logq_edges)
 
@@ -204,3 +221,12 @@ class AcceptanceModels:
 
     def __getitem__(self, sampling: SamplingSettings) -> AcceptanceModel:
         return self._models.setdefault(regime(sampling), AcceptanceModel())
+
+    def state(self) -> dict[str, dict[str, object]]:
+        return {name: model.state() for name, model in self._models.items()}
+
+    def restore(self, state: dict[str, dict]) -> None:
+        for name, model_state in state.items():
+            model = AcceptanceModel()
+            model.restore(model_state)
+            self._models[name] = model

@@ -33,6 +33,17 @@ class PassCosts:
         self._draft_pass = 0.0  # EMA seconds per draft pass
         self._step = 0.0  # EMA seconds per speculation step (draft + target)
 
+    FIELDS = ("_w", "_n", "_t", "_nn", "_nt", "_w1", "_t1", "_draft_pass", "_step")
+
+    def state(self) -> dict[str, float]:
+        """What has been learned, as numbers (engine.decoding.learned saves it)."""
+        return {name.lstrip("_"): float(getattr(self, name)) for name in self.FIELDS}
+
+    def restore(self, state: dict[str, float]) -> None:
+        """Take back a `state()`; the caller has checked it (every field, finite, not negative)."""
+        for name in self.FIELDS:
+            setattr(self, name, float(state[name.lstrip("_")]))
+
     def observe_target(self, tokens: int, seconds: float) -> None:
         if tokens <= 1:
             self._w1 = self._w1 * DECAY + 1.0

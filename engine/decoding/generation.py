@@ -35,6 +35,7 @@ import torch
 from engine.decoding.acceptance import AcceptanceModel, AcceptanceModels
 from engine.decoding.context import ContextIndex, trie
 from engine.decoding.costs import DraftSwitch, DraftSwitches, PassCosts, SwitchSettings
+from engine.decoding.learned import LearnedFile
 from engine.decoding.drafting import (
     DraftTrace,
     Seeds,
@@ -135,7 +136,7 @@ class Engine:
 
     def __init__(self, target: CausalLM, tokenizer: Tokenizer, draft: CausalLM | None = None,
                  cache: CacheSettings | None = None, files: CacheFiles | None = None,
-                 switch: SwitchSettings = SwitchSettings()) -> None:
+                 switch: SwitchSettings = SwitchSettings(), learned: LearnedFile | None = None) -> None:
         self.target = target
         self.draft = draft
         self.tokenizer = tokenizer
@@ -150,6 +151,9 @@ class Engine:
         # per conversation whether the draft pays
         self.acceptance = AcceptanceModels()
         self.costs = PassCosts()
+        self.learned = learned  # where they are kept between processes (learned.py); None: not kept
+        if learned is not None:
+            learned.restore(self.costs, self.acceptance)
         self.switches = DraftSwitches(switch)
         self.copied_draft = draft is not None and copy_of_target(target, draft)  # it may read the target's K/V
         if self.copied_draft:
@@ -222,6 +226,8 @@ class Engine:
             if consistent:
                 run.prefix.tokens = list(run.seq)
                 self.prefixes.give_back(run.prefix)
+            if self.learned is not None:
+                self.learned.save(self.costs, self.acceptance)
         if run.finish in ("length", "cancelled"):
             text, _ = run.detok.push(run.new, final=True)
             if text:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from engine import paths
 from engine.decoding.generation import Engine
+from engine.decoding.learned import learned_file
 from engine.errors import Cancelled
 from engine.loading.load import check_pair, load_model, resolve_device, resolve_path
 from engine.loading.materialise import resident_bytes
@@ -54,7 +55,8 @@ def load_engine(
     report("ready", 1.0, "ready")
     draft_model = loaded_draft.model if loaded_draft else None
     return Engine(loaded_target.model, loaded_target.tokenizer, draft_model, settings.cache,
-                  cache_files(settings.cache, loaded_target.model, draft_model))
+                  cache_files(settings.cache, loaded_target.model, draft_model),
+                  learned=learned_file(loaded_target.model, draft_model))
 
 
 def cache_files(settings: CacheSettings, target: CausalLM, draft: CausalLM | None) -> CacheFiles | None:

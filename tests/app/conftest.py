@@ -45,9 +45,9 @@ def isolated_user_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iter
 
 
 def _set_torch_threads() -> None:
-    import torch
+    from engine.threads import set_threads
 
-    torch.set_num_threads(1)  # two cores shared with other work: keep the worker to one
+    set_threads(1)  # two cores shared with other work: keep the worker to one (kept when a model loads)
 
 
 @pytest.fixture

@@ -11,13 +11,14 @@ import torch
 from engine.decoding.generation import Engine
 from engine.loading.load import LoadedModel, load_model
 from engine.testing.synthetic import tiny_model
+from engine.threads import set_threads
 
 
 @pytest.fixture(autouse=True)
 def _torch_threads(request: pytest.FixtureRequest) -> None:
     """Tiny models gain nothing from threads and suffer from oversubscription when another
     process shares the 2 cores; the starter model (tests marked slow) uses both cores."""
-    torch.set_num_threads(2 if request.node.get_closest_marker("slow") else 1)
+    set_threads(2 if request.node.get_closest_marker("slow") else 1)  # kept when a model loads
 
 
 @pytest.fixture(scope="session")
