@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from engine.decoding.generation import Engine
 from engine.loading.load import LoadedModel, load_model
