@@ -184,6 +184,45 @@ _DECODERS: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
+# ---- the same blocks as codes, scales and minimums ----------------------------------------------
+# Types whose values are scale * code + minimum per group of 16 or 32 (a "linear" block: not the
+# IQ4 tables, not Q2_K/Q3_K's 2-3 bit codes). `affine` gives those parts for a packed CPU kernel
+# (engine.kernels): its matrix products read the codes and apply a group's scale once.
+AFFINE = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+AFFINE_BITS = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q4_K: 4, Q.Q5_0: 5, Q.Q5_1: 5, Q.Q5_K: 5, Q.Q8_0: 8, Q.Q6_K: 6}
+
+
+def affine(b: torch.Tensor, qtype: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
+    """(n, block bytes) uint8 blocks of an AFFINE type -> (codes (n, values) int8, scales
+    (n, groups) fp32, minimums (n, groups) fp32 or None, group size). scale * code + minimum,
+    in fp32, is `dequantize`'s value bit for bit (a code times an fp16 scale needs at most 16
+    bits, exact in fp32; a minimum that is -8 d or -16 d is exact too)."""
+    n = b.shape[0]
+    if qtype in (Q.Q4_0, Q.Q4_1):
+        d, q = _f16(b, 0), _nibbles(b[:, 2 if qtype == Q.Q4_0 else 4:18 if qtype == Q.Q4_0 else 20], 16)
+        return q.to(torch.int8), d, (-8.0 * d if qtype == Q.Q4_0 else _f16(b, 2)), 32
+    if qtype in (Q.Q5_0, Q.Q5_1):
+        at = 2 if qtype == Q.Q5_0 else 4
+        d, q = _f16(b, 0), _nibbles(b[:, at + 4:at + 20], 16) | (_bits32(b, at) << 4)
+        return q.to(torch.int8), d, (-16.0 * d if qtype == Q.Q5_0 else _f16(b, 2)), 32
+    if qtype == Q.Q8_0:
+        return b[:, 2:34].contiguous().view(torch.int8), _f16(b, 0), None, 32
+    if qtype in (Q.Q4_K, Q.Q5_K):
+        sc, mn = _k_scales(b[:, 4:16])
+        if qtype == Q.Q4_K:
+            q = _nibbles(b[:, 16:144], 32)
+        else:
+            q = (_nibbles(b[:, 48:176], 32).reshape(n, 8, 32) | (_fields(b[:, 16:48], 32, 1) << 4)).reshape(n, 256)
+        return q.to(torch.int8), _f16(b, 0) * sc, -(_f16(b, 2) * mn), 32
+    if qtype == Q.Q6_K:
+        scales = b[:, 192:208].contiguous().view(torch.int8).float()
+        ql = _nibbles(b[:, 0:128], 64).reshape(n, 8, 32)
+        qh = _fields(b[:, 128:192], 32, 2)
+        q = (ql | (qh << 4)).to(torch.int8) - 32
+        return q.reshape(n, 256), _f16(b, 208) * scales, None, 16
+    raise ValueError(f"{type_name(qtype)} is not a linear block type")
+
+
 def dequantize(data: torch.Tensor, qtype: int) -> torch.Tensor:
     """Flat uint8 bytes of whole blocks of `qtype` -> flat fp32 values (float types: as stored,
     converted to fp32)."""

@@ -10,7 +10,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import quants as gq
 
-from engine.offload.gguf_blocks import PACKED, block_size, dequantize, dequantize_into
+from engine.offload.gguf_blocks import AFFINE, AFFINE_BITS, PACKED, affine, block_size, dequantize, dequantize_into
 
 # byte offsets of each type's fp16 scale fields (ggml's block structs)
 SCALES = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,), Q.Q2_K: (80, 82),
@@ -65,3 +65,18 @@ def test_dequantize_into_fills_rows_in_chunks_and_reorders_them(qtype: Q) -> Non
     out = torch.empty(rows, cols, dtype=torch.bfloat16)
     dequantize_into(torch.from_numpy(stored).reshape(-1), qtype, out, order, chunk_values=5 * cols)  # several chunks
     assert torch.equal(out, torch.from_numpy(ref)[order].to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("qtype", AFFINE, ids=lambda t: t.name)
+def test_codes_scales_and_minimums_give_the_decoded_values_bit_for_bit(qtype: Q) -> None:
+    blocks = torch.from_numpy(random_blocks(qtype, 256, seed=3))
+    codes, scales, mins, group = affine(blocks, qtype)
+    values, _ = block_size(qtype)
+    assert codes.dtype == torch.int8 and codes.shape == (256, values) and scales.shape == (256, values // group)
+    bits = AFFINE_BITS[qtype]
+    assert int(codes.min()) >= (-(1 << (bits - 1)) if mins is None else 0)
+    assert int(codes.max()) < (1 << (bits - 1) if mins is None else 1 << bits)
+    w = codes.float().reshape(256, -1, group) * scales[..., None]
+    if mins is not None:
+        w = w + mins[..., None]
+    assert torch.equal(w.reshape(-1), dequantize(blocks.reshape(-1), qtype))
