@@ -18,8 +18,9 @@ in one run and with the same thread count on both sides:
   (draft-free trees, budget auto): decode tok/s = the tokens after the first over the time
   after the first (the same definition), and tokens per pass.
 
-The prompts are fed raw (no chat template) to both. It never runs in the test suite: it takes
-minutes and a compiler.
+Each prompt is rendered once with the GGUF's own chat template (a user turn and the generation
+prompt, as `specchat generate --prompt` renders it) and the same text is fed raw to both. It
+never runs in the test suite: it takes minutes and a compiler.
 
 What this module does not do: tune anything, or run on a GPU (both sides run on the CPU).
 """
@@ -157,9 +158,19 @@ def specchat_generate(gguf: Path, threads: int, prompt: str, new_tokens: int, mo
     return tps, float(stats["tokens_per_pass"])
 
 
+def rendered(gguf: Path, prompts: Sequence[str]) -> list[str]:
+    """Each prompt as one user turn in the model's chat template, ready for the answer."""
+    from engine.loading.gguf import gguf_tokenizer  # noqa: PLC0415 (transformers: only when run)
+
+    tok = gguf_tokenizer(gguf)
+    return [str(tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True))
+            for p in prompts]
+
+
 def bench_model(bin_dir: Path | None, gguf: Path, label: str, prompts: Sequence[str], threads: int,
                 new_tokens: int, say: Callable[[str], None]) -> list[Row]:
     rows: list[Row] = []
+    prompts = rendered(gguf, prompts)
     if bin_dir is not None:
         say(f"{label}: llama-bench")
         rows.append(Row(label, "llama.cpp llama-bench (empty context)", llama_bench(bin_dir, gguf, threads, new_tokens)))
@@ -175,7 +186,7 @@ def bench_model(bin_dir: Path | None, gguf: Path, label: str, prompts: Sequence[
 
 def format_rows(rows: Sequence[Row], threads: int, new_tokens: int, prompts_name: str, n_prompts: int) -> str:
     lines = [f"decode tok/s, greedy, {threads} threads, {new_tokens} new tokens, prompts: {prompts_name} "
-             f"({n_prompts}, raw, one fresh process each)", ""]
+             f"({n_prompts}, in the chat template, one fresh process each)", ""]
     lines.append(f"{'model':<22} {'runner':<40} {'tok/s':>8} {'tok/pass':>9} {'vs llama.cpp':>13}")
     for r in rows:
         peer = next((p.decode_tps for p in rows if p.model == r.model and p.runner == "llama.cpp on the prompts"), None)
