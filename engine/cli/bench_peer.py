@@ -160,11 +160,12 @@ def specchat_generate(gguf: Path, threads: int, prompt: str, new_tokens: int, mo
 
 def rendered(gguf: Path, prompts: Sequence[str]) -> list[str]:
     """Each prompt as one user turn in the model's chat template, ready for the answer."""
-    from engine.loading.gguf import gguf_tokenizer  # noqa: PLC0415 (transformers: only when run)
+    from engine.decoding.text import render_chat  # noqa: PLC0415 (transformers: only when run)
+    from engine.loading.gguf import gguf_tokenizer  # noqa: PLC0415
+    from engine.types import GenerationRequest, Message  # noqa: PLC0415
 
     tok = gguf_tokenizer(gguf)
-    return [str(tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True))
-            for p in prompts]
+    return [render_chat(tok, GenerationRequest(messages=(Message("user", p),))) for p in prompts]
 
 
 def bench_model(bin_dir: Path | None, gguf: Path, label: str, prompts: Sequence[str], threads: int,
