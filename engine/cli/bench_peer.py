@@ -8,7 +8,8 @@ filter: nothing outside its folder) and built with cmake into the user cache
 (`<cache>/peer/llama.cpp-<version>`, about 10 minutes on 2 cores, once). `--llama-cpp DIR`
 names an existing build's bin folder instead.
 
-Per GGUF (default: the starter's Q4_1 file and a Q8_0 rewrite of it, engine.testing.gguf_write),
+Per GGUF (default: the starter's Q4_1 file and a Q8_0 rewrite of it, engine.testing.gguf_write;
+`--synthetic`: random 1.1B models in Q4_0 and Q8_0, where memory bandwidth sets the pace),
 in one run and with the same thread count on both sides:
 
 - llama.cpp `llama-bench -p 0 -n N`: decode tok/s over an empty context (its headline figure);
@@ -217,6 +218,15 @@ def run_bench_peer(args: argparse.Namespace) -> int:
     root = paths.cache_dir() / "peer"
     if args.gguf:
         models = [(Path(g), Path(g).name) for g in args.gguf]
+    elif args.synthetic:
+        from engine.testing.synthetic import SYNTHETIC_1B, synthetic_gguf  # noqa: PLC0415
+
+        models = []
+        for qtype in ("Q4_0", "Q8_0"):
+            say(f"writing a synthetic 1.1B {qtype} GGUF (once)")
+            path = synthetic_gguf(root / f"synthetic-1.1b-{qtype.lower()}.gguf", **SYNTHETIC_1B, layer_types=(qtype,),
+                                  embed_type=qtype, head_type=qtype)
+            models.append((path, f"synthetic 1.1B {qtype}"))
     else:
         q41 = starter_gguf(None)
         q80 = requantize_gguf(q41, root / "starter-q8_0.gguf", GGMLQuantizationType.Q8_0)

@@ -435,6 +435,8 @@ def _add_bench_gpu(kinds: argparse._SubParsersAction) -> None:
                             "Default: the starter's Q4_1 GGUF and a Q8_0 rewrite of it, the edit prompts.")
     peer.add_argument("--gguf", action="append", metavar="FILE", help="a GGUF to run (repeatable; default: the starter, "
                       "Q4_1 and Q8_0)")
+    peer.add_argument("--synthetic", action="store_true", help="random 1.1B models (TinyLlama's shape) in Q4_0 and "
+                      "Q8_0, written once to the cache, instead of the starter")
     peer.add_argument("--prompts", type=Path, metavar="FILE", help="prompts file (default: resources/prompts/edit.txt)")
     peer.add_argument("--limit", type=int_at_least(1), default=None, metavar="N", help="the first N prompts only")
     peer.add_argument("--max-new-tokens", type=int_at_least(2), default=64, metavar="N", help="tokens per answer "

@@ -267,6 +267,8 @@ def _write_shard(folder: Path, tensors: dict[str, torch.Tensor]) -> None:
     save_file(tensors, str(folder / f"model-{n:05d}.safetensors"), metadata={"format": "pt"})
 
 
+# TinyLlama-1.1B's proportions: where memory bandwidth, not the interpreter, sets a CPU's pace (bench peer)
+SYNTHETIC_1B: SyntheticShape = dict(hidden=2048, intermediate=5632, layers=22, vocab=32000, heads=32, kv_heads=4)
 SYNTHETIC_GGUF_BIG: SyntheticShape = dict(hidden=4096, intermediate=11008, layers=12, vocab=32000, heads=32, kv_heads=8)  # ~1.5 GB
 SYNTHETIC_GGUF_SMALL: SyntheticShape = dict(hidden=1024, intermediate=2816, layers=6, vocab=8000, heads=16, kv_heads=4)  # ~55 MB
 
