@@ -77,9 +77,18 @@ class PassCosts:
         return max(a + b * tokens, single or 0.0)  # a line fitted further out may dip below one token's cost
 
     def _line(self) -> tuple[float, float]:
+        """(a, b) of t(n) = a + b n over the passes of 2+ tokens. Passes of one size alone (often
+        a single first pass that also read the prompt's tail: 79 tokens) give no slope: the line
+        then runs from the one-token cost to them, not flat at their cost (which priced every
+        tree like the prompt's pass and so never grew one)."""
         mean_n, mean_t = self._n / self._w, self._t / self._w
         var = self._nn / self._w - mean_n**2
-        slope = (self._nt / self._w - mean_n * mean_t) / var if var > 1e-9 else mean_t / 64 / max(mean_n, 1.0)
+        if var > 1e-9:
+            slope = (self._nt / self._w - mean_n * mean_t) / var
+        elif self._w1 > 1e-9 and mean_n > 1.0:
+            slope = (mean_t - self._t1 / self._w1) / (mean_n - 1.0)
+        else:
+            slope = mean_t / 64 / max(mean_n, 1.0)
         slope = max(slope, 0.0)
         return max(mean_t - slope * mean_n, 1e-6), slope
 

@@ -196,6 +196,15 @@ class GGUFWeights:
         return counts
 
     # -- tensors --
+    def blocks(self, name: str) -> tuple[torch.Tensor, int, tuple[int, ...], torch.Tensor | None] | None:
+        """Tensor `name` as the file stores it: (its bytes, a view of the mapping; the ggml type;
+        the shape; the row order to undo, or None); None when the file has no such tensor."""
+        t = self._by_name.get(name)
+        if t is None:
+            return None
+        order = self._orders.get(name)
+        return self.raw(t), int(t.qtype), tuple(t.shape), None if order is None else torch.tensor(order)
+
     def raw(self, t: TensorInfo) -> torch.Tensor:
         return self._bytes[t.part][t.offset:t.offset + t.nbytes]
 

@@ -30,6 +30,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfi
 
 from engine import paths
 from engine.errors import OutOfMemory
+from engine.loading import cpu_packed
 from engine.loading.checkpoint import Checkpoint
 from engine.loading.weights import Weights
 from engine.model.causal_lm import CausalLM
@@ -119,13 +120,14 @@ def materialise(weights: Weights, config: PretrainedConfig, settings: Materialis
         packing = layouts[0].quant
         if packing != settings.quant and settings.quant == "nf4":
             log.info("%s is stored pre-quantised (%s): its layers load as they are", weights.path.name, packing)
-        unpack = unpack_at_load(layouts, settings)
-        if unpack:
-            placement = plan_layers(hf, [layout.dense_layout() for layout in layouts], settings, "none")
-            unpack = placement.gpu_layers == placement.num_layers
-        if unpack:
-            log.info("%s: %s layers de-quantised once, at load (%.1f GiB in RAM)", weights.path.name, packing,
-                     sum(layout.dense_nbytes for layout in layouts) / GIB)
+        resident_bytes_cpu = unpack_at_load(layouts, settings, hf.model.layers[0])
+        unpack = resident_bytes_cpu is not None
+        if resident_bytes_cpu is not None:
+            n = len(layouts)
+            placement = Placement(n, n, 0, 0, max(layout.dense_nbytes for layout in layouts), "none", settings.device)
+            log.info("%s: %s layers made resident at load (%.2f GiB in RAM%s)", weights.path.name, packing,
+                     resident_bytes_cpu / GIB, ", packed CPU kernels" if _kernel_layers(packing) else "")
+            _pack_head(hf, weights, device)
         else:
             placement = plan_layers(hf, layouts, settings, packing)
         log.info("placement of %s: %s", weights.path.name, placement.describe())
@@ -140,22 +142,46 @@ def materialise(weights: Weights, config: PretrainedConfig, settings: Materialis
     return CausalLM(hf, streamer=streamer, placement=placement)
 
 
-def unpack_at_load(layouts: list[LayerLayout], settings: MaterialiseSettings) -> bool:
-    """Whether the packed layers (GGUF blocks, AWQ, GPTQ) are de-quantised once, at load, into
-    resident layers in the compute dtype, rather than on every pass.
+def unpack_at_load(layouts: list[LayerLayout], settings: MaterialiseSettings, layer: nn.Module) -> int | None:
+    """The RAM packed layers (GGUF blocks, AWQ, GPTQ) take made resident at load on a CPU, or
+    None when they stay packed and are de-quantised as each pass runs them.
 
     On a CPU the device memory is the RAM the packed layers already sit in: nothing crosses a
     link, so de-quantising every layer on every pass buys nothing and costs most of the pass
-    (the starter's Q4_1 GGUF decoded 4x slower than its fp32 folder on 2 cores). PyTorch's
-    weight-only int4/int8 CPU kernels are no way out on an AVX2 CPU: 6-15x slower than an fp32
-    matrix product at the starter's and a 1B model's shapes (one row and 16 rows, 2026-11-24).
-    So the layers are de-quantised with the same code the streamer runs (the values are the
-    file's own, bit for bit), when the de-quantised layers fit the RAM budget; a model too
-    big for that stays packed and is de-quantised as each pass runs it. NF4 asked for with
-    --quant stays packed: the user chose the smaller footprint."""
+    (the starter's Q4_1 GGUF decoded 4x slower than its fp32 folder on 2 cores). So at load,
+    a GGUF's Linear weights in linear block types become packed-kernel weights (cpu_packed.py,
+    half a byte or a byte per weight) and everything else is de-quantised once, with the same
+    code the streamer runs; without a kernel (or for AWQ/GPTQ) everything is de-quantised.
+    PyTorch's own weight-only int4/int8 CPU kernels are no alternative on an AVX2 CPU: 6-15x
+    slower than an fp32 product at the starter's and a 1B model's shapes (2026-11-24).
+    A model whose resident layers would not fit the RAM budget stays packed, as does NF4 asked
+    for with --quant (the user chose the smaller footprint)."""
     if settings.device != "cpu" or settings.offload == "all" or layouts[0].quant not in ("gguf", "awq", "gptq"):
-        return False
-    return sum(layout.dense_nbytes for layout in layouts) <= host_budget(settings.ram_limit_bytes)
+        return None
+    if _kernel_layers(layouts[0].quant):
+        need = sum(cpu_packed.kernel_bytes(layout, layer) for layout in layouts)
+    else:
+        need = sum(layout.dense_nbytes for layout in layouts)
+    return need if need <= host_budget(settings.ram_limit_bytes) else None
+
+
+def _kernel_layers(packing: Packing) -> bool:
+    return packing == "gguf" and cpu_packed.kernels_on()
+
+
+def _pack_head(hf: PreTrainedModel, weights: Weights, device: torch.device) -> None:
+    """The head as a packed-kernel Linear when its blocks (or the tied embedding's) allow; the
+    embedding keeps its de-quantised rows for look-ups."""
+    blocks = getattr(weights, "blocks", None)
+    if blocks is None:
+        return
+    tied = bool(getattr(hf.config, "tie_word_embeddings", False)) or not weights.has("lm_head.weight")
+    found = blocks("model.embed_tokens.weight" if tied else "lm_head.weight")
+    if found is None:
+        return
+    head = cpu_packed.packed_head(*found)
+    if head is not None:
+        hf.lm_head = head
 
 
 def layer_template(hf: PreTrainedModel) -> Callable[[], nn.Module]:
@@ -286,10 +312,8 @@ def _place_layers(hf: PreTrainedModel, weights: Weights, layouts: list[LayerLayo
             if unpacker is not None and packed_scratch is not None:
                 layer = hf.model.layers[i]
                 weights.pack_layer(i, layout, packed_scratch, work)
-                dense = {e.name: torch.empty(e.shape, dtype=dtype, device=device) for e in layout.entries if not e.side}
-                unpacker(layout, packed_scratch, dense)
-                for name, value in dense.items():
-                    set_parameter(layer, name, value)
+                cpu_packed.place_layer(layer, layout, packed_scratch, unpacker, dtype, device,
+                                       _kernel_layers(layout.quant))
                 homes.append(LayerHome(module=layer))
                 where = where_name
             elif resident and layout.quant == "none":

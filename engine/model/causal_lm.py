@@ -56,9 +56,9 @@ class CausalLM:
         self.layers: list[nn.Module] = list(inner.layers)
         self.norm: nn.Module = inner.norm
         self.rotary: nn.Module = inner.rotary_emb
-        self.head: nn.Linear = hf_model.lm_head
+        self.head: nn.Module = hf_model.lm_head  # an nn.Linear, or engine.kernels' PackedLinear
         # the head's rows, not config.vocab_size: some checkpoints pad the embedding matrix
-        self.shape = replace(ModelShape.from_config(cfg, cfg.model_type), vocab_size=self.head.weight.shape[0])
+        self.shape = replace(ModelShape.from_config(cfg, cfg.model_type), vocab_size=self.head.out_features)
         self.dtype: torch.dtype = self.embed.weight.dtype
         self.device: torch.device = self.embed.weight.device
         if placement is None:

@@ -189,7 +189,7 @@ _DECODERS: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {
 # IQ4 tables, not Q2_K/Q3_K's 2-3 bit codes). `affine` gives those parts for a packed CPU kernel
 # (engine.kernels): its matrix products read the codes and apply a group's scale once.
 AFFINE = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
-AFFINE_BITS = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q4_K: 4, Q.Q5_0: 5, Q.Q5_1: 5, Q.Q5_K: 5, Q.Q8_0: 8, Q.Q6_K: 6}
+AFFINE_BITS: dict[int, int] = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q4_K: 4, Q.Q5_0: 5, Q.Q5_1: 5, Q.Q5_K: 5, Q.Q8_0: 8, Q.Q6_K: 6}
 
 
 def affine(b: torch.Tensor, qtype: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:

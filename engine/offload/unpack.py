@@ -22,17 +22,19 @@ class Unpacker:
         # by the identity of a layout's row-order tuple (one per tensor name, shared by layers)
         self._orders: dict[int, tuple[tuple[int, ...], torch.Tensor]] = {}
 
-    def __call__(self, layout: LayerLayout, packed: torch.Tensor, dense: dict[str, torch.Tensor]) -> None:
-        """Fill the dense parameter tensors `dense` (by name) from packed buffer `packed`."""
+    def __call__(self, layout: LayerLayout, packed: torch.Tensor, dense: dict[str, torch.Tensor],
+                 only: set[str] | None = None) -> None:
+        """Fill the dense parameter tensors `dense` (by name) from packed buffer `packed`
+        (with `only`: those entries alone)."""
         by_name = {e.name: e for e in layout.entries}
         for e in layout.entries:
-            if e.side:
+            if e.side or (only is not None and e.name not in only):
                 continue
             out = dense[e.name]
             if e.kind == "dense":
                 out.copy_(layout.view(packed, e))
             elif e.kind == "gguf":
-                gguf_blocks.dequantize_into(layout.view(packed, e), e.qtype, out, self._order(e))
+                gguf_blocks.dequantize_into(layout.view(packed, e), e.qtype, out, self.row_order(e))
             elif e.kind == "nf4":
                 if self._code is None:
                     self._code = nf4_code(self.device)
@@ -42,7 +44,8 @@ class Unpacker:
                 int4.dequantize_into(e.kind, {k: layout.view(packed, s) for k, s in _sides(by_name, e)},
                                      layout.view(packed, e), out, v2=e.qtype == 2)
 
-    def _order(self, e: Entry) -> torch.Tensor | None:
+    def row_order(self, e: Entry) -> torch.Tensor | None:
+        """A GGUF entry's row order on this device (None: as stored)."""
         if e.row_order is None:
             return None
         known = self._orders.get(id(e.row_order))

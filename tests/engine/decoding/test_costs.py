@@ -51,3 +51,16 @@ def test_a_line_fitted_far_out_never_prices_a_small_pass_below_one_token() -> No
     for tokens, seconds in ((100, 0.100), (300, 0.300), (500, 0.500)):  # a = 0: t(2) would be 0.002 s
         costs.observe_target(tokens, seconds)
     assert costs.target(2) == pytest.approx(0.060)
+
+
+def test_one_large_first_pass_does_not_price_every_tree_like_the_prompt() -> None:
+    """A fresh process: one-token passes, and the first pass, which also read 78 tokens of the
+    prompt's tail. Small trees must still look cheap (the old flat line priced a 5-token pass
+    at the 79-token pass's cost, so draft-free trees were never grown in a one-shot run)."""
+    costs = PassCosts()
+    costs.observe_target(79, 0.180)
+    for _ in range(10):
+        costs.observe_target(1, 0.025)
+    assert costs.target(5) < 2 * costs.target(1)
+    assert costs.target(79) == pytest.approx(0.180)
+    assert costs.best_size([0.9, 0.8]) == 2

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from engine.decoding.generation import Engine
 from engine.errors import UnsupportedModel
 from engine.loading.gguf import cache_key, gguf_config, isolated
+from engine.kernels import build
+from engine.kernels.linear import PackedLinear
 from engine.loading.load import LoadedModel, check_pair, load_model
 from engine.testing.synthetic import tiny_gguf
 from engine.store.gguf_header import read_header
@@ -25,8 +28,9 @@ from engine.types import Completion, GenerationRequest, SpeculationSettings
 PROMPTS = ["Paris is the capital of", "def add(a, b):", "Once upon a time there was"]
 # layer 0 Q8_0, layer 1 Q4_0, layer 2 a Q4_K_M layer (Q6_K attn_v/ffn_down), layer 3 Q5_K
 TYPES = ("Q8_0", "Q4_0", "Q4_K/Q6_K", "Q5_K")
-PLACES = {"unpacked": dict(offload="none"), "resident": dict(offload="none", ram_limit_bytes=0),
-          "RAM": dict(offload="all"), "disk": dict(offload="all", ram_limit_bytes=0)}
+PLACES = {"kernel": dict(offload="none"), "dequantised": dict(offload="none"),
+          "resident": dict(offload="none", ram_limit_bytes=0), "RAM": dict(offload="all"),
+          "disk": dict(offload="all", ram_limit_bytes=0)}
 
 
 @pytest.fixture(autouse=True)
@@ -74,22 +78,43 @@ def test_config_is_transformers_own(gguf_pair: tuple) -> None:
         assert ours.get(key) == theirs.get(key), key
 
 
+@pytest.fixture
+def no_kernels(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A machine where the packed CPU kernel cannot be built."""
+    monkeypatch.setenv("SPECCHAT_NO_KERNELS", "1")
+    build.reset()
+    yield
+    monkeypatch.delenv("SPECCHAT_NO_KERNELS")
+    build.reset()
+
+
 @pytest.mark.parametrize("place", PLACES)
-def test_logits_and_greedy_text_equal_transformers(gguf_pair: tuple, place: str) -> None:
+def test_logits_and_greedy_text_equal_transformers(gguf_pair: tuple, place: str, request: pytest.FixtureRequest) -> None:
     path, ref, ref_tok = gguf_pair
+    if place == "dequantised":
+        request.getfixturevalue("no_kernels")
+    elif place == "kernel" and build.kernels() is None:
+        pytest.skip("no C compiler here")
     m = load_model(path, **PLACES[place])  # type: ignore[arg-type]
     p = m.model.placement
-    if place == "unpacked":  # a CPU with the RAM: de-quantised at load, no layer streams
+    packed = [mod for mod in m.model.hf_model.modules() if isinstance(mod, PackedLinear)]
+    if place in ("kernel", "dequantised"):  # a CPU with the RAM: resident from load, no layer streams
         assert p is not None and p.quant == "none" and m.model.streamer is None
-    else:  # no RAM to spare for a de-quantised copy, or streamed: the file's blocks
-        assert p is not None and p.quant == "gguf" and p.describe().endswith("(GGUF blocks)")
+        # every Linear in a linear block type (all but the IQ/2-3 bit ones; TYPES has none) and the head
+        assert len(packed) == (4 * 7 + 1 if place == "kernel" else 0)
+    else:  # no RAM to spare for a resident copy, or streamed: the file's blocks
+        assert p is not None and p.quant == "gguf" and p.describe().endswith("(GGUF blocks)") and not packed
     engine = Engine(m.model, m.tokenizer)
     for prompt in PROMPTS:
         ids = ref_tok(prompt)["input_ids"]
         assert m.tokenizer(prompt)["input_ids"] == ids
         with torch.inference_mode():
             theirs = ref(torch.tensor([ids])).logits[0]
-        assert torch.equal(logits(m, ids), theirs)  # the file's own weights, bit for bit
+        ours = logits(m, ids)
+        if place == "kernel":  # the file's own values; the kernel sums in its own order
+            assert (ours - theirs).abs().max() <= 1e-4 * theirs.abs().max()
+        else:
+            assert torch.equal(ours, theirs)  # the file's own weights, bit for bit
         x = torch.tensor([ids])
         want = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=24, do_sample=False,
                             pad_token_id=ref_tok.pad_token_id)[0, len(ids):].tolist()

@@ -1,0 +1,160 @@
+"""The packed-weight kernel (qmatmul.c), compiled on first use with the system's C compiler and
+loaded with ctypes.
+
+Compiled into the user cache (`<cache>/kernels/<key>/libqmatmul.so`, the key a hash of the
+source, the flags, the compiler's version and the machine), written to a temporary name and
+renamed, so a crash mid-build leaves nothing that looks finished. Flags from the fastest to
+the most portable: `-march=native`, then AVX2 + FMA, then plain C; a build that fails moves
+to the next. A cached library that does not load (damaged) is built again, once.
+
+No compiler, every build failing, Windows (no build here yet), or SPECCHAT_NO_KERNELS=1 in the
+environment: `kernels()` is None, one INFO line says why, and the caller runs its dense path.
+Never raises.
+
+What this module does not do: choose which weights use the kernel (engine.loading) or run it
+(linear.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+from engine import paths
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("qmatmul.c")
+FLAG_SETS = (("-O3", "-march=native", "-fopenmp"), ("-O3", "-mavx2", "-mfma", "-fopenmp"), ("-O3", "-fopenmp"),
+             ("-O3",))
+VERSION = 1  # qm_version() of the source this module speaks to
+
+_lock = threading.Lock()
+_loaded: ctypes.CDLL | None = None
+_tried = False
+
+
+def compiler() -> str | None:
+    """$CC, else cc or gcc on the PATH."""
+    named = os.environ.get("CC", "").strip()
+    if named:
+        return shutil.which(named) or (named if Path(named).is_file() else None)
+    return shutil.which("cc") or shutil.which("gcc")
+
+
+def kernels() -> ctypes.CDLL | None:
+    """The loaded kernel library, built on the first call of the process; None when there is
+    none to be had (see the module docstring)."""
+    global _loaded, _tried
+    with _lock:
+        if not _tried:
+            _tried = True
+            _loaded = _build_and_load()
+        return _loaded
+
+
+def reset() -> None:
+    """Forget the library this process loaded (tests build again under other settings)."""
+    global _loaded, _tried
+    with _lock:
+        _loaded, _tried = None, False
+
+
+def _build_and_load() -> ctypes.CDLL | None:
+    if os.environ.get("SPECCHAT_NO_KERNELS", "").strip() not in ("", "0"):
+        log.info("packed CPU kernels off (SPECCHAT_NO_KERNELS): packed layers run de-quantised")
+        return None
+    if sys.platform == "win32":
+        log.info("packed CPU kernels are not built on Windows yet: packed layers run de-quantised")
+        return None
+    cc = compiler()
+    if cc is None:
+        log.info("no C compiler (cc, gcc or $CC) for the packed CPU kernels: packed layers run de-quantised")
+        return None
+    version = _compiler_version(cc)
+    source = SOURCE.read_bytes()
+    first_error = ""
+    for flags in FLAG_SETS:
+        key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), version.encode(),
+                                          platform.machine().encode(), _cpu_model().encode()])).hexdigest()[:20]
+        target = paths.cache_dir() / "kernels" / key / "libqmatmul.so"
+        for attempt in (0, 1):
+            if not target.is_file() or attempt:
+                error = _compile(cc, flags, target)
+                if error:
+                    first_error = first_error or error
+                    break
+            lib = _load(target)
+            if lib is not None:
+                log.info("packed CPU kernels: %s (%s)", target.parent.name, " ".join(flags))
+                return lib
+            target.unlink(missing_ok=True)  # damaged: build once more
+    log.info("packed CPU kernels could not be built (%s): packed layers run de-quantised", first_error)
+    return None
+
+
+def _compile(cc: str, flags: tuple[str, ...], target: Path) -> str:
+    """'' when `target` was built; else the compiler's first error line."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=target.parent)
+        os.close(fd)
+    except OSError as exc:
+        return f"cannot write {target.parent}: {exc.strerror or exc}"
+    try:
+        proc = subprocess.run([cc, *flags, "-shared", "-fPIC", "-std=c11", "-o", tmp, str(SOURCE)],
+                              capture_output=True, text=True, timeout=300)
+        if proc.returncode != 0:
+            lines = [line for line in (proc.stderr or proc.stdout).splitlines() if "error" in line.lower()]
+            return (lines or (proc.stderr or proc.stdout or f"exit code {proc.returncode}").splitlines() or ["?"])[0][:200]
+        os.replace(tmp, target)
+        return ""
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"{cc}: {exc}"
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
+def _load(target: Path) -> ctypes.CDLL | None:
+    try:
+        lib = ctypes.CDLL(str(target))
+        lib.qm_version.restype = ctypes.c_int
+        if lib.qm_version() != VERSION:
+            return None
+        lib.qm_simd.restype = ctypes.c_int
+        lib.qm_matmul.restype = ctypes.c_int
+        lib.qm_matmul.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                  ctypes.c_int]
+        return lib
+    except (OSError, AttributeError) as exc:
+        log.info("the cached kernel library %s does not load (%s)", target, exc)
+        return None
+
+
+def _compiler_version(cc: str) -> str:
+    try:
+        return subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout.splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return "?"
+
+
+def _cpu_model() -> str:
+    """The CPU's model line: a library built with -march=native runs only on CPUs like it (a
+    cache folder copied to another machine gets its own build)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text(errors="replace").splitlines()
+    except OSError:
+        return platform.processor()
+    model = next((line for line in lines if line.startswith("model name")), "")
+    flags = next((line for line in lines if line.startswith("flags")), "")
+    return model + flags

@@ -1,0 +1,141 @@
+"""Linear layers whose weights stay group-quantised on the CPU: `PackedLinear`, a drop-in for an
+inference `nn.Linear`, running qmatmul.c through ctypes.
+
+A `QuantWeight` holds a weight (out_features x in_features) as codes, a scale per group and
+optionally a minimum per group, w = scale * code (+ minimum):
+
+- "q8": int8 codes (N x K), groups of 16 or 32: GGUF's Q8_0, Q5_0/Q5_1/Q5_K (codes 0..31),
+  Q6_K (codes -32..31, groups of 16);
+- "q4": codes 0..15 packed two per byte (N x K/2; in each group of 32, byte k holds value k in
+  its low nibble and value k + 16 in its high nibble), groups of 32: Q4_0, Q4_1, Q4_K.
+
+`from_codes` packs codes of either kind (engine.offload.gguf_blocks.affine gives them);
+`from_dense` quantises a float weight (tests and benchmarks); `dequantize` is the reference.
+
+What this module does not do: build the kernel (build.py) or decide which layers use it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+from engine.kernels.build import kernels
+
+Kind = Literal["q8", "q4"]
+
+
+@dataclass(frozen=True)
+class QuantWeight:
+    kind: Kind
+    codes: torch.Tensor  # q8: int8 (N, K); q4: uint8 (N, K/2)
+    scales: torch.Tensor  # fp32 (N, K/group)
+    mins: torch.Tensor | None  # fp32 (N, K/group) or None
+    group: int
+    out_features: int
+    in_features: int
+
+    @property
+    def kind_code(self) -> int:
+        return 8 if self.kind == "q8" else 4
+
+    @property
+    def pointers(self) -> tuple[int, int, int | None]:
+        """The addresses of codes, scales and minimums (the tensors live as long as the weight)."""
+        return (self.codes.data_ptr(), self.scales.data_ptr(), self.mins.data_ptr() if self.mins is not None else None)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.mins) if t is not None)
+
+
+def from_codes(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group: int,
+               bits: int) -> QuantWeight:
+    """codes (N, K) of `bits` bits (signed when there are no minimums), scales and minimums
+    (N, K/group) -> the kind that holds them: "q4" for 4-bit codes in groups of 32, else "q8"."""
+    n, k = codes.shape
+    if k % group or group % 8:
+        raise ValueError(f"{k} columns are not a whole number of groups of {group}")
+    scales = scales.float().reshape(n, k // group).contiguous()
+    mins = mins.float().reshape(n, k // group).contiguous() if mins is not None else None
+    if bits <= 4 and group == 32 and mins is not None:
+        q = codes.to(torch.uint8).reshape(n, k // 32, 2, 16)
+        packed = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+        return QuantWeight("q4", packed, scales, mins, 32, n, k)
+    return QuantWeight("q8", codes.to(torch.int8).contiguous(), scales, mins, group, n, k)
+
+
+def from_dense(weight: torch.Tensor, kind: Kind, group: int = 32) -> QuantWeight:
+    """Quantise a float weight group-wise: "q8" symmetric (codes -127..127), "q4" with a
+    minimum (codes 0..15), round to nearest."""
+    w = weight.detach().float().reshape(weight.shape[0], -1, group)
+    if kind == "q8":
+        scale = w.abs().amax(-1) / 127
+        codes = torch.where(scale[..., None] > 0, w / scale[..., None], torch.zeros_like(w)).round().clamp(-127, 127)
+        return from_codes(codes.reshape(weight.shape).to(torch.int8), scale, None, group, 8)
+    lo, hi = w.amin(-1), w.amax(-1)
+    scale = (hi - lo) / 15
+    codes = torch.where(scale[..., None] > 0, (w - lo[..., None]) / scale[..., None], torch.zeros_like(w))
+    return from_codes(codes.round().clamp(0, 15).reshape(weight.shape), scale, lo, 32, 4)
+
+
+def codes_of(w: QuantWeight) -> torch.Tensor:
+    """(N, K) codes as ints."""
+    if w.kind == "q8":
+        return w.codes.to(torch.int32)
+    p = w.codes.reshape(w.out_features, -1, 16)
+    return torch.stack([p & 15, p >> 4], dim=2).reshape(w.out_features, w.in_features).to(torch.int32)
+
+
+def dequantize(w: QuantWeight) -> torch.Tensor:
+    """(N, K) fp32 values: scale * code + minimum, in fp32 (the values the kernel multiplies by)."""
+    v = codes_of(w).float().reshape(w.out_features, -1, w.group) * w.scales[..., None]
+    if w.mins is not None:
+        v = v + w.mins[..., None]
+    return v.reshape(w.out_features, w.in_features)
+
+
+def qlinear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
+            threads: int | None = None) -> torch.Tensor:
+    """x (..., K) -> (..., N) fp32: x @ dequantize(w).T (+ bias), by the kernel; by that dense
+    product when no kernel could be built."""
+    lib = kernels()
+    if lib is None:
+        y = x.float() @ dequantize(w).T
+        return y + bias if bias is not None else y
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, w.in_features)
+    if x2.dtype != torch.float32 or not x2.is_contiguous():
+        x2 = x2.float().contiguous()
+    m = x2.shape[0]
+    y = torch.empty((m, w.out_features), dtype=torch.float32)
+    if m:
+        # a decode step makes ~200 of these calls: the weight's own arguments are built once
+        rc = lib.qm_matmul(w.kind_code, x2.data_ptr(), m, w.in_features, w.pointers[0], w.pointers[1], w.pointers[2],
+                           w.out_features, w.group, y.data_ptr(), threads or torch.get_num_threads())
+        if rc != 0:
+            raise torch.OutOfMemoryError("The packed CPU kernel could not allocate its scratch memory.")
+    if bias is not None:
+        y += bias
+    return y.reshape(*lead, w.out_features)
+
+
+class PackedLinear(nn.Module):
+    """An inference Linear over a QuantWeight (fp32 in, fp32 out)."""
+
+    def __init__(self, weight: QuantWeight, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.qweight = weight
+        self.in_features = weight.in_features
+        self.out_features = weight.out_features
+        self.bias = nn.Parameter(bias.float(), requires_grad=False) if bias is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return qlinear(x, self.qweight, self.bias).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        w = self.qweight
+        return f"in_features={w.in_features}, out_features={w.out_features}, {w.kind}, group={w.group}"

@@ -1,0 +1,124 @@
+"""The packed CPU kernel (engine/kernels): built with the machine's C compiler, it multiplies by
+group-quantised weights as a dense product by their values does (fp32 rounding apart), at
+every row count, shape, kind and thread count; a machine where it cannot be built (no
+compiler, a compile error, a damaged cached library, switched off) gets None and the dense
+path, never an exception."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.kernels import build
+from engine.kernels.linear import PackedLinear, dequantize, from_codes, from_dense, qlinear
+
+
+@pytest.fixture(scope="module")
+def lib() -> object:
+    found = build.kernels()
+    if found is None:
+        pytest.skip("no C compiler here")
+    return found
+
+
+def close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return bool((got - want).abs().max() <= 1e-5 * want.abs().max() + 1e-6)
+
+
+@pytest.mark.parametrize("kind,group,mins", [("q8", 32, False), ("q8", 16, False), ("q8", 32, True),
+                                             ("q4", 32, True)])
+def test_products_equal_the_dense_product_of_the_values(lib: object, kind: str, group: int, mins: bool) -> None:
+    g = torch.Generator().manual_seed(0)
+    for n, k in ((1, 32), (7, 96), (64, 576), (13, 1536)):
+        if kind == "q4":
+            w = from_dense(torch.randn(n, k, generator=g), "q4")
+        else:
+            codes = torch.randint(-128 if not mins else 0, 128 if not mins else 32, (n, k), generator=g, dtype=torch.int8)
+            scales = torch.rand(n, k // group, generator=g) * 0.1
+            lows = torch.randn(n, k // group, generator=g) * 0.1 if mins else None
+            w = from_codes(codes, scales, lows, group, 8 if not mins else 5)
+        assert w.kind == kind
+        ref_w = dequantize(w)
+        bias = torch.randn(n, generator=g)
+        for m in (1, 2, 3, 5, 16, 64):
+            x = torch.randn(m, k, generator=g)
+            assert close(qlinear(x, w), x @ ref_w.T), (n, k, m)
+            assert close(qlinear(x, w, bias), x @ ref_w.T + bias), (n, k, m)
+        x3 = torch.randn(2, 3, k, generator=g)
+        assert close(qlinear(x3, w), x3 @ ref_w.T)
+        x = torch.randn(4, k, generator=g)
+        assert torch.equal(qlinear(x, w, threads=1), qlinear(x, w, threads=2))
+
+
+def test_four_bit_codes_pack_as_gguf_blocks_hold_them(lib: object) -> None:
+    codes = torch.arange(32).remainder(16).reshape(1, 32)
+    w = from_codes(codes, torch.ones(1, 1), torch.zeros(1, 1), 32, 4)
+    assert w.kind == "q4" and w.codes.shape == (1, 16)
+    assert w.codes[0, 0] == codes[0, 0] | (codes[0, 16] << 4)  # byte k: value k low, value k + 16 high
+    assert torch.equal(dequantize(w), codes.float())
+
+
+def test_packed_linear_is_a_drop_in_linear(lib: object) -> None:
+    dense = torch.nn.Linear(64, 24)
+    w = from_dense(dense.weight.data, "q8")
+    packed = PackedLinear(w, dense.bias.data)
+    x = torch.randn(5, 64)
+    with torch.inference_mode():
+        assert close(packed(x), x @ dequantize(w).T + dense.bias.data)
+        assert (packed(x) - dense(x)).abs().max() < 0.05
+    assert packed.out_features == 24 and packed.in_features == 64
+
+
+@pytest.fixture
+def fresh_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A new cache folder and no library loaded yet in this process (restored afterwards)."""
+    monkeypatch.setenv("SPECCHAT_CACHE_DIR", str(tmp_path))
+    build.reset()
+    yield tmp_path
+    build.reset()
+
+
+def test_no_compiler_means_no_kernel_and_no_exception(fresh_build: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("CC", str(fresh_build / "no-such-compiler"))
+    with caplog.at_level(logging.INFO, logger="engine.kernels.build"):
+        assert build.kernels() is None
+    assert "no C compiler" in caplog.text
+    w = from_dense(torch.randn(8, 64), "q4")
+    x = torch.randn(3, 64)
+    assert close(qlinear(x, w), x @ dequantize(w).T)  # the dense path
+
+
+def test_a_compiler_that_fails_means_no_kernel(fresh_build: Path, monkeypatch: pytest.MonkeyPatch,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    fake = fresh_build / "cc"
+    fake.write_text("#!/bin/sh\necho 'fatal error: this compiler builds nothing' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("CC", str(fake))
+    with caplog.at_level(logging.INFO, logger="engine.kernels.build"):
+        assert build.kernels() is None
+    assert "could not be built" in caplog.text and "builds nothing" in caplog.text
+
+
+def test_switched_off(fresh_build: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPECCHAT_NO_KERNELS", "1")
+    assert build.kernels() is None
+
+
+def test_a_damaged_cached_library_is_built_again(lib: object, fresh_build: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    assert build.kernels() is not None  # built into one fresh cache
+    built = list((fresh_build / "kernels").glob("*/libqmatmul.so"))
+    assert len(built) == 1
+    # the same library, damaged, in another cache (a path this process has not loaded)
+    other = fresh_build / "other"
+    damaged = other / "kernels" / built[0].parent.name / "libqmatmul.so"
+    damaged.parent.mkdir(parents=True)
+    damaged.write_bytes(b"not a shared library")
+    monkeypatch.setenv("SPECCHAT_CACHE_DIR", str(other))
+    build.reset()
+    assert build.kernels() is not None
+    assert damaged.read_bytes()[:4] == b"\x7fELF"
