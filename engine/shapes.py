@@ -99,6 +99,15 @@ class Placement:
     layer_bytes: int = 0
     quant: Packing = "none"
     device: str = "cpu"
+    # how packed layers resident on a CPU run: "kernel" (their codes, by the packed CPU kernel),
+    # "dequantised" (de-quantised once, at load); "" as the packing says (de-quantised as each
+    # layer runs, the streamed way)
+    resident_form: Literal["", "kernel", "dequantised"] = ""
+
+    @property
+    def unpacks_each_pass(self) -> bool:
+        """Whether a pass pays for de-quantising its packed layers."""
+        return self.quant != "none" and not self.resident_form
 
     def tiers(self) -> list[Literal["device", "ram", "disk"]]:
         """Each decoder layer's home, in layer order. The device layers are spread evenly among
@@ -126,6 +135,8 @@ class Placement:
         resident, 2 streamed from disk"."""
         n = self.num_layers
         nf4 = PACKING_LABELS[self.quant]
+        if self.resident_form and self.quant != "none":
+            nf4 = nf4[:-1] + (", packed CPU kernel)" if self.resident_form == "kernel" else ", de-quantised at load)")
         if self.device.startswith("cuda"):
             if self.gpu_layers == n:
                 return f"all {n} layers on GPU{nf4}"

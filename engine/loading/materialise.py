@@ -21,7 +21,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import psutil
 import torch
@@ -124,7 +124,9 @@ def materialise(weights: Weights, config: PretrainedConfig, settings: Materialis
         unpack = resident_bytes_cpu is not None
         if resident_bytes_cpu is not None:
             n = len(layouts)
-            placement = Placement(n, n, 0, 0, max(layout.dense_nbytes for layout in layouts), "none", settings.device)
+            form: Literal["kernel", "dequantised"] = "kernel" if _kernel_layers(packing) else "dequantised"
+            placement = Placement(n, n, 0, 0, max(layout.nbytes for layout in layouts), packing, settings.device,
+                                  resident_form=form)
             log.info("%s: %s layers made resident at load (%.2f GiB in RAM%s)", weights.path.name, packing,
                      resident_bytes_cpu / GIB, ", packed CPU kernels" if _kernel_layers(packing) else "")
             _pack_head(hf, weights, device)

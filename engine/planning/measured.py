@@ -119,7 +119,9 @@ def device_kind(device: str) -> str:
 def run_format(path: Path | str, placement: Placement | None) -> str:
     """How a loaded model's decoder layers ran: "FP32" or "BF16" (16-bit on a GPU, 32-bit on a
     CPU, whatever the checkpoint stored), "NF4", "AWQ INT4", "GPTQ INT4", or "GGUF Q4_1" (the
-    file's own blocks, de-quantised as each layer runs; the type read from its header)."""
+    file's own blocks; the type read from its header). On a CPU a GGUF runs by the packed
+    kernel, or de-quantised at load, and AWQ/GPTQ de-quantised at load (Placement.resident_form):
+    the same model, named the same."""
     packing = placement.quant if placement is not None else "none"
     device = placement.device if placement is not None else "cpu"
     if packing == "gguf":

@@ -77,7 +77,8 @@ def compute_seconds(profile: HardwareProfile, params: int, tokens: int, quant: s
 
 def target_pass_seconds(profile: HardwareProfile, target: ModelShape, placement: Placement, tokens: int) -> float:
     """One target pass over `tokens` tree tokens (the decoder layers; the head is separate)."""
-    compute = compute_seconds(profile, target.layer_params, tokens, placement.quant)
+    compute = compute_seconds(profile, target.layer_params, tokens,
+                              placement.quant if placement.unpacks_each_pass else "none")
     total = placement.gpu_layers * compute
     gpu = profile.gpu
     if placement.ram_layers:

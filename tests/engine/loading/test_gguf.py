@@ -99,11 +99,14 @@ def test_logits_and_greedy_text_equal_transformers(gguf_pair: tuple, place: str,
     p = m.model.placement
     packed = [mod for mod in m.model.hf_model.modules() if isinstance(mod, PackedLinear)]
     if place in ("kernel", "dequantised"):  # a CPU with the RAM: resident from load, no layer streams
-        assert p is not None and p.quant == "none" and m.model.streamer is None
+        assert p is not None and p.quant == "gguf" and p.resident_form == place and m.model.streamer is None
+        assert p.describe().endswith("(GGUF blocks, packed CPU kernel)" if place == "kernel"
+                                     else "(GGUF blocks, de-quantised at load)")
         # every Linear in a linear block type (all but the IQ/2-3 bit ones; TYPES has none) and the head
         assert len(packed) == (4 * 7 + 1 if place == "kernel" else 0)
     else:  # no RAM to spare for a resident copy, or streamed: the file's blocks
-        assert p is not None and p.quant == "gguf" and p.describe().endswith("(GGUF blocks)") and not packed
+        assert p is not None and p.quant == "gguf" and not p.resident_form and not packed
+        assert p.describe().endswith("(GGUF blocks)")
     engine = Engine(m.model, m.tokenizer)
     for prompt in PROMPTS:
         ids = ref_tok(prompt)["input_ids"]

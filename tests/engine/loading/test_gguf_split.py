@@ -68,7 +68,7 @@ def test_split_model_gives_the_one_files_logits(whole_and_split: tuple, place: s
     want = logits(load_model(whole, **PLACES[place]))  # type: ignore[arg-type]
     got = load_model(parts[2], **PLACES[place])  # type: ignore[arg-type]
     assert got.path == parts[2]
-    assert got.model.placement is not None and got.model.placement.quant == ("none" if place == "unpacked" else "gguf")
+    assert got.model.placement is not None and got.model.placement.quant == "gguf"
     assert torch.equal(logits(got), want)
     if place == "disk":
         store = got.model.streamer.store  # type: ignore[union-attr]

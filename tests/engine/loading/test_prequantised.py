@@ -158,7 +158,8 @@ def test_int4_checkpoints_stay_packed_and_match_the_reference(method: str, sourc
     for kw in places:
         ours, placement = our_logits(folder, IDS, **kw)
         # a CPU with the RAM de-quantises the layers once, at load; else they stay packed
-        assert placement.quant == ("none" if kw == dict(offload="none") else method)  # type: ignore[attr-defined]
+        assert placement.quant == method  # type: ignore[attr-defined]
+        assert placement.resident_form == ("dequantised" if kw == dict(offload="none") else "")  # type: ignore[attr-defined]
         assert (ours - ref).abs().max() <= 1e-3 * ref.abs().max(), kw
 
 

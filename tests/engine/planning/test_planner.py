@@ -84,6 +84,21 @@ def test_prior_curve_matches_published_and_measured_points() -> None:
     assert prior_tokens_per_pass(2048, 2) < 3.0  # no path is longer than the depth
 
 
+def test_packed_layers_resident_on_a_cpu_pay_no_unpacking_each_pass() -> None:
+    """A GGUF on a CPU runs by the packed kernel or de-quantised at load (Placement.resident_form):
+    a pass does not pay the per-pass unpacking that layers de-quantised as they run pay."""
+    profile = dataclasses.replace(reference_profile("rtx4090", pinned_gbps=25.0), gpus=())
+    shape = LLAMA2_70B
+    per_pass = Placement(80, 80, 0, 0, 1, "gguf", "cpu")
+    kernel = dataclasses.replace(per_pass, resident_form="kernel")
+    dense = Placement(80, 80, 0, 0, 1, "none", "cpu")
+    assert per_pass.unpacks_each_pass and not kernel.unpacks_each_pass and not dense.unpacks_each_pass
+    for n in (1, 64):
+        assert target_pass_seconds(profile, shape, kernel, n) == target_pass_seconds(profile, shape, dense, n)
+        assert target_pass_seconds(profile, shape, per_pass, n) > target_pass_seconds(profile, shape, kernel, n)
+    assert kernel.describe() == "all 80 layers resident in RAM (GGUF blocks, packed CPU kernel)"
+
+
 def test_streamed_layer_costs_max_of_copy_and_compute() -> None:
     profile = reference_profile("rtx4090", pinned_gbps=25.0)
     shape = LLAMA2_70B
