@@ -95,11 +95,15 @@ class CausalLM:
         n = input_ids.shape[0]
         past = cache.length
         cache.reserve(n)
-        if allowed is None:
-            allowed = causal_allowed(past, n, self.device)
-        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)  # (n, past+n)
-        mask.masked_fill_(~allowed.to(self.device), self.mask_value())
-        mask = mask[None, None]  # (1, 1, n, past+n)
+        # one token that sees the whole cache (a plain decoding step) needs no mask: SDPA's masked
+        # CPU kernel costs 0.12 ms a layer more, a tenth of the starter's step
+        mask: torch.Tensor | None = None
+        if n > 1 or (allowed is not None and not bool(allowed.all())):
+            if allowed is None:
+                allowed = causal_allowed(past, n, self.device)
+            mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)  # (n, past+n)
+            mask.masked_fill_(~allowed.to(self.device), self.mask_value())
+            mask = mask[None, None]  # (1, 1, n, past+n)
         pos = positions.to(self.device)[None]  # (1, n)
         hidden = self.embed(input_ids.to(self.device)[None])  # (1, n, H)
         rope = self.rotary(hidden, position_ids=pos)
