@@ -189,12 +189,12 @@ def bench_model(bin_dir: Path | None, gguf: Path, label: str, prompts: Sequence[
 def format_rows(rows: Sequence[Row], threads: int, new_tokens: int, prompts_name: str, n_prompts: int) -> str:
     lines = [f"decode tok/s, greedy, {threads} threads, {new_tokens} new tokens, prompts: {prompts_name} "
              f"({n_prompts}, in the chat template, one fresh process each)", ""]
-    lines.append(f"{'model':<22} {'runner':<40} {'tok/s':>8} {'tok/pass':>9} {'vs llama.cpp':>13}")
+    lines.append(f"{'model':<32} {'runner':<40} {'tok/s':>8} {'tok/pass':>9} {'vs llama.cpp':>13}")
     for r in rows:
         peer = next((p.decode_tps for p in rows if p.model == r.model and p.runner == "llama.cpp on the prompts"), None)
         ratio = f"{r.decode_tps / peer:.2f}x" if peer and not r.runner.startswith("llama.cpp") else ""
         tpp = f"{r.tokens_per_pass:.2f}" if r.tokens_per_pass is not None else ""
-        lines.append(f"{r.model:<22} {r.runner:<40} {r.decode_tps:>8.1f} {tpp:>9} {ratio:>13}")
+        lines.append(f"{r.model:<32} {r.runner:<40} {r.decode_tps:>8.1f} {tpp:>9} {ratio:>13}")
     return "\n".join(lines)
 
 
