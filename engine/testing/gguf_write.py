@@ -306,6 +306,8 @@ def requantize_gguf(src: Path, dest: Path, qtype: Q) -> Path:
             value = {Q.Q8_0: 7, Q.Q4_0: 2, Q.Q4_1: 3}.get(qtype, value)
         main = field.types[0]
         w.add_key_value(key, value, main, field.types[-1] if main == GGUFValueType.ARRAY else None)
+    if "general.file_type" not in reader.fields and qtype in (Q.Q8_0, Q.Q4_0, Q.Q4_1):
+        w.add_file_type({Q.Q8_0: 7, Q.Q4_0: 2, Q.Q4_1: 3}[qtype])
     infos = []
     for t in reader.tensors:
         shape = tuple(int(s) for s in reversed(t.shape.tolist()))  # rows first, as numpy reads them
