@@ -17,6 +17,7 @@ What this module does not do: build the kernel (build.py) or decide which layers
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Literal
 
@@ -38,14 +39,12 @@ class QuantWeight:
     out_features: int
     in_features: int
 
-    @property
-    def kind_code(self) -> int:
-        return 8 if self.kind == "q8" else 4
-
-    @property
-    def pointers(self) -> tuple[int, int, int | None]:
-        """The addresses of codes, scales and minimums (the tensors live as long as the weight)."""
-        return (self.codes.data_ptr(), self.scales.data_ptr(), self.mins.data_ptr() if self.mins is not None else None)
+    @functools.cached_property
+    def args(self) -> tuple[int, int, int, int | None]:
+        """The kernel's kind code and the addresses of codes, scales and minimums (the tensors
+        live as long as the weight and are never replaced: it is frozen)."""
+        return (8 if self.kind == "q8" else 4, self.codes.data_ptr(), self.scales.data_ptr(),
+                self.mins.data_ptr() if self.mins is not None else None)
 
     @property
     def nbytes(self) -> int:
@@ -101,26 +100,28 @@ def dequantize(w: QuantWeight) -> torch.Tensor:
 def qlinear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
             threads: int | None = None) -> torch.Tensor:
     """x (..., K) -> (..., N) fp32: x @ dequantize(w).T (+ bias), by the kernel; by that dense
-    product when no kernel could be built."""
+    product when no kernel could be built. A decode step makes ~200 of these calls, so the
+    Python around the call is kept to a few operations (the weight's own arguments are built
+    once, in `QuantWeight.args`)."""
     lib = kernels()
     if lib is None:
         y = x.float() @ dequantize(w).T
         return y + bias if bias is not None else y
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, w.in_features)
-    if x2.dtype != torch.float32 or not x2.is_contiguous():
-        x2 = x2.float().contiguous()
+    if x.dtype is torch.float32 and x.is_contiguous():
+        x2 = x.view(-1, w.in_features)
+    else:
+        x2 = x.reshape(-1, w.in_features).float().contiguous()
     m = x2.shape[0]
-    y = torch.empty((m, w.out_features), dtype=torch.float32)
+    y = x2.new_empty((m, w.out_features))
     if m:
-        # a decode step makes ~200 of these calls: the weight's own arguments are built once
-        rc = lib.qm_matmul(w.kind_code, x2.data_ptr(), m, w.in_features, w.pointers[0], w.pointers[1], w.pointers[2],
-                           w.out_features, w.group, y.data_ptr(), threads or torch.get_num_threads())
+        kind, codes, scales, mins = w.args
+        rc = lib.qm_matmul(kind, x2.data_ptr(), m, w.in_features, codes, scales, mins, w.out_features, w.group,
+                           y.data_ptr(), threads or torch.get_num_threads())
         if rc != 0:
             raise torch.OutOfMemoryError("The packed CPU kernel could not allocate its scratch memory.")
     if bias is not None:
         y += bias
-    return y.reshape(*lead, w.out_features)
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], w.out_features)
 
 
 class PackedLinear(nn.Module):
