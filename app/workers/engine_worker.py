@@ -184,9 +184,9 @@ class EngineWorker(GenerationWorker):
             import engine.decoding.auto_budget  # noqa: F401
             import engine.decoding.pair  # noqa: F401
             import engine.loading.starter  # noqa: F401
-            from engine.model.causal_lm import SUPPORTED_MODEL_TYPES
-
-            for name in SUPPORTED_MODEL_TYPES:
+            # the dense families the starter and the catalog's pairs are (each family's modeling
+            # module costs its own import; the others load theirs with their first model)
+            for name in ("llama", "mistral", "qwen2", "qwen3"):
                 importlib.import_module(f"transformers.models.{name}.modeling_{name}")
         except Exception:  # noqa: BLE001 - only an optimisation; loading reports real errors
             log.warning("engine warm-up failed", exc_info=True)

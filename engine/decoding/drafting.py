@@ -81,6 +81,8 @@ def copy_of_target(target: CausalLM, draft: CausalLM) -> bool:
     (`share_context`): the same cache shape and position encoding, and embedding rows that
     point the same way (an unrelated model of the same shape gives cosines near 0)."""
     t, d = target.shape, draft.shape
+    if any(spec is not None for spec in target.linear + draft.linear):
+        return False  # not yet: a hybrid copy would share the linear layers' states too
     if (t.num_layers, t.num_kv_heads, t.head_dim, t.hidden_size) != (d.num_layers, d.num_kv_heads, d.head_dim,
                                                                        d.hidden_size):
         return False

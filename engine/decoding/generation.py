@@ -361,6 +361,9 @@ class Engine:
             target_cache, draft_cache = self._new_caches()
             prefix, cached = Prefix([], target_cache, draft_cache, request.conversation), 0
         prefix.target.reserve(len(prompt) - prefix.target.length + spare)
+        for cache in (prefix.target, prefix.draft):  # the next turn's prompt starts with this one
+            if cache is not None:
+                cache.mark(len(prompt) - 1)
         timers = StepTimers()
         first_pass = (spec.budget + 1) if use_spec else 1  # tokens the first step reads besides the prompt's tail
         timers.prefill_passes = prefill(self.target, prefix.target, prompt[:-1], first_pass, cancel=cancel)

@@ -124,13 +124,43 @@ class Checkpoint:
                 self._where[name] = shard
         qc = config.get("quantization_config") or {}
         self.bnb_4bit = qc.get("quant_method") == "bitsandbytes" and bool(qc.get("load_in_4bit"))
+        # tensors the model has that the checkpoint stores in parts: name -> one row of stored
+        # tensors per slice of dim 0, each row concatenated along its dim 0 (an MoE layer's
+        # experts, stored one by one, that transformers' modules hold as one fused tensor)
+        self._virtual: dict[str, list[list[str]]] = {}
+        self._renamed: dict[str, str] = {}  # model name -> the stored name of the same tensor
 
     @property
     def names(self) -> set[str]:
         return set(self._where)
 
     def has(self, name: str) -> bool:
-        return name in self._where
+        return name in self._where or name in self._virtual
+
+    def add_renamed(self, name: str, stored: str) -> bool:
+        """Serve the stored tensor `stored` as `name` (False when it is not stored)."""
+        if stored not in self._where:
+            return False
+        self._where[name] = self._where[stored]
+        self._renamed[name] = stored
+        return True
+
+    def add_virtual(self, name: str, rows: list[list[str]]) -> bool:
+        """Serve `name` as stack(cat(row) for row in rows) when every part is stored and the
+        parts of a row agree in everything but dim 0; False (nothing added) otherwise."""
+        if not rows or not all(rows) or not all(p in self._where for row in rows for p in row):
+            return False
+        first = [self.shape(p) for p in rows[0]]
+        for row in rows:
+            shapes = [self.shape(p) for p in row]
+            if shapes != first or any(s[1:] != first[0][1:] for s in shapes):
+                return False
+        self._virtual[name] = rows
+        return True
+
+    def _assemble(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        rows = self._virtual[name]
+        return torch.stack([torch.cat([self.dense(p, dtype) for p in row], dim=0) for row in rows])
 
     def nbytes(self) -> int:
         return sum(e[3] - e[2] for s in self._shards for e in s.entries.values())
@@ -143,29 +173,37 @@ class Checkpoint:
 
     def read(self, name: str) -> torch.Tensor:
         """The stored tensor as it is (CPU, stored dtype)."""
-        return self._shard(name).read(name)
+        if name in self._virtual:
+            return self._assemble(name, self.dtype(name))
+        return self._shard(name).read(self._renamed.get(name, name))
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return self._shard(name).entries[name][1]
+        if name in self._virtual:
+            rows = self._virtual[name]
+            parts = [self.shape(p) for p in rows[0]]
+            return (len(rows), sum(s[0] for s in parts), *parts[0][1:])
+        return self._shard(name).entries[self._renamed.get(name, name)][1]
 
     def dtype(self, name: str) -> torch.dtype:
-        return self._shard(name).entries[name][0]
+        if name in self._virtual:
+            return self.dtype(self._virtual[name][0][0])
+        return self._shard(name).entries[self._renamed.get(name, name)][0]
 
     def load(self, name: str, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
         """The tensor in `dtype` on `device`, read straight into its final buffer (4-bit and
         FP8 weights are de-quantised first)."""
-        if self.is_nf4(name) or self.dtype(name) in FP8:
+        if name in self._virtual or self.is_nf4(name) or self.dtype(name) in FP8:
             return self.dense(name, dtype).to(device)
         out = torch.empty(self.shape(name), dtype=dtype, device=device)
-        self._shard(name).copy_to(name, out)
+        self._shard(name).copy_to(self._renamed.get(name, name), out)
         return out
 
     def copy_to(self, name: str, out: torch.Tensor) -> None:
         """Tensor `name` into an existing tensor of its shape (any dtype/device)."""
-        if self.is_nf4(name) or self.dtype(name) in FP8:
+        if name in self._virtual or self.is_nf4(name) or self.dtype(name) in FP8:
             out.copy_(self.dense(name, out.dtype).reshape(out.shape))
         else:
-            self._shard(name).copy_to(name, out)
+            self._shard(name).copy_to(self._renamed.get(name, name), out)
 
     def is_nf4(self, name: str) -> bool:
         """Whether `name` is a bitsandbytes 4-bit weight (packed codes + quant state)."""
@@ -192,11 +230,15 @@ class Checkpoint:
 
     def dense(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         """The tensor in `dtype`, de-quantising a 4-bit or FP8 weight if need be."""
+        if name in self._virtual:
+            return self._assemble(name, dtype)
         if self.is_nf4(name):
             import bitsandbytes.functional as bnbf
 
             state = self._quant_state(name)
-            return bnbf.dequantize_4bit(self.read(name), state).to(dtype)
+            shape = state.shape  # de-quantised flat: see engine.offload.layout.dequantize_nf4
+            state.shape = torch.Size([shape.numel()])
+            return bnbf.dequantize_4bit(self.read(name), state).reshape(shape).to(dtype)
         if self.dtype(name) in FP8:
             return self._fp8(name).to(dtype)
         return self.load(name, dtype)

@@ -90,7 +90,7 @@ def gguf_config(header: GGUFHeader) -> PretrainedConfig:
     arch = header.architecture
     if arch not in GGUF_CONFIG_MAPPING:
         raise UnsupportedModel(f"'{header.path.name}' is a '{arch or 'unknown'}' GGUF, an architecture "
-                               "transformers cannot map; SpecChat runs llama, mistral, qwen2 and qwen3 models.")
+                               "transformers cannot map; SpecChat runs GGUF files of llama, mistral, qwen2 and qwen3 models.")
     # GGUF key -> config field (None: not mapped); transformers' literal table reads as object
     table = {prefix: cast("dict[str, str | None]", GGUF_CONFIG_MAPPING[prefix])
              for prefix in ("general", "tokenizer", arch)}

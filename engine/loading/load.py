@@ -40,7 +40,8 @@ from engine.errors import (
 from engine.loading.gguf import GGUFWeights, gguf_tokenizer
 from engine.loading.materialise import MaterialiseSettings, materialise
 from engine.loading.weights import SafetensorsWeights
-from engine.model.causal_lm import SUPPORTED_MODEL_TYPES, CausalLM
+from engine.model.causal_lm import CausalLM
+from engine.model.family import layer_kinds
 from engine.store import resolve_model
 from engine.store.gguf_header import MissingPart, split_parts
 from engine.threads import use_compute_threads
@@ -98,15 +99,8 @@ def check_folder(path: Path) -> dict:
     if not isinstance(config, dict):
         raise UnsupportedModel(f"'{config_file}' is not a JSON object; re-download the model.")
     check_config(config, path.name)
-    model_type = config.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise UnsupportedModel(
-            f"'{path.name}' is a '{model_type}' model; SpecChat runs {', '.join(SUPPORTED_MODEL_TYPES)} "
-            "models. Pick a model of one of those families."
-        )
+    layer_kinds(config, path.name)  # before transformers' own validators, whose messages say less
     check_quantisation(path.name, config.get("quantization_config"))
-    if config.get("use_sliding_window"):
-        raise UnsupportedModel(f"'{path.name}' uses sliding-window attention, which SpecChat does not run yet.")
     if not any(path.glob("*.safetensors")):
         pickles = [p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt")]
         if pickles:
@@ -266,6 +260,7 @@ def _load_model(
             config_dict = check_folder(path)
             tokenizer: Tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
             config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+            layer_kinds(config, path.name)  # every field the layer kinds read, checked
             generation = GenerationConfig.from_pretrained(path) if (path / "generation_config.json").is_file() else None
             model = materialise(SafetensorsWeights(path, config_dict), config, settings, report, generation)
             return LoadedModel(model=model, tokenizer=tokenizer, path=path)
@@ -275,10 +270,7 @@ def _load_model(
             check_gguf(path)
             weights = GGUFWeights(path)
             try:
-                model_type = weights.config.model_type
-                if model_type not in SUPPORTED_MODEL_TYPES:
-                    raise UnsupportedModel(f"'{path.name}' is a '{model_type}' model; SpecChat runs "
-                                           f"{', '.join(SUPPORTED_MODEL_TYPES)} models.")
+                layer_kinds(weights.config, path.name)
                 tokenizer = gguf_tokenizer(weights.path)  # the first part of a split model holds it
             except BaseException:
                 weights.close()

@@ -29,11 +29,12 @@ from torch import nn
 from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfig
 
 from engine import paths
-from engine.errors import OutOfMemory
+from engine.errors import OutOfMemory, UnsupportedModel
 from engine.loading import cpu_packed
 from engine.loading.checkpoint import Checkpoint
 from engine.loading.weights import Weights
 from engine.model.causal_lm import CausalLM
+from engine.model.linear_attention import install as install_linear
 from engine.offload.host_store import HostStore
 from engine.offload.layout import LayerLayout, set_parameter
 from engine.offload.prepared import PreparedLayers
@@ -112,6 +113,7 @@ def materialise(weights: Weights, config: PretrainedConfig, settings: Materialis
             del config.quantization_config  # we place pre-quantised weights ourselves
         with torch.device("meta"):
             hf = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
+        layer_buffers_as_parameters(hf)
         if generation_config is not None:
             hf.generation_config = generation_config
         weights.bind(hf)
@@ -133,8 +135,9 @@ def materialise(weights: Weights, config: PretrainedConfig, settings: Materialis
         else:
             placement = plan_layers(hf, layouts, settings, packing)
         log.info("placement of %s: %s", weights.path.name, placement.describe())
+        uniform = all(layout == layouts[0] for layout in layouts)
         prepared = PreparedLayers(paths.cache_dir() / "prepared", weights.path, layouts[0], placement.num_layers,
-                                  weights.cache_files()) if packing == "nf4" else None
+                                  weights.cache_files()) if packing == "nf4" and uniform else None
         homes, store = _place_layers(hf, weights, layouts, placement, device, dtype, report, prepared, unpack)
     finally:
         weights.close()
@@ -186,18 +189,37 @@ def _pack_head(hf: PreTrainedModel, weights: Weights, device: torch.device) -> N
         hf.lm_head = head
 
 
-def layer_template(hf: PreTrainedModel) -> Callable[[], nn.Module]:
-    """A factory of empty (meta) decoder layers of `hf`'s kind: the streamer binds their
-    parameters to its ring slots or its dense buffer."""
+def layer_template(hf: PreTrainedModel) -> Callable[[int], nn.Module]:
+    """A factory of empty (meta) decoder layers like `hf`'s layer i (layers differ in kind: a
+    hybrid model's linear and attention layers, an MoE model's dense first layers): the
+    streamer binds their parameters to its ring slots or its dense buffer."""
     cls, cfg = type(hf.model.layers[0]), hf.config
 
-    def make_template() -> nn.Module:
+    def make_template(index: int = 0) -> nn.Module:
         with torch.device("meta"):
-            template = cls(cfg, 0)
+            template = cls(cfg, index)
+        layer_buffers_as_parameters(template)
+        install_linear([template])
         assert not list(template.buffers()), "decoder layers with buffers cannot be streamed"
         return template.eval()
 
     return make_template
+
+
+def layer_buffers_as_parameters(module: nn.Module) -> None:
+    """Persistent buffers inside decoder layers (GLM-4.5's router score correction) become
+    frozen parameters of the same name, so they are loaded, packed and streamed as the weights
+    are. Non-persistent buffers are computed, not stored, and stay."""
+    inner = getattr(module, "model", None)
+    layers = list(inner.get_submodule("layers").children()) if isinstance(inner, nn.Module) else [module]
+    for layer in layers:
+        for name, buf in list(layer.named_buffers()):
+            owner_name, _, leaf = name.rpartition(".")
+            owner = layer.get_submodule(owner_name) if owner_name else layer
+            if leaf in owner._non_persistent_buffers_set:
+                continue
+            del owner._buffers[leaf]
+            owner.register_parameter(leaf, nn.Parameter(buf, requires_grad=False))
 
 
 def device_free_bytes(device: torch.device | str) -> int:
@@ -228,9 +250,24 @@ def _place_outer(hf: PreTrainedModel, weights: Weights, device: torch.device, dt
     inner = hf.model
     with torch.device(device):  # rotary tables are computed, not stored
         inner.rotary_emb = type(inner.rotary_emb)(config=hf.config)
+    for name, buf in list(hf.named_buffers()):
+        if buf.is_meta and not name.startswith(LAYERS):
+            _computed_buffer(hf, name, device)
     left = [n for n, t in list(hf.named_parameters()) + list(hf.named_buffers())
             if t.is_meta and not n.startswith(LAYERS)]
     assert not left, f"not materialised: {left}"
+
+
+def _computed_buffer(hf: PreTrainedModel, name: str, device: torch.device) -> None:
+    """A buffer outside the layers that the model computes in __init__ (and so is still on the
+    meta device): Gemma's embedding scale, kept beside the module as `scalar_<name>`."""
+    owner_name, _, leaf = name.rpartition(".")
+    owner = hf.get_submodule(owner_name)
+    scalar = getattr(owner, f"scalar_{leaf}", None)
+    if not isinstance(scalar, (int, float)):
+        raise UnsupportedModel(f"SpecChat cannot compute the {name} of a {hf.config.model_type} model; "
+                               "report this model to the SpecChat developers.")
+    owner._buffers[leaf] = torch.tensor(float(scalar), device=device)
 
 
 def plan_layers(hf: PreTrainedModel, layouts: LayerLayout | list[LayerLayout], settings: MaterialiseSettings,

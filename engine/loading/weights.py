@@ -65,7 +65,12 @@ class SafetensorsWeights:
         self.gptq_v2 = qc.get("checkpoint_format") == "gptq_v2"
 
     def bind(self, hf: PreTrainedModel) -> None:
-        pass  # the checkpoint already uses transformers' names
+        """Most checkpoints use transformers' names; MoE checkpoints store each expert apart
+        (and Mixtral names its block `block_sparse_moe`), where transformers' modules hold one
+        fused tensor per layer: those are assembled as they load (Checkpoint.add_virtual)."""
+        for name, p in hf.named_parameters():
+            if not self.ckpt.has(name):
+                expert_parts(self.ckpt, name, p.shape[0] if p.ndim == 3 else 0)
 
     def has(self, name: str) -> bool:
         return self.ckpt.has(name)
@@ -74,11 +79,19 @@ class SafetensorsWeights:
         return self.ckpt.load(name, dtype, device)
 
     def layouts(self, hf: PreTrainedModel, dtype: torch.dtype, quant: Quant) -> list[LayerLayout]:
-        layer = hf.model.layers[0]
-        n = len(hf.model.layers)
-        if self.int4 is not None:
-            return [self._int4_layout(layer, dtype, self.int4)] * n
-        return [LayerLayout.of(layer, dtype, "nf4" if self.ckpt.bnb_4bit else quant)] * n
+        """Each layer's layout; layers of one kind share theirs (a hybrid or MoE model's
+        layers differ in kind)."""
+        out: list[LayerLayout] = []
+        seen: dict[tuple, LayerLayout] = {}
+        for layer in hf.model.layers:
+            key = tuple((name, tuple(p.shape)) for name, p in layer.named_parameters())
+            if key not in seen:
+                if self.int4 is not None:
+                    seen[key] = self._int4_layout(layer, dtype, self.int4)
+                else:
+                    seen[key] = LayerLayout.of(layer, dtype, "nf4" if self.ckpt.bnb_4bit else quant)
+            out.append(seen[key])
+        return out
 
     def _int4_layout(self, layer: nn.Module, dtype: torch.dtype, int4: Literal["awq", "gptq"]) -> LayerLayout:
         """Linear weights stored as int4 stay packed, with their scales, zeros (and g_idx) as
@@ -127,6 +140,30 @@ class SafetensorsWeights:
 
     def close(self) -> None:
         self.ckpt.close()
+
+
+# how checkpoints name an expert's matrices: (gate, up, down), Qwen/GLM/DeepSeek and Mixtral
+EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+
+
+def expert_parts(ckpt: Checkpoint, name: str, experts: int) -> bool:
+    """Teach `ckpt` the model tensor `name` from the parts a checkpoint stores it in:
+    `...mlp.experts.gate_up_proj` (experts, 2 * inter, hidden) from each expert's gate and up
+    matrices, `...mlp.experts.down_proj` from each one's down matrix, and Mixtral's
+    `block_sparse_moe` for `mlp`. False when no known naming has every part."""
+    blocks = [name] + ([name.replace(".mlp.", ".block_sparse_moe.", 1)] if ".mlp." in name else [])
+    for stored in blocks:
+        if stored != name and ckpt.add_renamed(name, stored):
+            return True
+        base, _, leaf = stored.rpartition(".experts.")
+        if not base or leaf not in ("gate_up_proj", "down_proj") or experts < 1:
+            continue
+        for gate, up, down in EXPERT_NAMES:
+            parts = [gate, up] if leaf == "gate_up_proj" else [down]
+            rows = [[f"{base}.experts.{e}.{part}.weight" for part in parts] for e in range(experts)]
+            if ckpt.add_virtual(name, rows):
+                return True
+    return False
 
 
 def _module(param: str) -> str:

@@ -22,6 +22,8 @@ class KVCache:
     """Invariants: all layers hold `length` valid entries between passes; during a pass each
     layer's `update` sees the same number n of new entries, and `commit(n)` ends the pass."""
 
+    savable = True  # cache_files can write it (its tensors() are all it holds)
+
     def __init__(
         self,
         num_layers: int,
@@ -40,6 +42,9 @@ class KVCache:
         self.capacity = 0
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
+        # each entry's position (sliding windows count along a node's path by position; tree
+        # entries kept across draft passes are not at position = index)
+        self.positions = torch.empty(0, dtype=torch.long, device=self.device)
         self._grow(capacity)
 
     @torch.inference_mode()  # buffers are inference tensors: passes run in inference mode
@@ -49,13 +54,25 @@ class KVCache:
         values = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         for new, old in zip(keys + values, self.keys + self.values):
             new[:, :, : self.length] = old[:, :, : self.length]
-        self.keys, self.values, self.capacity = keys, values, capacity
+        positions = torch.arange(capacity, dtype=torch.long, device=self.device)
+        positions[: self.length] = self.positions[: self.length]
+        self.keys, self.values, self.positions, self.capacity = keys, values, positions, capacity
 
     def reserve(self, n: int) -> None:
         """Make room for n more entries (amortised doubling, so appends stay O(1))."""
         need = self.length + n
         if need > self.capacity:
             self._grow(max(need, 2 * self.capacity))
+
+    @torch.inference_mode()
+    def set_positions(self, positions: torch.Tensor) -> None:
+        """The positions of this pass's n entries (call after reserve(n), before the layers)."""
+        n = positions.numel()
+        self.positions[self.length : self.length + n] = positions.to(self.device)
+
+    def positions_through(self, n: int) -> torch.Tensor:
+        """(length + n,) positions of the valid entries and this pass's n."""
+        return self.positions[: self.length + n]
 
     def update(
         self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: object, **kwargs: object
@@ -80,11 +97,17 @@ class KVCache:
         n = indices.numel()
         for buf in self.keys + self.values:
             buf[:, :, :n] = buf.index_select(2, indices)
+        self.positions[:n] = self.positions.index_select(0, indices)
         self.length = n
 
     def truncate(self, length: int) -> None:
         assert 0 <= length <= self.length
         self.length = length
+
+    def mark(self, position: int) -> None:
+        """`position` (a prompt's end) is a point a later request may resume from. K/V entries
+        can be cut anywhere, so nothing is kept here; caches whose state cannot be rolled back
+        (hybrid_cache) keep a snapshot there."""
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length
@@ -103,6 +126,7 @@ class KVCache:
         out = self.like(max(length + spare, 1))
         for dst, src in zip(out.keys + out.values, self.keys + self.values):
             dst[:, :, :length] = src[:, :, :length]
+        out.positions[:length] = self.positions[:length]
         out.length = length
         return out
 
@@ -113,6 +137,7 @@ class KVCache:
         if device != self.device:
             self.keys = [k[:, :, : self.length].to(device) for k in self.keys]
             self.values = [v[:, :, : self.length].to(device) for v in self.values]
+            self.positions = self.positions[: self.length].to(device)
             self.device, self.capacity = device, self.length
         return self
 

@@ -22,13 +22,16 @@ import torch
 from torch import nn
 
 from engine.model.cache import KVCache
+from engine.model.family import family_of, layer_kinds, supported_types
+from engine.model.hybrid_cache import HybridCache, LinearSpec
+from engine.model.linear_attention import install as install_linear
 from engine.offload.streamer import LayerStreamer
 from engine.shapes import ModelShape, Placement
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = supported_types()
 FREE_MARGIN_BYTES = 512 << 20  # left to the allocator's fragmentation and the draft's pass
 HOST_FREE_MARGIN_BYTES = 2 << 30  # left to the OS and the app
 
@@ -57,6 +60,16 @@ class CausalLM:
         self.norm: nn.Module = inner.norm
         self.rotary: nn.Module = inner.rotary_emb
         self.head: nn.Module = hf_model.lm_head  # an nn.Linear, or engine.kernels' PackedLinear
+        # what each decoder layer is (family.py): the masks a pass builds follow from it
+        self.family = family_of(cfg.model_type)
+        self.kinds = layer_kinds(cfg)
+        self.layer_types: list[str] = list(getattr(cfg, "layer_types", None) or ["full_attention"] * len(self.kinds))
+        self.windows = sorted({k.window for k in self.kinds if k.window is not None})
+        # Gated DeltaNet layers verify trees through engine.model.linear_attention
+        self.linear = [LinearSpec.of_config(cfg) if k.mixer == "linear" else None for k in self.kinds]
+        install_linear(layer for layer in self.layers if not _on_meta(layer))
+        softcap = getattr(cfg, "final_logit_softcapping", None)
+        self.softcap: float | None = float(softcap) if softcap else None
         # the head's rows, not config.vocab_size: some checkpoints pad the embedding matrix
         self.shape = replace(ModelShape.from_config(cfg, cfg.model_type), vocab_size=self.head.out_features)
         self.dtype: torch.dtype = self.embed.weight.dtype
@@ -77,6 +90,8 @@ class CausalLM:
 
     def new_cache(self, capacity: int = 256) -> KVCache:
         s = self.shape
+        if any(spec is not None for spec in self.linear):
+            return HybridCache(s.num_layers, s.num_kv_heads, s.head_dim, self.dtype, self.device, capacity, self.linear)
         return KVCache(s.num_layers, s.num_kv_heads, s.head_dim, self.dtype, self.device, capacity)
 
     def mask_value(self) -> float:
@@ -95,41 +110,77 @@ class CausalLM:
         n = input_ids.shape[0]
         past = cache.length
         cache.reserve(n)
+        positions = positions.to(self.device)
+        cache.set_positions(positions)
+        if isinstance(cache, HybridCache):
+            cache.begin_pass(allowed, n)
         # one token that sees the whole cache (a plain decoding step) needs no mask: SDPA's masked
         # CPU kernel costs 0.12 ms a layer more, a tenth of the starter's step
-        mask: torch.Tensor | None = None
+        full: torch.Tensor | None = None
         if n > 1 or (allowed is not None and not bool(allowed.all())):
             if allowed is None:
                 allowed = causal_allowed(past, n, self.device)
-            mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)  # (n, past+n)
-            mask.masked_fill_(~allowed.to(self.device), self.mask_value())
-            mask = mask[None, None]  # (1, 1, n, past+n)
-        pos = positions.to(self.device)[None]  # (1, n)
+            full = self._additive(allowed.to(self.device))
+        # sliding windows: the tree mask intersected with the window along each node's own path;
+        # a node's ancestors sit at consecutive positions, so the window is a position difference
+        windowed: dict[int, torch.Tensor | None] = {}
+        for w in self.windows:
+            keys = cache.positions_through(n)  # (past + n,) positions of every entry
+            near = (positions[:, None] - keys[None, :]) < w  # (n, past + n)
+            if bool(near.all()):
+                windowed[w] = full
+            else:
+                base = allowed.to(self.device) if allowed is not None else causal_allowed(past, n, self.device)
+                windowed[w] = self._additive(base & near)
+        masks = [windowed[k.window] if k.window is not None else full for k in self.kinds]
+        pos = positions[None]  # (1, n)
         hidden = self.embed(input_ids.to(self.device)[None])  # (1, n, H)
-        rope = self.rotary(hidden, position_ids=pos)
+        if self.family.rotary_per_type:
+            ropes = {t: self.rotary(hidden, pos, t) for t in set(self.layer_types)}
+            rope_of = [ropes[t] for t in self.layer_types]
+        else:
+            rope = self.rotary(hidden, position_ids=pos)
+            rope_of = [rope] * len(self.kinds)
         if self.streamer is None:
-            for layer in self.layers:
-                hidden = layer(hidden, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                               position_embeddings=rope)
+            for i, layer in enumerate(self.layers):
+                hidden = layer(hidden, attention_mask=masks[i], position_ids=pos, past_key_values=cache,
+                               position_embeddings=rope_of[i])
                 if isinstance(hidden, tuple):  # older layer signatures return (hidden, ...)
                     hidden = hidden[0]
         else:
             def call(layer: nn.Module, index: int, h: torch.Tensor) -> torch.Tensor:
-                # a streamed template serves every layer index (setattr: nn.Module's stubs type
-                # attribute writes as Tensor | Module)
-                setattr(layer.self_attn, "layer_idx", index)
-                out = layer(h, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                            position_embeddings=rope)
+                # a streamed template serves every layer index of its kind (setattr: nn.Module's
+                # stubs type attribute writes as Tensor | Module)
+                for part in ("self_attn", "linear_attn"):
+                    if hasattr(layer, part):
+                        setattr(getattr(layer, part), "layer_idx", index)
+                out = layer(h, attention_mask=masks[index], position_ids=pos, past_key_values=cache,
+                            position_embeddings=rope_of[index])
                 return out[0] if isinstance(out, tuple) else out
 
             hidden = self.streamer.run(hidden, call)
         cache.commit(n)
         return self.norm(hidden[0])  # (n, H)
 
+    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
+        """(n, m) bool -> (1, 1, n, m) additive float mask (0 = attend, dtype-min = blocked)."""
+        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
+        mask.masked_fill_(~allowed, self.mask_value())
+        return mask[None, None]
+
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(k, H) final hidden states -> (k, V) fp32 logits."""
-        return self.head(hidden).float()
+        """(k, H) final hidden states -> (k, V) fp32 logits (soft-capped where the family does:
+        Gemma's cap * tanh(logits / cap))."""
+        out = self.head(hidden).float()
+        if self.softcap is not None:
+            out = torch.tanh(out / self.softcap) * self.softcap
+        return out
+
+
+def _on_meta(layer: nn.Module) -> bool:
+    """A streamed layer's module stays on the meta device (its streamer runs templates)."""
+    return any(p.is_meta for p in layer.parameters())
 
 
 def causal_allowed(past: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -49,7 +49,7 @@ class LayerStreamer:
     NF4 models; GGUF layers each have theirs)."""
 
     def __init__(self, homes: list[LayerHome], layouts: LayerLayout | Sequence[LayerLayout], store: HostStore | None,
-                 make_template: Callable[[], nn.Module], device: torch.device, ring_slots: int) -> None:
+                 make_template: Callable[[int], nn.Module], device: torch.device, ring_slots: int) -> None:
         self.homes = homes
         # one layout stands for every layer
         self.layouts = [layouts] * len(homes) if isinstance(layouts, LayerLayout) else list(layouts)
@@ -63,20 +63,39 @@ class LayerStreamer:
         slot_bytes = max((self.layouts[i].nbytes for i in self.streamed), default=0)
         self._slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(self.k)]
         self._unpack = Unpacker(self.device) if layout.quant != "none" else None
-        self.dense_layout = layout.dense_layout()
+        # layers of one kind (the same parameters) share templates: a hybrid model's linear
+        # and attention layers, an MoE model's dense and expert layers each have theirs
+        kinds: dict[tuple, int] = {}
+        self._kind: list[int] = []
+        first: list[int] = []
+        for i, lay in enumerate(self.layouts):
+            key = tuple((e.name, e.shape) for e in lay.entries if not e.side)
+            if key not in kinds:
+                kinds[key] = len(first)
+                first.append(i)
+            self._kind.append(kinds[key])
+        dense_layouts = [self.layouts[i].dense_layout() for i in first]
+        self.dense_layout = dense_layouts[0]
+        self._dense_params: list[dict[str, torch.Tensor]] = []
+        self._dense_templates: list[nn.Module] = []
+        self._templates: list[list[nn.Module]] = []
         if self._unpack is not None:
             # one dense buffer: the compute stream de-quantises into it, then runs the layer
-            self._dense = torch.empty(self.dense_layout.nbytes, dtype=torch.uint8, device=self.device)
-            self._dense_params = self.dense_layout.params(self._dense)
-            self._dense_template = make_template()
-            bind(self._dense_template, self._dense_params)
-            self._templates: list[nn.Module] = []
+            self._dense = torch.empty(max(d.nbytes for d in dense_layouts), dtype=torch.uint8, device=self.device)
+            for i, dense in zip(first, dense_layouts):
+                params = dense.params(self._dense)
+                template = make_template(i)
+                bind(template, params)
+                self._dense_params.append(params)
+                self._dense_templates.append(template)
         else:
-            self._templates = []
-            for slot in self._slots:
-                t = make_template()
-                bind(t, layout.params(slot))
-                self._templates.append(t)
+            for i in first:
+                templates = []
+                for slot in self._slots:
+                    t = make_template(i)
+                    bind(t, self.layouts[i].params(slot))
+                    templates.append(t)
+                self._templates.append(templates)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specchat-offload") if m else None
         self._copy_stream = torch.cuda.Stream(device=self.device) if self.cuda and m else None
         self._loaded = [torch.cuda.Event() for _ in range(self.k)] if self._copy_stream else []
@@ -173,17 +192,19 @@ class LayerStreamer:
                 hidden = call(home.module, i, hidden)
             elif home.packed is not None:  # packed, resident on the device
                 assert self._unpack is not None
-                self._unpack(self.layouts[i], home.packed, self._dense_params)
-                hidden = call(self._dense_template, i, hidden)
+                kind = self._kind[i]
+                self._unpack(self.layouts[i], home.packed, self._dense_params[kind])
+                hidden = call(self._dense_templates[kind], i, hidden)
             else:
                 pos = self._pos
                 k = self._acquire(pos)
+                kind = self._kind[i]
                 if self._unpack is not None:
-                    self._unpack(self.layouts[i], self._slots[k], self._dense_params)
+                    self._unpack(self.layouts[i], self._slots[k], self._dense_params[kind])
                     self._release(k)  # the slot is free once dequantised
-                    hidden = call(self._dense_template, i, hidden)
+                    hidden = call(self._dense_templates[kind], i, hidden)
                 else:
-                    hidden = call(self._templates[k], i, hidden)
+                    hidden = call(self._templates[kind][k], i, hidden)
                     self._release(k)
                 self._pos = pos + 1
                 # refill this slot with the layer k positions ahead (wrapping into the next pass)

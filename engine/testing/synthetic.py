@@ -37,6 +37,7 @@ from transformers import (
     AutoTokenizer,
     LlamaConfig,
     LlamaForCausalLM,
+    PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
@@ -97,7 +98,7 @@ def tiny_model(
     final = (cache_dir or paths.cache_dir()) / "tiny" / name
     if (final / "config.json").is_file():
         return final
-    if arch not in ("llama", "qwen2"):
+    if arch not in ("llama", "qwen2", *TINY_FAMILIES):
         raise ValueError(f"unknown tiny architecture {arch!r}")
     return paths.publish_folder(final, lambda tmp: _build_tiny(tmp, arch, seed, noise, vocab_pad, layers, hidden))
 
@@ -108,20 +109,69 @@ def _build_tiny(tmp: Path, arch: str, seed: int, noise: float, vocab_pad: int, l
     _random_model(arch, tok, seed, noise, len(tok) + vocab_pad, layers, hidden).save_pretrained(tmp)
 
 
+# The families of 2025-26 at tiny sizes, each built from transformers' own config class, with
+# what a tree verifier must get right at a size a test prompt exercises: sliding windows of 6
+# (shorter than the prompts), windowed and full layers mixed, attention sinks, routed experts
+# (4, top 2) with dense first layers and shared experts.
+TINY_WINDOW = 6
+TINY_FAMILIES: dict[str, dict] = {
+    "mistral": dict(sliding_window=TINY_WINDOW, head_dim=16),
+    "qwen3": dict(use_sliding_window=True, sliding_window=TINY_WINDOW, max_window_layers=1, head_dim=16),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, head_dim=16,
+                      mlp_only_layers=[0], norm_topk_prob=True),
+    "glm4_moe": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, n_shared_experts=1,
+                     first_k_dense_replace=1, n_group=1, topk_group=1, head_dim=16, partial_rotary_factor=0.5),
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=TINY_WINDOW, head_dim=16,
+                    layer_types=None),
+    "gemma3_text": dict(sliding_window=TINY_WINDOW, head_dim=16, query_pre_attn_scalar=16,
+                        final_logit_softcapping=30.0, layer_types=None, sliding_window_pattern=2),
+    # hybrids: Gated DeltaNet layers (a recurrent state and a conv of 4) around gated attention
+    "qwen3_5_text": dict(head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                         linear_value_head_dim=8, linear_conv_kernel_dim=4, full_attention_interval=2),
+    "qwen3_next": dict(head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                       linear_value_head_dim=8, linear_conv_kernel_dim=4, full_attention_interval=2,
+                       num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                       shared_expert_intermediate_size=48, mlp_only_layers=[0]),
+}
+
+
+def _tiny_config(arch: str, common: dict, layers: int) -> PretrainedConfig:
+    from transformers import AutoConfig
+
+    extra = dict(TINY_FAMILIES[arch])
+    if arch in ("gpt_oss", "gemma3_text"):  # alternate windowed and full layers, windowed first
+        extra["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+        extra.pop("sliding_window_pattern", None)
+    return AutoConfig.for_model(arch, **common, **extra)
+
+
 def _random_model(arch: str, tok: PreTrainedTokenizerBase, seed: int, noise: float, vocab: int, layers: int,
-                  hidden: int, std: float = 0.15) -> LlamaForCausalLM | Qwen2ForCausalLM:
+                  hidden: int, std: float = 0.15) -> PreTrainedModel:
+    from transformers import AutoModelForCausalLM
+
     common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                   bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                   tie_word_embeddings=False)
-    config = LlamaConfig(**common) if arch == "llama" else Qwen2Config(**common, use_sliding_window=False)
+    config: PretrainedConfig
+    if arch == "llama":
+        config = LlamaConfig(**common)
+    elif arch == "qwen2":
+        config = Qwen2Config(**common, use_sliding_window=False)
+    else:
+        config = _tiny_config(arch, common, layers)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config) if isinstance(config, LlamaConfig) else Qwen2ForCausalLM(config)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         # a larger init than the default makes logits peaked enough for non-trivial trees
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if p.ndim == 2:
                 p.normal_(0.0, 2 * std if p.shape[0] == vocab else std)
+            elif p.ndim == 3:  # fused experts (num_experts, out, in)
+                p.normal_(0.0, std)
+            elif name.endswith("sinks"):
+                p.normal_(0.0, 1.0)
         if noise:
             g = torch.Generator().manual_seed(seed + 1000)
             for p in model.parameters():

@@ -150,7 +150,7 @@ def test_the_copy_stream_keeps_slots_and_layers_in_order(quant: str, slow: str) 
             pack_entry(layout, store.ram_buffer(j), name, p.detach())
     store.seal()
 
-    def template() -> nn.Module:
+    def template(index: int = 0) -> nn.Module:
         with torch.device("meta"):
             return Toy(width).eval()
 

@@ -142,7 +142,7 @@ def test_ring_prefetches_the_next_pass_and_reuses_slots(five_layer_path: Path, t
 def test_a_pass_that_fails_midway_leaves_the_streamer_usable(five_layer_path: Path) -> None:
     streamed = load_model(five_layer_path, offload="all")
     ref = chunked_logits(load_model(five_layer_path))
-    template = streamed.model.streamer._templates[1]  # type: ignore[union-attr]
+    template = streamed.model.streamer._templates[0][1]  # type: ignore[union-attr]
     real = template.forward
     calls = {"n": 0}
 
