@@ -37,8 +37,9 @@ class Tokenizer(Protocol):
 
     def __call__(self, text: str, add_special_tokens: bool = ...) -> Mapping[str, Any]: ...
 
+    # other keywords: `tools` and the template's own variables (reasoning_effort, ...)
     def apply_chat_template(self, conversation: list[dict[str, str]], *, add_generation_prompt: bool = ...,
-                            continue_final_message: bool = ..., tokenize: bool = ...) -> Any: ...
+                            continue_final_message: bool = ..., tokenize: bool = ..., **kwargs: Any) -> Any: ...
 
     # transformers types decode of a batch (list[str]) and of one sequence (str) alike
     def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str | list[str]: ...
@@ -262,9 +263,37 @@ class LoadProgress:
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """A function call the assistant made: `arguments` is a JSON object as text (as OpenAI's API
+    carries it); `id` is what the tool's answer names in its `tool_call_id`."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """A function the model may call: `parameters` is its JSON Schema as JSON text (text keeps a
+    request hashable and frozen; the chat template reads it parsed)."""
+
+    name: str
+    description: str = ""
+    parameters: str = '{"type": "object", "properties": {}}'
+
+
+@dataclass(frozen=True)
 class Message:
-    role: Literal["system", "user", "assistant"]
+    """One turn of a chat. An assistant turn may carry `tool_calls` (its content may then be
+    empty) and the `reasoning` it showed; a "tool" turn is a call's result, naming the call by
+    `tool_call_id` (and the function by `name`)."""
+
+    role: Literal["system", "user", "assistant", "tool"]
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
+    name: str | None = None
+    reasoning: str | None = None
 
 
 @dataclass(frozen=True)
@@ -284,6 +313,10 @@ class GenerationRequest:
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
     speculation: SpeculationSettings = field(default_factory=SpeculationSettings)
     continue_final: bool = False
+    # functions the chat template shows the model (its own tool format); none: no tools shown
+    tools: tuple[ToolSpec, ...] = ()
+    # a template variable for models that take it (gpt-oss: "low" / "medium" / "high")
+    reasoning_effort: str | None = None
 
     def __post_init__(self) -> None:
         if self.raw_prompt is not None and self.messages:
@@ -292,6 +325,9 @@ class GenerationRequest:
             raise InvalidRequest("Only an answer can be continued: the last message must be the assistant's.")
         if self.max_new_tokens < 1:
             raise InvalidRequest(f"max new tokens must be at least 1 (got {self.max_new_tokens}).")
+        if self.tools and self.raw_prompt is not None:
+            raise InvalidRequest("Tools are shown to the model through its chat template: give chat messages, "
+                                 "not a raw prompt.")
         texts = [("The prompt", self.raw_prompt or "")] + [(f"A {m.role} message", m.content) for m in self.messages]
         for what, text in texts + [("A stop string", stop) for stop in self.stop]:
             check_text(text, what)

@@ -19,6 +19,7 @@ from pathlib import Path
 from engine.cli import common
 from engine.cli.parser import EXIT_FAILURE
 from engine.cli.streaming import status_printer
+from engine.decoding.text import template_text
 from engine.errors import InvalidRequest
 from engine.serving.guard import split_list
 from engine.serving.protocol import RequestDefaults
@@ -61,7 +62,8 @@ def run_serve(args: argparse.Namespace) -> int:
                                  lambda m: queue.set_model(replace(queue.model, detail=m)))
             backend = common.planned(engine, status)
             backend.resolve(base)  # says the plan now (each request is planned again as the engine learns)
-            queue.set_model(ModelState(name, "ready", context_length=engine.context_length), backend)
+            queue.set_model(ModelState(name, "ready", context_length=engine.context_length,
+                                       chat_template=template_text(engine.tokenizer)), backend)
             status(f"ready: {name} ({common.describe_mode(engine, args, backend.choice())}) at {server.url}")
         except Exception as exc:  # noqa: BLE001 - reported like any CLI error, after the server stops
             log.debug("loading failed", exc_info=True)

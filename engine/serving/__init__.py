@@ -6,6 +6,12 @@ Contract:
 - protocol.py: request bodies -> GenerationRequests (one per choice), the engine's events ->
   responses, stream chunks, `usage` (with prompt_tokens_details.cached_tokens and SpecChat's
   figures in usage.specchat) and OpenAI-shaped error bodies. Plain data.
+- tools.py: the tool fields of a chat request checked and bounded (tools, tool_choice auto /
+  none, parallel_tool_calls, reasoning_effort, an assistant's tool_calls); "required", named
+  choices and JSON response formats are refused until constrained decoding comes.
+- formats.py: the model's chat format read from its template (Hermes/Qwen, Llama 3, Mistral,
+  gpt-oss harmony; <think> reasoning) and its answers split into content, reasoning_content
+  and tool calls, streamed or whole, the two always agreeing.
 - scheduler.py: `GenerationQueue`, one generation at a time in arrival order, a bounded queue
   (full -> 429), a cancel Event per request (a client that disconnects cancels its job and the
   engine is free for the next). It runs any `engine.types.GenerationBackend`: the Engine in

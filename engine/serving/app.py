@@ -43,6 +43,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.errors import ContextTooLong, EngineError, InvalidRequest, MalformedInput
+from engine.serving.formats import OutputParser, OutputSettings
 from engine.serving.guard import AccessPolicy, RequestGuard
 from engine.serving.protocol import (
     ApiError,
@@ -109,7 +110,7 @@ def build_app(queue: GenerationQueue, defaults: Callable[[], RequestDefaults], a
     async def _complete(request: Request, kind: Kind) -> Response:
         body = await _read_json(request, max_body_bytes, body_stall_s)
         model = queue.model
-        parsed = parse_request(kind, body, defaults(), model.context_length)
+        parsed = parse_request(kind, body, defaults(), model.context_length, model.chat_template)
         if parsed.model is not None and model.id and parsed.model != model.id:
             raise _unknown_model(parsed.model, model)
         try:
@@ -132,13 +133,13 @@ def build_app(queue: GenerationQueue, defaults: Callable[[], RequestDefaults], a
             rid, name = new_id(kind), model.id or parsed.model or ""
             writer = ChunkWriter(kind, rid, name, parsed.include_usage)
             if parsed.stream:
-                stream = EventStream(_chunks(job, writer), watcher)
+                stream = EventStream(_chunks(job, writer, parsed.output), watcher)
                 watcher = None  # the stream ends it
                 return stream
             await _drain(job)
             if any(c.finish_reason == "cancelled" for c in job.completions):
                 raise _cut(job.cut)
-            return JSONResponse(response(kind, rid, name, writer.created, job.completions))
+            return JSONResponse(response(kind, rid, name, writer.created, job.completions, parsed.output))
         finally:
             if watcher is not None:
                 watcher.cancel()
@@ -232,11 +233,13 @@ async def _drain(job: Job) -> None:
             raise _api_error(event)
 
 
-async def _chunks(job: Job, writer: ChunkWriter) -> AsyncIterator[bytes]:
-    """The job's events as server-sent events. A stream the model did not end itself (an error
-    after the stream started, a server shutting down) gets an `error` event (the status line is
-    long gone) and no [DONE], and no choice in it says "stop"."""
+async def _chunks(job: Job, writer: ChunkWriter, output: OutputSettings | None = None) -> AsyncIterator[bytes]:
+    """The job's events as server-sent events; with `output`, each choice's text goes through
+    its own OutputParser (content, reasoning and tool-call deltas). A stream the model did not
+    end itself (an error after the stream started, a server shutting down) gets an `error`
+    event (the status line is long gone) and no [DONE], and no choice in it says "stop"."""
     opened: set[int] = set()
+    parsers: dict[int, OutputParser] = {}
     try:
         while not isinstance(event := await job.events.get(), Finished):
             if isinstance(event, BaseException):
@@ -252,10 +255,17 @@ async def _chunks(job: Job, writer: ChunkWriter) -> AsyncIterator[bytes]:
                 opened.add(index)
                 if (chunk := writer.opened(index)) is not None:
                     yield _sse(chunk)
+                if output is not None:
+                    parsers[index] = output.parser()
+            parser = parsers.get(index)
             if isinstance(item, TokenEvent) and item.text:
-                yield _sse(writer.text(index, item.text))
+                for chunk in writer.parsed(index, parser.feed(item.text)) if parser else [writer.text(index, item.text)]:
+                    yield _sse(chunk)
             elif isinstance(item, Completion):
-                yield _sse(writer.finished(index, item))
+                if parser is not None:
+                    for chunk in writer.parsed(index, parser.finish()):
+                        yield _sse(chunk)
+                yield _sse(writer.finished(index, item, bool(parser and parser.calls)))
         if writer.include_usage and job.completions:
             yield _sse(writer.usage(job.completions))
         yield b"data: [DONE]\n\n"

@@ -11,9 +11,16 @@ stream_options.include_usage, and vLLM's extras top_k, min_p, repetition_penalty
 checked for its JSON type (a bool is not a number, a float is not a whole number) and its range;
 `max_tokens` above the model's context (MAX_TOKENS_CEILING when the context is not known) is
 refused with a 400 that says the limit, never capped silently. Fields the
-engine cannot honour (logprobs, tools, JSON response formats, logit_bias, best_of, echo,
-suffix) are refused with a 400 naming them; presence_penalty and frequency_penalty are accepted
-and ignored (clients send them by default), as is everything else OpenAI defines.
+engine cannot honour (logprobs, JSON response formats, the old `functions`, logit_bias, best_of,
+echo, suffix) are refused with a 400 naming them; presence_penalty and frequency_penalty are
+accepted and ignored (clients send them by default), as is everything else OpenAI defines.
+
+Chats also take tools (tools.py checks them): `tools`, `tool_choice` auto / none,
+`parallel_tool_calls`, `reasoning_effort`, assistant messages with `tool_calls` (and
+`reasoning_content`), and `tool` messages whose `tool_call_id` names an earlier call. The
+answers of a model whose chat format has tool calls or reasoning are split by formats.py:
+`message.tool_calls` with finish_reason "tool_calls", `reasoning_content` beside `content`, and
+in a stream the same as deltas (a call as two: its id and name, then its arguments).
 """
 
 from __future__ import annotations
@@ -26,11 +33,24 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from engine.errors import InvalidRequest
+from engine.serving.formats import OutputDelta, OutputSettings, ParsedOutput, chat_format
+from engine.serving.tools import (
+    ToolError,
+    check_id,
+    check_template,
+    parse_parallel,
+    parse_reasoning_effort,
+    parse_tool_calls,
+    parse_tool_choice,
+    parse_tools,
+)
 from engine.types import (
     Completion,
     FinishReason,
     GenerationRequest,
     Message,
+    ToolCall,
+    ToolSpec,
 )
 
 Kind = Literal["chat", "completion"]
@@ -39,13 +59,13 @@ IGNORED_PENALTIES = ("presence_penalty", "frequency_penalty")
 MAX_TOKENS_CEILING = 1 << 20  # when the model's context is not known: no local model reads more
 _SHOWN = 60  # most characters of a refused value quoted back
 # an API role -> the engine's (OpenAI's "developer" is a system message)
-ROLES: dict[str, Literal["system", "user", "assistant"]] = {
-    "system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES: dict[str, Literal["system", "user", "assistant", "tool"]] = {
+    "system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 REFUSED = {  # field -> why; refused only when set to something other than "off"
     "logprobs": "log probabilities are not returned",
     "top_logprobs": "log probabilities are not returned",
-    "tools": "tool calls are not supported",
-    "functions": "function calls are not supported",
+    "functions": "the old function-call fields are not supported (use 'tools')",
+    "function_call": "the old function-call fields are not supported (use 'tool_choice')",
     "logit_bias": "logit_bias is not supported",
     "best_of": "best_of is not supported (use n)",
     "echo": "echo is not supported",
@@ -99,12 +119,16 @@ class ApiRequest:
     choices: tuple[GenerationRequest, ...]
     stream: bool = False
     include_usage: bool = False
+    output: OutputSettings | None = None  # how answers are split (None: all text is content)
 
 
 # ---- requests ------------------------------------------------------------------------------------
-def parse_request(kind: Kind, body: object, defaults: RequestDefaults, context_length: int = 0) -> ApiRequest:
+def parse_request(kind: Kind, body: object, defaults: RequestDefaults, context_length: int = 0,
+                  chat_template: str = "") -> ApiRequest:
     """An API request body -> ApiRequest; raises ApiError (400) naming the bad field.
-    context_length: the model's (0 = unknown), the most `max_tokens` may ask for."""
+    context_length: the model's (0 = unknown), the most `max_tokens` may ask for;
+    chat_template: the model's ("" = unknown), which says whether it takes tools and how its
+    answers are split."""
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object.")
     for name, why in REFUSED.items():
@@ -112,7 +136,12 @@ def parse_request(kind: Kind, body: object, defaults: RequestDefaults, context_l
             raise bad_request(f"'{name}' is not supported by this server: {why}.", name)
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type", "text") != "text"):
-        raise bad_request("'response_format' other than text is not supported by this server.", "response_format")
+        raise bad_request("'response_format' other than text needs decoding constrained by a grammar, which this "
+                          "server does not do yet.", "response_format")
+    try:
+        tools, output, effort = _tool_fields(kind, body, chat_template)
+    except ToolError as exc:
+        raise bad_request(exc.message, exc.param) from None
     model = _optional(body, "model", str)
     stream = bool(_optional(body, "stream", bool) or False)
     options = _optional(body, "stream_options", dict)
@@ -127,6 +156,11 @@ def parse_request(kind: Kind, body: object, defaults: RequestDefaults, context_l
     base = defaults.request
     if kind == "chat":
         messages, raw = _messages(body.get("messages"), defaults.system), None
+        if not tools and any(m.tool_calls or m.role == "tool" for m in messages):
+            try:  # a history with calls needs a template that shows them (tools were checked already)
+                check_template(chat_format(chat_template), bool(chat_template), "messages")
+            except ToolError as exc:
+                raise bad_request(exc.message, exc.param) from None
     else:
         messages, raw = (), _prompt(body.get("prompt"))
     max_tokens = _max_tokens(body, kind, context_length)
@@ -146,7 +180,8 @@ def parse_request(kind: Kind, body: object, defaults: RequestDefaults, context_l
     try:
         sampling = replace(sampling, seed=None, **values)
         first = replace(base, messages=messages, raw_prompt=raw, stop=stop, sampling=sampling,
-                        max_new_tokens=base.max_new_tokens if max_tokens is None else max_tokens)
+                        max_new_tokens=base.max_new_tokens if max_tokens is None else max_tokens, tools=tools,
+                        reasoning_effort=effort)
     except InvalidRequest as exc:  # the settings validate themselves (engine.types)
         raise bad_request(exc.user_message) from exc
     if n > 1 and sampling.greedy:
@@ -157,7 +192,27 @@ def parse_request(kind: Kind, body: object, defaults: RequestDefaults, context_l
             choices = tuple(replace(first, sampling=replace(sampling, seed=start + i)) for i in range(n))
         except InvalidRequest as exc:
             raise bad_request(exc.user_message, "seed") from exc
-    return ApiRequest(kind, model, choices, stream, include_usage)
+    return ApiRequest(kind, model, choices, stream, include_usage, output)
+
+
+def _tool_fields(kind: Kind, body: Mapping[str, Any],
+                 chat_template: str) -> tuple[tuple[ToolSpec, ...], OutputSettings | None, str | None]:
+    """The tools shown to the model (none with tool_choice "none"), how its answers are split,
+    and the reasoning effort for its template."""
+    if kind == "completion":
+        for name in ("tools", "tool_choice", "reasoning_effort"):
+            if body.get(name) not in (None, []):
+                raise ToolError(f"'{name}' needs a chat: use /v1/chat/completions.", name)
+        return (), None, None
+    fmt = chat_format(chat_template)
+    tools = parse_tools(body.get("tools"), fmt, bool(chat_template))
+    choice = parse_tool_choice(body.get("tool_choice"), tools)
+    max_calls = parse_parallel(body.get("parallel_tool_calls"))
+    effort = parse_reasoning_effort(body.get("reasoning_effort"))
+    if choice == "none":
+        tools = ()
+    output = OutputSettings(fmt, bool(tools), max_calls) if tools or fmt.reasoning else None
+    return tools, output, effort
 
 
 def _max_tokens(body: Mapping[str, Any], kind: Kind, context_length: int) -> int | None:
@@ -224,6 +279,7 @@ def _messages(raw: object, system: str | None) -> tuple[Message, ...]:
     if not isinstance(raw, list) or not raw:
         raise bad_request("'messages' must be a non-empty list of {role, content} objects.", "messages")
     messages = []
+    calls: dict[str, ToolCall] = {}  # the calls made so far, by id: what a tool message answers
     for i, item in enumerate(raw):
         where = f"messages[{i}]"
         if not isinstance(item, dict):
@@ -231,11 +287,40 @@ def _messages(raw: object, system: str | None) -> tuple[Message, ...]:
         role = item.get("role")
         if not isinstance(role, str) or role not in ROLES:
             raise bad_request(f"{where}: role {_shown(role)} is not supported (system, developer, user, "
-                              "assistant).", "messages")
-        messages.append(Message(ROLES[role], _text(item.get("content"), where)))
+                              "assistant, tool).", "messages")
+        try:
+            message = _message(ROLES[role], item, where, calls)
+        except ToolError as exc:
+            raise bad_request(exc.message, exc.param) from None
+        calls.update((c.id, c) for c in message.tool_calls)
+        messages.append(message)
     if system and not any(m.role == "system" for m in messages):
         messages.insert(0, Message("system", system))
     return tuple(messages)
+
+
+def _message(role: Literal["system", "user", "assistant", "tool"], item: Mapping[str, Any], where: str,
+             calls: Mapping[str, ToolCall]) -> Message:
+    content = _text(item.get("content"), where)
+    if role == "assistant":
+        reasoning = item.get("reasoning_content", item.get("reasoning"))
+        if reasoning is not None and not isinstance(reasoning, str):
+            raise bad_request(f"{where}: 'reasoning_content' must be a string.", "messages")
+        return Message(role, content, tool_calls=parse_tool_calls(item.get("tool_calls"), where), reasoning=reasoning)
+    if role == "tool":
+        call_id = check_id(item.get("tool_call_id"), f"{where}.tool_call_id")
+        if call_id not in calls:
+            raise bad_request(f"{where}: tool_call_id {_shown(call_id)} matches no call of an earlier assistant "
+                              "message.", "messages")
+        name = item.get("name")
+        if name is not None and not isinstance(name, str):
+            raise bad_request(f"{where}: 'name' must be a string.", "messages")
+        return Message(role, content, tool_call_id=call_id, name=name or calls[call_id].name)
+    for key in ("tool_calls", "tool_call_id"):
+        if item.get(key) is not None:
+            raise bad_request(f"{where}: only {'assistant' if key == 'tool_calls' else 'tool'} messages carry "
+                              f"'{key}'.", "messages")
+    return Message(role, content)
 
 
 def _prompt(raw: object) -> str:
@@ -263,9 +348,12 @@ def new_id(kind: Kind) -> str:
     return ("chatcmpl-" if kind == "chat" else "cmpl-") + secrets.token_hex(12)
 
 
-def finish_reason(reason: FinishReason) -> str:
-    """The engine's reasons in OpenAI's words: an EOS token and a stop string are both "stop"."""
-    return "length" if reason == "length" else "stop"
+def finish_reason(reason: FinishReason, calls: bool = False) -> str:
+    """The engine's reasons in OpenAI's words: an EOS token and a stop string are both "stop",
+    or "tool_calls" when the answer made calls (an answer cut by the limit stays "length")."""
+    if reason == "length":
+        return "length"
+    return "tool_calls" if calls else "stop"
 
 
 def usage(completions: list[Completion]) -> dict[str, Any]:
@@ -294,12 +382,16 @@ def usage(completions: list[Completion]) -> dict[str, Any]:
     }
 
 
-def response(kind: Kind, rid: str, model: str, created: int, completions: list[Completion]) -> dict[str, Any]:
-    """The whole answer of a request that did not stream."""
+def response(kind: Kind, rid: str, model: str, created: int, completions: list[Completion],
+             output: OutputSettings | None = None) -> dict[str, Any]:
+    """The whole answer of a request that did not stream; `output` splits each chat answer
+    into content, reasoning and tool calls."""
     if kind == "chat":
-        choices = [{"index": i, "message": {"role": "assistant", "content": c.text, "refusal": None},
-                    "logprobs": None, "finish_reason": finish_reason(c.finish_reason)}
-                   for i, c in enumerate(completions)]
+        choices = []
+        for i, c in enumerate(completions):
+            parsed = output.parse(c.text) if output is not None else ParsedOutput(c.text, None, ())
+            choices.append({"index": i, "message": message(parsed), "logprobs": None,
+                            "finish_reason": finish_reason(c.finish_reason, bool(parsed.calls))})
         obj = "chat.completion"
     else:
         choices = [{"index": i, "text": c.text, "logprobs": None, "finish_reason": finish_reason(c.finish_reason)}
@@ -307,6 +399,21 @@ def response(kind: Kind, rid: str, model: str, created: int, completions: list[C
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": created, "model": model, "system_fingerprint": None,
             "choices": choices, "usage": usage(completions)}
+
+
+def message(parsed: ParsedOutput) -> dict[str, Any]:
+    """A chat answer's message: content null only beside calls; reasoning and calls when there are any."""
+    content = parsed.content if parsed.content is not None or parsed.calls else ""
+    out: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+    if parsed.reasoning is not None:
+        out["reasoning_content"] = parsed.reasoning
+    if parsed.calls:
+        out["tool_calls"] = [tool_call(c) for c in parsed.calls]
+    return out
+
+
+def tool_call(call: ToolCall) -> dict[str, Any]:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
 @dataclass
@@ -346,9 +453,24 @@ class ChunkWriter:
     def text(self, index: int, text: str) -> dict[str, Any]:
         return self._chunk([self._choice(index, text)])
 
-    def finished(self, index: int, completion: Completion) -> dict[str, Any]:
+    def parsed(self, index: int, delta: OutputDelta) -> list[dict[str, Any]]:
+        """A chat answer's split delta as chunks: reasoning, content, then each call as two
+        (its index, id, type and name with empty arguments; then the arguments), the shape
+        OpenAI's clients put back together."""
+        deltas: list[dict[str, Any]] = []
+        if delta.reasoning:
+            deltas.append({"reasoning_content": delta.reasoning})
+        if delta.content:
+            deltas.append({"content": delta.content})
+        for at, call in enumerate(delta.calls, delta.call_index):
+            deltas.append({"tool_calls": [{"index": at, "id": call.id, "type": "function",
+                                           "function": {"name": call.name, "arguments": ""}}]})
+            deltas.append({"tool_calls": [{"index": at, "function": {"arguments": call.arguments}}]})
+        return [self._chunk([{"index": index, "delta": d, "logprobs": None, "finish_reason": None}]) for d in deltas]
+
+    def finished(self, index: int, completion: Completion, calls: bool = False) -> dict[str, Any]:
         return self._chunk([self._choice(index, None if self.kind == "chat" else "",
-                                         finish=finish_reason(completion.finish_reason))])
+                                         finish=finish_reason(completion.finish_reason, calls))])
 
     def usage(self, completions: list[Completion]) -> dict[str, Any]:
         chunk = self._chunk([])

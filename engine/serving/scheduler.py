@@ -38,13 +38,16 @@ ModelStatus = Literal["loading", "ready", "failed", "none"]
 class ModelState:
     """What the server serves. id: the name clients pass as "model"; status "loading" (503 with
     `detail`, e.g. "layer 12 of 80"), "ready", "failed" (503 with the load's error) or "none"
-    (no model chosen, in the app); context_length 0 when unknown."""
+    (no model chosen, in the app); context_length 0 when unknown; chat_template the model's
+    ("" when unknown: no tools), which says whether it takes tools and how its answers are
+    split (engine.serving.formats)."""
 
     id: str
     status: ModelStatus = "loading"
     detail: str = ""
     context_length: int = 0
     created: int = field(default_factory=lambda: int(time.time()))
+    chat_template: str = field(default="", repr=False)
 
 
 @dataclass(frozen=True)

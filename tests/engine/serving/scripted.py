@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from engine.serving.protocol import RequestDefaults
 from engine.serving.scheduler import GenerationQueue, ModelState
 from engine.serving.server import Server, ServeSettings
-from engine.types import Completion, GenerationRequest, GenerationStats, TokenEvent
+from engine.types import Completion, FinishReason, GenerationRequest, GenerationStats, TokenEvent
 
 MODEL = "scripted-model"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
@@ -27,25 +27,32 @@ def stats(new_tokens: int) -> GenerationStats:
 
 
 class ScriptedBackend:
-    """engine.types.GenerationBackend without a model: "hello world", or with `hold` set, a
-    piece every `hold` seconds until cancelled (then a "cancelled" Completion, as the Engine)."""
+    """engine.types.GenerationBackend without a model: "hello world" (or the given `pieces`,
+    ending as `finish` says), or with `hold` set, a piece every `hold` seconds until cancelled
+    (then a "cancelled" Completion, as the Engine). `requests` keeps what it was asked."""
 
-    def __init__(self, hold: float | None = None) -> None:
+    def __init__(self, hold: float | None = None, pieces: tuple[str, ...] = ("hello ", "world"),
+                 finish: FinishReason = "length") -> None:
         self.calls = 0
         self.hold = hold
+        self.pieces = pieces
+        self.finish = finish
+        self.requests: list[GenerationRequest] = []
         self._lock = threading.Lock()
 
     def generate(self, request: GenerationRequest,
                  cancel: threading.Event | None = None) -> Iterator[TokenEvent | Completion]:
         with self._lock:
             self.calls += 1
+            self.requests.append(request)
         return self._events(cancel or threading.Event())
 
     def _events(self, cancel: threading.Event) -> Iterator[TokenEvent | Completion]:
         if self.hold is None:
-            yield TokenEvent((1,), "hello ")
-            yield TokenEvent((2,), "world")
-            yield Completion("hello world", (1, 2), "length", stats(2))
+            pieces = self.pieces
+            for i, piece in enumerate(pieces):
+                yield TokenEvent((i + 1,), piece)
+            yield Completion("".join(pieces), tuple(range(1, len(pieces) + 1)), self.finish, stats(len(pieces)))
             return
         count = 0
         while not cancel.wait(self.hold):
@@ -54,10 +61,12 @@ class ScriptedBackend:
         yield Completion("word " * count, tuple(range(count)), "cancelled", stats(count))
 
 
-def start_server(backend: ScriptedBackend | None = None, context_length: int = 2048, **settings: object) -> Server:
+def start_server(backend: ScriptedBackend | None = None, context_length: int = 2048, chat_template: str = "",
+                 **settings: object) -> Server:
     queue = GenerationQueue(capacity=4)
     if backend is not None:
-        queue.set_model(ModelState(MODEL, "ready", context_length=context_length), backend)
+        queue.set_model(ModelState(MODEL, "ready", context_length=context_length, chat_template=chat_template),
+                        backend)
     server = Server(ServeSettings(port=0, **settings), queue, RequestDefaults)  # type: ignore[arg-type]
     server.start()
     return server
