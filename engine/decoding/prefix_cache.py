@@ -67,7 +67,6 @@ class PrefixPool:
         self.target_device = target_device
         self.draft_device = draft_device
         self._parked: list[Prefix] = []
-        self._savable = True
 
     def __len__(self) -> int:
         return len(self._parked)
@@ -79,7 +78,7 @@ class PrefixPool:
         the prompt's last token is the first root, which the first pass reads."""
         entry, shared = self._best(prompt, conversation)
         limit = len(prompt) - 1
-        files = self.files if self._savable else None
+        files = self.files
         if files is not None and min(shared, limit) < limit - MIN_COPIED_TOKENS:  # memory misses a part
             disk_path, disk_shared = files.best_match(prompt)
             if min(disk_shared, limit) > min(shared, limit) + MIN_COPIED_TOKENS:
@@ -147,8 +146,6 @@ class PrefixPool:
         """Record the loaded models' cache shapes (saved files must match them)."""
         self._shape_target = shape_of(target)
         self._shape_draft = shape_of(draft) if draft is not None else None
-        # a hybrid model's caches are not saved (hybrid_cache), so none is looked for either
-        self._savable = target.savable and (draft is None or draft.savable)
 
     # ---- giving it back ----------------------------------------------------------------------
     def give_back(self, prefix: Prefix) -> None:
@@ -178,7 +175,7 @@ class PrefixPool:
         self._parked.clear()
 
     def _save(self, prefix: Prefix) -> bool:
-        if self.files is None or prefix.target.length < self.settings.min_saved_tokens or not prefix.target.savable:
+        if self.files is None or prefix.target.length < self.settings.min_saved_tokens:
             return False
         path = self.files.save(prefix.tokens, prefix.target, prefix.draft)
         if path is None:

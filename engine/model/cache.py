@@ -22,7 +22,14 @@ class KVCache:
     """Invariants: all layers hold `length` valid entries between passes; during a pass each
     layer's `update` sees the same number n of new entries, and `commit(n)` ends the pass."""
 
-    savable = True  # cache_files can write it (its tensors() are all it holds)
+    @property
+    def complete(self) -> bool:
+        """Whether every entry is final (a cache with a pass's pending entries is not saved)."""
+        return True
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """What the cache holds besides its K/V (tensors()), by name, for saving: nothing here."""
+        return {}
 
     def __init__(
         self,

@@ -46,6 +46,7 @@ from safetensors.torch import save_file
 
 from engine.errors import MalformedInput
 from engine.model.cache import KVCache
+from engine.model.hybrid_cache import HybridCache, LinearSpec
 from engine.untrusted import read_bytes
 
 log = logging.getLogger(__name__)
@@ -64,10 +65,12 @@ class CacheShape:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    linear: tuple[LinearSpec | None, ...] = ()  # a hybrid model's linear layers' state shapes
 
 
 def shape_of(cache: KVCache) -> CacheShape:
-    return CacheShape(cache.num_layers, cache.num_kv_heads, cache.head_dim, cache.dtype)
+    linear = tuple(cache.linear) if isinstance(cache, HybridCache) else ()
+    return CacheShape(cache.num_layers, cache.num_kv_heads, cache.head_dim, cache.dtype, linear)
 
 
 def install_key(path: Path) -> bytes | None:
@@ -126,6 +129,8 @@ class CacheFiles:
         when it could not be written (a full or read-only disk: said once, and not kept)."""
         if self.budget_bytes <= 0 or not tokens or self.key is None:
             return None
+        if not target.complete or (draft is not None and not draft.complete):
+            return None  # a pass's pending entries: never between generations
         tensors: dict[str, torch.Tensor] = {"tokens": torch.tensor(tokens, dtype=torch.int64)}
         for role, cache in (("target", target), ("draft", draft)):
             if cache is None:
@@ -133,6 +138,8 @@ class CacheFiles:
             for i, (k, v) in enumerate(cache.tensors()):
                 tensors[f"{role}.{i}.k"] = k.detach().to("cpu").contiguous()
                 tensors[f"{role}.{i}.v"] = v.detach().to("cpu").contiguous()
+            for name, t in cache.state_tensors().items():  # a hybrid model's recurrent states
+                tensors[f"{role}.{name}"] = t.detach().to("cpu").contiguous()
         meta = {"format": FORMAT, "pair": self.pair, "tokens": str(len(tokens)), "draft": str(draft is not None)}
         meta["tag"] = self._tag(meta, tensors)
         path = self.dir / f"{tokens_hash(tokens)}{SUFFIX}"
@@ -310,12 +317,21 @@ def _rebuild(tensors: dict[str, torch.Tensor], role: str, shape: CacheShape, n_t
         k, v = tensors.get(f"{role}.{i}.k"), tensors.get(f"{role}.{i}.v")
         if k is None or v is None or k.shape != v.shape or k.dtype != shape.dtype or v.dtype != shape.dtype:
             return None
-        if k.dim() != 4 or k.shape[0] != 1 or k.shape[1] != shape.num_kv_heads or k.shape[3] != shape.head_dim:
+        width = 0 if shape.linear and shape.linear[i] is not None else shape.head_dim  # linear layers: no K/V
+        if k.dim() != 4 or k.shape[0] != 1 or k.shape[1] != shape.num_kv_heads or k.shape[3] != width:
             return None
         if k.shape[2] > n_tokens or (layers and k.shape[2] != layers[0][0].shape[2]):
             return None
         layers.append((k, v))
     if f"{role}.{shape.num_layers}.k" in tensors:  # more layers than the model has
+        return None
+    own = f"{role}."
+    states = {name[len(own):]: t for name, t in tensors.items()
+              if name.startswith(own) and name[len(own):].startswith(("lin.", "snap."))}
+    if shape.linear:
+        return HybridCache.from_saved(layers, states, list(shape.linear), shape.num_kv_heads, shape.head_dim,
+                                      shape.dtype, device)
+    if states:  # recurrent states for a model that has none
         return None
     return KVCache.from_tensors(layers, device)
 

@@ -19,7 +19,8 @@ the points `mark` names (the engine marks each prompt's end: the next turn's pro
 this one's, while the answer's tokens may be re-tokenised differently when the next turn renders
 it). Cutting below `committed` (`truncate`, `copy_prefix`) goes back to the last snapshot at or
 before the cut, or empties the cache; the engine then reads the rest again (lossless). The
-newest SNAPSHOTS are kept. Saving these caches to disk is not done yet (`savable` is False).
+newest SNAPSHOTS are kept. Saved to disk (cache_files), a cache carries its states and
+snapshots beside its K/V (`state_tensors`, `from_saved`).
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ class HybridCache(KVCache):
     `linear[i]` is layer i's state shape, None for an attention layer (whose K/V this keeps;
     a linear layer's K/V buffers are empty)."""
 
-    savable = False
+    parents: torch.Tensor  # (capacity,) each entry's parent slot, on the CPU (-1: none)
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device | str, capacity: int = 256,
@@ -178,6 +179,68 @@ class HybridCache(KVCache):
             self.committed = self.length
             self._snapshot_if_marked()
         self._pass_pending, self._pass_tree = {}, None
+
+    # ---- saving --------------------------------------------------------------------------
+    @property
+    def complete(self) -> bool:
+        return self.committed == self.length
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """`lin.<layer>.conv|rec`, and `snap.<position>.<layer>.conv|rec` per snapshot."""
+        assert self.complete, "pending entries are not saved"
+        out: dict[str, torch.Tensor] = {}
+        for i, s in self.states.items():
+            out[f"lin.{i}.conv"], out[f"lin.{i}.rec"] = s.tensors()
+        for at, snap in self.snapshots.items():
+            for i, s in snap.items():
+                out[f"snap.{at}.{i}.conv"], out[f"snap.{at}.{i}.rec"] = s.tensors()
+        return out
+
+    @classmethod
+    @torch.inference_mode()
+    def from_saved(cls, layers: list[tuple[torch.Tensor, torch.Tensor]], states: dict[str, torch.Tensor],
+                   linear: list[LinearSpec | None], num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                   device: torch.device | str) -> HybridCache | None:
+        """A cache from saved K/V (per layer, (1, H_kv, n, D); linear layers' D is 0) and
+        `state_tensors()`; None when anything does not fit `linear`'s shapes or `dtype`."""
+        n = layers[0][0].shape[2]
+        out = cls(len(layers), num_kv_heads, head_dim, dtype, device, max(n, 1), linear)
+
+        def state(prefix: str, spec: LinearSpec) -> LinearLayerState | None:
+            conv, rec = states.get(f"{prefix}.conv"), states.get(f"{prefix}.rec")
+            if conv is None or rec is None or conv.dtype != dtype or rec.dtype != torch.float32:
+                return None
+            if tuple(conv.shape) != (1, spec.conv_dim, spec.kernel - 1) or \
+                    tuple(rec.shape) != (1, spec.num_v_heads, spec.head_k_dim, spec.head_v_dim):
+                return None
+            return LinearLayerState.from_tensors(conv, rec, device)
+
+        for i, spec in enumerate(linear):
+            if spec is None:
+                continue
+            got = state(f"lin.{i}", spec)
+            if got is None:
+                return None
+            out.states[i] = got
+        positions = {int(name.split(".")[1]) for name in states if name.startswith("snap.")
+                     and name.split(".")[1].isdigit()}
+        for at in sorted(positions)[-SNAPSHOTS:]:
+            if not 0 < at <= n:
+                return None
+            snap = {}
+            for i, spec in enumerate(linear):
+                if spec is not None:
+                    got = state(f"snap.{at}.{i}", spec)
+                    if got is None:
+                        return None
+                    snap[i] = got
+            out.snapshots[at] = snap
+        for i, (k, v) in enumerate(layers):
+            out.keys[i][:, :, :n] = k
+            out.values[i][:, :, :n] = v
+        out.length = out.committed = n
+        out.parents[:n] = torch.arange(-1, n - 1)
+        return out
 
     # ---- snapshots -----------------------------------------------------------------------
     def mark(self, position: int) -> None:

@@ -4,6 +4,7 @@ sampling is lossless. Greedy equality with transformers in every mode is in test
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,11 +14,19 @@ from test_families import PROMPT, candidates_from, reference
 from transformers import AutoModelForCausalLM
 
 from engine.decoding.generation import Engine
+from engine.decoding.pair import cache_files
 from engine.loading.load import load_model
 from engine.model.causal_lm import CausalLM
 from engine.model.hybrid_cache import HybridCache
 from engine.testing.synthetic import tiny_model
-from engine.types import Completion, GenerationRequest, Message, SamplingSettings, SpeculationSettings
+from engine.types import (
+    CacheSettings,
+    Completion,
+    GenerationRequest,
+    Message,
+    SamplingSettings,
+    SpeculationSettings,
+)
 
 HYBRIDS = ["qwen3_5_text", "qwen3_next"]
 
@@ -85,7 +94,7 @@ def test_caches_equal_a_fresh_read_after_every_step(arch: str, mode: str, model_
 def test_a_hybrid_cache_cut_below_its_committed_tokens_starts_afresh(model_cache: Path) -> None:
     model = load_model(paths("qwen3_5_text", model_cache)[0]).model
     cache = model.new_cache(16)
-    assert isinstance(cache, HybridCache) and not cache.savable
+    assert isinstance(cache, HybridCache)
     model.forward(torch.arange(10), torch.arange(10), cache, None)
     assert cache.committed == 10
     copy = cache.copy_prefix(10)
@@ -113,6 +122,29 @@ def test_turns_of_a_hybrid_chat_reuse_the_prefix(model_cache: Path) -> None:
         if turn:
             assert got.stats.cached_tokens > 0, f"turn {turn + 1} read its whole prompt again"
         messages.append(Message("assistant", got.text))
+
+
+def test_a_hybrid_chat_continues_from_its_saved_cache(model_cache: Path, tmp_path: Path) -> None:
+    """Turn 1 answered, its cache saved (no RAM budget: parked prefixes go to disk); a new
+    engine, as after a restart, answers turn 2 from the file: states, snapshots and K/V come
+    back, and the text equals a fresh engine's."""
+    target_path, draft_path = paths("qwen3_5_text", model_cache)
+    target, draft = load_model(target_path), load_model(draft_path)
+    spec = SpeculationSettings(budget=16, max_depth=4)
+    settings = CacheSettings(ram_budget_bytes=0, min_saved_tokens=8, disk_dir=str(tmp_path / "kv"))
+    first = Engine(target.model, target.tokenizer, draft.model, settings, cache_files(settings, target.model, draft.model))
+    one = GenerationRequest(messages=(Message("user", "Paris is the capital of"),), max_new_tokens=12,
+                            conversation="c", speculation=spec)
+    answer = list(first.generate(one))[-1]
+    assert isinstance(answer, Completion) and first.persist_caches() >= 1
+    saved = list((tmp_path / "kv").rglob("*.safetensors"))
+    assert saved
+    two = replace(one, messages=(*one.messages, Message("assistant", answer.text), Message("user", "def add(a, b):")))
+    again = Engine(target.model, target.tokenizer, draft.model, settings, cache_files(settings, target.model, draft.model))
+    got = list(again.generate(two))[-1]
+    fresh = list(Engine(target.model, target.tokenizer, draft.model, CacheSettings(enabled=False)).generate(two))[-1]
+    assert isinstance(got, Completion) and isinstance(fresh, Completion)
+    assert got.stats.cached_tokens > 0 and got.token_ids == fresh.token_ids
 
 
 def test_sampling_from_a_hybrid_model_is_lossless(model_cache: Path) -> None:
