@@ -15,6 +15,8 @@ nested (double-quantised) absmax and a packed `quant_state.bitsandbytes__nf4` re
 
 FP8 weights (E4M3, E5M2) are de-quantised as they load, with their `<name>_scale` (per tensor
 or per output channel) or `<name>_scale_inv` (per block, DeepSeek-style) when there is one.
+gpt-oss's MXFP4 experts (`<name>_blocks` + `<name>_scales`, mxfp4.py) are served as the tensor
+`<name>`, de-quantised one expert at a time into the caller's buffer.
 Any other stored dtype is refused by name (UnsupportedModel), never reported as corruption.
 
 What this module does not do: decide where tensors go (materialise.py) or read pickle files.
@@ -31,6 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.errors import UnsupportedModel
+from engine.loading.mxfp4 import dequantize_mxfp4, mxfp4_shape
 from engine.store.safetensors_header import CorruptCheckpoint, open_shard, read_shard_header
 
 if TYPE_CHECKING:  # bitsandbytes is imported only when a 4-bit checkpoint needs it
@@ -76,10 +79,22 @@ class _Shard:
         self.copy_to(name, out)
         return out
 
+    def read_part(self, name: str, i: int) -> torch.Tensor:
+        """Slice i along dim 0 of tensor `name` (one expert of a stacked tensor), read alone."""
+        dtype, shape, start, end = self.entries[name]
+        step = (end - start) // shape[0]
+        out = torch.empty(shape[1:], dtype=dtype)
+        self._copy_range(start + i * step, start + (i + 1) * step, dtype, shape[1:], out)
+        return out
+
     def copy_to(self, name: str, out: torch.Tensor) -> None:
         """Copy tensor `name` into `out` (any dtype or device: converted by the copy itself, so
         no second full-size temporary), then drop its pages from this process."""
         dtype, shape, start, end = self.entries[name]
+        self._copy_range(start, end, dtype, shape, out)
+
+    def _copy_range(self, start: int, end: int, dtype: torch.dtype, shape: tuple[int, ...],
+                    out: torch.Tensor) -> None:
         if end == start:
             return
         assert self._map is not None
@@ -124,26 +139,49 @@ class Checkpoint:
                 self._where[name] = shard
         qc = config.get("quantization_config") or {}
         self.bnb_4bit = qc.get("quant_method") == "bitsandbytes" and bool(qc.get("load_in_4bit"))
+        block = qc.get("weight_block_size")  # FP8 per-block scales: (rows, columns) each scale covers
+        self.fp8_block: tuple[int, int] | None = (
+            (block[0], block[1]) if isinstance(block, list) and len(block) == 2
+            and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block) else None)
         # tensors the model has that the checkpoint stores in parts: name -> one row of stored
         # tensors per slice of dim 0, each row concatenated along its dim 0 (an MoE layer's
         # experts, stored one by one, that transformers' modules hold as one fused tensor)
         self._virtual: dict[str, list[list[str]]] = {}
         self._renamed: dict[str, str] = {}  # model name -> the stored name of the same tensor
+        self._mxfp4: dict[str, tuple[str, str]] = {}  # model name -> its stored (blocks, scales)
 
     @property
     def names(self) -> set[str]:
         return set(self._where)
 
     def has(self, name: str) -> bool:
-        return name in self._where or name in self._virtual
+        return name in self._where or self._computed(name)
+
+    def _computed(self, name: str) -> bool:
+        """Whether `name` is put together from other stored tensors (not read as it is)."""
+        return name in self._virtual or name in self._mxfp4
+
+    def stored_names(self) -> list[str]:
+        """The names the shards store their tensors under (no aliases)."""
+        return [n for s in self._shards for n in s.entries]
 
     def add_renamed(self, name: str, stored: str) -> bool:
-        """Serve the stored tensor `stored` as `name` (False when it is not stored)."""
+        """Serve the tensor known as `stored` as `name` too (False when there is none)."""
         if stored not in self._where:
             return False
         self._where[name] = self._where[stored]
-        self._renamed[name] = stored
+        self._renamed[name] = self._renamed.get(stored, stored)
         return True
+
+    def add_prefix(self, stored: str, model: str) -> int:
+        """Serve every stored tensor named `stored` + rest as `model` + rest too, scales and
+        quantisation side tensors included (a vision-language wrapper's decoder under its text
+        model's names); names already known are left alone. The count added."""
+        added = 0
+        for name in self.stored_names():
+            if name.startswith(stored) and (alias := model + name[len(stored):]) not in self._where:
+                added += self.add_renamed(alias, name)
+        return added
 
     def add_virtual(self, name: str, rows: list[list[str]]) -> bool:
         """Serve `name` as stack(cat(row) for row in rows) when every part is stored and the
@@ -158,9 +196,46 @@ class Checkpoint:
         self._virtual[name] = rows
         return True
 
+    def add_mxfp4(self, name: str) -> bool:
+        """Serve `name` from its MXFP4 `<name>_blocks` and `<name>_scales` (mxfp4.py) when both
+        are stored; False otherwise. UnsupportedModel for MXFP4 outside an MoE layer's experts,
+        CorruptCheckpoint when the two are no MXFP4 pair."""
+        blocks, scales = f"{name}_blocks", f"{name}_scales"
+        if blocks not in self._where or scales not in self._where:
+            return False
+        if len(self.shape(blocks)) != 4:
+            raise UnsupportedModel(f"This checkpoint stores {name} in MXFP4; SpecChat reads MXFP4 only for the "
+                                   "experts of an MoE layer (gpt-oss). Pick the model's 16-bit or GGUF release.")
+        if (self.dtype(blocks), self.dtype(scales)) != (torch.uint8, torch.uint8) or \
+                mxfp4_shape(self.shape(blocks), self.shape(scales)) is None:
+            raise CorruptCheckpoint(f"the MXFP4 tensors {blocks} {list(self.shape(blocks))} and {scales} "
+                                    f"{list(self.shape(scales))} do not fit together")
+        self._mxfp4[name] = (blocks, scales)
+        return True
+
+    def _mxfp4_into(self, name: str, out: torch.Tensor) -> None:
+        """De-quantise an MXFP4 tensor into `out` (its shape, any dtype or device) one expert at a
+        time: the temporaries are one expert's, never the layer's."""
+        blocks, scales = self._mxfp4[name]
+        for e in range(out.shape[0]):
+            out[e].copy_(dequantize_mxfp4(self._read_part(blocks, e), self._read_part(scales, e)))
+
+    def _read_part(self, name: str, i: int) -> torch.Tensor:
+        return self._shard(name).read_part(self._renamed.get(name, name), i)
+
     def _assemble(self, name: str, dtype: torch.dtype) -> torch.Tensor:
-        rows = self._virtual[name]
-        return torch.stack([torch.cat([self.dense(p, dtype) for p in row], dim=0) for row in rows])
+        """The fused tensor, each part read straight into its place (one copy of it at most)."""
+        out = torch.empty(self.shape(name), dtype=dtype)
+        if name in self._mxfp4:
+            self._mxfp4_into(name, out)
+            return out
+        for e, row in enumerate(self._virtual[name]):
+            start = 0
+            for part in row:
+                rows = self.shape(part)[0]
+                self.copy_to(part, out[e, start : start + rows])
+                start += rows
+        return out
 
     def nbytes(self) -> int:
         return sum(e[3] - e[2] for s in self._shards for e in s.entries.values())
@@ -172,12 +247,16 @@ class Checkpoint:
             raise CorruptCheckpoint(f"the checkpoint has no tensor '{name}'") from None
 
     def read(self, name: str) -> torch.Tensor:
-        """The stored tensor as it is (CPU, stored dtype)."""
-        if name in self._virtual:
+        """The stored tensor as it is (CPU, stored dtype; an assembled one in `dtype(name)`)."""
+        if self._computed(name):
             return self._assemble(name, self.dtype(name))
         return self._shard(name).read(self._renamed.get(name, name))
 
     def shape(self, name: str) -> tuple[int, ...]:
+        if name in self._mxfp4:
+            shape = mxfp4_shape(*(self.shape(part) for part in self._mxfp4[name]))
+            assert shape is not None, "checked by add_mxfp4"
+            return shape
         if name in self._virtual:
             rows = self._virtual[name]
             parts = [self.shape(p) for p in rows[0]]
@@ -185,6 +264,8 @@ class Checkpoint:
         return self._shard(name).entries[self._renamed.get(name, name)][1]
 
     def dtype(self, name: str) -> torch.dtype:
+        if name in self._mxfp4:
+            return torch.bfloat16  # holds every MXFP4 value exactly
         if name in self._virtual:
             return self.dtype(self._virtual[name][0][0])
         return self._shard(name).entries[self._renamed.get(name, name)][0]
@@ -192,6 +273,10 @@ class Checkpoint:
     def load(self, name: str, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
         """The tensor in `dtype` on `device`, read straight into its final buffer (4-bit and
         FP8 weights are de-quantised first)."""
+        if name in self._mxfp4:
+            out = torch.empty(self.shape(name), dtype=dtype, device=device)
+            self._mxfp4_into(name, out)
+            return out
         if name in self._virtual or self.is_nf4(name) or self.dtype(name) in FP8:
             return self.dense(name, dtype).to(device)
         out = torch.empty(self.shape(name), dtype=dtype, device=device)
@@ -200,7 +285,9 @@ class Checkpoint:
 
     def copy_to(self, name: str, out: torch.Tensor) -> None:
         """Tensor `name` into an existing tensor of its shape (any dtype/device)."""
-        if name in self._virtual or self.is_nf4(name) or self.dtype(name) in FP8:
+        if name in self._mxfp4:
+            self._mxfp4_into(name, out.view(self.shape(name)))
+        elif name in self._virtual or self.is_nf4(name) or self.dtype(name) in FP8:
             out.copy_(self.dense(name, out.dtype).reshape(out.shape))
         else:
             self._shard(name).copy_to(self._renamed.get(name, name), out)
@@ -230,7 +317,7 @@ class Checkpoint:
 
     def dense(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         """The tensor in `dtype`, de-quantising a 4-bit or FP8 weight if need be."""
-        if name in self._virtual:
+        if self._computed(name):
             return self._assemble(name, dtype)
         if self.is_nf4(name):
             import bitsandbytes.functional as bnbf
@@ -253,10 +340,17 @@ class Checkpoint:
         if scale.numel() == 1 or w.ndim < 2:
             return w * scale.reshape(-1)[0] if scale.numel() == 1 else w * scale.reshape(w.shape)
         rows, cols = w.shape
-        if scale.numel() == rows:  # per output channel
+        if tuple(scale.shape) in ((rows,), (rows, 1)):  # per output channel
             return w * scale.reshape(rows, 1)
-        # per (rows / scale rows) x (cols / scale columns) block, the last ones possibly short
-        bo, bi = -(-rows // scale.shape[0]), -(-cols // scale.shape[1])
+        if scale.ndim != 2:
+            raise CorruptCheckpoint(f"the FP8 scale {scale_name} {list(scale.shape)} fits no block grid of "
+                                    f"{name} {[rows, cols]}")
+        # per block, the last ones of a row or column possibly short: the checkpoint's block size
+        # when its grid is the scales' (a 576-row weight in 128-row blocks has 5 scale rows), else
+        # the size that many scales cover
+        bo, bi = self.fp8_block or (0, 0)
+        if (-(-rows // bo) if bo else -1, -(-cols // bi) if bi else -1) != tuple(scale.shape):
+            bo, bi = -(-rows // scale.shape[0]), -(-cols // scale.shape[1])
         full = scale.repeat_interleave(bo, 0).repeat_interleave(bi, 1)[:rows, :cols]
         return w * full
 

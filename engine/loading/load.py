@@ -1,11 +1,12 @@
 """Load a target or draft model from a local Hugging Face folder or a .gguf file.
 
-Accepted: a folder with config.json, *.safetensors weights (16-bit, FP8, bitsandbytes 4-bit,
-AWQ or GPTQ 4-bit) and tokenizer files, of a supported decoder-only architecture; or a GGUF
-file of one. Refused with a clear message: missing paths, folders without config.json, pickle
-checkpoints (*.bin, *.pt: loading them can run arbitrary code), unknown architectures and
-quantisation formats (by name), corrupt files, and a draft whose tokenizer vocabulary differs
-from the target's. trust_remote_code stays off.
+Accepted: a folder with config.json, *.safetensors weights (16-bit, FP8, gpt-oss's MXFP4
+experts, bitsandbytes 4-bit, AWQ or GPTQ 4-bit) and tokenizer files, of a supported
+decoder-only architecture or a vision-language model whose text model is one (the text model
+runs, multimodal.py); or a GGUF file of one. Refused with a clear message: missing paths,
+folders without config.json, pickle checkpoints (*.bin, *.pt: loading them can run arbitrary
+code), unknown architectures and quantisation formats (by name), corrupt files, and a draft
+whose tokenizer vocabulary differs from the target's. trust_remote_code stays off.
 
 Both are built on the meta device and filled tensor by tensor from the memory-mapped file(s)
 straight into their final place (materialise.py): peak RAM is the final footprint plus about a
@@ -39,6 +40,7 @@ from engine.errors import (
 )
 from engine.loading.gguf import GGUFWeights, gguf_tokenizer
 from engine.loading.materialise import MaterialiseSettings, materialise
+from engine.loading.multimodal import config_object, text_config
 from engine.loading.weights import SafetensorsWeights
 from engine.model.causal_lm import CausalLM
 from engine.model.family import layer_kinds
@@ -82,7 +84,8 @@ def resolve_path(spec: str) -> Path:
 
 
 def check_folder(path: Path) -> dict:
-    """Validate a Hugging Face folder without loading weights; return its config dict."""
+    """Validate a Hugging Face folder without loading weights; return its config dict (a
+    vision-language wrapper's is checked as its text model's, multimodal.py)."""
     check_entries(path)
     config_file = path / "config.json"
     if not config_file.is_file():
@@ -99,8 +102,11 @@ def check_folder(path: Path) -> dict:
     if not isinstance(config, dict):
         raise UnsupportedModel(f"'{config_file}' is not a JSON object; re-download the model.")
     check_config(config, path.name)
-    layer_kinds(config, path.name)  # before transformers' own validators, whose messages say less
-    check_quantisation(path.name, config.get("quantization_config"))
+    text = text_config(config, path.name)  # a vision-language wrapper: its text model is what runs
+    if text is not None:
+        check_config(text, path.name)
+    layer_kinds(text or config, path.name)  # before transformers' own validators, whose messages say less
+    check_quantisation(path.name, (text or config).get("quantization_config"))
     if not any(path.glob("*.safetensors")):
         pickles = [p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt")]
         if pickles:
@@ -161,7 +167,7 @@ def check_quantisation(name: str, qc: dict | None) -> None:
         "bitsandbytes": bool(qc.get("load_in_4bit")),
         "awq": qc.get("bits", 4) == 4 and str(qc.get("version", "gemm")).lower() == "gemm",
         "gptq": qc.get("bits", 4) == 4,
-        "fp8": True, "fbgemm_fp8": True,
+        "fp8": True, "fbgemm_fp8": True, "mxfp4": True,
         "compressed-tensors": qc.get("format") in ("float-quantized", "naive-quantized"),
     }.get(method, False)
     if not ok:
@@ -169,8 +175,8 @@ def check_quantisation(name: str, qc: dict | None) -> None:
                   "gptq": f"GPTQ {qc.get('bits')}-bit", "compressed-tensors": f"compressed-tensors {qc.get('format')}"}
         raise UnsupportedModel(
             f"'{name}' is quantised as {detail.get(method, method)}, a format SpecChat cannot load. It loads "
-            "16-bit, FP8, bitsandbytes 4-bit (NF4), AWQ (GEMM) and GPTQ 4-bit checkpoints and GGUF files: "
-            "download one of those versions of the model.")
+            "16-bit, FP8, MXFP4 (gpt-oss), bitsandbytes 4-bit (NF4), AWQ (GEMM) and GPTQ 4-bit checkpoints and "
+            "GGUF files: download one of those versions of the model.")
 
 
 def file_head(path: Path, n: int) -> bytes:
@@ -259,7 +265,11 @@ def _load_model(
         if path.is_dir():
             config_dict = check_folder(path)
             tokenizer: Tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
-            config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+            text = text_config(config_dict, path.name)
+            if text is not None:  # the wrapper's text model, with the wrapper's tokenizer
+                config_dict, config = text, config_object(text)
+            else:
+                config = AutoConfig.from_pretrained(path, trust_remote_code=False)
             layer_kinds(config, path.name)  # every field the layer kinds read, checked
             generation = GenerationConfig.from_pretrained(path) if (path / "generation_config.json").is_file() else None
             model = materialise(SafetensorsWeights(path, config_dict), config, settings, report, generation)

@@ -32,6 +32,7 @@ from engine import paths
 from engine.errors import OutOfMemory, UnsupportedModel
 from engine.loading import cpu_packed
 from engine.loading.checkpoint import Checkpoint
+from engine.loading.multimodal import is_vision
 from engine.loading.weights import Weights
 from engine.model.causal_lm import CausalLM
 from engine.model.linear_attention import install as install_linear
@@ -91,11 +92,19 @@ def resident_bytes(path: Path, dtype: torch.dtype) -> int:
     try:
         esize = torch.empty((), dtype=dtype).element_size()
         total = 0
+        names = set(ckpt.stored_names())
         for shard in ckpt._shards:
-            for st_dtype, shape, _, _ in shard.entries.values():
+            for name, (st_dtype, shape, _, _) in shard.entries.items():
+                if is_vision(name):  # a vision tower is skipped (multimodal.py)
+                    continue
                 n = 1
                 for s in shape:
                     n *= s
+                if name.endswith("_scales") and name.removesuffix("_scales") + "_blocks" in names:
+                    continue  # MXFP4: folded into the values its blocks de-quantise to
+                if name.endswith("_blocks") and name.removesuffix("_blocks") + "_scales" in names:
+                    n *= 2  # two values a byte
+                    st_dtype = torch.bfloat16
                 total += n * (esize if st_dtype.is_floating_point else 1)
         return total
     finally:

@@ -7,8 +7,8 @@ the packed layout of every decoder layer (`layouts`) and the packing of a layer 
 A safetensors folder's layers are 16-bit, NF4 (quantised on the way, or stored as they are
 when the checkpoint is bitsandbytes 4-bit), or int4 as an AWQ or GPTQ checkpoint stores them
 (kept packed: the codes, scales and zeros travel as they are and are de-quantised on the
-device, offload/int4.py). FP8 weights are de-quantised into the compute dtype as they load
-(checkpoint.py).
+device, offload/int4.py). FP8 weights and gpt-oss's MXFP4 experts are de-quantised into the
+compute dtype as they load (checkpoint.py, mxfp4.py).
 
 What this module does not do: decide where layers go (materialise.py).
 """
@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from engine.loading.checkpoint import Checkpoint
+from engine.loading.multimodal import add_text_names
 from engine.offload.layout import Entry, LayerLayout, pack_entry, pack_prequantized
 from engine.types import Quant
 
@@ -59,6 +60,7 @@ class SafetensorsWeights:
     def __init__(self, path: Path, config: dict) -> None:
         self.path = path
         self.ckpt = Checkpoint(path, config)
+        add_text_names(self.ckpt)  # a vision-language checkpoint's decoder, under the text model's names
         qc = config.get("quantization_config") or {}
         method = qc.get("quant_method")
         self.int4: Literal["awq", "gptq"] | None = method if method in ("awq", "gptq") else None
@@ -69,7 +71,7 @@ class SafetensorsWeights:
         (and Mixtral names its block `block_sparse_moe`), where transformers' modules hold one
         fused tensor per layer: those are assembled as they load (Checkpoint.add_virtual)."""
         for name, p in hf.named_parameters():
-            if not self.ckpt.has(name):
+            if not self.ckpt.has(name) and not self.ckpt.add_mxfp4(name):  # gpt-oss's MXFP4 experts
                 expert_parts(self.ckpt, name, p.shape[0] if p.ndim == 3 else 0)
 
     def has(self, name: str) -> bool:
