@@ -198,8 +198,9 @@ def pair_options(catalog: Catalog, profile: HardwareProfile | None, quant: str =
     and given what this computer measured for it (`locate` finds a catalog id's local copy)."""
     options = []
     for pair in catalog.pairs:
-        target, draft = catalog.find(pair.target), catalog.find(pair.draft)
-        assert target is not None and draft is not None, "load_catalog validated the pair"
+        target = catalog.find(pair.target)
+        draft = None if pair.draft_free else catalog.find(pair.draft)  # draft-free: trees from the context
+        assert target is not None and (draft is not None or pair.draft_free), "load_catalog validated the pair"
         options.append(_option(pair.id, pair.id, pair.description, target, draft, profile, quant, catalog.starter,
                                locate))
     starter = catalog.find(catalog.starter)

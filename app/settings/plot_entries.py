@@ -77,12 +77,14 @@ def plot_entries(catalog: Catalog, prefs: Preferences, running: RunningPair | No
         (_resolved(prefs.target), _resolved(prefs.draft))
     entries = []
     for pair in catalog.pairs:
-        target, draft = catalog.find(pair.target), catalog.find(pair.draft)
-        if target is None or draft is None:
+        target = catalog.find(pair.target)
+        draft = None if pair.draft_free else catalog.find(pair.draft)
+        if target is None or (draft is None and not pair.draft_free):
             continue
-        paths = (local(target.id), local(draft.id))
+        paths = (local(target.id), local(draft.id) if draft is not None else None)
+        here = paths[0] is not None and (draft is None or paths[1] is not None)
         entries.append(PlotEntry(pair.id, pair.id, pair.id, target, draft, _is(loaded, paths, (pair.target, pair.draft), prefs),
-                                 _measured(*paths) if None not in paths else None))
+                                 _measured(*paths) if here else None))
     starter = catalog.find(catalog.starter)
     if starter is not None:
         paths = (starter_path, None)

@@ -85,8 +85,9 @@ def _list(models_dir: Path, as_json: bool, out: TextIO) -> int:
             "catalog": [{"id": m.id, "repo_id": m.repo_id, "file": m.gguf_file, "role": m.role,
                          "format": m.format_label, "prequantised": m.prequantised,
                          "download_bytes": m.download_bytes, "parameters": m.parameters, "license": m.license,
-                         "gated": m.gated, "local": m.id in here} for m in catalog.models],
-            "pairs": [{"id": p.id, "target": p.target, "draft": p.draft} for p in catalog.pairs],
+                         "gated": m.gated, "local": m.id in here, "model_type": m.model_type,
+                         "runs": m.runnable, "unsupported": m.unsupported or None} for m in catalog.models],
+            "pairs": [{"id": p.id, "target": p.target, "draft": p.draft or None} for p in catalog.pairs],
         }, out, indent=1)
         out.write("\n")
         return 0
@@ -104,9 +105,11 @@ def _list(models_dir: Path, as_json: bool, out: TextIO) -> int:
         gated = "gated" if entry.gated else ""
         out.write(f" {mark}{entry.id:<34} {format_bytes(entry.download_bytes):>9}  {entry.format_label:<11} "
                   f"{entry.parameters / 1e9:6.2f}B  {entry.license:<10} {gated:<5} {entry.repo_id}\n")
+        if not entry.runnable:
+            out.write(f"      cannot run yet: {entry.unsupported}\n")  # not a "!" line: nothing is damaged
     out.write("\nPairs (target + draft):\n")
     for p in catalog.pairs:
-        out.write(f"  {p.id:<24} {p.target} + {p.draft}\n")
+        out.write(f"  {p.id:<24} {p.target} + {p.draft or '(no draft: trees from the context)'}\n")
     return 0
 
 

@@ -1,7 +1,9 @@
 """The model store: the curated catalog, the models on this machine, and downloads.
 
-Contract: catalog.py reads resources/catalog.json (pairs that share a tokenizer; a GGUF entry is
-one .gguf file of its repo, and only that file is fetched or counts as that model); registry.py
+Contract: catalog.py reads resources/catalog.json (pairs that share a tokenizer, or draft-free
+ones; a GGUF entry is one .gguf file of its repo, and only that file is fetched or counts as that
+model; an entry SpecChat cannot run yet is listed, never paired, and its download is refused
+before any request); registry.py
 lists local models (the models folder, the Hugging Face cache) and imports or removes them
 (names.py: which import names are allowed and when two are the same; integrity.py: whether a
 model's files are whole, from gguf_header.py's and safetensors_header.py's bounded header reads);

@@ -4,6 +4,12 @@ Loads and validates the JSON (read through engine.untrusted: bounded size and ne
 field checked for type) into frozen dataclasses. The catalog only *describes* models;
 it is never written by the app. Sizes in it are for display and planning; the downloader
 takes exact sizes and checksums from the hub at download time.
+
+Every entry names its `model_type` (config.json's, or a GGUF's architecture). An entry SpecChat
+cannot run yet (a family, wrapper or weight format the engine does not load) says why in
+`unsupported`: it is listed, never paired, and `CatalogModel.refusal()` is what a download of it
+raises before a byte is fetched. The catalog tests hold each mark against the engine's own
+loading checks, so a mark goes stale loudly when the engine learns the format.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
 # Display names of the weight formats (CatalogModel.dtype), for lists and tables.
-_FORMAT_LABELS = {"bfloat16": "BF16", "float16": "FP16", "bnb-nf4": "bnb NF4"}
+_FORMAT_LABELS = {"bfloat16": "BF16", "float16": "FP16", "bnb-nf4": "bnb NF4", "mxfp4": "MXFP4"}
 _SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_kv_heads", "head_dim")
 DEFAULT_CATALOG_PATH = resource("catalog.json")
 MAX_CATALOG_BYTES = 8 << 20
@@ -79,6 +85,19 @@ class CatalogModel:
     num_attention_heads: int | None = None
     num_kv_heads: int | None = None
     head_dim: int | None = None
+    model_type: str = ""  # config.json's model_type; a GGUF entry's general.architecture
+    unsupported: str = ""  # why SpecChat cannot run this entry yet; "" when it runs
+
+    @property
+    def runnable(self) -> bool:
+        return not self.unsupported
+
+    def refusal(self) -> UnsupportedModel:
+        """What a download of an entry SpecChat cannot run raises, before any request."""
+        return UnsupportedModel(
+            f"SpecChat cannot run {self.id} ({self.repo_id}) yet: {self.unsupported}. Nothing was downloaded. "
+            "Pick another model: the catalog marks those it cannot run yet (`specchat models list`)."
+        )
 
     @property
     def gguf_file(self) -> str | None:
@@ -113,11 +132,19 @@ class CatalogModel:
 
 @dataclass(frozen=True)
 class CatalogPair:
+    """A target and the draft that proposes its tokens. `draft` "" (null in the JSON): a
+    draft-free pair, for a target no confirmed small model of its tokenizer exists for; the
+    engine grows its trees from the context then."""
+
     id: str
     target: str
     draft: str
     description: str
     note: str
+
+    @property
+    def draft_free(self) -> bool:
+        return not self.draft
 
 
 @dataclass(frozen=True)
@@ -168,8 +195,8 @@ def load_catalog(path: Path | None = None) -> Catalog:
         raise UnsupportedModel(f"The model catalog {source} lists a model id twice.")
     try:
         pairs = tuple(
-            CatalogPair(_text(p, "id"), _text(p, "target"), _text(p, "draft"), _text(p, "description"),
-                        _text(p, "note", ""))
+            CatalogPair(_text(p, "id"), _text(p, "target"), "" if p["draft"] is None else _text(p, "draft"),
+                        _text(p, "description"), _text(p, "note", ""))
             for p in raw.get("pairs", [])
         )
         starter, checked_on = _text(raw, "starter"), str(raw["checked_on"])
@@ -177,11 +204,16 @@ def load_catalog(path: Path | None = None) -> Catalog:
         raise UnsupportedModel(f"The model catalog {source} is damaged ({exc!r:.200}). Reinstall SpecChat.") from exc
     by_id = {m.id: m for m in models}
     for pair in pairs:
-        if pair.target not in ids or pair.draft not in ids:
+        named = (pair.target,) if pair.draft_free else (pair.target, pair.draft)
+        if any(i not in ids for i in named):
             raise UnsupportedModel(f"Catalog pair {pair.id!r} names a model that is not in the catalog.")
-        _check_pair(pair, by_id[pair.target], by_id[pair.draft], source)
-    if starter not in ids:
-        raise UnsupportedModel(f"The catalog's starter {starter!r} is not one of its models.")
+        for model in (by_id[i] for i in named):
+            if not model.runnable:  # the app offers pairs: one it cannot run would fail after a download
+                raise UnsupportedModel(f"Catalog pair {pair.id!r} in {source} names {model.id}, which SpecChat "
+                                       "cannot run yet. Reinstall SpecChat to restore the catalog.")
+        _check_pair(pair, by_id[pair.target], None if pair.draft_free else by_id[pair.draft], source)
+    if starter not in ids or not by_id[starter].runnable:
+        raise UnsupportedModel(f"The catalog's starter {starter!r} is not one of its models that SpecChat runs.")
     return Catalog(raw["schema_version"], checked_on, starter, models, pairs)
 
 
@@ -205,6 +237,8 @@ def _check_files(model: CatalogModel, source: Path) -> None:
         return UnsupportedModel(f"Catalog entry {model.id!r} in {source} is malformed: {why}. "
                                 "Reinstall SpecChat to restore the catalog.")
 
+    if not model.model_type:
+        raise bad("it names no model_type (config.json's, or the GGUF's architecture)")
     ggufs = [f for f in model.files if f.lower().endswith(".gguf")]
     if ggufs:
         name = ggufs[0]
@@ -223,11 +257,17 @@ def _check_files(model: CatalogModel, source: Path) -> None:
         raise bad("prequantised 'gguf' but no .gguf file in files")
 
 
-def _check_pair(pair: CatalogPair, target: CatalogModel, draft: CatalogModel, source: Path) -> None:
+def _check_pair(pair: CatalogPair, target: CatalogModel, draft: CatalogModel | None, source: Path) -> None:
     """A pair shares one tokenizer: the same chat-template family, and embedding rows that differ
     by padding only (Qwen2.5's targets pad 151665 tokens to 152064 rows, its 0.5B to 151936);
-    a draft whose rows are far off is another tokenizer even when the template matches."""
+    a draft whose rows are far off is another tokenizer even when the template matches. A
+    draft-free pair names a target."""
     problem = ""
+    if draft is None:
+        if target.role != "target":
+            raise UnsupportedModel(f"Catalog pair {pair.id!r} in {source} is draft-free but its target {target.id} has "
+                                   f"role {target.role!r}. Reinstall SpecChat to restore the catalog.")
+        return
     if target.role != "target" or draft.role != "draft":
         problem = f"its target {target.id} has role {target.role!r} and its draft {draft.id} {draft.role!r}"
     elif target.template != draft.template:
@@ -251,6 +291,9 @@ def _parse_model(entry: dict[str, Any], source: Path) -> CatalogModel:
         prequantised = entry.get("prequantised")
         if prequantised is not None and not isinstance(prequantised, str):
             raise TypeError("prequantised must be text")
+        unsupported = _text(entry, "unsupported", "")
+        if "unsupported" in entry and not unsupported.strip():
+            raise ValueError("unsupported, when present, says why SpecChat cannot run the entry")
         return CatalogModel(
             id=_text(entry, "id"),
             repo_id=_text(entry, "repo_id"),
@@ -279,6 +322,8 @@ def _parse_model(entry: dict[str, Any], source: Path) -> CatalogModel:
             if fallback
             else None,
             **{k: int(v) for k, v in entry.get("shape", {}).items() if k in _SHAPE_KEYS},
+            model_type=_text(entry, "model_type"),
+            unsupported=unsupported.strip(),
         )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise UnsupportedModel(

@@ -100,7 +100,8 @@ def download_model(
     """Download `spec` (catalog id, `owner/name`, or `owner/name:FILE.gguf`); returns its local path.
 
     Raises Cancelled, DiskFull, GatedRepo, ChecksumMismatch, HubUnreachable, DownloadFailed,
-    ModelNotFound, UnsupportedModel — each with a user_message. `keep_partial=False` deletes the
+    ModelNotFound, UnsupportedModel — each with a user_message (UnsupportedModel at once, before any
+    request, for a catalog entry SpecChat cannot run yet). `keep_partial=False` deletes the
     partial data on cancel; by default it stays for a later resume.
     """
     models_dir = models_dir or default_models_dir()
@@ -109,6 +110,8 @@ def download_model(
     cancel = cancel or threading.Event()
     model_id, repo_id, revision, patterns, gguf_file, entry = _parse_spec(spec, catalog)
     tracker = ProgressTracker(model_id, on_progress, 0, clock, settings.progress_interval_s)
+    if entry is not None and not entry.runnable:  # listed so users see it coming; never fetched
+        raise _failed(tracker, entry.refusal())
     tracker.emit("checking", f"Looking for {model_id}")
 
     local = find_local_model(spec, models_dir, hf_cache_dir or hf_hub_cache_dir(), catalog)

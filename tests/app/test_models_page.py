@@ -346,6 +346,15 @@ def test_each_pair_shows_its_target_format_and_source(
                                    if table.item(r, 0).data(256) == "llama-3.3-70b-q4_k_m+1b"),
                               CATALOG_COLUMNS.index("Download"))
         assert download.text() == "45.0 GB"  # 42.5 GB file + 2.5 GB draft
+        # A draft-free pair: the target alone, trees from the context.
+        row = next(r for r in range(table.rowCount()) if table.item(r, 0).data(256) == "qwen3.6-27b-draft-free")
+        assert table.item(row, column).text() == "BF16" and table.item(row, column).toolTip() == "Qwen/Qwen3.6-27B"
+        assert table.item(row, CATALOG_COLUMNS.index("Draft")).text() == "—"
+        assert table.item(row, CATALOG_COLUMNS.index("Download")).text() == "55.6 GB"
+        # gpt-oss as OpenAI publishes it: its MXFP4 files (de-quantised as they load).
+        row = next(r for r in range(table.rowCount()) if table.item(r, 0).data(256) == "gpt-oss-20b-draft-free")
+        assert table.item(row, column).text() == "MXFP4" and table.item(row, column).toolTip() == "openai/gpt-oss-20b"
+        assert table.item(row, CATALOG_COLUMNS.index("Download")).text() == "13.8 GB"
     finally:
         page.shutdown()
 

@@ -212,3 +212,16 @@ def test_every_setting_explains_itself(qtbot: QtBot, prefs_store: PreferencesSto
         widget = getattr(dialog, name)
         tip = widget.toolTip()
         assert len(tip.split()) >= 8 and tip.lower() != widget.accessibleName().lower(), name
+
+
+def test_the_plot_offers_a_draft_free_catalog_pair_without_a_draft(prefs_store: PreferencesStore, app_env: Path) -> None:
+    from app.settings.plot_entries import plot_entries
+    from engine.store import load_catalog
+
+    catalog = load_catalog()
+    entries = {e.key: e for e in plot_entries(catalog, prefs_store.load(), None)}
+    assert set(entries) >= {p.id for p in catalog.pairs}  # every pair, draft-free ones too
+    entry = entries["qwen3.6-27b-draft-free"]
+    assert entry.target is not None and entry.target.id == "qwen3.6-27b" and entry.draft is None
+    assert not entry.active and entry.measured is None  # nothing of it is here
+    assert entry.curve(None, "auto") == ([], None)  # no profile, no prediction

@@ -1,7 +1,8 @@
 """The catalog's GGUF and AWQ targets through the real download path, against the local fake hub
 serving tiny files under the entries' own repo ids and file names: a GGUF entry fetches its one
 file out of a repo of many quantisations and registers as that file; an AWQ entry fetches its
-config and every shard; both then load in the format the catalog says."""
+config and every shard; both then load in the format the catalog says. An entry SpecChat cannot
+run yet is refused, by id or repo id, before a single request."""
 
 from __future__ import annotations
 
@@ -13,17 +14,18 @@ import torch
 from hub_server import FakeRepo, HubServer
 from safetensors.torch import load_file, save_file
 
+from engine.errors import UnsupportedModel
 from engine.loading.load import load_model
 from engine.testing.synthetic import tiny_gguf, tiny_model
 from engine.store import download_model, load_catalog, resolve_model
-from engine.store.catalog import CatalogModel
+from engine.store.catalog import DEFAULT_CATALOG_PATH, CatalogModel
 from engine.store.hub_cache import find_cached_repo
 from engine.store.registry import find_local_model
 from engine.store.transfer import DownloadSettings
 
 CATALOG = load_catalog()
-GGUF_ENTRIES = [m for m in CATALOG.models if m.gguf_file]
-AWQ_ENTRIES = [m for m in CATALOG.models if m.prequantised == "awq"]
+GGUF_ENTRIES = [m for m in CATALOG.models if m.gguf_file and m.runnable]
+AWQ_ENTRIES = [m for m in CATALOG.models if m.prequantised == "awq" and m.runnable]
 AWQ_GROUP = 32  # the tiny model's rows are 64 and 128 wide: whole groups
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -138,3 +140,37 @@ def test_an_awq_entry_downloads_config_and_every_shard_and_loads_int4(
 
     loaded = load_model(path)
     assert loaded.model.placement.quant == "awq"  # int4 layers kept packed
+
+
+
+def marked_unrunnable(tmp_path: Path, model_id: str, why: str) -> Path:
+    """The shipped catalog with `model_id` marked as one SpecChat cannot run yet (and its pairs gone)."""
+    raw = json.loads(DEFAULT_CATALOG_PATH.read_text())
+    next(m for m in raw["models"] if m["id"] == model_id)["unsupported"] = why
+    raw["pairs"] = [p for p in raw["pairs"] if model_id not in (p["target"], p["draft"])]
+    path = tmp_path / "catalog.json"
+    path.write_text(json.dumps(raw))
+    return path
+
+
+def test_an_entry_specchat_cannot_run_yet_is_refused_before_any_request(
+    hub: HubServer, models_dir: Path, settings: DownloadSettings, tmp_path: Path,
+) -> None:
+    why = "its experts are stored in a format SpecChat does not load yet"
+    catalog = load_catalog(marked_unrunnable(tmp_path, "gpt-oss-120b", why))
+    entry = catalog.find("gpt-oss-120b")
+    assert entry is not None and not entry.runnable
+    hub.add_repo(FakeRepo(entry.repo_id, {"config.json": b"{}", "model-00000-of-00014.safetensors": bytes(5000)}))
+    events: list = []
+    for spec in (entry.id, entry.repo_id, entry.repo_id.upper()):  # a repo id means its entry
+        with pytest.raises(UnsupportedModel) as caught:
+            download_model(spec, models_dir, settings=settings, catalog=catalog, on_progress=events.append)
+        message = caught.value.user_message
+        assert f"cannot run gpt-oss-120b ({entry.repo_id}) yet: {why}" in message
+        assert "Nothing was downloaded" in message
+    assert hub.requests == []  # not even the repo's listing
+    assert not models_dir.exists() or not any(models_dir.rglob("*.safetensors"))
+    assert [e.state for e in events] == ["failed"] * 3 and events[0].message == message  # the app's download row
+    # The shipped catalog runs it: the same download goes ahead.
+    path = download_model(entry.id, models_dir, settings=settings, catalog=CATALOG)
+    assert (path / "model-00000-of-00014.safetensors").stat().st_size == 5000

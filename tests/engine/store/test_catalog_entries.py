@@ -1,0 +1,121 @@
+"""Each catalog entry against what it states and against what the engine runs.
+
+Every entry names its size, licence, files, model_type and the pages its facts were read from.
+An entry is marked "cannot run yet" (`unsupported`) exactly when the engine's own checks refuse
+a checkpoint like it: engine.loading.load.check_folder on a config.json of the entry's
+model_type and weight format (a vision-language wrapper is given its text model, as the hub's
+configs are), or, for a GGUF, the architectures the GGUF loader runs. So when the engine learns
+a format (MXFP4 experts, Gemma 4) the mark fails here until the catalog says so too.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine.errors import UnsupportedModel
+from engine.loading.load import check_folder
+from engine.model.family import FAMILIES
+from engine.store import load_catalog
+from engine.store.catalog import DEFAULT_CATALOG_PATH, CatalogModel
+
+CATALOG = load_catalog()
+RAW = {m["id"]: m for m in json.loads(DEFAULT_CATALOG_PATH.read_text())["models"]}
+# The GGUF architectures engine.loading.gguf runs (its refusal names them): transformers maps more
+# (qwen3_moe, gpt_oss, gemma3...), but the tensor-by-tensor loader is built and tested for these.
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+# config.json's quantization_config for each weight format (dtype) a Hugging Face entry names
+QUANTISATION: dict[str, dict[str, Any] | None] = {
+    "bfloat16": None,
+    "float16": None,
+    "awq-int4": {"quant_method": "awq", "bits": 4, "version": "gemm", "group_size": 128},
+    "gptq-int4": {"quant_method": "gptq", "bits": 4},
+    "bnb-nf4": {"quant_method": "bitsandbytes", "load_in_4bit": True},
+    "fp8": {"quant_method": "fp8", "weight_block_size": [128, 128]},
+    "mxfp4": {"quant_method": "mxfp4"},  # gpt-oss's experts
+}
+
+
+def engine_refusal(model: CatalogModel, folder: Path) -> str | None:
+    """Why the engine would refuse a checkpoint like `model` (its user message), None if it takes it."""
+    if model.gguf_file:
+        ok = model.model_type in GGUF_ARCHITECTURES and model.model_type in FAMILIES
+        return None if ok else f"a '{model.model_type}' GGUF"
+    config: dict[str, Any] = {"model_type": model.model_type, "num_hidden_layers": model.layers,
+                              "vocab_size": model.vocab_rows}
+    if model.model_type not in FAMILIES:  # a wrapper (or another family): its text model as the hub writes it
+        config["text_config"] = {"num_hidden_layers": model.layers, "vocab_size": model.vocab_rows}
+    if QUANTISATION[model.dtype] is not None:
+        config["quantization_config"] = QUANTISATION[model.dtype]
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "model.safetensors").write_bytes(b"")  # the check looks for weights, it does not read them
+    try:
+        check_folder(folder)
+    except UnsupportedModel as exc:
+        return exc.user_message
+    return None
+
+
+@pytest.mark.parametrize("model", CATALOG.models, ids=lambda m: m.id)
+def test_each_entry_states_its_size_licence_files_and_sources(model: CatalogModel) -> None:
+    assert model.download_bytes > 0 and model.parameters > 0 and model.layers > 0 and model.vocab_rows > 0
+    assert model.shards >= 1 and model.license.strip() and model.model_type.strip()
+    assert model.files and all(f.strip() for f in model.files)
+    assert any(f.endswith((".safetensors", ".gguf")) for f in model.files)  # it names its weights
+    assert model.memory and all(0 < m.vram_min_gb <= m.vram_full_gb and m.ram_gb > 0 for m in model.memory)
+    checked = RAW[model.id]["checked"]
+    assert "huggingface.co" in checked["source"] and checked["facts"].strip()
+    if not model.gguf_file and model.prequantised is None and model.dtype == "bfloat16":
+        assert model.download_bytes == pytest.approx(2 * model.parameters, rel=0.06)  # 16-bit weights
+
+
+@pytest.mark.parametrize("model", CATALOG.models, ids=lambda m: m.id)
+def test_an_entry_is_marked_unrunnable_exactly_when_the_engine_refuses_it(model: CatalogModel, tmp_path: Path) -> None:
+    refusal = engine_refusal(model, tmp_path / model.id)
+    if model.runnable:
+        assert refusal is None, f"{model.id} is marked runnable but the engine refuses it: {refusal}"
+    else:
+        assert refusal is not None, f"{model.id} is marked '{model.unsupported}' but the engine now takes it"
+
+
+def test_a_target_is_offered_in_a_pair_exactly_when_specchat_runs_it() -> None:
+    """The app lists pairs: every target it runs is in one (draft-free when no small model of
+    its tokenizer was confirmed), and none it cannot run is."""
+    for model in CATALOG.models:
+        offered = any(model.id in (p.target, p.draft) for p in CATALOG.pairs)
+        assert offered == model.runnable if model.role == "target" else model.runnable or not offered, model.id
+    for pair in CATALOG.pairs:
+        if pair.draft_free:
+            target = CATALOG.find(pair.target)
+            assert target is not None
+            assert not any(m.role == "draft" and m.vocab_rows == target.vocab_rows for m in CATALOG.models)
+
+
+@pytest.mark.parametrize(("model_id", "repo_id", "model_type", "label", "pair_id"), [
+    ("gpt-oss-20b", "openai/gpt-oss-20b", "gpt_oss", "MXFP4", "gpt-oss-20b-draft-free"),
+    ("gpt-oss-120b", "openai/gpt-oss-120b", "gpt_oss", "MXFP4", "gpt-oss-120b-draft-free"),
+    ("qwen3.6-27b", "Qwen/Qwen3.6-27B", "qwen3_5", "BF16", "qwen3.6-27b-draft-free"),
+])
+def test_the_current_models_are_there_as_published(model_id: str, repo_id: str, model_type: str, label: str,
+                                                   pair_id: str) -> None:
+    """gpt-oss as OpenAI ships it (MXFP4 experts, de-quantised as they load); Qwen3.6 as its
+    image-text release (the text model runs, the vision tower is skipped). Neither family has a
+    confirmed small model of its tokenizer, so each is draft-free."""
+    entry = CATALOG.find(repo_id)
+    assert entry is not None and entry.id == model_id
+    assert (entry.model_type, entry.format_label) == (model_type, label)
+    assert entry.license == "apache-2.0" and not entry.gated
+    assert RAW[model_id]["checked"]["on"] == "2026-11-26"
+    pair = CATALOG.pair(pair_id)
+    assert pair is not None and pair.target == model_id and pair.draft_free
+
+
+def test_the_2024_pairs_stay() -> None:
+    assert {p.id for p in CATALOG.pairs} >= {
+        "smollm2-1.7b+135m", "llama-3.3-70b+1b", "llama-3.3-70b-4bit+1b", "llama-3.3-70b-q4_k_m+1b",
+        "llama-3.1-70b+1b", "llama-3.1-70b-awq+1b", "qwen2.5-72b+0.5b", "qwen2.5-72b-4bit+0.5b",
+        "qwen2.5-72b-awq+0.5b", "qwen2.5-32b+0.5b"}
