@@ -27,6 +27,10 @@ class KVCache:
         """Whether every entry is final (a cache with a pass's pending entries is not saved)."""
         return True
 
+    def share_states(self, other: KVCache) -> None:
+        """After its K/V were set to `other`'s (drafting.share_context): take whatever else
+        `other` holds for those entries. Nothing here."""
+
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """What the cache holds besides its K/V (tensors()), by name, for saving: nothing here."""
         return {}

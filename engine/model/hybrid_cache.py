@@ -180,6 +180,20 @@ class HybridCache(KVCache):
             self._snapshot_if_marked()
         self._pass_pending, self._pass_tree = {}, None
 
+    @torch.inference_mode()
+    def share_states(self, other: KVCache) -> None:
+        """A compressed copy of the target reads the target's view of the committed tokens:
+        its K/V (copied by the caller, self.length == other.length) and here its linear
+        layers' states. `other` must have nothing pending (between steps it has not)."""
+        assert isinstance(other, HybridCache) and other.complete and self.length == other.length
+        for i, state in self.states.items():
+            state.conv.copy_(other.states[i].conv)
+            state.recurrent.copy_(other.states[i].recurrent)
+        self.prior = {i: None for i in self.states}
+        self.committed = self.length
+        self.parents[: self.length] = torch.arange(-1, self.length - 1)
+        self.snapshots.clear()
+
     # ---- saving --------------------------------------------------------------------------
     @property
     def complete(self) -> bool:
