@@ -29,6 +29,7 @@ from PySide6.QtWidgets import (
 
 from app.chat.markdown import warm_up_highlighting
 from app.chat.page import ChatPage
+from app.chat.reasoning import answer_format
 from app.state.conversations import ConversationStore
 from app.state.names import short_name
 from app.state.preferences import Preferences
@@ -278,7 +279,7 @@ class MainWindow(QMainWindow):
         self.status.show_load_progress(progress)
 
     def _on_worker_loaded(self, load_id: int, target: str, draft: str, placement: Placement | None,
-                          _context: int) -> None:
+                          _context: int, chat_template: str) -> None:
         if load_id != self._load_id:
             return  # a load that was replaced by a newer one
         self._loaded_key, self._loading_key = self._loading_key, None
@@ -286,7 +287,8 @@ class MainWindow(QMainWindow):
         self.status.show_pair(target, draft, placement)
         self.chat.clear_error("load")  # an earlier load's failure is no longer true
         prefs = self.preferences.load()
-        self.running = running_pair(target, draft, placement, prefs.tree_mode, prefs.keep_draft)
+        self.running = running_pair(target, draft, placement, prefs.tree_mode, prefs.keep_draft, chat_template)
+        self.chat.answer_format = answer_format(chat_template)  # its answers' reasoning and calls, split
         if self.models_page is not None:
             self.models_page.set_running(self.running)
         self.chat.set_model_state("ready")

@@ -75,6 +75,10 @@ def style_sheet(dark: bool) -> str:
     QLabel#messageRole {{ color: {muted}; font-weight: bold; }}
     QLabel#messageNote {{ color: {muted}; }}
     QTextBrowser#messageBody {{ background: transparent; border: none; }}
+    QFrame#thinking {{ border: none; border-left: 3px solid {border}; }}
+    QToolButton#thinkingHeader {{ border: none; color: {muted}; padding: 2px 4px 2px 0px; }}
+    QToolButton#thinkingHeader:hover {{ color: {text}; }}
+    QTextBrowser#thinkingBody {{ background: transparent; border: none; color: {muted}; }}
     QToolButton#messageAction {{ border: none; color: {muted}; padding: 2px 6px; }}
     QToolButton#messageAction:hover {{ text-decoration: underline; }}
     QFrame#errorBanner {{ background: {banner_bg}; border-radius: 6px; }}

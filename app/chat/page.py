@@ -7,7 +7,8 @@ not to the screen: switching to another conversation, or to a new one, lets it g
 background (as LM Studio and Jan do). The sidebar marks that conversation, the composer shows
 Stop wherever the user is (sending waits for the engine), and coming back shows the answer
 where it has got to, still streaming. What is saved when is the turn controller's rule; this
-page tells it whether the answer is on screen and saves before every render of it.
+page tells it whether the answer is on screen and saves before every render of it. Answers are
+split for the model that writes them (`answer_format`, set by the window when a model loads).
 
 What this does not do: decide anything about the database or the request itself (the turn
 controller does), or touch the engine (the hosts do).
@@ -25,6 +26,7 @@ from app.chat.composer import Composer
 from app.chat.empty_state import EmptyState
 from app.chat.engine_picker import EnginePicker
 from app.chat.markdown import MarkdownPalette
+from app.chat.reasoning import PLAIN, REMOTE, AnswerFormat
 from app.chat.sidebar import Sidebar
 from app.chat.system_prompt import SystemPromptRow
 from app.chat.turn import Ending, TurnController, TurnSettings, length_note, message_meta
@@ -67,6 +69,7 @@ class ChatPage(QWidget):
         self.turn = TurnStatus(status)  # the figures per conversation; an answer waiting for the API
         self.conversation_id = 0
         self.model_state, self._model_detail = "none", ""
+        self.answer_format: AnswerFormat = PLAIN  # the local model's (app/chat/reasoning.py); remote: REMOTE
         self._ids: list[int] = []  # database id of each message in the view
         self._editing_id = 0
         self._build()
@@ -229,7 +232,8 @@ class ChatPage(QWidget):
         answer = self.controller.answer if self.answering_here else None
         for m in self.store.messages(conv.id):
             if answer is not None and m.id == answer.message_id:
-                widget = self.view.begin_answer(answer.text)  # still being written: it streams on here
+                # still being written: it streams on here
+                widget = self.view.begin_answer(answer.text, answer.reasoning, answer.reasoning_seconds)
                 if not answer.first_token and not answer.remote:
                     widget.set_placeholder(self.turn.waiting_text())
                 self._ids.append(m.id)
@@ -251,7 +255,7 @@ class ChatPage(QWidget):
             self.cancel_edit()
 
     def _show(self, m: StoredMessage) -> None:
-        widget = self.view.add_message(m.role, m.content, m.complete)
+        widget = self.view.add_message(m.role, m.content, m.complete, m.reasoning, m.reasoning_seconds)
         meta = message_meta(m)
         if m.role == "assistant" and m.complete and meta.get("finish_reason") == "length":
             widget.can_continue = True
@@ -376,7 +380,8 @@ class ChatPage(QWidget):
     def _start_answer(self, resume: MessageWidget | None = None, remote: RemoteModel | None = None) -> None:
         prefs = self.preferences.load()
         resumed = (self._ids[-1], resume.text) if resume is not None else None
-        answer = self.controller.begin(self.conversation_id, prefs, self.system_edit.text(), remote, resumed)
+        answer = self.controller.begin(self.conversation_id, prefs, self.system_edit.text(), remote, resumed,
+                                       fmt=REMOTE if remote is not None else self.answer_format)
         if resume is None:
             self._ids.append(answer.message_id)
             widget = self.view.begin_answer()
@@ -414,7 +419,7 @@ class ChatPage(QWidget):
         if progress.first:
             self.turn.first_token(progress.seconds, here)
         if here:
-            self.view.append_answer(text)
+            self.view.show_progress(progress)
         self.turn.progress(progress.tokens, progress.seconds, here)
 
     def _on_worker_generation_finished(self, request_id: int, completion: Completion) -> None:
@@ -440,6 +445,6 @@ class ChatPage(QWidget):
 
     def _end_turn(self, ending: Ending, here: bool) -> None:
         if here:
-            self.view.end_answer(ending.note, complete=ending.complete, can_continue=ending.can_continue)
+            self.view.finish_answer(ending)
         self.sidebar.set_writing(0)
         self._update_composer()

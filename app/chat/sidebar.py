@@ -1,6 +1,7 @@
 """The conversation list: new, search (titles and message text), rename, delete, export to
 Markdown or JSON. It reads and writes the ConversationStore itself and tells the chat page
-which conversation to show.
+which conversation to show. An export leaves a thinking model's reasoning out unless the
+export menu's "Include the model's reasoning" is ticked (for this session).
 
 Conversations are grouped under date headings (Today, Yesterday, Previous 7 days, Previous 30
 days, then by month), as ChatGPT, LM Studio and Jan list them; each tooltip has the exact time.
@@ -19,7 +20,7 @@ from datetime import date, datetime, timedelta
 from pathlib import Path
 
 from PySide6.QtCore import QPoint, Qt, QTimer, Signal
-from PySide6.QtGui import QFont
+from PySide6.QtGui import QAction, QFont
 from PySide6.QtWidgets import (
     QHBoxLayout,
     QLineEdit,
@@ -33,6 +34,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.state.conversations import ConversationStore, export_file_name
+from app.state.export import export_json, export_markdown
 from app.widgets.dialogs import Dialogs
 
 WRITING = "✎ "  # before the title: a long title is elided at its end, never the mark
@@ -100,9 +102,14 @@ class Sidebar(QWidget):
         self.rename_button = self._tool("Rename", "Rename the selected conversation", self.rename_current)
         self.delete_button = self._tool("Delete", "Delete the selected conversation", self.delete_current)
         self.export_button = self._tool("Export", "Export the selected conversation", None)
+        self.include_reasoning = QAction("Include the model's reasoning", self)
+        self.include_reasoning.setCheckable(True)
+        self.include_reasoning.setToolTip("Exports leave a thinking model's reasoning out unless this is ticked")
         menu = QMenu(self.export_button)
         menu.addAction("As Markdown…", lambda: self.export_current("md"))
         menu.addAction("As JSON…", lambda: self.export_current("json"))
+        menu.addSeparator()
+        menu.addAction(self.include_reasoning)
         self.export_button.setMenu(menu)
         self.export_button.setPopupMode(QToolButton.ToolButtonPopupMode.InstantPopup)
         for button in (self.rename_button, self.delete_button, self.export_button):
@@ -208,6 +215,7 @@ class Sidebar(QWidget):
         menu.addAction("Rename…", self.rename_current)
         menu.addAction("Export as Markdown…", lambda: self.export_current("md"))
         menu.addAction("Export as JSON…", lambda: self.export_current("json"))
+        menu.addAction(self.include_reasoning)
         menu.addSeparator()
         menu.addAction("Delete", self.delete_current)
         menu.exec(self.list.mapToGlobal(pos))
@@ -251,13 +259,16 @@ class Sidebar(QWidget):
         path = self.dialogs.ask_save_path("Export conversation", Path.home() / name,
                                           "Markdown (*.md)" if kind == "md" else "JSON (*.json)")
         if path is not None:
-            export_conversation(self.store, conv.id, path, kind)
+            export_conversation(self.store, conv.id, path, kind, reasoning=self.include_reasoning.isChecked())
             self.exported.emit(str(path))
 
 
-def export_conversation(store: ConversationStore, conversation_id: int, path: Path, kind: str) -> None:
-    """Write one conversation to `path` as Markdown ("md") or JSON ("json")."""
+def export_conversation(store: ConversationStore, conversation_id: int, path: Path, kind: str,
+                        reasoning: bool = False) -> None:
+    """Write one conversation to `path` as Markdown ("md") or JSON ("json"); a thinking model's
+    reasoning only with `reasoning`."""
     if kind == "md":
-        path.write_text(store.export_markdown(conversation_id), encoding="utf-8")
+        path.write_text(export_markdown(store, conversation_id, reasoning), encoding="utf-8")
     else:
-        path.write_text(json.dumps(store.export_json(conversation_id), ensure_ascii=False, indent=2), encoding="utf-8")
+        path.write_text(json.dumps(export_json(store, conversation_id, reasoning), ensure_ascii=False, indent=2),
+                        encoding="utf-8")

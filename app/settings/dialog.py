@@ -115,7 +115,7 @@ class SettingsDialog(QDialog):
         self.tabs.addTab(self._prompts_tab(), "S&ystem prompts")
         self.tabs.addTab(self.hardware, "This &computer")
         # tabs in their own modules: show_preferences(prefs) fills them, values() is what they own
-        self.server_tab, self.engines_tab, self.hub_tab = ServerTab(), EnginesTab(), HubTab()
+        self.server_tab, self.engines_tab, self.hub_tab = ServerTab(running=running), EnginesTab(), HubTab()
         self._own_tabs = (self.server_tab, self.engines_tab, self.hub_tab)
         for tab in self._own_tabs:
             self.tabs.addTab(tab, tab.title)

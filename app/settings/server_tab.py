@@ -1,7 +1,10 @@
 """Settings > Server: the app's OpenAI-compatible API (app/workers/api_server.py) on or off, its port,
 its API key, whether other computers may reach it, the host names and web pages let in beside
 the defaults (engine.serving.guard: `--allowed-hosts` / `--allowed-origins` of `specchat
-serve`), and the URL to paste into a client. A malformed entry is said under the fields.
+serve`), and the URL to paste into a client. A malformed entry is said under the fields. Under
+them it states what the API does with the model loaded now (`running`): whether requests may
+give it tools, JSON output, and whether its reasoning comes apart from its answers
+(app.state.running.api_support, by the server's own rules).
 
 Like every settings tab it edits a copy: `show_preferences(prefs)` fills it, `values()` gives
 the fields it owns for the dialog to save on OK.
@@ -9,6 +12,7 @@ the fields it owns for the dialog to save on OK.
 
 from __future__ import annotations
 
+import html
 import secrets
 
 from PySide6.QtCore import Qt
@@ -26,6 +30,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.state.preferences import Preferences
+from app.state.running import RunningPair, api_support
 from engine.errors import InvalidRequest
 from engine.serving.guard import split_list
 from engine.serving.server import ServeSettings
@@ -36,7 +41,7 @@ class ServerTab(QWidget):
 
     title = "Ser&ver"
 
-    def __init__(self, parent: QWidget | None = None) -> None:
+    def __init__(self, parent: QWidget | None = None, running: RunningPair | None = None) -> None:
         super().__init__(parent)
         self.enabled = QCheckBox("Serve the loaded model over an &OpenAI-compatible API")
         self.enabled.setAccessibleName("Serve the loaded model over an OpenAI-compatible API")
@@ -97,6 +102,14 @@ class ServerTab(QWidget):
         fields.setLayout(form)
         fields.setMaximumWidth(720)
         layout.addWidget(fields)
+        self.support = QLabel(support_text(running))
+        self.support.setObjectName("serverSupport")
+        self.support.setAccessibleName("What the API does with the loaded model")
+        self.support.setWordWrap(True)
+        self.support.setTextFormat(Qt.TextFormat.RichText)
+        self.support.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.support.setMaximumWidth(720)
+        layout.addWidget(self.support)
         layout.addWidget(self.note)
         layout.addStretch(1)
         for signal in (self.enabled.toggled, self.lan.toggled, self.port.valueChanged, self.api_key.textChanged,
@@ -147,3 +160,14 @@ class ServerTab(QWidget):
             "\"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}]}'\n\nWeb pages open in your "
             "browser cannot use it unless listed under Allowed web pages, and requests must send "
             "'Content-Type: application/json'.")
+
+
+def support_text(running: RunningPair | None) -> str:
+    """What the API does with the loaded model (rich text): tools, JSON output, reasoning."""
+    if running is None:
+        return "<b>Loaded model:</b> none. What the API can do (tools, JSON output) is stated here once a model is loaded."
+    support = api_support(running.chat_template)
+    rows = [("Tools", support.tools_text), ("JSON output", support.json_text), ("Reasoning", support.reasoning_text)]
+    cells = "".join(f"<tr><td><b>{name}:</b></td><td>{html.escape(text, quote=False)}</td></tr>" for name, text in rows)
+    return (f"<b>Loaded model:</b> {html.escape(running.name, quote=False)}"
+            f"<table cellspacing='0' cellpadding='2'>{cells}</table>")

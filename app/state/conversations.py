@@ -6,7 +6,8 @@ crash or `kill -9` loses nothing the window had shown (WAL survives a killed pro
 power cut can drop the last transactions with synchronous=NORMAL).
 
 The schema is versioned with `PRAGMA user_version`; `MIGRATIONS[i]` takes version i to i+1 and
-runs once, in one transaction, when an older file is opened. This module knows nothing of Qt.
+runs once, in one transaction, when an older file is opened. This module knows nothing of Qt;
+exports are app/state/export.py's.
 
 The database never keeps the app from working. A damaged file (garbage bytes, truncated: found
 by SQLite's quick_check at open) is moved aside, kept, and what SQLite can still read of it is
@@ -65,6 +66,11 @@ MIGRATIONS: tuple[str, ...] = (
     """
     ALTER TABLE conversations ADD COLUMN engine TEXT NOT NULL DEFAULT '';
     """,
+    # 3 -> 4: a thinking model's reasoning, apart from its answer, and how long it thought
+    """
+    ALTER TABLE messages ADD COLUMN reasoning TEXT NOT NULL DEFAULT '';
+    ALTER TABLE messages ADD COLUMN reasoning_seconds REAL NOT NULL DEFAULT 0;
+    """,
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 # SQLite result codes (primary): the file is damaged, or the folder cannot take a write
@@ -85,7 +91,8 @@ class Conversation:
 @dataclass(frozen=True)
 class StoredMessage:
     """One message. `complete` is False for an answer that was stopped, failed or is still
-    streaming (or was cut short by a crash); `stats` is a JSON object or ''."""
+    streaming (or was cut short by a crash); `stats` is a JSON object or ''; `reasoning` what a
+    thinking model thought before answering ('' for none), for `reasoning_seconds`."""
 
     id: int
     conversation_id: int
@@ -94,6 +101,8 @@ class StoredMessage:
     created: float
     complete: bool = True
     stats: str = ""
+    reasoning: str = ""
+    reasoning_seconds: float = 0.0
 
 
 class ConversationStore:
@@ -264,51 +273,29 @@ class ConversationStore:
         return StoredMessage(int(cur.lastrowid or 0), conversation_id, role, content, now, complete)
 
     def update_message(self, message_id: int, content: str, complete: bool | None = None,
-                       stats: dict[str, Any] | None = None) -> None:
+                       stats: dict[str, Any] | None = None, reasoning: str | None = None,
+                       reasoning_seconds: float | None = None) -> None:
         """Replace a message's text (the streaming answer's text so far); optionally mark it
-        complete and attach its stats."""
+        complete, attach its stats, and replace its reasoning and thinking time."""
         sets: list[str] = ["content = ?"]
-        args: list[str | int] = [content]
+        args: list[str | int | float] = [content]
         if complete is not None:
             sets.append("complete = ?")
             args.append(int(complete))
         if stats is not None:
             sets.append("stats = ?")
             args.append(json.dumps(stats))
+        if reasoning is not None:
+            sets.append("reasoning = ?")
+            args.append(reasoning)
+        if reasoning_seconds is not None:
+            sets.append("reasoning_seconds = ?")
+            args.append(float(reasoning_seconds))
         self._write(f"UPDATE messages SET {', '.join(sets)} WHERE id = ?", (*args, message_id))
 
     def delete_messages_from(self, conversation_id: int, message_id: int) -> None:
         """Delete a message and every later one (regenerate, edit-and-resend)."""
         self._write("DELETE FROM messages WHERE conversation_id = ? AND id >= ?", (conversation_id, message_id))
-
-    # ---- export ----------------------------------------------------------------------------
-    def export_json(self, conversation_id: int) -> dict[str, Any]:
-        conv = self.get(conversation_id)
-        if conv is None:
-            raise KeyError(conversation_id)
-        return {
-            "title": conv.title,
-            "system_prompt": conv.system_prompt,
-            "created": conv.created,
-            "messages": [
-                {"role": m.role, "content": m.content, "created": m.created, "complete": m.complete,
-                 **({"stats": json.loads(m.stats)} if m.stats else {})}
-                for m in self.messages(conversation_id)
-            ],
-        }
-
-    def export_markdown(self, conversation_id: int) -> str:
-        conv = self.get(conversation_id)
-        if conv is None:
-            raise KeyError(conversation_id)
-        parts = [f"# {conv.title}\n"]
-        if conv.system_prompt:
-            parts.append(f"*System prompt:* {conv.system_prompt}\n")
-        for m in self.messages(conversation_id):
-            who = "You" if m.role == "user" else "Assistant"
-            note = "" if m.complete else " *(stopped)*"
-            parts.append(f"## {who}{note}\n\n{m.content.rstrip()}\n")
-        return "\n".join(parts)
 
 
 def _configure(db: sqlite3.Connection) -> None:
@@ -407,7 +394,7 @@ def _conversation(row: sqlite3.Row) -> Conversation:
 
 def _message(row: sqlite3.Row) -> StoredMessage:
     return StoredMessage(row["id"], row["conversation_id"], row["role"], row["content"], row["created"],
-                         bool(row["complete"]), row["stats"])
+                         bool(row["complete"]), row["stats"], row["reasoning"], float(row["reasoning_seconds"] or 0.0))
 
 
 def default_path(data_dir: Path) -> Path:

@@ -107,7 +107,7 @@ def _copy_rows(src: sqlite3.Connection, dest: sqlite3.Connection) -> tuple[int, 
     try:
         conv_cols = _columns(src, "conversations", ("id", "title", "system_prompt", "created", "updated", "engine"))
         msg_cols = _columns(src, "messages", ("id", "conversation_id", "role", "content", "created", "complete",
-                                              "stats"))
+                                              "stats", "reasoning", "reasoning_seconds"))
         now = time.time()
         if conv_cols:
             for row in _salvage(src, "conversations", conv_cols):
@@ -134,10 +134,11 @@ def _copy_rows(src: sqlite3.Connection, dest: sqlite3.Connection) -> tuple[int, 
                     known.add(owner)
                     conversations += 1
                 dest.execute(
-                    "INSERT OR IGNORE INTO messages (id, conversation_id, role, content, created, complete, stats) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    "INSERT OR IGNORE INTO messages (id, conversation_id, role, content, created, complete, stats, "
+                    "reasoning, reasoning_seconds) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (values["id"], owner, values["role"], values["content"], _number(values.get("created"), now),
-                     1 if values.get("complete", 1) else 0, _text(values.get("stats"))))
+                     1 if values.get("complete", 1) else 0, _text(values.get("stats")), _text(values.get("reasoning")),
+                     _number(values.get("reasoning_seconds"), 0.0)))
                 messages += 1
         return conversations, messages
     except sqlite3.DatabaseError as exc:  # a fault outside the row scans (the id list): keep what was copied

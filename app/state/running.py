@@ -9,17 +9,22 @@ engine's Placement) and shown by Settings -> Engine and the models page.
 Plain data, no widgets and no tensors: the GGUF's type comes from its header, the decoding mode
 from the same rule the engine applies (engine.decoding.generation: a draft and mode "specexec"
 -> draft trees; no draft -> draft-free context trees; "autoregressive" -> one token per pass),
-and the last answer's mode from the measured speeds (engine.planning.measured).
+and the last answer's mode from the measured speeds (engine.planning.measured). What the API
+server can do with the model (tools, JSON output, reasoning: `api_support`) comes from its chat
+template by the server's own rules (engine.serving.formats and tools), so Settings > Server says
+what the server then does.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.planning.measured import MeasuredSpeed, SpeedKey, measured_speed, speed_key
-from engine.store.pypi import STARTER_FORMAT, built_starter
+from engine.serving.formats import chat_format
+from engine.serving.tools import ToolError, check_template
 from engine.shapes import Placement
+from engine.store.pypi import STARTER_FORMAT, built_starter
 
 MODE_WORDS = {"specexec": "SpecExec trees from the draft", "context": "draft-free (text from the context)",
               "autoregressive": "one token per pass"}
@@ -28,7 +33,8 @@ MODE_WORDS = {"specexec": "SpecExec trees from the draft", "context": "draft-fre
 @dataclass(frozen=True)
 class RunningPair:
     """The loaded pair: paths as loaded ("" = no draft), where and how its layers run, the
-    decoding mode the settings lead to, and its measured-speed key."""
+    decoding mode the settings lead to, its measured-speed key and the target's chat template
+    ("" without one)."""
 
     target: str
     draft: str
@@ -37,6 +43,7 @@ class RunningPair:
     tree_mode: str = "specexec"
     keep_draft: bool = False
     auto_off: str = ""  # why budget "auto" leaves the draft out (its latest choice); "" while it uses it
+    chat_template: str = field(default="", repr=False)
 
     @property
     def key(self) -> SpeedKey:
@@ -92,11 +99,52 @@ class RunningPair:
 
 
 def running_pair(target: str, draft: str, placement: Placement | None, tree_mode: str = "specexec",
-                 keep_draft: bool = False) -> RunningPair:
-    """Describe a pair the worker has just loaded (its `loaded` signal's paths and Placement)."""
+                 keep_draft: bool = False, chat_template: str = "") -> RunningPair:
+    """Describe a pair the worker has just loaded (its `loaded` signal's paths, Placement and
+    chat template)."""
     from engine.planning.measured import run_format
 
-    return RunningPair(target, draft, placement, run_format(target, placement), tree_mode, keep_draft)
+    return RunningPair(target, draft, placement, run_format(target, placement), tree_mode, keep_draft,
+                       chat_template=chat_template)
+
+
+TOOL_FORMATS = {"hermes": "Hermes/Qwen <tool_call> JSON", "llama3": "Llama 3 JSON",
+                "mistral": "Mistral [TOOL_CALLS]", "harmony": "gpt-oss harmony"}
+REASONING_FORMATS = {"think": "<think> blocks", "harmony": "the harmony analysis channel"}
+# no engine flag says constrained decoding exists yet (engine.serving.tools refuses what needs it)
+JSON_OUTPUT = ("not yet: response_format json_object / json_schema needs grammar-constrained decoding (coming); "
+               "until then ask for JSON in the prompt")
+
+
+@dataclass(frozen=True)
+class ApiSupport:
+    """What the API server does with a model's answers, in sentences: `tools` whether requests
+    may carry tools (as engine.serving.tools decides), and a line each for tools, JSON output
+    and reasoning."""
+
+    tools: bool
+    tools_text: str
+    json_text: str
+    reasoning_text: str
+
+
+def api_support(chat_template: str) -> ApiSupport:
+    """What the API server does with a model whose chat template is `chat_template` ("": unknown)."""
+    fmt = chat_format(chat_template)
+    try:
+        check_template(fmt, bool(chat_template), "tools")
+    except ToolError as exc:
+        tools, tools_text = False, f"no. {exc.message}"
+    else:
+        assert fmt.tools is not None
+        tools, tools_text = True, (f"yes: calls written as {TOOL_FORMATS[fmt.tools]} come back as tool_calls "
+                                   "(tool_choice auto or none; required or a named function needs "
+                                   "grammar-constrained decoding, coming)")
+    reasoning = (f"{REASONING_FORMATS[fmt.reasoning]} come back as reasoning_content, apart from the answer"
+                 if fmt.reasoning is not None else "none in this model's format: answers are content only")
+    if fmt.reasoning == "harmony":
+        reasoning = reasoning.replace("come back", "comes back")
+    return ApiSupport(tools, tools_text, JSON_OUTPUT, reasoning)
 
 
 def _same(a: Path, b: str) -> bool:

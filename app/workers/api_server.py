@@ -10,7 +10,9 @@ waiting. The server follows the app: it answers 503 while a model loads, after a
 or when none is chosen (and /v1/models then lists nothing), and serves the loaded pair under its
 short name with the app's sampling settings as defaults (budget "auto" is resolved per request by
 the worker's AutoBudget), and refuses a `max_tokens` beyond the loaded model's context, which
-the worker's `loaded` signal carries. Like `specchat serve` it refuses what a web page could send
+the worker's `loaded` signal carries with the model's chat template (as `specchat serve` does:
+the template says whether the model takes tools and how its answers split into content,
+reasoning and calls). Like `specchat serve` it refuses what a web page could send
 (engine.serving.guard), letting in the hosts and web pages the Server tab allows.
 
 What this does not do: load models (the main window does), show settings (server_tab.py) or
@@ -182,9 +184,10 @@ class ApiServer(QObject):
         if self._model.status != "loading" or progress.message:
             self._set_model(ModelState("", "loading", progress.message or "loading"))
 
-    @Slot(int, str, str, object, int)
-    def _on_worker_loaded(self, _load_id: int, target: str, _draft: str, _placement: object, context: int) -> None:
-        self._set_model(ModelState(short_name(target), "ready", context_length=context))
+    @Slot(int, str, str, object, int, str)
+    def _on_worker_loaded(self, _load_id: int, target: str, _draft: str, _placement: object, context: int,
+                          chat_template: str) -> None:
+        self._set_model(ModelState(short_name(target), "ready", context_length=context, chat_template=chat_template))
 
     @Slot(int, str)
     def _on_worker_load_failed(self, _load_id: int, message: str) -> None:

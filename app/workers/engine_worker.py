@@ -53,8 +53,10 @@ class EngineWorker(GenerationWorker):
 
     Signals (besides GenerationWorker's):
         load_progressed(object): a LoadProgress.
-        loaded(int, str, str, object, int): load id, target, draft ("" = none), the engine's
-            Placement (or None) and its context length in tokens (0: the model does not say).
+        loaded(int, str, str, object, int, str): load id, target, draft ("" = none), the engine's
+            Placement (or None), its context length in tokens (0: the model does not say) and
+            the target's chat template ("" without one: it says how answers are split and
+            whether the API can take tools).
         load_failed(int, str): load id and a user message; also emitted for a cancelled load.
         starter_prepared(int, str): load id and the starter model's folder, ready to load.
         budget_chosen(int, object): request id and the engine.decoding.auto_budget.BudgetChoice
@@ -64,7 +66,7 @@ class EngineWorker(GenerationWorker):
     """
 
     load_progressed = Signal(object)
-    loaded = Signal(int, str, str, object, int)
+    loaded = Signal(int, str, str, object, int, str)
     load_failed = Signal(int, str)
     starter_prepared = Signal(int, str)
     budget_chosen = Signal(int, object)
@@ -91,6 +93,7 @@ class EngineWorker(GenerationWorker):
         try:
             from engine.decoding.auto_budget import AutoBudget  # imports torch: in this worker thread
             from engine.decoding.pair import load_engine
+            from engine.decoding.text import template_text
 
             engine = load_engine(target, draft or None, settings, progress=self.load_progressed.emit,
                                  cancel=cancel)
@@ -105,7 +108,8 @@ class EngineWorker(GenerationWorker):
         self._engine, self._auto = engine, AutoBudget(engine)
         self._speed_key = speed_key(target, draft or None, engine.placement)
         context = engine.context_length
-        self.loaded.emit(load_id, target, draft, engine.placement, 0 if context >= UNKNOWN_CONTEXT else context)
+        self.loaded.emit(load_id, target, draft, engine.placement, 0 if context >= UNKNOWN_CONTEXT else context,
+                         template_text(engine.tokenizer))
 
     @Slot(int)
     def prepare_starter(self, load_id: int) -> None:

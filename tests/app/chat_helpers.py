@@ -15,7 +15,7 @@ class WorkerEvents(QObject):
     run in the worker thread (no receiver object), so tests listen here instead.
     """
 
-    loaded = Signal(int, str, str, object, int)
+    loaded = Signal(int, str, str, object, int, str)
     load_failed = Signal(int, str)
     tokens_generated = Signal(int, str, int)
     generation_finished = Signal(int, object)
@@ -44,9 +44,9 @@ class WorkerEvents(QObject):
     def _on_progress(self, p: object) -> None:
         self.progress.append(p)
 
-    @Slot(int, str, str, object, int)
-    def _on_loaded(self, i: int, t: str, d: str, p: object, context: int) -> None:
-        self.loaded.emit(i, t, d, p, context)
+    @Slot(int, str, str, object, int, str)
+    def _on_loaded(self, i: int, t: str, d: str, p: object, context: int, template: str) -> None:
+        self.loaded.emit(i, t, d, p, context, template)
 
     @Slot(int, str)
     def _on_load_failed(self, i: int, m: str) -> None:

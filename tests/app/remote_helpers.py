@@ -1,6 +1,7 @@
 """The serving tests' helpers for the app tests (imported by name, like pages_hub): `specchat
-serve` as a subprocess (tests/engine/serving/serve_process.py) and the vLLM stand-in
-(tests/engine/serving/vllm_standin.py), loaded under the same module names."""
+serve` as a subprocess (tests/engine/serving/serve_process.py), the vLLM stand-in
+(tests/engine/serving/vllm_standin.py) and the chat templates of the tool formats
+(tests/engine/serving/templates.py), loaded under the same module names."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ def _module(name: str) -> ModuleType:
 
 
 serve_process = _module("serve_process")
+templates = _module("templates")  # chat templates in the formats the server reads (Qwen, harmony, ...)
 vllm_standin = _module("vllm_standin")
 ServeProcess = serve_process.ServeProcess
 SERVE_KEY = serve_process.API_KEY

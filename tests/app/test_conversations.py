@@ -66,7 +66,7 @@ def test_a_version_1_database_is_migrated_in_place(tmp_path: Path) -> None:
     db.commit()
     db.close()
     store = ConversationStore(path)
-    assert store.schema_version == SCHEMA_VERSION == 3
+    assert store.schema_version == SCHEMA_VERSION == 4
     [msg] = store.messages(1)
     assert (msg.content, msg.complete, msg.stats) == ("kept", True, "")
     assert store.get(1).engine == ""  # an old conversation runs on the local model

@@ -33,7 +33,10 @@ def _filled(path: Path, conversations: int = 200, per: int = 6) -> dict[int, tup
         msgs = []
         for j in range(per):
             text = f"message {i}.{j} " + "lorem ipsum " * 30
-            msgs.append((store.add_message(conv.id, "user" if j % 2 == 0 else "assistant", text).id, text))
+            message = store.add_message(conv.id, "user" if j % 2 == 0 else "assistant", text)
+            if message.role == "assistant":  # a thinking model's reasoning, apart from the answer
+                store.update_message(message.id, text, reasoning=f"thought {i}.{j}", reasoning_seconds=j)
+            msgs.append((message.id, text))
         rows[conv.id] = (conv.title, msgs)
     store.close()
     return rows
@@ -85,6 +88,10 @@ def test_a_truncated_database_gives_back_every_row_sqlite_can_still_read(tmp_pat
     titled = [conv for conv in recovered if conv.title != LOST_TITLE]
     assert titled and sum(conv.engine != "" for conv in titled) > len(titled) // 2
     assert all(originals[mid] == text for mid, text in messages.items())
+    answers = [m for c in recovered for m in store.messages(c.id) if m.role == "assistant"]
+    # each answer's reasoning comes back with it ("message i.j ..." thought "thought i.j" for j seconds)
+    assert answers and all(m.reasoning == "thought " + m.content.split()[1] for m in answers)
+    assert all(m.reasoning_seconds == int(m.content.split()[1].split(".")[1]) for m in answers)
     store.create("new chat")  # and the fresh database takes writes
     store.close()
 
