@@ -283,6 +283,25 @@ class ToolSpec:
 
 
 @dataclass(frozen=True)
+class OutputConstraint:
+    """The answer's text must match a grammar (engine.decoding.grammar decodes under it,
+    losslessly: the output is what the target would write with every token the grammar forbids
+    taken out of its distribution). kind "json_schema": `source` is a JSON Schema as JSON text
+    (the answer is one JSON value it accepts; "{}" any value); kind "lark": `source` is a
+    grammar in llguidance's Lark dialect, which may embed JSON Schemas as `%json {...}` (tool
+    calls in a model's own format). The answer ends with an end-of-turn token only where the
+    grammar is complete. `what` names the constraint in errors ("response_format", "tool_choice")."""
+
+    kind: Literal["json_schema", "lark"]
+    source: str
+    what: str = "the output grammar"
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("json_schema", "lark"):
+            raise InvalidRequest(f"An output constraint is a 'json_schema' or a 'lark' grammar (got {self.kind!r}).")
+
+
+@dataclass(frozen=True)
 class Message:
     """One turn of a chat. An assistant turn may carry `tool_calls` (its content may then be
     empty) and the `reasoning` it showed; a "tool" turn is a call's result, naming the call by
@@ -317,6 +336,8 @@ class GenerationRequest:
     tools: tuple[ToolSpec, ...] = ()
     # a template variable for models that take it (gpt-oss: "low" / "medium" / "high")
     reasoning_effort: str | None = None
+    # the answer must match this grammar (structured output, forced tool calls); None: free text
+    constraint: OutputConstraint | None = None
 
     def __post_init__(self) -> None:
         if self.raw_prompt is not None and self.messages:

@@ -6,7 +6,9 @@ the target's own distribution (sampling). tree.py (the token tree and its masks)
 sampling.py (logits -> processed distribution -> token, with an explicit torch.Generator) and
 verification.py (one target pass over a tree, the acceptance walk, prune_to_accepted) import
 nothing else of the engine but the model wrapper; drafting.py grows SpecExec trees and fills
-static Sequoia shapes (sequoia.py); text.py is the chat template, detokeniser and EOS.
+static Sequoia shapes (sequoia.py); text.py is the chat template, detokeniser and EOS;
+grammar.py decodes a request's OutputConstraint (JSON Schema, Lark) inside the trees, the
+output still exactly the constrained target's.
 `generation.load_engine` is the one way the CLI and the app load a pair.
 
 What it does not do: read weight files (engine.loading), place or stream layers

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.decoding.acceptance import TAUS, AcceptanceModel, log_z, tempered
+from engine.decoding.grammar import GrammarState
 from engine.decoding.sampling import process_logits
 from engine.decoding.sequoia import StaticTree
 from engine.decoding.tree import Tree, ancestor_mask
@@ -81,8 +82,10 @@ def copy_of_target(target: CausalLM, draft: CausalLM) -> bool:
     (`share_context`): the same cache shape and position encoding, and embedding rows that
     point the same way (an unrelated model of the same shape gives cosines near 0)."""
     t, d = target.shape, draft.shape
-    if any(spec is not None for spec in target.linear + draft.linear):
-        return False  # not yet: a hybrid copy would share the linear layers' states too
+    if [spec is None for spec in target.linear] != [spec is None for spec in draft.linear]:
+        return False  # a hybrid shares its linear layers' states too: the same layers must be linear
+    if target.kv_shapes != draft.kv_shapes:  # Gemma 4: each layer's K/V heads and width
+        return False
     if (t.num_layers, t.num_kv_heads, t.head_dim, t.hidden_size) != (d.num_layers, d.num_kv_heads, d.head_dim,
                                                                        d.hidden_size):
         return False
@@ -112,6 +115,7 @@ def share_context(draft_cache: KVCache, target_cache: KVCache, synced: int) -> i
     for dst, src in zip(draft_cache.keys + draft_cache.values, target_cache.keys + target_cache.values):
         dst[:, :, start:m] = src[:, :, start:m].to(device=dst.device, dtype=dst.dtype)
     draft_cache.length = m
+    draft_cache.share_states(target_cache)  # a hybrid's linear layers: the target's states
     return m
 
 
@@ -162,16 +166,21 @@ def grow_tree(
     model: AcceptanceModel,
     seeds: Seeds = ([], [], []),
     stop_ratio: float = 0.0,
+    grammar: GrammarState | None = None,
 ) -> DraftTrace:
     """Grow a tree of at most `spec.budget` tokens below the root (see the module docstring).
     With a draft, `cache` holds the committed prefix before the call and afterwards also the
-    pending tokens and every node read; without one the tree is the context seeds alone."""
+    pending tokens and every node read; without one the tree is the context seeds alone. Under
+    a `grammar` (after the committed tokens) every node is one it allows: seeds it forbids are
+    left out, and the draft's distribution at each node it expands is masked to the allowed
+    tokens (grammar.py)."""
     t0 = time.perf_counter()
     budget, max_depth, k = spec.budget, spec.max_depth, spec.branching
     device = draft.device if draft is not None else torch.device("cpu")
     scoring = scoring_distribution(sampling)
     n_seed = len(seeds[0])
-    keep_seed = [i for i in range(n_seed) if _depth(seeds[1], i) < max_depth]  # the walk's limit
+    allowed = grammar.keep([0, *seeds[0]], [-1, *seeds[1]])[1:] if grammar is not None else [True] * n_seed
+    keep_seed = [i for i in range(n_seed) if allowed[i] and _depth(seeds[1], i) < max_depth]  # the walk's limit
     tokens = torch.tensor([int(pending[-1]), *(seeds[0][i] for i in keep_seed)], dtype=torch.long, device=device)
     remap = {0: 0, **{i + 1: j + 1 for j, i in enumerate(keep_seed)}}
     parents = torch.tensor([-1, *(remap[seeds[1][i]] for i in keep_seed)], dtype=torch.long, device=device)
@@ -195,7 +204,8 @@ def grow_tree(
         n_old = tokens.shape[0]
         if expand_hidden is not None:  # children of the nodes just read
             assert draft is not None
-            q = process_logits(draft.logits(expand_hidden)[:, :vocab_limit], scoring)  # (m, V)
+            q = _draft_distribution(draft.logits(expand_hidden)[:, :vocab_limit], scoring, grammar,
+                                    _paths(tokens, parents, to_expand))  # (m, V)
             lz = log_z(q)  # (m, len(TAUS))
             row_of = torch.full((n_old,), -1, dtype=torch.long, device=device)
             row_of[to_expand] = torch.arange(to_expand.shape[0], device=device)
@@ -258,6 +268,31 @@ def grow_tree(
                       logq_t=logq_t)
 
 
+def _draft_distribution(logits: torch.Tensor, scoring: SamplingSettings, grammar: GrammarState | None,
+                        paths: list[list[int]]) -> torch.Tensor:
+    """(m, V) draft logits at nodes with these paths below the root -> the processed draft
+    log-distribution, restricted to the tokens the grammar allows there (a row with none: all
+    -inf, so the node gets no children)."""
+    if grammar is None:
+        return process_logits(logits, scoring)
+    allowed = torch.from_numpy(grammar.masks(paths)[:, : logits.shape[-1]]).to(logits.device)  # (m, V)
+    q = process_logits(logits.masked_fill(~allowed, -math.inf), scoring)
+    return q.masked_fill(~allowed.any(-1, keepdim=True), -math.inf)  # a row with nothing allowed is NaN
+
+
+def _paths(tokens: torch.Tensor, parents: torch.Tensor, nodes: torch.Tensor) -> list[list[int]]:
+    """Each node's tokens below the root (root excluded), read off the parent pointers."""
+    toks, pars = tokens.tolist(), parents.tolist()
+    out = []
+    for node in nodes.tolist():
+        path = []
+        while node > 0:
+            path.append(toks[node])
+            node = pars[node]
+        out.append(path[::-1])
+    return out
+
+
 def top_nodes(trace: DraftTrace, count: int) -> DraftTrace:
     """The root and the `count` best-scoring nodes of a tree (a tree again: a child never
     scores above its parent, ties go to the older node), in creation order."""
@@ -266,9 +301,25 @@ def top_nodes(trace: DraftTrace, count: int) -> DraftTrace:
     if count >= n - 1:
         return trace
     order = torch.sort(-tree.logp[1:], stable=True).indices[:count] + 1
-    keep = torch.cat([torch.zeros(1, dtype=torch.long, device=order.device), order.sort().values])
-    index = torch.full((n,), -1, dtype=torch.long, device=order.device)
-    index[keep] = torch.arange(keep.shape[0], device=order.device)
+    return keep_nodes(trace, torch.cat([torch.zeros(1, dtype=torch.long, device=order.device), order.sort().values]))
+
+
+def allowed_nodes(trace: DraftTrace, grammar: GrammarState) -> DraftTrace:
+    """The tree without the nodes the grammar forbids (and their subtrees)."""
+    tree = trace.tree
+    kept = grammar.keep(tree.tokens.tolist(), tree.parents.tolist())
+    if all(kept):
+        return trace
+    return keep_nodes(trace, torch.tensor(kept, device=tree.tokens.device).nonzero()[:, 0])
+
+
+def keep_nodes(trace: DraftTrace, keep: torch.Tensor) -> DraftTrace:
+    """The nodes `keep` (ascending indices, the root first, each node's parent among them) as a
+    tree of their own, in creation order."""
+    tree = trace.tree
+    n = len(tree)
+    index = torch.full((n,), -1, dtype=torch.long, device=keep.device)
+    index[keep] = torch.arange(keep.shape[0], device=keep.device)
     parents = tree.parents[keep]
     parents[1:] = index[parents[1:]]
     assert bool((parents[1:] >= 0).all()), "a kept node lost its parent"
@@ -318,12 +369,15 @@ def grow_static_tree(
     spec: SpeculationSettings,
     sampling: SamplingSettings,
     vocab_limit: int,
+    grammar: GrammarState | None = None,
 ) -> DraftTrace:
     """Fill a static Sequoia tree shape (sequoia.build_tree) with draft tokens: one draft pass
     per level; the child of rank r of a node carries the node's (r+1)-th likeliest draft token
     (deterministic top-k, so siblings are distinct). Only nodes with children are read, so the
     read nodes of any root path form a prefix of it (the engine's cache pruning relies on it).
-    Verification is the same walk as for SpecExec trees, hence lossless."""
+    Verification is the same walk as for SpecExec trees, hence lossless. Under a `grammar` the
+    ranks are those of the masked draft distribution, and the nodes it forbids (ranks beyond
+    the allowed tokens) are cut from the shape at the end."""
     t0 = time.perf_counter()
     scoring = scoring_distribution(sampling)
     device = draft.device
@@ -342,7 +396,8 @@ def grow_static_tree(
     expand, expand_hidden, passes = torch.tensor([0], device=device), root_hidden, 1
     row_of = torch.full((n,), -1, dtype=torch.long, device=device)
     for level in range(1, shape.max_depth + 1):
-        q = process_logits(draft.logits(expand_hidden)[:, :vocab_limit], scoring)  # (m, V)
+        q = _draft_distribution(draft.logits(expand_hidden)[:, :vocab_limit], scoring, grammar,
+                                _paths(tokens, parents, expand))  # (m, V)
         child_lp, child_tok = torch.topk(q, min(kmax, q.shape[-1]), dim=-1)  # (m, k)
         kids = (depths == level).nonzero()[:, 0]
         row_of[expand] = torch.arange(expand.shape[0], device=device)
@@ -355,9 +410,11 @@ def grow_static_tree(
         expand_hidden = _read_nodes(draft, cache, tokens, parents, depths, slots, expand, root_pos, shape.max_depth)
         passes += 1
     tree = Tree(tokens=tokens, parents=parents, depths=depths, logp=logp)
-    return DraftTrace(tree=tree, slots=slots, passes=passes, seconds=time.perf_counter() - t0,
-                      logq=torch.full((n,), math.nan, device=device), match=torch.zeros(n, dtype=torch.long, device=device),
-                      logq_t=torch.full((n, len(TAUS)), math.nan, device=device))
+    trace = DraftTrace(tree=tree, slots=slots, passes=passes, seconds=time.perf_counter() - t0,
+                       logq=torch.full((n,), math.nan, device=device),
+                       match=torch.zeros(n, dtype=torch.long, device=device),
+                       logq_t=torch.full((n, len(TAUS)), math.nan, device=device))
+    return trace if grammar is None else allowed_nodes(trace, grammar)
 
 
 def teach(model: AcceptanceModel, trace: DraftTrace, path: list[int], chosen: list[int]) -> None:

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from engine.decoding.acceptance import AcceptanceModel, AcceptanceModels
-from engine.decoding.context import ContextIndex, trie
+from engine.decoding.context import MAX_MATCH, ContextIndex, Continuation, trie
 from engine.decoding.costs import DraftSwitch, DraftSwitches, PassCosts, SwitchSettings
 from engine.decoding.learned import LearnedFile
 from engine.decoding.drafting import (
@@ -46,10 +46,11 @@ from engine.decoding.drafting import (
     teach,
     top_nodes,
 )
+from engine.decoding.grammar import Grammar, GrammarCompiler, GrammarState
 from engine.decoding.memory import check_fits, shrink_after_oom
 from engine.decoding.prefill import prefill
 from engine.decoding.prefix_cache import Prefix, PrefixPool
-from engine.decoding.sampling import choose_token, make_generator
+from engine.decoding.sampling import choose_token, make_generator, restrict
 from engine.decoding.sequoia import StaticTree, build_tree
 from engine.decoding.stats import StepTimers, generation_stats
 from engine.decoding.text import Detokenizer, encode_prompt, eos_ids
@@ -106,6 +107,7 @@ class _Decoding:
     finish: FinishReason = "length"
     ttft: float | None = None
     oom_retries: int = 0
+    grammar: GrammarState | None = None  # the request's constraint, after the committed tokens
 
     @property
     def tcache(self) -> KVCache:
@@ -161,6 +163,8 @@ class Engine:
         self.cache_settings = cache or CacheSettings()
         self.prefixes = PrefixPool(self.cache_settings, files, target.device, draft.device if draft else None)
         self.prefixes.expect(target.new_cache(1), draft.new_cache(1) if draft else None)
+        # constrained requests' grammars (its token table is built on the first one)
+        self.grammars = GrammarCompiler(tokenizer, target.shape.vocab_size, self.eos_ids)
 
     @property
     def placement(self) -> Placement:
@@ -196,12 +200,13 @@ class Engine:
         spec, use_draft = request.speculation, self._wants_draft(request)
         tree = spec.budget if use_draft or (spec.mode == "specexec" and spec.context) else 1  # as _start sizes it
         check_fits(self.target, self.draft if use_draft else None, len(prompt), request, tree)
-        return self._decode(request, prompt, cancel or threading.Event())
+        grammar = self.grammars.compile(request.constraint) if request.constraint is not None else None
+        return self._decode(request, prompt, cancel or threading.Event(), grammar)
 
-    def _decode(self, request: GenerationRequest, prompt: list[int],
-                cancel: threading.Event) -> Iterator[TokenEvent | Completion]:
+    def _decode(self, request: GenerationRequest, prompt: list[int], cancel: threading.Event,
+                grammar: Grammar | None = None) -> Iterator[TokenEvent | Completion]:
         t_start = time.perf_counter()
-        run = self._start(request, prompt, cancel)
+        run = self._start(request, prompt, cancel, grammar)
         consistent = True  # the caches hold a prefix of run.seq: they may be reused
         try:
             while len(run.new) < run.request.max_new_tokens:
@@ -274,18 +279,25 @@ class Engine:
         """Grow a tree (draft and/or context candidates), verify it in one target pass and keep
         the accepted path."""
         request, spec, seq, tcache, dcache = run.request, run.request.speculation, run.seq, run.tcache, run.dcache
-        seeds = trie(run.index.continuations(spec.max_depth, spec.context_candidates)) if run.index else ([], [], [])
+        candidates = run.index.continuations(spec.max_depth, spec.context_candidates) if run.index else []
+        if run.grammar is not None and not run.draft.on:
+            # draft-free, text the grammar forces next (a JSON key, a call's opening) is a candidate too: 1.1 -> 1.8
+            # tokens a pass on the starter's JSON answers; a draft's masked distribution finds it by itself
+            forced = run.grammar.forced()[: spec.max_depth]
+            if forced:
+                candidates = [Continuation(tuple(forced), MAX_MATCH), *candidates]
+        seeds = trie(candidates)
         if run.draft.on:
             assert self.draft is not None and dcache is not None
             if run.draft.share:
                 run.draft.synced = share_context(dcache, tcache, run.draft.synced)
             pending = torch.tensor(seq[dcache.length :])  # (p,) committed tokens the draft has not read
-            trace = self._grow(dcache, pending, request, self.acceptance[request.sampling], seeds)
+            trace = self._grow(dcache, pending, request, self.acceptance[request.sampling], seeds, run.grammar)
         else:  # context candidates alone, cut to the size that pays on this machine
             if not seeds[0]:  # nothing repeats: a plain pass, without a tree's bookkeeping
                 return self._ar_step(seq, tcache, run.choose)
             trace = grow_tree(None, None, torch.tensor(seq[-1:]), spec, request.sampling, self.draft_vocab_limit,
-                              self.acceptance[request.sampling], seeds)
+                              self.acceptance[request.sampling], seeds, grammar=run.grammar)
             unread = len(seq) - 1 - tcache.length
             gains = torch.sort(trace.tree.logp[1:], descending=True, stable=True).values.exp().tolist()
             size = self.costs.best_size(gains, unread + 1)
@@ -329,6 +341,8 @@ class Engine:
         if eos_at is not None:
             step = step[: eos_at + 1]
             run.finish = "eos"
+        if run.grammar is not None:
+            run.grammar.commit(step)
         run.seq.extend(step)
         run.new.extend(step)
         if run.index is not None:
@@ -343,11 +357,13 @@ class Engine:
         spec = request.speculation
         return spec.mode == "specexec" and spec.draft and self.draft is not None
 
-    def _start(self, request: GenerationRequest, prompt: list[int],
-               cancel: threading.Event | None = None) -> _Decoding:
+    def _start(self, request: GenerationRequest, prompt: list[int], cancel: threading.Event | None = None,
+               grammar: Grammar | None = None) -> _Decoding:
         """Caches holding as much of the prompt as was cached, plus what does not fit the first
         decoding pass (prefilled in chunks as large as the device's memory allows). A `cancel`
-        set meanwhile stops the prefill between chunks (the decode loop then ends at once)."""
+        set meanwhile stops the prefill between chunks (the decode loop then ends at once).
+        Under a `grammar`, `choose` sees only the tokens it allows after the step's tokens so
+        far (grammar.py: the constrained target's distribution)."""
         sampling, spec = request.sampling, request.speculation
         wants_draft = self._wants_draft(request)
         use_spec = wants_draft or (spec.mode == "specexec" and spec.context)
@@ -378,8 +394,11 @@ class Engine:
                 prefill(self.draft, prefix.draft, prompt[:-1], 1, cancel=cancel)  # its pass 0 reads the rest
         seq = list(prompt)
         window, eos = sampling.repetition_window, self.eos_ids
+        state = grammar.start() if grammar is not None else None
 
         def choose(logits: torch.Tensor, step_tokens: list[int]) -> int:
+            if state is not None:
+                logits = restrict(logits, torch.from_numpy(state.mask(step_tokens)))
             history = None
             if sampling.repetition_penalty != 1.0:
                 recent = (seq[-window:] + step_tokens)[-window:] if window else seq + step_tokens
@@ -388,7 +407,7 @@ class Engine:
 
         index = ContextIndex(seq) if use_spec and spec.context else None
         run = _Decoding(request, prompt, use_spec, draft, index, prefix, cached, choose,
-                        Detokenizer(self.tokenizer, request.stop), seq, timers=timers)
+                        Detokenizer(self.tokenizer, request.stop), seq, timers=timers, grammar=state)
         timers.prefill = time.perf_counter() - t0
         return run
 
@@ -438,11 +457,11 @@ class Engine:
         return self._static_trees[key]
 
     def _grow(self, dcache: KVCache, pending: torch.Tensor, request: GenerationRequest, model: AcceptanceModel,
-              seeds: Seeds) -> DraftTrace:
+              seeds: Seeds, grammar: GrammarState | None) -> DraftTrace:
         assert self.draft is not None
         spec = request.speculation
         if spec.tree_mode == "sequoia":
             return grow_static_tree(self.draft, dcache, pending, self._static_tree(spec), spec, request.sampling,
-                                    self.draft_vocab_limit)
+                                    self.draft_vocab_limit, grammar)
         return grow_tree(self.draft, dcache, pending, spec, request.sampling, self.draft_vocab_limit, model, seeds,
-                         self.costs.stop_ratio())
+                         self.costs.stop_ratio(), grammar)

@@ -62,6 +62,13 @@ def process_logits(
     return logp
 
 
+def restrict(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """(..., V) logits with the tokens not `allowed` ((..., V) bool, e.g. a grammar's mask) at
+    -inf: every processing step after this (penalty, temperature, top-k/p, min-p, argmax)
+    renormalises over the allowed tokens alone, which is the constrained distribution."""
+    return logits.masked_fill(~allowed.to(logits.device), -math.inf)
+
+
 def sample_from_logprobs(logp: torch.Tensor, generator: torch.Generator) -> int:
     """Inverse-CDF sample from a (V,) log-distribution with exactly one uniform draw."""
     probs = logp.float().exp()

@@ -62,7 +62,10 @@ def accept(
     stop_ids: frozenset[int] = frozenset(),
 ) -> Acceptance:
     """Walk the tree as described in the module docstring; emit at most `limit` tokens and stop
-    after a token in `stop_ids` (EOS)."""
+    after a token in `stop_ids` (EOS). `choose` gets the node's logits and the tokens emitted so
+    far, which are the node's path below the root: a request under a grammar masks the logits
+    there to the tokens it allows after that path (grammar.py), so the walk is constrained
+    plain decoding's, and a node the grammar forbids is never descended into."""
     node, path = 0, [0]
     out: list[int] = []
     while len(out) < limit:

@@ -11,11 +11,19 @@ passed as `past_key_values`, so this class plugs into their decoder layers uncha
 not manage attention masks or positions: the caller (causal_lm) supplies them. Between
 conversations a cache can be copied up to a length (`copy_prefix`), moved off the device
 (`to`), and exported or rebuilt layer by layer (`tensors`, `from_tensors`) for saving.
+
+Layers may differ in shape (`layer_shapes`: Gemma 4's full-attention layers have wider heads
+and fewer of them than its sliding ones; a layer that reuses another layer's K/V keeps none,
+width 0). Without it every layer is (num_kv_heads, head_dim).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+
+LayerShapes = tuple[tuple[int, int], ...]  # each layer's (kv heads, head dim)
 
 
 class KVCache:
@@ -43,10 +51,16 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str,
         capacity: int = 256,
+        layer_shapes: Sequence[tuple[int, int]] | None = None,
     ) -> None:
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        # None: every layer is (num_kv_heads, head_dim)
+        self.layer_shapes: LayerShapes | None = None
+        if layer_shapes is not None and any(tuple(s) != (num_kv_heads, head_dim) for s in layer_shapes):
+            assert len(layer_shapes) == num_layers
+            self.layer_shapes = tuple((int(h), int(d)) for h, d in layer_shapes)
         self.dtype = dtype
         self.device = torch.device(device)
         self.length = 0
@@ -60,9 +74,9 @@ class KVCache:
 
     @torch.inference_mode()  # buffers are inference tensors: passes run in inference mode
     def _grow(self, capacity: int) -> None:
-        shape = (1, self.num_kv_heads, capacity, self.head_dim)
-        keys = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        values = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        shapes = self.layer_shapes or ((self.num_kv_heads, self.head_dim),) * self.num_layers
+        keys = [torch.empty((1, h, capacity, d), dtype=self.dtype, device=self.device) for h, d in shapes]
+        values = [torch.empty((1, h, capacity, d), dtype=self.dtype, device=self.device) for h, d in shapes]
         for new, old in zip(keys + values, self.keys + self.values):
             new[:, :, : self.length] = old[:, :, : self.length]
         positions = torch.arange(capacity, dtype=torch.long, device=self.device)
@@ -128,7 +142,8 @@ class KVCache:
 
     def like(self, capacity: int) -> KVCache:
         """An empty cache of the same shape, dtype and device."""
-        return KVCache(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.device, capacity)
+        return KVCache(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.device, capacity,
+                       self.layer_shapes)
 
     @torch.inference_mode()
     def copy_prefix(self, length: int, spare: int = 0) -> KVCache:
@@ -160,10 +175,12 @@ class KVCache:
     @torch.inference_mode()
     def from_tensors(cls, layers: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device | str,
                      spare: int = 0) -> KVCache:
-        """A cache holding the given (key, value) per layer, each (1, H_kv, n, D), on `device`."""
+        """A cache holding the given (key, value) per layer, each (1, H_kv, n, D), on `device`
+        (layers may differ in H_kv and D)."""
         k0 = layers[0][0]
         _, heads, n, dim = k0.shape
-        out = cls(len(layers), heads, dim, k0.dtype, device, max(n + spare, 1))
+        shapes = [(k.shape[1], k.shape[3]) for k, _ in layers]
+        out = cls(len(layers), heads, dim, k0.dtype, device, max(n + spare, 1), layer_shapes=shapes)
         for i, (k, v) in enumerate(layers):
             out.keys[i][:, :, :n] = k
             out.values[i][:, :, :n] = v

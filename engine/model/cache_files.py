@@ -45,7 +45,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from engine.errors import MalformedInput
-from engine.model.cache import KVCache
+from engine.model.cache import KVCache, LayerShapes
 from engine.model.hybrid_cache import HybridCache, LinearSpec
 from engine.untrusted import read_bytes
 
@@ -66,11 +66,13 @@ class CacheShape:
     head_dim: int
     dtype: torch.dtype
     linear: tuple[LinearSpec | None, ...] = ()  # a hybrid model's linear layers' state shapes
+    layers: LayerShapes = ()  # each layer's (kv heads, head dim) where layers differ (KVCache.layer_shapes)
 
 
 def shape_of(cache: KVCache) -> CacheShape:
     linear = tuple(cache.linear) if isinstance(cache, HybridCache) else ()
-    return CacheShape(cache.num_layers, cache.num_kv_heads, cache.head_dim, cache.dtype, linear)
+    return CacheShape(cache.num_layers, cache.num_kv_heads, cache.head_dim, cache.dtype, linear,
+                      cache.layer_shapes or ())
 
 
 def install_key(path: Path) -> bytes | None:
@@ -317,8 +319,12 @@ def _rebuild(tensors: dict[str, torch.Tensor], role: str, shape: CacheShape, n_t
         k, v = tensors.get(f"{role}.{i}.k"), tensors.get(f"{role}.{i}.v")
         if k is None or v is None or k.shape != v.shape or k.dtype != shape.dtype or v.dtype != shape.dtype:
             return None
-        width = 0 if shape.linear and shape.linear[i] is not None else shape.head_dim  # linear layers: no K/V
-        if k.dim() != 4 or k.shape[0] != 1 or k.shape[1] != shape.num_kv_heads or k.shape[3] != width:
+        heads, width = shape.num_kv_heads, shape.head_dim
+        if shape.layers:
+            heads, width = shape.layers[i]
+        elif shape.linear and shape.linear[i] is not None:
+            width = 0  # linear layers: no K/V
+        if k.dim() != 4 or k.shape[0] != 1 or k.shape[1] != heads or k.shape[3] != width:
             return None
         if k.shape[2] > n_tokens or (layers and k.shape[2] != layers[0][0].shape[2]):
             return None

@@ -7,6 +7,12 @@ applied only to the rows verification asks for; (3) the offloaded target (engine
 its decoder layers, which needs the layer loop in our hands. The layer modules themselves are
 transformers' own, so numerics match `model.generate` exactly.
 
+Gemma 4's layers take more than the hidden states: a per-layer input embedding of each token
+(computed here with the model's own `get_per_layer_inputs`/`project_per_layer_inputs`, so each
+tree token gets its own), and a `shared_kv_states` dict through which a "store" layer hands its
+whole K/V (the cache's entries through this pass) to the later "reuse" layers, which compute none
+and never write the cache. A fresh dict per pass; a reuse layer keeps no K/V here (width 0).
+
 Masks are additive float tensors (0 = attend, dtype-min = blocked): transformers passes a float
 mask through unchanged to both eager and SDPA attention, whereas a bool mask means opposite
 things to the two.
@@ -15,7 +21,7 @@ things to the two.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import psutil
 import torch
@@ -55,6 +61,7 @@ class CausalLM:
         self.config = cfg
         # the llama-family layout (transformers' modules name their children untyped)
         inner = hf_model.model
+        self.inner: nn.Module = inner
         self.embed: nn.Embedding = inner.embed_tokens
         self.layers: list[nn.Module] = list(inner.layers)
         self.norm: nn.Module = inner.norm
@@ -67,6 +74,12 @@ class CausalLM:
         self.windows = sorted({k.window for k in self.kinds if k.window is not None})
         # Gated DeltaNet layers verify trees through engine.model.linear_attention
         self.linear = [LinearSpec.of_config(cfg) if k.mixer == "linear" else None for k in self.kinds]
+        self.per_layer_inputs = self.family.layer_inputs and bool(getattr(cfg, "hidden_size_per_layer_input", 0))
+        self.kv_shapes = _kv_shapes(self.layers, cfg)
+        # a streamed template serves every layer of its parameter layout: what else differs
+        # between those layers (an index, a window, whether K/V are stored or reused) is set on
+        # it before each call
+        self._layer_attrs = _varying_attributes(self.layers)
         install_linear(layer for layer in self.layers if not _on_meta(layer))
         softcap = getattr(cfg, "final_logit_softcapping", None)
         self.softcap: float | None = float(softcap) if softcap else None
@@ -92,7 +105,7 @@ class CausalLM:
         s = self.shape
         if any(spec is not None for spec in self.linear):
             return HybridCache(s.num_layers, s.num_kv_heads, s.head_dim, self.dtype, self.device, capacity, self.linear)
-        return KVCache(s.num_layers, s.num_kv_heads, s.head_dim, self.dtype, self.device, capacity)
+        return KVCache(s.num_layers, s.num_kv_heads, s.head_dim, self.dtype, self.device, capacity, self.kv_shapes)
 
     def mask_value(self) -> float:
         return torch.finfo(self.dtype).min
@@ -134,7 +147,19 @@ class CausalLM:
                 windowed[w] = self._additive(base & near)
         masks = [windowed[k.window] if k.window is not None else full for k in self.kinds]
         pos = positions[None]  # (1, n)
-        hidden = self.embed(input_ids.to(self.device)[None])  # (1, n, H)
+        ids = input_ids.to(self.device)[None]  # (1, n)
+        hidden = self.embed(ids)  # (1, n, H)
+        extras: list[dict[str, Any]] = [{}] * len(self.kinds)  # one empty dict unless filled below
+        if self.family.layer_inputs:
+            extras = [{} for _ in self.kinds]
+            shared: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # layer type -> a store layer's K/V
+            for extra in extras:
+                extra["shared_kv_states"] = shared
+        if self.per_layer_inputs:
+            inner: Any = self.inner
+            per_layer = inner.project_per_layer_inputs(hidden, inner.get_per_layer_inputs(ids, hidden))  # (1, n, L, P)
+            for i, extra in enumerate(extras):
+                extra["per_layer_input"] = per_layer[:, :, i]
         if self.family.rotary_per_type:
             ropes = {t: self.rotary(hidden, pos, t) for t in set(self.layer_types)}
             rope_of = [ropes[t] for t in self.layer_types]
@@ -144,18 +169,17 @@ class CausalLM:
         if self.streamer is None:
             for i, layer in enumerate(self.layers):
                 hidden = layer(hidden, attention_mask=masks[i], position_ids=pos, past_key_values=cache,
-                               position_embeddings=rope_of[i])
+                               position_embeddings=rope_of[i], **extras[i])
                 if isinstance(hidden, tuple):  # older layer signatures return (hidden, ...)
                     hidden = hidden[0]
         else:
             def call(layer: nn.Module, index: int, h: torch.Tensor) -> torch.Tensor:
                 # a streamed template serves every layer index of its kind (setattr: nn.Module's
                 # stubs type attribute writes as Tensor | Module)
-                for part in ("self_attn", "linear_attn"):
-                    if hasattr(layer, part):
-                        setattr(getattr(layer, part), "layer_idx", index)
+                for name, attr, value in self._layer_attrs[index]:
+                    setattr(layer.get_submodule(name), attr, value)
                 out = layer(h, attention_mask=masks[index], position_ids=pos, past_key_values=cache,
-                            position_embeddings=rope_of[index])
+                            position_embeddings=rope_of[index], **extras[index])
                 return out[0] if isinstance(out, tuple) else out
 
             hidden = self.streamer.run(hidden, call)
@@ -181,6 +205,37 @@ class CausalLM:
 def _on_meta(layer: nn.Module) -> bool:
     """A streamed layer's module stays on the meta device (its streamer runs templates)."""
     return any(p.is_meta for p in layer.parameters())
+
+
+def _kv_shapes(layers: list[nn.Module], cfg: Any) -> list[tuple[int, int]] | None:
+    """Each attention layer's (kv heads, head dim) as its module has them, where layers differ
+    (Gemma 4); width 0 for a layer that reuses another's K/V. None: uniform (or not known)."""
+    shapes: list[tuple[int, int]] = []
+    for layer in layers:
+        attn = getattr(layer, "self_attn", None)
+        dim, groups = getattr(attn, "head_dim", None), getattr(attn, "num_key_value_groups", None)
+        if not isinstance(dim, int) or not isinstance(groups, int) or groups < 1:
+            return None  # a linear layer (hybrid_cache keeps its own shapes) or an unknown module
+        heads = cfg.num_attention_heads // groups
+        shapes.append((heads, 0 if getattr(attn, "is_kv_shared_layer", False) else dim))
+    return shapes if len(set(shapes)) > 1 else None
+
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _varying_attributes(layers: list[nn.Module]) -> list[list[tuple[str, str, object]]]:
+    """For each layer: (submodule, attribute, value) of the plain attributes that are not the
+    same in every layer (layer_idx; Gemma 4's window, head_dim, K/V store or reuse)."""
+    found: list[dict[tuple[str, str], object]] = []
+    for layer in layers:
+        found.append({(name, attr): value for name, module in layer.named_modules()
+                      for attr, value in vars(module).items()
+                      if not attr.startswith("_") and isinstance(value, _PLAIN)})
+    missing = object()
+    keys = {k for f in found for k in f}
+    varying = sorted(k for k in keys if len({repr(f.get(k, missing)) for f in found}) > 1)
+    return [[(name, attr, f[(name, attr)]) for name, attr in varying if (name, attr) in f] for f in found]
 
 
 def causal_allowed(past: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:

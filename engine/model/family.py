@@ -71,6 +71,11 @@ def _qwen_sparse(config: Any, i: int) -> bool:
     return i not in only and (i + 1) % int(step) == 0
 
 
+def _moe_block(config: Any, i: int) -> bool:
+    """Gemma 4: routed experts beside the dense MLP of every layer when `enable_moe_block`."""
+    return bool(_get(config, "enable_moe_block"))
+
+
 def _after_dense(config: Any, i: int) -> bool:
     """GLM-4.5 / DeepSeek: the first `first_k_dense_replace` layers are dense."""
     return i >= int(getattr(config, "first_k_dense_replace", 0) or 0)
@@ -89,6 +94,10 @@ class Family:
     shared_experts: bool = False
     rotary_per_type: bool = False  # one rotary table per layer type (Gemma 3)
     linear_attention: bool = False  # layer_types may say "linear_attention"
+    top_k_key: str = "num_experts_per_tok"  # the config field naming how many experts a token takes
+    # Gemma 4's layer inputs: per-layer token embeddings (when hidden_size_per_layer_input is
+    # set) and K/V shared from earlier layers through a dict each pass starts afresh
+    layer_inputs: bool = False
 
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
@@ -101,6 +110,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("glm4_moe", "GLM-4.5", experts=_after_dense, shared_experts=True),
     Family("gpt_oss", "gpt-oss", windows="layer_types", sinks=True, experts=_all),
     Family("gemma3_text", "Gemma 3", windows="layer_types", rotary_per_type=True),
+    Family("gemma4_text", "Gemma 4", windows="layer_types", rotary_per_type=True, experts=_moe_block,
+           shared_experts=True, top_k_key="top_k_experts", layer_inputs=True),
     Family("qwen3_5_text", "Qwen3.5", windows="layer_types", gated_attention=True, linear_attention=True),
     Family("qwen3_5_moe_text", "Qwen3.5-MoE", windows="layer_types", gated_attention=True, linear_attention=True,
            experts=_all, shared_experts=True),
@@ -152,8 +163,14 @@ def layer_kinds(config: Any, name: str = "the model") -> list[LayerKind]:
     """Each decoder layer's kind, from a transformers config object (or a config.json dict).
     UnsupportedModel for an unknown family or a field no model of the family has."""
     family = family_of(_get(config, "model_type"), name)
+    if not isinstance(config, Mapping) and getattr(config, "is_heterogeneous", False):
+        # Gemma 4's config refuses to name one head_dim for layers that differ; the engine's
+        # sizes (planning, ModelShape) take the global value, the cache each layer's own
+        # (causal_lm reads the shapes off the layer modules)
+        config.allow_global_per_layer_attribute_access = True
     n = _whole(config, "num_hidden_layers", name)
-    if _get(config, "use_bidirectional_attention"):
+    # Gemma 4's "vision" makes only image tokens attend both ways: text is read left to right
+    if _get(config, "use_bidirectional_attention") not in (None, False, "vision"):
         raise UnsupportedModel(f"'{name}' attends in both directions (an embedding model); SpecChat runs "
                                "chat models, which read left to right.")
     types: list[str] = ["full_attention"] * n
@@ -177,6 +194,12 @@ def layer_kinds(config: Any, name: str = "the model") -> list[LayerKind]:
         types = ["sliding_attention"] * n
     elif "sliding_attention" in types:
         window = _whole(config, "sliding_window", name)
+    if family.layer_inputs and _get(config, "num_kv_shared_layers"):
+        shared = _whole(config, "num_kv_shared_layers", name)
+        if shared >= n or not set(types[n - shared:]) <= set(types[: n - shared]):
+            raise UnsupportedModel(f"'{name}' shares the keys and values of its last {shared} layers with earlier "
+                                   f"layers that do not compute them (of {n} layers); its config.json is damaged. "
+                                   "Re-download the model.")
     ffn = [family.experts(config, i) for i in range(n)]
     if any(ffn):
         total = num_experts(config)
@@ -185,7 +208,7 @@ def layer_kinds(config: Any, name: str = "the model") -> list[LayerKind]:
         if total is None or total < 1:
             raise UnsupportedModel(f"'{name}' has a config.json whose expert count is {total!r}; it is damaged. "
                                    "Re-download the model.")
-        top_k = _whole(config, "num_experts_per_tok", name)
+        top_k = _whole(config, family.top_k_key, name)
         if top_k > total:
             raise UnsupportedModel(f"'{name}' routes each token to {top_k} experts but has only {total}; its "
                                    "config.json is damaged. Re-download the model.")

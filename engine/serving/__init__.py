@@ -7,8 +7,11 @@ Contract:
   responses, stream chunks, `usage` (with prompt_tokens_details.cached_tokens and SpecChat's
   figures in usage.specchat) and OpenAI-shaped error bodies. Plain data.
 - tools.py: the tool fields of a chat request checked and bounded (tools, tool_choice auto /
-  none, parallel_tool_calls, reasoning_effort, an assistant's tool_calls); "required", named
-  choices and JSON response formats are refused until constrained decoding comes.
+  none / required / a named function, parallel_tool_calls, reasoning_effort, an assistant's
+  tool_calls).
+- constraints.py: `response_format` json_object / json_schema and tool_choice "required" or
+  named as a grammar for the engine's constrained decoding (engine.decoding.grammar), calls in
+  the model's own format (Hermes/Qwen, Llama 3); what the grammar library refuses is a 400.
 - formats.py: the model's chat format read from its template (Hermes/Qwen, Llama 3, Mistral,
   gpt-oss harmony; <think> reasoning) and its answers split into content, reasoning_content
   and tool calls, streamed or whole, the two always agreeing.
@@ -34,5 +37,6 @@ not allowed, 404 unknown model or route, 413 prompt longer than the context (or 
 (or an answer cut by a shutdown), 500 an engine failure.
 
 What it does not do: load models or choose budgets (the caller does, as for `chat`), or import
-Qt. Only remote.py is imported by the app's chat path; it needs no torch.
+Qt. Only remote.py is imported by the app's chat path; it needs no torch (nor does
+protocol.py: grammars are checked with llguidance alone).
 """

@@ -50,6 +50,9 @@ _CHANNEL = re.compile(r"<\|channel\|>\s*([A-Za-z_]+)")
 _RECIPIENT = re.compile(r"\bto=([^\s<]+)")
 _ID_CHARS = string.ascii_letters + string.digits
 
+# tool formats whose calls the server can force under a grammar (engine.serving.constraints)
+GRAMMAR_FORMATS = ("hermes", "llama3")
+
 
 @dataclass(frozen=True)
 class ChatFormat:

@@ -11,14 +11,17 @@ stream_options.include_usage, and vLLM's extras top_k, min_p, repetition_penalty
 checked for its JSON type (a bool is not a number, a float is not a whole number) and its range;
 `max_tokens` above the model's context (MAX_TOKENS_CEILING when the context is not known) is
 refused with a 400 that says the limit, never capped silently. Fields the
-engine cannot honour (logprobs, JSON response formats, the old `functions`, logit_bias, best_of,
-echo, suffix) are refused with a 400 naming them; presence_penalty and frequency_penalty are
-accepted and ignored (clients send them by default), as is everything else OpenAI defines.
+engine cannot honour (logprobs, the old `functions`, logit_bias, best_of, echo, suffix) are
+refused with a 400 naming them; presence_penalty and frequency_penalty are accepted and ignored
+(clients send them by default), as is everything else OpenAI defines. `response_format`
+json_object / json_schema (chats and completions) becomes a grammar the answer is decoded under
+(constraints.py).
 
-Chats also take tools (tools.py checks them): `tools`, `tool_choice` auto / none,
-`parallel_tool_calls`, `reasoning_effort`, assistant messages with `tool_calls` (and
-`reasoning_content`), and `tool` messages whose `tool_call_id` names an earlier call. The
-answers of a model whose chat format has tool calls or reasoning are split by formats.py:
+Chats also take tools (tools.py checks them): `tools`, `tool_choice` auto / none / required / a
+named function (the last two decode under a grammar too), `parallel_tool_calls`,
+`reasoning_effort`, assistant messages with `tool_calls` (and `reasoning_content`), and `tool`
+messages whose `tool_call_id` names an earlier call. The answers of a model whose chat format
+has tool calls or reasoning are split by formats.py:
 `message.tool_calls` with finish_reason "tool_calls", `reasoning_content` beside `content`, and
 in a stream the same as deltas (a call as two: its id and name, then its arguments).
 """
@@ -33,8 +36,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from engine.errors import InvalidRequest
+from engine.serving.constraints import build_constraint
 from engine.serving.formats import OutputDelta, OutputSettings, ParsedOutput, chat_format
 from engine.serving.tools import (
+    ToolChoice,
     ToolError,
     check_id,
     check_template,
@@ -49,6 +54,7 @@ from engine.types import (
     FinishReason,
     GenerationRequest,
     Message,
+    OutputConstraint,
     ToolCall,
     ToolSpec,
 )
@@ -134,12 +140,8 @@ def parse_request(kind: Kind, body: object, defaults: RequestDefaults, context_l
     for name, why in REFUSED.items():
         if body.get(name) not in (None, False, 0, [], {}):
             raise bad_request(f"'{name}' is not supported by this server: {why}.", name)
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type", "text") != "text"):
-        raise bad_request("'response_format' other than text needs decoding constrained by a grammar, which this "
-                          "server does not do yet.", "response_format")
     try:
-        tools, output, effort = _tool_fields(kind, body, chat_template)
+        tools, output, effort, constraint = _tool_fields(kind, body, chat_template)
     except ToolError as exc:
         raise bad_request(exc.message, exc.param) from None
     model = _optional(body, "model", str)
@@ -181,7 +183,7 @@ def parse_request(kind: Kind, body: object, defaults: RequestDefaults, context_l
         sampling = replace(sampling, seed=None, **values)
         first = replace(base, messages=messages, raw_prompt=raw, stop=stop, sampling=sampling,
                         max_new_tokens=base.max_new_tokens if max_tokens is None else max_tokens, tools=tools,
-                        reasoning_effort=effort)
+                        reasoning_effort=effort, constraint=constraint)
     except InvalidRequest as exc:  # the settings validate themselves (engine.types)
         raise bad_request(exc.user_message) from exc
     if n > 1 and sampling.greedy:
@@ -195,24 +197,26 @@ def parse_request(kind: Kind, body: object, defaults: RequestDefaults, context_l
     return ApiRequest(kind, model, choices, stream, include_usage, output)
 
 
-def _tool_fields(kind: Kind, body: Mapping[str, Any],
-                 chat_template: str) -> tuple[tuple[ToolSpec, ...], OutputSettings | None, str | None]:
+def _tool_fields(kind: Kind, body: Mapping[str, Any], chat_template: str) -> tuple[
+        tuple[ToolSpec, ...], OutputSettings | None, str | None, OutputConstraint | None]:
     """The tools shown to the model (none with tool_choice "none"), how its answers are split,
-    and the reasoning effort for its template."""
+    the reasoning effort for its template, and the grammar its answer must match
+    (constraints.py: response_format, tool_choice "required" or named)."""
     if kind == "completion":
         for name in ("tools", "tool_choice", "reasoning_effort"):
             if body.get(name) not in (None, []):
                 raise ToolError(f"'{name}' needs a chat: use /v1/chat/completions.", name)
-        return (), None, None
+        return (), None, None, build_constraint(body, None, (), ToolChoice("none"), None)
     fmt = chat_format(chat_template)
     tools = parse_tools(body.get("tools"), fmt, bool(chat_template))
     choice = parse_tool_choice(body.get("tool_choice"), tools)
     max_calls = parse_parallel(body.get("parallel_tool_calls"))
     effort = parse_reasoning_effort(body.get("reasoning_effort"))
-    if choice == "none":
+    if choice.mode == "none":
         tools = ()
+    constraint = build_constraint(body, fmt, tools, choice, max_calls)
     output = OutputSettings(fmt, bool(tools), max_calls) if tools or fmt.reasoning else None
-    return tools, output, effort
+    return tools, output, effort, constraint
 
 
 def _max_tokens(body: Mapping[str, Any], kind: Kind, context_length: int) -> int | None:

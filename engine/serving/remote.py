@@ -43,6 +43,7 @@ from urllib.parse import urlsplit
 import httpx2
 
 from engine.errors import (
+    InvalidRequest,
     MalformedInput,
     RemoteDisconnected,
     RemoteError,
@@ -132,6 +133,9 @@ class RemoteEngine:
                  cancel: threading.Event | None = None) -> Iterator[TokenEvent | Completion]:
         """Send the request and wait for the server's status (errors raise here); the answer
         streams from the returned iterator."""
+        if request.constraint is not None:  # its grammar is SpecChat's own: nothing to forward it as
+            raise InvalidRequest(f"{request.constraint.what} needs constrained decoding, which a remote model is not "
+                                 "asked for here: use a local model.")
         cancel = cancel or threading.Event()
         chat = request.raw_prompt is None
         path = "/chat/completions" if chat else "/completions"

@@ -6,9 +6,9 @@ tools, names as OpenAI allows them (^[a-zA-Z0-9_-]{1,64}$, no two alike), a sche
 MAX_SCHEMA_BYTES as JSON and MAX_SCHEMA_DEPTH deep (measured without recursion, so a schema
 built 10,000 deep in memory is refused like one sent that deep), ids of at most MAX_ID
 characters, a call's arguments a JSON object read with engine.untrusted.parse_json. A schema's
-`$ref`s are not followed (nothing here resolves them, so a recursive schema costs nothing); its
-`strict` flag is accepted and not enforced: constrained decoding is a later step, as are
-`tool_choice` "required" and a named function, which are refused with a 400 that says so.
+`$ref`s are not followed here (nothing here resolves them, so a recursive schema costs nothing);
+its `strict` flag is accepted: with tool_choice "auto" the model's calls are read as written, and
+with "required" or a named function (constraints.py) every call follows its schema anyway.
 
 What this does not do: read the model's answers (formats.py) or the messages' other fields
 (protocol.py).
@@ -17,6 +17,7 @@ What this does not do: read the model's answers (formats.py) or the messages' ot
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from engine.errors import MalformedInput
@@ -32,9 +33,15 @@ MAX_DESCRIPTION = 32 * KIB
 MAX_ID = 256
 MAX_CALLS = 128  # calls in one assistant message
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
-GRAMMAR_LATER = ("needs decoding constrained by a grammar, which this server does not do yet; use "
-                 "tool_choice \"auto\" (the model decides whether to call)")
-ToolChoice = Literal["auto", "none"]
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    """`tool_choice`: "auto" (the model decides), "none" (no tools shown), "required" (one call or
+    more) or "named" (one call of the function `name`)."""
+
+    mode: Literal["auto", "none", "required", "named"]
+    name: str = ""
 
 
 class ToolError(Exception):
@@ -105,19 +112,28 @@ def check_template(fmt: ChatFormat, template_known: bool, param: str) -> None:
 
 
 def parse_tool_choice(raw: object, tools: tuple[ToolSpec, ...]) -> ToolChoice:
-    """`tool_choice` -> "auto" or "none" (the default: "auto" with tools, "none" without)."""
+    """`tool_choice` (the default: "auto" with tools, "none" without); a named function must be
+    one of the tools."""
     if raw is None:
-        return "auto" if tools else "none"
+        return ToolChoice("auto" if tools else "none")
     if raw == "none":
-        return "none"
+        return ToolChoice("none")
     if not tools:
         raise ToolError("'tool_choice' is only allowed when 'tools' are given.", "tool_choice")
     if raw == "auto":
-        return "auto"
+        return ToolChoice("auto")
     if raw == "required":
-        raise ToolError(f"tool_choice \"required\" {GRAMMAR_LATER}.", "tool_choice")
-    if isinstance(raw, dict) and raw.get("type") in ("function", "allowed_tools", "custom"):
-        raise ToolError(f"A tool_choice that names a function {GRAMMAR_LATER}.", "tool_choice")
+        return ToolChoice("required")
+    if isinstance(raw, dict) and raw.get("type") == "function":
+        function = raw.get("function")
+        name = check_name(function.get("name") if isinstance(function, dict) else None, "tool_choice.function.name",
+                          "tool_choice")
+        if not any(t.name == name for t in tools):
+            raise ToolError(f"tool_choice names the function '{name}', which is not among the tools.", "tool_choice")
+        return ToolChoice("named", name)
+    if isinstance(raw, dict) and raw.get("type") in ("allowed_tools", "custom"):
+        raise ToolError(f"tool_choice of type '{raw['type']}' is not supported: use \"auto\", \"required\" or a "
+                        "named function.", "tool_choice")
     raise ToolError("'tool_choice' must be \"auto\", \"none\", \"required\" or {\"type\": \"function\", \"function\": "
                     "{\"name\": ...}}.", "tool_choice")
 

@@ -58,7 +58,8 @@ def test_defaults_fill_what_a_request_leaves_out() -> None:
     ({"messages": [{"role": "user", "content": "x"}], "n": 9}, "n"),
     ({"messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": True}}, "stream_options"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
-    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "if": {}}}}}, "response_format"),
 ])
 def test_bad_bodies_are_400_naming_the_field(body: object, param: str | None) -> None:
     with pytest.raises(ApiError) as exc:

@@ -94,7 +94,8 @@ def test_hostile_tools_are_400_and_the_server_goes_on(client: openai.OpenAI, ser
         deep = {"type": "object", "properties": {"x": deep}}
     for body in ({"tools": [{"type": "function", "function": {"name": "rm -rf /"}}]},
                  {"tools": [{"type": "function", "function": {"name": "f", "parameters": deep}}]},
-                 {"tools": [WEATHER], "tool_choice": "required"},
+                 {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
+                 {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/x"}}}},
                  {"messages": [USER, {"role": "tool", "tool_call_id": "call_nothing", "content": "x"}]}):
         with pytest.raises(openai.BadRequestError) as exc:
             client.chat.completions.create(**{"model": qwen_model.name, "messages": [USER], **body})  # type: ignore[call-overload]
