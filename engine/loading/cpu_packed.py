@@ -11,6 +11,10 @@ per weight here against four for fp32. The values are the file's own (scale * co
 minimum is the de-quantised value bit for bit); only the order of a product's sums differs
 from a dense product.
 
+An MoE layer's experts (3-D (E, out, in) parameters; fused gate_up_proj from two GGUF tensors)
+are no Linear weights: the kernel multiplies 2-D Linears, so experts are de-quantised once at
+load into the compute dtype, like the norms.
+
 No kernel (no C compiler, Windows, SPECCHAT_NO_KERNELS=1) leaves everything de-quantised, as
 de-quantising at load did before kernels existed (materialise.unpack_at_load).
 
@@ -21,6 +25,7 @@ files (engine.loading.gguf).
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 from torch import nn
@@ -67,9 +72,9 @@ def kernel_bytes(layout: LayerLayout, layer: nn.Module) -> int:
     total = 0
     esize = torch.empty((), dtype=layout.compute_dtype).element_size()
     for e in layout.entries:
-        if e.side:
+        if not e.stands_for_param:
             continue
-        numel = e.shape[0] * (e.shape[1] if len(e.shape) > 1 else 1)
+        numel = math.prod(e.shape)
         if eligible(layer, e):
             values, _ = gguf_blocks.block_size(e.qtype)
             group = 16 if e.qtype == gguf_blocks.Q.Q6_K else 32
@@ -99,8 +104,8 @@ def place_layer(layer: nn.Module, layout: LayerLayout, packed: torch.Tensor, unp
             parent = layer.get_submodule(parent_name) if parent_name else layer
             setattr(parent, child, PackedLinear(weight))
             packed_count += 1
-        else:
-            dense[e.name] = torch.empty(e.shape, dtype=dtype, device=device)
+        elif e.param not in dense:  # every part of a fused parameter fills one tensor
+            dense[e.param] = torch.empty(e.shape, dtype=dtype, device=device)
     if dense:
         unpacker(layout, packed, dense, only=set(dense))
     for name, value in dense.items():  # biases land on the PackedLinear that replaced their Linear

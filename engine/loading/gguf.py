@@ -4,9 +4,25 @@ maps them, its decoder layers kept in their own blocks, its tokenizer.
 The header is read from a memory map (engine/store/gguf_header.py). The config comes from
 transformers' table of GGUF keys (GGUF_CONFIG_MAPPING), tensor names from gguf-py's name map as transformers applies
 it (get_gguf_hf_weights_map) and llama.cpp's value transforms from transformers' tensor
-processors: for the supported architectures a row permutation (Llama's q/k), which is found by
-running the processor on row numbers and then applied to the rows after de-quantisation, so the
-blocks themselves stay as the file has them.
+processors, found by running each processor on row (and expert) numbers (`_conversion`):
+
+- a row permutation (Llama's q/k), applied to the rows after de-quantisation, so the blocks
+  themselves stay as the file has them;
+- a part of a parameter: an MoE layer's fused `mlp.experts.gate_up_proj` (E, 2I, H) is
+  llama.cpp's `ffn_gate_exps` and `ffn_up_exps` (E, I, H each; rows [0, I) and [I, 2I) of each
+  expert, as transformers' Qwen2MoeTensorProcessor narrows them in). Each stays a tensor of its
+  own in the layout (`name#k`, layout.py) and de-quantises into its slice. `ffn_down_exps`
+  (E, H, I) and the router `ffn_gate_inp` (E, H) are the parameters as they are;
+- a change of a 1-D tensor's values (Gemma's norms, which llama.cpp stores plus one): the
+  processor itself is run on the de-quantised values at load (norms are small and dense).
+
+llama.cpp's architecture names map to transformers' as load_gguf_checkpoint maps them
+(qwen3moe -> qwen3_moe; a gemma3 file is its text model, gemma3_text); a llama file with experts
+is Mixtral (MixtralTensorProcessor: transformers' own two processors, which it does not combine
+itself, so it loads no Mixtral GGUF). transformers' key table
+has no expert width for Qwen-MoE (its models then get Qwen3-30B-A3B's 768); it is read from
+`expert_feed_forward_length` here (EXTRA_KEYS); nor Gemma 3's attention scale and rope scaling,
+which are read as llama.cpp reads them (`_gemma3_rules`).
 
 Decoder layers keep their bytes as the file stores them: one layout per layer (layout.py, kind
 "gguf") whose offsets are the tensors' offsets in the file, so a layer is one span of the file:
@@ -26,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import math
 import mmap
 import os
 import shutil
@@ -33,6 +50,7 @@ import sys
 import tempfile
 import warnings
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -48,6 +66,8 @@ from transformers.integrations.ggml import (
 )
 from transformers.modeling_gguf_pytorch_utils import (
     TENSOR_PROCESSORS,
+    LlamaTensorProcessor,
+    Qwen2MoeTensorProcessor,
     TensorProcessor,
     get_gguf_hf_weights_map,
 )
@@ -56,6 +76,7 @@ from engine import paths
 from engine.errors import UnsupportedModel
 from engine.offload import gguf_blocks
 from engine.offload.layout import Entry, LayerLayout, pack_entry
+from engine.store.discover import GGUF_RUNS, RUNNABLE
 from engine.store.gguf_header import CorruptGGUF, GGUFHeader, TensorInfo, read_model
 from engine.types import Quant
 
@@ -85,21 +106,83 @@ def isolated(gguf: Path) -> Iterator[Path]:
         yield link
 
 
+# llama.cpp's architecture name -> transformers' (load_gguf_checkpoint's `updated_architecture`)
+HF_ARCH = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "minimax-m2": "minimax_m2"}
+# a model type transformers renames after reading the keys: a Gemma 3 GGUF holds its text model
+HF_MODEL_TYPE = {"gemma3": "gemma3_text", "gemma4": "gemma4_text"}
+# keys transformers' table leaves out that the model cannot do without: an expert's width
+# (transformers falls back to Qwen3-30B-A3B's 768, which no other Qwen3-MoE has)
+EXTRA_KEYS = {"qwen3_moe": {"expert_feed_forward_length": "moe_intermediate_size"},
+              "qwen2_moe": {"expert_feed_forward_length": "moe_intermediate_size"},
+              # llama.cpp stores Mixtral as llama with experts; transformers reads no GGUF Mixtral
+              "mixtral": {"expert_count": "num_local_experts", "expert_used_count": "num_experts_per_tok"}}
+
+
+def _gemma3_rules(header: GGUFHeader, config: dict[str, Any]) -> None:
+    """What llama.cpp runs a Gemma 3 file with that transformers' key table leaves at Gemma-3-4B's
+    defaults: the attention scale (1/sqrt(head_dim), but 1/sqrt(hidden / heads) for the 62-layer
+    27B: query_pre_attn_scalar 168 there, not 256) and the global layers' rope scaling (linear,
+    x8 on 4B-27B) from `rope.scaling.type` / `rope.scaling.factor`."""
+    heads, hidden = config.get("num_attention_heads"), config.get("hidden_size")
+    if config.get("num_hidden_layers") == 62 and isinstance(heads, int) and isinstance(hidden, int) and heads:
+        config["query_pre_attn_scalar"] = hidden // heads
+    elif config.get("head_dim"):
+        config["query_pre_attn_scalar"] = config["head_dim"]
+    kind, factor = header.metadata.get("gemma3.rope.scaling.type"), header.metadata.get("gemma3.rope.scaling.factor")
+    if kind not in (None, "none") and factor is not None:
+        config["rope_scaling"] = {"rope_type": str(kind), "factor": float(factor)}
+
+
+def _is_mixtral(header: GGUFHeader) -> bool:
+    """llama.cpp's Mixtral: a llama GGUF with routed experts."""
+    return header.architecture == "llama" and bool(header.metadata.get("llama.expert_count"))
+
+
+class MixtralTensorProcessor(LlamaTensorProcessor):
+    """transformers' Llama processor (q/k rows) with its Qwen-MoE handling of 3-D experts (gate
+    and up narrowed into gate_up_proj, down as it is): a Mixtral GGUF is llama.cpp's llama
+    architecture with experts, which transformers itself does not load."""
+
+    def __init__(self, config: dict | None = None) -> None:
+        super().__init__(config=config)
+        self._experts = Qwen2MoeTensorProcessor(config=config)
+
+    def preprocess_name(self, hf_name: str) -> str:
+        return self._experts.preprocess_name(hf_name)
+
+    def perform_fallback_tensor_mapping(self, gguf_to_hf_name_map: dict[str, str], suffix: str, qual_name: str,
+                                        hf_name: str) -> None:
+        self._experts.perform_fallback_tensor_mapping(gguf_to_hf_name_map, suffix, qual_name, hf_name)
+
+    def process(self, weights: Any, name: str, **kwargs: Any) -> Any:
+        if "_exps." in name:
+            return self._experts.process(weights, name, **kwargs)
+        return super().process(weights, name, **kwargs)
+
+
 def gguf_config(header: GGUFHeader) -> PretrainedConfig:
     """The transformers config of a GGUF, from its metadata through transformers' own table."""
     arch = header.architecture
-    if arch not in GGUF_CONFIG_MAPPING:
-        raise UnsupportedModel(f"'{header.path.name}' is a '{arch or 'unknown'}' GGUF, an architecture "
-                               "transformers cannot map; SpecChat runs GGUF files of llama, mistral, qwen2 and qwen3 models.")
+    hf_arch = HF_ARCH.get(arch or "", arch or "")
+    if arch not in RUNNABLE or hf_arch not in GGUF_CONFIG_MAPPING:
+        raise UnsupportedModel(f"'{header.path.name}' is a '{arch or 'unknown'}' GGUF; SpecChat runs GGUF files "
+                               f"of {GGUF_RUNS} models.")
+    mixtral = _is_mixtral(header)
     # GGUF key -> config field (None: not mapped); transformers' literal table reads as object
     table = {prefix: cast("dict[str, str | None]", GGUF_CONFIG_MAPPING[prefix])
-             for prefix in ("general", "tokenizer", arch)}
-    config: dict[str, Any] = dict(GGUF_CONFIG_DEFAULTS_MAPPING.get(arch, {}))
+             for prefix in ("general", "tokenizer")}
+    table[arch or ""] = {**cast("dict[str, str | None]", GGUF_CONFIG_MAPPING[hf_arch]),
+                         **EXTRA_KEYS.get("mixtral" if mixtral else hf_arch, {})}
+    config: dict[str, Any] = dict(GGUF_CONFIG_DEFAULTS_MAPPING.get(hf_arch, {}))
     for key, value in header.metadata.items():
         prefix, _, rest = key.partition(".")
         target = table.get(prefix, {}).get(rest)
         if target not in (None, -1):
             config[target] = value.tolist() if isinstance(value, np.ndarray) else value
+    if config.get("model_type") == arch:
+        config["model_type"] = "mixtral" if mixtral else HF_MODEL_TYPE.get(hf_arch, hf_arch)
+    if arch == "gemma3":
+        _gemma3_rules(header, config)
     # as transformers decides it: a file without an output matrix ties the head to the embeddings
     config["tie_word_embeddings"] = header.tensor("output.weight") is None
     if "vocab_size" not in config and isinstance(header.metadata.get("tokenizer.ggml.tokens"), int):
@@ -157,8 +240,12 @@ class GGUFWeights:
         except BaseException:
             self.close()
             raise
-        self._by_name: dict[str, TensorInfo] = {}
+        self._by_name: dict[str, TensorInfo] = {}  # a parameter's tensor, or a part's (`name#k`)
         self._orders: dict[str, tuple[int, ...] | None] = {}
+        # a parameter made of several tensors (fused experts): its parts' names and row ranges
+        self._parts: dict[str, list[tuple[str, tuple[int, int]]]] = {}
+        self._valued: set[str] = set()  # 1-D tensors whose values transformers' processor changes
+        self._processor = TensorProcessor()
         # layer -> (part, offset) of its span, for layers laid out as in the file
         self._spans: dict[int, tuple[int, int]] = {}
 
@@ -166,41 +253,81 @@ class GGUFWeights:
     def bind(self, hf: PreTrainedModel) -> None:
         """Map the file's tensor names onto `hf` (a model built from `config`, meta is fine)."""
         arch = self.header.architecture
-        processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=self.config.to_dict())
+        kind = MixtralTensorProcessor if _is_mixtral(self.header) else TENSOR_PROCESSORS.get(arch, TensorProcessor)
+        self._processor = processor = kind(config=self.config.to_dict())
         names = get_gguf_hf_weights_map(_Names(hf), processor, model_type=arch,
                                         num_layers=self.config.num_hidden_layers)
         shared: dict[tuple[int, ...], tuple[int, ...]] = {}
+        parts: dict[str, list[tuple[tuple[int, int], int, TensorInfo]]] = {}
         for t in self.header.tensors:
-            hf_name = names.get(t.name)
+            # fused experts map without their suffix (transformers' fallback mapping)
+            hf_name = names.get(t.name, names.get(t.name.removesuffix(".weight")))
             if hf_name is None:
                 continue  # e.g. llama.cpp's precomputed rope_freqs: transformers computes its own
+            conv = _conversion(processor, t, names)
+            if conv.part is not None:
+                parts.setdefault(hf_name, []).append((conv.part, conv.rows, t))
+                continue
             self._by_name[hf_name] = t
-            order = _row_order(processor, t, names)
+            if conv.valued:
+                self._valued.add(hf_name)
+            order = conv.order
             self._orders[hf_name] = None if order is None else shared.setdefault(order, order)
-        for name, p in list(hf.named_parameters()):
-            found = self._by_name.get(name)
-            if found is None and not (name == "lm_head.weight" and self.config.tie_word_embeddings):
+        params = dict(hf.named_parameters())
+        for hf_name, found in parts.items():
+            self._bind_parts(hf_name, found, params.get(hf_name))
+        for name, p in params.items():
+            if name in self._parts:
+                continue
+            found_t = self._by_name.get(name)
+            if found_t is None and ".experts." in name and self.header.tensor("blk.0.ffn_gate.0.weight") is not None:
+                raise UnsupportedModel(f"'{self.path.name}' stores each expert as a tensor of its own (llama.cpp's "
+                                       "conversions before 2024-04), which SpecChat does not read; download a newer "
+                                       "conversion of the model.")
+            if found_t is None and not (name == "lm_head.weight" and self.config.tie_word_embeddings):
                 raise CorruptGGUF(f"{self.path.name} has no tensor for {name}")
-            if found is not None and found.shape != tuple(p.shape):
-                raise CorruptGGUF(f"{self.path.name}: {found.name} is {found.shape}, the model needs {tuple(p.shape)}")
+            if found_t is not None and found_t.shape != tuple(p.shape):
+                raise CorruptGGUF(f"{self.path.name}: {found_t.name} is {found_t.shape}, the model needs {tuple(p.shape)}")
+
+    def _bind_parts(self, name: str, found: list[tuple[tuple[int, int], int, TensorInfo]],
+                    p: nn.Parameter | None) -> None:
+        """A parameter filled by several tensors (fused experts: gate rows, then up rows): they
+        must tile its rows exactly, each with the parameter's other dims."""
+        found.sort(key=lambda f: f[0])
+        if p is None:
+            raise CorruptGGUF(f"{self.path.name}: {found[0][2].name} fills {name}, which the model does not have")
+        shape = tuple(p.shape)
+        at = 0
+        for k, ((a, b), rows, t) in enumerate(found):
+            want = (*shape[:-2], b - a, shape[-1])
+            if a != at or rows != shape[-2] or t.shape != want:
+                raise CorruptGGUF(f"{self.path.name}: {t.name} is {t.shape}, rows {a}..{b} of {rows}; the model's "
+                                  f"{name} is {shape}")
+            self._by_name[f"{name}#{k}"] = t
+            self._orders[f"{name}#{k}"] = None
+            at = b
+        if at != shape[-2]:
+            raise CorruptGGUF(f"{self.path.name} has rows 0..{at} of {shape[-2]} of {name}")
+        self._parts[name] = [(f"{name}#{k}", r) for k, (r, _, _) in enumerate(found)]
 
     def has(self, name: str) -> bool:
-        return name in self._by_name
+        return name in self._by_name or name in self._parts
 
     def types(self) -> dict[str, int]:
-        """ggml type counts of the decoder layers' tensors, by type name (for messages)."""
+        """ggml type counts of the decoder layers' matrices and experts, by type name (for messages)."""
         counts: dict[str, int] = {}
         for name, t in self._by_name.items():
-            if name.startswith(LAYERS) and len(t.shape) == 2:
+            if name.startswith(LAYERS) and len(t.shape) >= 2:
                 counts[t.type_name] = counts.get(t.type_name, 0) + 1
         return counts
 
     # -- tensors --
     def blocks(self, name: str) -> tuple[torch.Tensor, int, tuple[int, ...], torch.Tensor | None] | None:
         """Tensor `name` as the file stores it: (its bytes, a view of the mapping; the ggml type;
-        the shape; the row order to undo, or None); None when the file has no such tensor."""
+        the shape; the row order to undo, or None); None when the file has no such tensor (or
+        it is made of parts, or needs a value transform)."""
         t = self._by_name.get(name)
-        if t is None:
+        if t is None or name in self._valued:
             return None
         order = self._orders.get(name)
         return self.raw(t), int(t.qtype), tuple(t.shape), None if order is None else torch.tensor(order)
@@ -210,14 +337,34 @@ class GGUFWeights:
 
     def load(self, name: str, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
         """Tensor `name` de-quantised into `dtype` on `device` (de-quantised where it will live)."""
-        t = self._by_name[name]
-        out = torch.empty(t.shape, dtype=dtype, device=device)
+        parts = self._parts.get(name)
+        shape = self._by_name[name].shape if parts is None else self._part_param_shape(name)
+        out = torch.empty(shape, dtype=dtype, device=device)
         self.dequantize_to(name, out)
         return out
 
+    def _part_param_shape(self, name: str) -> tuple[int, ...]:
+        last_key, (_, rows) = self._parts[name][-1]
+        t = self._by_name[last_key]
+        return (*t.shape[:-2], rows, t.shape[-1])
+
     def dequantize_to(self, name: str, out: torch.Tensor) -> None:
+        parts = self._parts.get(name)
+        if parts is not None:  # each part into its rows of every matrix
+            for key, (a, b) in parts:
+                self.dequantize_to(key, out.narrow(-2, a, b - a))
+            return
         t = self._by_name[name]
         order = self._orders[name]
+        if name in self._valued:  # transformers' processor on the values, in fp32 as it runs it
+            dense = torch.empty(t.shape, dtype=torch.float32)
+            self._dequantize(t, None, dense)
+            out.copy_(torch.from_numpy(np.asarray(self._processor.process(weights=dense.numpy(), name=t.name).weights)))
+        else:
+            self._dequantize(t, order, out)
+        self._drop(t.part, t.offset, t.offset + t.nbytes)
+
+    def _dequantize(self, t: TensorInfo, order: tuple[int, ...] | None, out: torch.Tensor) -> None:
         if t.qtype in gguf_blocks.SUPPORTED:
             raw = self.raw(t).to(out.device)
             gguf_blocks.dequantize_into(raw, t.qtype, out, None if order is None else torch.tensor(order, device=out.device))
@@ -225,7 +372,6 @@ class GGUFWeights:
             blocks = np.frombuffer(self._maps[t.part], dtype=np.uint8, count=t.nbytes, offset=t.offset)
             dense = torch.from_numpy(gguf_quants.dequantize(blocks, GGMLQuantizationType(t.qtype))).reshape(t.shape)
             out.copy_(dense if order is None else dense[list(order)])
-        self._drop(t.part, t.offset, t.offset + t.nbytes)
 
     # -- decoder layers --
     def layouts(self, hf: PreTrainedModel, dtype: torch.dtype, quant: Quant) -> list[LayerLayout]:
@@ -246,13 +392,16 @@ class GGUFWeights:
         entries: list[Entry] = []
         infos = []
         for name, p in layer.named_parameters():
-            t = self._by_name[f"{LAYERS}{i}.{name}"]
-            infos.append(t)
-            if t.qtype in gguf_blocks.SUPPORTED:
-                entries.append(Entry(name, "gguf", t.shape, torch.uint8, t.offset, t.nbytes, t.qtype,
-                                     self._orders[f"{LAYERS}{i}.{name}"]))
-            else:
-                entries.append(Entry(name, "dense", t.shape, dtype, 0, p.numel() * esize))
+            full = f"{LAYERS}{i}.{name}"
+            parts = self._parts.get(full, [(full, None)])
+            tensors = [self._by_name[key] for key, _ in parts]
+            infos += tensors
+            if all(t.qtype in gguf_blocks.SUPPORTED for t in tensors) and full not in self._valued:
+                for (key, rows), t in zip(parts, tensors):
+                    entries.append(Entry(name + key[len(full):], "gguf", tuple(p.shape), torch.uint8, t.offset,
+                                         t.nbytes, t.qtype, self._orders[key], rows))
+            else:  # de-quantised at load (a type only gguf-py reads, or values transformers changes)
+                entries.append(Entry(name, "dense", tuple(p.shape), dtype, 0, p.numel() * esize))
         part = infos[0].part
         start = min(t.offset for t in infos)
         end = max(t.offset + t.nbytes for t in infos)
@@ -261,8 +410,7 @@ class GGUFWeights:
                    and all(t.part == part for t in infos))
         if in_file:
             self._spans[i] = (part, start)
-            rel = [Entry(e.name, e.kind, e.shape, e.dtype, e.offset - start, e.nbytes, e.qtype, e.row_order)
-                   for e in entries]
+            rel = [replace(e, offset=e.offset - start) for e in entries]
             return LayerLayout.packed(rel, dtype, "gguf", span=end - start)
         return LayerLayout.packed(entries, dtype, "gguf")  # our own offsets: packed tensor by tensor
 
@@ -275,7 +423,7 @@ class GGUFWeights:
             self._drop(part, start, start + layout.nbytes)
             return
         for e in layout.entries:
-            if e.kind == "gguf":
+            if e.kind == "gguf":  # a part's bytes are its tensor's: `name#k` is its key too
                 layout.view(buf, e).copy_(self.raw(self._by_name[prefix + e.name]))
             elif e.kind == "nf4":
                 pack_entry(layout, buf, e.name, self.load(prefix + e.name, layout.compute_dtype, work))
@@ -331,18 +479,52 @@ class _Names:
         return iter(())
 
 
-def _row_order(processor: TensorProcessor, t: TensorInfo, names: dict[str, str]) -> tuple[int, ...] | None:
-    """The row permutation transformers' processor applies to tensor t (None: none), found by
-    processing row numbers. Any other transform cannot be applied to packed blocks: refused."""
-    rows = t.shape[0]
-    probe = np.arange(rows, dtype=np.int64).reshape(rows, *([1] if len(t.shape) > 1 else []))
-    out = processor.process(weights=probe, name=t.name, tensor_key_mapping=names, parsed_parameters={"tensors": {}})
-    got = None if out.weights is None else np.asarray(out.weights).reshape(-1)
-    if out.name != t.name or got is None or got.shape != (rows,) or sorted(got.tolist()) != list(range(rows)):
-        raise UnsupportedModel(f"The GGUF tensor {t.name} needs a conversion SpecChat cannot apply to packed "
+@dataclass(frozen=True)
+class _Conversion:
+    """What transformers' processor does to one tensor of the file, as it can be kept packed."""
+
+    order: tuple[int, ...] | None = None  # the rows permuted: stored row order[j] becomes row j
+    part: tuple[int, int] | None = None  # rows [a, b) of each matrix of a parameter of `rows` rows
+    rows: int = 0
+    valued: bool = False  # a 1-D tensor whose values it changes (Gemma's norms): run at load
+
+
+def _conversion(processor: TensorProcessor, t: TensorInfo, names: dict[str, str]) -> _Conversion:
+    """transformers' processing of tensor t, found by running its processor on row numbers (and
+    expert numbers: a (E, rows, 1) probe for 3-D experts). A row permutation (Llama's q/k), a
+    part of a fused parameter (Qwen-MoE's gate and up experts, narrowed into gate_up_proj) and
+    a change of a 1-D tensor's values (Gemma's norms, stored + 1) are kept; any other transform
+    cannot be applied to packed blocks: refused."""
+    refused = UnsupportedModel(f"The GGUF tensor {t.name} needs a conversion SpecChat cannot apply to packed "
                                "weights; this architecture is not supported.")
+    rows = t.shape[-2] if len(t.shape) > 1 else t.shape[0]
+    lead = t.shape[:-2] if len(t.shape) > 2 else ()
+    probe = np.arange(1, math.prod(lead) * rows + 1, dtype=np.int64).reshape(*lead, rows, *([1] if len(t.shape) > 1 else []))
+    parsed: dict[str, dict[str, Any]] = {"tensors": {}}
+    out = processor.process(weights=probe, name=t.name, tensor_key_mapping=names, parsed_parameters=parsed)
+    if out.name is None and len(parsed["tensors"]) == 1:  # stored into transformers' own parameter
+        got = np.asarray(next(iter(parsed["tensors"].values())))
+    elif out.name == t.name and out.weights is not None and not parsed["tensors"]:
+        got = np.asarray(out.weights)
+    else:
+        raise refused
     if len(t.shape) == 1:
-        if not np.array_equal(got, probe.reshape(-1)):
-            raise UnsupportedModel(f"The GGUF tensor {t.name} needs a conversion SpecChat does not apply.")
-        return None
-    return None if np.array_equal(got, np.arange(rows)) else tuple(int(x) for x in got)
+        if got.shape != probe.shape:
+            raise refused
+        return _Conversion(valued=not np.array_equal(got, probe))
+    if got.ndim == probe.ndim and got.shape[:-2] == probe.shape[:-2] and got.shape[-2] > rows and got.shape[-1] == 1:
+        filled = np.flatnonzero((got != 0).reshape(-1, got.shape[-2]).any(0))
+        a = int(filled[0]) if filled.size else 0
+        if filled.size == rows and int(filled[-1]) == a + rows - 1 and np.array_equal(got[..., a:a + rows, :], probe):
+            return _Conversion(part=(a, a + rows), rows=int(got.shape[-2]))
+        raise refused
+    if got.shape != probe.shape:
+        raise refused
+    if len(t.shape) > 2:
+        if not np.array_equal(got, probe):
+            raise refused
+        return _Conversion()
+    flat = got.reshape(-1) - 1
+    if sorted(flat.tolist()) != list(range(rows)):
+        raise refused
+    return _Conversion(order=None if np.array_equal(flat, np.arange(rows)) else tuple(int(x) for x in flat))

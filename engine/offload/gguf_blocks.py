@@ -237,7 +237,12 @@ def dequantize_into(data: torch.Tensor, qtype: int, out: torch.Tensor,
     """Fill `out` (rows, cols) or (cols,), any dtype, on data's device, from the bytes of a tensor
     stored row after row. `row_order[j]` is the stored row that becomes row j (llama.cpp stores
     Llama's q/k rows permuted); None keeps the order. Rows are de-quantised about `chunk_values`
-    values at a time (x8 on a GPU)."""
+    values at a time (x8 on a GPU). `out` may be a strided slice of a larger tensor along its
+    second-last dim (a part of fused experts, (E, rows of a part, cols)): it is filled a few
+    whole matrices at a time."""
+    if out.dim() > 2 and not out.is_contiguous():
+        _dequantize_matrices(data, qtype, out, row_order, chunk_values)
+        return
     out2 = out.reshape(-1, out.shape[-1])
     rows, cols = out2.shape
     if qtype in FLOATS:
@@ -252,3 +257,18 @@ def dequantize_into(data: torch.Tensor, qtype: int, out: torch.Tensor,
         end = min(rows, r + step)
         src = stored_rows[r:end] if row_order is None else stored_rows[row_order[r:end]]
         out2[r:end].copy_(dequantize(src.reshape(-1), qtype).reshape(end - r, cols))
+
+
+def _dequantize_matrices(data: torch.Tensor, qtype: int, out: torch.Tensor, row_order: torch.Tensor | None,
+                         chunk_values: int) -> None:
+    """dequantize_into for an `out` (E, rows, cols) whose matrices are not adjacent (any strides):
+    a few whole matrices at a time through a contiguous buffer."""
+    assert row_order is None and out.dim() == 3, "parts of (E, rows, cols) experts, in stored row order"
+    n, rows, cols = out.shape
+    per_matrix = data.numel() // n
+    step = max(1, chunk_values * (8 if data.device.type == "cuda" else 1) // (rows * cols))
+    for m in range(0, n, step):
+        end = min(n, m + step)
+        tmp = torch.empty((end - m, rows, cols), dtype=out.dtype, device=out.device)
+        dequantize_into(data[m * per_matrix:end * per_matrix], qtype, tmp, None, chunk_values)
+        out[m:end].copy_(tmp)

@@ -12,7 +12,11 @@ just before they run (unpack.py), for entries of kind:
 - "gguf": a tensor's bytes as a GGUF file stores them (`qtype`: the ggml type; `row_order`:
   llama.cpp's row permutation to undo). A GGUF model has one layout per layer, since a file
   may store its layers in different types (Q4_K_M keeps some in Q6_K), with the offsets the
-  tensors have in the file, so a layer's bytes are one span of the file;
+  tensors have in the file, so a layer's bytes are one span of the file. One parameter may
+  come from several tensors of the file: an MoE layer's fused experts `gate_up_proj` (E, 2I, H)
+  are llama.cpp's `ffn_gate_exps` and `ffn_up_exps` (E, I, H) each. Such a parameter has one
+  entry per tensor, `name#k` with `part` (a, b): its bytes de-quantise into rows [a, b) of
+  every matrix of the parameter (a strided slice of the dense parameter);
 - "awq" / "gptq": int4 codes packed eight per int32, with `#scales`, `#qzeros` (and `#g_idx`).
 
 What this module does not do: decide where a layer lives (host_store, streamer), read
@@ -42,16 +46,29 @@ class Entry:
 
     name: str
     kind: str
-    shape: tuple[int, ...]  # the parameter's shape (packed kinds too: the de-quantised shape)
+    shape: tuple[int, ...]  # the parameter's shape (packed kinds too: the de-quantised shape; a part: all of it)
     dtype: torch.dtype  # storage dtype
     offset: int
     nbytes: int
     qtype: int = -1  # "gguf": the ggml type; "gptq": the checkpoint format (2: zeros stored as they are)
     row_order: tuple[int, ...] | None = None  # "gguf": stored row that becomes row j
+    # a part of parameter `param` (name `param#k`): rows [a, b) along dim -2 of each of its matrices
+    part: tuple[int, int] | None = None
 
     @property
     def side(self) -> bool:
-        return "#" in self.name
+        """An entry that is no parameter (or part of one): absmax, scales, zeros, g_idx."""
+        return "#" in self.name and self.part is None
+
+    @property
+    def param(self) -> str:
+        """The parameter this entry fills (all of it, or its part)."""
+        return self.name.partition("#")[0] if self.part is not None else self.name
+
+    @property
+    def stands_for_param(self) -> bool:
+        """Whether this entry counts its parameter once: every non-side entry but later parts."""
+        return not self.side and (self.part is None or self.part[0] == 0)
 
 
 ABSMAX = "#absmax"
@@ -99,7 +116,7 @@ class LayerLayout:
         """A layout of given entries. Their offsets are kept when `span` (the packed size) is
         given (a GGUF layer laid out as in its file); otherwise they are laid out in order."""
         esize = torch.empty((), dtype=compute_dtype).element_size()
-        dense = sum(_aligned(_numel(e.shape) * esize) for e in entries if not e.side)
+        dense = sum(_aligned(_numel(e.shape) * esize) for e in entries if e.stands_for_param)
         if span is None:
             placed, offset = [], 0
             for e in entries:
@@ -113,10 +130,10 @@ class LayerLayout:
         entries, offset = [], 0
         esize = torch.empty((), dtype=self.compute_dtype).element_size()
         for e in self.entries:
-            if e.side:
+            if not e.stands_for_param:
                 continue
             n = _numel(e.shape) * esize
-            entries.append(Entry(e.name, "dense", e.shape, self.compute_dtype, offset, n))
+            entries.append(Entry(e.param, "dense", e.shape, self.compute_dtype, offset, n))
             offset += _aligned(n)
         return LayerLayout(tuple(entries), offset, offset, self.compute_dtype, "none")
 

@@ -28,9 +28,11 @@ class Unpacker:
         (with `only`: those entries alone)."""
         by_name = {e.name: e for e in layout.entries}
         for e in layout.entries:
-            if e.side or (only is not None and e.name not in only):
+            if e.side or (only is not None and e.param not in only):
                 continue
-            out = dense[e.name]
+            out = dense[e.param]
+            if e.part is not None:  # rows [a, b) of each matrix: a strided slice of the parameter
+                out = out.narrow(-2, e.part[0], e.part[1] - e.part[0])
             if e.kind == "dense":
                 out.copy_(layout.view(packed, e))
             elif e.kind == "gguf":

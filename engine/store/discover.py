@@ -52,7 +52,8 @@ log = logging.getLogger(__name__)
 
 LM_STUDIO, OLLAMA = "LM Studio", "Ollama"
 # GGUF architectures SpecChat runs (Mistral's GGUFs say "llama"); engine.model.causal_lm's list
-RUNNABLE = ("llama", "qwen2", "qwen3")
+GGUF_RUNS = "llama (with experts: Mixtral), mistral, qwen2, qwen3, qwen3moe (Qwen3-MoE) and gemma3 (Gemma 3 text)"
+RUNNABLE = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3")
 MODEL_LAYER = "application/vnd.ollama.image.model"
 MAX_MANIFEST_BYTES = 1 << 20
 MAX_WALK_ENTRIES = 50_000  # per folder searched: far more than any model library holds
@@ -367,7 +368,7 @@ def _found(name: str, app: str, path: Path, where: str, facts: HeaderFacts, prob
         return None
     note = ""
     if arch not in RUNNABLE:
-        note = f"a {arch} model; SpecChat runs llama, mistral, qwen2 and qwen3"
+        note = f"a {arch} model; SpecChat runs GGUF files of {GGUF_RUNS}"
     elif parts > 1 and len(files) != parts:
         note = f"split into {parts} files whose names do not say which part is which (rename as llama.cpp named them)"
     elif missing:

@@ -25,7 +25,7 @@ import numpy as np
 from gguf import MODEL_ARCH_NAMES, GGUFWriter, get_tensor_name_map
 from gguf import GGMLQuantizationType as Q
 from gguf import quants as gq
-from gguf.constants import GGML_QUANT_SIZES, TokenType
+from gguf.constants import GGML_QUANT_SIZES, RopeScalingType, TokenType
 from gguf.quants import quant_shape_to_byte_shape
 
 IQ4_LEVELS = np.array((-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113), np.float32)
@@ -197,8 +197,12 @@ def llama_permute(w: np.ndarray, heads: int) -> np.ndarray:
 def gguf_name(arch: str, hf_name: str, num_layers: int) -> str:
     """A Hugging Face tensor name -> its GGUF name (gguf-py's own table)."""
     arch_id = next(k for k, v in MODEL_ARCH_NAMES.items() if v == arch)
+    table = get_tensor_name_map(arch_id, num_layers)
+    whole = table.get_name(hf_name)  # an MoE layer's experts: "mlp.experts.down_proj", no suffix
+    if whole is not None:
+        return f"{whole}.weight"
     base, _, suffix = hf_name.rpartition(".")
-    name = get_tensor_name_map(arch_id, num_layers).get_name(base)
+    name = table.get_name(base)
     if name is None:
         raise ValueError(f"no GGUF name for {hf_name} in a {arch} model")
     return f"{name}.{suffix}"
@@ -210,10 +214,17 @@ def write_gguf(path: Path, arch: str, config: dict, tokenizer: dict,
     """Write a GGUF of architecture `arch` ("llama", "qwen2", ...).
 
     `config`: hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
-    num_key_value_heads, max_position_embeddings, rms_norm_eps, rope_theta, vocab_size.
+    num_key_value_heads, max_position_embeddings, rms_norm_eps, rope_theta, vocab_size; and
+    where the model has them head_dim, num_experts (or num_local_experts), num_experts_per_tok,
+    moe_intermediate_size, sliding_window, rope_scaling ({"rope_type": "linear", "factor": 8.0}).
+    An MoE layer's experts are given as llama.cpp stores them: (E, out, in)
+    "mlp.experts.gate_proj", "mlp.experts.up_proj" (transformers' fused gate_up_proj split in
+    its halves) and "mlp.experts.down_proj". Gemma's norms are stored plus one, as llama.cpp's
+    converter stores them.
     `tokenizer`: tokens (byte-level spelled; padded with unused tokens up to vocab_size),
     merges ("a b"), special (the control tokens), bos/eos/pad ids, chat_template, pre
-    (llama.cpp's pre-tokenizer name). `tensors`: (Hugging Face name, shape, GGUF type) in file
+    (llama.cpp's pre-tokenizer name); for a SentencePiece vocabulary (Gemma) model "llama",
+    types (llama.cpp's token types), scores, unk_id, add_bos, and no merges. `tensors`: (Hugging Face name, shape, GGUF type) in file
     order; `value(name)` gives each one when it is written: float values (quantised here), or
     its GGUF bytes already (uint8, rows x row bytes: random_blocks). With `parts` > 1 the model
     is split as llama.cpp's gguf-split does it (gguf-py's writer: `<stem>-00001-of-0000N.gguf`,
@@ -230,20 +241,42 @@ def write_gguf(path: Path, arch: str, config: dict, tokenizer: dict,
     w.add_feed_forward_length(config["intermediate_size"])
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
-    w.add_rope_dimension_count(config["hidden_size"] // heads)
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    w.add_rope_dimension_count(head_dim)
+    if config.get("head_dim"):  # a config that names it (Gemma's differs from hidden / heads)
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    experts = config.get("num_experts") or config.get("num_local_experts")  # transformers 5 keeps the latter
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(config["num_experts_per_tok"])
+        if config.get("moe_intermediate_size"):  # Mixtral's experts are intermediate_size wide
+            w.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    if config.get("sliding_window"):
+        w.add_sliding_window(config["sliding_window"])
+    scaling = config.get("rope_scaling") or {}
+    if scaling.get("rope_type", "default") != "default":
+        w.add_rope_scaling_type(RopeScalingType(scaling["rope_type"]))
+        w.add_rope_scaling_factor(float(scaling["factor"]))
     w.add_rope_freq_base(float(config["rope_theta"]))
     w.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
     w.add_vocab_size(len(tokens))
-    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_model(tokenizer.get("model", "gpt2"))
     w.add_tokenizer_pre(tokenizer.get("pre", "default"))
     w.add_token_list(tokens)
     special = tokenizer.get("special", ())
-    w.add_token_types([TokenType.CONTROL if t in special else TokenType.NORMAL for t in tokens])
-    w.add_token_merges(tokenizer["merges"])
+    types = tokenizer.get("types") or [TokenType.CONTROL if t in special else TokenType.NORMAL for t in tokens]
+    w.add_token_types(list(types) + [TokenType.UNUSED] * (len(tokens) - len(types)))
+    if tokenizer.get("scores"):
+        w.add_token_scores(list(tokenizer["scores"]) + [0.0] * (len(tokens) - len(tokenizer["scores"])))
+    if tokenizer["merges"]:
+        w.add_token_merges(tokenizer["merges"])
     w.add_bos_token_id(tokenizer["bos_id"])
     w.add_eos_token_id(tokenizer["eos_id"])
     w.add_pad_token_id(tokenizer["pad_id"])
-    w.add_add_bos_token(False)
+    if tokenizer.get("unk_id") is not None:
+        w.add_unk_token_id(tokenizer["unk_id"])
+    w.add_add_bos_token(bool(tokenizer.get("add_bos", False)))
     if tokenizer.get("chat_template"):
         w.add_chat_template(tokenizer["chat_template"])
     for hf, shape, qtype in tensors:  # the tensor table first: names, shapes, types, sizes
@@ -262,6 +295,8 @@ def write_gguf(path: Path, arch: str, config: dict, tokenizer: dict,
         if data.dtype != np.uint8:
             if arch == "llama" and hf.endswith(("q_proj.weight", "k_proj.weight")):
                 data = llama_permute(data, heads if "q_proj" in hf else kv_heads)
+            if arch == "gemma3" and hf.endswith("norm.weight"):
+                data = data + 1  # llama.cpp folds Gemma's (1 + w) into the stored norm
             data = quantize(data, qtype)
         w.write_tensor_data(data)
     w.close()

@@ -80,3 +80,15 @@ def test_codes_scales_and_minimums_give_the_decoded_values_bit_for_bit(qtype: Q)
     if mins is not None:
         w = w + mins[..., None]
     assert torch.equal(w.reshape(-1), dequantize(blocks.reshape(-1), qtype))
+
+
+@pytest.mark.parametrize("chunk", [1, 1 << 22])
+def test_a_part_of_fused_experts_fills_its_rows_of_every_matrix(chunk: int) -> None:
+    """Gate experts (E, R, C) de-quantise into rows [0, R) of each expert of a fused (E, 2R, C)
+    parameter, up experts into [R, 2R): a strided slice, filled whole matrices at a time."""
+    experts, rows, cols = 3, 4, 64
+    blocks = random_blocks(Q.Q8_0, experts * rows * cols // 32, seed=3)
+    want = torch.from_numpy(gq.dequantize(blocks, Q.Q8_0).reshape(experts, rows, cols))
+    fused = torch.full((experts, 2 * rows, cols), 7.0)
+    dequantize_into(torch.from_numpy(blocks).reshape(-1), Q.Q8_0, fused.narrow(1, rows, rows), chunk_values=chunk)
+    assert torch.equal(fused[:, rows:], want) and bool((fused[:, :rows] == 7.0).all())
