@@ -236,6 +236,10 @@ class MainWindow(QMainWindow):
     # ---- the engine ----------------------------------------------------------------------
     def ensure_loaded(self, prefs: Preferences) -> None:
         """Load the preferred pair unless it is loaded or loading already."""
+        moved = _starter_as_gguf(prefs.target)
+        if moved:  # an older version's choice of the starter's FP32 folder: the GGUF runs now
+            self.preferences.update(target=moved)  # -> _on_preferences_changed -> here again
+            return
         key = _key(prefs)
         if not prefs.target:
             self.status.show_no_model()
@@ -248,7 +252,7 @@ class MainWindow(QMainWindow):
         self._warmed = True
         if key in (self._loaded_key, self._loading_key):
             return
-        if _unbuilt_starter(prefs.target):  # the starter chosen by id (an older wizard): build its one folder
+        if _unbuilt_starter(prefs.target):  # the starter chosen by id (an older wizard): fetch its one GGUF
             self.use_starter()
             return
         if self.chat.busy:
@@ -354,16 +358,27 @@ def _local_path(spec: str, models_dir: Path) -> str:
     from engine.store import resolve_model, usable_catalog
     from engine.store.pypi import built_starter
 
-    if spec == usable_catalog().starter and built_starter() is not None:  # the one starter folder
+    if spec == usable_catalog().starter and built_starter() is not None:  # the one starter GGUF
         return str(built_starter())
 
     found = resolve_model(spec, models_dir)
     return str(found) if found is not None else spec
 
 
+def _starter_as_gguf(spec: str) -> str:
+    """The starter's GGUF when `spec` is its FP32 folder (what older versions ran and saved in the
+    preferences) and the GGUF is in the cache; else ""."""
+    from engine.store.pypi import built_starter, converted_starter
+
+    folder, gguf = converted_starter(), built_starter()
+    if not spec or folder is None or gguf is None or Path(spec).expanduser() != folder:
+        return ""
+    return str(gguf)
+
+
 def _unbuilt_starter(spec: str) -> bool:
-    """The catalog's starter named by id while its one folder (engine.loading.starter) is not
-    built: an older wizard's choice, whose GGUF copy in the models folder must not run."""
+    """The catalog's starter named by id while its one GGUF (engine.loading.starter) is not
+    fetched: an older wizard's choice, whose GGUF copy in the models folder must not run."""
     from engine.store import usable_catalog
     from engine.store.pypi import built_starter
 

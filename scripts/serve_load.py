@@ -84,9 +84,9 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[str], str, 
     target = args.target
     if target is None:
         sys.path.insert(0, str(REPO))
-        from engine.loading.starter import starter_folder
+        from engine.loading.starter import starter_model
 
-        target = str(starter_folder())
+        target = str(starter_model())
     command = [sys.executable, "-m", "engine", "serve", "--target", target, "--port", "0", "--device", "cpu",
                "--queue-size", str(args.queue_size)]
     if args.draft:

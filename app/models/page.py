@@ -16,9 +16,9 @@ A download of a pair that does not fit, a large one or one over the free disk sp
 first, and removing a model too, through the injected `dialogs` (app/widgets/dialogs.py).
 Choosing a pair saves it into the preferences and emits `active_pair_changed`.
 
-The catalog's starter is the one folder every part of SpecChat runs (engine.loading.starter:
-PyPI's Q4_1 GGUF converted once to FP32, in the cache): it is listed and chosen as that folder,
-never copied into the models folder. Speeds are what this computer measured for a pair, else the
+The catalog's starter is the one file every part of SpecChat runs (engine.loading.starter:
+PyPI's Q4_1 GGUF, in the cache, run as it is): it is listed and chosen as that file, never
+copied into the models folder. Speeds are what this computer measured for a pair, else the
 planner's prediction labelled as one (app/models/recommend.py); the active pair's line says what
 runs (`set_running`: format, where the layers live, the decoding mode, the measured speed).
 """
@@ -185,9 +185,9 @@ class ModelsPage(QWidget):
         return self._find_local(model_id) is not None
 
     def _find_local(self, spec: str) -> LocalModel | None:
-        if spec and spec == self._catalog.starter:  # the one starter folder, never a models-folder copy
+        if spec and spec == self._catalog.starter:  # the one starter GGUF, never a models-folder copy
             return next((m for m in self._local if m.model_id == spec and m.source == "pypi-wheel"
-                         and m.path.is_dir()), None)
+                         and m.path.is_file() and m.path.parent == paths.cache_dir() / "starter"), None)
         return match_local(self._local, spec, self._catalog.find(spec))
 
     def _locate(self, spec: str) -> Path | None:
@@ -195,12 +195,12 @@ class ModelsPage(QWidget):
         return model.path if model is not None else None
 
     def _pref_spec(self, spec: str) -> str:
-        """How the preferences name a model: the starter by its folder (what loads), others by id."""
+        """How the preferences name a model: the starter by its GGUF (what loads), others by id."""
         path = self._locate(spec) if spec and spec == self._catalog.starter else None
         return str(path) if path is not None else spec
 
     def _combo_name(self, spec: str) -> str:
-        """A preference as the combos list it: the starter's folder by the catalog's starter id."""
+        """A preference as the combos list it: the starter's GGUF by the catalog's starter id."""
         starter = self._locate(self._catalog.starter) if self._catalog.starter else None
         if spec and starter is not None and Path(spec).expanduser() == starter:
             return self._catalog.starter

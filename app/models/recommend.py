@@ -7,7 +7,7 @@ missing or unreadable profile never breaks the page.
 The starter alone (target = the catalog's starter, no draft) is always an option: on a CPU-only
 machine it is the only recommendation, since a draft that costs as much as the target cannot
 pay for itself there. The starter is what every part of SpecChat runs (PyPI's 98.4 MB Q4_1
-GGUF, converted once to FP32: engine.loading.starter), so its rows show that size and format.
+GGUF, run as it is: engine.loading.starter), so its rows show that size and format.
 
 Speeds: once this computer has run a pair (the wizard's test run, any answer), the figure is
 what it measured there (engine.planning.measured: "measured here: 2.9 tok/s over 10
@@ -62,7 +62,7 @@ class PairOption:
     tokens_per_second: float | None = None
     budget: int | None = None
     reason: str = ""
-    target_format: str = ""  # what runs: "BF16", "GGUF Q4_K_M", "AWQ INT4", the starter's FP32...
+    target_format: str = ""  # what runs: "BF16", "GGUF Q4_K_M", "AWQ INT4", the starter's Q4_1 GGUF...
     target_source: str = ""  # where the target comes from: "owner/name", "owner/name:FILE.gguf", PyPI
     measured: MeasuredSpeed | None = None  # what this computer measured for the pair
 

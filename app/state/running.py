@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.planning.measured import MeasuredSpeed, SpeedKey, measured_speed, speed_key
-from engine.serving.formats import chat_format
+from engine.serving.formats import GRAMMAR_FORMATS, chat_format
 from engine.serving.tools import ToolError, check_template
 from engine.shapes import Placement
 from engine.store.pypi import STARTER_FORMAT, built_starter
@@ -54,14 +54,17 @@ class RunningPair:
         return Path(self.target).name or self.target
 
     def format_text(self) -> str:
-        """"FP32, converted from a Q4_1 GGUF, on the CPU" / "GGUF Q4_1 blocks, de-quantised as
-        each layer runs, on the CPU" / "BF16 on the GPU"."""
+        """"Q4_1 GGUF, as shipped: its blocks multiplied by the packed CPU kernel" (the starter) /
+        "GGUF Q4_1 blocks, de-quantised as each layer runs, on the GPU" / "BF16 on the GPU"."""
         where = "on the GPU" if self.placement is not None and self.placement.device.startswith("cuda") else "on the CPU"
-        if self.fmt.startswith("GGUF"):
-            return f"{self.fmt} blocks, de-quantised as each layer runs, {where}"
+        form = self.placement.resident_form if self.placement is not None else ""
+        how = {"kernel": "multiplied by the packed CPU kernel", "dequantised": "de-quantised once, at load"}.get(
+            form, "de-quantised as each layer runs")
         starter = built_starter()
         if starter is not None and _same(starter, self.target):
-            return f"{STARTER_FORMAT}, {where}"
+            return f"{STARTER_FORMAT}: its blocks {how}, {where}"
+        if self.fmt.startswith("GGUF"):
+            return f"{self.fmt} blocks, {how}, {where}"
         return f"{self.fmt} {where}"
 
     def decoding_text(self, measured: MeasuredSpeed | None = None) -> str:
@@ -111,9 +114,9 @@ def running_pair(target: str, draft: str, placement: Placement | None, tree_mode
 TOOL_FORMATS = {"hermes": "Hermes/Qwen <tool_call> JSON", "llama3": "Llama 3 JSON",
                 "mistral": "Mistral [TOOL_CALLS]", "harmony": "gpt-oss harmony"}
 REASONING_FORMATS = {"think": "<think> blocks", "harmony": "the harmony analysis channel"}
-# no engine flag says constrained decoding exists yet (engine.serving.tools refuses what needs it)
-JSON_OUTPUT = ("not yet: response_format json_object / json_schema needs grammar-constrained decoding (coming); "
-               "until then ask for JSON in the prompt")
+JSON_OUTPUT = ("yes: response_format json_object / json_schema answers are decoded under the schema "
+               "(grammar-constrained, as the model alone would answer under it)")
+JSON_OUTPUT_HARMONY = "not for gpt-oss's harmony format yet: ask for JSON in the prompt"
 
 
 @dataclass(frozen=True)
@@ -137,14 +140,16 @@ def api_support(chat_template: str) -> ApiSupport:
         tools, tools_text = False, f"no. {exc.message}"
     else:
         assert fmt.tools is not None
-        tools, tools_text = True, (f"yes: calls written as {TOOL_FORMATS[fmt.tools]} come back as tool_calls "
-                                   "(tool_choice auto or none; required or a named function needs "
-                                   "grammar-constrained decoding, coming)")
+        forced = ("tool_choice auto, none, required or a named function (forced calls are decoded under "
+                  "a grammar)" if fmt.tools in GRAMMAR_FORMATS else
+                  "tool_choice auto or none; required or a named function is not available for this format yet")
+        tools, tools_text = True, f"yes: calls written as {TOOL_FORMATS[fmt.tools]} come back as tool_calls ({forced})"
     reasoning = (f"{REASONING_FORMATS[fmt.reasoning]} come back as reasoning_content, apart from the answer"
                  if fmt.reasoning is not None else "none in this model's format: answers are content only")
     if fmt.reasoning == "harmony":
         reasoning = reasoning.replace("come back", "comes back")
-    return ApiSupport(tools, tools_text, JSON_OUTPUT, reasoning)
+    json_text = JSON_OUTPUT_HARMONY if "harmony" in (fmt.tools, fmt.reasoning) else JSON_OUTPUT
+    return ApiSupport(tools, tools_text, json_text, reasoning)
 
 
 def _same(a: Path, b: str) -> bool:

@@ -4,7 +4,7 @@ Each long step runs in its own worker thread (the benchmark and calibration in a
 downloads in a `DownloadQueue`); a page's Next button is enabled by `isComplete()` once its step
 is done, failed or skipped. The benchmark can be skipped (the starter is then recommended). On a
 CPU-only machine only the starter (no draft) is offered. The starter always comes from its PyPI
-wheel and runs converted to FP32 (engine.loading.starter: the one starter `specchat chat` runs
+wheel and runs as that Q4_1 GGUF (engine.loading.starter: the one starter `specchat chat` runs
 too), so a fresh machine without hub access still reaches a chat; its row says so.
 
 Speeds on the recommendation page are what this computer measured for a pair once it has run
@@ -13,7 +13,7 @@ a pair that does not fit, a large one or one larger than the free disk space is 
 (`confirm`, injected: tests answer without a dialog).
 
 On finish the chosen target/draft and `first_run_done=True` are saved in the preferences (the
-starter by its folder, which is what loads).
+starter by its GGUF, which is what loads).
 """
 
 from __future__ import annotations
@@ -230,7 +230,7 @@ class DownloadPage(QWizardPage):
             self.bar.setValue(0)
             starter = self._wizard.catalog.starter
             self.status.setText(f"Downloading {', '.join(self.pending)}…" + (
-                " The starter comes from PyPI and is converted once to FP32, which runs faster on a CPU."
+                " The starter comes from PyPI as a Q4_1 GGUF, which runs as it is."
                 if starter in self.pending else ""))
             for spec in self.pending:
                 if not self._wizard.downloads.enqueue(spec):
@@ -331,7 +331,7 @@ class FirstRunWizard(QWizard):
         return self.recommend_page.selected()
 
     def local_path(self, spec: str) -> Path | None:
-        """What loads for a catalog id: the starter's one folder, else the model store's copy."""
+        """What loads for a catalog id: the starter's GGUF, else the model store's copy."""
         if spec and spec == self.catalog.starter:
             return built_starter(paths.cache_dir())
         cache = self._hf_cache if self._hf_cache is not None else hf_hub_cache_dir()
@@ -346,7 +346,7 @@ class FirstRunWizard(QWizard):
     def accept(self) -> None:
         option = self.chosen()
         prefs = self.store.load()
-        if option is not None:  # the starter by its folder: the model store does not hold it
+        if option is not None:  # the starter by its GGUF: the model store does not hold it
             starter = self.catalog.starter
             target, draft = (str(self.local_path(m) or m) if m == starter else m for m in (option.target, option.draft))
             prefs = replace(prefs, target=target, draft=draft)

