@@ -109,7 +109,7 @@ def test_a_thinking_models_reasoning_streams_in_its_block_and_the_api_takes_its_
     qtbot.addWidget(dialog)
     support = dialog.server_tab.support.text()
     assert "tiny-qwen3-thinking" in support and "<b>Tools:</b></td><td>yes" in support and "Hermes/Qwen" in support
-    assert "<b>JSON output:</b></td><td>not yet" in support and "&lt;think&gt; blocks come back as reasoning_content" in support
+    assert "<b>JSON output:</b></td><td>yes" in support and "&lt;think&gt; blocks come back as reasoning_content" in support
     dialog.reject()
 
     # the app's API server knows the chat template: tools are taken, the reasoning comes apart
