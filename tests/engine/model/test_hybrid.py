@@ -9,9 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from scipy.stats import chisquare
-from test_families import PROMPT, candidates_from, reference
-from transformers import AutoModelForCausalLM
+from test_families import PROMPT, assert_first_token_is_lossless, candidates_from, reference
 
 from engine.decoding.generation import Engine
 from engine.decoding.pair import cache_files
@@ -24,7 +22,6 @@ from engine.types import (
     Completion,
     GenerationRequest,
     Message,
-    SamplingSettings,
     SpeculationSettings,
 )
 
@@ -174,29 +171,4 @@ def test_a_hybrid_chat_continues_from_its_saved_cache(model_cache: Path, tmp_pat
 
 
 def test_sampling_from_a_hybrid_model_is_lossless(model_cache: Path) -> None:
-    target_path, draft_path = paths("qwen3_5_text", model_cache)
-    target = load_model(target_path)
-    engine = Engine(target.model, target.tokenizer, load_model(draft_path).model)
-    ids = target.tokenizer(PROMPT)["input_ids"]
-    hf = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
-    with torch.inference_mode():
-        logits = hf(torch.tensor([ids])).logits[0, -1].double()
-    n, counts, passes = 1000, torch.zeros(logits.shape[0]), 0
-    for seed in range(n):
-        req = GenerationRequest(raw_prompt=PROMPT, max_new_tokens=2, sampling=SamplingSettings(temperature=1.0, seed=seed),
-                                speculation=SpeculationSettings(budget=8, max_depth=2))
-        final = list(engine.generate(req))[-1]
-        assert isinstance(final, Completion)
-        counts[final.token_ids[0]] += 1
-        passes += final.stats.target_passes
-    assert passes < 1.9 * n, "both tokens should often come from one tree"
-
-    def pvalue(probs: torch.Tensor) -> float:
-        expected = probs * n
-        big = expected >= 5
-        obs = torch.cat([counts.double()[big], counts.double()[~big].sum()[None]])
-        exp = torch.cat([expected[big], expected[~big].sum()[None]])
-        return float(chisquare(obs.numpy(), (exp * obs.sum() / exp.sum()).numpy()).pvalue)
-
-    assert pvalue(torch.softmax(logits, -1)) > 1e-3
-    assert pvalue(torch.softmax(logits / 1.5, -1)) < 1e-3
+    assert_first_token_is_lossless(*paths("qwen3_5_text", model_cache))
