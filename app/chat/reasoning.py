@@ -21,7 +21,15 @@ import json
 from dataclasses import dataclass
 
 from engine.decoding.text import FORMAT_MARKERS
-from engine.serving.formats import END_THINK, THINK, ChatFormat, OutputDelta, OutputParser, chat_format
+from engine.serving.formats import (
+    END_THINK,
+    THINK,
+    ChatFormat,
+    OutputDelta,
+    OutputParser,
+    chat_format,
+    marker_prefix,
+)
 from engine.types import ToolCall
 
 
@@ -141,17 +149,7 @@ class _MarkerFilter:
         text = self._held + text
         for marker in self._markers:
             text = text.replace(marker, "")
-        hold = 0 if final else _partial(text, self._markers)
+        hold = 0 if final else marker_prefix(text, self._markers)
         self._held = text[len(text) - hold:]
         return text[:len(text) - hold]
 
-
-def _partial(text: str, markers: list[str]) -> int:
-    """How many of `text`'s last characters could be the start of a marker."""
-    hold = 0
-    for marker in markers:
-        for k in range(min(len(marker) - 1, len(text)), hold, -1):
-            if text.endswith(marker[:k]):
-                hold = k
-                break
-    return hold

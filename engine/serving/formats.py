@@ -250,7 +250,7 @@ class OutputParser:
             markers.append(THINK)
         found = _find(self._buffer, markers)
         if found is None:
-            keep = 0 if final else _partial(self._buffer, markers)
+            keep = 0 if final else marker_prefix(self._buffer, markers)
             out.content.append(self._content.push(self._buffer[:len(self._buffer) - keep]))
             self._buffer = self._buffer[len(self._buffer) - keep:]
             return False
@@ -264,7 +264,7 @@ class OutputParser:
     def _thinking(self, out: _Out, final: bool) -> bool:
         found = _find(self._buffer, [END_THINK])
         if found is None:
-            keep = 0 if final else _partial(self._buffer, [END_THINK])
+            keep = 0 if final else marker_prefix(self._buffer, [END_THINK])
             out.reasoning.append(self._reasoning.push(self._buffer[:len(self._buffer) - keep]))
             self._buffer = self._buffer[len(self._buffer) - keep:]
             return False
@@ -341,7 +341,7 @@ class OutputParser:
                           else (self._content, out.content))
         found = _find(self._buffer, HARMONY_ENDS)
         if found is None:
-            keep = 0 if final else _partial(self._buffer, HARMONY_ENDS)
+            keep = 0 if final else marker_prefix(self._buffer, HARMONY_ENDS)
             pieces.append(target.push(self._buffer[:len(self._buffer) - keep]))
             self._buffer = self._buffer[len(self._buffer) - keep:]
             return False
@@ -417,7 +417,7 @@ def _find(text: str, markers: tuple[str, ...] | list[str], start: int = 0) -> tu
     return best
 
 
-def _partial(text: str, markers: tuple[str, ...] | list[str]) -> int:
+def marker_prefix(text: str, markers: tuple[str, ...] | list[str]) -> int:
     """How many of `text`'s last characters could be the start of a marker (held back)."""
     hold = 0
     for marker in markers:
