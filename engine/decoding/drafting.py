@@ -86,6 +86,8 @@ def copy_of_target(target: CausalLM, draft: CausalLM) -> bool:
         return False  # a hybrid shares its linear layers' states too: the same layers must be linear
     if target.kv_shapes != draft.kv_shapes:  # Gemma 4: each layer's K/V heads and width
         return False
+    if [k.window for k in target.kinds] != [k.window for k in draft.kinds]:  # which entries each layer holds
+        return False
     if (t.num_layers, t.num_kv_heads, t.head_dim, t.hidden_size) != (d.num_layers, d.num_kv_heads, d.head_dim,
                                                                        d.hidden_size):
         return False
@@ -108,15 +110,9 @@ def share_context(draft_cache: KVCache, target_cache: KVCache, synced: int) -> i
     rather than its own drifted one, and reads nothing it would only have computed worse. Its
     entries before `synced` (what the previous call returned) are the target's already; only
     the rest is copied. Returns the new length of both caches."""
-    m = target_cache.length
-    start = min(synced, draft_cache.length, m)
-    draft_cache.truncate(min(draft_cache.length, m))
-    draft_cache.reserve(m - draft_cache.length)
-    for dst, src in zip(draft_cache.keys + draft_cache.values, target_cache.keys + target_cache.values):
-        dst[:, :, start:m] = src[:, :, start:m].to(device=dst.device, dtype=dst.dtype)
-    draft_cache.length = m
+    draft_cache.take_entries(target_cache, synced)
     draft_cache.share_states(target_cache)  # a hybrid's linear layers: the target's states
-    return m
+    return target_cache.length
 
 
 def _read_nodes(draft: CausalLM, cache: KVCache, tokens: torch.Tensor, parents: torch.Tensor,

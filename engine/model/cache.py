@@ -134,6 +134,27 @@ class KVCache:
         can be cut anywhere, so nothing is kept here; caches whose state cannot be rolled back
         (hybrid_cache) keep a snapshot there."""
 
+    def held_from(self, window: int) -> int:
+        """The first entry the layers of a sliding `window` still hold (window_cache); here all."""
+        return 0
+
+    def settled(self, upto: int) -> None:
+        """Entries [0, upto) are committed text and no later pass queries a position before
+        `upto` (a pass without a tree mask starts there). Nothing to drop here (window_cache)."""
+
+    @torch.inference_mode()
+    def take_entries(self, other: KVCache, synced: int) -> None:
+        """Hold `other`'s entries (a compressed copy of the target reads the target's K/V:
+        drafting.share_context); those before `synced` are equal already."""
+        m = other.length
+        start = min(synced, self.length, m)
+        self.truncate(min(self.length, m))
+        start = min(start, self.length)
+        self.reserve(m - self.length)
+        for dst, src in zip(self.keys + self.values, other.keys + other.values):
+            dst[:, :, start:m] = src[:, :, start:m].to(device=dst.device, dtype=dst.dtype)
+        self.length = m
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length
 

@@ -47,6 +47,7 @@ from safetensors.torch import save_file
 from engine.errors import MalformedInput
 from engine.model.cache import KVCache, LayerShapes
 from engine.model.hybrid_cache import HybridCache, LinearSpec
+from engine.model.window_cache import WindowedCache
 from engine.untrusted import read_bytes
 
 log = logging.getLogger(__name__)
@@ -67,12 +68,14 @@ class CacheShape:
     dtype: torch.dtype
     linear: tuple[LinearSpec | None, ...] = ()  # a hybrid model's linear layers' state shapes
     layers: LayerShapes = ()  # each layer's (kv heads, head dim) where layers differ (KVCache.layer_shapes)
+    windows: tuple[int | None, ...] = ()  # each layer's sliding window where any has one (WindowedCache)
 
 
 def shape_of(cache: KVCache) -> CacheShape:
     linear = tuple(cache.linear) if isinstance(cache, HybridCache) else ()
+    windows = cache.windows if isinstance(cache, WindowedCache) else ()
     return CacheShape(cache.num_layers, cache.num_kv_heads, cache.head_dim, cache.dtype, linear,
-                      cache.layer_shapes or ())
+                      cache.layer_shapes or (), windows)
 
 
 def install_key(path: Path) -> bytes | None:
@@ -326,20 +329,41 @@ def _rebuild(tensors: dict[str, torch.Tensor], role: str, shape: CacheShape, n_t
             width = 0  # linear layers: no K/V
         if k.dim() != 4 or k.shape[0] != 1 or k.shape[1] != heads or k.shape[3] != width:
             return None
-        if k.shape[2] > n_tokens or (layers and k.shape[2] != layers[0][0].shape[2]):
+        if k.shape[2] > n_tokens or (not shape.windows and layers and k.shape[2] != layers[0][0].shape[2]):
             return None
         layers.append((k, v))
     if f"{role}.{shape.num_layers}.k" in tensors:  # more layers than the model has
         return None
     own = f"{role}."
     states = {name[len(own):]: t for name, t in tensors.items()
-              if name.startswith(own) and name[len(own):].startswith(("lin.", "snap."))}
+              if name.startswith(own) and name[len(own):].startswith(("lin.", "snap.", "win.", "wsnap."))}
     if shape.linear:
         return HybridCache.from_saved(layers, states, list(shape.linear), shape.num_kv_heads, shape.head_dim,
                                       shape.dtype, device)
+    if shape.windows:  # sliding layers hold their last entries: each layer's count checked there
+        shapes = shape.layers or ((shape.num_kv_heads, shape.head_dim),) * shape.num_layers
+        n = _windowed_length(layers, shape.windows, states)
+        if n is None or n > n_tokens:
+            return None
+        return WindowedCache.from_saved(layers, states, n, shape.windows, shapes, shape.dtype, device)
     if states:  # recurrent states for a model that has none
         return None
     return KVCache.from_tensors(layers, device)
+
+
+def _windowed_length(layers: list[tuple[torch.Tensor, torch.Tensor]], windows: tuple[int | None, ...],
+                     states: dict[str, torch.Tensor]) -> int | None:
+    """The entries of a saved windowed cache: a full layer's count, or (every layer windowed)
+    the first layer's count after its window's start."""
+    if len(windows) != len(layers):
+        return None
+    for (k, _), w in zip(layers, windows):
+        if w is None:
+            return int(k.shape[2])
+    start = states.get(f"win.{windows[0]}.start")
+    if start is None or start.dtype != torch.int64 or start.numel() != 1 or int(start) < 0:
+        return None
+    return int(start) + int(layers[0][0].shape[2])
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

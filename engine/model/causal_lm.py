@@ -31,6 +31,7 @@ from engine.model.cache import KVCache
 from engine.model.family import family_of, layer_kinds, supported_types
 from engine.model.hybrid_cache import HybridCache, LinearSpec
 from engine.model.linear_attention import install as install_linear
+from engine.model.window_cache import WindowedCache
 from engine.offload.streamer import LayerStreamer
 from engine.shapes import ModelShape, Placement
 
@@ -105,6 +106,9 @@ class CausalLM:
         s = self.shape
         if any(spec is not None for spec in self.linear):
             return HybridCache(s.num_layers, s.num_kv_heads, s.head_dim, self.dtype, self.device, capacity, self.linear)
+        if self.windows:  # sliding layers hold their window plus the tree (window_cache)
+            return WindowedCache(s.num_layers, s.num_kv_heads, s.head_dim, self.dtype, self.device, capacity,
+                                 self.kv_shapes, [k.window for k in self.kinds])
         return KVCache(s.num_layers, s.num_kv_heads, s.head_dim, self.dtype, self.device, capacity, self.kv_shapes)
 
     def mask_value(self) -> float:
@@ -122,6 +126,8 @@ class CausalLM:
         normed hidden states (n, hidden). Call `logits()` on the rows you need."""
         n = input_ids.shape[0]
         past = cache.length
+        if allowed is None:  # committed text from `past` on: sliding layers may drop what they left behind
+            cache.settled(past)
         cache.reserve(n)
         positions = positions.to(self.device)
         cache.set_positions(positions)
@@ -135,16 +141,18 @@ class CausalLM:
                 allowed = causal_allowed(past, n, self.device)
             full = self._additive(allowed.to(self.device))
         # sliding windows: the tree mask intersected with the window along each node's own path;
-        # a node's ancestors sit at consecutive positions, so the window is a position difference
+        # a node's ancestors sit at consecutive positions, so the window is a position difference.
+        # A window's layers hold the entries from cache.held_from(w) on: their masks start there.
         windowed: dict[int, torch.Tensor | None] = {}
         for w in self.windows:
-            keys = cache.positions_through(n)  # (past + n,) positions of every entry
-            near = (positions[:, None] - keys[None, :]) < w  # (n, past + n)
+            first = cache.held_from(w)
+            keys = cache.positions_through(n)[first:]  # positions of the entries these layers hold
+            near = (positions[:, None] - keys[None, :]) < w  # (n, held + n)
             if bool(near.all()):
-                windowed[w] = full
+                windowed[w] = full[..., first:] if full is not None else None
             else:
                 base = allowed.to(self.device) if allowed is not None else causal_allowed(past, n, self.device)
-                windowed[w] = self._additive(base & near)
+                windowed[w] = self._additive(base[:, first:] & near)
         masks = [windowed[k.window] if k.window is not None else full for k in self.kinds]
         pos = positions[None]  # (1, n)
         ids = input_ids.to(self.device)[None]  # (1, n)

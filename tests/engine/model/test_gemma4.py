@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_families import PROMPT, candidates_from, reference
+from cache_checks import assert_same_entries, check_every_keep, decode_in_both_modes
+from test_families import PROMPT
 from transformers import AutoModelForImageTextToText, AutoTokenizer, Gemma4Config
 
 from engine.decoding.generation import Engine
@@ -20,6 +21,7 @@ from engine.loading.load import load_model
 from engine.model.cache import KVCache
 from engine.model.cache_files import _rebuild, shape_of
 from engine.model.causal_lm import CausalLM
+from engine.model.window_cache import WindowedCache
 from engine.testing.synthetic import TINY_FAMILIES, tiny_model, tiny_tokenizer_files
 from engine.types import CacheSettings, Completion, GenerationRequest, Message, SpeculationSettings
 
@@ -44,6 +46,7 @@ def test_layers_keep_k_v_of_their_own_shape(model_cache: Path) -> None:
     assert all(torch.equal(a, b) for (a, _), (b, _) in zip(rebuilt.tensors(), cache.tensors()))
     # a saved file is checked against each layer's shape; a uniform model's files as before
     saved = {f"target.{i}.{n}": t for i, (k, v) in enumerate(cache.tensors()) for n, t in (("k", k), ("v", v))}
+    saved |= {f"target.{name}": t for name, t in cache.state_tensors().items()}  # where each window starts
     assert _rebuild(saved, "target", shape_of(cache), 10, torch.device("cpu")) is not None
     uniform = replace(shape_of(cache), layers=())
     assert _rebuild(saved, "target", uniform, 10, torch.device("cpu")) is None
@@ -55,45 +58,13 @@ def test_layers_keep_k_v_of_their_own_shape(model_cache: Path) -> None:
 def test_caches_equal_a_fresh_read_after_every_step(mode: str, model_cache: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """Every keep() is checked against a new cache that read the kept tokens in one chain."""
-    target_path, draft_path = paths(model_cache)
-    target, draft = load_model(target_path), load_model(draft_path)
-    tokens: dict[int, dict[int, int]] = {}  # cache -> slot -> token
-    owner: dict[int, CausalLM] = {}
-    checked = {"keeps": 0}
-    real_forward, real_keep = CausalLM.forward, KVCache.keep
+    def compare(cache: KVCache, fresh: KVCache) -> None:
+        assert cache.layer_shapes == fresh.layer_shapes is not None
+        assert_same_entries(cache, fresh, atol=1e-5)
 
-    def forward(self: CausalLM, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                allowed: torch.Tensor | None) -> torch.Tensor:
-        slots = tokens.setdefault(id(cache), {})
-        slots.update({cache.length + j: t for j, t in enumerate(ids.tolist())})
-        owner[id(cache)] = self
-        return real_forward(self, ids, positions, cache, allowed)
-
-    def keep(self: KVCache, indices: torch.Tensor) -> None:
-        real_keep(self, indices)
-        kept = [tokens[id(self)][i] for i in indices.tolist()]
-        tokens[id(self)] = dict(enumerate(kept))
-        model = owner[id(self)]
-        fresh = model.new_cache(len(kept) + 1)
-        real_forward(model, torch.tensor(kept), torch.arange(len(kept)), fresh, None)
-        assert self.layer_shapes == fresh.layer_shapes is not None
-        for (k, v), (fk, fv) in zip(self.tensors(), fresh.tensors()):
-            assert torch.allclose(k, fk, atol=1e-5) and torch.allclose(v, fv, atol=1e-5), float((k - fk).abs().max())
-        checked["keeps"] += 1
-
-    monkeypatch.setattr(CausalLM, "forward", forward)
-    monkeypatch.setattr(KVCache, "keep", keep)
-    if mode == "draft":
-        engine = Engine(target.model, target.tokenizer, draft.model)
-    else:
-        engine = Engine(target.model, target.tokenizer)
-        ids = target.tokenizer(PROMPT)["input_ids"]
-        candidates_from(reference(target_path, ids, target.tokenizer.pad_token_id), monkeypatch)
-    req = GenerationRequest(raw_prompt=PROMPT, max_new_tokens=20,
-                            speculation=SpeculationSettings(budget=32, max_depth=6, context_candidates=16,
-                                                            share_context=False))
-    final = list(engine.generate(req))[-1]
-    assert isinstance(final, Completion) and final.stats.tokens_per_pass > 1.3
+    checked = check_every_keep(monkeypatch, WindowedCache, compare)
+    final = decode_in_both_modes(mode, *paths(model_cache), monkeypatch)
+    assert final.stats.tokens_per_pass > 1.3
     assert checked["keeps"] >= 5, checked
 
 

@@ -9,12 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_families import PROMPT, assert_first_token_is_lossless, candidates_from, reference
+from cache_checks import assert_same_entries, check_every_keep, decode_in_both_modes
+from test_families import PROMPT, assert_first_token_is_lossless
 
 from engine.decoding.generation import Engine
 from engine.decoding.pair import cache_files
 from engine.loading.load import load_model
-from engine.model.causal_lm import CausalLM
+from engine.model.cache import KVCache
 from engine.model.hybrid_cache import HybridCache
 from engine.testing.synthetic import tiny_model
 from engine.types import (
@@ -40,54 +41,28 @@ def test_caches_equal_a_fresh_read_after_every_step(arch: str, mode: str, model_
     """Every keep() (target and draft) is checked against a new cache that read the kept
     tokens in one chain: each linear layer's conv and recurrent state, and the attention
     layers' K/V."""
-    target_path, draft_path = paths(arch, model_cache)
-    target, draft = load_model(target_path), load_model(draft_path)
-    tokens: dict[int, dict[int, int]] = {}  # cache -> slot -> token
-    owner: dict[int, CausalLM] = {}
-    checked = {"keeps": 0, "pending": 0}
-    real_forward, real_keep = CausalLM.forward, HybridCache.keep
+    pending = {"entries": 0}
 
-    def forward(self: CausalLM, ids: torch.Tensor, positions: torch.Tensor, cache: HybridCache,
-                allowed: torch.Tensor | None) -> torch.Tensor:
-        slots = tokens.setdefault(id(cache), {})
-        slots.update({cache.length + j: t for j, t in enumerate(ids.tolist())})
-        owner[id(cache)] = self
-        return real_forward(self, ids, positions, cache, allowed)
+    def count_pending(cache: KVCache) -> None:
+        assert isinstance(cache, HybridCache)
+        pending["entries"] += cache.length - cache.committed
 
-    def keep(self: HybridCache, indices: torch.Tensor) -> None:
-        checked["pending"] += self.length - self.committed
-        real_keep(self, indices)
-        kept = [tokens[id(self)][i] for i in indices.tolist()]
-        tokens[id(self)] = dict(enumerate(kept))
-        model = owner[id(self)]
-        fresh = model.new_cache(len(kept) + 1)
-        real_forward(model, torch.tensor(kept), torch.arange(len(kept)), fresh, None)
-        assert isinstance(fresh, HybridCache) and fresh.committed == len(kept) == self.committed
-        for i, state in self.states.items():
+    def compare(cache: KVCache, fresh: KVCache) -> None:
+        assert isinstance(cache, HybridCache) and isinstance(fresh, HybridCache)
+        assert fresh.committed == fresh.length == cache.committed
+        for i, state in cache.states.items():
             # above the first layer, inputs carry a tree pass's rounding (see the K/V below)
             assert torch.allclose(state.conv, fresh.states[i].conv, atol=3e-4), f"layer {i} conv"
             assert torch.allclose(state.recurrent, fresh.states[i].recurrent, atol=3e-4), f"layer {i} state"
         # K/V of attention layers above linear ones: a tree pass and a chain round differently
         # (block forms of the delta rule), ~1e-4 after a few layers of this peaked tiny model
-        for (k, v), (fk, fv) in zip(self.tensors(), fresh.tensors()):
-            assert torch.allclose(k, fk, atol=3e-4) and torch.allclose(v, fv, atol=3e-4), float((k - fk).abs().max())
-        checked["keeps"] += 1
+        assert_same_entries(cache, fresh, atol=3e-4)
 
-    monkeypatch.setattr(CausalLM, "forward", forward)
-    monkeypatch.setattr(HybridCache, "keep", keep)
-    if mode == "draft":
-        engine = Engine(target.model, target.tokenizer, draft.model)
-    else:
-        engine = Engine(target.model, target.tokenizer)
-        ids = target.tokenizer(PROMPT)["input_ids"]
-        candidates_from(reference(target_path, ids, target.tokenizer.pad_token_id), monkeypatch)
+    checked = check_every_keep(monkeypatch, HybridCache, compare, before=count_pending)
     # the draft computes its own states here (a copy sharing the target's is in test_families)
-    req = GenerationRequest(raw_prompt=PROMPT, max_new_tokens=20,
-                            speculation=SpeculationSettings(budget=32, max_depth=6, context_candidates=16,
-                                                            share_context=False))
-    final = list(engine.generate(req))[-1]
-    assert isinstance(final, Completion) and final.stats.tokens_per_pass > 1.3
-    assert checked["keeps"] >= 5 and checked["pending"] > 3 * checked["keeps"], checked
+    final = decode_in_both_modes(mode, *paths(arch, model_cache), monkeypatch)
+    assert final.stats.tokens_per_pass > 1.3
+    assert checked["keeps"] >= 5 and pending["entries"] > 3 * checked["keeps"], (checked, pending)
 
 
 def test_a_copy_of_a_hybrid_target_reads_its_states(model_cache: Path) -> None:
