@@ -1,6 +1,16 @@
 """The shapes of models and where their layers live: plain data the loader, the planner, the
 engine and the app all read. LayerShape and ModelShape are what the cost model and the memory
-arithmetic need of a decoder; Placement is where its decoder layers went (device, RAM, disk)."""
+arithmetic need of a decoder; Placement is where its decoder layers went (device, RAM, disk).
+
+What a model's caches hold is priced per layer (CacheLayer), because layers differ: a full
+attention layer keeps K/V for every token; a sliding-window layer at most its window plus the
+tree being verified; a layer that reuses another layer's K/V (Gemma 4) keeps none; Gemma 4's
+full layers have wider heads and fewer of them than its windowed ones; a Gated DeltaNet layer
+keeps a fixed-size state instead (plus its snapshots at turn ends, and per pending tree token
+the inputs a replay needs). `ModelShape.kv_bytes(context, tree, dtype_bytes)` is the one
+figure the planner and the memory checks use; a 128k context on a Gemma 3 is mostly windowed
+layers, a fraction of the every-layer-keeps-everything figure.
+"""
 
 from __future__ import annotations
 
@@ -34,15 +44,58 @@ class LayerShape:
         return 2.0 * self.params * tokens
 
 
+# Copies of a linear layer's state a cache keeps: the live one and engine.model.hybrid_cache's
+# SNAPSHOTS (2: this turn's prompt end and the previous one); a test holds the two together.
+STATE_COPIES = 3
+WINDOW_SLACK_MIN = 4  # engine.model.window_cache.SLACK_MIN (a test holds the two together)
+
+
+@dataclass(frozen=True)
+class CacheLayer:
+    """What one decoder layer keeps between passes. An attention layer: K and V of `kv_heads`
+    heads of `head_dim` per entry (head_dim 0: it reads another layer's K/V and keeps none),
+    for every entry, or with a `window` for the last `window` positions plus the tree. A Gated
+    DeltaNet layer: a fixed state (its convolution's last inputs in the model's dtype, its
+    recurrent state in fp32) and, per pending tree token, the inputs a replay of the
+    accepted path needs (model dtype, and its log-decay in fp32)."""
+
+    kv_heads: int = 0
+    head_dim: int = 0
+    window: int | None = None
+    state_elements: int = 0  # model dtype
+    state_fp32_elements: int = 0
+    pending_elements: int = 0  # per pending tree token, model dtype
+    pending_fp32_elements: int = 0
+
+    def entries(self, context: int, tree: int, state_copies: int = STATE_COPIES) -> int:
+        """K/V entries kept with `context` committed tokens and a `tree` of pending ones. A
+        windowed layer (engine.model.window_cache) holds at most its window less one plus the
+        dead entries it lets gather before shifting (a quarter window, at least WINDOW_SLACK_MIN),
+        and the window before each of the turn ends it keeps (`state_copies` - 1 of them)."""
+        if self.window is None:
+            return context + tree
+        held = min(context, self.window - 1 + max(WINDOW_SLACK_MIN, self.window // 4))
+        return held + tree + (state_copies - 1) * min(context, self.window - 1)
+
+    def nbytes(self, context: int, tree: int, dtype_bytes: int, state_copies: int = STATE_COPIES) -> int:
+        kv = 2 * self.kv_heads * self.head_dim * dtype_bytes * self.entries(context, tree, state_copies)
+        state = state_copies * (self.state_elements * dtype_bytes + 4 * self.state_fp32_elements)
+        pending = tree * (self.pending_elements * dtype_bytes + 4 * self.pending_fp32_elements)
+        return kv + state + pending
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """What the engine and the cost model need of a decoder-only model: its decoder layer, how
-    many, and the vocabulary (rows of the output head)."""
+    many, the vocabulary (rows of the output head), and what each layer's cache keeps
+    (`cache_layers`; empty: every layer is full attention of the decoder layer's K/V shape,
+    as a catalog entry's shape fields describe it)."""
 
     name: str
     num_layers: int
     layer: LayerShape
     vocab_size: int
+    cache_layers: tuple[CacheLayer, ...] = ()
 
     @property
     def hidden_size(self) -> int:
@@ -69,22 +122,48 @@ class ModelShape:
         """Decoder layers plus embeddings and head (counted twice: untied is the common case)."""
         return self.num_layers * self.layer_params + 2 * self.head_params
 
+    @property
+    def caches(self) -> tuple[CacheLayer, ...]:
+        """Each decoder layer's CacheLayer."""
+        if self.cache_layers:
+            return self.cache_layers
+        return (CacheLayer(self.num_kv_heads, self.head_dim),) * self.num_layers
+
+    def kv_layer_bytes(self, context: int, tree: int, dtype_bytes: int,
+                       state_copies: int = STATE_COPIES) -> list[int]:
+        """What each layer's cache holds with `context` committed tokens and a `tree` of pending
+        ones (CacheLayer.nbytes)."""
+        return [c.nbytes(context, tree, dtype_bytes, state_copies) for c in self.caches]
+
+    def kv_bytes(self, context: int, tree: int, dtype_bytes: int, state_copies: int = STATE_COPIES) -> int:
+        """The whole cache with `context` committed tokens and a `tree` of pending ones: K/V of
+        full-attention layers for context + tree entries, of windowed layers for at most
+        window + tree, none for layers that reuse another's; linear layers' fixed states
+        (`state_copies` of them: the live one and its snapshots) and their pending inputs."""
+        return sum(self.kv_layer_bytes(context, tree, dtype_bytes, state_copies))
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """K and V of every layer for one token."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+        """K and V for one token of every layer that keeps K/V, as if none were windowed: what
+        the cache grows by per token before any window is full (an upper bound past it)."""
+        return sum(2 * c.kv_heads * c.head_dim * dtype_bytes for c in self.caches)
 
     @staticmethod
     def from_config(config: Mapping[str, Any] | Any, name: str = "model") -> ModelShape:
         """From a transformers config object or a config.json dict. The one head_dim formula:
-        the config's own `head_dim` (Qwen3, Gemma set it), else hidden_size / heads."""
+        the config's own `head_dim` (Qwen3, Gemma set it), else hidden_size / heads. What each
+        layer's cache keeps follows from its kind (engine.model.family) where the family is one
+        SpecChat runs; another model_type is taken as full attention in every layer."""
+        from engine.planning.kv_sizing import cache_layers_of  # reads engine.model.family's table
+
         def get(key: str) -> Any:
             return config.get(key) if isinstance(config, Mapping) else getattr(config, key, None)
 
+        caches = cache_layers_of(config, name)  # first: it opens Gemma 4's per-layer fields to get()
         heads = int(get("num_attention_heads"))
         hidden = int(get("hidden_size"))
         layer = LayerShape(name, hidden, int(get("intermediate_size")), heads,
                            int(get("num_key_value_heads") or heads), int(get("head_dim") or hidden // heads))
-        return ModelShape(name, int(get("num_hidden_layers")), layer, int(get("vocab_size")))
+        return ModelShape(name, int(get("num_hidden_layers")), layer, int(get("vocab_size")), caches)
 
 
 @dataclass(frozen=True)

@@ -148,7 +148,7 @@ def budgets_that_fit(engine: Engine, request: GenerationRequest, free: int,
         layer = shape.layer
         act = activation_bytes(budget, tokens + budget, layer.hidden_size, layer.intermediate_size,
                                layer.num_attention_heads, shape.vocab_size, esize)
-        return act + shape.kv_bytes_per_token(esize) * (tokens + 4 * budget)
+        return act + shape.kv_bytes(tokens, 4 * budget, esize)  # each layer by its kind (engine.shapes)
 
     return tuple(b for b in budgets
                  if need(target.shape, b) + (need(draft.shape, b) if draft is not None else 0) <= free)

@@ -27,17 +27,20 @@ log = logging.getLogger(__name__)
 
 def generation_bytes(target: ModelShape, draft: ModelShape | None, dtype_bytes: int, prompt: int,
                      max_new: int, budget: int) -> int:
-    """Memory one generation allocates besides the weights, as Engine.generate sizes it: both KV
-    caches at their full capacity (allocated up front), and for one target pass over a
-    `budget`-token tree its hidden states, the additive mask over the whole cache and fp32
-    logits. Not the per-head attention scores (fused attention kernels never hold them): this
-    is the floor a request needs, for refusing what cannot fit, not a planning estimate."""
-    target_tokens = prompt + max_new + budget + 8
-    need = target.kv_bytes_per_token(dtype_bytes) * target_tokens
+    """Memory one generation allocates besides the weights, as Engine.generate sizes it: both
+    caches at their full capacity (allocated up front; each layer by its kind, ModelShape.kv_bytes:
+    a windowed layer holds its window plus the tree, a linear layer a fixed state), and for one
+    target pass over a `budget`-token tree its hidden states, the additive mask over the whole
+    cache and fp32 logits. Not the per-head attention scores (fused attention kernels never hold
+    them): this is the floor a request needs, for refusing what cannot fit, not a planning
+    estimate."""
+    context = prompt + max_new + 8
+    target_tokens = context + budget
+    need = target.kv_bytes(context, budget, dtype_bytes)
     need += budget * (6 * target.hidden_size + 3 * target.layer.intermediate_size) * dtype_bytes
     need += budget * target_tokens * dtype_bytes + budget * target.vocab_size * 4
     if draft is not None:
-        need += draft.kv_bytes_per_token(dtype_bytes) * (prompt + max_new + 4 * budget + 8)
+        need += draft.kv_bytes(context, 4 * budget, dtype_bytes)
     return need
 
 

@@ -49,7 +49,7 @@ from engine.planning.placement import (
     plan_placement,
 )
 from engine.store.gguf_header import split_parts
-from engine.shapes import Packing, Placement
+from engine.shapes import ModelShape, Packing, Placement
 from engine.types import Offload, Quant
 from engine.units import GIB
 
@@ -294,9 +294,15 @@ def plan_layers(hf: PreTrainedModel, layouts: LayerLayout | list[LayerLayout], s
     layer_bytes = max(layout.nbytes for layout in layouts)
     context = settings.context_length or min(int(getattr(cfg, "max_position_embeddings", DEFAULT_CONTEXT)),
                                              DEFAULT_CONTEXT)
+    kv_per_token = kv_bytes_per_token(num_layers, cfg.num_key_value_heads, head_dim, esize)
+    try:  # each layer's cache by its kind (windows, linear states, shared K/V: engine.shapes)
+        kv = ModelShape.from_config(cfg).kv_bytes(context, settings.max_budget, esize)
+    except (UnsupportedModel, TypeError, ValueError):  # a config the table does not describe: every layer full
+        kv = kv_per_token * context
     needs = MemoryNeeds(
         fixed=settings.reserve_bytes,  # the outer weights are already on the device
-        kv_per_token=kv_bytes_per_token(num_layers, cfg.num_key_value_heads, head_dim, esize),
+        kv_per_token=kv_per_token,
+        kv_bytes=kv,
         activations=activation_bytes(settings.max_budget, context, cfg.hidden_size, cfg.intermediate_size,
                                      cfg.num_attention_heads, cfg.vocab_size, esize),
     )
@@ -306,7 +312,7 @@ def plan_layers(hf: PreTrainedModel, layouts: LayerLayout | list[LayerLayout], s
         offload=settings.offload, device=device, device_free=device_free, needs=needs, context_length=context,
         host_free=host_budget(settings.ram_limit_bytes))
     if device.startswith("cuda") and settings.offload == "none":
-        need = sum(layout.nbytes for layout in layouts) + needs.kv_per_token * context + needs.activations + settings.reserve_bytes
+        need = sum(layout.nbytes for layout in layouts) + needs.kv_at(context) + needs.activations + settings.reserve_bytes
         if need > device_free:
             raise OutOfMemory(f"The model's layers need about {need / GIB:.1f} GiB of GPU memory with its KV "
                               f"cache but {device_free / GIB:.1f} GiB is free. Use --offload auto (stream "

@@ -23,9 +23,17 @@ class MemoryNeeds:
     fixed: int  # embeddings, final norm, head, rotary tables; plus the draft if it shares the device
     kv_per_token: int  # all target layers, K and V
     activations: int  # one pass at the largest tree budget
+    # the target's caches at the planned context and tree, by layer kind (ModelShape.kv_bytes:
+    # windows, linear states, layers without K/V); None: kv_per_token for every context token
+    kv_bytes: int | None = None
+
+    def kv_at(self, context_length: int) -> int:
+        """The target's caches planned for `context_length` tokens."""
+        return self.kv_bytes if self.kv_bytes is not None else self.kv_per_token * context_length
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
+    """Every layer full attention of one K/V shape; ModelShape.kv_bytes prices layers by kind."""
     return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
 
 
@@ -67,7 +75,7 @@ def plan_placement(*, num_layers: int, layer_bytes: int, dense_layer_bytes: int,
     elif offload == "all":
         gpu = 0
     else:
-        budget = device_free - needs.fixed - needs.kv_per_token * context_length - needs.activations - margin
+        budget = device_free - needs.fixed - needs.kv_at(context_length) - needs.activations - margin
         gpu = max(0, min(num_layers, budget // max(layer_bytes, 1)))
         if gpu < num_layers:  # streaming needs a ring (and, for packed layers, a dense buffer)
             ring = ring_slots * layer_bytes + (dense_layer_bytes if quant != "none" else 0)

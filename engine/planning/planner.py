@@ -213,6 +213,7 @@ def estimate_placement(profile: HardwareProfile, target: ModelShape, quant: Pack
     needs = MemoryNeeds(
         fixed=2 * target.head_params * dtype_bytes + draft_bytes,
         kv_per_token=target.kv_bytes_per_token(dtype_bytes),
+        kv_bytes=target.kv_bytes(context_length, PREDICTED_BUDGET, dtype_bytes),
         activations=activation_bytes(PREDICTED_BUDGET, context_length, layer.hidden_size, layer.intermediate_size,
                                      layer.num_attention_heads, target.vocab_size, dtype_bytes))
     device_free = profile.gpu.vram_free if profile.gpu is not None else host_free

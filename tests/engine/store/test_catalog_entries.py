@@ -21,12 +21,13 @@ from engine.loading.load import check_folder
 from engine.model.family import FAMILIES
 from engine.store import load_catalog
 from engine.store.catalog import DEFAULT_CATALOG_PATH, CatalogModel
+from engine.store.discover import RUNNABLE
 
 CATALOG = load_catalog()
 RAW = {m["id"]: m for m in json.loads(DEFAULT_CATALOG_PATH.read_text())["models"]}
-# The GGUF architectures engine.loading.gguf runs (its refusal names them): transformers maps more
-# (qwen3_moe, gpt_oss, gemma3...), but the tensor-by-tensor loader is built and tested for these.
-GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+# The GGUF architectures engine.loading.gguf runs (llama.cpp's names, as its refusal gives them):
+# a GGUF entry of another architecture (gpt-oss, glm4moe, qwen35, gemma4...) must be marked.
+GGUF_ARCHITECTURES = RUNNABLE
 # config.json's quantization_config for each weight format (dtype) a Hugging Face entry names
 QUANTISATION: dict[str, dict[str, Any] | None] = {
     "bfloat16": None,
@@ -42,8 +43,7 @@ QUANTISATION: dict[str, dict[str, Any] | None] = {
 def engine_refusal(model: CatalogModel, folder: Path) -> str | None:
     """Why the engine would refuse a checkpoint like `model` (its user message), None if it takes it."""
     if model.gguf_file:
-        ok = model.model_type in GGUF_ARCHITECTURES and model.model_type in FAMILIES
-        return None if ok else f"a '{model.model_type}' GGUF"
+        return None if model.model_type in GGUF_ARCHITECTURES else f"a '{model.model_type}' GGUF"
     config: dict[str, Any] = {"model_type": model.model_type, "num_hidden_layers": model.layers,
                               "vocab_size": model.vocab_rows}
     if model.model_type not in FAMILIES:  # a wrapper (or another family): its text model as the hub writes it
