@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -175,7 +175,9 @@ def _option(pair_id: str, title: str, description: str, target: CatalogModel, dr
     else:
         source = f"{target.repo_id}:{target.gguf_file}" if target.gguf_file else target.repo_id
         about = dict(target_format=target.format_label, target_source=source)
-    prediction = _predict(profile, target, draft, quant)
+    # the starter runs as its PyPI wheel's Q4_1 GGUF, packed for the CPU kernel: priced so
+    priced = replace(target, prequantised="gguf", dtype="gguf-q4_1") if target.id == starter else target
+    prediction = _predict(profile, priced, draft, quant)
     measured = measured_for(locate, target.id, draft.id if draft else "", profile)
     reason = _reason(prediction, measured)
     if prediction is None:

@@ -51,6 +51,9 @@ NF4_BYTES_PER_PARAM = 0.5625  # 4-bit codes + one fp16 scale per 64 weights, as 
 # figure replaces it once answers are measured there (measured.py).
 CPU_UNPACK_S_PER_PARAM = {"nf4": 1.0e-9, "gguf": 5.0e-9, "awq": 5.0e-9, "gptq": 5.0e-9}
 PACKED_BYTES_PER_PARAM = {"nf4": NF4_BYTES_PER_PARAM, "gguf": 0.6, "awq": 0.53, "gptq": 0.53}  # Q4_K_M ~4.8 bits
+# The packed CPU kernel's time per token beyond the first against an fp32 product's, once its
+# weights are read (`python scripts/bench_qmatmul.py`, 2 threads: 1.4x at 16-64 rows).
+KERNEL_TOKEN_RATIO = 1.4
 HOST_MARGIN_BYTES = 2 * GB  # RAM left to the OS and the app when predicting a placement
 PREDICTED_CONTEXT = 4096  # KV cache a prediction reserves room for
 PREDICTED_BUDGET = 512  # tree activations a prediction reserves room for
@@ -63,11 +66,21 @@ def layer_bytes(shape: ModelShape, quant: str, device: str) -> int:
     return shape.layer_params * (4 if device == "cpu" else 2)  # the engine runs fp32 on CPU, 16-bit on GPU
 
 
-def compute_seconds(profile: HardwareProfile, params: int, tokens: int, quant: str = "none") -> float:
+def compute_seconds(profile: HardwareProfile, params: int, tokens: int, quant: str = "none",
+                    form: str = "") -> float:
     """One layer of `params` weights over `tokens` tokens on the profile's compute device,
-    unpacking included for a packed `quant` ("nf4", "gguf", "awq", "gptq")."""
-    t = profile.layer_timing.scaled_seconds(params, tokens)
-    if quant in CPU_UNPACK_S_PER_PARAM:
+    unpacking included for a packed `quant` ("nf4", "gguf", "awq", "gptq") unpacked every pass.
+    `form` "kernel": its Linear weights stay packed for the packed CPU kernel (engine.kernels),
+    which reads them at the speed the measured layer streamed its weights from memory and costs
+    KERNEL_TOKEN_RATIO times an fp32 product per token beyond the first; "dequantised": the
+    layer runs as an unpacked one."""
+    timing = profile.layer_timing
+    if form == "kernel" and quant in PACKED_BYTES_PER_PARAM and profile.gpu is None:
+        read = params * PACKED_BYTES_PER_PARAM[quant] / timing.memory_bandwidth
+        more = max(0.0, timing.scaled_seconds(params, tokens) - timing.scaled_seconds(params, 1))
+        return timing.overhead_s + read + KERNEL_TOKEN_RATIO * more
+    t = timing.scaled_seconds(params, tokens)
+    if quant in CPU_UNPACK_S_PER_PARAM and not form:
         if profile.gpu is not None:
             t += 2 * params / (profile.gpu.device_memory_gbps * GB)  # to 16-bit, at VRAM speed
         else:
@@ -77,8 +90,7 @@ def compute_seconds(profile: HardwareProfile, params: int, tokens: int, quant: s
 
 def target_pass_seconds(profile: HardwareProfile, target: ModelShape, placement: Placement, tokens: int) -> float:
     """One target pass over `tokens` tree tokens (the decoder layers; the head is separate)."""
-    compute = compute_seconds(profile, target.layer_params, tokens,
-                              placement.quant if placement.unpacks_each_pass else "none")
+    compute = compute_seconds(profile, target.layer_params, tokens, placement.quant, placement.resident_form)
     total = placement.gpu_layers * compute
     gpu = profile.gpu
     if placement.ram_layers:
@@ -217,9 +229,13 @@ def estimate_placement(profile: HardwareProfile, target: ModelShape, quant: Pack
         activations=activation_bytes(PREDICTED_BUDGET, context_length, layer.hidden_size, layer.intermediate_size,
                                      layer.num_attention_heads, target.vocab_size, dtype_bytes))
     device_free = profile.gpu.vram_free if profile.gpu is not None else host_free
-    return plan_placement(num_layers=target.num_layers, layer_bytes=lbytes, dense_layer_bytes=target.layer_params * 2,
-                          quant=quant, offload="auto", device=device, device_free=device_free, needs=needs,
-                          context_length=context_length, host_free=host_free)
+    placement = plan_placement(num_layers=target.num_layers, layer_bytes=lbytes,
+                               dense_layer_bytes=target.layer_params * 2, quant=quant, offload="auto", device=device,
+                               device_free=device_free, needs=needs, context_length=context_length,
+                               host_free=host_free)
+    if device == "cpu" and quant == "gguf":  # its Linear weights stay packed for the CPU kernel (cpu_packed)
+        placement = replace(placement, resident_form="kernel")
+    return placement
 
 
 def _quant_options(profile: HardwareProfile, model: CatalogModel, quant: str) -> list[Packing]:

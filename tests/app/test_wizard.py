@@ -19,7 +19,9 @@ from app.state.preferences_store import PreferencesStore
 from app.wizard.first_run import FirstRunWizard
 from engine.planning.measure import measure_hardware
 from engine.planning.measured import measured_speed
-from engine.planning.profile import GpuProfile, load_profile
+from engine.planning.planner import predict_pair
+from engine.planning.reference import reference_profile
+from engine.planning.profile import LAYER_SHAPES, GpuProfile, LayerTiming, load_profile
 from engine.store import find_local_model, load_catalog
 from engine.store.pypi import STARTER_GGUF_NAME
 from engine.store.transfer import DownloadSettings
@@ -255,6 +257,24 @@ def test_with_a_gpu_fitting_pairs_are_ranked_by_predicted_speed(app_env: Path) -
     fits = [o.tokens_per_second for o in pairs if o.fit == "fits"]
     assert fits == sorted(fits, reverse=True)
     assert {o.pair_id for o in options if o.fit == "too big"}.isdisjoint(o.pair_id for o in ranked)
+
+
+def test_the_starter_is_priced_as_the_gguf_it_runs(app_env: Path) -> None:
+    """The starter runs as its wheel's Q4_1 GGUF, packed for the CPU kernel: the promised speed
+    prices that, not the BF16 folder the catalog entry names (which would run at fp32)."""
+    # a 2-core CPU's fp32 layer curve (a quick profile's tiny layer is all overhead): 13 GB/s, 50 GFLOP/s
+    shape = LAYER_SHAPES["llama-70b"]
+    points = tuple((n, 3e-4 + max(shape.params * 4 / 13e9, shape.flops(n) / 50e9)) for n in (1, 4, 16, 64, 128))
+    timing = LayerTiming(shape, "cpu", "float32", shape.params * 4, points, 3e-4)
+    profile = replace(reference_profile("rtx4090"), gpus=(), layer_timing=timing)
+    catalog = load_catalog()
+    starter = next(o for o in pair_options(catalog, profile) if o.pair_id == STARTER_PAIR_ID)
+    assert "packed CPU kernel" in starter.reason, starter.reason
+    model = catalog.find(starter.target)
+    assert model is not None
+    as_folder = predict_pair(profile, model, None)
+    assert as_folder.quant == "fp32" and starter.tokens_per_second is not None
+    assert starter.tokens_per_second > 1.5 * as_folder.tokens_per_second
 
 
 def test_status_lines_show_names_not_paths() -> None:
