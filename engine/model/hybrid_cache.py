@@ -32,13 +32,8 @@ import torch
 from engine.model.cache import KVCache
 
 SNAPSHOTS = 2  # per cache: this turn's prompt end and the previous one
-from engine.model.linear_attention import (
-    LinearLayerState,
-    LinearPending,
-    NodeInputs,
-    PassTree,
-    advance,
-)
+from engine.model.linear_attention import advance
+from engine.model.linear_state import LinearLayerState, LinearPending, NodeInputs, PassTree
 
 
 @dataclass(frozen=True)

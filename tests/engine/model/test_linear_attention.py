@@ -14,14 +14,8 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer, Qw
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
 from engine.model import linear_attention
-from engine.model.linear_attention import (
-    LinearLayerState,
-    LinearPending,
-    PassTree,
-    TreeGatedDeltaNet,
-    advance,
-    install,
-)
+from engine.model.linear_attention import TreeGatedDeltaNet, advance, install
+from engine.model.linear_state import LinearLayerState, LinearPending, PassTree
 
 FAMILIES = ("qwen3_5", "qwen3_next")
 HIDDEN = 64
