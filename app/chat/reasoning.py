@@ -28,8 +28,8 @@ from engine.serving.formats import (
     OutputDelta,
     OutputParser,
     chat_format,
-    marker_prefix,
 )
+from engine.serving.format_text import marker_prefix
 from engine.types import ToolCall
 
 

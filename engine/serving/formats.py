@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from engine.decoding.text import template_takes_tools
+from engine.serving.format_text import find_marker, json_value, json_values, marker_prefix
 from engine.types import ToolCall
 
 ToolFormat = Literal["hermes", "llama3", "mistral", "harmony"]
@@ -248,7 +249,7 @@ class OutputParser:
         if (self.format.reasoning == "think" and not self._thought and not self._content.text
                 and (lead.startswith(THINK) or THINK.startswith(lead))):  # only the answer's start opens reasoning
             markers.append(THINK)
-        found = _find(self._buffer, markers)
+        found = find_marker(self._buffer, markers)
         if found is None:
             keep = 0 if final else marker_prefix(self._buffer, markers)
             out.content.append(self._content.push(self._buffer[:len(self._buffer) - keep]))
@@ -262,7 +263,7 @@ class OutputParser:
         return self._go("call" if marker == TOOL_CALL else "rest", marker)
 
     def _thinking(self, out: _Out, final: bool) -> bool:
-        found = _find(self._buffer, [END_THINK])
+        found = find_marker(self._buffer, [END_THINK])
         if found is None:
             keep = 0 if final else marker_prefix(self._buffer, [END_THINK])
             out.reasoning.append(self._reasoning.push(self._buffer[:len(self._buffer) - keep]))
@@ -282,7 +283,7 @@ class OutputParser:
         at, marker = found if found is not None else (len(self._buffer), "")
         body = self._buffer[:at]
         self._buffer = self._buffer[at + len(marker):]
-        call = self._call(_json(body))
+        call = self._call(json_value(body))
         if call is not None:
             self._add(call, out)
         else:
@@ -331,7 +332,7 @@ class OutputParser:
                 return False
             at, marker = found if found is not None else (len(self._buffer), "")
             body, self._buffer = self._buffer[:at], self._buffer[at + len(marker):]
-            call = self._call({"name": self._name, "arguments": _json(body)}) if self.tools else None
+            call = self._call({"name": self._name, "arguments": json_value(body)}) if self.tools else None
             if call is not None:
                 self._add(call, out)
             else:
@@ -339,7 +340,7 @@ class OutputParser:
             return self._go("header")
         target, pieces = ((self._reasoning, out.reasoning) if self._to == "reasoning"
                           else (self._content, out.content))
-        found = _find(self._buffer, HARMONY_ENDS)
+        found = find_marker(self._buffer, HARMONY_ENDS)
         if found is None:
             keep = 0 if final else marker_prefix(self._buffer, HARMONY_ENDS)
             pieces.append(target.push(self._buffer[:len(self._buffer) - keep]))
@@ -353,7 +354,7 @@ class OutputParser:
     # ---- calls --------------------------------------------------------------------------------
     def _find_end(self, markers: tuple[str, ...] | list[str]) -> tuple[int, str] | None:
         """The end of a held block: searched from where the last piece's search stopped."""
-        found = _find(self._buffer, markers, max(0, self._scanned - max(map(len, markers))))
+        found = find_marker(self._buffer, markers, max(0, self._scanned - max(map(len, markers))))
         self._scanned = len(self._buffer)
         return found
 
@@ -369,14 +370,14 @@ class OutputParser:
         name = value["name"]
         args = value.get("arguments", value.get("parameters", {}))
         if isinstance(args, str):  # some models write the arguments as a JSON string
-            args = _json(args)
+            args = json_value(args)
         if not NAME.fullmatch(name) or not isinstance(args, dict):
             return None
         return ToolCall(self.format.call_id(), name, json.dumps(args, ensure_ascii=False))
 
     def _llama3(self, text: str) -> list[ToolCall] | None:
         text = text.strip().removeprefix(PYTHON_TAG)
-        return self._calls(_json_values(text, ";"))
+        return self._calls(json_values(text, ";"))
 
     def _mistral(self, text: str) -> list[ToolCall] | None:
         calls: list[ToolCall] = []
@@ -385,12 +386,12 @@ class OutputParser:
                 continue
             if ARGS in piece:  # name[ARGS]{...} (or name[CALL_ID]id[ARGS]{...})
                 name, args = piece.split(ARGS, 1)
-                call = self._call({"name": name.split(CALL_ID)[0].strip(), "arguments": _json(args)})
+                call = self._call({"name": name.split(CALL_ID)[0].strip(), "arguments": json_value(args)})
                 if call is None:
                     return None
                 calls.append(call)
             else:
-                found = self._calls(_json_values(piece, ","))
+                found = self._calls(json_values(piece, ","))
                 if found is None:
                     return None
                 calls += found
@@ -405,49 +406,3 @@ class OutputParser:
         if None in calls:
             return None
         return [c for c in calls if c is not None]
-
-
-def _find(text: str, markers: tuple[str, ...] | list[str], start: int = 0) -> tuple[int, str] | None:
-    """The first marker in `text` (from `start`), as (position, marker); the longest at a tie."""
-    best: tuple[int, str] | None = None
-    for marker in markers:
-        at = text.find(marker, start)
-        if at >= 0 and (best is None or at < best[0] or (at == best[0] and len(marker) > len(best[1]))):
-            best = (at, marker)
-    return best
-
-
-def marker_prefix(text: str, markers: tuple[str, ...] | list[str]) -> int:
-    """How many of `text`'s last characters could be the start of a marker (held back)."""
-    hold = 0
-    for marker in markers:
-        for k in range(min(len(marker) - 1, len(text)), hold, -1):
-            if text.endswith(marker[:k]):
-                hold = k
-                break
-    return hold
-
-
-def _json(text: str) -> object:
-    """The JSON value `text` holds, or None. The model's output is untrusted too: a value nested
-    past Python's recursion limit or a number too long to convert is no value."""
-    try:
-        return json.loads(text)
-    except (ValueError, RecursionError):
-        return None
-
-
-def _json_values(text: str, separator: str) -> list[object] | None:
-    """Several JSON values one after another, separated by whitespace and `separator`, or None."""
-    decoder = json.JSONDecoder()
-    values: list[object] = []
-    at, text = 0, text.strip()
-    try:
-        while at < len(text):
-            value, at = decoder.raw_decode(text, at)
-            values.append(value)
-            while at < len(text) and (text[at].isspace() or text[at] == separator):
-                at += 1
-    except (ValueError, RecursionError):
-        return None
-    return values
