@@ -112,6 +112,7 @@ class SamplingSettings:
         return self.temperature <= 0.0
 
 
+MAX_TOP_LOGPROBS = 20  # most alternatives a token's log-probability comes with (OpenAI's limit)
 AUTO_FALLBACK_BUDGET = 64  # budget "auto" without a plan (engine.decoding.auto_budget)
 
 
@@ -338,6 +339,9 @@ class GenerationRequest:
     reasoning_effort: str | None = None
     # the answer must match this grammar (structured output, forced tool calls); None: free text
     constraint: OutputConstraint | None = None
+    # per answer token, its log-probability and this many top alternatives (0..MAX_TOP_LOGPROBS);
+    # None: none are computed (engine.decoding.logprobs says which distribution)
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.raw_prompt is not None and self.messages:
@@ -346,6 +350,8 @@ class GenerationRequest:
             raise InvalidRequest("Only an answer can be continued: the last message must be the assistant's.")
         if self.max_new_tokens < 1:
             raise InvalidRequest(f"max new tokens must be at least 1 (got {self.max_new_tokens}).")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequest(f"Top log-probabilities: from 0 to {MAX_TOP_LOGPROBS} a token (got {self.logprobs}).")
         if self.tools and self.raw_prompt is not None:
             raise InvalidRequest("Tools are shown to the model through its chat template: give chat messages, "
                                  "not a raw prompt.")
@@ -368,12 +374,35 @@ def check_text(text: str, what: str) -> None:
 
 
 @dataclass(frozen=True)
+class TokenAlternative:
+    """A token the model could have written at a position, with its log-probability. `text`
+    is its bytes decoded (a piece of a multi-byte character shows as U+FFFD)."""
+
+    token_id: int
+    text: str
+    data: bytes
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One written token's log-probability and the `top` most likely tokens at its position
+    (sorted, most likely first), when the request asked for them (GenerationRequest.logprobs)."""
+
+    token: TokenAlternative
+    top: tuple[TokenAlternative, ...] = ()
+
+
+@dataclass(frozen=True)
 class TokenEvent:
     """Tokens accepted by one decoding step and the text they add (may be empty while a
-    multi-byte character is incomplete, or held back while it could start a stop string)."""
+    multi-byte character is incomplete, or held back while it could start a stop string).
+    `logprobs` (only when asked for): one per token written since the previous event, in order
+    (this event's tokens and those of steps whose text was held back)."""
 
     token_ids: tuple[int, ...]
     text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -411,6 +440,7 @@ class Completion:
     token_ids: tuple[int, ...]
     finish_reason: FinishReason
     stats: GenerationStats
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when the request asked for them
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ from engine.decoding.acceptance import AcceptanceModel, AcceptanceModels
 from engine.decoding.context import MAX_MATCH, ContextIndex, Continuation, trie
 from engine.decoding.costs import DraftSwitch, DraftSwitches, PassCosts, SwitchSettings
 from engine.decoding.learned import LearnedFile
+from engine.decoding.logprobs import LogprobRecorder, TokenBytes
 from engine.decoding.drafting import (
     DraftTrace,
     Seeds,
@@ -108,6 +109,7 @@ class _Decoding:
     ttft: float | None = None
     oom_retries: int = 0
     grammar: GrammarState | None = None  # the request's constraint, after the committed tokens
+    logprobs: LogprobRecorder | None = None  # the written tokens' log-probabilities, when asked for
 
     @property
     def tcache(self) -> KVCache:
@@ -116,6 +118,9 @@ class _Decoding:
     @property
     def dcache(self) -> KVCache | None:
         return self.prefix.draft
+
+    def event(self, tokens: list[int], text: str) -> TokenEvent:
+        return TokenEvent(tuple(tokens), text, self.logprobs.take() if self.logprobs is not None else ())
 
 
 @dataclass(frozen=True)
@@ -165,6 +170,7 @@ class Engine:
         self.prefixes.expect(target.new_cache(1), draft.new_cache(1) if draft else None)
         # constrained requests' grammars (its token table is built on the first one)
         self.grammars = GrammarCompiler(tokenizer, target.shape.vocab_size, self.eos_ids)
+        self.token_bytes = TokenBytes(tokenizer)  # for requests that ask for log-probabilities
 
     @property
     def placement(self) -> Placement:
@@ -224,7 +230,7 @@ class Engine:
                     run.ttft = time.perf_counter() - t_start
                 tokens, text, done = self._commit(run, step.tokens)
                 if text:
-                    yield TokenEvent(token_ids=tuple(tokens), text=text)
+                    yield run.event(tokens, text)
                 if done:
                     break
         finally:  # also when the consumer stops iterating (GeneratorExit at a yield)
@@ -236,9 +242,10 @@ class Engine:
         if run.finish in ("length", "cancelled"):
             text, _ = run.detok.push(run.new, final=True)
             if text:
-                yield TokenEvent(token_ids=(), text=text)
+                yield run.event([], text)
         yield Completion(text=run.detok.text, token_ids=tuple(run.new), finish_reason=run.finish,
-                         stats=self._finish(run, time.perf_counter() - t_start))
+                         stats=self._finish(run, time.perf_counter() - t_start),
+                         logprobs=tuple(run.logprobs.answer) if run.logprobs else ())
 
     def _step(self, run: _Decoding) -> _Step:
         """One decoding step. A device out-of-memory rolls both caches back; a tree step is
@@ -343,6 +350,8 @@ class Engine:
             run.finish = "eos"
         if run.grammar is not None:
             run.grammar.commit(step)
+        if run.logprobs is not None:
+            run.logprobs.commit(len(step))
         run.seq.extend(step)
         run.new.extend(step)
         if run.index is not None:
@@ -406,8 +415,11 @@ class Engine:
             return choose_token(logits, sampling, gen, history)
 
         index = ContextIndex(seq) if use_spec and spec.context else None
-        run = _Decoding(request, prompt, use_spec, draft, index, prefix, cached, choose,
-                        Detokenizer(self.tokenizer, request.stop), seq, timers=timers, grammar=state)
+        # asked for: every token's entry from the row `choose` picked it from (logprobs.py)
+        recorder = None if request.logprobs is None else LogprobRecorder(choose, request.logprobs, self.token_bytes)
+        run = _Decoding(request, prompt, use_spec, draft, index, prefix, cached, recorder.choose if recorder else choose,
+                        Detokenizer(self.tokenizer, request.stop), seq, timers=timers, grammar=state,
+                        logprobs=recorder)
         timers.prefill = time.perf_counter() - t0
         return run
 

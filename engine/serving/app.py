@@ -45,6 +45,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from engine.errors import ContextTooLong, EngineError, InvalidRequest, MalformedInput
 from engine.serving.formats import OutputParser, OutputSettings
 from engine.serving.guard import AccessPolicy, RequestGuard
+from engine.serving.logprobs import LogprobStream
 from engine.serving.protocol import (
     ApiError,
     ChunkWriter,
@@ -132,14 +133,15 @@ def build_app(queue: GenerationQueue, defaults: Callable[[], RequestDefaults], a
             assert isinstance(first, Started)
             rid, name = new_id(kind), model.id or parsed.model or ""
             writer = ChunkWriter(kind, rid, name, parsed.include_usage)
+            logprobs = parsed.choices[0].logprobs is not None
             if parsed.stream:
-                stream = EventStream(_chunks(job, writer, parsed.output), watcher)
+                stream = EventStream(_chunks(job, writer, parsed.output, logprobs), watcher)
                 watcher = None  # the stream ends it
                 return stream
             await _drain(job)
             if any(c.finish_reason == "cancelled" for c in job.completions):
                 raise _cut(job.cut)
-            return JSONResponse(response(kind, rid, name, writer.created, job.completions, parsed.output))
+            return JSONResponse(response(kind, rid, name, writer.created, job.completions, parsed.output, logprobs))
         finally:
             if watcher is not None:
                 watcher.cancel()
@@ -233,13 +235,17 @@ async def _drain(job: Job) -> None:
             raise _api_error(event)
 
 
-async def _chunks(job: Job, writer: ChunkWriter, output: OutputSettings | None = None) -> AsyncIterator[bytes]:
+async def _chunks(job: Job, writer: ChunkWriter, output: OutputSettings | None = None,
+                  logprobs: bool = False) -> AsyncIterator[bytes]:
     """The job's events as server-sent events; with `output`, each choice's text goes through
-    its own OutputParser (content, reasoning and tool-call deltas). A stream the model did not
-    end itself (an error after the stream started, a server shutting down) gets an `error`
-    event (the status line is long gone) and no [DONE], and no choice in it says "stop"."""
+    its own OutputParser (content, reasoning and tool-call deltas); with `logprobs`, each
+    token's entry rides on the first chunk sent after it came (logprobs.LogprobStream). A
+    stream the model did not end itself (an error after the stream started, a server shutting
+    down) gets an `error` event (the status line is long gone) and no [DONE], and no choice in
+    it says "stop"."""
     opened: set[int] = set()
     parsers: dict[int, OutputParser] = {}
+    entries: dict[int, LogprobStream] = {}
     try:
         while not isinstance(event := await job.events.get(), Finished):
             if isinstance(event, BaseException):
@@ -257,15 +263,24 @@ async def _chunks(job: Job, writer: ChunkWriter, output: OutputSettings | None =
                     yield _sse(chunk)
                 if output is not None:
                     parsers[index] = output.parser()
-            parser = parsers.get(index)
-            if isinstance(item, TokenEvent) and item.text:
-                for chunk in writer.parsed(index, parser.feed(item.text)) if parser else [writer.text(index, item.text)]:
-                    yield _sse(chunk)
+                if logprobs:
+                    entries[index] = LogprobStream(writer.kind)
+            parser, sent = parsers.get(index), entries.get(index)
+            chunks: list[dict[str, Any]] = []
+            if isinstance(item, TokenEvent):
+                if sent is not None:
+                    sent.add(item.logprobs)
+                if item.text:
+                    chunks = writer.parsed(index, parser.feed(item.text)) if parser else [writer.text(index, item.text)]
             elif isinstance(item, Completion):
-                if parser is not None:
-                    for chunk in writer.parsed(index, parser.finish()):
-                        yield _sse(chunk)
-                yield _sse(writer.finished(index, item, bool(parser and parser.calls)))
+                chunks = writer.parsed(index, parser.finish()) if parser is not None else []
+                chunks.append(writer.finished(index, item, bool(parser and parser.calls)))
+                if sent is not None:
+                    sent.rest(item.logprobs)
+            if sent is not None:
+                sent.attach(chunks)
+            for chunk in chunks:
+                yield _sse(chunk)
         if writer.include_usage and job.completions:
             yield _sse(writer.usage(job.completions))
         yield b"data: [DONE]\n\n"

@@ -10,10 +10,11 @@ Parameters: temperature, top_p, max_tokens / max_completion_tokens, stop, seed, 
 stream_options.include_usage, and vLLM's extras top_k, min_p, repetition_penalty. Each is
 checked for its JSON type (a bool is not a number, a float is not a whole number) and its range;
 `max_tokens` above the model's context (MAX_TOKENS_CEILING when the context is not known) is
-refused with a 400 that says the limit, never capped silently. Fields the
-engine cannot honour (logprobs, the old `functions`, logit_bias, best_of, echo, suffix) are
-refused with a 400 naming them; presence_penalty and frequency_penalty are accepted and ignored
-(clients send them by default), as is everything else OpenAI defines. `response_format`
+refused with a 400 that says the limit, never capped silently. `logprobs` / `top_logprobs`
+are checked and shaped by logprobs.py. Fields the engine cannot honour (the old `functions`,
+logit_bias, best_of, echo, suffix) are refused with a 400 naming them; presence_penalty and
+frequency_penalty are accepted and ignored (clients send them by default), as is everything
+else OpenAI defines. `response_format`
 json_object / json_schema (chats and completions) becomes a grammar the answer is decoded under
 (constraints.py).
 
@@ -38,6 +39,7 @@ from typing import Any, Literal
 from engine.errors import InvalidRequest
 from engine.serving.constraints import build_constraint
 from engine.serving.formats import OutputDelta, OutputSettings, ParsedOutput, chat_format
+from engine.serving.logprobs import LogprobsError, parse_logprobs, shaped
 from engine.serving.tools import (
     ToolChoice,
     ToolError,
@@ -68,8 +70,6 @@ _SHOWN = 60  # most characters of a refused value quoted back
 ROLES: dict[str, Literal["system", "user", "assistant", "tool"]] = {
     "system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 REFUSED = {  # field -> why; refused only when set to something other than "off"
-    "logprobs": "log probabilities are not returned",
-    "top_logprobs": "log probabilities are not returned",
     "functions": "the old function-call fields are not supported (use 'tools')",
     "function_call": "the old function-call fields are not supported (use 'tool_choice')",
     "logit_bias": "logit_bias is not supported",
@@ -142,7 +142,8 @@ def parse_request(kind: Kind, body: object, defaults: RequestDefaults, context_l
             raise bad_request(f"'{name}' is not supported by this server: {why}.", name)
     try:
         tools, output, effort, constraint = _tool_fields(kind, body, chat_template)
-    except ToolError as exc:
+        logprobs = parse_logprobs(kind, body)
+    except (ToolError, LogprobsError) as exc:
         raise bad_request(exc.message, exc.param) from None
     model = _optional(body, "model", str)
     stream = bool(_optional(body, "stream", bool) or False)
@@ -183,7 +184,7 @@ def parse_request(kind: Kind, body: object, defaults: RequestDefaults, context_l
         sampling = replace(sampling, seed=None, **values)
         first = replace(base, messages=messages, raw_prompt=raw, stop=stop, sampling=sampling,
                         max_new_tokens=base.max_new_tokens if max_tokens is None else max_tokens, tools=tools,
-                        reasoning_effort=effort, constraint=constraint)
+                        reasoning_effort=effort, constraint=constraint, logprobs=logprobs)
     except InvalidRequest as exc:  # the settings validate themselves (engine.types)
         raise bad_request(exc.user_message) from exc
     if n > 1 and sampling.greedy:
@@ -387,19 +388,19 @@ def usage(completions: list[Completion]) -> dict[str, Any]:
 
 
 def response(kind: Kind, rid: str, model: str, created: int, completions: list[Completion],
-             output: OutputSettings | None = None) -> dict[str, Any]:
+             output: OutputSettings | None = None, logprobs: bool = False) -> dict[str, Any]:
     """The whole answer of a request that did not stream; `output` splits each chat answer
-    into content, reasoning and tool calls."""
+    into content, reasoning and tool calls; `logprobs`: the request asked for them."""
     if kind == "chat":
         choices = []
         for i, c in enumerate(completions):
             parsed = output.parse(c.text) if output is not None else ParsedOutput(c.text, None, ())
-            choices.append({"index": i, "message": message(parsed), "logprobs": None,
-                            "finish_reason": finish_reason(c.finish_reason, bool(parsed.calls))})
+            choices.append({"index": i, "message": message(parsed), "logprobs": shaped(kind, c.logprobs) if logprobs
+                            else None, "finish_reason": finish_reason(c.finish_reason, bool(parsed.calls))})
         obj = "chat.completion"
     else:
-        choices = [{"index": i, "text": c.text, "logprobs": None, "finish_reason": finish_reason(c.finish_reason)}
-                   for i, c in enumerate(completions)]
+        choices = [{"index": i, "text": c.text, "logprobs": shaped(kind, c.logprobs) if logprobs else None,
+                    "finish_reason": finish_reason(c.finish_reason)} for i, c in enumerate(completions)]
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": created, "model": model, "system_fingerprint": None,
             "choices": choices, "usage": usage(completions)}

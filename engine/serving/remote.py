@@ -3,7 +3,11 @@ SpecChat) with the Engine's interface, so a conversation can run on a remote mod
 runs on the local one.
 
 `RemoteEngine(RemoteModel).generate(request, cancel)` streams /chat/completions (or
-/completions for a raw prompt) and yields a TokenEvent per text delta and one Completion. The
+/completions for a raw prompt) and yields a TokenEvent per text delta and one Completion.
+Reasoning a server already split off (vLLM's reasoning parsers send `reasoning_content`, newer
+versions `reasoning`) comes back the way the local engine's text carries a thinking model's
+reasoning: inside a `<think>` ... `</think>` block before the answer, which the app's answer
+splitter (and engine.serving.formats' parser) takes apart again. The
 HTTP exchange runs in a reader thread that hands lines to generate() through a queue, so a
 cancel takes effect at once, even while the server has not answered yet (it may be queueing
 the request); the connection is then closed, which is how the server learns to stop.
@@ -51,6 +55,7 @@ from engine.errors import (
     RemoteUnauthorized,
     RemoteUnreachable,
 )
+from engine.serving.formats import END_THINK, THINK
 from engine.types import (
     Completion,
     FinishReason,
@@ -136,6 +141,8 @@ class RemoteEngine:
         if request.constraint is not None:  # its grammar is SpecChat's own: nothing to forward it as
             raise InvalidRequest(f"{request.constraint.what} needs constrained decoding, which a remote model is not "
                                  "asked for here: use a local model.")
+        if request.logprobs is not None:
+            raise InvalidRequest("Log-probabilities are not asked of a remote model here: use a local model.")
         cancel = cancel or threading.Event()
         chat = request.raw_prompt is None
         path = "/chat/completions" if chat else "/completions"
@@ -208,6 +215,7 @@ class RemoteEngine:
     def _stream(self, request: GenerationRequest, lines: queue.Queue[object], cancel: threading.Event,
                 stop: threading.Event, started: float) -> Iterator[TokenEvent | Completion]:
         text, deltas = "", 0
+        thinking = False  # inside the <think> block that carries the server's reasoning
         most = request.max_new_tokens * MAX_CHARS_PER_TOKEN
         finish: str | None = None
         usage: dict[str, Any] = {}
@@ -232,7 +240,8 @@ class RemoteEngine:
                 chunk = self._event(data)
                 if isinstance(chunk.get("usage"), dict):
                     usage = chunk["usage"]
-                for piece, reason in self._choices(chunk, data):
+                for content, reasoning, reason in self._choices(chunk, data):
+                    piece, thinking = _with_reasoning(content, reasoning, thinking)
                     if piece and len(text) + len(piece) > most:
                         raise RemoteError(f"The server at {self.url} sent more text than the "
                                           f"{request.max_new_tokens} tokens asked for, so the answer was stopped "
@@ -267,11 +276,13 @@ class RemoteEngine:
             raise RemoteError(f"The server at {self.url} stopped the answer: {_error_text(chunk)}")
         return chunk
 
-    def _choices(self, chunk: dict[str, Any], data: bytes) -> Iterator[tuple[str | None, str | None]]:
-        """(text, finish reason) of the first choice in an event, after checking the shapes
-        OpenAI's API gives them: `choices` a list of objects; `delta` (streamed chat) or
-        `message` (a whole chat answer) an object whose `content` is text; `text` (completions)
-        text; `finish_reason` text."""
+    def _choices(self, chunk: dict[str, Any],
+                 data: bytes) -> Iterator[tuple[str | None, str | None, str | None]]:
+        """(text, reasoning, finish reason) of the first choice in an event, after checking the
+        shapes OpenAI's API gives them: `choices` a list of objects; `delta` (streamed chat) or
+        `message` (a whole chat answer) an object whose `content` is text, and so its
+        `reasoning_content` or `reasoning` (a reasoning parser's); `text` (completions) text;
+        `finish_reason` text."""
         choices = chunk.get("choices")
         if choices is None:
             return
@@ -290,15 +301,18 @@ class RemoteEngine:
             if part is not None and not isinstance(part, dict):
                 raise _bad_event(self.url, f"'{key}' is {_kind(part)}, not an object", data)
             if key is None:
-                piece = choice.get("text")
+                piece, thought = choice.get("text"), None
             else:  # a null delta or message carries no text
                 piece = part.get("content") if part is not None else None
+                thought = part.get("reasoning_content", part.get("reasoning")) if part is not None else None
             if piece is not None and not isinstance(piece, str):
                 raise _bad_event(self.url, f"the text of a choice is {_kind(piece)}, not a string", data)
+            if thought is not None and not isinstance(thought, str):
+                raise _bad_event(self.url, f"the reasoning of a choice is {_kind(thought)}, not a string", data)
             reason = choice.get("finish_reason")
             if reason is not None and not isinstance(reason, str):
                 raise _bad_event(self.url, f"'finish_reason' is {_kind(reason)}, not a string", data)
-            yield piece, reason
+            yield piece, thought, reason
 
     def _body(self, request: GenerationRequest) -> dict[str, Any]:
         s, default = request.sampling, SamplingSettings()
@@ -338,6 +352,20 @@ class RemoteEngine:
 
 
 # ---- wire details -------------------------------------------------------------------------------
+def _with_reasoning(content: str | None, reasoning: str | None, thinking: bool) -> tuple[str, bool]:
+    """A delta's text as the engine's text carries it: reasoning inside <think> ... </think>
+    (opened at the first reasoning, closed where the answer's text starts), then the content;
+    and whether the <think> block is still open."""
+    text = ""
+    if reasoning:
+        text += reasoning if thinking else THINK + "\n" + reasoning
+        thinking = True
+    if content:
+        text += "\n" + END_THINK + "\n\n" + content if thinking else content
+        thinking = False
+    return text, thinking
+
+
 def _headers(api_key: str) -> dict[str, str]:
     """The request's headers; RemoteError for a key no HTTP header can carry (a line break, a
     letter outside ASCII: API keys are printable ASCII)."""

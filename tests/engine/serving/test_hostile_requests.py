@@ -81,7 +81,8 @@ FIELDS: list[tuple[str, object]] = [(name, value) for name, values in {
     "response_format": ["json", [], {"type": []}, {"type": "xml"}, {"type": "json_schema"},
                         {"type": "json_schema", "json_schema": {"schema": False}},
                         {"type": "json_schema", "json_schema": {"schema": {"type": "object", "if": {}}}}],
-    "logprobs": [True, 5, "yes"],
+    "logprobs": [5, 1.0, "yes", [True], {}],
+    "top_logprobs": [21, -1, 2.5, "3", True, 10**30],
     "presence_penalty": ["0", True, 3, -2.5, [0]],
     "frequency_penalty": ["0", False, 1e300],
 }.items() for value in values]

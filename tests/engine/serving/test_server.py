@@ -144,8 +144,8 @@ def test_errors_have_the_documented_status_and_body(tiny_server: ServeProcess, c
         client.chat.completions.create(model=model, messages=messages, n=0)
     assert _error(exc.value)["param"] == "n"
     with pytest.raises(openai.BadRequestError) as exc:
-        client.chat.completions.create(model=model, messages=messages, logprobs=True)
-    assert _error(exc.value)["param"] == "logprobs"
+        client.chat.completions.create(model=model, messages=messages, logprobs=True, top_logprobs=21)
+    assert _error(exc.value)["param"] == "top_logprobs"
     bad = openai.OpenAI(base_url=tiny_server.url, api_key="wrong-key", max_retries=0)
     with pytest.raises(openai.AuthenticationError) as exc:
         bad.models.list()
