@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,6 +11,9 @@ from pathlib import Path
 import pytest
 
 from engine.testing.synthetic import tiny_model
+from engine.testing.thinking_scripts import ScriptedPair, scripted_thinking_models
+
+SERVING = Path(__file__).resolve().parent / "engine" / "serving"
 
 pytest_plugins = ["pytester"]  # tests/app/test_qt_bindings.py runs the suite's own settings on a sample
 
@@ -46,3 +50,15 @@ def tiny_target_path(model_cache: Path) -> Path:
 def tiny_draft_path(model_cache: Path) -> Path:
     """The tiny target with 5% weight noise: same tokenizer, high agreement, so trees go deep."""
     return tiny_model("llama", seed=0, noise=0.05, cache_dir=model_cache)
+
+
+@pytest.fixture(scope="session")
+def thinking_models(model_cache: Path) -> dict[str, ScriptedPair]:
+    """Real tiny models whose greedy answer is a script of reasoning then answer: "qwen3-thinking"
+    (Qwen 3 Thinking's template, tests/engine/serving/templates.py) and "gpt-oss-harmony", each
+    with a noisy copy as draft (engine/testing/thinking_scripts.py)."""
+    spec = importlib.util.spec_from_file_location("_thinking_templates", SERVING / "templates.py")
+    assert spec is not None and spec.loader is not None
+    templates = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(templates)
+    return scripted_thinking_models(model_cache, templates.QWEN_THINKING)
