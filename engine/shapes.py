@@ -161,7 +161,12 @@ class ModelShape:
         caches = cache_layers_of(config, name)  # first: it opens Gemma 4's per-layer fields to get()
         heads = int(get("num_attention_heads"))
         hidden = int(get("hidden_size"))
-        layer = LayerShape(name, hidden, int(get("intermediate_size")), heads,
+        width = get("intermediate_size")
+        if width is None and get("moe_intermediate_size"):  # an MoE layer with no dense width (Qwen3.5-MoE):
+            # every expert's width and the shared expert's, so its bytes are the layer's
+            experts = int(get("num_experts") or get("num_local_experts") or 1)
+            width = experts * int(get("moe_intermediate_size")) + int(get("shared_expert_intermediate_size") or 0)
+        layer = LayerShape(name, hidden, int(width), heads,
                            int(get("num_key_value_heads") or heads), int(get("head_dim") or hidden // heads))
         return ModelShape(name, int(get("num_hidden_layers")), layer, int(get("vocab_size")), caches)
 

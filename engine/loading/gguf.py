@@ -2,9 +2,11 @@
 maps them, its decoder layers kept in their own blocks, its tokenizer.
 
 The header is read from a memory map (engine/store/gguf_header.py). The config comes from
-transformers' table of GGUF keys (GGUF_CONFIG_MAPPING), tensor names from gguf-py's name map as transformers applies
-it (get_gguf_hf_weights_map) and llama.cpp's value transforms from transformers' tensor
-processors, found by running each processor on row (and expert) numbers (`_conversion`):
+transformers' table of GGUF keys (GGUF_CONFIG_MAPPING) and the family's own keys and rules,
+tensor names from gguf-py's name map as transformers applies it (get_gguf_hf_weights_map) and
+llama.cpp's value transforms from transformers' tensor processors, found by running each
+processor on row (and expert) numbers (gguf_families.conversion), or from the family's recipes.
+Everything that differs by architecture lives in gguf_families.py. What a transform allows:
 
 - a row permutation (Llama's q/k), applied to the rows after de-quantisation, so the blocks
   themselves stay as the file has them;
@@ -14,21 +16,17 @@ processors, found by running each processor on row (and expert) numbers (`_conve
   own in the layout (`name#k`, layout.py) and de-quantises into its slice. `ffn_down_exps`
   (E, H, I) and the router `ffn_gate_inp` (E, H) are the parameters as they are;
 - a change of a 1-D tensor's values (Gemma's norms, which llama.cpp stores plus one): the
-  processor itself is run on the de-quantised values at load (norms are small and dense).
-
-llama.cpp's architecture names map to transformers' as load_gguf_checkpoint maps them
-(qwen3moe -> qwen3_moe; a gemma3 file is its text model, gemma3_text); a llama file with experts
-is Mixtral (MixtralTensorProcessor: transformers' own two processors, which it does not combine
-itself, so it loads no Mixtral GGUF). transformers' key table
-has no expert width for Qwen-MoE (its models then get Qwen3-30B-A3B's 768); it is read from
-`expert_feed_forward_length` here (EXTRA_KEYS); nor Gemma 3's attention scale and rope scaling,
-which are read as llama.cpp reads them (`_gemma3_rules`).
+  processor itself is run on the de-quantised values at load (norms are small and dense);
+- a recipe (gpt-oss's experts, transposed and interleaved; the hybrids' norms, A_log,
+  convolution and column-permuted out_proj, gguf_hybrid.py): a parameter built from the
+  de-quantised values of its tensors at load, kept dense;
+- a row permutation a family names itself (the hybrids' re-tiled value heads): as Llama's q/k.
 
 Decoder layers keep their bytes as the file stores them: one layout per layer (layout.py, kind
 "gguf") whose offsets are the tensors' offsets in the file, so a layer is one span of the file:
 copied as it is into RAM or onto the device, or mapped in place for the disk tier. Tensors of
-types the store cannot keep packed (gguf_blocks.PACKED) are de-quantised at load by gguf-py.
-Embeddings, final norm and head are de-quantised at load, into the compute dtype.
+types the store cannot keep packed (gguf_blocks.PACKED; MXFP4) are de-quantised at load by
+gguf-py. Embeddings, final norm and head are de-quantised at load, into the compute dtype.
 
 The tokenizer is transformers' GGUF tokenizer conversion (seconds for a large vocabulary), run
 on the file through a fresh folder that holds nothing else (`isolated`), and kept in the cache
@@ -42,7 +40,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-import math
 import mmap
 import os
 import shutil
@@ -50,7 +47,7 @@ import sys
 import tempfile
 import warnings
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -64,19 +61,13 @@ from transformers.integrations.ggml import (
     GGUF_CONFIG_DEFAULTS_MAPPING,
     GGUF_CONFIG_MAPPING,
 )
-from transformers.modeling_gguf_pytorch_utils import (
-    TENSOR_PROCESSORS,
-    LlamaTensorProcessor,
-    Qwen2MoeTensorProcessor,
-    TensorProcessor,
-    get_gguf_hf_weights_map,
-)
+from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
 
 from engine import paths
 from engine.errors import UnsupportedModel
+from engine.loading import gguf_families
 from engine.offload import gguf_blocks
 from engine.offload.layout import Entry, LayerLayout, pack_entry
-from engine.store.discover import GGUF_RUNS, RUNNABLE
 from engine.store.gguf_header import CorruptGGUF, GGUFHeader, TensorInfo, read_model
 from engine.types import Quant
 
@@ -106,83 +97,24 @@ def isolated(gguf: Path) -> Iterator[Path]:
         yield link
 
 
-# llama.cpp's architecture name -> transformers' (load_gguf_checkpoint's `updated_architecture`)
-HF_ARCH = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "minimax-m2": "minimax_m2"}
-# a model type transformers renames after reading the keys: a Gemma 3 GGUF holds its text model
-HF_MODEL_TYPE = {"gemma3": "gemma3_text", "gemma4": "gemma4_text"}
-# keys transformers' table leaves out that the model cannot do without: an expert's width
-# (transformers falls back to Qwen3-30B-A3B's 768, which no other Qwen3-MoE has)
-EXTRA_KEYS = {"qwen3_moe": {"expert_feed_forward_length": "moe_intermediate_size"},
-              "qwen2_moe": {"expert_feed_forward_length": "moe_intermediate_size"},
-              # llama.cpp stores Mixtral as llama with experts; transformers reads no GGUF Mixtral
-              "mixtral": {"expert_count": "num_local_experts", "expert_used_count": "num_experts_per_tok"}}
-
-
-def _gemma3_rules(header: GGUFHeader, config: dict[str, Any]) -> None:
-    """What llama.cpp runs a Gemma 3 file with that transformers' key table leaves at Gemma-3-4B's
-    defaults: the attention scale (1/sqrt(head_dim), but 1/sqrt(hidden / heads) for the 62-layer
-    27B: query_pre_attn_scalar 168 there, not 256) and the global layers' rope scaling (linear,
-    x8 on 4B-27B) from `rope.scaling.type` / `rope.scaling.factor`."""
-    heads, hidden = config.get("num_attention_heads"), config.get("hidden_size")
-    if config.get("num_hidden_layers") == 62 and isinstance(heads, int) and isinstance(hidden, int) and heads:
-        config["query_pre_attn_scalar"] = hidden // heads
-    elif config.get("head_dim"):
-        config["query_pre_attn_scalar"] = config["head_dim"]
-    kind, factor = header.metadata.get("gemma3.rope.scaling.type"), header.metadata.get("gemma3.rope.scaling.factor")
-    if kind not in (None, "none") and factor is not None:
-        config["rope_scaling"] = {"rope_type": str(kind), "factor": float(factor)}
-
-
-def _is_mixtral(header: GGUFHeader) -> bool:
-    """llama.cpp's Mixtral: a llama GGUF with routed experts."""
-    return header.architecture == "llama" and bool(header.metadata.get("llama.expert_count"))
-
-
-class MixtralTensorProcessor(LlamaTensorProcessor):
-    """transformers' Llama processor (q/k rows) with its Qwen-MoE handling of 3-D experts (gate
-    and up narrowed into gate_up_proj, down as it is): a Mixtral GGUF is llama.cpp's llama
-    architecture with experts, which transformers itself does not load."""
-
-    def __init__(self, config: dict | None = None) -> None:
-        super().__init__(config=config)
-        self._experts = Qwen2MoeTensorProcessor(config=config)
-
-    def preprocess_name(self, hf_name: str) -> str:
-        return self._experts.preprocess_name(hf_name)
-
-    def perform_fallback_tensor_mapping(self, gguf_to_hf_name_map: dict[str, str], suffix: str, qual_name: str,
-                                        hf_name: str) -> None:
-        self._experts.perform_fallback_tensor_mapping(gguf_to_hf_name_map, suffix, qual_name, hf_name)
-
-    def process(self, weights: Any, name: str, **kwargs: Any) -> Any:
-        if "_exps." in name:
-            return self._experts.process(weights, name, **kwargs)
-        return super().process(weights, name, **kwargs)
-
-
 def gguf_config(header: GGUFHeader) -> PretrainedConfig:
     """The transformers config of a GGUF, from its metadata through transformers' own table."""
-    arch = header.architecture
-    hf_arch = HF_ARCH.get(arch or "", arch or "")
-    if arch not in RUNNABLE or hf_arch not in GGUF_CONFIG_MAPPING:
-        raise UnsupportedModel(f"'{header.path.name}' is a '{arch or 'unknown'}' GGUF; SpecChat runs GGUF files "
-                               f"of {GGUF_RUNS} models.")
-    mixtral = _is_mixtral(header)
+    gguf_families.check_runnable(header, [*GGUF_CONFIG_MAPPING, *gguf_families.KEY_TABLES])
+    arch = header.architecture or ""
+    hf_arch = gguf_families.hf_arch(arch)
     # GGUF key -> config field (None: not mapped); transformers' literal table reads as object
     table = {prefix: cast("dict[str, str | None]", GGUF_CONFIG_MAPPING[prefix])
              for prefix in ("general", "tokenizer")}
-    table[arch or ""] = {**cast("dict[str, str | None]", GGUF_CONFIG_MAPPING[hf_arch]),
-                         **EXTRA_KEYS.get("mixtral" if mixtral else hf_arch, {})}
+    own = gguf_families.KEY_TABLES.get(hf_arch) or cast("dict[str, str | None]", GGUF_CONFIG_MAPPING[hf_arch])
+    table[arch] = {**own, **gguf_families.EXTRA_KEYS.get(gguf_families.model_type(header), {})}
     config: dict[str, Any] = dict(GGUF_CONFIG_DEFAULTS_MAPPING.get(hf_arch, {}))
     for key, value in header.metadata.items():
         prefix, _, rest = key.partition(".")
         target = table.get(prefix, {}).get(rest)
         if target not in (None, -1):
             config[target] = value.tolist() if isinstance(value, np.ndarray) else value
-    if config.get("model_type") == arch:
-        config["model_type"] = "mixtral" if mixtral else HF_MODEL_TYPE.get(hf_arch, hf_arch)
-    if arch == "gemma3":
-        _gemma3_rules(header, config)
+    config["model_type"] = gguf_families.model_type(header)
+    gguf_families.apply_rules(header, config)
     # as transformers decides it: a file without an output matrix ties the head to the embeddings
     config["tie_word_embeddings"] = header.tensor("output.weight") is None
     if "vocab_size" not in config and isinstance(header.metadata.get("tokenizer.ggml.tokens"), int):
@@ -204,6 +136,7 @@ def gguf_tokenizer(gguf: Path, cache_dir: Path | None = None) -> PreTrainedToken
 
         def build(tmp: Path) -> None:
             with isolated(gguf) as src:
+                src = gguf_families.tokenizer_source(src, read_model(gguf).architecture)
                 tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name, trust_remote_code=False)
             tok.save_pretrained(tmp)
 
@@ -245,6 +178,8 @@ class GGUFWeights:
         # a parameter made of several tensors (fused experts): its parts' names and row ranges
         self._parts: dict[str, list[tuple[str, tuple[int, int]]]] = {}
         self._valued: set[str] = set()  # 1-D tensors whose values transformers' processor changes
+        self._recipes: dict[str, gguf_families.Recipe] = {}  # parameters built from tensors at load
+        self._shapes: dict[str, tuple[int, ...]] = {}  # the parameters of parts or recipes
         self._processor = TensorProcessor()
         # layer -> (part, offset) of its span, for layers laid out as in the file
         self._spans: dict[int, tuple[int, int]] = {}
@@ -253,31 +188,39 @@ class GGUFWeights:
     def bind(self, hf: PreTrainedModel) -> None:
         """Map the file's tensor names onto `hf` (a model built from `config`, meta is fine)."""
         arch = self.header.architecture
-        kind = MixtralTensorProcessor if _is_mixtral(self.header) else TENSOR_PROCESSORS.get(arch, TensorProcessor)
-        self._processor = processor = kind(config=self.config.to_dict())
+        self._processor = processor = gguf_families.processor_for(self.header, self.config.to_dict())
         names = get_gguf_hf_weights_map(_Names(hf), processor, model_type=arch,
                                         num_layers=self.config.num_hidden_layers)
+        params = dict(hf.named_parameters())
+        gguf_families.add_names(self.header, self.config.num_hidden_layers, list(params), names)
+        self._recipes = gguf_families.recipes(self.header, self.config, list(params))
+        family_orders = gguf_families.row_orders(self.header, self.config)
+        built: set[str] = set()  # tensors a recipe reads
+        for name, recipe in self._recipes.items():
+            for source in recipe.sources:
+                if self.header.tensor(source) is None:
+                    raise CorruptGGUF(f"{self.path.name} has no tensor {source} (for {name})")
+            built.update(recipe.sources)
         shared: dict[tuple[int, ...], tuple[int, ...]] = {}
         parts: dict[str, list[tuple[tuple[int, int], int, TensorInfo]]] = {}
         for t in self.header.tensors:
-            # fused experts map without their suffix (transformers' fallback mapping)
-            hf_name = names.get(t.name, names.get(t.name.removesuffix(".weight")))
-            if hf_name is None:
+            hf_name = gguf_families.tensor_name(names, t)
+            if hf_name is None or t.name in built:
                 continue  # e.g. llama.cpp's precomputed rope_freqs: transformers computes its own
-            conv = _conversion(processor, t, names)
+            conv = gguf_families.conversion(processor, t, names)
             if conv.part is not None:
                 parts.setdefault(hf_name, []).append((conv.part, conv.rows, t))
                 continue
             self._by_name[hf_name] = t
             if conv.valued:
                 self._valued.add(hf_name)
-            order = conv.order
+            order = family_orders.get(t.name, conv.order)
             self._orders[hf_name] = None if order is None else shared.setdefault(order, order)
-        params = dict(hf.named_parameters())
         for hf_name, found in parts.items():
             self._bind_parts(hf_name, found, params.get(hf_name))
         for name, p in params.items():
-            if name in self._parts:
+            if name in self._parts or name in self._recipes:
+                self._shapes[name] = tuple(p.shape)
                 continue
             found_t = self._by_name.get(name)
             if found_t is None and ".experts." in name and self.header.tensor("blk.0.ffn_gate.0.weight") is not None:
@@ -311,7 +254,7 @@ class GGUFWeights:
         self._parts[name] = [(f"{name}#{k}", r) for k, (r, _, _) in enumerate(found)]
 
     def has(self, name: str) -> bool:
-        return name in self._by_name or name in self._parts
+        return name in self._by_name or name in self._parts or name in self._recipes
 
     def types(self) -> dict[str, int]:
         """ggml type counts of the decoder layers' matrices and experts, by type name (for messages)."""
@@ -337,22 +280,20 @@ class GGUFWeights:
 
     def load(self, name: str, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
         """Tensor `name` de-quantised into `dtype` on `device` (de-quantised where it will live)."""
-        parts = self._parts.get(name)
-        shape = self._by_name[name].shape if parts is None else self._part_param_shape(name)
+        shape = self._shapes[name] if name in self._shapes else self._by_name[name].shape
         out = torch.empty(shape, dtype=dtype, device=device)
         self.dequantize_to(name, out)
         return out
-
-    def _part_param_shape(self, name: str) -> tuple[int, ...]:
-        last_key, (_, rows) = self._parts[name][-1]
-        t = self._by_name[last_key]
-        return (*t.shape[:-2], rows, t.shape[-1])
 
     def dequantize_to(self, name: str, out: torch.Tensor) -> None:
         parts = self._parts.get(name)
         if parts is not None:  # each part into its rows of every matrix
             for key, (a, b) in parts:
                 self.dequantize_to(key, out.narrow(-2, a, b - a))
+            return
+        recipe = self._recipes.get(name)
+        if recipe is not None:  # built from its tensors' values, in fp32
+            self._build(name, recipe, out)
             return
         t = self._by_name[name]
         order = self._orders[name]
@@ -363,6 +304,24 @@ class GGUFWeights:
         else:
             self._dequantize(t, order, out)
         self._drop(t.part, t.offset, t.offset + t.nbytes)
+
+    def _build(self, name: str, recipe: gguf_families.Recipe, out: torch.Tensor) -> None:
+        values = []
+        for source in recipe.sources:
+            t = self.header.tensor(source)
+            assert t is not None, "bind checked every source"
+            dense = torch.empty(t.shape, dtype=torch.float32)
+            self._dequantize(t, None, dense)
+            self._drop(t.part, t.offset, t.offset + t.nbytes)
+            values.append(dense)
+        try:
+            value = recipe.build(values)
+        except (ValueError, RuntimeError) as exc:
+            raise CorruptGGUF(f"{self.path.name}: the tensors of {name} do not fit together ({exc})") from exc
+        if tuple(value.shape) != tuple(out.shape):
+            raise CorruptGGUF(f"{self.path.name}: {', '.join(recipe.sources)} make {name} of shape "
+                              f"{tuple(value.shape)}, the model needs {tuple(out.shape)}")
+        out.copy_(value)
 
     def _dequantize(self, t: TensorInfo, order: tuple[int, ...] | None, out: torch.Tensor) -> None:
         if t.qtype in gguf_blocks.SUPPORTED:
@@ -375,11 +334,13 @@ class GGUFWeights:
 
     # -- decoder layers --
     def layouts(self, hf: PreTrainedModel, dtype: torch.dtype, quant: Quant) -> list[LayerLayout]:
-        """One layout per decoder layer: the file's own blocks ("gguf"), or NF4 when asked."""
+        """One layout per decoder layer: the file's own blocks ("gguf"), or NF4 when asked (one
+        per kind of layer: a hybrid's linear and attention layers, GLM's dense first layers)."""
         layers = hf.model.layers
         if quant == "nf4":
-            layout = LayerLayout.of(layers[0], dtype, "nf4")
-            return [layout] * len(layers)
+            seen: dict[tuple, LayerLayout] = {}
+            return [seen.setdefault(tuple((n, tuple(p.shape)) for n, p in layer.named_parameters()),
+                                    LayerLayout.of(layer, dtype, "nf4")) for layer in layers]
         starts: dict[int, list[int]] = {}
         for t in self.header.tensors:
             starts.setdefault(t.part, []).append(t.offset)
@@ -393,14 +354,18 @@ class GGUFWeights:
         infos = []
         for name, p in layer.named_parameters():
             full = f"{LAYERS}{i}.{name}"
+            recipe = self._recipes.get(full)
             parts = self._parts.get(full, [(full, None)])
-            tensors = [self._by_name[key] for key, _ in parts]
+            if recipe is not None:  # built at load from its tensors (which bind found)
+                tensors = [t for t in map(self.header.tensor, recipe.sources) if t is not None]
+            else:
+                tensors = [self._by_name[key] for key, _ in parts]
             infos += tensors
-            if all(t.qtype in gguf_blocks.SUPPORTED for t in tensors) and full not in self._valued:
+            if recipe is None and all(t.qtype in gguf_blocks.SUPPORTED for t in tensors) and full not in self._valued:
                 for (key, rows), t in zip(parts, tensors):
                     entries.append(Entry(name + key[len(full):], "gguf", tuple(p.shape), torch.uint8, t.offset,
                                          t.nbytes, t.qtype, self._orders[key], rows))
-            else:  # de-quantised at load (a type only gguf-py reads, or values transformers changes)
+            else:  # de-quantised at load (a type only gguf-py reads, values transformers changes, a recipe)
                 entries.append(Entry(name, "dense", tuple(p.shape), dtype, 0, p.numel() * esize))
         part = infos[0].part
         start = min(t.offset for t in infos)
@@ -477,54 +442,3 @@ class _Names:
 
     def named_children(self) -> Iterator[tuple[str, nn.Module]]:
         return iter(())
-
-
-@dataclass(frozen=True)
-class _Conversion:
-    """What transformers' processor does to one tensor of the file, as it can be kept packed."""
-
-    order: tuple[int, ...] | None = None  # the rows permuted: stored row order[j] becomes row j
-    part: tuple[int, int] | None = None  # rows [a, b) of each matrix of a parameter of `rows` rows
-    rows: int = 0
-    valued: bool = False  # a 1-D tensor whose values it changes (Gemma's norms): run at load
-
-
-def _conversion(processor: TensorProcessor, t: TensorInfo, names: dict[str, str]) -> _Conversion:
-    """transformers' processing of tensor t, found by running its processor on row numbers (and
-    expert numbers: a (E, rows, 1) probe for 3-D experts). A row permutation (Llama's q/k), a
-    part of a fused parameter (Qwen-MoE's gate and up experts, narrowed into gate_up_proj) and
-    a change of a 1-D tensor's values (Gemma's norms, stored + 1) are kept; any other transform
-    cannot be applied to packed blocks: refused."""
-    refused = UnsupportedModel(f"The GGUF tensor {t.name} needs a conversion SpecChat cannot apply to packed "
-                               "weights; this architecture is not supported.")
-    rows = t.shape[-2] if len(t.shape) > 1 else t.shape[0]
-    lead = t.shape[:-2] if len(t.shape) > 2 else ()
-    probe = np.arange(1, math.prod(lead) * rows + 1, dtype=np.int64).reshape(*lead, rows, *([1] if len(t.shape) > 1 else []))
-    parsed: dict[str, dict[str, Any]] = {"tensors": {}}
-    out = processor.process(weights=probe, name=t.name, tensor_key_mapping=names, parsed_parameters=parsed)
-    if out.name is None and len(parsed["tensors"]) == 1:  # stored into transformers' own parameter
-        got = np.asarray(next(iter(parsed["tensors"].values())))
-    elif out.name == t.name and out.weights is not None and not parsed["tensors"]:
-        got = np.asarray(out.weights)
-    else:
-        raise refused
-    if len(t.shape) == 1:
-        if got.shape != probe.shape:
-            raise refused
-        return _Conversion(valued=not np.array_equal(got, probe))
-    if got.ndim == probe.ndim and got.shape[:-2] == probe.shape[:-2] and got.shape[-2] > rows and got.shape[-1] == 1:
-        filled = np.flatnonzero((got != 0).reshape(-1, got.shape[-2]).any(0))
-        a = int(filled[0]) if filled.size else 0
-        if filled.size == rows and int(filled[-1]) == a + rows - 1 and np.array_equal(got[..., a:a + rows, :], probe):
-            return _Conversion(part=(a, a + rows), rows=int(got.shape[-2]))
-        raise refused
-    if got.shape != probe.shape:
-        raise refused
-    if len(t.shape) > 2:
-        if not np.array_equal(got, probe):
-            raise refused
-        return _Conversion()
-    flat = got.reshape(-1) - 1
-    if sorted(flat.tolist()) != list(range(rows)):
-        raise refused
-    return _Conversion(order=None if np.array_equal(flat, np.arange(rows)) else tuple(int(x) for x in flat))

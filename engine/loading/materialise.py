@@ -131,7 +131,7 @@ def materialise(weights: Weights, config: PretrainedConfig, settings: Materialis
         packing = layouts[0].quant
         if packing != settings.quant and settings.quant == "nf4":
             log.info("%s is stored pre-quantised (%s): its layers load as they are", weights.path.name, packing)
-        resident_bytes_cpu = unpack_at_load(layouts, settings, hf.model.layers[0])
+        resident_bytes_cpu = unpack_at_load(layouts, settings, list(hf.model.layers))
         unpack = resident_bytes_cpu is not None
         if resident_bytes_cpu is not None:
             n = len(layouts)
@@ -156,7 +156,7 @@ def materialise(weights: Weights, config: PretrainedConfig, settings: Materialis
     return CausalLM(hf, streamer=streamer, placement=placement)
 
 
-def unpack_at_load(layouts: list[LayerLayout], settings: MaterialiseSettings, layer: nn.Module) -> int | None:
+def unpack_at_load(layouts: list[LayerLayout], settings: MaterialiseSettings, layers: list[nn.Module]) -> int | None:
     """The RAM packed layers (GGUF blocks, AWQ, GPTQ) take made resident at load on a CPU, or
     None when they stay packed and are de-quantised as each pass runs them.
 
@@ -173,7 +173,7 @@ def unpack_at_load(layouts: list[LayerLayout], settings: MaterialiseSettings, la
     if settings.device != "cpu" or settings.offload == "all" or layouts[0].quant not in ("gguf", "awq", "gptq"):
         return None
     if _kernel_layers(layouts[0].quant):
-        need = sum(cpu_packed.kernel_bytes(layout, layer) for layout in layouts)
+        need = sum(cpu_packed.kernel_bytes(layout, layer) for layout, layer in zip(layouts, layers, strict=True))
     else:
         need = sum(layout.dense_nbytes for layout in layouts)
     return need if need <= host_budget(settings.ram_limit_bytes) else None
@@ -296,14 +296,15 @@ def plan_layers(hf: PreTrainedModel, layouts: LayerLayout | list[LayerLayout], s
                                              DEFAULT_CONTEXT)
     kv_per_token = kv_bytes_per_token(num_layers, cfg.num_key_value_heads, head_dim, esize)
     try:  # each layer's cache by its kind (windows, linear states, shared K/V: engine.shapes)
-        kv = ModelShape.from_config(cfg).kv_bytes(context, settings.max_budget, esize)
+        shape = ModelShape.from_config(cfg)
+        kv, width = shape.kv_bytes(context, settings.max_budget, esize), shape.layer.intermediate_size
     except (UnsupportedModel, TypeError, ValueError):  # a config the table does not describe: every layer full
-        kv = kv_per_token * context
+        kv, width = kv_per_token * context, int(getattr(cfg, "intermediate_size", 0) or 4 * cfg.hidden_size)
     needs = MemoryNeeds(
         fixed=settings.reserve_bytes,  # the outer weights are already on the device
         kv_per_token=kv_per_token,
         kv_bytes=kv,
-        activations=activation_bytes(settings.max_budget, context, cfg.hidden_size, cfg.intermediate_size,
+        activations=activation_bytes(settings.max_budget, context, cfg.hidden_size, width,
                                      cfg.num_attention_heads, cfg.vocab_size, esize),
     )
     device_free = device_free_bytes(device) if device.startswith("cuda") else 0

@@ -44,6 +44,7 @@ from engine.store.gguf_header import (
     read_model,
     split_parts,
 )
+from engine.store.gguf_archs import RUNNABLE, RUNS
 from engine.store.names import name_key
 from engine.store.paths import check_file_name, inside
 from engine.untrusted import read_json_file
@@ -51,9 +52,6 @@ from engine.untrusted import read_json_file
 log = logging.getLogger(__name__)
 
 LM_STUDIO, OLLAMA = "LM Studio", "Ollama"
-# GGUF architectures SpecChat runs (Mistral's GGUFs say "llama"); engine.model.causal_lm's list
-GGUF_RUNS = "llama (with experts: Mixtral), mistral, qwen2, qwen3, qwen3moe (Qwen3-MoE) and gemma3 (Gemma 3 text)"
-RUNNABLE = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3")
 MODEL_LAYER = "application/vnd.ollama.image.model"
 MAX_MANIFEST_BYTES = 1 << 20
 MAX_WALK_ENTRIES = 50_000  # per folder searched: far more than any model library holds
@@ -368,7 +366,7 @@ def _found(name: str, app: str, path: Path, where: str, facts: HeaderFacts, prob
         return None
     note = ""
     if arch not in RUNNABLE:
-        note = f"a {arch} model; SpecChat runs GGUF files of {GGUF_RUNS}"
+        note = f"a {arch} model; SpecChat runs GGUF files of {RUNS}"
     elif parts > 1 and len(files) != parts:
         note = f"split into {parts} files whose names do not say which part is which (rename as llama.cpp named them)"
     elif missing:

@@ -21,7 +21,7 @@ from engine.loading.load import check_folder
 from engine.model.family import FAMILIES
 from engine.store import load_catalog
 from engine.store.catalog import DEFAULT_CATALOG_PATH, CatalogModel
-from engine.store.discover import RUNNABLE
+from engine.store.gguf_archs import RUNNABLE
 
 CATALOG = load_catalog()
 RAW = {m["id"]: m for m in json.loads(DEFAULT_CATALOG_PATH.read_text())["models"]}
