@@ -112,8 +112,9 @@ def running_pair(target: str, draft: str, placement: Placement | None, tree_mode
 
 
 TOOL_FORMATS = {"hermes": "Hermes/Qwen <tool_call> JSON", "llama3": "Llama 3 JSON",
-                "mistral": "Mistral [TOOL_CALLS]", "harmony": "gpt-oss harmony"}
-REASONING_FORMATS = {"think": "<think> blocks", "harmony": "the harmony analysis channel"}
+                "mistral": "Mistral [TOOL_CALLS]", "harmony": "gpt-oss harmony", "gemma4": "Gemma 4 <|tool_call>"}
+REASONING_FORMATS = {"think": "<think> blocks", "harmony": "the harmony analysis channel",
+                     "gemma4": "Gemma 4's thought channel"}
 JSON_OUTPUT = ("yes: response_format json_object / json_schema answers are decoded under the schema "
                "(grammar-constrained, as the model alone would answer under it)")
 JSON_OUTPUT_HARMONY = "not for gpt-oss's harmony format yet: ask for JSON in the prompt"

@@ -5,7 +5,7 @@ end-of-sequence ids.
 
 The answer's text keeps the special tokens that mark tool calls and reasoning in the model's
 own format (FORMAT_MARKERS, when its chat template uses them: gpt-oss's <|channel|>, Mistral's
-[TOOL_CALLS], Llama 3's <|python_tag|>), so engine.serving.formats can tell a call from prose;
+[TOOL_CALLS], Llama 3's <|python_tag|>, Gemma 4's <|tool_call>), so engine.serving.formats can tell a call from prose;
 every other special token (end of turn, padding) is left out as before.
 
 What this module does not do: decide tokens (sampling, verification), load tokenizers, or parse
@@ -30,6 +30,7 @@ FORMAT_MARKERS = frozenset({
     "<|python_tag|>", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "[THINK]", "[/THINK]",
     "<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>", "<|constrain|>",
     "<tool_call>", "</tool_call>", "<think>", "</think>",
+    "<|tool_call>", "<tool_call|>", "<|channel>", "<channel|>", '<|"|>',  # Gemma 4
 })
 
 

@@ -10,8 +10,11 @@ Tool-call formats (chat_format() picks one from the template's own markers):
   `name[ARGS]{...}` per call, each after its own [TOOL_CALLS].
 - "harmony" (gpt-oss): messages `<|channel|>NAME<|message|>...<|end|>`; a call is a message
   `to=functions.NAME ... <|message|>{...}<|call|>`.
+- "gemma4": one `<|tool_call>call:NAME{key:<|"|>text<|"|>,...}<tool_call|>` block per call, in
+  Gemma's own value syntax (format_gemma.py), prose around them.
 Reasoning: "think" (`<think>...</think>` before the answer; a template whose generation prompt
-opens <think> itself has answers that start inside it) and "harmony" (the analysis channel).
+opens <think> itself has answers that start inside it), "harmony" (the analysis channel) and
+"gemma4" (`<|channel>thought ... <channel|>` before the answer).
 
 OutputParser reads an answer's text in the pieces it streams in and returns deltas: content,
 reasoning, and whole calls. A call is handed out once it is complete and its arguments parse as
@@ -35,11 +38,12 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from engine.decoding.text import template_takes_tools
+from engine.serving.format_gemma import gemma_call
 from engine.serving.format_text import find_marker, json_value, json_values, marker_prefix
 from engine.types import ToolCall
 
-ToolFormat = Literal["hermes", "llama3", "mistral", "harmony"]
-ReasoningFormat = Literal["think", "harmony"]
+ToolFormat = Literal["hermes", "llama3", "mistral", "harmony", "gemma4"]
+ReasoningFormat = Literal["think", "harmony", "gemma4"]
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 THINK, END_THINK = "<think>", "</think>"
 TOOL_CALL, END_TOOL_CALL = "<tool_call>", "</tool_call>"
@@ -47,6 +51,8 @@ PYTHON_TAG = "<|python_tag|>"
 TOOL_CALLS, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 MESSAGE = "<|message|>"
 HARMONY_ENDS = ("<|end|>", "<|call|>", "<|return|>", "<|start|>")
+GEMMA_CALL, GEMMA_END_CALL = "<|tool_call>", "<tool_call|>"
+GEMMA_THOUGHT, GEMMA_END_THOUGHT = "<|channel>thought", "<channel|>"
 _CHANNEL = re.compile(r"<\|channel\|>\s*([A-Za-z_]+)")
 _RECIPIENT = re.compile(r"\bto=([^\s<]+)")
 _ID_CHARS = string.ascii_letters + string.digits
@@ -82,12 +88,16 @@ def chat_format(template: str) -> ChatFormat:
         tools, reasoning = "harmony", "harmony"
     elif TOOL_CALLS in template:
         tools = "mistral"
+    elif GEMMA_CALL in template:
+        tools = "gemma4"
     elif TOOL_CALL in template:
         tools = "hermes"
     elif PYTHON_TAG in template or ("<|start_header_id|>" in template and '"parameters"' in template):
         tools = "llama3"
     opens = False
-    if reasoning is None and END_THINK in template:
+    if reasoning is None and GEMMA_END_THOUGHT in template and "<|channel>" in template:
+        reasoning = "gemma4"
+    elif reasoning is None and END_THINK in template:
         reasoning = "think"
         prompt = template[template.rfind("add_generation_prompt"):]  # the generation prompt's part
         opens = prompt.count(THINK) > prompt.count(END_THINK)
@@ -241,14 +251,17 @@ class OutputParser:
         markers = []
         if self.tools == "hermes":
             markers.append(TOOL_CALL)
+        elif self.tools == "gemma4":
+            markers.append(GEMMA_CALL)
         elif self.tools == "mistral":
             markers.append(TOOL_CALLS)
         elif self.tools == "llama3":
             markers.append(PYTHON_TAG)
         lead = self._buffer.lstrip()
-        if (self.format.reasoning == "think" and not self._thought and not self._content.text
-                and (lead.startswith(THINK) or THINK.startswith(lead))):  # only the answer's start opens reasoning
-            markers.append(THINK)
+        opener = {"think": THINK, "gemma4": GEMMA_THOUGHT}.get(self.format.reasoning or "")
+        if (opener is not None and not self._thought and not self._content.text
+                and (lead.startswith(opener) or opener.startswith(lead))):  # only the answer's start opens reasoning
+            markers.append(opener)
         found = find_marker(self._buffer, markers)
         if found is None:
             keep = 0 if final else marker_prefix(self._buffer, markers)
@@ -258,14 +271,15 @@ class OutputParser:
         at, marker = found
         out.content.append(self._content.push(self._buffer[:at]))
         self._buffer = self._buffer[at + len(marker):]
-        if marker == THINK:
+        if marker in (THINK, GEMMA_THOUGHT):
             return self._go("reasoning")
-        return self._go("call" if marker == TOOL_CALL else "rest", marker)
+        return self._go("call" if marker in (TOOL_CALL, GEMMA_CALL) else "rest", marker)
 
     def _thinking(self, out: _Out, final: bool) -> bool:
-        found = find_marker(self._buffer, [END_THINK])
+        end = [GEMMA_END_THOUGHT if self.format.reasoning == "gemma4" else END_THINK]
+        found = find_marker(self._buffer, end)
         if found is None:
-            keep = 0 if final else marker_prefix(self._buffer, [END_THINK])
+            keep = 0 if final else marker_prefix(self._buffer, end)
             out.reasoning.append(self._reasoning.push(self._buffer[:len(self._buffer) - keep]))
             self._buffer = self._buffer[len(self._buffer) - keep:]
             return False
@@ -276,14 +290,20 @@ class OutputParser:
         return self._go("content")
 
     def _tool_call(self, out: _Out, final: bool) -> bool:
-        """Inside <tool_call>: held until </tool_call> (or the answer's end) closes it."""
-        found = self._find_end([END_TOOL_CALL])
+        """Inside <tool_call> (Gemma's <|tool_call>): held until its end marker (or the answer's
+        end) closes it."""
+        gemma = self.tools == "gemma4"
+        found = self._find_end([GEMMA_END_CALL if gemma else END_TOOL_CALL])
         if found is None and not final:
             return False
         at, marker = found if found is not None else (len(self._buffer), "")
         body = self._buffer[:at]
         self._buffer = self._buffer[at + len(marker):]
-        call = self._call(json_value(body))
+        if gemma:
+            named = gemma_call(body)
+            call = self._call({"name": named[0], "arguments": named[1]}) if named is not None else None
+        else:
+            call = self._call(json_value(body))
         if call is not None:
             self._add(call, out)
         else:

@@ -9,12 +9,13 @@ import json
 import random
 
 import pytest
-from templates import CHATML, HARMONY, LLAMA3, MISTRAL, QWEN, QWEN_THINKING
+from templates import CHATML, GEMMA4, HARMONY, LLAMA3, MISTRAL, QWEN, QWEN_THINKING
 
 from engine.serving.formats import ChatFormat, OutputParser, OutputSettings, ParsedOutput, chat_format
 
 HERMES = chat_format(QWEN)
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
+Q = '<|"|>'  # Gemma 4's string delimiter
 
 
 def test_the_format_comes_from_the_template() -> None:
@@ -23,6 +24,7 @@ def test_the_format_comes_from_the_template() -> None:
     assert chat_format(LLAMA3) == ChatFormat("llama3", True)
     assert chat_format(MISTRAL) == ChatFormat("mistral", True)
     assert chat_format(HARMONY) == ChatFormat("harmony", True, "harmony")
+    assert chat_format(GEMMA4) == ChatFormat("gemma4", True, "gemma4")
     assert chat_format(CHATML) == ChatFormat() and chat_format("") == ChatFormat()
     assert chat_format("{{ tools | tojson }}") == ChatFormat(None, True)  # takes tools in a format not read here
     assert chat_format(MISTRAL).call_id().isalnum() and len(chat_format(MISTRAL).call_id()) == 9
@@ -90,6 +92,17 @@ CASES = [  # (format, tools read, answer, (content, reasoning, [(name, arguments
     (chat_format(HARMONY), True, "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final"
                                  "<|message|>Hello there!<|return|>",
      ("Hello there!", "Easy.", [])),
+    (chat_format(GEMMA4), True, f"<|channel>thought\nThe user wants weather.<channel|>Let me check.<|tool_call>call:"
+                                f"get_weather{{city:{Q}Paris{Q},unit:{Q}celsius{Q}}}<tool_call|>",
+     ("Let me check.", "The user wants weather.", [("get_weather", {"city": "Paris", "unit": "celsius"})])),
+    (chat_format(GEMMA4), True, f"<|tool_call>call:f{{n:3, xs:[1,-2.5e1,{Q}a, b}}{Q}],o:{{k:true,z:null}},"
+                                f"{Q}quoted key{Q}:{Q}{Q}}}<tool_call|><|tool_call>call:g{{}}<tool_call|>",
+     (None, None, [("f", {"n": 3, "xs": [1, -25.0, "a, b}"], "o": {"k": True, "z": None}, "quoted key": ""}),
+                   ("g", {})])),
+    (chat_format(GEMMA4), True, "<|tool_call>call:f{x:}<tool_call|> and <|tool_call>call:f{x:1} trailing<tool_call|>",
+     ("<|tool_call>call:f{x:}<tool_call|> and <|tool_call>call:f{x:1} trailing<tool_call|>", None, [])),
+    (chat_format(GEMMA4), False, f"Hi <|tool_call>call:g{{}}<tool_call|>",  # tool_choice none
+     ("Hi <|tool_call>call:g{}<tool_call|>", None, [])),
     (chat_format(HARMONY), False, "<|channel|>analysis<|message|>One.<|end|><|start|>assistant<|channel|>analysis"
                                   "<|message|>Two.<|end|><|start|>assistant<|channel|>final<|message|>Done.",
      ("Done.", "One.\n\nTwo.", [])),
@@ -130,8 +143,8 @@ def test_parallel_tool_calls_false_keeps_the_first_call() -> None:
     assert [json.loads(c.arguments)["city"] for c in result.calls] == ["Paris"] and result.content is None
 
 
-@pytest.mark.parametrize("fmt", [HERMES, chat_format(LLAMA3), chat_format(MISTRAL), chat_format(HARMONY)],
-                         ids=lambda f: f.tools)
+@pytest.mark.parametrize("fmt", [HERMES, chat_format(LLAMA3), chat_format(MISTRAL), chat_format(HARMONY),
+                                 chat_format(GEMMA4)], ids=lambda f: f.tools)
 def test_hostile_model_output_is_prose_not_a_crash(fmt: ChatFormat) -> None:
     """A prompt can make a model write anything: calls nested 100,000 deep or with 10,000-digit
     numbers are no calls, and cost no recursion error."""
@@ -139,6 +152,8 @@ def test_hostile_model_output_is_prose_not_a_crash(fmt: ChatFormat) -> None:
     digits = '{"name": "f", "arguments": {"n": ' + "9" * 10_000 + "}}"
     for body in (deep, digits):
         text = {"hermes": f"<tool_call>{body}</tool_call>", "llama3": body, "mistral": f"[TOOL_CALLS][{body}]",
-                "harmony": f"<|channel|>commentary to=functions.f<|message|>{body[27:-1]}<|call|>"}[str(fmt.tools)]
+                "harmony": f"<|channel|>commentary to=functions.f<|message|>{body[27:-1]}<|call|>",
+                "gemma4": "<|tool_call>call:f" + body[27:-1].replace('"a": ', "a:").replace('"n": ', "n:")
+                + "<tool_call|>"}[str(fmt.tools)]
         result = OutputSettings(fmt, True).parse(text)
         assert not result.calls and result.content
