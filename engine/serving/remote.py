@@ -33,29 +33,40 @@ What this does not do: retry, pick models, or import torch.
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import queue
-import re
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any, TypeGuard
+from typing import Any
 from urllib.parse import urlsplit
 
 import httpx2
 
-from engine.errors import (
-    InvalidRequest,
-    MalformedInput,
-    RemoteDisconnected,
-    RemoteError,
-    RemoteModelGone,
-    RemoteUnauthorized,
-    RemoteUnreachable,
+from engine.errors import InvalidRequest, MalformedInput, RemoteDisconnected, RemoteError
+from engine.serving.remote_wire import (
+    MAX_ERROR_BYTES,
+    MAX_LINE_BYTES,
+    POLL_SECONDS,
+    as_int,
+    as_object,
+    auth_headers,
+    bad_event,
+    bounded_lines,
+    error_text,
+    is_number,
+    kind_of,
+    not_a_stream,
+    put_line,
+    read_some,
+    redirected,
+    server_message,
+    sse_data,
+    status_error,
+    too_long,
+    unreachable,
+    with_reasoning,
 )
-from engine.serving.formats import END_THINK, THINK
 from engine.types import (
     Completion,
     FinishReason,
@@ -69,16 +80,13 @@ from engine.untrusted import MIB, parse_json
 
 log = logging.getLogger(__name__)
 
+
 CONNECT_SECONDS = 10.0
 LIST_SECONDS = 15.0
-POLL_SECONDS = 0.05  # how often a waiting generate() looks at its cancel Event
 MAX_LIST_BYTES = 8 * MIB  # a model list (thousands of models are far below this)
-MAX_LINE_BYTES = 1 * MIB  # one stream line, or an answer sent whole; a chunk is a few hundred bytes
-MAX_ERROR_BYTES = 64 * 1024  # an error body: only its start is shown
 MAX_CHARS_PER_TOKEN = 1024  # no vocabulary has longer tokens: more text than this per token asked for is a flood
 QUEUED_LINES = 256  # stream lines the reader may be ahead of generate() (a server can send faster than we read)
 _OPEN, _END = object(), object()
-_LINE_END = re.compile(rb"\r\n|\r|\n")
 
 
 def normalise_url(url: str) -> str:
@@ -106,12 +114,12 @@ def list_models(url: str, api_key: str = "", timeout: float = LIST_SECONDS) -> t
     base = normalise_url(url)
     try:
         with httpx2.Client(timeout=httpx2.Timeout(timeout, connect=CONNECT_SECONDS)) as client, \
-                client.stream("GET", f"{base}/models", headers=_headers(api_key)) as resp:
+                client.stream("GET", f"{base}/models", headers=auth_headers(api_key)) as resp:
             if resp.status_code >= 400:
-                raise _status_error(resp.status_code, _server_message(_read_some(resp, MAX_ERROR_BYTES)), base, None)
-            body = _read_some(resp, MAX_LIST_BYTES + 1)
+                raise status_error(resp.status_code, server_message(read_some(resp, MAX_ERROR_BYTES)), base, None)
+            body = read_some(resp, MAX_LIST_BYTES + 1)
     except httpx2.TransportError as exc:
-        raise _unreachable(base, exc) from exc
+        raise unreachable(base, exc) from exc
     except httpx2.HTTPError as exc:
         raise RemoteError(f"The server at {base} sent an answer that cannot be read ({type(exc).__name__}: "
                           f"{exc}).") from exc
@@ -166,40 +174,40 @@ class RemoteEngine:
         opened = False
         try:
             with httpx2.Client(timeout=timeout) as client, client.stream(
-                    "POST", self.url + path, json=body, headers=_headers(self.remote.api_key)) as resp:
+                    "POST", self.url + path, json=body, headers=auth_headers(self.remote.api_key)) as resp:
                 if resp.status_code >= 400:
-                    _put(lines, _status_error(resp.status_code, _server_message(_read_some(resp, MAX_ERROR_BYTES)),
+                    put_line(lines, status_error(resp.status_code, server_message(read_some(resp, MAX_ERROR_BYTES)),
                                               self.url, self.remote.model), stop)
                     return
                 if 300 <= resp.status_code < 400:  # not followed: the request carries the API key
-                    _put(lines, _redirected(self.url, resp), stop)
+                    put_line(lines, redirected(self.url, resp), stop)
                     return
                 opened = True
-                _put(lines, _OPEN, stop)
+                put_line(lines, _OPEN, stop)
                 kind = resp.headers.get("content-type", "").split(";")[0].strip().lower()
                 if kind == "application/json":
-                    whole = _read_some(resp, MAX_LINE_BYTES + 1)  # one object, not a stream: one event
-                    _put(lines, b"data: " + whole if len(whole) <= MAX_LINE_BYTES else _too_long(self.url), stop)
+                    whole = read_some(resp, MAX_LINE_BYTES + 1)  # one object, not a stream: one event
+                    put_line(lines, b"data: " + whole if len(whole) <= MAX_LINE_BYTES else too_long(self.url), stop)
                 else:
-                    for line in _bounded_lines(resp, self.url):
+                    for line in bounded_lines(resp, self.url):
                         if stop.is_set():
                             return  # leaving the block closes the connection: the server stops too
                         if line.startswith(b"data:"):  # comments, blank lines and other fields are skipped here
-                            _put(lines, line, stop)
+                            put_line(lines, line, stop)
                     if kind != "text/event-stream":  # an answer, but no stream: a web page, an empty 200
-                        _put(lines, _not_a_stream(self.url, resp.status_code, kind), stop)
-            _put(lines, _END, stop)
+                        put_line(lines, not_a_stream(self.url, resp.status_code, kind), stop)
+            put_line(lines, _END, stop)
         except httpx2.TransportError as exc:
             if not opened:  # refused, timed out, or closed before it answered
-                _put(lines, _unreachable(self.url, exc), stop)
+                put_line(lines, unreachable(self.url, exc), stop)
             else:
-                _put(lines, RemoteDisconnected(f"The server at {self.url} went away in the middle of the answer "
+                put_line(lines, RemoteDisconnected(f"The server at {self.url} went away in the middle of the answer "
                                                f"({type(exc).__name__}); the part that arrived is kept."), stop)
         except httpx2.HTTPError as exc:  # a body that cannot be decoded (bad gzip), too many redirects
-            _put(lines, RemoteError(f"The server at {self.url} sent an answer that cannot be read "
+            put_line(lines, RemoteError(f"The server at {self.url} sent an answer that cannot be read "
                                     f"({type(exc).__name__}: {exc})."), stop)
         except Exception as exc:  # noqa: BLE001 - handed to generate(), which raises it in the caller
-            _put(lines, exc, stop)
+            put_line(lines, exc, stop)
 
     @staticmethod
     def _next(lines: queue.Queue[object], cancel: threading.Event) -> object | None:
@@ -231,7 +239,7 @@ class RemoteEngine:
                 if isinstance(item, BaseException):
                     raise item
                 assert isinstance(item, bytes)
-                data = _sse_data(item)
+                data = sse_data(item)
                 if data is None:
                     continue
                 if data.strip() == b"[DONE]":
@@ -241,7 +249,7 @@ class RemoteEngine:
                 if isinstance(chunk.get("usage"), dict):
                     usage = chunk["usage"]
                 for content, reasoning, reason in self._choices(chunk, data):
-                    piece, thinking = _with_reasoning(content, reasoning, thinking)
+                    piece, thinking = with_reasoning(content, reasoning, thinking)
                     if piece and len(text) + len(piece) > most:
                         raise RemoteError(f"The server at {self.url} sent more text than the "
                                           f"{request.max_new_tokens} tokens asked for, so the answer was stopped "
@@ -271,9 +279,9 @@ class RemoteEngine:
             raise RemoteError(f"The server at {self.url} sent an answer this client cannot read: "
                               f"{exc.user_message}") from None
         if not isinstance(chunk, dict):
-            raise _bad_event(self.url, "an event is not a JSON object", data)
+            raise bad_event(self.url, "an event is not a JSON object", data)
         if chunk.get("error") not in (None, False, "", {}):
-            raise RemoteError(f"The server at {self.url} stopped the answer: {_error_text(chunk)}")
+            raise RemoteError(f"The server at {self.url} stopped the answer: {error_text(chunk)}")
         return chunk
 
     def _choices(self, chunk: dict[str, Any],
@@ -287,31 +295,31 @@ class RemoteEngine:
         if choices is None:
             return
         if not isinstance(choices, list):
-            raise _bad_event(self.url, f"'choices' is {_kind(choices)}, not a list", data)
+            raise bad_event(self.url, f"'choices' is {kind_of(choices)}, not a list", data)
         for choice in choices:
             if not isinstance(choice, dict):
-                raise _bad_event(self.url, f"a choice is {_kind(choice)}, not an object", data)
+                raise bad_event(self.url, f"a choice is {kind_of(choice)}, not an object", data)
             index = choice.get("index", 0)
             if not isinstance(index, int) or isinstance(index, bool):
-                raise _bad_event(self.url, f"a choice's 'index' is {_kind(index)}, not a number", data)
+                raise bad_event(self.url, f"a choice's 'index' is {kind_of(index)}, not a number", data)
             if index != 0:
                 continue
             key = "delta" if "delta" in choice else "message" if "message" in choice else None
             part = choice.get(key) if key else None
             if part is not None and not isinstance(part, dict):
-                raise _bad_event(self.url, f"'{key}' is {_kind(part)}, not an object", data)
+                raise bad_event(self.url, f"'{key}' is {kind_of(part)}, not an object", data)
             if key is None:
                 piece, thought = choice.get("text"), None
             else:  # a null delta or message carries no text
                 piece = part.get("content") if part is not None else None
                 thought = part.get("reasoning_content", part.get("reasoning")) if part is not None else None
             if piece is not None and not isinstance(piece, str):
-                raise _bad_event(self.url, f"the text of a choice is {_kind(piece)}, not a string", data)
+                raise bad_event(self.url, f"the text of a choice is {kind_of(piece)}, not a string", data)
             if thought is not None and not isinstance(thought, str):
-                raise _bad_event(self.url, f"the reasoning of a choice is {_kind(thought)}, not a string", data)
+                raise bad_event(self.url, f"the reasoning of a choice is {kind_of(thought)}, not a string", data)
             reason = choice.get("finish_reason")
             if reason is not None and not isinstance(reason, str):
-                raise _bad_event(self.url, f"'finish_reason' is {_kind(reason)}, not a string", data)
+                raise bad_event(self.url, f"'finish_reason' is {kind_of(reason)}, not a string", data)
             yield piece, thought, reason
 
     def _body(self, request: GenerationRequest) -> dict[str, Any]:
@@ -337,179 +345,15 @@ class RemoteEngine:
     def _completion(self, text: str, reason: FinishReason, usage: dict[str, Any], started: float,
                     ttft: float | None, deltas: int) -> Completion:
         seconds = time.perf_counter() - started
-        extra, details = _object(usage.get("specchat")), _object(usage.get("prompt_tokens_details"))
-        new = _int(usage.get("completion_tokens"), deltas)
+        extra, details = as_object(usage.get("specchat")), as_object(usage.get("prompt_tokens_details"))
+        new = as_int(usage.get("completion_tokens"), deltas)
         stats = GenerationStats(
-            prompt_tokens=_int(usage.get("prompt_tokens"), 0), new_tokens=new,
-            target_passes=_int(extra.get("target_passes"), 0),
-            tokens_per_pass=float(extra["tokens_per_pass"]) if _number(extra.get("tokens_per_pass")) else 0.0,
-            draft_passes=0, budget=_int(extra.get("budget"), 0), seconds=seconds,
+            prompt_tokens=as_int(usage.get("prompt_tokens"), 0), new_tokens=new,
+            target_passes=as_int(extra.get("target_passes"), 0),
+            tokens_per_pass=float(extra["tokens_per_pass"]) if is_number(extra.get("tokens_per_pass")) else 0.0,
+            draft_passes=0, budget=as_int(extra.get("budget"), 0), seconds=seconds,
             ttft_seconds=ttft if ttft is not None else seconds,
             tokens_per_second=new / seconds if seconds > 0 else 0.0, peak_rss_bytes=0,
             mode="specexec" if extra.get("mode") == "specexec" else "autoregressive",
-            cached_tokens=_int(details.get("cached_tokens"), 0))
+            cached_tokens=as_int(details.get("cached_tokens"), 0))
         return Completion(text=text, token_ids=(), finish_reason=reason, stats=stats)
-
-
-# ---- wire details -------------------------------------------------------------------------------
-def _with_reasoning(content: str | None, reasoning: str | None, thinking: bool) -> tuple[str, bool]:
-    """A delta's text as the engine's text carries it: reasoning inside <think> ... </think>
-    (opened at the first reasoning, closed where the answer's text starts), then the content;
-    and whether the <think> block is still open."""
-    text = ""
-    if reasoning:
-        text += reasoning if thinking else THINK + "\n" + reasoning
-        thinking = True
-    if content:
-        text += "\n" + END_THINK + "\n\n" + content if thinking else content
-        thinking = False
-    return text, thinking
-
-
-def _headers(api_key: str) -> dict[str, str]:
-    """The request's headers; RemoteError for a key no HTTP header can carry (a line break, a
-    letter outside ASCII: API keys are printable ASCII)."""
-    if not (api_key.isascii() and api_key.isprintable()):
-        raise RemoteError("The API key holds characters an HTTP header cannot carry (a line break, a letter "
-                          "outside ASCII, or bytes that are not text): check that the whole key was pasted, and "
-                          "only the key.")
-    headers = {"Accept": "application/json, text/event-stream"}
-    if api_key:
-        headers["Authorization"] = f"Bearer {api_key}"
-    return headers
-
-
-def _read_some(resp: httpx2.Response, limit: int) -> bytes:
-    """At most `limit` bytes of a streamed response's body (a hostile server may send forever)."""
-    body = bytearray()
-    for chunk in resp.iter_bytes():
-        body += chunk
-        if len(body) >= limit:
-            break
-    return bytes(body[:limit])
-
-
-def _bounded_lines(resp: httpx2.Response, url: str) -> Iterator[bytes]:
-    """The body's lines (any of the three line ends), each at most MAX_LINE_BYTES."""
-    pending = b""
-    for chunk in resp.iter_bytes():
-        *lines, pending = _LINE_END.split(pending + chunk)
-        yield from lines
-        if len(pending) > MAX_LINE_BYTES:
-            raise _too_long(url)
-    if pending:
-        yield pending
-
-
-def _put(lines: queue.Queue[object], item: object, stop: threading.Event) -> None:
-    """Hand `item` to generate(), waiting while it is QUEUED_LINES behind; dropped once it has
-    stopped reading (nobody would take it, and the reader must end)."""
-    while not stop.is_set():
-        try:
-            lines.put(item, timeout=POLL_SECONDS)
-            return
-        except queue.Full:
-            continue
-
-
-def _redirected(url: str, resp: httpx2.Response) -> RemoteError:
-    where = resp.headers.get("location", "")
-    shown = where[:200].encode("ascii", "replace").decode() or "nowhere"
-    return RemoteError(f"The server at {url} redirects (HTTP {resp.status_code}) to {shown}. SpecChat does not follow "
-                       "redirects, which would carry the API key elsewhere: if you trust that address, use it as the "
-                       "server's URL.")
-
-
-def _not_a_stream(url: str, status: int, kind: str) -> RemoteError:
-    return RemoteError(f"The server at {url} answered (HTTP {status}, {kind or 'no content type'}) but not with an "
-                       "OpenAI answer: check the URL (it usually ends in /v1).")
-
-
-def _too_long(url: str) -> RemoteError:
-    return RemoteError(f"The server at {url} sent a stream line longer than {MAX_LINE_BYTES // MIB} MiB: that is "
-                       "not an OpenAI-compatible answer.")
-
-
-def _sse_data(line: bytes) -> bytes | None:
-    """The payload of a server-sent event's `data:` line (None for comments, blanks, other fields)."""
-    if not line.startswith(b"data:"):
-        return None
-    return line[5:].strip()
-
-
-def _bad_event(url: str, why: str, data: bytes) -> RemoteError:
-    shown = data[:120].decode("utf-8", "replace") + ("…" if len(data) > 120 else "")
-    return RemoteError(f"The server at {url} sent an answer this client cannot read: {why} (it sent {shown}). "
-                       "It does not answer as an OpenAI-compatible server does.")
-
-
-def _kind(value: object) -> str:
-    """A JSON value's type in words."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true/false"
-    return {str: "a string", int: "a number", float: "a number", list: "a list", dict: "an object"}.get(
-        type(value), type(value).__name__)
-
-
-def _object(value: object) -> dict[str, Any]:
-    """A JSON object as it is; anything else as an empty one."""
-    return value if isinstance(value, dict) else {}
-
-
-def _int(value: object, default: int) -> int:
-    return max(0, int(value)) if _number(value) else default
-
-
-def _number(value: object) -> TypeGuard[int | float]:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _error_text(data: dict[str, Any]) -> str:
-    """The message of an error body in the shapes servers use: OpenAI's {"error": {"message"}},
-    vLLM's older {"object": "error", "message"}, {"error": "Unauthorized"}, FastAPI's {"detail"}."""
-    error = data.get("error")
-    if isinstance(error, dict) and error.get("message"):
-        return _cut(str(error["message"]))
-    if isinstance(error, str):
-        return _cut(error)
-    for key in ("message", "detail"):
-        if data.get(key):
-            return _cut(str(data[key]))
-    return _cut(json.dumps(data))
-
-
-def _cut(text: str, most: int = 300) -> str:
-    return text if len(text) <= most else text[:most] + "…"
-
-
-def _server_message(body: bytes) -> str:
-    try:
-        data = parse_json(body, what="The error body", max_bytes=MAX_ERROR_BYTES)
-    except MalformedInput:  # not JSON (an HTML page, plain text), or hostile JSON: its start as text
-        return _cut(body.decode("utf-8", "replace").strip()) or "no details"
-    return _error_text(data) if isinstance(data, dict) else _cut(str(data))
-
-
-def _unreachable(url: str, exc: BaseException) -> RemoteUnreachable:
-    return RemoteUnreachable(f"Cannot reach the server at {url} ({type(exc).__name__}). Check that it is "
-                             "running, the URL and port, and the network (firewall, VPN).")
-
-
-def _status_error(status: int, message: str, url: str, model: str | None) -> RemoteError:
-    where = f"The server at {url}"
-    if status in (401, 403):
-        return RemoteUnauthorized(f"{where} refused the API key (HTTP {status}: {message}). Check the key "
-                                  "set for this server.")
-    if status == 404:
-        if model is not None and ("model" in message.lower() or model in message):
-            return RemoteModelGone(f"{where} does not serve the model '{model}' (any more): {message} Choose "
-                                   "another model, or refresh the server's model list.")
-        return RemoteError(f"{where} has no OpenAI API there (HTTP 404: {message}). Check the URL: it usually "
-                           "ends in /v1.")
-    if status == 413:
-        return RemoteError(f"{where} says the conversation is too long: {message} Start a new conversation.")
-    if status in (429, 503):
-        return RemoteError(f"{where} is busy or still loading (HTTP {status}): {message} Try again in a moment.")
-    return RemoteError(f"{where} answered HTTP {status}: {message}")
