@@ -46,17 +46,8 @@ from engine.errors import ContextTooLong, EngineError, InvalidRequest, Malformed
 from engine.serving.formats import OutputParser, OutputSettings
 from engine.serving.guard import AccessPolicy, RequestGuard
 from engine.serving.logprobs import LogprobStream
-from engine.serving.protocol import (
-    ApiError,
-    ChunkWriter,
-    Kind,
-    RequestDefaults,
-    error_body,
-    model_card,
-    new_id,
-    parse_request,
-    response,
-)
+from engine.serving.protocol import ApiError, Kind, RequestDefaults, error_body, parse_request
+from engine.serving.responses import ChunkWriter, model_card, new_id, response
 from engine.serving.scheduler import (
     Finished,
     GenerationQueue,
