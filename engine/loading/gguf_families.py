@@ -23,8 +23,9 @@ is its table of families:
   j and j + 16, not the checkpoint's pairs, so engine/loading/mxfp4.py does not apply).
 
 The hybrid Gated DeltaNet families (qwen3next, qwen35, qwen35moe) have their keys, rules, row
-orders and recipes in gguf_hybrid.py. Architectures gguf-py names that SpecChat runs from
-safetensors but not yet from GGUF (gemma4) are refused by name with what is missing (REFUSED).
+orders and recipes in gguf_hybrid.py; Gemma 4 (gemma4) its keys, rules and names in
+gguf_gemma4.py. Architectures gguf-py names that SpecChat runs from safetensors but not yet
+from GGUF are refused by name with what is missing (REFUSED).
 transformers' GGUF tokenizer conversion is reached through `tokenizer_source` for files whose
 metadata transformers cannot read (gpt-oss's rope keys, architectures it does not know).
 
@@ -50,12 +51,12 @@ from transformers.modeling_gguf_pytorch_utils import (
 )
 
 from engine.errors import UnsupportedModel
-from engine.loading import gguf_hybrid
+from engine.loading import gguf_gemma4, gguf_hybrid
 from engine.store.gguf_archs import REFUSED, RUNNABLE, RUNS
 from engine.store.gguf_header import GGUFHeader, TensorInfo
 
 # metadata keys transformers' GGUF reader cannot parse, left out of what its tokenizer reads
-TOKENIZER_DROPS = {"gpt-oss": ("gpt-oss.rope.scaling.",)}
+TOKENIZER_DROPS = {"gpt-oss": ("gpt-oss.rope.scaling.",), gguf_gemma4.ARCH: gguf_gemma4.TOKENIZER_DROPS}
 # architectures transformers reads no GGUF metadata of: their tokenizer read as a plain byte-level
 # BPE model's (gpt2: no model-specific tokenizer class; the pre-tokenizer follows `.pre`)
 TOKENIZER_AS = {"glm4moe": "gpt2", "qwen3next": "gpt2"}
@@ -87,6 +88,8 @@ KEY_TABLES: dict[str, dict[str, str | None]] = {
                  "expert_weights_norm": "norm_topk_prob", "expert_group_count": "n_group",
                  "expert_group_used_count": "topk_group", "nextn_predict_layers": "num_nextn_predict_layers"},
     **gguf_hybrid.KEY_TABLES,
+    # transformers' own Gemma 4 table reads per-layer arrays as one number and leaves the rope out
+    gguf_gemma4.ARCH: gguf_gemma4.KEY_TABLE,
 }
 LLAMA_CPP_SIGMOID = 2  # llama.cpp's expert_gating_func: 1 softmax, 2 sigmoid
 
@@ -111,9 +114,10 @@ def tokenizer_source(src: Path, arch: str) -> Path:
     """The file transformers' tokenizer conversion reads for GGUF `src`: itself, or for an
     architecture whose metadata transformers' reader fails on (gpt-oss: it reads each
     `rope.scaling.*` value from the wrong part of its field, a TypeError on every file
-    llama.cpp writes) or does not read at all (GLM-4.5) a copy of its metadata without those
-    keys and without tensors, beside it; for the latter under an architecture transformers
-    reads whose tokenizer is built the same way (from `tokenizer.ggml.model` and `.pre` only)."""
+    llama.cpp writes; Gemma 4: per-layer K/V head counts, which its config refuses) or does not
+    read at all (GLM-4.5) a copy of its metadata without those keys and without tensors, beside
+    it; for the latter under an architecture transformers reads whose tokenizer is built the same
+    way (from `tokenizer.ggml.model` and `.pre` only)."""
     if arch not in TOKENIZER_DROPS and arch not in TOKENIZER_AS:
         return src
     reader = GGUFReader(src)
@@ -210,7 +214,7 @@ def _glm4moe_rules(header: GGUFHeader, config: dict[str, Any]) -> None:
 
 
 _RULES: dict[str, Callable[[GGUFHeader, dict[str, Any]], None]] = {
-    "gemma3": _gemma3_rules, "gpt-oss": _gpt_oss_rules, "glm4moe": _glm4moe_rules,
+    "gemma3": _gemma3_rules, "gpt-oss": _gpt_oss_rules, "glm4moe": _glm4moe_rules, gguf_gemma4.ARCH: gguf_gemma4.rules,
     **dict.fromkeys(gguf_hybrid.ARCHS, gguf_hybrid.rules)}
 
 
@@ -259,6 +263,8 @@ def add_names(header: GGUFHeader, num_layers: int, params: Sequence[str], names:
     arch = header.architecture or ""
     if arch in gguf_hybrid.ARCHS:
         gguf_hybrid.add_names(header, names, num_layers)
+    if arch == gguf_gemma4.ARCH:
+        gguf_gemma4.add_names(header, names, num_layers)
     arch_id = next((k for k, v in MODEL_ARCH_NAMES.items() if v == arch), None)
     if arch_id is None:
         return

@@ -5,12 +5,11 @@ no torch."""
 
 from __future__ import annotations
 
-RUNNABLE = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "gpt-oss", "glm4moe", "qwen3next", "qwen35",
+RUNNABLE = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "gemma4", "gpt-oss", "glm4moe", "qwen3next", "qwen35",
             "qwen35moe")
 # how a message names them (Mistral's GGUFs say "llama"; a llama file with experts is Mixtral)
 RUNS = ("llama (with experts: Mixtral), mistral, qwen2, qwen3, qwen3moe (Qwen3-MoE), gemma3 (Gemma 3 text), "
-        "gpt-oss, glm4moe (GLM-4.5), qwen3next (Qwen3-Next), qwen35 and qwen35moe (Qwen3.5 / 3.6)")
+        "gemma4 (Gemma 4 text), gpt-oss, glm4moe (GLM-4.5), qwen3next (Qwen3-Next), qwen35 and qwen35moe "
+        "(Qwen3.5 / 3.6)")
 # architectures gguf-py names whose GGUF SpecChat does not read yet: what is missing
-REFUSED = {
-    "gemma4": "its per-layer embeddings and K/V shared between layers are not read from GGUF files yet",
-}
+REFUSED: dict[str, str] = {}

@@ -265,7 +265,7 @@ def test_experts_that_do_not_tile_the_fused_parameter_are_refused(tmp_path: Path
     assert "ffn_up_exps" in err.value.user_message and "\n" not in err.value.user_message
 
 
-@pytest.mark.parametrize("arch", ["falcon", "phi3", "gemma4"])
+@pytest.mark.parametrize("arch", ["falcon", "phi3", "mamba"])
 def test_other_architectures_are_refused_by_name(tmp_path: Path, model_cache: Path, arch: str) -> None:
     fields = GGUFReader(tiny("qwen3_moe", model_cache)).fields
     vocab = {"tokens": fields["tokenizer.ggml.tokens"].contents(), "merges": fields["tokenizer.ggml.merges"].contents(),
