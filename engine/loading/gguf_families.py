@@ -378,7 +378,8 @@ def conversion(processor: TensorProcessor, t: TensorInfo, names: dict[str, str])
                                "weights; this architecture is not supported.")
     rows = t.shape[-2] if len(t.shape) > 1 else t.shape[0]
     lead = t.shape[:-2] if len(t.shape) > 2 else ()
-    probe = np.arange(1, math.prod(lead) * rows + 1, dtype=np.int64).reshape(*lead, rows, *([1] if len(t.shape) > 1 else []))
+    cols = [1] if len(t.shape) > 1 else []
+    probe = np.arange(1, math.prod(lead) * rows + 1, dtype=np.int64).reshape(*lead, rows, *cols)
     parsed: dict[str, dict[str, Any]] = {"tensors": {}}
     out = processor.process(weights=probe, name=t.name, tensor_key_mapping=names, parsed_parameters=parsed)
     if out.name is None and len(parsed["tensors"]) == 1:  # stored into transformers' own parameter
