@@ -117,7 +117,6 @@ REASONING_FORMATS = {"think": "<think> blocks", "harmony": "the harmony analysis
                      "gemma4": "Gemma 4's thought channel"}
 JSON_OUTPUT = ("yes: response_format json_object / json_schema answers are decoded under the schema "
                "(grammar-constrained, as the model alone would answer under it)")
-JSON_OUTPUT_HARMONY = "not for gpt-oss's harmony format yet: ask for JSON in the prompt"
 
 
 @dataclass(frozen=True)
@@ -149,7 +148,7 @@ def api_support(chat_template: str) -> ApiSupport:
                  if fmt.reasoning is not None else "none in this model's format: answers are content only")
     if fmt.reasoning == "harmony":
         reasoning = reasoning.replace("come back", "comes back")
-    json_text = JSON_OUTPUT_HARMONY if "harmony" in (fmt.tools, fmt.reasoning) else JSON_OUTPUT
+    json_text = JSON_OUTPUT
     return ApiSupport(tools, tools_text, json_text, reasoning)
 
 

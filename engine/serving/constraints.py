@@ -13,8 +13,12 @@ Grammars (llguidance's Lark dialect; `%json {...}` embeds a JSON Schema):
 - a template whose generation prompt opens <think> (formats.ChatFormat.opens_thinking): the
   reasoning runs first, free, to its </think>. Other thinking templates answer at once (as with
   thinking turned off).
+- gpt-oss's harmony: an optional analysis message, then one call message (`<|channel|>commentary
+  to=functions.NAME <|constrain|>json<|message|>ARGS`) or the final message holding the JSON
+  answer; the markers are the tokenizer's special tokens (`_harmony`).
 JSON is written as json.dumps writes it (engine.decoding.grammar.JSON_STYLE). Mistral's and
-gpt-oss's formats are refused with a 400 for now: their calls follow special tokens.
+Gemma 4's formats are refused with a 400 for now: their calls follow special tokens and, for
+Gemma, a value syntax of its own.
 
 Everything is checked before the request queues: schemas are bounded as tools.py bounds tool
 parameters, and what llguidance refuses (a keyword it does not implement, a $ref to nothing, an
@@ -51,9 +55,7 @@ def build_constraint(body: Mapping[str, Any], fmt: ChatFormat | None, tools: tup
     if schema is None and not forced:
         return None
     if fmt is not None and "harmony" in (fmt.tools, fmt.reasoning):
-        what = "tool_choice" if forced else "response_format"
-        raise ToolError(f"'{what}' needs constrained decoding, which is not available for gpt-oss's harmony format "
-                        "yet.", what)
+        return _checked(_harmony(schema, tools, choice, forced), "tool_choice" if forced else "response_format")
     rules: list[str] = []
     alternatives: list[str] = []
     if forced or (schema is not None and tools and choice.mode == "auto"):
@@ -70,13 +72,39 @@ def build_constraint(body: Mapping[str, Any], fmt: ChatFormat | None, tools: tup
         rules = [f"start: reasoning /[ \\t\\r\\n]*/ ({top})", "reasoning[lazy]: /(.|\\n)*<\\/think>/", *rules]
     else:
         rules = [f"start: {top}", *rules]
-    lark = "\n".join(rules)
-    constraint = OutputConstraint("lark", lark, "tool_choice" if forced else "response_format")
+    return _checked("\n".join(rules), "tool_choice" if forced else "response_format")
+
+
+def _checked(lark: str, what: str) -> OutputConstraint:
+    constraint = OutputConstraint("lark", lark, what)
     try:
         check_constraint(constraint)
     except InvalidRequest as exc:
         raise ToolError(exc.user_message, constraint.what) from None
     return constraint
+
+
+def _harmony(schema: dict[str, Any] | bool | None, tools: tuple[ToolSpec, ...], choice: ToolChoice,
+             forced: bool) -> str:
+    """gpt-oss's answer under a constraint: its analysis message first if it writes one (free
+    text up to <|end|>), then one call message, `<|channel|>commentary to=functions.NAME
+    <|constrain|>json<|message|>ARGS` (gpt-oss calls one function a turn; its <|call|> then ends
+    the answer), or the final message holding the JSON answer, `<|channel|>final<|message|>JSON`.
+    Text never matches a special token, so the analysis runs until the model writes <|end|>."""
+    analysis = ('analysis: <|channel|> "analysis" <|message|> ANALYSIS <|end|> <|start|> "assistant"\n'
+                "ANALYSIS: /(.|\\n)*/")
+    if forced:
+        offered = [t for t in tools if choice.mode != "named" or t.name == choice.name]
+        calls = [f'<|channel|> "commentary to=functions.{t.name} " <|constrain|> "json" <|message|> '
+                 f"%json {_styled(json.loads(t.parameters))}" for t in offered]
+        body = "call: " + " | ".join(calls)
+        return f"start: analysis? call\n{body}\n{analysis}"
+    answer = f'<|channel|> "final" <|message|> %json {_styled(schema if schema is not None else {})}'
+    if tools and choice.mode == "auto":  # a call or the answer
+        calls = [f'<|channel|> "commentary to=functions.{t.name} " <|constrain|> "json" <|message|> '
+                 f"%json {_styled(json.loads(t.parameters))}" for t in tools]
+        return f"start: analysis? (call | answer)\ncall: {' | '.join(calls)}\nanswer: {answer}\n{analysis}"
+    return f"start: analysis? answer\nanswer: {answer}\n{analysis}"
 
 
 def _response_schema(raw: object) -> dict[str, Any] | bool | None:
@@ -116,8 +144,8 @@ def _call_rules(fmt: ChatFormat, tools: list[ToolSpec], one: bool, param: str) -
     """Lark rules `calls` (one, or one or more, calls in the model's format) and `call`."""
     if fmt.tools not in GRAMMAR_FORMATS:
         raise ToolError(f"'{param}' needs constrained decoding of this model's tool calls ({fmt.tools} format), which "
-                        "is available for Hermes/Qwen <tool_call> and Llama 3 JSON calls only; use tool_choice "
-                        "\"auto\".", param)
+                        "is available for Hermes/Qwen <tool_call>, Llama 3 JSON and gpt-oss harmony calls only; use "
+                        "tool_choice \"auto\".", param)
     key = ARGUMENTS[fmt.tools]
     bodies = []
     for tool in tools:
