@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import copy
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import llguidance
@@ -57,11 +57,18 @@ class GrammarFailed(EngineError):
     """The matcher hit one of llguidance's limits mid-answer (a grammar too costly to follow)."""
 
 
-def grammar_text(constraint: OutputConstraint) -> str:
+# A special token named in a Lark grammar as `<%NAME%>` (Mistral's [TOOL_CALLS]: llguidance reads
+# `<[id]>` and `<|name|>` forms only); the compiler puts in its id for the tokenizer at hand.
+NAMED_TOKEN = re.compile(r"<%(.{1,64}?)%>")
+
+
+def grammar_text(constraint: OutputConstraint, token_id: Callable[[str], int] | None = None) -> str:
     """The constraint as an llguidance grammar (its JSON form). InvalidRequest when the schema is not
-    JSON at all."""
+    JSON at all. `token_id` gives the id of a special token the grammar names (`<%NAME%>`);
+    None: any id, for checking the grammar without a tokenizer."""
     if constraint.kind == "lark":
-        return llguidance.LLMatcher.grammar_from_lark(constraint.source)
+        source = NAMED_TOKEN.sub(lambda m: f"<[{token_id(m.group(1)) if token_id else 0}]>", constraint.source)
+        return llguidance.LLMatcher.grammar_from_lark(source)
     try:
         return llguidance.LLMatcher.grammar_from_json_schema(
             constraint.source, defaults=JSON_STYLE)  # type: ignore[arg-type]
@@ -116,11 +123,19 @@ class GrammarCompiler:
 
     def compile(self, constraint: OutputConstraint) -> Grammar:
         """InvalidRequest when llguidance refuses the grammar (naming why)."""
-        text = grammar_text(constraint)
+        text = grammar_text(constraint, self._special)
         matcher = llguidance.LLMatcher(self.table, text, log_level=0)
         if matcher.is_error():
             raise InvalidRequest(f"{constraint.what} cannot be enforced: {_cut(matcher.get_error())}.")
         return Grammar(constraint, matcher, self.width, self.eos_ids)
+
+    def _special(self, name: str) -> int:
+        """The id of the tokenizer's special token `name` (InvalidRequest: it has none)."""
+        found = self.tokenizer.get_vocab().get(name)
+        if found is None:
+            raise InvalidRequest(f"Constrained decoding needs the token {name} in the model's tokenizer, which it "
+                                 "does not have.")
+        return found
 
 
 @dataclass(frozen=True)

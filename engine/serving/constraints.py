@@ -16,9 +16,11 @@ Grammars (llguidance's Lark dialect; `%json {...}` embeds a JSON Schema):
 - gpt-oss's harmony: an optional analysis message, then one call message (`<|channel|>commentary
   to=functions.NAME <|constrain|>json<|message|>ARGS`) or the final message holding the JSON
   answer; the markers are the tokenizer's special tokens (`_harmony`).
-JSON is written as json.dumps writes it (engine.decoding.grammar.JSON_STYLE). Mistral's and
-Gemma 4's formats are refused with a 400 for now: their calls follow special tokens and, for
-Gemma, a value syntax of its own.
+- "mistral": `[TOOL_CALLS]` then a JSON list of {"name", "arguments"}, or, for templates that write
+  `[ARGS]`, `[TOOL_CALLS]NAME[ARGS]{...}` per call; the markers are special tokens, named in the
+  grammar as `<%NAME%>` (engine.decoding.grammar puts in their ids).
+JSON is written as json.dumps writes it (engine.decoding.grammar.JSON_STYLE). Gemma 4's format
+is refused with a 400 for now: its arguments are in a value syntax of its own, not JSON.
 
 Everything is checked before the request queues: schemas are bounded as tools.py bounds tool
 parameters, and what llguidance refuses (a keyword it does not implement, a $ref to nothing, an
@@ -33,13 +35,13 @@ from typing import Any
 
 from engine.decoding.grammar import JSON_STYLE, check_constraint
 from engine.errors import InvalidRequest
-from engine.serving.formats import GRAMMAR_FORMATS, ChatFormat
+from engine.serving.formats import ARGS, GRAMMAR_FORMATS, TOOL_CALLS, ChatFormat
 from engine.serving.tools import MAX_SCHEMA_BYTES, MAX_SCHEMA_DEPTH, ToolChoice, ToolError, check_depth
 from engine.types import OutputConstraint, ToolSpec
 from engine.untrusted import KIB
 
-CALL_SEPARATOR = {"hermes": "\n", "llama3": "; "}
-ARGUMENTS = {"hermes": "arguments", "llama3": "parameters"}  # the key a format's calls carry arguments in
+CALL_SEPARATOR = {"hermes": "\n", "llama3": "; ", "mistral": ", "}
+ARGUMENTS = {"hermes": "arguments", "llama3": "parameters", "mistral": "arguments"}  # the key a format's calls carry arguments in
 
 
 def build_constraint(body: Mapping[str, Any], fmt: ChatFormat | None, tools: tuple[ToolSpec, ...],
@@ -144,8 +146,12 @@ def _call_rules(fmt: ChatFormat, tools: list[ToolSpec], one: bool, param: str) -
     """Lark rules `calls` (one, or one or more, calls in the model's format) and `call`."""
     if fmt.tools not in GRAMMAR_FORMATS:
         raise ToolError(f"'{param}' needs constrained decoding of this model's tool calls ({fmt.tools} format), which "
-                        "is available for Hermes/Qwen <tool_call>, Llama 3 JSON and gpt-oss harmony calls only; use "
-                        "tool_choice \"auto\".", param)
+                        "is available for Hermes/Qwen <tool_call>, Llama 3 JSON, Mistral [TOOL_CALLS] and gpt-oss "
+                        "harmony calls only; use tool_choice \"auto\".", param)
+    if fmt.tools == "mistral" and fmt.calls_by_name:  # [TOOL_CALLS]NAME[ARGS]{...}, one marker a call
+        named = [f'<%{TOOL_CALLS}%> {json.dumps(t.name)} <%{ARGS}%> %json {_styled(json.loads(t.parameters))}'
+                 for t in tools]
+        return ["calls: call" if one else "calls: call+", "call: " + " | ".join(named)]
     key = ARGUMENTS[fmt.tools]
     bodies = []
     for tool in tools:
@@ -159,7 +165,10 @@ def _call_rules(fmt: ChatFormat, tools: list[ToolSpec], one: bool, param: str) -
     else:
         call = f"call: {one_call}"
     separator = json.dumps(CALL_SEPARATOR[fmt.tools])
-    return ["calls: call" if one else f"calls: call ({separator} call)*", call]
+    calls = "call" if one else f"call ({separator} call)*"
+    if fmt.tools == "mistral":  # [TOOL_CALLS] then a JSON list of the calls
+        return [f'calls: <%{TOOL_CALLS}%> "[" {calls} "]"', call]
+    return [f"calls: {calls}", call]
 
 
 def _styled(schema: dict[str, Any] | bool) -> str:

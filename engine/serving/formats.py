@@ -58,7 +58,7 @@ _RECIPIENT = re.compile(r"\bto=([^\s<]+)")
 _ID_CHARS = string.ascii_letters + string.digits
 
 # tool formats whose calls the server can force under a grammar (engine.serving.constraints)
-GRAMMAR_FORMATS = ("hermes", "llama3", "harmony")
+GRAMMAR_FORMATS = ("hermes", "llama3", "mistral", "harmony")
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,7 @@ class ChatFormat:
     takes_tools: bool = False
     reasoning: ReasoningFormat | None = None
     opens_thinking: bool = False
+    calls_by_name: bool = False  # Mistral: `[TOOL_CALLS]NAME[ARGS]{...}` rather than a JSON list
 
     def call_id(self) -> str:
         """A fresh id for a call: OpenAI's shape, but Mistral's templates insist on 9 letters or digits."""
@@ -101,7 +102,8 @@ def chat_format(template: str) -> ChatFormat:
         reasoning = "think"
         prompt = template[template.rfind("add_generation_prompt"):]  # the generation prompt's part
         opens = prompt.count(THINK) > prompt.count(END_THINK)
-    return ChatFormat(tools if takes else None, takes, reasoning, opens)
+    by_name = tools == "mistral" and ARGS in template
+    return ChatFormat(tools if takes else None, takes, reasoning, opens, by_name)
 
 
 @dataclass(frozen=True)
