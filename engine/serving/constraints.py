@@ -19,8 +19,9 @@ Grammars (llguidance's Lark dialect; `%json {...}` embeds a JSON Schema):
 - "mistral": `[TOOL_CALLS]` then a JSON list of {"name", "arguments"}, or, for templates that write
   `[ARGS]`, `[TOOL_CALLS]NAME[ARGS]{...}` per call; the markers are special tokens, named in the
   grammar as `<%NAME%>` (engine.decoding.grammar puts in their ids).
-JSON is written as json.dumps writes it (engine.decoding.grammar.JSON_STYLE). Gemma 4's format
-is refused with a 400 for now: its arguments are in a value syntax of its own, not JSON.
+- "gemma4": `<|tool_call>call:NAME{...}<tool_call|>` per call, the arguments in Gemma's own value
+  syntax written from the tool's schema (gemma_grammar.py, which refuses what it cannot enforce).
+JSON is written as json.dumps writes it (engine.decoding.grammar.JSON_STYLE).
 
 Everything is checked before the request queues: schemas are bounded as tools.py bounds tool
 parameters, and what llguidance refuses (a keyword it does not implement, a $ref to nothing, an
@@ -36,6 +37,7 @@ from typing import Any
 from engine.decoding.grammar import JSON_STYLE, check_constraint
 from engine.errors import InvalidRequest
 from engine.serving.formats import ARGS, GRAMMAR_FORMATS, TOOL_CALLS, ChatFormat
+from engine.serving.gemma_grammar import GemmaSchemaError, gemma_call_rules
 from engine.serving.tools import MAX_SCHEMA_BYTES, MAX_SCHEMA_DEPTH, ToolChoice, ToolError, check_depth
 from engine.types import OutputConstraint, ToolSpec
 from engine.untrusted import KIB
@@ -146,8 +148,14 @@ def _call_rules(fmt: ChatFormat, tools: list[ToolSpec], one: bool, param: str) -
     """Lark rules `calls` (one, or one or more, calls in the model's format) and `call`."""
     if fmt.tools not in GRAMMAR_FORMATS:
         raise ToolError(f"'{param}' needs constrained decoding of this model's tool calls ({fmt.tools} format), which "
-                        "is available for Hermes/Qwen <tool_call>, Llama 3 JSON, Mistral [TOOL_CALLS] and gpt-oss "
-                        "harmony calls only; use tool_choice \"auto\".", param)
+                        "is available for Hermes/Qwen <tool_call>, Llama 3 JSON, Mistral [TOOL_CALLS], Gemma 4 and "
+                        "gpt-oss harmony calls only; use tool_choice \"auto\".", param)
+    if fmt.tools == "gemma4":  # Gemma's own value syntax, not JSON (gemma_grammar.py)
+        try:
+            return gemma_call_rules([(t.name, json.loads(t.parameters)) for t in tools], one)
+        except GemmaSchemaError as exc:
+            raise ToolError(f"'{param}' cannot be enforced for Gemma 4's call syntax: the tool's parameters use "
+                            f"{exc}, which it does not cover; use tool_choice \"auto\".", param) from None
     if fmt.tools == "mistral" and fmt.calls_by_name:  # [TOOL_CALLS]NAME[ARGS]{...}, one marker a call
         named = [f'<%{TOOL_CALLS}%> {json.dumps(t.name)} <%{ARGS}%> %json {_styled(json.loads(t.parameters))}'
                  for t in tools]

@@ -58,7 +58,7 @@ _RECIPIENT = re.compile(r"\bto=([^\s<]+)")
 _ID_CHARS = string.ascii_letters + string.digits
 
 # tool formats whose calls the server can force under a grammar (engine.serving.constraints)
-GRAMMAR_FORMATS = ("hermes", "llama3", "mistral", "harmony")
+GRAMMAR_FORMATS = ("hermes", "llama3", "mistral", "harmony", "gemma4")
 
 
 @dataclass(frozen=True)

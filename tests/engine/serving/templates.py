@@ -83,7 +83,7 @@ HARMONY = ("{%- if tools %}# Tools\n\n## functions\n\nnamespace functions {{ '{'
            "<|start|>assistant<|channel|>commentary to=functions.{{ name }} <|constrain|>json<|message|>"
            "{{ args }}<|call|>{%- if add_generation_prompt %}<|start|>assistant{%- endif %}")
 
-GEMMA4 = ("{%- if tools %}<|tool>declaration:{{ tools | tojson }}<tool|>{%- endif %}"
+GEMMA4 = ("{%- if tools %}<|tool>declaration:{{ tools | tojson | replace('\"', '<|\"|>') }}<tool|>{%- endif %}"
           "{%- if message.tool_calls %}<|tool_call>call:{{ name }}{{ args }}<tool_call|>{%- endif %}"
           "{%- if message.reasoning %}<|channel>thought\n{{ message.reasoning }}<channel|>{%- endif %}"
           "{%- if add_generation_prompt %}<|turn>model\n{%- endif %}")
