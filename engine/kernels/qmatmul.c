@@ -18,6 +18,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <math.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -257,4 +258,201 @@ int qm_matmul(int kind, const float *x, int64_t M, int64_t K, const void *codes,
         }
     }
     return failed ? -1 : 0;
+}
+
+/* ---- A whole decode step of llama-family decoder layers (engine/kernels/fused_layer.py) ----
+ *
+ * One token through `count` layers, each: RMSNorm, q/k/v products (+ biases), per-head q/k
+ * RMSNorm (Qwen3, optional), rotary embedding from the model's own cos/sin, K/V written into
+ * the cache at `length`, attention of the token over the length + 1 entries (grouped heads,
+ * fp32 softmax), o product, residual; RMSNorm, SiLU(gate) * up, down product, residual. The
+ * arithmetic is transformers' (LlamaDecoderLayer and its modules) in fp32; only the order of
+ * the sums differs. One parallel region for the whole step: the products split their output
+ * rows over the threads, attention its heads, and every thread computes the small parts between
+ * them (norms, group sums) for itself, so a step starts the threads once and waits at five
+ * barriers a layer (the general path starts them for each of ~210 products). */
+
+typedef struct {
+    const void *codes;    /* q8: int8 (n, k); q4: uint8 (n, k / 2) */
+    const float *scales;  /* (n, k / group) */
+    const float *mins;    /* (n, k / group) or NULL */
+    const float *bias;    /* (n) or NULL */
+    int64_t kind, n, k, group;  /* kind 8 or 4; group 16 or 32 where there are minimums */
+} qm_linear;
+
+typedef struct {
+    qm_linear q, k, v, o, gate, up, down;
+    const float *attn_norm, *mlp_norm;  /* (hidden) */
+    const float *q_norm, *k_norm;       /* (head_dim) per-head norms, or NULL */
+    float attn_eps, mlp_eps, q_eps, k_eps;
+} qm_layer;
+
+/* out = x * rsqrt(mean(x^2) + eps) * weight, as LlamaRMSNorm computes it in fp32. */
+static void rms_norm(const float *x, const float *weight, float eps, int64_t n, float *out) {
+    float ss = 0.0f;
+    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
+    float r = 1.0f / sqrtf(ss / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) out[i] = (x[i] * r) * weight[i];
+}
+
+/* Sums of x over each group of 16 and of 32 (the minimums' share of a row's product). */
+static void group_sums(const float *x, int64_t n, float *s16, float *s32) {
+    for (int64_t g = 0; g < n / 16; g++) {
+        float t = 0.0f;
+        for (int64_t k = g * 16; k < (g + 1) * 16; k++) t += x[k];
+        s16[g] = t;
+    }
+    for (int64_t g = 0; g < n / 32; g++) {
+        float t = 0.0f;
+        for (int64_t k = g * 32; k < (g + 1) * 32; k++) t += x[k];
+        s32[g] = t;
+    }
+}
+
+/* Row r of w times x (+ bias). `tmp`: k floats of scratch (the plain C build decodes into it). */
+static float row_product(const qm_linear *w, int64_t r, const float *x, const float *s16, const float *s32,
+                         float *tmp) {
+    int64_t groups = w->k / w->group;
+    const float *sc = w->scales + r * groups, *mn = w->mins ? w->mins + r * groups : NULL;
+    float y;
+#ifdef QM_AVX2
+    const float *xs = w->group == 16 ? s16 : s32;
+    (void)tmp;
+    if (w->kind == 4)
+        y = row_q4(x, (const uint8_t *)w->codes + r * (w->k / 2), sc, mn, xs, w->k);
+    else
+        y = row_q8(x, (const int8_t *)w->codes + r * w->k, sc, mn, xs, w->k, w->group);
+#else
+    (void)s16, (void)s32;
+    if (w->kind == 4)
+        decode_q4((const uint8_t *)w->codes + r * (w->k / 2), sc, mn, w->k, tmp);
+    else
+        decode_q8((const int8_t *)w->codes + r * w->k, sc, mn, w->k, w->group, tmp);
+    y = 0.0f;
+    for (int64_t k = 0; k < w->k; k++) y += x[k] * tmp[k];
+#endif
+    return w->bias ? y + w->bias[r] : y;
+}
+
+static float dot(const float *a, const float *b, int64_t n) {
+    int64_t i = 0;
+    float out = 0.0f;
+#ifdef QM_AVX2
+    if (n % 8 == 0) {
+        __m256 acc = _mm256_setzero_ps();
+        for (; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+        return hsum(acc);
+    }
+#endif
+    for (; i < n; i++) out += a[i] * b[i];
+    return out;
+}
+
+/* One head in place: the optional per-head RMSNorm, then the rotary embedding
+ * x * cos + rotate_half(x) * sin, rotate_half(x) = (-x[D/2:], x[:D/2]). */
+static void norm_and_rotate(float *x, const float *norm, float eps, const float *cos, const float *sin, int64_t d,
+                            float *tmp) {
+    if (norm) rms_norm(x, norm, eps, d, x);
+    int64_t h = d / 2;
+    memcpy(tmp, x, sizeof(float) * (size_t)d);
+    for (int64_t i = 0; i < h; i++) x[i] = tmp[i] * cos[i] + (-tmp[i + h]) * sin[i];
+    for (int64_t i = h; i < d; i++) x[i] = tmp[i] * cos[i] + tmp[i - h] * sin[i];
+}
+
+/* Attention of one query head q (rotated) over a cache's `length` entries of its K/V head
+ * and the new entry (k, v), which the cache does not need to hold yet. scores: length + 1. */
+static void attend(const float *q, const float *keys, const float *values, const float *k, const float *v,
+                   int64_t length, int64_t d, float scale, float *scores, float *out) {
+    float top = -INFINITY, sum = 0.0f;
+    for (int64_t j = 0; j <= length; j++) {
+        scores[j] = dot(q, j < length ? keys + j * d : k, d) * scale;
+        top = scores[j] > top ? scores[j] : top;
+    }
+    for (int64_t j = 0; j <= length; j++) sum += scores[j] = expf(scores[j] - top);
+    for (int64_t i = 0; i < d; i++) out[i] = 0.0f;
+    for (int64_t j = 0; j <= length; j++) {
+        float p = scores[j] / sum;
+        const float *vj = j < length ? values + j * d : v;
+        for (int64_t i = 0; i < d; i++) out[i] += p * vj[i];
+    }
+}
+
+/* x: the token's hidden state (hidden), updated in place through every layer. cos, sin:
+ * (head_dim) for the token's position. keys[l], values[l]: layer l's cache buffers,
+ * (kv_heads, capacity, head_dim), the new entry going to index `length`. Returns 0, or -1
+ * when scratch memory could not be had.
+ *
+ * Five barriers a layer (after the q/k/v, attention, o, gate/up and down products): whatever
+ * lies between two products (a norm, the group sums of a product's input) each thread computes
+ * for itself, and each query head rotates its K/V head's new key itself. */
+int qm_decode_layers(const qm_layer *layers, float *const *keys, float *const *values, int64_t count, int64_t hidden,
+                     int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t capacity, int64_t length,
+                     float scale, const float *cos, const float *sin, float *x, int threads) {
+    int64_t D = head_dim, nq = heads * D, nkv = kv_heads * D, group_size = heads / kv_heads;
+    int64_t inter = 0, widest = hidden > nq ? hidden : nq;
+    for (int64_t l = 0; l < count; l++) inter = layers[l].gate.n > inter ? layers[l].gate.n : inter;
+    widest = inter > widest ? inter : widest;
+    if (threads < 1) threads = 1;
+    /* shared: q, k, v | attention output | SiLU(gate) * up; per thread: scores, the normed
+     * input, group sums of 16 and of 32, a decoded row or a head */
+    size_t per_thread = (size_t)(length + 1) + 4 * (size_t)widest;
+    size_t total = (size_t)(2 * nq + 2 * nkv + inter) + (size_t)threads * per_thread;
+    float *buf = (float *)malloc(sizeof(float) * total);
+    if (!buf) return -1;
+    float *q = buf, *k = q + nq, *v = k + nkv, *attn = v + nkv, *act = attn + nq, *own = act + inter;
+
+#pragma omp parallel num_threads(threads)
+    {
+        int t = 0;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+#endif
+        float *scores = own + (size_t)t * per_thread, *xn = scores + length + 1, *s16 = xn + widest;
+        float *s32 = s16 + widest / 16 + 1, *tmp = s16 + widest;
+        for (int64_t l = 0; l < count; l++) {
+            const qm_layer *L = layers + l;
+            float *lk = keys[l], *lv = values[l];
+            rms_norm(x, L->attn_norm, L->attn_eps, hidden, xn);
+            group_sums(xn, hidden, s16, s32);
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < nq + 2 * nkv; r++) {
+                if (r < nq)
+                    q[r] = row_product(&L->q, r, xn, s16, s32, tmp);
+                else if (r < nq + nkv)
+                    k[r - nq] = row_product(&L->k, r - nq, xn, s16, s32, tmp);
+                else
+                    v[r - nq - nkv] = row_product(&L->v, r - nq - nkv, xn, s16, s32, tmp);
+            }
+#pragma omp for schedule(static)
+            for (int64_t h = 0; h < heads; h++) {
+                int64_t g = h / group_size;
+                float *kh = xn, *vh = v + g * D;  /* xn is free until the next norm */
+                memcpy(kh, k + g * D, sizeof(float) * (size_t)D);
+                norm_and_rotate(kh, L->k_norm, L->k_eps, cos, sin, D, tmp);
+                if (h % group_size == 0) {  /* the K/V head's first query head stores its entry */
+                    memcpy(lk + (g * capacity + length) * D, kh, sizeof(float) * (size_t)D);
+                    memcpy(lv + (g * capacity + length) * D, vh, sizeof(float) * (size_t)D);
+                }
+                norm_and_rotate(q + h * D, L->q_norm, L->q_eps, cos, sin, D, tmp);
+                attend(q + h * D, lk + g * capacity * D, lv + g * capacity * D, kh, vh, length, D, scale,
+                       scores, attn + h * D);
+            }
+            group_sums(attn, nq, s16, s32);
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < hidden; r++) x[r] += row_product(&L->o, r, attn, s16, s32, tmp);
+            rms_norm(x, L->mlp_norm, L->mlp_eps, hidden, xn);
+            group_sums(xn, hidden, s16, s32);
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < L->gate.n; r++) {
+                float gate = row_product(&L->gate, r, xn, s16, s32, tmp);
+                float up = row_product(&L->up, r, xn, s16, s32, tmp);
+                act[r] = (gate / (1.0f + expf(-gate))) * up;
+            }
+            group_sums(act, L->gate.n, s16, s32);
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < hidden; r++) x[r] += row_product(&L->down, r, act, s16, s32, tmp);
+        }
+    }
+    free(buf);
+    return 0;
 }

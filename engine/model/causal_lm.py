@@ -27,6 +27,7 @@ import psutil
 import torch
 from torch import nn
 
+from engine.kernels.fused_layer import FusedDecoder
 from engine.model.cache import KVCache
 from engine.model.family import family_of, layer_kinds, supported_types
 from engine.model.hybrid_cache import HybridCache, LinearSpec
@@ -93,6 +94,8 @@ class CausalLM:
             layer_bytes = self.shape.layer_params * self.dtype.itemsize
             placement = Placement(n, n, 0, 0, layer_bytes, "none", str(self.device))
         self.placement = placement
+        # plain decoding steps of a packed llama-family model on the CPU: one C call (None: not eligible)
+        self.fused = FusedDecoder.of(self)
 
     def free_memory(self) -> int:
         """Bytes the next pass's activations may take on this model's device now: free GPU
@@ -131,6 +134,8 @@ class CausalLM:
         cache.reserve(n)
         positions = positions.to(self.device)
         cache.set_positions(positions)
+        if n == 1 and allowed is None and self.fused is not None and self.fused.takes(cache):
+            return self.fused.step(input_ids, positions, cache)
         if isinstance(cache, HybridCache):
             cache.begin_pass(allowed, n)
         # one token that sees the whole cache (a plain decoding step) needs no mask: SDPA's masked

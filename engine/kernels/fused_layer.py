@@ -1,0 +1,239 @@
+"""A plain decoding step through every decoder layer in one C call (qmatmul.c's
+`qm_decode_layers`), for llama-family models whose Linears are all PackedLinear on the CPU.
+
+Why: a step of a small model (the starter: 30 layers, hidden 576) spends as long in the Python
+and the PyTorch operations around the packed products (~200 ctypes calls, ~30 small ops a
+layer) as in the products themselves. Here the layers' weights and norms are handed to C once,
+as an array of structs (a cache's buffer addresses once per cache, again after it grew), and a
+step is: the embedding and the rotary cos/sin (the model's own modules), one C call, the final
+norm.
+
+`FusedDecoder.of(model)` says once, at load, whether a model qualifies: dense llama, mistral,
+qwen2 (q/k/v biases) or qwen3 (per-head q/k norms) layers, all resident on the CPU in fp32,
+full attention everywhere (no sliding window), SiLU MLP, every Linear of every layer a
+PackedLinear (minimums, where present, in groups of 16 or 32). `takes(cache)` says per step
+whether the cache is a plain KVCache of this shape. SPECCHAT_NO_FUSED=1 in the environment (read
+when a model is loaded) switches the path off.
+
+What this module does not do: trees, chunks of several tokens, streamed layers, experts, windows,
+hybrids or GPUs (CausalLM.forward's general path runs those), or choose which weights are packed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from engine.kernels.build import kernels
+from engine.kernels.linear import PackedLinear
+from engine.model.cache import KVCache
+
+if TYPE_CHECKING:
+    from engine.model.causal_lm import CausalLM
+
+log = logging.getLogger(__name__)
+
+FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+LINEARS = (("q", "self_attn.q_proj"), ("k", "self_attn.k_proj"), ("v", "self_attn.v_proj"),
+           ("o", "self_attn.o_proj"), ("gate", "mlp.gate_proj"), ("up", "mlp.up_proj"), ("down", "mlp.down_proj"))
+
+
+class Linear(ctypes.Structure):
+    """qmatmul.c's qm_linear."""
+    _fields_ = [("codes", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("mins", ctypes.c_void_p),
+                ("bias", ctypes.c_void_p), ("kind", ctypes.c_int64), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
+                ("group", ctypes.c_int64)]
+
+
+class Layer(ctypes.Structure):
+    """qmatmul.c's qm_layer."""
+    _fields_ = [*((name, Linear) for name, _ in LINEARS),
+                ("attn_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
+                ("k_norm", ctypes.c_void_p),
+                ("attn_eps", ctypes.c_float), ("mlp_eps", ctypes.c_float), ("q_eps", ctypes.c_float),
+                ("k_eps", ctypes.c_float)]
+
+
+def disabled() -> bool:
+    """SPECCHAT_NO_FUSED=1 (anything but empty or 0): every model keeps the general path."""
+    return os.environ.get("SPECCHAT_NO_FUSED", "").strip() not in ("", "0")
+
+
+class FusedDecoder:
+    """The fused plain decoding step of one CausalLM (see the module docstring)."""
+
+    def __init__(self, model: CausalLM, lib: ctypes.CDLL) -> None:
+        # the model's outer modules, not the model (which holds this object: no reference cycle)
+        self.embed, self.rotary, self.norm, self.device = model.embed, model.rotary, model.norm, model.device
+        attn: Any = model.layers[0].self_attn
+        cfg = model.config
+        self.heads = int(cfg.num_attention_heads)
+        self.kv_heads = int(cfg.num_key_value_heads)
+        self.head_dim = int(attn.head_dim)
+        self.hidden = int(cfg.hidden_size)
+        self.scale = float(attn.scaling)
+        self.layers = (Layer * len(model.layers))()
+        self._held: list[object] = []  # what the structs point into, alive as long as they are
+        layer: Any
+        for layer, struct in zip(model.layers, self.layers):
+            for field, path in LINEARS:
+                self._held.append(_fill_linear(getattr(struct, field), layer.get_submodule(path)))
+            sa: Any = layer.self_attn
+            norms = {"attn": layer.input_layernorm, "mlp": layer.post_attention_layernorm,
+                     "q": getattr(sa, "q_norm", None), "k": getattr(sa, "k_norm", None)}
+            for name, norm in norms.items():
+                if norm is not None:
+                    self._held.append(norm.weight)
+                    setattr(struct, f"{name}_norm", norm.weight.data_ptr())
+                    setattr(struct, f"{name}_eps", float(norm.variance_epsilon))
+        fn = lib.qm_decode_layers
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 7, ctypes.c_float,
+                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+        self._fn = fn
+        # each cache's buffer addresses, read again when its buffers change (reserve() grew it)
+        self._buffers: weakref.WeakKeyDictionary[KVCache, _Buffers] = weakref.WeakKeyDictionary()
+
+    @classmethod
+    def of(cls, model: CausalLM) -> FusedDecoder | None:
+        """The fused path for `model`, or None where it does not qualify (logged at DEBUG)."""
+        why = _refusal(model)
+        if why is None:
+            lib = kernels()
+            why = "no packed kernel library" if lib is None or not hasattr(lib, "qm_decode_layers") else None
+        if why is not None:
+            log.debug("fused decoding step off: %s", why)
+            return None
+        assert lib is not None
+        return cls(model, lib)
+
+    def takes(self, cache: KVCache) -> bool:
+        """Whether a step on `cache` can run here: a plain KVCache of this model's shape."""
+        return self._addresses(cache) is not None
+
+    def _addresses(self, cache: KVCache) -> _Buffers | None:
+        """`cache`'s buffer addresses (kept per cache, read again when its buffers were
+        replaced), or None when the cache is not a plain KVCache of this model's shape. Nothing
+        shared is rewritten per step, so two caches may run at once."""
+        if type(cache) is not KVCache or cache.layer_shapes is not None:
+            return None
+        known = self._buffers.get(cache)
+        if known is not None and known.holds(cache):
+            return known
+        shape = (1, self.kv_heads, cache.capacity, self.head_dim)
+        if (len(cache.keys) != len(self.layers) or cache.device.type != "cpu"
+                or any(b.dtype != torch.float32 or tuple(b.shape) != shape or not b.is_contiguous()
+                       for b in cache.keys + cache.values)):
+            return None
+        known = self._buffers[cache] = _Buffers(cache)
+        return known
+
+    def step(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """One token (input_ids and positions of shape (1,)) through every layer; its K/V
+        appended to `cache` (reserved and positioned by the caller; `takes(cache)` true). The
+        final normed hidden state (1, hidden), as CausalLM.forward returns it."""
+        buffers = self._addresses(cache)
+        assert buffers is not None, "call takes(cache) first"
+        hidden = self.embed(input_ids.to(self.device)[None]).float().contiguous()  # (1, 1, H)
+        cos, sin = self.rotary(hidden, position_ids=positions[None])  # (1, 1, D) each
+        cos, sin = cos.float().contiguous(), sin.float().contiguous()
+        rc = self._fn(self.layers, buffers.keys, buffers.values, len(self.layers), self.hidden, self.heads,
+                      self.kv_heads, self.head_dim, cache.capacity, cache.length, self.scale, cos.data_ptr(),
+                      sin.data_ptr(), hidden.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise torch.OutOfMemoryError("The fused CPU decoding step could not allocate its scratch memory.")
+        cache.commit(1)
+        out: torch.Tensor = self.norm(hidden[0])  # (1, H)
+        return out
+
+
+class _Buffers:
+    """The addresses of one cache's K/V buffers, and which buffers they are (weakly: a
+    cache's buffers are replaced when it grows and must be freed then)."""
+
+    def __init__(self, cache: KVCache) -> None:
+        n = len(cache.keys)
+        self.keys = (ctypes.c_void_p * n)(*(k.data_ptr() for k in cache.keys))
+        self.values = (ctypes.c_void_p * n)(*(v.data_ptr() for v in cache.values))
+        self._first, self._last = weakref.ref(cache.keys[0]), weakref.ref(cache.values[-1])
+        self._capacity = cache.capacity
+
+    def holds(self, cache: KVCache) -> bool:
+        """Whether these are still `cache`'s buffers (all are replaced together, or none)."""
+        return (self._first() is cache.keys[0] and self._last() is cache.values[-1]
+                and self._capacity == cache.capacity)
+
+
+def _fill_linear(struct: Linear, module: nn.Module) -> tuple[object, ...]:
+    """Point `struct` at a PackedLinear's weight and bias; returns what it points into."""
+    assert isinstance(module, PackedLinear)
+    w = module.qweight
+    kind, codes, scales, mins = w.args
+    struct.codes, struct.scales, struct.mins = codes, scales, mins
+    struct.bias = module.bias.data_ptr() if module.bias is not None else None
+    struct.kind, struct.n, struct.k, struct.group = kind, w.out_features, w.in_features, w.group
+    return w, module.bias
+
+
+def _refusal(model: CausalLM) -> str | None:
+    """Why `model` cannot take the fused step, or None when it can."""
+    if disabled():
+        return "SPECCHAT_NO_FUSED"
+    cfg = model.config
+    prefix = FAMILIES.get(cfg.model_type)
+    if prefix is None:
+        return f"model type {cfg.model_type}"
+    if model.streamer is not None or model.device.type != "cpu" or model.dtype != torch.float32:
+        return "not resident on the CPU in fp32"
+    if any(k.mixer != "attention" or k.window is not None or k.sinks or k.gated or k.ffn != "dense"
+           for k in model.kinds) or model.windows or any(s is not None for s in model.linear):
+        return "a layer other than dense full attention"
+    if model.per_layer_inputs or model.family.layer_inputs or model.family.rotary_per_type or model.kv_shapes:
+        return "per-layer inputs or shapes"
+    if not model.layers:
+        return "no decoder layers"
+    if getattr(cfg, "hidden_act", None) != "silu":
+        return f"activation {getattr(cfg, 'hidden_act', None)}"
+    heads, kv_heads = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
+    layer: Any
+    for layer in model.layers:
+        attn: Any = getattr(layer, "self_attn", None)
+        if type(layer).__name__ != f"{prefix}DecoderLayer" or type(attn).__name__ != f"{prefix}Attention" \
+                or type(getattr(layer, "mlp", None)).__name__ != f"{prefix}MLP":
+            return f"layer modules {type(layer).__name__}"
+        if getattr(attn, "sliding_window", None) is not None or not isinstance(getattr(attn, "head_dim", None), int):
+            return "a sliding window or an unknown head size"
+        d = attn.head_dim
+        if d % 2 or heads % kv_heads:
+            return "head sizes"
+        norms = [layer.input_layernorm, layer.post_attention_layernorm]
+        norms += [n for n in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)) if n is not None]
+        if any(not type(n).__name__.endswith("RMSNorm") or not hasattr(n, "variance_epsilon")
+               or n.weight.dtype != torch.float32 for n in norms):
+            return "norm modules"
+        want = {"q": (heads * d, cfg.hidden_size), "k": (kv_heads * d, cfg.hidden_size),
+                "v": (kv_heads * d, cfg.hidden_size), "o": (cfg.hidden_size, heads * d),
+                "gate": (cfg.intermediate_size, cfg.hidden_size), "up": (cfg.intermediate_size, cfg.hidden_size),
+                "down": (cfg.hidden_size, cfg.intermediate_size)}
+        for field, path in LINEARS:
+            lin = layer.get_submodule(path)
+            if not isinstance(lin, PackedLinear):
+                return f"{path} is not packed"
+            w = lin.qweight
+            if (w.out_features, w.in_features) != want[field]:
+                return f"{path} shape"
+            if w.mins is not None and w.group not in (16, 32) or w.group % 8:
+                return f"{path} groups of {w.group}"
+            if lin.bias is not None and lin.bias.dtype != torch.float32:
+                return f"{path} bias dtype"
+    probe = torch.zeros(1, 1, cfg.hidden_size)
+    cos, sin = model.rotary(probe, position_ids=torch.zeros(1, 1, dtype=torch.long))
+    if cos.shape[-1] != attn.head_dim or sin.shape != cos.shape:
+        return "a partial rotary embedding"
+    return None

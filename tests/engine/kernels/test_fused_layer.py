@@ -1,0 +1,208 @@
+"""The fused plain decoding step (engine/kernels/fused_layer.py, qmatmul.c's qm_decode_layers):
+for packed llama, qwen2 (q/k/v biases) and qwen3 (per-head q/k norms) models it computes the
+hidden state and the K/V transformers' own layer modules compute on the same packed weights
+(fp32 rounding apart), step after step while the cache grows and rolls back; greedy text is the
+text without it and transformers' on the de-quantised GGUF; everything else (windows, unpacked
+Linears, trees, other caches, SPECCHAT_NO_FUSED=1) keeps the general path."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PretrainedConfig, PreTrainedModel,
+                          Qwen2Config, Qwen3Config)
+
+from engine.decoding.generation import Engine
+from engine.kernels import build
+from engine.kernels.fused_layer import LINEARS, FusedDecoder
+from engine.kernels.linear import PackedLinear, from_dense
+from engine.loading.gguf import isolated
+from engine.loading.load import load_model
+from engine.model.causal_lm import CausalLM
+from engine.model.window_cache import WindowedCache
+from engine.testing.synthetic import tiny_gguf, tiny_model
+from engine.types import Completion, GenerationRequest, SpeculationSettings
+
+PROMPTS = ["Paris is the capital of", "def add(a, b):"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def lib() -> object:
+    found = build.kernels()
+    if found is None:
+        pytest.skip("no C compiler here")
+    return found
+
+
+@pytest.fixture(autouse=True)
+def _cache_dir(model_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPECCHAT_CACHE_DIR", str(model_cache))
+    monkeypatch.delenv("SPECCHAT_NO_FUSED", raising=False)
+
+
+@pytest.fixture
+def fused_steps(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """How many steps took the fused path (the real step, counted)."""
+    calls: list[int] = []
+    real = FusedDecoder.step
+
+    def counted(self: FusedDecoder, input_ids: torch.Tensor, positions: torch.Tensor, cache: object) -> torch.Tensor:
+        calls.append(int(positions[0]))
+        return real(self, input_ids, positions, cache)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(FusedDecoder, "step", counted)
+    yield calls
+
+
+def packed(config: PretrainedConfig, seed: int = 0) -> Any:
+    """A random model of `config` whose layers' Linears are PackedLinear, Q4 and Q8 mixed."""
+    torch.manual_seed(seed)
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in hf.parameters():  # peaked logits; norms away from 1, biases away from 0
+            p.normal_(0.0, 0.15) if p.ndim == 2 else p.add_(torch.randn_like(p) * 0.2)
+    for i, layer in enumerate(hf.model.layers):
+        for j, (_, path) in enumerate(LINEARS):
+            parent, _, child = path.rpartition(".")
+            lin = layer.get_submodule(path)
+            weight = from_dense(lin.weight.data, "q4" if (i + j) % 2 else "q8")
+            bias = lin.bias.data if lin.bias is not None else None
+            setattr(layer.get_submodule(parent), child, PackedLinear(weight, bias))
+    return hf
+
+
+def config(family: str) -> PretrainedConfig:
+    common: dict[str, Any] = dict(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                  tie_word_embeddings=False, rms_norm_eps=1e-5)
+    if family == "llama":
+        return LlamaConfig(**common)
+    if family == "qwen2":
+        return Qwen2Config(**common, use_sliding_window=False)
+    return Qwen3Config(**common, use_sliding_window=False, head_dim=48)  # wider heads than hidden / heads
+
+
+def pair(hf: PreTrainedModel, monkeypatch: pytest.MonkeyPatch) -> tuple[CausalLM, CausalLM]:
+    """The same model with the fused step and without it (SPECCHAT_NO_FUSED=1 at load)."""
+    fused = CausalLM(hf)
+    monkeypatch.setenv("SPECCHAT_NO_FUSED", "1")
+    plain = CausalLM(hf)
+    monkeypatch.delenv("SPECCHAT_NO_FUSED")
+    assert fused.fused is not None and plain.fused is None
+    return fused, plain
+
+
+def close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return bool((got - want).abs().max() <= 1e-5 * want.abs().max())
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_fused_steps_equal_the_layer_modules(family: str, monkeypatch: pytest.MonkeyPatch,
+                                             fused_steps: list[int]) -> None:
+    hf = packed(config(family))
+    if family == "qwen2":
+        assert hf.model.layers[0].self_attn.q_proj.bias is not None
+    if family == "qwen3":
+        assert hf.model.layers[0].self_attn.q_norm is not None
+    fused, plain = pair(hf, monkeypatch)
+    ours, theirs = fused.new_cache(4), plain.new_cache(4)
+    prompt = torch.tensor([5, 17, 42, 99, 3])
+    fused.forward(prompt, torch.arange(5), ours, None)
+    plain.forward(prompt, torch.arange(5), theirs, None)
+    assert fused_steps == []  # a prompt of several tokens takes the general path
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 300, (14,), generator=g)
+    for s, token in enumerate(tokens):
+        if s == 10:  # roll back three entries: the next step overwrites them
+            ours.truncate(ours.length - 3)
+            theirs.truncate(theirs.length - 3)
+        pos = torch.tensor([ours.length])
+        got = fused.forward(token[None], pos, ours, None)
+        want = plain.forward(token[None], pos, theirs, None)
+        assert got.shape == want.shape == (1, 128)
+        assert close(got, want), s
+        assert ours.length == theirs.length
+        for k1, k2 in zip(ours.tensors(), theirs.tensors()):
+            assert close(k1[0], k2[0]) and close(k1[1], k2[1]), s
+    assert len(fused_steps) == len(tokens) and ours.capacity >= 16  # every step fused, across two reserve() growths
+
+
+def greedy(engine: Engine, prompt: str, n: int) -> list[int]:
+    req = GenerationRequest(raw_prompt=prompt, max_new_tokens=n, speculation=SpeculationSettings(mode="autoregressive"))
+    final = list(engine.generate(req))[-1]
+    assert isinstance(final, Completion)
+    return list(final.token_ids)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_greedy_text_equals_the_general_path_and_transformers(arch: str, model_cache: Path,
+                                                                monkeypatch: pytest.MonkeyPatch,
+                                                                fused_steps: list[int]) -> None:
+    path = tiny_gguf(arch, layers=3, hidden=128, layer_types=("Q4_1", "Q8_0", "Q4_0"),
+                     head_type="Q8_0", cache_dir=model_cache)
+    with isolated(path) as src:
+        tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+        ref = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32).eval()
+    fused = load_model(path, offload="none")
+    assert fused.model.fused is not None
+    monkeypatch.setenv("SPECCHAT_NO_FUSED", "1")
+    plain = load_model(path, offload="none")
+    monkeypatch.delenv("SPECCHAT_NO_FUSED")
+    assert plain.model.fused is None
+    for prompt in PROMPTS:
+        before = len(fused_steps)
+        ours = greedy(Engine(fused.model, fused.tokenizer), prompt, 48)
+        assert len(fused_steps) - before >= len(ours) - 1  # every step after the prompt's pass
+        assert ours == greedy(Engine(plain.model, plain.tokenizer), prompt, 48), prompt
+        x = torch.tensor([tok(prompt)["input_ids"]])
+        want = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=48, do_sample=False,
+                            pad_token_id=tok.pad_token_id)[0, x.shape[1]:].tolist()
+        assert ours == want[: len(ours)] and (len(ours) == 48 or ours[-1] == tok.eos_token_id), prompt
+
+
+def test_other_models_and_passes_keep_the_general_path(model_cache: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       fused_steps: list[int]) -> None:
+    # sliding-window layers (the tiny qwen3 family has one), packed or not
+    windowed = AutoModelForCausalLM.from_pretrained(tiny_model("qwen3", cache_dir=model_cache), dtype=torch.float32)
+    assert CausalLM(windowed).fused is None
+    # a Linear left unpacked
+    hf = packed(config("llama"))
+    lin = hf.model.layers[1].mlp.down_proj
+    hf.model.layers[1].mlp.down_proj = torch.nn.Linear(lin.in_features, lin.out_features, bias=False)
+    assert CausalLM(hf).fused is None
+    # switched off
+    monkeypatch.setenv("SPECCHAT_NO_FUSED", "1")
+    assert CausalLM(packed(config("qwen2"))).fused is None
+    monkeypatch.delenv("SPECCHAT_NO_FUSED")
+    # an eligible model: trees, chunks and other caches take the general path
+    model = CausalLM(packed(config("llama")))
+    assert model.fused is not None
+    cache = model.new_cache(8)
+    model.forward(torch.tensor([1, 2, 3]), torch.arange(3), cache, None)
+    model.forward(torch.tensor([4]), torch.tensor([3]), cache, torch.tensor([[True, False, True, True]]))
+    assert fused_steps == []
+    other = WindowedCache(3, 2, 32, torch.float32, "cpu", 8, None, [4, None, None])
+    assert not model.fused.takes(other)
+    model.forward(torch.tensor([4]), torch.tensor([3]), cache, None)
+    assert fused_steps == [3]
+
+
+def test_thread_counts_give_the_same_step() -> None:
+    """Rows, heads and norms are computed whole by one thread each: the split does not change a bit."""
+    model = CausalLM(packed(config("qwen3")))
+    before = torch.get_num_threads()
+    got = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            cache = model.new_cache(8)
+            model.forward(torch.tensor([1, 2, 3]), torch.arange(3), cache, None)
+            got.append(torch.cat([model.forward(torch.tensor([t]), torch.tensor([2 + t]), cache, None)
+                                  for t in range(1, 6)]))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got[0], got[1]) and torch.equal(got[0], got[2])
