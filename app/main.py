@@ -28,6 +28,7 @@ from app.state.conversations import ConversationStore, default_path
 from app.state.logfile import install_log_file
 from app.state.preferences_store import PreferencesStore
 from engine import paths
+from engine.openmp import configure_waiting
 
 from .main_window import MainWindow
 from .qt_platform import startup_problem
@@ -93,10 +94,11 @@ def configure_runtime() -> None:
 
     PyTorch's OpenMP threads spin while they wait for work. With the decode loop in a worker
     thread rather than the thread that first started OpenMP, spinning teams fight over the
-    cores: the starter model ran at 0.5-1.5 tok/s in the worker against 8-13 tok/s once waiting
-    was passive (2 busy cores, scratch measurement). A user's own setting wins.
+    cores (the starter ran at 0.5-1.5 tok/s in the worker against 8-13 tok/s once waiting was
+    passive); a bounded spin (engine.openmp) keeps the fused decode step's speed without that.
+    A user's own setting wins.
     """
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    configure_waiting()
 
 
 def main(argv: list[str] | None = None) -> int:

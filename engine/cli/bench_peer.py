@@ -133,8 +133,11 @@ def llama_bench(bin_dir: Path, gguf: Path, threads: int, new_tokens: int) -> flo
 
 
 def llama_completion(bin_dir: Path, gguf: Path, threads: int, prompt: str, new_tokens: int) -> float:
+    # the prompt one token a physical batch (-ub 1): only decoding is compared, and a native build's
+    # batched AMX kernels stop with an illegal instruction in VMs that do not grant AMX (decoding
+    # never uses them)
     proc = subprocess.run([str(bin_dir / "llama-completion"), "-m", str(gguf), "-p", prompt, "-n", str(new_tokens),
-                           "-t", str(threads), "--temp", "0", "-no-cnv", "--no-warmup"],
+                           "-t", str(threads), "--temp", "0", "-no-cnv", "--no-warmup", "-ub", "1"],
                           capture_output=True, text=True, errors="replace", stdin=subprocess.DEVNULL)
     found = _EVAL.search(proc.stderr)
     if proc.returncode != 0 or found is None:

@@ -38,9 +38,11 @@ from engine.cli.parser import (
     build_parser,
 )
 from engine.errors import EngineError, UsageError
+from engine.openmp import configure_waiting
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    configure_waiting()  # before torch starts its OpenMP runtime (engine.openmp)
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
