@@ -42,7 +42,7 @@ from engine.loading.materialise import (
     layer_template,
     plan_layers,
 )
-from engine.testing.synthetic import (
+from engine.testing.in_place import (
     llama_config,
     meta_model,
     random_model,

@@ -57,7 +57,7 @@ def references(engine: Engine) -> dict[str, list[int]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("budget", [1, 8, 64, 256])
+@pytest.mark.parametrize("budget", [1, 256])  # 8 and 64: the tiny models' trees (test_specexec, test_families)
 def test_greedy_specexec_equals_transformers_on_starter(
     engine: Engine, references: dict[str, list[int]], budget: int
 ) -> None:
