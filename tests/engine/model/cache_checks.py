@@ -6,6 +6,7 @@ tokens into a new cache in one chain and hands both to the test's comparison."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,10 +14,11 @@ import torch
 from test_families import PROMPT, candidates_from, reference
 
 from engine.decoding.generation import Engine
+from engine.decoding.pair import cache_files
 from engine.loading.load import load_model
 from engine.model.cache import KVCache
 from engine.model.causal_lm import CausalLM
-from engine.types import Completion, GenerationRequest, SpeculationSettings
+from engine.types import CacheSettings, Completion, GenerationRequest, Message, SpeculationSettings
 
 Compare = Callable[[KVCache, KVCache], None]  # (the pruned cache, a fresh read of its tokens)
 
@@ -84,3 +86,29 @@ def assert_same_entries(cache: KVCache, fresh: KVCache, atol: float) -> None:
         assert k.shape == fk.shape, f"layer {i}: {tuple(k.shape)} held, {tuple(fk.shape)} expected"
         assert torch.allclose(k, fk, atol=atol) and torch.allclose(v, fv, atol=atol), \
             f"layer {i}: {float((k - fk).abs().max())}"
+
+
+def assert_a_chat_continues_from_its_saved_cache(target_path: Path, draft_path: Path, disk: Path,
+                                                 max_new_tokens: int = 12) -> None:
+    """Turn 1 answered and its caches saved to `disk` (no RAM budget: parked prefixes go to disk);
+    a new engine, as after a restart, answers turn 2 from the file (what the cache class saves
+    besides K/V comes back with it) with `cached_tokens` > 0 and a fresh engine's text."""
+    target, draft = load_model(target_path), load_model(draft_path)
+    spec = SpeculationSettings(budget=16, max_depth=4)
+    settings = CacheSettings(ram_budget_bytes=0, min_saved_tokens=8, disk_dir=str(disk))
+
+    def engine(cache: CacheSettings = settings) -> Engine:
+        files = cache_files(cache, target.model, draft.model) if cache.enabled else None
+        return Engine(target.model, target.tokenizer, draft.model, cache, files)
+
+    first = engine()
+    one = GenerationRequest(messages=(Message("user", "Paris is the capital of"),), max_new_tokens=max_new_tokens,
+                            conversation="c", speculation=spec)
+    answer = list(first.generate(one))[-1]
+    assert isinstance(answer, Completion) and first.persist_caches() >= 1
+    assert list(disk.rglob("*.safetensors"))
+    two = replace(one, messages=(*one.messages, Message("assistant", answer.text), Message("user", "def add(a, b):")))
+    got = list(engine().generate(two))[-1]
+    fresh = list(engine(CacheSettings(enabled=False)).generate(two))[-1]
+    assert isinstance(got, Completion) and isinstance(fresh, Completion)
+    assert got.stats.cached_tokens > 0 and got.token_ids == fresh.token_ids

@@ -11,19 +11,23 @@ from pathlib import Path
 
 import pytest
 import torch
-from cache_checks import assert_same_entries, check_every_keep, decode_in_both_modes
+from cache_checks import (
+    assert_a_chat_continues_from_its_saved_cache,
+    assert_same_entries,
+    check_every_keep,
+    decode_in_both_modes,
+)
 from test_families import PROMPT
 from transformers import AutoModelForImageTextToText, AutoTokenizer, Gemma4Config
 
 from engine.decoding.generation import Engine
-from engine.decoding.pair import cache_files
 from engine.loading.load import load_model
 from engine.model.cache import KVCache
 from engine.model.cache_files import _rebuild, shape_of
 from engine.model.causal_lm import CausalLM
 from engine.model.window_cache import WindowedCache
 from engine.testing.synthetic import TINY_FAMILIES, tiny_model, tiny_tokenizer_files
-from engine.types import CacheSettings, Completion, GenerationRequest, Message, SpeculationSettings
+from engine.types import Completion, GenerationRequest, SpeculationSettings
 
 
 def paths(cache: Path, arch: str = "gemma4_text", layers: int = 4) -> tuple[Path, Path]:
@@ -89,21 +93,7 @@ def test_templates_shared_by_layers_of_different_roles_stream_as_they_run_reside
 def test_a_gemma4_chat_continues_from_its_saved_cache(model_cache: Path, tmp_path: Path) -> None:
     """Turn 1's cache saved to disk (no RAM budget); after a restart, turn 2 reads it back (each
     layer's K/V shape checked) and gives a fresh engine's text."""
-    target_path, draft_path = paths(model_cache)
-    target, draft = load_model(target_path), load_model(draft_path)
-    spec = SpeculationSettings(budget=16, max_depth=4)
-    settings = CacheSettings(ram_budget_bytes=0, min_saved_tokens=8, disk_dir=str(tmp_path / "kv"))
-    first = Engine(target.model, target.tokenizer, draft.model, settings, cache_files(settings, target.model, draft.model))
-    one = GenerationRequest(messages=(Message("user", "Paris is the capital of"),), max_new_tokens=12,
-                            conversation="c", speculation=spec)
-    answer = list(first.generate(one))[-1]
-    assert isinstance(answer, Completion) and first.persist_caches() >= 1
-    two = replace(one, messages=(*one.messages, Message("assistant", answer.text), Message("user", "def add(a, b):")))
-    again = Engine(target.model, target.tokenizer, draft.model, settings, cache_files(settings, target.model, draft.model))
-    got = list(again.generate(two))[-1]
-    fresh = list(Engine(target.model, target.tokenizer, draft.model, CacheSettings(enabled=False)).generate(two))[-1]
-    assert isinstance(got, Completion) and isinstance(fresh, Completion)
-    assert got.stats.cached_tokens > 0 and got.token_ids == fresh.token_ids
+    assert_a_chat_continues_from_its_saved_cache(*paths(model_cache), tmp_path / "kv")
 
 
 def test_a_gemma4_wrapper_runs_its_text_model_as_transformers_does(tmp_path: Path) -> None:

@@ -4,27 +4,24 @@ sampling is lossless. Greedy equality with transformers in every mode is in test
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-from cache_checks import assert_same_entries, check_every_keep, decode_in_both_modes
+from cache_checks import (
+    assert_a_chat_continues_from_its_saved_cache,
+    assert_same_entries,
+    check_every_keep,
+    decode_in_both_modes,
+)
 from test_families import PROMPT, assert_first_token_is_lossless
 
 from engine.decoding.generation import Engine
-from engine.decoding.pair import cache_files
 from engine.loading.load import load_model
 from engine.model.cache import KVCache
 from engine.model.hybrid_cache import HybridCache
 from engine.testing.synthetic import tiny_model
-from engine.types import (
-    CacheSettings,
-    Completion,
-    GenerationRequest,
-    Message,
-    SpeculationSettings,
-)
+from engine.types import Completion, GenerationRequest, Message, SpeculationSettings
 
 HYBRIDS = ["qwen3_5_text", "qwen3_next"]
 
@@ -126,23 +123,7 @@ def test_a_hybrid_chat_continues_from_its_saved_cache(model_cache: Path, tmp_pat
     """Turn 1 answered, its cache saved (no RAM budget: parked prefixes go to disk); a new
     engine, as after a restart, answers turn 2 from the file: states, snapshots and K/V come
     back, and the text equals a fresh engine's."""
-    target_path, draft_path = paths("qwen3_5_text", model_cache)
-    target, draft = load_model(target_path), load_model(draft_path)
-    spec = SpeculationSettings(budget=16, max_depth=4)
-    settings = CacheSettings(ram_budget_bytes=0, min_saved_tokens=8, disk_dir=str(tmp_path / "kv"))
-    first = Engine(target.model, target.tokenizer, draft.model, settings, cache_files(settings, target.model, draft.model))
-    one = GenerationRequest(messages=(Message("user", "Paris is the capital of"),), max_new_tokens=12,
-                            conversation="c", speculation=spec)
-    answer = list(first.generate(one))[-1]
-    assert isinstance(answer, Completion) and first.persist_caches() >= 1
-    saved = list((tmp_path / "kv").rglob("*.safetensors"))
-    assert saved
-    two = replace(one, messages=(*one.messages, Message("assistant", answer.text), Message("user", "def add(a, b):")))
-    again = Engine(target.model, target.tokenizer, draft.model, settings, cache_files(settings, target.model, draft.model))
-    got = list(again.generate(two))[-1]
-    fresh = list(Engine(target.model, target.tokenizer, draft.model, CacheSettings(enabled=False)).generate(two))[-1]
-    assert isinstance(got, Completion) and isinstance(fresh, Completion)
-    assert got.stats.cached_tokens > 0 and got.token_ids == fresh.token_ids
+    assert_a_chat_continues_from_its_saved_cache(*paths("qwen3_5_text", model_cache), tmp_path / "kv")
 
 
 def test_sampling_from_a_hybrid_model_is_lossless(model_cache: Path) -> None:

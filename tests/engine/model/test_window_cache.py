@@ -10,10 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from cache_checks import assert_same_entries, check_every_keep, decode_in_both_modes
+from cache_checks import (
+    assert_a_chat_continues_from_its_saved_cache,
+    assert_same_entries,
+    check_every_keep,
+    decode_in_both_modes,
+)
 
 from engine.decoding.generation import Engine
-from engine.decoding.pair import cache_files
 from engine.loading.load import load_model
 from engine.model.cache import KVCache
 from engine.model.cache_files import _rebuild, shape_of
@@ -159,18 +163,6 @@ def test_turns_of_a_windowed_chat_reuse_the_prefix(arch: str, model_cache: Path)
 
 
 def test_a_windowed_chat_continues_from_its_saved_cache(model_cache: Path, tmp_path: Path) -> None:
-    target_path, draft_path = paths("gemma3_text", model_cache)
-    target, draft = load_model(target_path), load_model(draft_path)
-    spec = SpeculationSettings(budget=16, max_depth=4)
-    settings = CacheSettings(ram_budget_bytes=0, min_saved_tokens=8, disk_dir=str(tmp_path / "kv"))
-    first = Engine(target.model, target.tokenizer, draft.model, settings, cache_files(settings, target.model, draft.model))
-    one = GenerationRequest(messages=(Message("user", "Paris is the capital of"),), max_new_tokens=24,
-                            conversation="c", speculation=spec)
-    answer = list(first.generate(one))[-1]
-    assert isinstance(answer, Completion) and first.persist_caches() >= 1
-    two = replace(one, messages=(*one.messages, Message("assistant", answer.text), Message("user", "def add(a, b):")))
-    again = Engine(target.model, target.tokenizer, draft.model, settings, cache_files(settings, target.model, draft.model))
-    got = list(again.generate(two))[-1]
-    fresh = list(Engine(target.model, target.tokenizer, draft.model, CacheSettings(enabled=False)).generate(two))[-1]
-    assert isinstance(got, Completion) and isinstance(fresh, Completion)
-    assert got.stats.cached_tokens > 0 and got.token_ids == fresh.token_ids
+    """The windows' starts and the prompt-end windows come back from the file with the K/V."""
+    assert_a_chat_continues_from_its_saved_cache(*paths("gemma3_text", model_cache), tmp_path / "kv",
+                                                 max_new_tokens=24)
