@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from PySide6.QtCore import QObject, Signal, Slot
 
+from app.main_window import MainWindow
 from app.workers.engine_worker import EngineWorker
 from app.workers.generation import GenerationHost
 
@@ -74,3 +75,18 @@ class WorkerEvents(QObject):
     @Slot()
     def _on_warmed_up(self) -> None:
         self.warmed_up.emit()
+
+
+State = tuple[str, bool, str]  # on each render of the answer: its text, whether the block is open, the reasoning
+
+
+def record_renders(window: MainWindow) -> list[State]:
+    """The answer's State at each render of the chat's last message (its Thinking block)."""
+    view, states = window.chat.view, []
+
+    def on_rendered(text: str) -> None:
+        block = view.messages[-1].thinking
+        states.append((text, block is not None and block.is_open, block.text if block is not None else ""))
+
+    view.rendered.connect(on_rendered)
+    return states

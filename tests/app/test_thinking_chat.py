@@ -19,7 +19,7 @@ from typing import Any
 
 import openai
 import pytest
-from chat_helpers import WorkerEvents
+from chat_helpers import WorkerEvents, record_renders
 from PySide6.QtCore import Qt
 from pytestqt.qtbot import QtBot
 from remote_helpers import templates
@@ -38,7 +38,6 @@ WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 
-State = tuple[str, bool, str]  # on each render of the answer: its text, whether the block is open, the reasoning
 
 
 @pytest.fixture(scope="module")
@@ -59,17 +58,6 @@ def _send(qtbot: QtBot, window: MainWindow, text: str) -> list[str]:
     return finished.args
 
 
-def _record(window: MainWindow) -> list[State]:
-    view, states = window.chat.view, []
-
-    def on_rendered(text: str) -> None:
-        block = view.messages[-1].thinking
-        states.append((text, block is not None and block.is_open, block.text if block is not None else ""))
-
-    view.rendered.connect(on_rendered)
-    return states
-
-
 def test_a_thinking_models_reasoning_streams_in_its_block_and_the_api_takes_its_tools(
         qtbot: QtBot, open_window, make_prefs, thinking_model: Path, conversations: ConversationStore) -> None:
     prefs = make_prefs(target=str(thinking_model), draft="", temperature=0.0, max_new_tokens=200, device="cpu",
@@ -78,7 +66,7 @@ def test_a_thinking_models_reasoning_streams_in_its_block_and_the_api_takes_its_
     chat = window.chat
     assert chat.answer_format.chat.opens_thinking and chat.answer_format.chat.tools == "hermes"
     events = WorkerEvents(window.host)
-    states = _record(window)
+    states = record_renders(window)
 
     assert _send(qtbot, window, "hello") in (["eos"], ["length"])
     qtbot.waitUntil(lambda: bool(events.finished))  # queued behind the page's own slot
@@ -199,7 +187,7 @@ def test_a_remote_servers_think_block_streams_open_and_folds_when_the_answer_beg
     picker = chat.engine_picker
     picker.set_choice(encode_choice("box", "thinker"))
     picker.activated.emit(picker.currentIndex())
-    states = _record(window)
+    states = record_renders(window)
 
     assert _send(qtbot, window, "hi") == ["eos"]  # the remote client says "eos" for "stop"
     opened = [s for s in states if s[1]]

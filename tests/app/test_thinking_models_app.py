@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
-from chat_helpers import WorkerEvents
+from chat_helpers import WorkerEvents, record_renders
 from PySide6.QtCore import Qt
 from pytestqt.qtbot import QtBot
 
@@ -24,18 +24,6 @@ from engine.types import Completion
 ANSWER_MS = 120_000
 MARKERS = ("<think>", "</think>", "<|", "|>", "analysis", "final")
 
-State = tuple[str, bool, str]  # on each render of the answer: its text, whether the block is open, the reasoning
-
-
-def _record(window: MainWindow) -> list[State]:
-    view, states = window.chat.view, []
-
-    def on_rendered(text: str) -> None:
-        block = view.messages[-1].thinking
-        states.append((text, block is not None and block.is_open, block.text if block is not None else ""))
-
-    view.rendered.connect(on_rendered)
-    return states
 
 
 @pytest.mark.parametrize("name", ["qwen3-thinking", "gpt-oss-harmony"])
@@ -51,7 +39,7 @@ def test_the_reasoning_goes_to_the_thinking_block_and_the_answer_to_the_bubble(
     chat = window.chat
     assert chat.answer_format.chat.reasoning == ("think" if name == "qwen3-thinking" else "harmony")
     events = WorkerEvents(window.host)
-    states = _record(window)
+    states = record_renders(window)
 
     box = chat.composer.input
     box.setFocus()

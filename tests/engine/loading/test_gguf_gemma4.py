@@ -25,12 +25,20 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader
-from test_gguf_families import greedy, logits
-from test_gguf_families2 import PROMPTS, Stored, as_stored, f32, randomise, vocab, write_gguf
+from test_gguf_families import logits
+from test_gguf_families2 import (
+    PROMPTS,
+    Stored,
+    as_stored,
+    assert_logits_and_greedy_text_equal,
+    f32,
+    randomise,
+    vocab,
+    write_gguf,
+)
 from torch import nn
 from transformers import AutoModelForCausalLM, Gemma4TextConfig, PreTrainedTokenizerBase
 
-from engine.decoding.generation import Engine
 from engine.errors import UnsupportedModel
 from engine.loading.gguf import GGUFWeights, gguf_config
 from engine.loading.load import load_model
@@ -39,7 +47,6 @@ from engine.store.gguf_header import read_header
 
 __all__ = ["vocab"]  # the tokenizer fixture, shared with the other families' tests
 
-NEW_TOKENS = 16
 WINDOW = 4  # shorter than every prompt
 LAYERS = 6
 TYPES = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(LAYERS)]
@@ -215,25 +222,7 @@ def test_every_parameter_is_the_files_and_layers_stay_packed(converted: tuple) -
 
 @pytest.mark.parametrize("offload", ["none", "all"])
 def test_logits_and_greedy_text_equal_transformers(converted: tuple, offload: str) -> None:
-    path, ref, tok = converted
-    m = load_model(path, offload=offload)  # type: ignore[arg-type]
-    assert m.model.placement is not None and m.model.placement.quant == "gguf"
-    engine = Engine(m.model, m.tokenizer)
-    for prompt in PROMPTS:
-        ids = tok(prompt)["input_ids"]
-        assert len(ids) > WINDOW and m.tokenizer(prompt)["input_ids"] == ids
-        with torch.inference_mode():
-            theirs = ref(torch.tensor([ids])).logits[0]
-        ours = logits(m, ids)
-        assert (ours - theirs).abs().max() <= 1e-4 * theirs.abs().max(), prompt
-        x = torch.tensor([ids])
-        want = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW_TOKENS, do_sample=False,
-                            pad_token_id=tok.pad_token_id)[0, len(ids):].tolist()
-        got = greedy(engine, prompt, n=NEW_TOKENS)
-        assert list(got.token_ids) == (want[: len(got.token_ids)] if got.finish_reason == "eos" else want), prompt
-        if offload == "all":  # every layer streamed; draft-free trees verify against the same layers
-            assert m.model.streamer is not None and m.model.placement.gpu_layers == 0
-            assert greedy(engine, prompt, mode="specexec", n=NEW_TOKENS).token_ids == got.token_ids
+    assert_logits_and_greedy_text_equal(converted, offload)
 
 
 def test_nf4_gives_each_kind_of_layer_its_own_layout(converted: tuple, tmp_path: Path) -> None:
