@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 # how decoder layers are kept and streamed: 16-bit, NF4, a GGUF file's own blocks, int4 AWQ/GPTQ
-Packing = Literal["none", "nf4", "gguf", "awq", "gptq"]
+Packing = Literal["none", "nf4", "gguf", "awq", "gptq", "lowbit"]  # lowbit: a self-draft's substitutes
 PACKING_LABELS = {"none": "", "nf4": " (NF4)", "gguf": " (GGUF blocks)", "awq": " (AWQ int4)", "gptq": " (GPTQ int4)"}
 
 

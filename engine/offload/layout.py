@@ -17,7 +17,9 @@ just before they run (unpack.py), for entries of kind:
   are llama.cpp's `ffn_gate_exps` and `ffn_up_exps` (E, I, H) each. Such a parameter has one
   entry per tensor, `name#k` with `part` (a, b): its bytes de-quantise into rows [a, b) of
   every matrix of the parameter (a strided slice of the dense parameter);
-- "awq" / "gptq": int4 codes packed eight per int32, with `#scales`, `#qzeros` (and `#g_idx`).
+- "awq" / "gptq": int4 codes packed eight per int32, with `#scales`, `#qzeros` (and `#g_idx`);
+- "lowbit": a self-draft's 2-4-bit codes (lowbit.py; `qtype`: the bits), with fp16 `#scale`
+  and `#min` per group.
 
 What this module does not do: decide where a layer lives (host_store, streamer), read
 checkpoints (engine.loading), or de-quantise (unpack.py).
@@ -142,8 +144,8 @@ class LayerLayout:
         raw = buf[entry.offset : entry.offset + entry.nbytes]
         if entry.kind == "nf4":
             return raw.view(-1, 1)  # (numel/2, 1): bitsandbytes' packed shape
-        if entry.kind in ("gguf", "awq", "gptq"):
-            return raw  # blocks or packed int4: unpack.py reads them
+        if entry.kind in ("gguf", "awq", "gptq", "lowbit"):
+            return raw  # blocks or packed codes: unpack.py reads them
         return raw.view(entry.dtype).view(entry.shape)
 
     def params(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.offload import gguf_blocks, int4
+from engine.offload import gguf_blocks, int4, lowbit
 from engine.offload.layout import ABSMAX, Entry, LayerLayout, dequantize_nf4, nf4_code
 
 
@@ -42,6 +42,9 @@ class Unpacker:
                     self._code = nf4_code(self.device)
                 dequantize_nf4(layout.view(packed, e), layout.view(packed, by_name[e.name + ABSMAX]), out,
                                self._code)
+            elif e.kind == "lowbit":
+                lowbit.dequantize_into(layout.view(packed, e), layout.view(packed, by_name[e.name + "#scale"]),
+                                       layout.view(packed, by_name[e.name + "#min"]), e.qtype, out)
             else:  # "awq" / "gptq"
                 int4.dequantize_into(e.kind, {k: layout.view(packed, s) for k, s in _sides(by_name, e)},
                                      layout.view(packed, e), out, v2=e.qtype == 2)

@@ -1,0 +1,128 @@
+"""Low-bit group-wise weights (2, 3 or 4 bits): the self-draft's substitutes for the target's
+offloaded layers (engine.loading.self_draft).
+
+A weight is cut into groups of `group` consecutive values along its input dimension (its last:
+a Linear's (out, in), an MoE's fused experts (E, out, in)). Each group keeps an fp16 scale s and
+an fp16 offset m, and each value a code q in [0, 2^bits - 1]: w ~ q * s + m. Eight codes are
+stored in `bits` bytes, lowest first (value k at bits [bits*k, bits*(k+1)) of a little-endian
+word), so 2, 3 and 4 bits share one packing and one de-quantiser, in plain torch ops that run
+the same on a CPU and a GPU.
+
+Calibration-free, as a self-draft is built at first load from the weights alone. Codes start
+from the group's range; then (s, m) and the codes are fitted alternately: for fixed codes the
+least-squares (s, m) is a line fit, for fixed (s, m) the nearest code is a rounding. Each group
+keeps its best round: at 3 bits a fifth less squared error than rounding the range on
+Gaussian weights (tests/engine/loading/test_self_draft.py checks it is lower at every width).
+Bytes per weight: bits / 8 + 4 / group (3.5 bits a weight at 3 bits, groups of 64; a
+bitsandbytes FP4 or NF4 weight with an fp32 absmax per 64 takes 4.5).
+
+What this module does not do: choose the bits or the layers (self_draft.py), or lay layers out
+(layout.py: entries of kind "lowbit", with `#scale` and `#min` side entries).
+"""
+
+from __future__ import annotations
+
+import torch
+
+BITS = (2, 3, 4)
+GROUPS = (64, 32)  # the first that divides the input dimension
+FIT_ROUNDS = 4
+CHUNK = 1 << 22  # values quantised per step (bounds the work memory on a 70B's experts)
+
+
+def group_of(shape: tuple[int, ...]) -> int | None:
+    """The group size for a weight of this shape, or None: it stays dense (a vector, or an
+    input dimension no group divides)."""
+    if len(shape) < 2:
+        return None
+    return next((g for g in GROUPS if shape[-1] % g == 0), None)
+
+
+def packed_nbytes(numel: int, bits: int) -> int:
+    """Bytes of the codes of `numel` values (a multiple of 8)."""
+    return numel // 8 * bits
+
+
+def fit_groups(w: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(groups, G) fp32 -> (codes (groups, G) uint8, scale (groups,) fp16, offset (groups,) fp16)."""
+    top = float(2**bits - 1)
+    lo, hi = w.amin(dim=1), w.amax(dim=1)
+    s = ((hi - lo) / top).clamp(min=1e-8)
+    m = lo
+    best_err = torch.full_like(lo, float("inf"))
+    best_s, best_m = s.clone(), m.clone()
+    mean_w = w.mean(dim=1)
+    for _ in range(FIT_ROUNDS):
+        s16, m16 = s.half().float().clamp(min=6e-8), m.half().float()
+        q = ((w - m16[:, None]) / s16[:, None]).round_().clamp_(0, top)
+        err = (q * s16[:, None] + m16[:, None] - w).square_().mean(dim=1)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_s, best_m = torch.where(better, s16, best_s), torch.where(better, m16, best_m)
+        # least-squares line through (q, w) per group
+        mean_q = q.mean(dim=1)
+        dq = q - mean_q[:, None]
+        var = dq.square().mean(dim=1)
+        cov = (dq * (w - mean_w[:, None])).mean(dim=1)
+        flat = var < 1e-12
+        s = torch.where(flat, s, cov / var.clamp(min=1e-12)).clamp(min=1e-8)
+        m = torch.where(flat, m, mean_w - s * mean_q)
+    q = ((w - best_m[:, None]) / best_s[:, None]).round_().clamp_(0, top)
+    return q.to(torch.uint8), best_s.half(), best_m.half()
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """(n,) uint8 codes, n a multiple of 8 -> (n / 8 * bits,) uint8."""
+    q = codes.view(-1, 8).to(torch.int32)
+    shifts = torch.arange(0, 8 * bits, bits, dtype=torch.int32, device=q.device)
+    word = (q << shifts).sum(dim=1, dtype=torch.int32)  # 8 * bits <= 32 bits
+    byte_shifts = torch.arange(0, 8 * bits, 8, dtype=torch.int32, device=q.device)
+    return ((word[:, None] >> byte_shifts) & 255).to(torch.uint8).reshape(-1)
+
+
+def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """(n / 8 * bits,) uint8 -> (n,) int32 codes."""
+    b = packed.view(-1, bits).to(torch.int32)
+    byte_shifts = torch.arange(0, 8 * bits, 8, dtype=torch.int32, device=b.device)
+    word = (b << byte_shifts).sum(dim=1, dtype=torch.int32)
+    shifts = torch.arange(0, 8 * bits, bits, dtype=torch.int32, device=b.device)
+    return ((word[:, None] >> shifts) & (2**bits - 1)).reshape(-1)
+
+
+@torch.inference_mode()
+def quantize(weight: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A weight (any shape whose numel is a multiple of `group`, groups along its flattened
+    last dimension) -> (codes packed (numel / 8 * bits,) uint8, scale (numel / group,) fp16,
+    offset (numel / group,) fp16), on the weight's device."""
+    if bits not in BITS:
+        raise ValueError(f"low-bit weights take {BITS} bits, not {bits}")
+    flat = weight.reshape(-1)
+    n = flat.numel()
+    assert n % group == 0 and group % 8 == 0, (n, group)
+    packed = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8, device=weight.device)
+    scale = torch.empty(n // group, dtype=torch.float16, device=weight.device)
+    offset = torch.empty_like(scale)
+    step = max(group, CHUNK // group * group)
+    for a in range(0, n, step):
+        b = min(n, a + step)
+        codes, s, m = fit_groups(flat[a:b].float().view(-1, group), bits)
+        packed[a // 8 * bits : b // 8 * bits] = pack(codes.reshape(-1), bits)
+        scale[a // group : b // group] = s
+        offset[a // group : b // group] = m
+    return packed, scale, offset
+
+
+@torch.inference_mode()
+def dequantize_into(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int,
+                    out: torch.Tensor) -> None:
+    """Write the weight into `out` (contiguous, its shape and dtype, on packed's device)."""
+    flat = out.view(-1)
+    n = flat.numel()
+    group = n // scale.numel()
+    step = max(group, CHUNK // group * group)
+    for a in range(0, n, step):
+        b = min(n, a + step)
+        q = unpack(packed[a // 8 * bits : b // 8 * bits], bits).view(-1, group)
+        w = q.to(torch.float32) * scale[a // group : b // group].float()[:, None] + \
+            offset[a // group : b // group].float()[:, None]
+        flat[a:b].copy_(w.reshape(-1))
