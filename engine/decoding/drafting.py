@@ -43,11 +43,12 @@ import torch
 from engine.decoding.acceptance import TAUS, AcceptanceModel, log_z, tempered
 from engine.decoding.grammar import GrammarState
 from engine.decoding.sampling import process_logits
-from engine.decoding.sequoia import StaticTree
+from engine.decoding.sequoia import StaticTree, build_tree
 from engine.decoding.tree import Tree, ancestor_mask
 from engine.model.cache import KVCache
 from engine.model.causal_lm import CausalLM
-from engine.types import SamplingSettings, SpeculationSettings
+from engine.model.head_draft import HeadDraft
+from engine.types import GenerationRequest, SamplingSettings, SpeculationSettings
 
 Seeds = tuple[list[int], list[int], list[int]]  # context trie below the root: tokens, parents, match
 
@@ -81,6 +82,8 @@ def copy_of_target(target: CausalLM, draft: CausalLM) -> bool:
     quantised harder), so that it may read the target's K/V for the committed tokens
     (`share_context`): the same cache shape and position encoding, and embedding rows that
     point the same way (an unrelated model of the same shape gives cosines near 0)."""
+    if isinstance(draft, HeadDraft):  # it reads the target's hidden states, never its K/V
+        return False
     t, d = target.shape, draft.shape
     if [spec is None for spec in target.linear] != [spec is None for spec in draft.linear]:
         return False  # a hybrid shares its linear layers' states too: the same layers must be linear
@@ -411,6 +414,20 @@ def grow_static_tree(
                        match=torch.zeros(n, dtype=torch.long, device=device),
                        logq_t=torch.full((n, len(TAUS)), math.nan, device=device))
     return trace if grammar is None else allowed_nodes(trace, grammar)
+
+
+def grow(draft: CausalLM, cache: KVCache, pending: torch.Tensor, request: GenerationRequest, vocab_limit: int,
+         model: AcceptanceModel, seeds: Seeds, stop_ratio: float, grammar: GrammarState | None,
+         shapes: dict[tuple[tuple[float, ...], int, int], StaticTree]) -> DraftTrace:
+    """The draft's tree for a request: a static Sequoia shape (`shapes` keeps each one built:
+    the DP takes up to seconds for large budgets) or SpecExec's best-first growth."""
+    spec = request.speculation
+    if spec.tree_mode == "sequoia":
+        key = (spec.rank_acceptance, spec.budget, spec.max_depth)
+        if key not in shapes:
+            shapes[key] = build_tree(*key)
+        return grow_static_tree(draft, cache, pending, shapes[key], spec, request.sampling, vocab_limit, grammar)
+    return grow_tree(draft, cache, pending, spec, request.sampling, vocab_limit, model, seeds, stop_ratio, grammar)
 
 
 def teach(model: AcceptanceModel, trace: DraftTrace, path: list[int], chosen: list[int]) -> None:

@@ -18,7 +18,10 @@ conversation's draft switch. The loop itself never decides from them: the costs 
 the switch turns the draft off, both between steps.
 
 Around the loop: prefix_cache (a conversation's K/V across turns), prefill (what is not
-cached), memory (the fit check, the out-of-memory fallback), stats. The engine does not load
+cached), memory (the fit check, the out-of-memory fallback), stats. A draft head from the checkpoint
+(engine.model.head_draft: MTP / NextN) drafts from the target's hidden states: every target pass
+hands over those of the tokens it commits (`hidden_sink`); a step whose root follows text the
+target has not read yet (a new turn's tail) goes without it. The engine does not load
 models (engine.loading) or choose budgets (engine.planning): it takes both as given.
 """
 
@@ -27,8 +30,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterator
+from dataclasses import replace
 
 import torch
 
@@ -38,102 +41,40 @@ from engine.decoding.costs import DraftSwitch, DraftSwitches, PassCosts, SwitchS
 from engine.decoding.learned import LearnedFile
 from engine.decoding.logprobs import LogprobRecorder, TokenBytes
 from engine.decoding.drafting import (
-    DraftTrace,
-    Seeds,
     copy_of_target,
-    grow_static_tree,
+    grow,
     grow_tree,
     share_context,
     teach,
     top_nodes,
 )
-from engine.decoding.grammar import Grammar, GrammarCompiler, GrammarState
+from engine.decoding.grammar import Grammar, GrammarCompiler
 from engine.decoding.memory import check_fits, shrink_after_oom
 from engine.decoding.prefill import prefill
-from engine.decoding.prefix_cache import Prefix, PrefixPool
+from engine.decoding.prefix_cache import PrefixPool
+from engine.decoding.run_state import Choose, Decoding, DraftUse, Step
 from engine.decoding.sampling import choose_token, make_generator, restrict
-from engine.decoding.sequoia import StaticTree, build_tree
+from engine.decoding.sequoia import StaticTree
 from engine.decoding.stats import StepTimers, generation_stats
 from engine.decoding.text import Detokenizer, encode_prompt, eos_ids
-from engine.decoding.verification import accept, prune_to_accepted, run_tree
+from engine.decoding.verification import Sink, accept, committed_states, prune_to_accepted, read_committed, run_tree
 from engine.errors import ContextTooLong, InvalidRequest, OutOfMemory
 from engine.model.cache import KVCache
 from engine.model.cache_files import CacheFiles
 from engine.model.causal_lm import CausalLM
+from engine.model.head_draft import HeadCache, HeadDraft, hidden_sink
 from engine.shapes import Placement
 from engine.types import (
     CacheSettings,
     Completion,
-    FinishReason,
     GenerationRequest,
     GenerationStats,
     PassTotals,
-    SpeculationSettings,
     TokenEvent,
     Tokenizer,
 )
 
 log = logging.getLogger(__name__)
-
-Choose = Callable[[torch.Tensor, list[int]], int]  # ((V,) logits, tokens of this step so far) -> token
-
-
-@dataclass
-class _DraftUse:
-    """How one generation uses the draft (all off without one)."""
-
-    on: bool  # the draft grows the next step's tree (else context candidates alone)
-    share: bool = False  # it reads the target's K/V of committed tokens (drafting.share_context)
-    switch: DraftSwitch | None = None  # the conversation's verdict, when the engine may switch the draft
-    synced: int = 0  # the draft cache's entries before this are the target's
-    switched: bool = False  # the draft went off or on during this generation
-
-
-@dataclass
-class _Decoding:
-    """The state of one generation between steps."""
-
-    request: GenerationRequest  # its budget halves after an out-of-memory step
-    prompt: list[int]
-    use_spec: bool  # trees (from the draft and/or context candidates), else one token per pass
-    draft: _DraftUse
-    index: ContextIndex | None  # the text so far, for context candidates
-    prefix: Prefix  # its caches: tcache, dcache below
-    cached_tokens: int
-    choose: Choose
-    detok: Detokenizer
-    seq: list[int]  # prompt + committed answer tokens
-    new: list[int] = field(default_factory=list)
-    timers: StepTimers = field(default_factory=StepTimers)
-    finish: FinishReason = "length"
-    ttft: float | None = None
-    oom_retries: int = 0
-    grammar: GrammarState | None = None  # the request's constraint, after the committed tokens
-    logprobs: LogprobRecorder | None = None  # the written tokens' log-probabilities, when asked for
-
-    @property
-    def tcache(self) -> KVCache:
-        return self.prefix.target
-
-    @property
-    def dcache(self) -> KVCache | None:
-        return self.prefix.draft
-
-    def event(self, tokens: list[int], text: str) -> TokenEvent:
-        return TokenEvent(tuple(tokens), text, self.logprobs.take() if self.logprobs is not None else ())
-
-
-@dataclass(frozen=True)
-class _Step:
-    """What one step did, for `_learn`: the tokens it commits and the passes that chose them."""
-
-    tokens: list[int]
-    target_tokens: int  # tokens the target pass read (the tree, or the root, plus uncached text)
-    target_seconds: float
-    trace: DraftTrace | None = None  # the tree the step grew, if any
-    path: list[int] = field(default_factory=list)  # its nodes the target accepted ([0]: cut to a plain pass)
-    verified: bool = False  # the target read the tree (else it was cut to a plain pass)
-
 
 class Engine:
     """Owns the models and the KV caches of recent conversations (not thread-safe: one
@@ -163,6 +104,7 @@ class Engine:
             learned.restore(self.costs, self.acceptance)
         self.switches = DraftSwitches(switch)
         self.copied_draft = draft is not None and copy_of_target(target, draft)  # it may read the target's K/V
+        self.head = isinstance(draft, HeadDraft)  # it drafts from the target's hidden states (head_draft.py)
         if self.copied_draft:
             log.info("the draft is a compressed copy of the target: it reads the target's K/V of the text")
         self.cache_settings = cache or CacheSettings()
@@ -247,7 +189,7 @@ class Engine:
                          stats=self._finish(run, time.perf_counter() - t_start),
                          logprobs=tuple(run.logprobs.answer) if run.logprobs else ())
 
-    def _step(self, run: _Decoding) -> _Step:
+    def _step(self, run: Decoding) -> Step:
         """One decoding step. A device out-of-memory rolls both caches back; a tree step is
         retried with half the budget (autoregressive below budget 1), a first pass that read the
         prompt's tail too is retried after prefilling that tail in smaller chunks."""
@@ -257,7 +199,7 @@ class Engine:
             try:
                 if run.use_spec:
                     return self._spec_step(run, limit)
-                return self._ar_step(run.seq, run.tcache, run.choose)
+                return self._ar_step(run.seq, run.tcache, run.choose, hidden_sink(run.dcache))
             except torch.OutOfMemoryError:
                 run.tcache.truncate(t_len)
                 if run.dcache is not None:
@@ -268,21 +210,20 @@ class Engine:
                     run.draft.on &= run.use_spec
                 elif len(run.seq) - 1 > t_len:  # the pass also read the prompt's tail: read it apart
                     run.timers.prefill_passes += prefill(self.target, run.tcache, run.seq[:-1], 1,
-                                                         max(1, (len(run.seq) - 1 - t_len) // 2))
+                                                         max(1, (len(run.seq) - 1 - t_len) // 2), sink=hidden_sink(run.dcache))
                 else:
                     raise OutOfMemory("The device ran out of memory for a single token. Close other programs "
                                       "that use the GPU, or load the model with a shorter context.") from None
 
-    def _ar_step(self, seq: list[int], tcache: KVCache, choose: Choose) -> _Step:
+    def _ar_step(self, seq: list[int], tcache: KVCache, choose: Choose, sink: Sink | None) -> Step:
         """One target pass over the committed tokens it lacks (the root; on a new turn the
-        prompt's uncached tail before it); the token after the last."""
-        t0 = time.perf_counter()
-        past = tcache.length
-        hidden = self.target.forward(torch.tensor(seq[past:]), torch.arange(past, len(seq)), tcache, None)
+        prompt's uncached tail before it); the token after the last. `sink`: a draft head's."""
+        t0, past = time.perf_counter(), tcache.length
+        hidden = read_committed(self.target, tcache, seq, sink)
         token = choose(self.target.logits(hidden[-1:])[0], [])
-        return _Step([token], len(seq) - past, time.perf_counter() - t0)
+        return Step([token], len(seq) - past, time.perf_counter() - t0)
 
-    def _spec_step(self, run: _Decoding, limit: int) -> _Step:
+    def _spec_step(self, run: Decoding, limit: int) -> Step:
         """Grow a tree (draft and/or context candidates), verify it in one target pass and keep
         the accepted path."""
         request, spec, seq, tcache, dcache = run.request, run.request.speculation, run.seq, run.tcache, run.dcache
@@ -294,36 +235,49 @@ class Engine:
             if forced:
                 candidates = [Continuation(tuple(forced), MAX_MATCH), *candidates]
         seeds = trie(candidates)
-        if run.draft.on:
+        # a head's root reads the target's hidden state before it (a new turn's tail is unread): the
+        # step goes without the draft, and a tree of the root alone still snapshots a hybrid's states
+        waits = isinstance(dcache, HeadCache) and not dcache.knows(len(seq) - 2)
+        drafting = run.draft.on and not waits
+        if drafting:
             assert self.draft is not None and dcache is not None
+            if isinstance(dcache, HeadCache) and len(seq) - dcache.length > 64:  # much text since it last read
+                run.timers.draft_passes += prefill(self.draft, dcache, seq[:-1], 1)
             if run.draft.share:
                 run.draft.synced = share_context(dcache, tcache, run.draft.synced)
             pending = torch.tensor(seq[dcache.length :])  # (p,) committed tokens the draft has not read
-            trace = self._grow(dcache, pending, request, self.acceptance[request.sampling], seeds, run.grammar)
+            trace = grow(self.draft, dcache, pending, request, self.draft_vocab_limit, self.acceptance[request.sampling],
+                         seeds, self.costs.stop_ratio(), run.grammar, self._static_trees)
         else:  # context candidates alone, cut to the size that pays on this machine
-            if not seeds[0]:  # nothing repeats: a plain pass, without a tree's bookkeeping
-                return self._ar_step(seq, tcache, run.choose)
+            if not seeds[0] and not waits:  # nothing repeats: a plain pass, without a tree's bookkeeping
+                return self._ar_step(seq, tcache, run.choose, hidden_sink(run.dcache))
             trace = grow_tree(None, None, torch.tensor(seq[-1:]), spec, request.sampling, self.draft_vocab_limit,
                               self.acceptance[request.sampling], seeds, grammar=run.grammar)
             unread = len(seq) - 1 - tcache.length
             gains = torch.sort(trace.tree.logp[1:], descending=True, stable=True).values.exp().tolist()
             size = self.costs.best_size(gains, unread + 1)
-            if size == 0:  # a plain pass; its token still labels the root's candidates (see _learn)
-                return replace(self._ar_step(seq, tcache, run.choose), trace=trace, path=[0])
+            if size == 0 and not waits:  # a plain pass; its token still labels the root's candidates (see _learn)
+                return replace(self._ar_step(seq, tcache, run.choose, hidden_sink(run.dcache)), trace=trace, path=[0])
             trace = top_nodes(trace, size)
-        t0 = time.perf_counter()
-        unread_t = torch.tensor(seq[tcache.length : -1])  # committed tokens the target lacks, root excluded
-        past = tcache.length + unread_t.shape[0]
-        hidden = run_tree(self.target, tcache, trace.tree, unread_t)
-        result = accept(trace.tree, hidden, self.target.logits, run.choose, limit, self.eos_ids)
+        t0, start, sink = time.perf_counter(), tcache.length, hidden_sink(dcache)
+        unread_t = torch.tensor(seq[start:-1])  # committed tokens the target lacks, root excluded
+        past = start + unread_t.shape[0]
+        if sink is None:
+            hidden = run_tree(self.target, tcache, trace.tree, unread_t)
+        else:  # a draft head: the target's hidden states of the pending chain too
+            hidden = run_tree(self.target, tcache, trace.tree, unread_t, with_pending=True)
+        nodes = hidden[past - start :] if sink is not None else hidden
+        result = accept(trace.tree, nodes, self.target.logits, run.choose, limit, self.eos_ids)
         seconds = time.perf_counter() - t0
-        prune_to_accepted(tcache, past, dcache if run.draft.on else None, trace.slots, result.path)
-        if run.draft.on and run.draft.share:  # between steps a copied draft's cache is the target's
+        if sink is not None:
+            sink(start, committed_states(hidden, past - start, result.path))
+        prune_to_accepted(tcache, past, dcache if drafting else None, trace.slots, result.path, not self.head)
+        if drafting and run.draft.share:  # between steps a copied draft's cache is the target's
             assert dcache is not None
             run.draft.synced = share_context(dcache, tcache, run.draft.synced)
-        return _Step(result.tokens, len(trace.tree) + unread_t.shape[0], seconds, trace, result.path, verified=True)
+        return Step(result.tokens, len(trace.tree) + past - start, seconds, trace, result.path, verified=True)
 
-    def _learn(self, run: _Decoding, step: _Step, with_draft: bool, seconds: float) -> None:
+    def _learn(self, run: Decoding, step: Step, with_draft: bool, seconds: float) -> None:
         """All the engine learns from a step: pass costs, the acceptance of the tree's candidates
         (a step cut to a plain pass labels the root's children: else a candidate estimated too
         low is never verified, never corrected), the draft switch (not on the first step, which
@@ -341,7 +295,7 @@ class Engine:
         if run.draft.switch is not None and run.ttft is not None:
             run.draft.switch.observe(with_draft, len(step.tokens), seconds)
 
-    def _commit(self, run: _Decoding, step: list[int]) -> tuple[list[int], str, bool]:
+    def _commit(self, run: Decoding, step: list[int]) -> tuple[list[int], str, bool]:
         """Add a step's tokens to the answer, cut after an EOS; returns the tokens kept, the
         text they add and whether the answer is done (EOS or a stop string)."""
         eos_at = next((i for i, t in enumerate(step) if t in self.eos_ids), None)
@@ -367,7 +321,7 @@ class Engine:
         return spec.mode == "specexec" and spec.draft and self.draft is not None
 
     def _start(self, request: GenerationRequest, prompt: list[int], cancel: threading.Event | None = None,
-               grammar: Grammar | None = None) -> _Decoding:
+               grammar: Grammar | None = None) -> Decoding:
         """Caches holding as much of the prompt as was cached, plus what does not fit the first
         decoding pass (prefilled in chunks as large as the device's memory allows). A `cancel`
         set meanwhile stops the prefill between chunks (the decode loop then ends at once).
@@ -380,26 +334,19 @@ class Engine:
         t0 = time.perf_counter()
         tree = spec.budget if use_spec else 1  # autoregressive: one token per pass, whatever the budget
         spare = request.max_new_tokens + tree + 8
-        if self.cache_settings.enabled:
-            prefix, cached = self.prefixes.take(prompt, request.conversation, self._new_caches)
-        else:
-            target_cache, draft_cache = self._new_caches()
-            prefix, cached = Prefix([], target_cache, draft_cache, request.conversation), 0
-        prefix.target.reserve(len(prompt) - prefix.target.length + spare)
-        for cache in (prefix.target, prefix.draft):  # the next turn's prompt starts with this one
-            if cache is not None:
-                cache.mark(len(prompt) - 1)
+        prefix, cached = self.prefixes.open(prompt, request.conversation, self._new_caches, spare)
         timers = StepTimers()
         first_pass = (spec.budget + 1) if use_spec else 1  # tokens the first step reads besides the prompt's tail
-        timers.prefill_passes = prefill(self.target, prefix.target, prompt[:-1], first_pass, cancel=cancel)
-        draft = _DraftUse(on=bool(wants_draft))
+        timers.prefill_passes = prefill(self.target, prefix.target, prompt[:-1], first_pass, cancel=cancel,
+                                        sink=hidden_sink(prefix.draft))
+        draft = DraftUse(on=bool(wants_draft))
         if wants_draft:
             assert self.draft is not None and prefix.draft is not None
             draft.share = spec.share_context and self.copied_draft
             draft.switch = self.switches.for_conversation(request.conversation) if spec.switch_draft else None
             prefix.draft.reserve(len(prompt) - prefix.draft.length + spare + 3 * spec.budget)
             draft.on = draft.switch is None or draft.switch.decide(self.costs)  # off: it catches up when back on
-            if draft.on and not draft.share:  # sharing: its first step copies the target's K/V instead
+            if draft.on and not draft.share and not self.head:  # sharing: its first step copies the target's K/V
                 prefill(self.draft, prefix.draft, prompt[:-1], 1, cancel=cancel)  # its pass 0 reads the rest
         seq = list(prompt)
         window, eos = sampling.repetition_window, self.eos_ids
@@ -417,13 +364,13 @@ class Engine:
         index = ContextIndex(seq) if use_spec and spec.context else None
         # asked for: every token's entry from the row `choose` picked it from (logprobs.py)
         recorder = None if request.logprobs is None else LogprobRecorder(choose, request.logprobs, self.token_bytes)
-        run = _Decoding(request, prompt, use_spec, draft, index, prefix, cached, recorder.choose if recorder else choose,
+        run = Decoding(request, prompt, use_spec, draft, index, prefix, cached, recorder.choose if recorder else choose,
                         Detokenizer(self.tokenizer, request.stop), seq, timers=timers, grammar=state,
                         logprobs=recorder)
         timers.prefill = time.perf_counter() - t0
         return run
 
-    def _switch_draft(self, run: _Decoding) -> None:
+    def _switch_draft(self, run: Decoding) -> None:
         """Whether the next step uses the draft (spec.switch_draft): off while the conversation's
         draft steps are measured slower than steps without it. The draft's cache simply falls
         behind meanwhile; its first pass back reads the tokens it missed."""
@@ -437,7 +384,7 @@ class Engine:
                      "this conversation, measured again in %d tokens or more", draft.switch.rate(True) or 0.0,
                      f"{without:.2f}" if without else f"{1.0 / self.costs.target(1):.2f} (predicted)",
                      draft.switch.settings.retry_tokens)
-        if on and not draft.on and not draft.share:  # back on: the draft reads what it missed, in chunks
+        if on and not draft.on and not draft.share and not self.head:  # back on: it reads what it missed
             assert self.draft is not None and run.dcache is not None
             t0 = time.perf_counter()
             prefill(self.draft, run.dcache, run.seq[:-1], 1)
@@ -448,7 +395,7 @@ class Engine:
     def _new_caches(self) -> tuple[KVCache, KVCache | None]:
         return self.target.new_cache(), self.draft.new_cache() if self.draft is not None else None
 
-    def _finish(self, run: _Decoding, seconds: float) -> GenerationStats:
+    def _finish(self, run: Decoding, seconds: float) -> GenerationStats:
         """The stats of a generation; its passes join the engine's record (one tree kind's
         passes only: a generation whose draft switched mixes two)."""
         timers, spec = run.timers, run.request.speculation  # after any out-of-memory shrink
@@ -461,19 +408,3 @@ class Engine:
             budget=spec.budget if run.use_spec else 0,
             mode="specexec" if run.draft.on else "context" if run.use_spec else "autoregressive",
             placement=self.target.placement, oom_retries=run.oom_retries, cached_tokens=run.cached_tokens)
-
-    def _static_tree(self, spec: SpeculationSettings) -> StaticTree:
-        key = (spec.rank_acceptance, spec.budget, spec.max_depth)
-        if key not in self._static_trees:  # the DP takes up to seconds for large budgets: build once
-            self._static_trees[key] = build_tree(spec.rank_acceptance, spec.budget, spec.max_depth)
-        return self._static_trees[key]
-
-    def _grow(self, dcache: KVCache, pending: torch.Tensor, request: GenerationRequest, model: AcceptanceModel,
-              seeds: Seeds, grammar: GrammarState | None) -> DraftTrace:
-        assert self.draft is not None
-        spec = request.speculation
-        if spec.tree_mode == "sequoia":
-            return grow_static_tree(self.draft, dcache, pending, self._static_tree(spec), spec, request.sampling,
-                                    self.draft_vocab_limit, grammar)
-        return grow_tree(self.draft, dcache, pending, spec, request.sampling, self.draft_vocab_limit, model, seeds,
-                         self.costs.stop_ratio(), grammar)

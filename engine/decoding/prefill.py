@@ -18,6 +18,7 @@ import time
 import torch
 
 from engine.decoding.memory import tokens_per_pass
+from engine.decoding.verification import Sink
 from engine.errors import OutOfMemory
 from engine.model.cache import KVCache
 from engine.model.causal_lm import CausalLM
@@ -31,7 +32,7 @@ PREFILL_ROOM_CPU = 192  # on a CPU, the most tokens the first decoding pass read
 
 
 def prefill(model: CausalLM, cache: KVCache, ids: list[int], leave_room: int | None = None,
-            chunk: int | None = None, cancel: threading.Event | None = None) -> int:
+            chunk: int | None = None, cancel: threading.Event | None = None, sink: Sink | None = None) -> int:
     """Read `ids[cache.length:]` into the cache; with `leave_room`, all but the last part, which
     one pass of the model can read together with `leave_room` more tokens (the first decoding
     step reads it: on a new turn that is the only weight pass before the first token). Chunks
@@ -45,7 +46,10 @@ def prefill(model: CausalLM, cache: KVCache, ids: list[int], leave_room: int | N
     (~20 s for 512 tokens of the starter on 2 cores), chunks are therefore sized to take about
     PREFILL_STEP_S, and the first decoding pass reads at most PREFILL_ROOM_CPU; on a GPU, where
     an offloaded pass costs mostly reading the weights, they stay as large as memory allows,
-    since a smaller one would only read the weights more often."""
+    since a smaller one would only read the weights more often.
+
+    `sink` receives each chunk's final hidden states with its first position (a draft head
+    reads the target's: head_draft.HeadCache.observe)."""
     shape = model.shape
     size = tokens_per_pass(model.free_memory(), cache.length + len(ids), shape.hidden_size,
                            shape.layer.intermediate_size, shape.layer.num_attention_heads, model.dtype.itemsize)
@@ -63,7 +67,7 @@ def prefill(model: CausalLM, cache: KVCache, ids: list[int], leave_room: int | N
         piece = torch.tensor(ids[start : start + size])
         t0 = time.perf_counter()
         try:
-            model.forward(piece, torch.arange(start, start + piece.shape[0]), cache, None)
+            hidden = model.forward(piece, torch.arange(start, start + piece.shape[0]), cache, None)
         except torch.OutOfMemoryError as exc:
             if size == 1:
                 raise OutOfMemory("The device ran out of memory reading the prompt. Start a new "
@@ -75,6 +79,8 @@ def prefill(model: CausalLM, cache: KVCache, ids: list[int], leave_room: int | N
             log.warning("out of device memory in the prefill: chunks of %d tokens now", size)
             continue
         passes += 1
+        if sink is not None:
+            sink(start, hidden)
         if adapt:
             seconds = time.perf_counter() - t0
             size, last = next_prefill_chunk(piece.shape[0], seconds, last, most), (int(piece.shape[0]), seconds)

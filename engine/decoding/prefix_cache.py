@@ -31,6 +31,7 @@ import torch
 
 from engine.model.cache import KVCache
 from engine.model.cache_files import CacheFiles, CacheShape, common_prefix, shape_of
+from engine.model.head_draft import HeadCache
 from engine.types import CacheSettings
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,22 @@ class PrefixPool:
         return len(self._parked)
 
     # ---- taking a prefix for a request -------------------------------------------------------
+    def open(self, prompt: list[int], conversation: str | None, new_caches: NewCaches,
+             spare: int) -> tuple[Prefix, int]:
+        """The caches a generation of `prompt` starts from (`take`, or fresh ones when caching
+        is off), with room for `spare` more target entries, and each marked at the prompt's end
+        (the next turn's prompt starts with this one)."""
+        if self.settings.enabled:
+            prefix, cached = self.take(prompt, conversation, new_caches)
+        else:
+            target, draft = new_caches()
+            prefix, cached = Prefix([], target, draft, conversation), 0
+        prefix.target.reserve(len(prompt) - prefix.target.length + spare)
+        for cache in (prefix.target, prefix.draft):
+            if cache is not None:
+                cache.mark(len(prompt) - 1)
+        return prefix, cached
+
     def take(self, prompt: list[int], conversation: str | None, new_caches: NewCaches) -> tuple[Prefix, int]:
         """A Prefix for `prompt`, owned by the caller until `give_back`, and how many prompt
         tokens its target cache already holds. The caches hold at most len(prompt) - 1 tokens:
@@ -103,6 +120,8 @@ class PrefixPool:
         prefix.target.truncate(min(prefix.target.length, keep))
         if prefix.draft is not None:
             prefix.draft.truncate(min(prefix.draft.length, keep))
+        if isinstance(prefix.draft, HeadCache):  # the target's hidden states of the text kept
+            prefix.draft.forget_from(keep)
         prefix.target.to(self.target_device)
         if prefix.draft is not None and self.draft_device is not None:
             prefix.draft.to(self.draft_device)
@@ -135,17 +154,22 @@ class PrefixPool:
         if loaded is None:
             return None
         tokens, target, draft = loaded
+        if self._head is not None:  # a file holds no head state: it reads what follows the restored text
+            draft = self._head.like(target.length + 1)
+            draft.blank(target.length)
         log.info("read a saved KV cache of %d tokens", target.length)
         return Prefix(tokens, target, draft, saved=path)
 
     # the cache shapes a loaded file must match: set by the engine
     _shape_target: CacheShape
     _shape_draft: CacheShape | None
+    _head: HeadCache | None = None  # the draft is a head (head_draft.py): its cache is never restored
 
     def expect(self, target: KVCache, draft: KVCache | None) -> None:
         """Record the loaded models' cache shapes (saved files must match them)."""
         self._shape_target = shape_of(target)
         self._shape_draft = shape_of(draft) if draft is not None else None
+        self._head = draft if isinstance(draft, HeadCache) else None
 
     # ---- giving it back ----------------------------------------------------------------------
     def give_back(self, prefix: Prefix) -> None:

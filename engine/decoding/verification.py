@@ -28,13 +28,15 @@ class Acceptance:
     tokens: list[int]  # emitted tokens: those of path[1:] plus the target's own next token
 
 
-def run_tree(target: CausalLM, cache: KVCache, tree: Tree, pending: torch.Tensor | None = None) -> torch.Tensor:
+def run_tree(target: CausalLM, cache: KVCache, tree: Tree, pending: torch.Tensor | None = None,
+             with_pending: bool = False) -> torch.Tensor:
     """One target pass on top of `cache`: first the committed tokens the target has not read
     yet (`pending`, a causal chain, possibly none: the prompt's uncached tail on a new turn),
     then every tree node (the root is the last committed token). Returns the tree nodes' final
     hidden states (N, hidden); with p pending tokens and `past` = cache.length before the call,
     node i's K/V sits at slot past + p + i. Reading the prompt's tail in the same pass as the
-    first tree is what makes a new turn cost one weight pass before its first token."""
+    first tree is what makes a new turn cost one weight pass before its first token.
+    `with_pending`: the pending tokens' hidden states come first (p + N rows)."""
     past = cache.length
     p = 0 if pending is None else int(pending.shape[0])
     n = len(tree)
@@ -50,7 +52,27 @@ def run_tree(target: CausalLM, cache: KVCache, tree: Tree, pending: torch.Tensor
         allowed = torch.cat([chain, allowed])
         tokens = torch.cat([pending.to(device), tokens])
         positions = torch.cat([torch.arange(past, past + p, device=device), positions])
-    return target.forward(tokens, positions, cache, allowed)[p:]
+    hidden = target.forward(tokens, positions, cache, allowed)
+    return hidden if with_pending else hidden[p:]
+
+
+Sink = Callable[[int, torch.Tensor], None]  # (first position, (n, H) hidden states) of committed tokens
+
+
+def read_committed(target: CausalLM, cache: KVCache, seq: list[int], sink: Sink | None = None) -> torch.Tensor:
+    """One target pass over the committed tokens `seq` it lacks, as a chain (a plain decoding
+    step: the root, after a new turn's uncached tail); their hidden states, also to `sink`."""
+    past = cache.length
+    hidden = target.forward(torch.tensor(seq[past:]), torch.arange(past, len(seq)), cache, None)
+    if sink is not None:
+        sink(past, hidden)
+    return hidden
+
+
+def committed_states(hidden: torch.Tensor, p: int, path: list[int]) -> torch.Tensor:
+    """The target's hidden states of the positions a verification pass commits, from run_tree's
+    rows with the `p` pending tokens first: the pending chain, then the accepted path (root first)."""
+    return torch.cat([hidden[:p], hidden[p:][torch.tensor(path, device=hidden.device)]])
 
 
 def accept(
@@ -82,7 +104,7 @@ def accept(
 
 
 def prune_to_accepted(target_cache: KVCache, past: int, draft_cache: KVCache | None, draft_slots: torch.Tensor,
-                      path: list[int]) -> None:
+                      path: list[int], draft_keeps_path: bool = True) -> None:
     """Cut both caches back to the accepted path after a verification pass.
 
     Cache invariant between steps: each cache holds a prefix of the committed tokens (the
@@ -94,6 +116,9 @@ def prune_to_accepted(target_cache: KVCache, past: int, draft_cache: KVCache | N
     the walk emits one token beyond the path (the new root). The draft read the nodes whose `draft_slots` are >= 0; the
     read nodes of any root path form a prefix of it (a node is read only after its parent), so
     the draft keeps its prefix up to the root's slot and then the read prefix of the path.
+    A draft head (`draft_keeps_path` False) keeps only its prefix up to the root: its entries
+    for tree nodes read its own hidden states, and it reads the accepted tokens again with the
+    target's (head_draft), as the references do.
     """
     nodes = torch.tensor(path)
     target_cache.keep(torch.cat([torch.arange(past), past + nodes]))
@@ -102,4 +127,7 @@ def prune_to_accepted(target_cache: KVCache, past: int, draft_cache: KVCache | N
     read = draft_slots[nodes[1:].to(draft_slots.device)]
     read = read[: int((read >= 0).sum())]
     root_slot = int(draft_slots[0])
+    if not draft_keeps_path:
+        draft_cache.truncate(root_slot + 1)
+        return
     draft_cache.keep(torch.cat([torch.arange(root_slot + 1), read.cpu()]))
