@@ -18,7 +18,6 @@ import torch
 from engine.cli.bench_offload import (
     SYNTHETIC_BIG,
     SYNTHETIC_GGUF_BIG,
-    SYNTHETIC_GGUF_SMALL,
     measure_load_rss,
     synthetic_gguf,
     synthetic_llama,
@@ -47,19 +46,15 @@ def assert_load_within_bound(folder: Path, hidden: int, intermediate: int, kv: i
     return r
 
 
-@linux_only
-def test_nf4_load_peaks_at_footprint_plus_two_layers(model_cache: Path) -> None:
-    """~310 MB bf16 in 3 shards (8 layers of hidden 1024)."""
-    shape = dict(hidden=1024, intermediate=2816, layers=8, vocab=32000, heads=16, kv_heads=4)
-    folder = synthetic_llama(model_cache / "synthetic-310m", layers_per_shard=3, **shape)  # type: ignore[arg-type]
-    assert len(list(folder.glob("*.safetensors"))) >= 3
-    assert_load_within_bound(folder, 1024, 2816, 256)
-
-
+# One size only: a 310 MB model's checkpoint fits inside the bound (footprint + two layers +
+# FIXED_OVERHEAD), so only a checkpoint well above it shows that the load never holds it whole;
+# the same bound and the shard-by-shard read are checked here, on the 1.5 GB model.
 @linux_only
 @pytest.mark.slow
 def test_nf4_load_of_a_1_5_gb_llama_peaks_at_footprint_plus_two_layers(model_cache: Path) -> None:
+    """~1.5 GB bf16 in 5 shards (14 layers of hidden 2048)."""
     folder = synthetic_llama(model_cache / "synthetic-1.5g", **SYNTHETIC_BIG)  # type: ignore[arg-type]
+    assert len(list(folder.glob("*.safetensors"))) >= 3
     assert sum(f.stat().st_size for f in folder.glob("*.safetensors")) > 1.4e9
     s = SYNTHETIC_BIG
     assert_load_within_bound(folder, s["hidden"], s["intermediate"], s["kv_heads"] * s["hidden"] // s["heads"])
@@ -85,15 +80,13 @@ def assert_gguf_load_within_bound(path: Path) -> dict:
     return r
 
 
-@linux_only
-def test_gguf_load_keeps_the_blocks_and_peaks_at_footprint_plus_two_layers(model_cache: Path) -> None:
-    """~55 MB of Q4_K_M (6 layers of hidden 1024)."""
-    assert_gguf_load_within_bound(synthetic_gguf(model_cache / "synthetic-gguf-55m.gguf", **SYNTHETIC_GGUF_SMALL))  # type: ignore[arg-type]
-
-
+# One size only, as for NF4: a 55 MB file (the same Q4_K_M types, the same assertions) fits inside
+# FIXED_OVERHEAD, so a second copy of its blocks would pass unseen; at 1.5 GB it cannot.
 @linux_only
 @pytest.mark.slow
 def test_gguf_load_of_a_1_5_gb_k_quant_file_peaks_at_footprint_plus_two_layers(model_cache: Path) -> None:
+    """~1.5 GB of Q4_K_M (12 layers of hidden 4096): the blocks are kept, the load peaks at the
+    footprint plus two layers."""
     path = synthetic_gguf(model_cache / "synthetic-gguf-1.5g.gguf", **SYNTHETIC_GGUF_BIG)  # type: ignore[arg-type]
     assert path.stat().st_size > 1.4e9
     assert_gguf_load_within_bound(path)
