@@ -40,6 +40,7 @@ from app.widgets.status import StatusBar
 from app.workers.api_server import ApiServer
 from app.workers.engine_worker import EngineHost
 from app.workers.remote_worker import RemoteHost
+from engine.decoding.draft_choice import DraftChoice
 from engine.shapes import Placement
 from engine.types import LoadProgress, LoadSettings
 
@@ -93,6 +94,7 @@ class MainWindow(QMainWindow):
         self._loaded_key: _PairKey | None = None
         self._loading_key: _PairKey | None = None
         self._load_id = 0  # the load (or starter preparation) whose results count
+        self._draft_choice: tuple[int, DraftChoice | None] = (0, None)  # the engine's, by load id
         self.running: RunningPair | None = None  # what the engine loaded (Settings -> Engine, Models page)
         self._warmed = False
         self.engine_stopped = True  # False after closing if the engine thread would not stop
@@ -117,6 +119,7 @@ class MainWindow(QMainWindow):
         worker = self.host.worker
         worker.load_progressed.connect(self._on_worker_load_progressed)
         worker.loaded.connect(self._on_worker_loaded)
+        worker.draft_chosen.connect(self._on_worker_draft_chosen)
         worker.load_failed.connect(self._on_worker_load_failed)
         worker.starter_prepared.connect(self._on_worker_starter_prepared)
         worker.budget_chosen.connect(self._on_worker_budget_chosen)
@@ -288,7 +291,8 @@ class MainWindow(QMainWindow):
             return  # a load that was replaced by a newer one
         self._loaded_key, self._loading_key = self._loading_key, None
         self.status.hide_load_progress()
-        self.status.show_pair(target, draft, placement)
+        chosen_id, choice = self._draft_choice
+        self.status.show_pair(target, draft, placement, choice if chosen_id == load_id else None)
         self.chat.clear_error("load")  # an earlier load's failure is no longer true
         prefs = self.preferences.load()
         self.running = running_pair(target, draft, placement, prefs.tree_mode, prefs.keep_draft, chat_template)
@@ -297,6 +301,9 @@ class MainWindow(QMainWindow):
             self.models_page.set_running(self.running)
         self.chat.set_model_state("ready")
         self.model_loaded.emit()
+
+    def _on_worker_draft_chosen(self, load_id: int, choice: DraftChoice) -> None:
+        self._draft_choice = (load_id, choice)  # shown with the pair when that load is done
 
     def _on_worker_budget_chosen(self, _request_id: int, choice: BudgetChoice) -> None:
         """Budget "auto" chose for an answer: what runs says whether it leaves the draft out."""

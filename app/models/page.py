@@ -253,7 +253,7 @@ class ModelsPage(QWidget):
 
     def _show_pair(self) -> None:
         prefs, running = self._prefs, self._running
-        draft = _short_name(prefs.draft) or "no draft"
+        draft = DRAFT_WORDS.get(prefs.draft) or _short_name(prefs.draft)
         if running is not None:  # what the engine loaded, read from it: format, layers, decoding, speed
             line = f"Running: {running.summary()}"
         else:
@@ -348,6 +348,9 @@ class ModelsPage(QWidget):
 
     def _on_queue_cancelled(self, spec: str) -> None:
         self.downloads.finish(spec, "cancelled", "Cancelled · the partial data is kept; download again to resume")
+
+
+DRAFT_WORDS = {"": "no draft", "none": "no draft", "auto": "the draft the engine picks", "self": "a self-draft"}
 
 
 def _short_name(spec: str) -> str:

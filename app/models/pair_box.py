@@ -1,9 +1,11 @@
 """The models page's active pair: target and draft combo boxes over the local models, a "Use
 this pair" button, and the line that says what runs (or what is chosen, not loaded yet).
 
-The draft combo offers every local model but the chosen target (a model cannot draft for itself;
-it used to be offered, and choosing it silently meant no draft). A preference that is not on
-this computer stays listed, marked "(not downloaded)".
+The draft combo offers the engine's own choices first: "Automatic (recommended)" (the engine
+picks: engine.decoding.draft_choice), "None (draft-free)" and "Self-draft" (a low-bit copy of
+the target's offloaded layers), then every local model but the chosen target (a model cannot
+draft for itself; it used to be offered, and choosing it silently meant no draft). A preference
+that is not on this computer stays listed, marked "(not downloaded)".
 
 What this does not do: save anything (the page does, on `use_requested`) or know the starter's
 folder (the page gives the names as the combos list them).
@@ -14,7 +16,10 @@ from __future__ import annotations
 from PySide6.QtCore import Signal
 from PySide6.QtWidgets import QComboBox, QGroupBox, QHBoxLayout, QLabel, QPushButton, QVBoxLayout, QWidget
 
-NO_DRAFT = "(no draft)"
+NO_DRAFT = "None (draft-free)"
+# the engine's own draft choices, as the combo lists them -> as the preferences store them
+# ("" is no draft, as it always was; engine.decoding.pair.parse_draft_spec reads the rest)
+DRAFT_CHOICES = {"Automatic (recommended)": "auto", NO_DRAFT: "", "Self-draft": "self"}
 
 
 class PairBox(QGroupBox):
@@ -27,11 +32,15 @@ class PairBox(QGroupBox):
         self._names: list[str] = []
         self.target_combo = QComboBox()
         self.target_combo.setAccessibleName("Active target model")
+        self.target_combo.setObjectName("target")
         self.target_combo.currentIndexChanged.connect(self._on_target_combo_changed)
         self.draft_combo = QComboBox()
         self.draft_combo.setAccessibleName("Active draft model")
-        self.draft_combo.setToolTip("A small model of the same family that guesses ahead; the target checks its "
-                                    "guesses, several tokens per pass. (no draft): plain decoding")
+        self.draft_combo.setToolTip("What guesses ahead for the target, which checks the guesses several tokens "
+                                    "per pass. Automatic: the engine picks the fastest of the model's own heads, "
+                                    "a self-draft, the catalog's draft model and none, and the status bar says "
+                                    "why. None: draft-free. Self-draft: a low-bit copy of the target's "
+                                    "offloaded layers. Or a small model of the same family.")
         for combo in (self.target_combo, self.draft_combo):  # long names elide: the page fits half a screen
             combo.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
             combo.setMinimumContentsLength(14)
@@ -69,7 +78,7 @@ class PairBox(QGroupBox):
     def _fill_draft_combo(self, current: str) -> None:
         target = self.target_combo.currentData() or ""
         names = [n for n in self._names if n != target]
-        _fill_combo(self.draft_combo, [NO_DRAFT, *names], current if current != target else "")
+        _fill_combo(self.draft_combo, [*DRAFT_CHOICES, *names], current if current != target else "")
 
     def _on_use_clicked(self) -> None:
         target = self.target_combo.currentData() or ""
@@ -82,8 +91,8 @@ def _fill_combo(combo: QComboBox, names: list[str], current: str) -> None:
     combo.blockSignals(True)
     combo.clear()
     for name in names:
-        combo.addItem(name, "" if name == NO_DRAFT else name)
-    if current and current not in names:
+        combo.addItem(name, DRAFT_CHOICES.get(name, name) if combo.objectName() != "target" else name)
+    if current and current not in names and current not in DRAFT_CHOICES.values():
         combo.addItem(f"{current} (not downloaded)", current)
     combo.setCurrentIndex(max(combo.findData(current), 0))
     combo.blockSignals(False)

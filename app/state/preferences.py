@@ -48,7 +48,8 @@ class Preferences:
     """Everything the user can set. Change with `dataclasses.replace`.
 
     budget 0 = automatic (engine.decoding.auto_budget chooses per request, for this machine and
-    pair). models_dir "" = the engine's default folder. target/draft: a catalog id, a repo id or a local path ("" = none).
+    pair). models_dir "" = the engine's default folder. target/draft: a catalog id, a repo id or a local path ("" = none);
+    draft also "auto" (the engine picks: engine.decoding.draft_choice, the default) or "self" (a self-draft).
     """
 
     # Sampling
@@ -76,7 +77,7 @@ class Preferences:
     font_size: int = 11
     # Active pair and first run
     target: str = ""
-    draft: str = ""
+    draft: str = "auto"
     first_run_done: bool = False
     system_presets: tuple[tuple[str, str], ...] = DEFAULT_SYSTEM_PRESETS
     # API server (Settings > Server, app/workers/api_server.py): port 0 = any free port (tests)

@@ -39,6 +39,7 @@ from engine.types import GenerationStats, LoadProgress
 
 if TYPE_CHECKING:  # it imports torch; the GUI thread never does
     from engine.decoding.auto_budget import BudgetChoice
+    from engine.decoding.draft_choice import DraftChoice
 
 TOKENS_PER_PASS_TIP = ("Answer tokens per pass over the big model's weights. Plain decoding makes 1; with "
                        "speculation each pass checks a tree of guesses and keeps every one the big model agrees "
@@ -47,6 +48,25 @@ BUDGET_TIP = ("The tree budget: how many draft tokens the big model checks in on
               "tokens per pass but makes each pass slower; auto lets the planner pick the fastest for this computer.")
 TTFT_TIP = ("Seconds from sending until the first token: mostly reading the conversation. Prompt tokens reused "
             "from an earlier turn were read already and cost nothing now.")
+
+
+def draft_text(choice: DraftChoice, draft: str) -> str:
+    """The draft that runs, in the status bar: "draft: self-draft, 3-bit (54 of 80 layers)",
+    "draft-free"."""
+    if choice.kind == "none" or not draft:
+        return "draft-free"
+    label = short_name(draft) if choice.kind == "catalog" else choice.label
+    return f"draft: {label}"
+
+
+def draft_tip(target: str, choice: DraftChoice) -> str:
+    """Why this draft runs, and why not the others (the engine's reasons)."""
+    how = "picked by hand" if choice.reason.startswith("chosen by hand") else "picked by the engine"
+    lines = [f"Target: {target}", f"Draft: {choice.label}, {how}", f"Why: {choice.reason}"]
+    if choice.rejected:
+        lines.append("Not chosen:")
+        lines += [f"  {c.label}: {c.reason}" for c in choice.rejected]
+    return "\n".join(lines)
 
 
 @dataclass(frozen=True)
@@ -192,13 +212,20 @@ class StatusBar(QStatusBar):
         self.row.relayout()
 
     # ---- model ---------------------------------------------------------------------------
-    def show_pair(self, target: str, draft: str, placement: Placement | None) -> None:
-        """A pair loaded: the last model's figures go."""
+    def show_pair(self, target: str, draft: str, placement: Placement | None,
+                  choice: DraftChoice | None = None) -> None:
+        """A pair loaded: the last model's figures go. `choice`: which draft runs and why (the
+        engine's DraftChoice): its label in the field, its reason and the other candidates'
+        in the tooltip."""
         self.clear_figures()
         self.has_draft = bool(draft)
         name = short_name(target)
-        self._set(self.pair, name + (f" + {short_name(draft)} draft" if draft else " (no draft)"),
-                  f"Target: {target}\nDraft: {draft or 'none'}", name + (" + draft" if draft else ""))
+        if choice is None:
+            self._set(self.pair, name + (f" + {short_name(draft)} draft" if draft else " (no draft)"),
+                      f"Target: {target}\nDraft: {draft or 'none'}", name + (" + draft" if draft else ""))
+        else:
+            self._set(self.pair, f"{name} · {draft_text(choice, draft)}", draft_tip(target, choice),
+                      name + (" + draft" if draft else " · draft-free"))
         self._show_placement(placement)
 
     def _show_placement(self, placement: Placement | None) -> None:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 from PySide6.QtCore import QObject, Qt, Signal, Slot
 
 from app.workers.generation import GenerationHost, GenerationWorker, log_failure, user_message
+from engine.decoding.draft_choice import DraftChoice
 from engine.errors import Cancelled, EngineError
 from engine.planning.measured import SpeedKey, record_answer, speed_key
 from engine.store.pypi import STARTER_GGUF_BYTES
@@ -48,12 +49,25 @@ class NoModelLoaded(EngineError):
     """An API request arrived while no model is loaded in the app."""
 
 
+def running_draft(spec: str, has_draft: bool, choice: DraftChoice | None) -> str:
+    """The draft that runs, as the app names it: "" when none runs, a draft model by the spec it
+    was loaded by, a head or a self-draft (picked by "auto" or "self") by its label."""
+    if not has_draft:
+        return ""
+    if spec in ("auto", "self") or spec.startswith("self:"):
+        return choice.label if choice is not None else spec
+    return spec
+
+
 class EngineWorker(GenerationWorker):
     """Owns the Engine; runs in a worker QThread.
 
     Signals (besides GenerationWorker's):
         load_progressed(object): a LoadProgress.
-        loaded(int, str, str, object, int, str): load id, target, draft ("" = none), the engine's
+        draft_chosen(int, object): load id and the engine.decoding.draft_choice.DraftChoice of the
+            draft that runs, with why (emitted just before `loaded`).
+        loaded(int, str, str, object, int, str): load id, target, the draft that runs ("" = none;
+            a draft model by its spec, a head or self-draft by its label), the engine's
             Placement (or None), its context length in tokens (0: the model does not say) and
             the target's chat template ("" without one: it says how answers are split and
             whether the API can take tools).
@@ -67,6 +81,7 @@ class EngineWorker(GenerationWorker):
 
     load_progressed = Signal(object)
     loaded = Signal(int, str, str, object, int, str)
+    draft_chosen = Signal(int, object)
     load_failed = Signal(int, str)
     starter_prepared = Signal(int, str)
     budget_chosen = Signal(int, object)
@@ -92,7 +107,7 @@ class EngineWorker(GenerationWorker):
         self.unload()  # free the old pair before loading the next
         try:
             from engine.decoding.auto_budget import AutoBudget  # imports torch: in this worker thread
-            from engine.decoding.pair import load_engine
+            from engine.decoding.pair import draft_choice_of, load_engine
             from engine.decoding.text import template_text
 
             engine = load_engine(target, draft or None, settings, progress=self.load_progressed.emit,
@@ -106,8 +121,12 @@ class EngineWorker(GenerationWorker):
             self.load_failed.emit(load_id, user_message(exc))
             return
         self._engine, self._auto = engine, AutoBudget(engine)
+        choice = draft_choice_of(engine)
+        draft = running_draft(draft, engine.draft is not None, choice)
         self._speed_key = speed_key(target, draft or None, engine.placement)
         context = engine.context_length
+        if choice is not None:
+            self.draft_chosen.emit(load_id, choice)
         self.loaded.emit(load_id, target, draft, engine.placement, 0 if context >= UNKNOWN_CONTEXT else context,
                          template_text(engine.tokenizer))
 

@@ -31,8 +31,8 @@ import torch
 from engine.cli import common
 from engine.cli.parser import BENCH_METHODS
 from engine.decoding.generation import Engine
+from engine.decoding.pair import draft_choice_of
 from engine.errors import InvalidRequest, UsageError
-from engine.loading.load import check_pair, load_model
 from engine.planning import planner
 from engine.planning.calibration import AcceptanceCurve
 from engine.planning.measure import measure_hardware
@@ -279,13 +279,12 @@ def run_bench_speculation(args: argparse.Namespace) -> int:
     if args.threads:
         set_threads(args.threads)
     common.quiet_libraries(args.verbose)
-    target = load_model(args.target)
-    draft = load_model(args.draft) if args.draft else None
-    if draft is not None:
-        check_pair(target, draft)
-    else:  # rows that need a draft are left out
+    engine = common.bench_engine(args.target, args.draft)
+    chosen = draft_choice_of(engine)
+    if chosen is not None:
+        print(f"draft: {chosen.label} ({chosen.reason})", file=sys.stderr, flush=True)
+    if engine.draft is None:  # rows that need a draft are left out
         methods = [m for m in methods if m in ("autoregressive", "context")]
-    engine = Engine(target.model, target.tokenizer, draft.model if draft is not None else None)
     measured: dict[tuple[str, int, float], BenchRow] = {}  # in the order first run; rounds add up
 
     def add(row: BenchRow) -> None:
@@ -314,9 +313,10 @@ def run_bench_speculation(args: argparse.Namespace) -> int:
     rows = list(measured.values())
     predicted, plan_text = _planner_view(engine, args.profile, budgets, rows)
     rounds = f" x {args.rounds} rounds" if args.rounds > 1 else ""
-    print(f"{len(prompts)} chat prompts x {args.max_new_tokens} new tokens{rounds}; target {target.path.name}, "
-          f"draft {draft.path.name if draft is not None else '(none)'}; {torch.get_num_threads()} CPU threads" if target.model.device.type == "cpu"
-          else f"{len(prompts)} prompts x {args.max_new_tokens} tokens{rounds} on {target.model.device}")
+    draft_name = "(none)" if engine.draft is None else chosen.label if chosen is not None else Path(args.draft).name
+    print(f"{len(prompts)} chat prompts x {args.max_new_tokens} new tokens{rounds}; target {Path(args.target).name}, "
+          f"draft {draft_name}; {torch.get_num_threads()} CPU threads" if engine.target.device.type == "cpu"
+          else f"{len(prompts)} prompts x {args.max_new_tokens} tokens{rounds} on {engine.target.device}")
     print(format_table(rows, predicted))
     for temperature, accept in rank_acceptance.items():
         print(f"acceptance by rank (T={temperature:g}, for Sequoia trees): "

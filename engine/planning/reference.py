@@ -34,6 +34,9 @@ REFERENCE_GPUS = {
     "rtx4090": ReferenceGpu("NVIDIA GeForce RTX 4090", 24, 1008, 165, 4),
     "rtx3090": ReferenceGpu("NVIDIA GeForce RTX 3090", 24, 936, 71, 4),
     "rtx4060ti-16gb": ReferenceGpu("NVIDIA GeForce RTX 4060 Ti 16GB", 16, 288, 44, 4),
+    # a 12 GB card (the issue's "Qwen3.6-27B on a 12 GB card"): GA106, 28 SMs x 4 tensor cores x
+    # 256 FP16 flops per clock at 1.78 GHz = 51 TFLOP/s dense, as the 3090's 71 counts; 360 GB/s
+    "rtx3060-12gb": ReferenceGpu("NVIDIA GeForce RTX 3060 12GB", 12, 360, 51, 4),
     "l40": ReferenceGpu("NVIDIA L40", 48, 864, 181, 4),
     "a100-80gb": ReferenceGpu("NVIDIA A100 80GB PCIe", 80, 1935, 312, 4),
 }

@@ -136,7 +136,8 @@ def test_import_remove_and_choose_a_pair_from_local_models(
 
         page.pair.target_combo.setCurrentIndex(page.pair.target_combo.findData(target.name))
         drafts = [page.pair.draft_combo.itemData(i) for i in range(page.pair.draft_combo.count())]
-        assert drafts == ["", draft.name]  # (no draft) and the other model: never the target itself
+        # the engine's choices (automatic, none, self-draft), then the other model: never the target itself
+        assert drafts == ["auto", "", "self", draft.name]
         page.pair.draft_combo.setCurrentIndex(page.pair.draft_combo.findData(draft.name))
         page.pair.target_combo.setCurrentIndex(page.pair.target_combo.findData(draft.name))  # the draft as target...
         assert page.pair.draft_combo.findData(draft.name) == -1 and page.pair.draft_combo.currentData() == ""  # ...is no draft
@@ -250,7 +251,7 @@ def test_lm_studio_and_ollama_models_are_listed_in_place_and_usable(
         page.pair.target_combo.setCurrentIndex(page.pair.target_combo.findData("tiny:latest"))
         with qtbot.waitSignal(page.active_pair_changed) as chosen:
             qtbot.mouseClick(page.pair.use_button, _left())
-        assert chosen.args == ["tiny:latest", ""]
+        assert chosen.args == ["tiny:latest", "auto"]  # the draft preference's default: the engine picks
         assert resolve_model("tiny:latest") == ollama / "blobs" / f"sha256-{digest}"  # what the engine loads
         assert not (app_env / "models").exists() or not any((app_env / "models").iterdir())  # nothing written
     finally:

@@ -51,7 +51,7 @@ def test_update_changes_only_named_fields(tmp_path: Path, qtbot: QtBot) -> None:
     store = PreferencesStore(_ini(tmp_path / "p.ini"))
     store.save(replace(Preferences(), font_size=13))
     saved = store.update(target="starter", draft="", first_run_done=True)
-    assert saved == replace(Preferences(), font_size=13, target="starter", first_run_done=True)
+    assert saved == replace(Preferences(), font_size=13, target="starter", draft="", first_run_done=True)
     assert store.load() == saved
 
 

@@ -116,7 +116,7 @@ def test_an_answer_stopped_by_a_new_load_leaves_no_figures_beside_it(
 def test_a_draft_beside_plain_decoding_says_why(qtbot: QtBot, open_window, chat_prefs: PreferencesStore) -> None:
     chat_prefs.update(max_new_tokens=6, tree_mode="autoregressive")
     window = open_window(chat_prefs)
-    assert window.status.pair.text().endswith(" draft")
+    assert " · draft: " in window.status.pair.text()  # the draft that runs (engine.decoding.draft_choice)
     _answer(qtbot, window, "hello")
     mode = window.status.budget
     assert mode.text() == "plain (Settings)" and "Settings > Engine > Mode" in mode.toolTip()

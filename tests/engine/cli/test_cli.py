@@ -71,7 +71,8 @@ def test_json_greedy_specexec_equals_autoregressive_and_plain_transformers(
     assert proc.returncode == 0, err
     assert err == ""  # no progress bars or transformers warnings around the JSON
     [spec] = json_lines(out)
-    assert set(spec) == {"text", "token_ids", "finish_reason", "stats"}
+    assert set(spec) == {"text", "token_ids", "finish_reason", "stats", "draft"}
+    assert spec["draft"]["kind"] == "catalog" and spec["draft"]["label"] == tiny_draft_path.name  # named by hand
     assert set(spec["stats"]) == set(JSON_STATS_FIELDS)
     for key, kind in STATS_TYPES.items():
         assert isinstance(spec["stats"][key], kind), key
@@ -84,6 +85,7 @@ def test_json_greedy_specexec_equals_autoregressive_and_plain_transformers(
     [ar] = json_lines(out)
     assert ar["token_ids"] == spec["token_ids"] and ar["text"] == spec["text"]
     assert ar["stats"]["target_passes"] == ar["stats"]["new_tokens"] and ar["stats"]["budget"] == 0
+    assert ar["draft"]["kind"] == "none"  # --mode autoregressive loads no draft
 
     # independent reference: transformers' own greedy decoding of the same text
     from transformers import AutoModelForCausalLM, AutoTokenizer
