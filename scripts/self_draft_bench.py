@@ -12,7 +12,7 @@ and the proxy's layers as bitsandbytes FP4 with an fp32 absmax per 64 weights (4
 proxy folder itself is stored de-quantised to fp32). The proxy also needs an embedding and a
 head of its own; the self-draft uses the target's.
 
-    python scripts/self_draft_bench.py [--budgets 64,256,1024] [--tokens 48] [--prompts FILE]
+    python scripts/self_draft_bench.py [--budgets 64,256,1024] [--tokens 48] [--prompts FILE] [--min-pass-gain 0]
 """
 
 from __future__ import annotations
