@@ -5,7 +5,6 @@ a layer). synthetic.py builds the small models saved as folders and GGUF files."
 
 from __future__ import annotations
 
-
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
@@ -16,20 +15,6 @@ from engine.offload.layout import LayerLayout, set_parameter
 from engine.offload.streamer import LayerHome, LayerStreamer
 from engine.planning.placement import RING_SLOTS
 from engine.shapes import ModelShape, Placement
-
-CHATML = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] "
-    "+ '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
-
-_CORPUS = """
-The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step.
-Speculative decoding lets a small draft model propose tokens that a large target model verifies.
-def add(a, b):\n    return a + b\nfor i in range(10):\n    print(i)
-Paris is the capital of France. Water boils at 100 degrees Celsius at sea level.
-Once upon a time there was a little robot who loved to read books about the sea and the stars.
-""" * 4
-
 
 INIT_STD = 0.02  # Llama's initializer range
 
