@@ -34,7 +34,7 @@ from engine import paths
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("qmatmul.c")
-FLAG_SETS = (("-O3", "-march=native", "-fopenmp"), ("-O3", "-mavx2", "-mfma", "-fopenmp"), ("-O3", "-fopenmp"),
+FLAG_SETS = (("-O3", "-march=native", "-fopenmp"), ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"), ("-O3", "-fopenmp"),
              ("-O3",))
 VERSION = 1  # qm_version() of the source this module speaks to
 

@@ -15,8 +15,13 @@ PackedLinear (minimums, where present, in groups of 16 or 32). `takes(cache)` sa
 whether the cache is a plain KVCache of this shape. SPECCHAT_NO_FUSED=1 in the environment (read
 when a model is loaded) switches the path off.
 
-What this module does not do: trees, chunks of several tokens, streamed layers, experts, windows,
-hybrids or GPUs (CausalLM.forward's general path runs those), or choose which weights are packed.
+`pass_` runs several tokens the same way (qmatmul.c's `qm_pass_layers`): a tree's nodes under
+their mask, or a chain (a prompt's chunk), each weight tile decoded once for all of them. A
+draft-free tree on the starter then costs a few milliseconds more than a plain step, not the
+general path's ~20 ms of Python and small operations, so trees pay on a CPU again.
+
+What this module does not do: streamed layers, experts, windows, hybrids or GPUs
+(CausalLM.forward's general path runs those), or choose which weights are packed.
 """
 
 from __future__ import annotations
@@ -97,6 +102,11 @@ class FusedDecoder:
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 7, ctypes.c_float,
                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
         self._fn = fn
+        many = lib.qm_pass_layers
+        many.restype = ctypes.c_int
+        many.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 8, ctypes.c_float,
+                         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+        self._many = many
         # each cache's buffer addresses, read again when its buffers change (reserve() grew it)
         self._buffers: weakref.WeakKeyDictionary[KVCache, _Buffers] = weakref.WeakKeyDictionary()
 
@@ -106,7 +116,8 @@ class FusedDecoder:
         why = _refusal(model)
         if why is None:
             lib = kernels()
-            why = "no packed kernel library" if lib is None or not hasattr(lib, "qm_decode_layers") else None
+            why = ("no packed kernel library" if lib is None or not hasattr(lib, "qm_decode_layers")
+                   or not hasattr(lib, "qm_pass_layers") else None)
         if why is not None:
             log.debug("fused decoding step off: %s", why)
             return None
@@ -150,6 +161,33 @@ class FusedDecoder:
             raise torch.OutOfMemoryError("The fused CPU decoding step could not allocate its scratch memory.")
         cache.commit(1)
         out: torch.Tensor = self.norm(hidden[0])  # (1, H)
+        return out
+
+
+    def pass_(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+              allowed: torch.Tensor | None) -> torch.Tensor:
+        """n tokens (a tree's nodes, or a chain) through every layer in one C call; their K/V
+        appended to `cache` (reserved and positioned by the caller; `takes(cache)` true).
+        allowed: (n, cache.length + n) bool, what each token attends to; None: a causal chain.
+        The final normed hidden states (n, hidden), as CausalLM.forward returns them."""
+        buffers = self._addresses(cache)
+        assert buffers is not None, "call takes(cache) first"
+        n = int(input_ids.shape[0])
+        mask = None
+        if allowed is not None:
+            assert tuple(allowed.shape) == (n, cache.length + n), "allowed: (n, cache.length + n)"
+            mask = allowed.to(device="cpu", dtype=torch.bool).contiguous()
+        hidden = self.embed(input_ids.to(self.device)[None]).float().contiguous()  # (1, n, H)
+        cos, sin = self.rotary(hidden, position_ids=positions[None])  # (1, n, D) each
+        cos, sin = cos.float().contiguous(), sin.float().contiguous()
+        rc = self._many(self.layers, buffers.keys, buffers.values, len(self.layers), self.hidden, self.heads,
+                        self.kv_heads, self.head_dim, cache.capacity, cache.length, n, self.scale, cos.data_ptr(),
+                        sin.data_ptr(), mask.data_ptr() if mask is not None else None, hidden.data_ptr(),
+                        torch.get_num_threads())
+        if rc != 0:
+            raise torch.OutOfMemoryError("The fused CPU pass could not allocate its scratch memory.")
+        cache.commit(n)
+        out: torch.Tensor = self.norm(hidden[0])  # (n, H)
         return out
 
 

@@ -9,6 +9,10 @@ optionally a minimum per group, w = scale * code (+ minimum):
 - "q4": codes 0..15 packed two per byte (N x K/2; in each group of 32, byte k holds value k in
   its low nibble and value k + 16 in its high nibble), groups of 32: Q4_0, Q4_1, Q4_K.
 
+Scales and minimums are kept in fp16 where every one of a weight's is exactly an fp16 value (the
+file's own fp16 scales: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), else in fp32 (K-quants' scale products):
+the values multiplied are the file's either way, and a Q4_1 step reads 0.625 bytes a weight.
+
 `from_codes` packs codes of either kind (engine.offload.gguf_blocks.affine gives them);
 `from_dense` quantises a float weight (tests and benchmarks); `dequantize` is the reference.
 
@@ -27,14 +31,15 @@ from torch import nn
 from engine.kernels.build import kernels
 
 Kind = Literal["q8", "q4"]
+HALF = 256  # qmatmul.c's QM_HALF: the scales and minimums are fp16
 
 
 @dataclass(frozen=True)
 class QuantWeight:
     kind: Kind
     codes: torch.Tensor  # q8: int8 (N, K); q4: uint8 (N, K/2)
-    scales: torch.Tensor  # fp32 (N, K/group)
-    mins: torch.Tensor | None  # fp32 (N, K/group) or None
+    scales: torch.Tensor  # fp32 or fp16 (N, K/group)
+    mins: torch.Tensor | None  # (N, K/group), the scales' dtype, or None
     group: int
     out_features: int
     in_features: int
@@ -43,7 +48,8 @@ class QuantWeight:
     def args(self) -> tuple[int, int, int, int | None]:
         """The kernel's kind code and the addresses of codes, scales and minimums (the tensors
         live as long as the weight and are never replaced: it is frozen)."""
-        return (8 if self.kind == "q8" else 4, self.codes.data_ptr(), self.scales.data_ptr(),
+        half = HALF if self.scales.dtype == torch.float16 else 0
+        return ((8 if self.kind == "q8" else 4) | half, self.codes.data_ptr(), self.scales.data_ptr(),
                 self.mins.data_ptr() if self.mins is not None else None)
 
     @property
@@ -60,11 +66,20 @@ def from_codes(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | N
         raise ValueError(f"{k} columns are not a whole number of groups of {group}")
     scales = scales.float().reshape(n, k // group).contiguous()
     mins = mins.float().reshape(n, k // group).contiguous() if mins is not None else None
+    if all(t is None or _exact_half(t) for t in (scales, mins)):  # the kernel reads 2 bytes, not 4
+        scales = scales.half()
+        mins = mins.half() if mins is not None else None
     if bits <= 4 and group == 32 and mins is not None:
         q = codes.to(torch.uint8).reshape(n, k // 32, 2, 16)
         packed = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
         return QuantWeight("q4", packed, scales, mins, 32, n, k)
     return QuantWeight("q8", codes.to(torch.int8).contiguous(), scales, mins, group, n, k)
+
+
+def _exact_half(t: torch.Tensor) -> bool:
+    """Whether every value of `t` is an fp16 value (GGUF's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 scales and
+    minimums are; K-quants' scale products are not)."""
+    return bool(torch.equal(t.half().float(), t))
 
 
 def from_dense(weight: torch.Tensor, kind: Kind, group: int = 32) -> QuantWeight:
@@ -91,9 +106,9 @@ def codes_of(w: QuantWeight) -> torch.Tensor:
 
 def dequantize(w: QuantWeight) -> torch.Tensor:
     """(N, K) fp32 values: scale * code + minimum, in fp32 (the values the kernel multiplies by)."""
-    v = codes_of(w).float().reshape(w.out_features, -1, w.group) * w.scales[..., None]
+    v = codes_of(w).float().reshape(w.out_features, -1, w.group) * w.scales.float()[..., None]
     if w.mins is not None:
-        v = v + w.mins[..., None]
+        v = v + w.mins.float()[..., None]
     return v.reshape(w.out_features, w.in_features)
 
 

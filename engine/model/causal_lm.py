@@ -42,6 +42,9 @@ if TYPE_CHECKING:
 SUPPORTED_MODEL_TYPES = supported_types()
 FREE_MARGIN_BYTES = 512 << 20  # left to the allocator's fragmentation and the draft's pass
 HOST_FREE_MARGIN_BYTES = 2 << 30  # left to the OS and the app
+# passes of up to this many tokens take the fused C layers where the model qualifies (a longer
+# prompt's chunk takes the general path: the C attention is a plain loop, SDPA's is blocked)
+FUSED_PASS_TOKENS = 512
 
 
 class CausalLM:
@@ -134,8 +137,10 @@ class CausalLM:
         cache.reserve(n)
         positions = positions.to(self.device)
         cache.set_positions(positions)
-        if n == 1 and allowed is None and self.fused is not None and self.fused.takes(cache):
-            return self.fused.step(input_ids, positions, cache)
+        if self.fused is not None and n <= FUSED_PASS_TOKENS and self.fused.takes(cache):
+            if n == 1 and allowed is None:
+                return self.fused.step(input_ids, positions, cache)
+            return self.fused.pass_(input_ids, positions, cache, allowed)
         if isinstance(cache, HybridCache):
             cache.begin_pass(allowed, n)
         # one token that sees the whole cache (a plain decoding step) needs no mask: SDPA's masked

@@ -1,9 +1,11 @@
-"""The fused plain decoding step (engine/kernels/fused_layer.py, qmatmul.c's qm_decode_layers):
-for packed llama, qwen2 (q/k/v biases) and qwen3 (per-head q/k norms) models it computes the
-hidden state and the K/V transformers' own layer modules compute on the same packed weights
-(fp32 rounding apart), step after step while the cache grows and rolls back; greedy text is the
-text without it and transformers' on the de-quantised GGUF; everything else (windows, unpacked
-Linears, trees, other caches, SPECCHAT_NO_FUSED=1) keeps the general path."""
+"""The fused decoding step and pass (engine/kernels/fused_layer.py, qmatmul.c's qm_decode_layers
+and qm_pass_layers): for packed llama, qwen2 (q/k/v biases) and qwen3 (per-head q/k norms) models
+they compute the hidden states and the K/V transformers' own layer modules compute on the same
+packed weights (fp32 rounding apart), step after step while the cache grows and rolls back, and
+for chains and tree passes under any mask; greedy text, plain and speculative, is the text
+without them and transformers' on the de-quantised GGUF; everything else (windows, unpacked
+Linears, other caches, passes past FUSED_PASS_TOKENS, SPECCHAT_NO_FUSED=1) keeps the general
+path."""
 
 from __future__ import annotations
 
@@ -19,13 +21,14 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Pret
 from engine.decoding.generation import Engine
 from engine.kernels import build
 from engine.kernels.fused_layer import LINEARS, FusedDecoder
-from engine.kernels.linear import PackedLinear, from_dense
+from engine.kernels.linear import PackedLinear, dequantize, from_codes, from_dense, qlinear
 from engine.loading.gguf import isolated
 from engine.loading.load import load_model
+from engine.model import causal_lm
 from engine.model.causal_lm import CausalLM
 from engine.model.window_cache import WindowedCache
 from engine.testing.synthetic import tiny_gguf, tiny_model
-from engine.types import Completion, GenerationRequest, SpeculationSettings
+from engine.types import Completion, DecodeMode, GenerationRequest, SpeculationSettings
 
 PROMPTS = ["Paris is the capital of", "def add(a, b):"]
 
@@ -42,6 +45,21 @@ def lib() -> object:
 def _cache_dir(model_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SPECCHAT_CACHE_DIR", str(model_cache))
     monkeypatch.delenv("SPECCHAT_NO_FUSED", raising=False)
+
+
+@pytest.fixture
+def fused_passes(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """The token count of each pass that took the fused several-token path (the real pass)."""
+    calls: list[int] = []
+    real = FusedDecoder.pass_
+
+    def counted(self: FusedDecoder, input_ids: torch.Tensor, positions: torch.Tensor, cache: object,
+                allowed: object) -> torch.Tensor:
+        calls.append(int(input_ids.shape[0]))
+        return real(self, input_ids, positions, cache, allowed)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(FusedDecoder, "pass_", counted)
+    yield calls
 
 
 @pytest.fixture
@@ -102,7 +120,7 @@ def close(got: torch.Tensor, want: torch.Tensor) -> bool:
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_fused_steps_equal_the_layer_modules(family: str, monkeypatch: pytest.MonkeyPatch,
-                                             fused_steps: list[int]) -> None:
+                                             fused_steps: list[int], fused_passes: list[int]) -> None:
     hf = packed(config(family))
     if family == "qwen2":
         assert hf.model.layers[0].self_attn.q_proj.bias is not None
@@ -113,7 +131,7 @@ def test_fused_steps_equal_the_layer_modules(family: str, monkeypatch: pytest.Mo
     prompt = torch.tensor([5, 17, 42, 99, 3])
     fused.forward(prompt, torch.arange(5), ours, None)
     plain.forward(prompt, torch.arange(5), theirs, None)
-    assert fused_steps == []  # a prompt of several tokens takes the general path
+    assert fused_steps == [] and fused_passes == [5]  # a prompt of several tokens takes the fused pass
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 300, (14,), generator=g)
     for s, token in enumerate(tokens):
@@ -131,8 +149,77 @@ def test_fused_steps_equal_the_layer_modules(family: str, monkeypatch: pytest.Mo
     assert len(fused_steps) == len(tokens) and ours.capacity >= 16  # every step fused, across two reserve() growths
 
 
-def greedy(engine: Engine, prompt: str, n: int) -> list[int]:
-    req = GenerationRequest(raw_prompt=prompt, max_new_tokens=n, speculation=SpeculationSettings(mode="autoregressive"))
+def tree_mask(parents: list[int], past: torch.Tensor) -> torch.Tensor:
+    """(n, len(past) + n) bool: node i sees the past entries `past` allows and its ancestors
+    (parents[i] < i, -1 for a root) and itself."""
+    n = len(parents)
+    own = torch.zeros(n, n, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        own[i, i] = True
+        if p >= 0:
+            own[i] |= own[p]
+    return torch.cat([past[None].expand(n, -1), own], dim=1)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_fused_passes_equal_the_layer_modules(family: str, monkeypatch: pytest.MonkeyPatch,
+                                              fused_passes: list[int]) -> None:
+    """Chains and trees: the hidden state of every node and every K/V entry, across a tree,
+    keeping its accepted path, a chain with the cache growing, and a mask hiding past entries."""
+    fused, plain = pair(packed(config(family), seed=3), monkeypatch)
+    ours, theirs = fused.new_cache(4), plain.new_cache(4)
+    g = torch.Generator().manual_seed(7)
+
+    def both(tokens: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor | None) -> None:
+        got = fused.forward(tokens, positions, ours, allowed)
+        want = plain.forward(tokens, positions, theirs, allowed)
+        assert got.shape == want.shape == (len(tokens), 128)
+        assert close(got, want)
+        assert ours.length == theirs.length
+        for k1, k2 in zip(ours.tensors(), theirs.tensors()):
+            assert close(k1[0], k2[0]) and close(k1[1], k2[1])
+
+    both(torch.randint(0, 300, (7,), generator=g), torch.arange(7), None)  # a prompt: a chain
+    # a tree of 9 nodes over the 7 entries: two roots' branches, depths 1 to 4
+    parents = [-1, 0, 0, 1, 1, 3, 2, -1, 7]
+    depth = [0] * len(parents)
+    for i, p in enumerate(parents):
+        depth[i] = depth[p] + 1 if p >= 0 else 0
+    both(torch.randint(0, 300, (9,), generator=g), 7 + torch.tensor(depth), tree_mask(parents, torch.ones(7, dtype=torch.bool)))
+    for cache in (ours, theirs):  # accept the path 0 -> 1 -> 3 -> 5, as verification keeps it
+        cache.keep(torch.tensor([*range(7), 7, 8, 10, 12]))
+    both(torch.randint(0, 300, (3,), generator=g), torch.arange(11, 14), None)  # a chain after it
+    # a tree whose nodes may not see some past entries (a mask the general path also takes)
+    past = torch.ones(14, dtype=torch.bool)
+    past[[2, 9]] = False
+    both(torch.randint(0, 300, (4,), generator=g), torch.tensor([14, 15, 15, 16]), tree_mask([-1, 0, 0, 2], past))
+    # one node under a mask: the several-token path too (the tree above rejected whole)
+    ours.truncate(14)
+    theirs.truncate(14)
+    both(torch.randint(0, 300, (1,), generator=g), torch.tensor([14]), tree_mask([-1], past))
+    assert fused_passes == [7, 9, 3, 4, 1] and ours.capacity >= 19
+
+
+def test_thread_counts_give_the_same_pass() -> None:
+    """Tiles, heads and norms are computed whole by one thread each: a tree pass is bit-equal
+    whatever the thread count."""
+    model = CausalLM(packed(config("llama")))
+    before = torch.get_num_threads()
+    got = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            cache = model.new_cache(8)
+            model.forward(torch.tensor([1, 2, 3]), torch.arange(3), cache, None)
+            got.append(model.forward(torch.tensor([4, 5, 6, 7, 8]), torch.tensor([3, 4, 4, 5, 5]), cache,
+                                     tree_mask([-1, 0, 0, 1, 2], torch.ones(3, dtype=torch.bool))))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got[0], got[1]) and torch.equal(got[0], got[2])
+
+
+def greedy(engine: Engine, prompt: str, n: int, mode: DecodeMode = "autoregressive") -> list[int]:
+    req = GenerationRequest(raw_prompt=prompt, max_new_tokens=n, speculation=SpeculationSettings(mode=mode, budget=16))
     final = list(engine.generate(req))[-1]
     assert isinstance(final, Completion)
     return list(final.token_ids)
@@ -141,7 +228,8 @@ def greedy(engine: Engine, prompt: str, n: int) -> list[int]:
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_greedy_text_equals_the_general_path_and_transformers(arch: str, model_cache: Path,
                                                                 monkeypatch: pytest.MonkeyPatch,
-                                                                fused_steps: list[int]) -> None:
+                                                                fused_steps: list[int],
+                                                                fused_passes: list[int]) -> None:
     path = tiny_gguf(arch, layers=3, hidden=128, layer_types=("Q4_1", "Q8_0", "Q4_0"),
                      head_type="Q8_0", cache_dir=model_cache)
     with isolated(path) as src:
@@ -158,6 +246,9 @@ def test_greedy_text_equals_the_general_path_and_transformers(arch: str, model_c
         ours = greedy(Engine(fused.model, fused.tokenizer), prompt, 48)
         assert len(fused_steps) - before >= len(ours) - 1  # every step after the prompt's pass
         assert ours == greedy(Engine(plain.model, plain.tokenizer), prompt, 48), prompt
+        before = len(fused_passes)  # draft-free trees of context candidates: fused tree passes
+        assert greedy(Engine(fused.model, fused.tokenizer), prompt, 48, "specexec") == ours, prompt
+        assert len(fused_passes) > before + 1
         x = torch.tensor([tok(prompt)["input_ids"]])
         want = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=48, do_sample=False,
                             pad_token_id=tok.pad_token_id)[0, x.shape[1]:].tolist()
@@ -165,7 +256,7 @@ def test_greedy_text_equals_the_general_path_and_transformers(arch: str, model_c
 
 
 def test_other_models_and_passes_keep_the_general_path(model_cache: Path, monkeypatch: pytest.MonkeyPatch,
-                                                       fused_steps: list[int]) -> None:
+                                                       fused_steps: list[int], fused_passes: list[int]) -> None:
     # sliding-window layers (the tiny qwen3 family has one), packed or not
     windowed = AutoModelForCausalLM.from_pretrained(tiny_model("qwen3", cache_dir=model_cache), dtype=torch.float32)
     assert CausalLM(windowed).fused is None
@@ -178,13 +269,15 @@ def test_other_models_and_passes_keep_the_general_path(model_cache: Path, monkey
     monkeypatch.setenv("SPECCHAT_NO_FUSED", "1")
     assert CausalLM(packed(config("qwen2"))).fused is None
     monkeypatch.delenv("SPECCHAT_NO_FUSED")
-    # an eligible model: trees, chunks and other caches take the general path
+    # an eligible model: other caches, and passes longer than FUSED_PASS_TOKENS, take the general path
     model = CausalLM(packed(config("llama")))
     assert model.fused is not None
+    monkeypatch.setattr(causal_lm, "FUSED_PASS_TOKENS", 2)
     cache = model.new_cache(8)
     model.forward(torch.tensor([1, 2, 3]), torch.arange(3), cache, None)
+    assert fused_passes == []
     model.forward(torch.tensor([4]), torch.tensor([3]), cache, torch.tensor([[True, False, True, True]]))
-    assert fused_steps == []
+    assert fused_steps == [] and fused_passes == [1]
     other = WindowedCache(3, 2, 32, torch.float32, "cpu", 8, None, [4, None, None])
     assert not model.fused.takes(other)
     model.forward(torch.tensor([4]), torch.tensor([3]), cache, None)
@@ -206,3 +299,36 @@ def test_thread_counts_give_the_same_step() -> None:
     finally:
         torch.set_num_threads(before)
     assert torch.equal(got[0], got[1]) and torch.equal(got[0], got[2])
+
+
+@pytest.mark.parametrize("flags", build.FLAG_SETS[1:], ids=lambda f: " ".join(f[1:-1]) or "plain C")
+def test_the_portable_builds_compute_the_same(flags: tuple[str, ...], tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The AVX2 and plain C builds (what a CPU without AVX-512, or without AVX2, gets): packed
+    products with fp16 and fp32 scales, a fused step and a fused tree pass, against the dense
+    product and the general path."""
+    monkeypatch.setenv("SPECCHAT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(build, "FLAG_SETS", (flags,))
+    build.reset()
+    try:
+        lib = build.kernels()
+        assert lib is not None
+        assert lib.qm_simd() == (2 if "-mavx2" in flags else 0)
+        g = torch.Generator().manual_seed(5)
+        codes = torch.randint(0, 16, (24, 96), generator=g)
+        for scales in (torch.rand(24, 3, generator=g), torch.rand(24, 3, generator=g).half().float()):
+            for kind, bits in (("q4", 4), ("q8", 5)):
+                w = from_codes(codes, scales, -scales * 8, 32, bits)
+                assert w.kind == kind
+                for m in (1, 5):
+                    x = torch.randn(m, 96, generator=g)
+                    assert close(qlinear(x, w), x @ dequantize(w).T)
+        fused, plain = pair(packed(config("qwen2"), seed=4), monkeypatch)
+        ours, theirs = fused.new_cache(16), plain.new_cache(16)
+        for tokens, positions, allowed in ((torch.tensor([3, 9, 27]), torch.arange(3), None),
+                                           (torch.tensor([81]), torch.tensor([3]), None),
+                                           (torch.tensor([5, 6, 7]), torch.tensor([4, 5, 5]),
+                                            tree_mask([-1, 0, 0], torch.ones(4, dtype=torch.bool)))):
+            assert close(fused.forward(tokens, positions, ours, allowed), plain.forward(tokens, positions, theirs, allowed))
+    finally:
+        build.reset()

@@ -28,19 +28,28 @@ def close(got: torch.Tensor, want: torch.Tensor) -> bool:
     return bool((got - want).abs().max() <= 1e-5 * want.abs().max() + 1e-6)
 
 
-@pytest.mark.parametrize("kind,group,mins", [("q8", 32, False), ("q8", 16, False), ("q8", 32, True),
-                                             ("q4", 32, True)])
-def test_products_equal_the_dense_product_of_the_values(lib: object, kind: str, group: int, mins: bool) -> None:
+@pytest.mark.parametrize("kind,group,mins,half", [("q8", 32, False, False), ("q8", 16, False, True),
+                                                  ("q8", 32, True, True), ("q4", 32, True, False),
+                                                  ("q4", 32, True, True)])
+def test_products_equal_the_dense_product_of_the_values(lib: object, kind: str, group: int, mins: bool,
+                                                        half: bool) -> None:
+    """half: scales and minimums that are all fp16 values (as GGUF's Q4_1/Q8_0 store them) are
+    kept and read as fp16; others as fp32."""
     g = torch.Generator().manual_seed(0)
     for n, k in ((1, 32), (7, 96), (64, 576), (13, 1536)):
-        if kind == "q4":
+        if kind == "q4" and not half:
             w = from_dense(torch.randn(n, k, generator=g), "q4")
         else:
-            codes = torch.randint(-128 if not mins else 0, 128 if not mins else 32, (n, k), generator=g, dtype=torch.int8)
+            lo, hi = (-128, 128) if not mins else (0, 32 if kind == "q8" else 16)
+            codes = torch.randint(lo, hi, (n, k), generator=g, dtype=torch.int8)
             scales = torch.rand(n, k // group, generator=g) * 0.1
             lows = torch.randn(n, k // group, generator=g) * 0.1 if mins else None
-            w = from_codes(codes, scales, lows, group, 8 if not mins else 5)
+            if half:
+                scales[0, 0] = 6e-8  # an fp16 subnormal (the plain C build converts it by hand)
+                scales, lows = scales.half().float(), lows.half().float() if lows is not None else None
+            w = from_codes(codes, scales, lows, group, 4 if kind == "q4" else 8 if not mins else 5)
         assert w.kind == kind
+        assert (w.scales.dtype == torch.float16) == half
         ref_w = dequantize(w)
         bias = torch.randn(n, generator=g)
         for m in (1, 2, 3, 5, 16, 64):
