@@ -138,7 +138,7 @@ class CausalLM:
         positions = positions.to(self.device)
         cache.set_positions(positions)
         if self.fused is not None and n <= FUSED_PASS_TOKENS and self.fused.takes(cache):
-            if n == 1 and allowed is None:
+            if n == 1 and (allowed is None or bool(allowed.all())):  # a token that sees the whole cache
                 return self.fused.step(input_ids, positions, cache)
             return self.fused.pass_(input_ids, positions, cache, allowed)
         if isinstance(cache, HybridCache):

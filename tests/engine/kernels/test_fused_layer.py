@@ -163,7 +163,7 @@ def tree_mask(parents: list[int], past: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_fused_passes_equal_the_layer_modules(family: str, monkeypatch: pytest.MonkeyPatch,
-                                              fused_passes: list[int]) -> None:
+                                              fused_passes: list[int], fused_steps: list[int]) -> None:
     """Chains and trees: the hidden state of every node and every K/V entry, across a tree,
     keeping its accepted path, a chain with the cache growing, and a mask hiding past entries."""
     fused, plain = pair(packed(config(family), seed=3), monkeypatch)
@@ -198,6 +198,9 @@ def test_fused_passes_equal_the_layer_modules(family: str, monkeypatch: pytest.M
     theirs.truncate(14)
     both(torch.randint(0, 300, (1,), generator=g), torch.tensor([14]), tree_mask([-1], past))
     assert fused_passes == [7, 9, 3, 4, 1] and ours.capacity >= 19
+    # one node that sees the whole cache (a tree cut to its root): the one-token step
+    both(torch.randint(0, 300, (1,), generator=g), torch.tensor([15]), torch.ones(1, 16, dtype=torch.bool))
+    assert fused_passes == [7, 9, 3, 4, 1] and fused_steps == [15]
 
 
 def test_thread_counts_give_the_same_pass() -> None:
