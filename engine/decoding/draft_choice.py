@@ -24,6 +24,11 @@ D' = min(D, cap) (calibration.prior_tokens_per_pass), its slope s fitted to a pu
   drafted tokens, i.e. 1 + 0.75 x 3 = 3.25 tokens per pass at B = 3; no deeper path credited.
 - assistant: s = 1.83, cap 8. An EAGLE-3 head for Llama-3.3-70B (nebius/EAGLE3-Llama-3.3-70B-
   Instruct's model card): average acceptance length 4.8 at T = 0 with 7 drafted tokens.
+  Gemma 4's assistant models (engine.model.assistant) are priced by the same prior: the figure
+  found published for them is Google's "up to ~3x" tokens per second
+  (ai.google.dev/gemma/docs/mtp; InfoQ, May 2026), which 4.8 tokens per pass at a draft cost
+  of a few narrow layers is in line with. Their layers count at the target's width (the
+  assistant's are narrower): the price errs slow.
 
 Draft pass cost over n tree nodes:
 - catalog: planner.draft_pass_seconds (a resident model of its own shape);

@@ -199,7 +199,7 @@ class Engine:
             try:
                 if run.use_spec:
                     return self._spec_step(run, limit)
-                return self._ar_step(run.seq, run.tcache, run.choose, hidden_sink(run.dcache))
+                return self._ar_step(run.seq, run.tcache, run.choose, hidden_sink(run.dcache, run.tcache))
             except torch.OutOfMemoryError:
                 run.tcache.truncate(t_len)
                 if run.dcache is not None:
@@ -210,7 +210,7 @@ class Engine:
                     run.draft.on &= run.use_spec
                 elif len(run.seq) - 1 > t_len:  # the pass also read the prompt's tail: read it apart
                     run.timers.prefill_passes += prefill(self.target, run.tcache, run.seq[:-1], 1,
-                                                         max(1, (len(run.seq) - 1 - t_len) // 2), sink=hidden_sink(run.dcache))
+                                                         max(1, (len(run.seq) - 1 - t_len) // 2), sink=hidden_sink(run.dcache, run.tcache))
                 else:
                     raise OutOfMemory("The device ran out of memory for a single token. Close other programs "
                                       "that use the GPU, or load the model with a shorter context.") from None
@@ -250,16 +250,16 @@ class Engine:
                          seeds, self.costs.stop_ratio(), run.grammar, self._static_trees)
         else:  # context candidates alone, cut to the size that pays on this machine
             if not seeds[0] and not waits:  # nothing repeats: a plain pass, without a tree's bookkeeping
-                return self._ar_step(seq, tcache, run.choose, hidden_sink(run.dcache))
+                return self._ar_step(seq, tcache, run.choose, hidden_sink(run.dcache, tcache))
             trace = grow_tree(None, None, torch.tensor(seq[-1:]), spec, request.sampling, self.draft_vocab_limit,
                               self.acceptance[request.sampling], seeds, grammar=run.grammar)
             unread = len(seq) - 1 - tcache.length
             gains = torch.sort(trace.tree.logp[1:], descending=True, stable=True).values.exp().tolist()
             size = self.costs.best_size(gains, unread + 1)
             if size == 0 and not waits:  # a plain pass; its token still labels the root's candidates (see _learn)
-                return replace(self._ar_step(seq, tcache, run.choose, hidden_sink(run.dcache)), trace=trace, path=[0])
+                return replace(self._ar_step(seq, tcache, run.choose, hidden_sink(run.dcache, tcache)), trace=trace, path=[0])
             trace = top_nodes(trace, size)
-        t0, start, sink = time.perf_counter(), tcache.length, hidden_sink(dcache)
+        t0, start, sink = time.perf_counter(), tcache.length, hidden_sink(dcache, tcache)
         unread_t = torch.tensor(seq[start:-1])  # committed tokens the target lacks, root excluded
         past = start + unread_t.shape[0]
         if sink is None:
@@ -338,7 +338,7 @@ class Engine:
         timers = StepTimers()
         first_pass = (spec.budget + 1) if use_spec else 1  # tokens the first step reads besides the prompt's tail
         timers.prefill_passes = prefill(self.target, prefix.target, prompt[:-1], first_pass, cancel=cancel,
-                                        sink=hidden_sink(prefix.draft))
+                                        sink=hidden_sink(prefix.draft, prefix.target))
         draft = DraftUse(on=bool(wants_draft))
         if wants_draft:
             assert self.draft is not None and prefix.draft is not None

@@ -73,6 +73,9 @@ class HeadCache(KVCache):
         seen[: self.length] = self.seen[: self.length]
         self.own, self.seen = own, seen
 
+    def bind_target(self, target: KVCache) -> None:
+        """The target's cache the next passes write (only a head that reads it keeps it)."""
+
     # ---- the target's hidden states of committed tokens, by position ----------------------------
     @torch.inference_mode()
     def observe(self, start: int, hidden: torch.Tensor) -> None:
@@ -171,10 +174,15 @@ class HeadCache(KVCache):
         return super().nbytes() + (self.own.numel() + self.trail.numel()) * self.own.element_size()
 
 
-def hidden_sink(cache: KVCache | None) -> Callable[[int, torch.Tensor], None] | None:
+def hidden_sink(cache: KVCache | None, target: KVCache | None = None) -> Callable[[int, torch.Tensor], None] | None:
     """Where the engine hands the target's hidden states of committed tokens: the head's cache,
-    or None for any other draft (nothing to keep, nothing spent)."""
-    return cache.observe if isinstance(cache, HeadCache) else None
+    or None for any other draft (nothing to keep, nothing spent). `target`: the cache the pass
+    writes, for a head that reads the target's K/V (a Gemma 4 assistant binds to it)."""
+    if not isinstance(cache, HeadCache):
+        return None
+    if target is not None:
+        cache.bind_target(target)
+    return cache.observe
 
 
 class HeadDraft(CausalLM):

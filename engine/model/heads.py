@@ -17,6 +17,9 @@ class would build from the target's config; a head whose tensors do not fit is s
 with `problem` saying which tensor, so a caller can tell the user. `load_head` reads its tensors
 and returns a HeadDraft (head_draft.py) that the Engine takes as its `draft`.
 
+Gemma 4 ships its drafter as a separate model instead, an assistant folder beside the target's
+(engine.model.assistant): find_heads lists those for a Gemma 4 target, and load_head loads one.
+
 Only the first head layer is used (a checkpoint with several applies layer 0 at every depth,
 as vLLM does with one); its weights load dense in the target's dtype on the target's device.
 """
@@ -36,6 +39,8 @@ from torch import nn
 from engine.errors import UnsupportedModel
 from engine.loading.checkpoint import Checkpoint
 from engine.loading.weights import expert_parts
+from engine.model.assistant import load_assistant
+from engine.model.assistant_spec import TARGET_TYPES, AssistantSpec, find_assistants
 from engine.model.causal_lm import CausalLM
 from engine.model.head_draft import HeadDraft
 
@@ -102,11 +107,14 @@ def _build_layer(cls: type[nn.Module], config: Any, device: torch.device | str) 
         return cls(config, 0)
 
 
-def find_heads(folder: Path, config: Any, layer_cls: type[nn.Module] | None = None) -> list[HeadSpec]:
+def find_heads(folder: Path, config: Any,
+               layer_cls: type[nn.Module] | None = None) -> list[HeadSpec | AssistantSpec]:
     """The heads stored in `folder`'s safetensors shards for a target of `config` (a transformers
     config object; a wrapper's text config for vision-language checkpoints). Headers only.
     `layer_cls`: the family's decoder layer class (found from transformers' modeling module of
-    the model type when not given)."""
+    the model type when not given). For a Gemma 4 target: the assistant folders beside it."""
+    if getattr(config, "model_type", None) in TARGET_TYPES:
+        return list(find_assistants(folder, config))
     naming = HEAD_NAMING.get(getattr(config, "model_type", None) or "")
     if naming is None or not any(Path(folder).glob("*.safetensors")):
         return []
@@ -157,10 +165,15 @@ def family_layer_class(config: Any) -> type[nn.Module]:
     return cls
 
 
-def load_head(target_folder: Path, target: CausalLM, spec: HeadSpec) -> HeadDraft:
+def load_head(target_folder: Path, target: CausalLM, spec: HeadSpec | AssistantSpec) -> HeadDraft:
     """The head `spec` (from find_heads(target_folder, target.config)) as a draft for the loaded
     `target`: Engine(target, tokenizer, draft=load_head(...)). UnsupportedModel when the spec
     has a problem or the folder changed since."""
+    if isinstance(spec, AssistantSpec):
+        if spec.problem:
+            raise UnsupportedModel(f"The assistant in {spec.folder} cannot be used: {spec.problem}. Load the model "
+                                   "without it or pick another draft.")
+        return load_assistant(spec.folder, target)
     if spec.problem:
         raise UnsupportedModel(f"The model's draft head cannot be used: {spec.problem}. Load the model without it "
                                "or pick another draft.")
