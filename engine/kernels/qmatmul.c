@@ -237,48 +237,79 @@ static void multiply(const float *x, int64_t M, int64_t K, const float *w, int r
 /* One activation row (M = 1, a decode step): codes are converted and multiplied in registers,
  * nothing is stored, so the step runs at the speed the codes are read. y[n] for one row n:
  * sum over groups of scale * (x . codes) + minimum * (sum of x over the group). */
+/* The scales of groups g .. g + n - 1 (n <= 8) as fp32: a pointer into fp32 scales, or `out`
+ * filled from fp16 ones (8 at a time: one conversion, not one a group, which cost a compute-bound
+ * row 20-30 %); their minimums' share of the row's product (minimum times the group sum of x) is
+ * added to *ext, 8 lanes of partial sums. */
+static inline const float *scale_block(const void *sc, const void *mn, int half, const float *xsum, int64_t g,
+                                       int64_t n, float *out, __m256 *ext) {
+    if (n == 8 && !half) {
+        if (mn) *ext = _mm256_fmadd_ps(_mm256_loadu_ps((const float *)mn + g), _mm256_loadu_ps(xsum + g), *ext);
+        return (const float *)sc + g;
+    }
+#if defined(__F16C__)
+    if (n == 8) {
+        _mm256_storeu_ps(out, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)sc + g))));
+        if (mn)
+            *ext = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)mn + g))),
+                                   _mm256_loadu_ps(xsum + g), *ext);
+        return out;
+    }
+#endif
+    float tail = 0.0f;
+    for (int64_t j = 0; j < n; j++) {
+        out[j] = scale_at(sc, g + j, half);
+        if (mn) tail += scale_at(mn, g + j, half) * xsum[g + j];
+    }
+    *ext = _mm256_add_ps(*ext, _mm256_setr_ps(tail, 0, 0, 0, 0, 0, 0, 0));
+    return out;
+}
+
 static float row_q8(const float *x, const int8_t *c, const void *sc, const void *mn, int half, const float *xsum,
                     int64_t K, int64_t group) {
-    __m256 acc = _mm256_setzero_ps();
-    float extra = 0.0f;
-    for (int64_t g = 0, k = 0; k < K; g++) {
-        __m256 d = _mm256_setzero_ps();
-        for (int64_t e = k + group; k < e; k += 8) {
-            __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(c + k))));
-            d = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), v, d);
+    __m256 acc = _mm256_setzero_ps(), ext = _mm256_setzero_ps();
+    float s8[8];
+    int64_t groups = K / group;
+    for (int64_t g = 0, k = 0; g < groups;) {
+        int64_t n = groups - g < 8 ? groups - g : 8;
+        const float *s = scale_block(sc, mn, half, xsum, g, n, s8, &ext);
+        for (int64_t j = 0; j < n; j++, g++) {
+            __m256 d = _mm256_setzero_ps();
+            for (int64_t e = k + group; k < e; k += 8) {
+                __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(c + k))));
+                d = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), v, d);
+            }
+            acc = _mm256_fmadd_ps(_mm256_broadcast_ss(s + j), d, acc);
         }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(scale_at(sc, g, half)), d, acc);
-        if (mn) extra += scale_at(mn, g, half) * xsum[g];
     }
-    return hsum(acc) + extra;
+    return hsum(acc) + hsum(ext);
 }
 
 #ifdef QM_AVX512
 /* row_q8 with 16 lanes (groups of 16 or 32: one or two vectors of codes); two accumulators
- * (even and odd groups) so consecutive groups do not wait on each other; the minimums' share is
- * one dot of the group minimums with the group sums of x. A Q8_0 step: 17.8 -> 14.0 ms on a
+ * (even and odd groups) so consecutive groups do not wait on each other. A Q8_0 step: 17.8 -> 14.0 ms on a
  * starter-shaped model (AVX-512 machine, /work/notes/step_bench.py). */
-static inline float mins_share(const void *mn, int half, const float *xsum, int64_t groups) {
-    float extra = 0.0f;
-    if (mn)
-        for (int64_t g = 0; g < groups; g++) extra += scale_at(mn, g, half) * xsum[g];
-    return extra;
-}
-
 static float row_q8_512(const float *x, const int8_t *c, const void *sc, const void *mn, int half, const float *xsum,
                         int64_t K, int64_t group) {
     __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    __m256 ext = _mm256_setzero_ps();
+    float s8[8];
     int64_t groups = K / group;
-    for (int64_t g = 0; g < groups; g++) {
-        const int8_t *cg = c + g * group;
-        const float *xg = x + g * group;
-        __m512 d = _mm512_mul_ps(_mm512_loadu_ps(xg), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)cg))));
-        for (int64_t k = 16; k < group; k += 16)
-            d = _mm512_fmadd_ps(_mm512_loadu_ps(xg + k),
-                                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(cg + k)))), d);
-        acc[g & 1] = _mm512_fmadd_ps(_mm512_set1_ps(scale_at(sc, g, half)), d, acc[g & 1]);
+    for (int64_t g = 0; g < groups;) {
+        int64_t n = groups - g < 8 ? groups - g : 8;
+        const float *s = scale_block(sc, mn, half, xsum, g, n, s8, &ext);
+        for (int64_t j = 0; j < n; j++, g++) {
+            const int8_t *cg = c + g * group;
+            const float *xg = x + g * group;
+            __m512 d = _mm512_mul_ps(_mm512_loadu_ps(xg),
+                                     _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)cg))));
+            for (int64_t k = 16; k < group; k += 16)
+                d = _mm512_fmadd_ps(_mm512_loadu_ps(xg + k),
+                                    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(cg + k)))), d);
+            acc[g & 1] = _mm512_fmadd_ps(_mm512_set1_ps(s[j]), d, acc[g & 1]);
+        }
     }
-    return _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1])) + mins_share(mn, half, xsum, groups);
+    return _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1])) + hsum(ext);
 }
 
 #define ROW_Q8(x, c, sc, mn, half, xs, K, group) \
@@ -290,21 +321,25 @@ static float row_q8_512(const float *x, const int8_t *c, const void *sc, const v
 
 static float row_q4(const float *x, const uint8_t *p, const void *sc, const void *mn, int half, const float *xsum,
                     int64_t K) {
-    __m256 acc = _mm256_setzero_ps();
+    __m256 acc = _mm256_setzero_ps(), ext = _mm256_setzero_ps();
     const __m128i mask = _mm_set1_epi8(15);
-    float extra = 0.0f;
-    for (int64_t g = 0; g < K / 32; g++) {
-        __m128i bytes = _mm_loadu_si128((const __m128i *)(p + g * 16));
-        __m128i lo = _mm_and_si128(bytes, mask), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-        const float *xg = x + g * 32;
-        __m256 d = _mm256_mul_ps(_mm256_loadu_ps(xg), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)));
-        d = _mm256_fmadd_ps(_mm256_loadu_ps(xg + 8), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), d);
-        d = _mm256_fmadd_ps(_mm256_loadu_ps(xg + 16), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), d);
-        d = _mm256_fmadd_ps(_mm256_loadu_ps(xg + 24), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), d);
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(scale_at(sc, g, half)), d, acc);
-        if (mn) extra += scale_at(mn, g, half) * xsum[g];
+    float s8[8];
+    int64_t groups = K / 32;
+    for (int64_t g = 0; g < groups;) {
+        int64_t n = groups - g < 8 ? groups - g : 8;
+        const float *s = scale_block(sc, mn, half, xsum, g, n, s8, &ext);
+        for (int64_t j = 0; j < n; j++, g++) {
+            __m128i bytes = _mm_loadu_si128((const __m128i *)(p + g * 16));
+            __m128i lo = _mm_and_si128(bytes, mask), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+            const float *xg = x + g * 32;
+            __m256 d = _mm256_mul_ps(_mm256_loadu_ps(xg), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)));
+            d = _mm256_fmadd_ps(_mm256_loadu_ps(xg + 8), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), d);
+            d = _mm256_fmadd_ps(_mm256_loadu_ps(xg + 16), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), d);
+            d = _mm256_fmadd_ps(_mm256_loadu_ps(xg + 24), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), d);
+            acc = _mm256_fmadd_ps(_mm256_broadcast_ss(s + j), d, acc);
+        }
     }
-    return hsum(acc) + extra;
+    return hsum(acc) + hsum(ext);
 }
 #endif
 
