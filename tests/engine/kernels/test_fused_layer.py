@@ -249,9 +249,9 @@ def test_greedy_text_equals_the_general_path_and_transformers(arch: str, model_c
         ours = greedy(Engine(fused.model, fused.tokenizer), prompt, 48)
         assert len(fused_steps) - before >= len(ours) - 1  # every step after the prompt's pass
         assert ours == greedy(Engine(plain.model, plain.tokenizer), prompt, 48), prompt
-        before = len(fused_passes)  # draft-free trees of context candidates: fused tree passes
+        before = len(fused_passes)  # draft-free trees (as large as the measured costs make them)
         assert greedy(Engine(fused.model, fused.tokenizer), prompt, 48, "specexec") == ours, prompt
-        assert len(fused_passes) > before + 1
+        assert len(fused_passes) > before  # the prompt's pass at least; trees: test_fused_passes_*
         x = torch.tensor([tok(prompt)["input_ids"]])
         want = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=48, do_sample=False,
                             pad_token_id=tok.pad_token_id)[0, x.shape[1]:].tolist()

