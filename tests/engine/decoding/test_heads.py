@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from bigram_sampling import sampled_like_the_target
 from head_checkpoints import tiny_with_head, with_head
-from test_lossless_sampling import chi2_pvalue
 from transformers import AutoModelForCausalLM
 
 from engine.decoding import costs
@@ -32,7 +32,6 @@ from engine.types import (
     Completion,
     GenerationRequest,
     Message,
-    SamplingSettings,
     SpeculationSettings,
 )
 
@@ -239,38 +238,12 @@ def test_a_head_that_drafts_well_makes_deep_trees(oracle: tuple[LoadedModel, Hea
 
 
 def test_sampling_with_a_head_has_the_target_distribution(oracle: tuple[LoadedModel, HeadDraft]) -> None:
-    """Three sampled tokens per seed; the target's exact marginals follow from its bigram table
-    (transformers' logits after each single token), EOS ending a sequence."""
+    """Three sampled tokens per seed follow the bigram target's exact marginals (bigram_sampling)."""
     target, head = oracle
     engine = Engine(target.model, target.tokenizer, head)
-    temperature, samples = 0.6, 300
-    prompt = engine.tokenizer(PROMPT)["input_ids"]
-    vocab = target.model.shape.vocab_size
-    with torch.inference_mode():
-        table = engine.target.hf_model(torch.arange(vocab)[:, None]).logits[:, -1].double()  # (V, V) next | last
-    step = torch.softmax(table / temperature, dim=-1)
-    going = torch.tensor([t not in engine.eos_ids for t in range(vocab)]).double()
-    marginals = [step[prompt[-1]]]
-    for _ in range(2):
-        nxt = (marginals[-1] * going) @ step
-        marginals.append(nxt / nxt.sum())
-    counts = torch.zeros(3, vocab)
-    passes = 0
-    for seed in range(samples):
-        request = GenerationRequest(raw_prompt=PROMPT, max_new_tokens=3,
-                                    sampling=SamplingSettings(temperature=temperature, seed=seed),
-                                    speculation=SpeculationSettings(budget=8, max_depth=3))
-        final = list(engine.generate(request))[-1]
-        assert isinstance(final, Completion)
-        for i, token in enumerate(final.token_ids):
-            counts[i, token] += 1
-        passes += final.stats.target_passes
-    assert passes < 2.2 * samples, "without the head's trees, three tokens take three passes"
-    for i in range(3):
-        assert counts[i].sum() > 0.9 * samples
-        assert chi2_pvalue(counts[i], marginals[i]) > 1e-3, i
-    hotter = torch.softmax(table[prompt[-1]] / (1.5 * temperature), dim=-1)
-    assert chi2_pvalue(counts[0], hotter) < 1e-3  # power: a mildly wrong temperature is rejected
+    finals = sampled_like_the_target(engine, PROMPT, 3, 300, 0.6, SpeculationSettings(budget=8, max_depth=3))
+    passes = sum(final.stats.target_passes for final in finals)
+    assert passes < 2.2 * len(finals), "without the head's trees, three tokens take three passes"
 
 
 def test_a_head_never_counts_as_a_copy_of_the_target(heads: dict) -> None:

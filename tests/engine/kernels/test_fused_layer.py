@@ -203,24 +203,6 @@ def test_fused_passes_equal_the_layer_modules(family: str, monkeypatch: pytest.M
     assert fused_passes == [7, 9, 3, 4, 1] and fused_steps == [15]
 
 
-def test_thread_counts_give_the_same_pass() -> None:
-    """Tiles, heads and norms are computed whole by one thread each: a tree pass is bit-equal
-    whatever the thread count."""
-    model = CausalLM(packed(config("llama")))
-    before = torch.get_num_threads()
-    got = []
-    try:
-        for threads in (1, 2, 3):
-            torch.set_num_threads(threads)
-            cache = model.new_cache(8)
-            model.forward(torch.tensor([1, 2, 3]), torch.arange(3), cache, None)
-            got.append(model.forward(torch.tensor([4, 5, 6, 7, 8]), torch.tensor([3, 4, 4, 5, 5]), cache,
-                                     tree_mask([-1, 0, 0, 1, 2], torch.ones(3, dtype=torch.bool))))
-    finally:
-        torch.set_num_threads(before)
-    assert torch.equal(got[0], got[1]) and torch.equal(got[0], got[2])
-
-
 def greedy(engine: Engine, prompt: str, n: int, mode: DecodeMode = "autoregressive") -> list[int]:
     req = GenerationRequest(raw_prompt=prompt, max_new_tokens=n, speculation=SpeculationSettings(mode=mode, budget=16))
     final = list(engine.generate(req))[-1]
@@ -287,8 +269,9 @@ def test_other_models_and_passes_keep_the_general_path(model_cache: Path, monkey
     assert fused_steps == [3]
 
 
-def test_thread_counts_give_the_same_step() -> None:
-    """Rows, heads and norms are computed whole by one thread each: the split does not change a bit."""
+def test_thread_counts_give_the_same_step_and_pass() -> None:
+    """Rows, tiles, heads and norms are computed whole by one thread each: the split does not
+    change a bit of a step or of a tree pass."""
     model = CausalLM(packed(config("qwen3")))
     before = torch.get_num_threads()
     got = []
@@ -297,8 +280,10 @@ def test_thread_counts_give_the_same_step() -> None:
             torch.set_num_threads(threads)
             cache = model.new_cache(8)
             model.forward(torch.tensor([1, 2, 3]), torch.arange(3), cache, None)
-            got.append(torch.cat([model.forward(torch.tensor([t]), torch.tensor([2 + t]), cache, None)
-                                  for t in range(1, 6)]))
+            steps = [model.forward(torch.tensor([t]), torch.tensor([2 + t]), cache, None) for t in range(1, 6)]
+            tree = model.forward(torch.tensor([4, 5, 6, 7, 8]), torch.tensor([8, 9, 9, 10, 10]), cache,
+                                 tree_mask([-1, 0, 0, 1, 2], torch.ones(8, dtype=torch.bool)))
+            got.append(torch.cat([*steps, tree]))
     finally:
         torch.set_num_threads(before)
     assert torch.equal(got[0], got[1]) and torch.equal(got[0], got[2])
