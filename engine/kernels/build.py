@@ -81,7 +81,7 @@ def _build_and_load() -> ctypes.CDLL | None:
         log.info("no C compiler (cc, gcc or $CC) for the packed CPU kernels: packed layers run de-quantised")
         return None
     version = _compiler_version(cc)
-    source = SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in (SOURCE, *sorted(SOURCE.parent.glob("*.h"))))  # and its headers
     first_error = ""
     for flags in FLAG_SETS:
         key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), version.encode(),

@@ -62,6 +62,33 @@ def test_products_equal_the_dense_product_of_the_values(lib: object, kind: str, 
         assert torch.equal(qlinear(x, w, threads=1), qlinear(x, w, threads=2))
 
 
+@pytest.mark.parametrize("kind,group", [("q4", 32), ("q8", 32), ("q8", 16)])
+def test_activations_of_any_size_keep_their_precision(lib: object, kind: str, group: int) -> None:
+    """A VNNI CPU carries a step's activations as 22-bit integers with one power of two a block of
+    32 (qm_digits.h): blocks of zeros, of tiny and of huge values, and blocks whose values span
+    many powers of ten, each stay within a few 1e-7 of the sum of the terms' sizes (fp32: ~1e-7),
+    and an infinite or NaN activation still gives a non-finite output, as fp32 does."""
+    g = torch.Generator().manual_seed(3)
+    k = 256
+    w = from_dense(torch.randn(48, k, generator=g), kind, group)
+    dense = dequantize(w).double()
+    x = torch.randn(1, k, generator=g)
+    x[0, :32] = 0.0
+    x[0, 32:64] *= 1e-30
+    x[0, 64:96] *= 1e30
+    x[0, 96:128] = 10.0 ** torch.linspace(-8, 3, 32)
+    for part in (slice(0, 64), slice(0, 128), slice(64, 128)):  # with and without the 1e30 block dominating
+        y = x.clone()
+        y[0, part.stop:] = torch.randn(1, k - part.stop, generator=g)
+        want = y.double() @ dense.T
+        size = y.double().abs() @ dense.abs().T
+        assert ((qlinear(y, w).double() - want).abs() / size).max() < 2e-6
+    for bad in (float("inf"), float("nan")):
+        y = x.clone()
+        y[0, 200] = bad
+        assert not qlinear(y, w).isfinite().any()
+
+
 def test_four_bit_codes_pack_as_gguf_blocks_hold_them(lib: object) -> None:
     codes = torch.arange(32).remainder(16).reshape(1, 32)
     w = from_codes(codes, torch.ones(1, 1), torch.zeros(1, 1), 32, 4)

@@ -1,0 +1,279 @@
+/* Integer row products for a decode step on CPUs with AVX-512 VNNI (included by qmatmul.c).
+ *
+ * A step's rows are compute-bound on such a CPU (about 9 G weights/s a thread through the fp32
+ * path, whether the codes sit in L2 or stream): every code is converted to fp32 and multiplied
+ * by an fp32 activation, and the conversions set the pace. VNNI's dot instruction multiplies 64
+ * unsigned bytes by 64 signed bytes and adds each four products into a 32-bit lane, in one
+ * instruction. llama.cpp gets there by rounding activations to 8 bits (Q8_0), which changes the
+ * model's arithmetic. Here they keep 22 bits:
+ *
+ * - Each block of 32 activations gets one power of two, its unit u, the smallest with
+ *   max |x| < 2^22 u, and each value the integer v = round(x / u), |v| <= 2^22. So a value is
+ *   off by at most u / 2 <= 2^-23 of its block's largest (fp32 itself rounds each value to
+ *   2^-24 of its own size, and a sum of fp32 products to about that of its largest term).
+ *   Measured: a product's error is a few times 1e-7 of the sum of its terms' sizes, against
+ *   about 1e-7 through fp32 (tests/engine/kernels/test_qmatmul.py).
+ * - v is written as three signed bytes, v = a * 65536 + b * 256 + c (b, c in -128..127, a in
+ *   -64..64), and a group's sum of code * v is three dot instructions, exactly, in 32-bit lanes:
+ *   a q4 code is at most 15, so a lane stays under 4 * 15 * 2^22 with two shifts between the
+ *   dots; a q8 code is offset to 0..255 (code + 128, its share taken back with the group's sum
+ *   of v) and keeps a's share in a lane of its own.
+ * - Each group's integers are then turned into fp32 and times scale * u; the minimums' share is
+ *   the fp32 group sum of x, as in the fp32 rows.
+ *
+ * Zero or tiny blocks (max |x| < 2^-105) count as zero; a block with an infinite or NaN value
+ * gives NaN, as the fp32 product would. Rows whose input length is not a multiple of 64 take
+ * the fp32 path.
+ */
+#define QM_FEW 8 /* tokens a small pass dots with each unpacked chunk (the VNNI rows below) */
+#ifdef QM_VNNI
+
+typedef struct {
+    int8_t *nat[3]; /* the digits a, b, c of v, in the activations' order */
+    int8_t *q4[3];  /* the same, each 64 reordered as a q4 chunk's codes come: x 0-15, 32-47, 16-31, 48-63 */
+    float *u16, *u32; /* each group of 16 / 32's unit u (a block's, for both its groups of 16) */
+    float *c16, *c32; /* -128 * u * (the group's sum of v): a q8 code offset's share, taken back */
+    int ok;           /* digits were made (the length is a multiple of 64) */
+} qm_digits;
+
+/* Bytes of scratch for digits of n activations. */
+static size_t digits_bytes(int64_t n) { return (size_t)n * 6 + (size_t)(n / 16 + n / 32) * 2 * sizeof(float) + 64; }
+
+/* x (n values) -> d, in `mem` (digits_bytes(n)). */
+static void make_digits(const float *x, int64_t n, char *mem, qm_digits *d) {
+    d->ok = n % 64 == 0;
+    if (!d->ok) return;
+    float *f = (float *)mem;
+    d->u16 = f, d->u32 = f + n / 16, d->c16 = d->u32 + n / 32, d->c32 = d->c16 + n / 16;
+    int8_t *b = (int8_t *)(d->c32 + n / 32);
+    for (int i = 0; i < 3; i++) d->nat[i] = b + i * n, d->q4[i] = b + (3 + i) * n;
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    const __m512i k128 = _mm512_set1_epi32(128), k255 = _mm512_set1_epi32(255);
+    for (int64_t blk = 0; blk < n / 32; blk++) {
+        __m512 x0 = _mm512_loadu_ps(x + blk * 32), x1 = _mm512_loadu_ps(x + blk * 32 + 16);
+        __m512 a0 = _mm512_andnot_ps(sign, x0), a1 = _mm512_andnot_ps(sign, x1);
+        __m512 big = _mm512_set1_ps(3.40282347e38f);
+        int bad = _mm512_cmp_ps_mask(a0, big, _CMP_NLE_UQ) | _mm512_cmp_ps_mask(a1, big, _CMP_NLE_UQ);
+        float top = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
+        uint32_t bits;
+        memcpy(&bits, &top, sizeof bits);
+        int e = (int)(bits >> 23) & 255; /* top < 2^(e - 126) */
+        float unit, inv;
+        if (bad) /* inf or NaN: the products are NaN */
+            unit = NAN, inv = 0.0f;
+        else if (e < 22) /* zero, or below 2^-105: counts as zero */
+            unit = 0.0f, inv = 0.0f;
+        else {
+            uint32_t ub = (uint32_t)(e - 21) << 23, ib = (uint32_t)(275 - e) << 23; /* 2^(e-148), 2^(148-e) */
+            memcpy(&unit, &ub, sizeof unit);
+            memcpy(&inv, &ib, sizeof inv);
+        }
+        __m512 vi = _mm512_set1_ps(inv);
+        int32_t sums[2];
+        for (int h = 0; h < 2; h++) {
+            __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(h ? x1 : x0, vi)); /* round to nearest */
+            sums[h] = _mm512_reduce_add_epi32(v);
+            __m512i c = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(v, k128), k255), k128);
+            __m512i r = _mm512_srai_epi32(_mm512_sub_epi32(v, c), 8);
+            __m512i bb = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(r, k128), k255), k128);
+            __m512i a = _mm512_srai_epi32(_mm512_sub_epi32(r, bb), 8);
+            int64_t at = blk * 32 + h * 16;
+            _mm_storeu_si128((__m128i *)(d->nat[0] + at), _mm512_cvtepi32_epi8(a));
+            _mm_storeu_si128((__m128i *)(d->nat[1] + at), _mm512_cvtepi32_epi8(bb));
+            _mm_storeu_si128((__m128i *)(d->nat[2] + at), _mm512_cvtepi32_epi8(c));
+            d->u16[blk * 2 + h] = unit;
+            d->c16[blk * 2 + h] = -128.0f * unit * (float)sums[h];
+        }
+        d->u32[blk] = unit;
+        d->c32[blk] = -128.0f * unit * (float)(sums[0] + sums[1]);
+    }
+    for (int i = 0; i < 3; i++) /* 16-byte quarters A B C D -> A C B D */
+        for (int64_t k = 0; k < n; k += 64)
+            _mm512_storeu_si512(d->q4[i] + k,
+                                _mm512_shuffle_i64x2(_mm512_loadu_si512(d->nat[i] + k),
+                                                     _mm512_loadu_si512(d->nat[i] + k), 0xD8));
+}
+
+/* The exact sum over 64 values of code * v (codes at most 15): w holds 64 unsigned codes, a/b/c
+ * the digits. */
+static inline __m512i dot_digits(__m512i w, const int8_t *a, const int8_t *b, const int8_t *c) {
+    __m512i t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(a));
+    t = _mm512_dpbusd_epi32(_mm512_slli_epi32(t, 8), w, _mm512_loadu_si512(b));
+    return _mm512_dpbusd_epi32(_mm512_slli_epi32(t, 8), w, _mm512_loadu_si512(c));
+}
+
+/* row_q4 from digits: each 64 values are groups g, g + 1, whose 32 code bytes unpack to
+ * (low nibbles: g 0-15, g+1 0-15 | high nibbles: g 16-31, g+1 16-31), lanes g g g g, g+1 x4,
+ * g x4, g+1 x4; the digits were laid out (q4[]) to match. */
+static float row_q4_vnni(const qm_digits *d, const uint8_t *p, const void *sc, const void *mn, int half,
+                         const float *xsum, int64_t K) {
+    const __m512i lanes[4] = {
+        _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1),
+        _mm512_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3, 2, 2, 2, 2, 3, 3, 3, 3),
+        _mm512_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5, 4, 4, 4, 4, 5, 5, 5, 5),
+        _mm512_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7, 6, 6, 6, 6, 7, 7, 7, 7)};
+    const __m256i m4 = _mm256_set1_epi8(15);
+    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    __m256 ext = _mm256_setzero_ps();
+    float s8[8];
+    int64_t groups = K / 32;
+    for (int64_t g = 0; g < groups; g += 8) {
+        int64_t n = groups - g < 8 ? groups - g : 8; /* even: K is a multiple of 64 */
+        __mmask8 live = (__mmask8)((1u << n) - 1);
+        const float *s = scale_block(sc, mn, half, xsum, g, n, s8, &ext);
+        __m512 f = _mm512_castps256_ps512(
+            _mm256_mul_ps(_mm256_maskz_loadu_ps(live, s), _mm256_maskz_loadu_ps(live, d->u32 + g)));
+        for (int64_t c = 0; c < n / 2; c++) {
+            int64_t at = (g + 2 * c) * 32;
+            __m256i bytes = _mm256_loadu_si256((const __m256i *)(p + at / 2));
+            __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(bytes, m4)),
+                                           _mm256_and_si256(_mm256_srli_epi16(bytes, 4), m4), 1);
+            __m512i t = dot_digits(w, d->q4[0] + at, d->q4[1] + at, d->q4[2] + at);
+            acc[c & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_permutexvar_ps(lanes[c], f), acc[c & 1]);
+        }
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1])) + hsum(ext);
+}
+
+/* row_q8 from digits (groups of 16 or 32): codes + 128 as unsigned bytes; the offset's share
+ * (128 * the group's sum of v) comes back through c16/c32. */
+static float row_q8_vnni(const qm_digits *d, const int8_t *codes, const void *sc, const void *mn, int half,
+                         const float *xsum, int64_t K, int64_t group) {
+    const __m512i lanes32[4] = {
+        _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+        _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3),
+        _mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5),
+        _mm512_setr_epi32(6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7)};
+    const __m512i lanes16[2] = {
+        _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+        _mm512_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7)};
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    const __m512 k65536 = _mm512_set1_ps(65536.0f);
+    const float *units = group == 16 ? d->u16 : d->u32, *back = group == 16 ? d->c16 : d->c32;
+    int per = (int)(64 / group); /* groups in 64 values */
+    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    __m256 ext = _mm256_setzero_ps();
+    float s8[8];
+    int64_t groups = K / group;
+    for (int64_t g = 0; g < groups; g += 8) {
+        int64_t n = groups - g < 8 ? groups - g : 8; /* a multiple of `per` */
+        __mmask8 live = (__mmask8)((1u << n) - 1);
+        const float *s = scale_block(sc, mn, half, xsum, g, n, s8, &ext);
+        __m256 s256 = _mm256_maskz_loadu_ps(live, s);
+        ext = _mm256_fmadd_ps(s256, _mm256_maskz_loadu_ps(live, back + g), ext);
+        __m512 f = _mm512_castps256_ps512(_mm256_mul_ps(s256, _mm256_maskz_loadu_ps(live, units + g)));
+        for (int64_t c = 0; c < n / per; c++) {
+            int64_t at = g * group + c * 64;
+            __m512i w = _mm512_xor_si512(_mm512_loadu_si512(codes + at), flip);
+            /* codes up to 255: a's share apart, b's and c's together (each fits 32 bits) */
+            __m512i ta = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(d->nat[0] + at));
+            __m512i tb = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(d->nat[1] + at));
+            tb = _mm512_dpbusd_epi32(_mm512_slli_epi32(tb, 8), w, _mm512_loadu_si512(d->nat[2] + at));
+            __m512 fl = _mm512_permutexvar_ps(group == 16 ? lanes16[c] : lanes32[c], f);
+            acc[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ta), _mm512_mul_ps(fl, k65536), acc[0]);
+            acc[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tb), fl, acc[1]);
+        }
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1])) + hsum(ext);
+}
+
+/* ---- The same for the few tokens of a small pass (a chain, a small tree) ----
+ * Each chunk's codes are unpacked once and dotted with every token's digits, so a pass of
+ * n <= QM_FEW tokens costs the unpacking once, not n times. */
+/* n (<= 8) fp32 or fp16 values from p + g, the rest zero. */
+static inline __m256 load_params(const void *p, int half, int64_t g, int64_t n) {
+    __mmask8 live = (__mmask8)((1u << n) - 1);
+    if (half) return _mm256_cvtph_ps(_mm_maskz_loadu_epi16(live, (const uint16_t *)p + g));
+    return _mm256_maskz_loadu_ps(live, (const float *)p + g);
+}
+
+/* out[i] = row . x_i for tokens i < few: d[i] their digits, xsum[i] their sums over each group. */
+static void row_q4_vnni_few(const qm_digits *d, const float *const *xsum, int few, const uint8_t *p, const void *sc,
+                            const void *mn, int half, int64_t K, float *out) {
+    const __m512i lanes[4] = {
+        _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1),
+        _mm512_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3, 2, 2, 2, 2, 3, 3, 3, 3),
+        _mm512_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5, 4, 4, 4, 4, 5, 5, 5, 5),
+        _mm512_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7, 6, 6, 6, 6, 7, 7, 7, 7)};
+    const __m256i m4 = _mm256_set1_epi8(15);
+    __m512 acc[QM_FEW], f[QM_FEW];
+    __m256 ext[QM_FEW];
+    for (int i = 0; i < few; i++) acc[i] = _mm512_setzero_ps(), ext[i] = _mm256_setzero_ps();
+    int64_t groups = K / 32;
+    for (int64_t g = 0; g < groups; g += 8) {
+        int64_t n = groups - g < 8 ? groups - g : 8;
+        __mmask8 live = (__mmask8)((1u << n) - 1);
+        __m256 s = load_params(sc, half, g, n), m = mn ? load_params(mn, half, g, n) : _mm256_setzero_ps();
+        for (int i = 0; i < few; i++) {
+            f[i] = _mm512_castps256_ps512(_mm256_mul_ps(s, _mm256_maskz_loadu_ps(live, d[i].u32 + g)));
+            if (mn) ext[i] = _mm256_fmadd_ps(m, _mm256_maskz_loadu_ps(live, xsum[i] + g), ext[i]);
+        }
+        for (int64_t c = 0; c < n / 2; c++) {
+            int64_t at = (g + 2 * c) * 32;
+            __m256i bytes = _mm256_loadu_si256((const __m256i *)(p + at / 2));
+            __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(bytes, m4)),
+                                           _mm256_and_si256(_mm256_srli_epi16(bytes, 4), m4), 1);
+            for (int i = 0; i < few; i++) {
+                __m512i t = dot_digits(w, d[i].q4[0] + at, d[i].q4[1] + at, d[i].q4[2] + at);
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_permutexvar_ps(lanes[c], f[i]), acc[i]);
+            }
+        }
+    }
+    for (int i = 0; i < few; i++) out[i] = _mm512_reduce_add_ps(acc[i]) + hsum(ext[i]);
+}
+
+static void row_q8_vnni_few(const qm_digits *d, const float *const *xsum, int few, const int8_t *codes,
+                            const void *sc, const void *mn, int half, int64_t K, int64_t group, float *out) {
+    const __m512i lanes32[4] = {
+        _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+        _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3),
+        _mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5),
+        _mm512_setr_epi32(6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7)};
+    const __m512i lanes16[2] = {
+        _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+        _mm512_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7)};
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    const __m512 k65536 = _mm512_set1_ps(65536.0f);
+    int per = (int)(64 / group);
+    __m512 acc[QM_FEW], f[QM_FEW];
+    __m256 ext[QM_FEW];
+    for (int i = 0; i < few; i++) acc[i] = _mm512_setzero_ps(), ext[i] = _mm256_setzero_ps();
+    int64_t groups = K / group;
+    for (int64_t g = 0; g < groups; g += 8) {
+        int64_t n = groups - g < 8 ? groups - g : 8;
+        __mmask8 live = (__mmask8)((1u << n) - 1);
+        __m256 s = load_params(sc, half, g, n), m = mn ? load_params(mn, half, g, n) : _mm256_setzero_ps();
+        for (int i = 0; i < few; i++) {
+            const float *units = group == 16 ? d[i].u16 : d[i].u32, *back = group == 16 ? d[i].c16 : d[i].c32;
+            f[i] = _mm512_castps256_ps512(_mm256_mul_ps(s, _mm256_maskz_loadu_ps(live, units + g)));
+            ext[i] = _mm256_fmadd_ps(s, _mm256_maskz_loadu_ps(live, back + g), ext[i]);
+            if (mn) ext[i] = _mm256_fmadd_ps(m, _mm256_maskz_loadu_ps(live, xsum[i] + g), ext[i]);
+        }
+        for (int64_t c = 0; c < n / per; c++) {
+            int64_t at = g * group + c * 64;
+            __m512i w = _mm512_xor_si512(_mm512_loadu_si512(codes + at), flip);
+            __m512i idx = group == 16 ? lanes16[c] : lanes32[c];
+            for (int i = 0; i < few; i++) {
+                __m512i ta = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(d[i].nat[0] + at));
+                __m512i tb = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(d[i].nat[1] + at));
+                tb = _mm512_dpbusd_epi32(_mm512_slli_epi32(tb, 8), w, _mm512_loadu_si512(d[i].nat[2] + at));
+                __m512 fl = _mm512_permutexvar_ps(idx, f[i]);
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ta), _mm512_mul_ps(fl, k65536), acc[i]);
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tb), fl, acc[i]);
+            }
+        }
+    }
+    for (int i = 0; i < few; i++) out[i] = _mm512_reduce_add_ps(acc[i]) + hsum(ext[i]);
+}
+
+/* Whether a row of w's kind, group and length takes the digits. */
+static inline int takes_digits(const qm_digits *d, int64_t kind, int64_t K, int64_t group) {
+    return d->ok && K % 64 == 0 && (kind == 4 || group == 16 || group == 32);
+}
+#else
+typedef struct {
+    int ok;
+} qm_digits;
+static size_t digits_bytes(int64_t n) { return (void)n, 0; }
+static void make_digits(const float *x, int64_t n, char *mem, qm_digits *d) { (void)x, (void)n, (void)mem, d->ok = 0; }
+#endif
