@@ -34,6 +34,12 @@
 #define QM_VNNI 1 /* integer rows for decode steps and small passes (qm_digits.h) */
 #endif
 #endif
+#if !defined(QM_AVX512) && defined(__AVXVNNI__) && defined(__F16C__) && !defined(QM_NO_VNNI)
+#define QM_VNNI256 1 /* the same with AVX2 + AVX-VNNI */
+#endif
+#if defined(QM_VNNI) || defined(QM_VNNI256)
+#define QM_INT 1
+#endif
 #endif
 
 #define NB 4 /* weight rows decoded together */
@@ -73,9 +79,11 @@ static inline const void *row_at(const void *p, int64_t i, int half) {
 
 int qm_version(void) { return 1; }
 
-int qm_simd(void) {
+int qm_simd(void) { /* 0 plain C, 2 AVX2, 3 AVX-512, 4 AVX-512 VNNI, 5 AVX2 + AVX-VNNI */
 #if defined(QM_VNNI)
     return 4;
+#elif defined(QM_VNNI256)
+    return 5;
 #elif defined(QM_AVX512)
     return 3;
 #elif defined(QM_AVX2)
@@ -399,7 +407,7 @@ int qm_matmul(int kind, const float *x, int64_t M, int64_t K, const void *codes,
 #pragma omp parallel for num_threads(threads) schedule(static)
         for (int64_t n = 0; n < N; n++) {
             const void *sc = row_at(scales, n * groups, half), *mn = row_at(mins, n * groups, half);
-#ifdef QM_VNNI
+#ifdef QM_INT
             if (takes_digits(&dg, kind, K, group)) {
                 y[n] = kind == 4 ? row_q4_vnni(&dg, (const uint8_t *)codes + n * row_bytes, sc, mn, half, xsum, K)
                                  : row_q8_vnni(&dg, (const int8_t *)codes + n * row_bytes, sc, mn, half, xsum, K, group);
@@ -499,7 +507,7 @@ static float row_product(const qm_linear *w, int64_t r, const float *x, const fl
 #ifdef QM_AVX2
     const float *xs = w->group == 16 ? s16 : s32;
     (void)tmp, (void)dg;
-#ifdef QM_VNNI
+#ifdef QM_INT
     if (takes_digits(dg, kind, w->k, w->group)) {
         y = kind == 4 ? row_q4_vnni(dg, (const uint8_t *)w->codes + r * (w->k / 2), sc, mn, half, xs, w->k)
                       : row_q8_vnni(dg, (const int8_t *)w->codes + r * w->k, sc, mn, half, xs, w->k, w->group);
@@ -706,7 +714,7 @@ static size_t few_bytes(int64_t k) {
  * integer rows, n > QM_FEW or k is not a multiple of 64. */
 static void make_few(const float *x, int64_t n, int64_t k, char *mem, qm_few *f) {
     f->few = 0;
-#ifdef QM_VNNI
+#ifdef QM_INT
     if (n > QM_FEW || k % 64) return;
     for (int64_t i = 0; i < n; i++) {
         char *m = mem + (size_t)i * few_bytes(k);
@@ -723,7 +731,7 @@ static void make_few(const float *x, int64_t n, int64_t k, char *mem, qm_few *f)
 
 /* tile_product, through the integer rows where the pass's inputs were made digits. */
 static void product(const qm_linear *w, int64_t t, const float *x, int64_t n, float *y, float *wbuf, const qm_few *f) {
-#ifdef QM_VNNI
+#ifdef QM_INT
     int64_t kind = w->kind & ~QM_HALF;
     if (f->few == n && takes_digits(&f->d[0], kind, w->k, w->group)) {
         int64_t groups = w->k / w->group, n0 = t * NB;

@@ -301,8 +301,11 @@ def cpu_flags() -> set[str]:
 
 
 VNNI = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= cpu_flags()
-# what a CPU without AVX-512 (or without AVX2) gets, and on a VNNI CPU the AVX-512 fp32 rows it skips
-BUILDS = (*build.FLAG_SETS[1:], *([("-O3", "-march=native", "-DQM_NO_VNNI", "-fopenmp")] if VNNI else []))
+# what a CPU without AVX-512 (or without AVX2) gets; on a VNNI CPU the AVX-512 fp32 rows it skips; on
+# a CPU with AVX-VNNI what an Intel desktop CPU without AVX-512 gets (AVX2 + AVX-VNNI)
+BUILDS = (*build.FLAG_SETS[1:], *([("-O3", "-march=native", "-DQM_NO_VNNI", "-fopenmp")] if VNNI else []),
+          *([("-O3", "-mavx2", "-mfma", "-mf16c", "-mavxvnni", "-fopenmp")] if "avx_vnni" in cpu_flags() else []))
+SIMD = {"-DQM_NO_VNNI": 3, "-mavxvnni": 5, "-mavx2": 2}  # qm_simd() of a build, by its telling flag
 
 
 @pytest.mark.skipif(not VNNI, reason="the CPU has no AVX-512 VNNI")
@@ -314,25 +317,26 @@ def test_a_vnni_cpu_takes_the_integer_rows() -> None:
 @pytest.mark.parametrize("flags", BUILDS, ids=lambda f: " ".join(f[1:-1]) or "plain C")
 def test_the_portable_builds_compute_the_same(flags: tuple[str, ...], tmp_path: Path,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """The AVX2 and plain C builds, and AVX-512 without its integer rows: packed products with
-    fp16 and fp32 scales, a fused step and a fused tree pass, against the dense product and the
-    general path."""
+    """The AVX2 and plain C builds, AVX-512 without its integer rows, and AVX2 with AVX-VNNI's:
+    packed products with fp16 and fp32 scales, a fused step and a fused tree pass, against the
+    dense product and the general path."""
     monkeypatch.setenv("SPECCHAT_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(build, "FLAG_SETS", (flags,))
     build.reset()
     try:
         lib = build.kernels()
         assert lib is not None
-        assert lib.qm_simd() == (3 if "-DQM_NO_VNNI" in flags else 2 if "-mavx2" in flags else 0)
+        assert lib.qm_simd() == next((code for flag, code in SIMD.items() if flag in flags), 0)
         g = torch.Generator().manual_seed(5)
-        codes = torch.randint(0, 16, (24, 96), generator=g)
-        for scales in (torch.rand(24, 3, generator=g), torch.rand(24, 3, generator=g).half().float()):
-            for kind, bits in (("q4", 4), ("q8", 5)):
-                w = from_codes(codes, scales, -scales * 8, 32, bits)
-                assert w.kind == kind
-                for m in (1, 5):
-                    x = torch.randn(m, 96, generator=g)
-                    assert close(qlinear(x, w), x @ dequantize(w).T)
+        for k in (96, 128):  # the integer rows take inputs of a multiple of 64
+            codes = torch.randint(0, 16, (24, k), generator=g)
+            for scales in (torch.rand(24, k // 32, generator=g), torch.rand(24, k // 32, generator=g).half().float()):
+                for kind, bits in (("q4", 4), ("q8", 5)):
+                    w = from_codes(codes, scales, -scales * 8, 32, bits)
+                    assert w.kind == kind
+                    for m in (1, 5):
+                        x = torch.randn(m, k, generator=g)
+                        assert close(qlinear(x, w), x @ dequantize(w).T)
         fused, plain = pair(packed(config("qwen2"), seed=4), monkeypatch)
         ours, theirs = fused.new_cache(16), plain.new_cache(16)
         for tokens, positions, allowed in ((torch.tensor([3, 9, 27]), torch.arange(3), None),
