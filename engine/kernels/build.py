@@ -9,7 +9,8 @@ to the next. A cached library that does not load (damaged) is built again, once.
 
 No compiler, every build failing, Windows (no build here yet), or SPECCHAT_NO_KERNELS=1 in the
 environment: `kernels()` is None, one INFO line says why, and the caller runs its dense path.
-Never raises.
+Never raises. SPECCHAT_NO_VNNI=1 builds without the integer rows of VNNI CPUs (qm_digits.h), so
+their fp32 rows can be compared or relied on.
 
 What this module does not do: choose which weights use the kernel (engine.loading) or run it
 (linear.py).
@@ -37,6 +38,7 @@ SOURCE = Path(__file__).with_name("qmatmul.c")
 FLAG_SETS = (("-O3", "-march=native", "-fopenmp"), ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"), ("-O3", "-fopenmp"),
              ("-O3",))
 VERSION = 1  # qm_version() of the source this module speaks to
+SIMD_NAMES = {0: "plain C", 2: "AVX2", 3: "AVX-512", 4: "AVX-512 VNNI integer rows", 5: "AVX2, AVX-VNNI integer rows"}
 
 _lock = threading.Lock()
 _loaded: ctypes.CDLL | None = None
@@ -83,7 +85,10 @@ def _build_and_load() -> ctypes.CDLL | None:
     version = _compiler_version(cc)
     source = b"".join(path.read_bytes() for path in (SOURCE, *sorted(SOURCE.parent.glob("*.h"))))  # and its headers
     first_error = ""
+    no_vnni = os.environ.get("SPECCHAT_NO_VNNI", "").strip() not in ("", "0")
     for flags in FLAG_SETS:
+        if no_vnni:
+            flags = (*flags, "-DQM_NO_VNNI")
         key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), version.encode(),
                                           platform.machine().encode(), _cpu_model().encode()])).hexdigest()[:20]
         target = paths.cache_dir() / "kernels" / key / "libqmatmul.so"
@@ -95,7 +100,8 @@ def _build_and_load() -> ctypes.CDLL | None:
                     break
             lib = _load(target)
             if lib is not None:
-                log.info("packed CPU kernels: %s (%s)", target.parent.name, " ".join(flags))
+                log.info("packed CPU kernels: %s (%s; %s)", target.parent.name, " ".join(flags),
+                         SIMD_NAMES.get(lib.qm_simd(), "?"))
                 return lib
             target.unlink(missing_ok=True)  # damaged: build once more
     log.info("packed CPU kernels could not be built (%s): packed layers run de-quantised", first_error)

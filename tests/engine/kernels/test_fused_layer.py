@@ -309,9 +309,17 @@ SIMD = {"-DQM_NO_VNNI": 3, "-mavxvnni": 5, "-mavx2": 2}  # qm_simd() of a build,
 
 
 @pytest.mark.skipif(not VNNI, reason="the CPU has no AVX-512 VNNI")
-def test_a_vnni_cpu_takes_the_integer_rows() -> None:
+def test_a_vnni_cpu_takes_the_integer_rows_unless_told_not_to(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     lib = build.kernels()
     assert lib is not None and lib.qm_simd() == 4
+    monkeypatch.setenv("SPECCHAT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("SPECCHAT_NO_VNNI", "1")
+    build.reset()
+    try:
+        lib = build.kernels()
+        assert lib is not None and lib.qm_simd() == 3
+    finally:
+        build.reset()
 
 
 @pytest.mark.parametrize("flags", BUILDS, ids=lambda f: " ".join(f[1:-1]) or "plain C")
