@@ -25,6 +25,7 @@ from engine.decoding.draft_choice import DraftChoice
 from engine.decoding.pair import draft_choice_of, load_engine, parse_draft_spec
 from engine.errors import InvalidRequest, MalformedInput, UsageError
 from engine.loading.load import check_pair, load_model, resolve_device
+from engine.model.assistant_spec import is_assistant_folder
 from engine.types import (
     CacheSettings,
     Completion,
@@ -272,11 +273,11 @@ def in_worker(work: Callable[[], T], cancel: threading.Event, name: str, grace_s
 
 
 def bench_engine(target_spec: str, draft_spec: str | None) -> Engine:
-    """The pair on the CPU, as loaded for a benchmark: a named draft model as it is; auto, none
-    and self[:BITS] as load_engine decides (a self-draft with every target layer offloaded, so
+    """The pair on the CPU, as loaded for a benchmark: a named draft model as it is; auto, none,
+    a Gemma 4 assistant folder and self[:BITS] as load_engine decides (a self-draft with every target layer offloaded, so
     that it substitutes them all). The engine starts from its priors (no learned file)."""
     kind, _, model_spec = parse_draft_spec(draft_spec)
-    if kind != "model":
+    if kind != "model" or (model_spec is not None and is_assistant_folder(Path(model_spec))):  # with its target
         offload: Offload = "all" if kind == "self" else "none"
         loaded = load_engine(target_spec, draft_spec, LoadSettings(device="cpu", offload=offload,
                                                                    cache=CacheSettings(disk_budget_bytes=0)))

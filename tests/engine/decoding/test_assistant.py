@@ -319,6 +319,11 @@ def test_auto_and_a_named_folder_both_draft_with_the_assistant(pairs: dict[str, 
     assert by_hand is not None and by_hand.kind == "assistant" and isinstance(named.draft, AssistantDraft)
     plain = run(Engine(target.model, target.tokenizer, None), mode="autoregressive")
     assert run(named, budget=8).token_ids == plain.token_ids
+    # `specchat bench speculation --draft FOLDER` loads it the same way (a head is not a model)
+    from engine.cli.common import bench_engine
+
+    bench = bench_engine(str(folder), str(folder.parent / "target-assistant"))
+    assert isinstance(bench.draft, AssistantDraft) and bench.draft_choice.kind == "assistant"  # type: ignore[attr-defined]
 
 
 def test_an_offloaded_target_hands_its_keys_over_too(pairs: dict[str, Pair]) -> None:
