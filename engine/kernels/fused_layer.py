@@ -27,8 +27,10 @@ What this module does not do: streamed layers, experts, windows, hybrids or GPUs
 from __future__ import annotations
 
 import ctypes
+import itertools
 import logging
 import os
+import time
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +38,7 @@ import torch
 from torch import nn
 
 from engine.kernels.build import kernels
+from engine.kernels.governor import governor
 from engine.kernels.linear import PackedLinear
 from engine.model.cache import KVCache
 
@@ -44,6 +47,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+_keys = itertools.count()
 FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
 LINEARS = (("q", "self_attn.q_proj"), ("k", "self_attn.k_proj"), ("v", "self_attn.v_proj"),
            ("o", "self_attn.o_proj"), ("gate", "mlp.gate_proj"), ("up", "mlp.up_proj"), ("down", "mlp.down_proj"))
@@ -109,6 +113,7 @@ class FusedDecoder:
         self._many = many
         # each cache's buffer addresses, read again when its buffers change (reserve() grew it)
         self._buffers: weakref.WeakKeyDictionary[KVCache, _Buffers] = weakref.WeakKeyDictionary()
+        self._key = next(_keys)  # this model's steps, to the thread governor
 
     @classmethod
     def of(cls, model: CausalLM) -> FusedDecoder | None:
@@ -154,9 +159,13 @@ class FusedDecoder:
         hidden = self.embed(input_ids.to(self.device)[None]).float().contiguous()  # (1, 1, H)
         cos, sin = self.rotary(hidden, position_ids=positions[None])  # (1, 1, D) each
         cos, sin = cos.float().contiguous(), sin.float().contiguous()
+        chosen = governor()
+        threads = chosen.threads()
+        start = time.perf_counter()
         rc = self._fn(self.layers, buffers.keys, buffers.values, len(self.layers), self.hidden, self.heads,
                       self.kv_heads, self.head_dim, cache.capacity, cache.length, self.scale, cos.data_ptr(),
-                      sin.data_ptr(), hidden.data_ptr(), torch.get_num_threads())
+                      sin.data_ptr(), hidden.data_ptr(), threads)
+        chosen.record(self._key, threads, time.perf_counter() - start)
         if rc != 0:
             raise torch.OutOfMemoryError("The fused CPU decoding step could not allocate its scratch memory.")
         cache.commit(1)
@@ -183,7 +192,7 @@ class FusedDecoder:
         rc = self._many(self.layers, buffers.keys, buffers.values, len(self.layers), self.hidden, self.heads,
                         self.kv_heads, self.head_dim, cache.capacity, cache.length, n, self.scale, cos.data_ptr(),
                         sin.data_ptr(), mask.data_ptr() if mask is not None else None, hidden.data_ptr(),
-                        torch.get_num_threads())
+                        governor().threads())
         if rc != 0:
             raise torch.OutOfMemoryError("The fused CPU pass could not allocate its scratch memory.")
         cache.commit(n)

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from engine.kernels.build import kernels
+from engine.kernels.governor import governor
 
 Kind = Literal["q8", "q4"]
 HALF = 256  # qmatmul.c's QM_HALF: the scales and minimums are fp16
@@ -131,7 +132,7 @@ def qlinear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
     if m:
         kind, codes, scales, mins = w.args
         rc = lib.qm_matmul(kind, x2.data_ptr(), m, w.in_features, codes, scales, mins, w.out_features, w.group,
-                           y.data_ptr(), threads or torch.get_num_threads())
+                           y.data_ptr(), threads or governor().threads())
         if rc != 0:
             raise torch.OutOfMemoryError("The packed CPU kernel could not allocate its scratch memory.")
     if bias is not None:
