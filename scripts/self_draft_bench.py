@@ -7,12 +7,14 @@ uses the draft) at each budget, greedy and T=0.6 (top-p 0.9, one seed per prompt
 no setting was tuned on (resources/prompts/chat.txt; tuning.txt is the tuning set).
 
 Memory, on one basis: the bytes a draft's decoder layers take as that draft keeps them: the
-self-draft's 2-4-bit substitutes with their fp16 scales and offsets (engine.offload.lowbit),
+self-draft's 2-4-bit substitutes with their fp16 scales, offsets and column scales
+(engine.offload.lowbit, engine.offload.calibrate; `--uncalibrated` adds the self-drafts built
+without the column scales' calibration),
 and the proxy's layers as bitsandbytes FP4 with an fp32 absmax per 64 weights (4.5 bits; the
 proxy folder itself is stored de-quantised to fp32). The proxy also needs an embedding and a
 head of its own; the self-draft uses the target's.
 
-    python scripts/self_draft_bench.py [--budgets 64,256,1024] [--tokens 48] [--prompts FILE] [--min-pass-gain 0]
+    python scripts/self_draft_bench.py [--budgets 64,256,1024] [--tokens 48] [--prompts FILE] [--min-pass-gain 0] [--uncalibrated]
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ def main() -> None:
     parser.add_argument("--count", type=int, default=6, help="prompts used from the file")
     parser.add_argument("--bits", default=",".join(str(b) for b in sorted(SELF_DRAFT_BITS)))
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--uncalibrated", action="store_true",
+                        help="also the self-drafts built without the tokenizer (no activation-aware scaling)")
     parser.add_argument("--min-pass-gain", type=float, default=None,
                         help="0 grows every tree to its budget (compares drafts, not this CPU's costs); default: "
                         "the engine's own stop, from the measured costs of a draft pass and a step")
@@ -56,11 +60,14 @@ def main() -> None:
     proxy = load_model(proxy_draft_folder())
     drafts.append(("FP4 proxy (bitsandbytes, blocksize 64)", proxy.model, int(layer_params * FP4_BITS_PER_WEIGHT / 8)))
     for bits in (int(b) for b in args.bits.split(",")):
-        t0 = time.perf_counter()
-        draft = build_self_draft(target.model, bits, cache_dir=None)
-        info = draft.self_draft  # type: ignore[attr-defined]
-        print(f"built the {bits}-bit self-draft in {time.perf_counter() - t0:.1f} s")
-        drafts.append((info.label, draft, info.nbytes - draft.streamer.dense_layout.nbytes))  # type: ignore[union-attr]
+        for calibrated in (True, False) if args.uncalibrated else (True,):
+            t0 = time.perf_counter()
+            draft = build_self_draft(target.model, bits, cache_dir=None,
+                                     tokenizer=target.tokenizer if calibrated else None)
+            info = draft.self_draft  # type: ignore[attr-defined]
+            label = info.label + ("" if calibrated else ", plain")
+            print(f"built the {label} in {time.perf_counter() - t0:.1f} s")
+            drafts.append((label, draft, info.nbytes - draft.streamer.dense_layout.nbytes))  # type: ignore[union-attr]
     proxy_bytes = drafts[0][2]
     stop = "trees grown to the budget" if args.min_pass_gain == 0 else "the engine's own tree stop"
     print(f"\nstarter, every layer offloaded; {len(prompts)} prompts of {args.prompts.name} x {args.tokens} tokens; "

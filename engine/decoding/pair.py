@@ -111,7 +111,7 @@ def load_engine(
         log.info("draft: %s (%s)", choice.label, choice.reason)
         draft_model, choice = _load_chosen(choice, loaders, report)
     elif kind == "self":
-        draft_model = _self_draft(tmodel, bits, settings, report)
+        draft_model = _self_draft(tmodel, bits, settings, report, loaded_target.tokenizer)
         info = getattr(draft_model, "self_draft", None)
         label = info.label if info is not None else f"self-draft, {bits}-bit"
         choice = manual_choice("self", label, "chosen by hand (--draft self)", getattr(info, "bits", bits))
@@ -170,7 +170,7 @@ def draft_options(loaded: LoadedModel, target_spec: str | Path,
         bits = self_option.bits
 
         def load_self(r: Callable[[LoadStage, float, str], None]) -> CausalLM:
-            return _self_draft(target, bits, settings, r)
+            return _self_draft(target, bits, settings, r, loaded.tokenizer)
         loaders["self"] = load_self
     catalog, catalog_path = _catalog_draft(target_spec, loaded.path)
     if catalog is not None and catalog_path is not None:
@@ -224,7 +224,8 @@ def _free_for_draft(target: CausalLM, settings: LoadSettings) -> int:
 
 
 def _self_draft(target: CausalLM, bits: int | None, settings: LoadSettings,
-                report: Callable[[LoadStage, float, str], None]) -> CausalLM:
+                report: Callable[[LoadStage, float, str], None], tokenizer: Any = None) -> CausalLM:
+    """The self-draft, its weights scaled by their inputs on a built-in text through `tokenizer`."""
     if bits is None:
         bits = self_draft.fitting_bits(target, _free_for_draft(target, settings))
         if bits is None:
@@ -232,7 +233,7 @@ def _self_draft(target: CausalLM, bits: int | None, settings: LoadSettings,
                              "--draft none, or keep fewer target layers resident (--offload all).")
     report("draft", 0.8, f"building the {bits}-bit self-draft")
     return self_draft.build_self_draft(target, bits, paths.cache_dir() / "self-draft",
-                                       lambda f, m: report("draft", 0.8 + 0.2 * f, m))
+                                       lambda f, m: report("draft", 0.8 + 0.2 * f, m), tokenizer=tokenizer)
 
 
 def find_heads(folder: Path, config: Any) -> list[Any]:

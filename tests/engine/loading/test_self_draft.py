@@ -4,6 +4,7 @@ real tiny models loaded with their layers offloaded, checked against plain trans
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from engine.loading.self_draft import (
     substitute_bytes,
 )
 from engine.model.causal_lm import CausalLM
-from engine.offload import lowbit
+from engine.offload import calibrate, lowbit
 from engine.offload.streamer import LayerHome, LayerStreamer
 from engine.testing.synthetic import tiny_gguf
 from engine.types import Completion, GenerationRequest, SpeculationSettings
@@ -45,10 +46,10 @@ def test_quantised_weight_lies_on_its_grid_and_beats_rounding_the_range(bits: in
     g = torch.Generator().manual_seed(0)
     w = torch.randn(96, 256, generator=g) * 0.02
     w[3, 17] = 0.5  # an outlier: its group's range is wide
-    packed, scale, offset = lowbit.quantize(w, bits, 64)
+    packed, scale, offset = lowbit.quantize(w, bits, 64, uniform=True)
     assert packed.numel() * 8 / w.numel() == bits and scale.dtype == torch.float16 and scale.numel() == w.numel() // 64
     out = torch.empty_like(w)
-    lowbit.dequantize_into(packed, scale, offset, bits, out)
+    lowbit.dequantize_into(packed, scale, offset, bits, out, uniform=True)
     q = (out.view(-1, 64) - offset.float()[:, None]) / scale.float()[:, None]
     assert torch.allclose(q, q.round(), atol=1e-3) and float(q.min()) > -1e-3 and float(q.max()) < 2**bits - 1 + 1e-3
     groups = w.view(-1, 64)
@@ -58,6 +59,64 @@ def test_quantised_weight_lies_on_its_grid_and_beats_rounding_the_range(bits: in
     err, plain_err = float((out.view(-1, 64) - groups).square().mean()), float((plain - groups).square().mean())
     assert err < 0.95 * plain_err, (err, plain_err)
     assert err < 0.25 * float(w.square().mean()) / 4 ** (bits - 2)  # 2 bits: within a quarter of the weight's power
+
+
+@pytest.mark.parametrize("bits", lowbit.BITS)
+def test_column_scaled_codes_round_trip(bits: int) -> None:
+    """quantize(w, c) codes w * c; dequantize_into(c) divides the columns again: the weight comes
+    back with w * c on its group's grid, and c = 1 is the plain quantiser bit for bit."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(64, 128, generator=g) * 0.02
+    c = (torch.rand(128, generator=g) * 8 + 0.25).half()
+    packed, scale, offset = lowbit.quantize(w, bits, 64, c, uniform=True)
+    out = torch.empty_like(w)
+    lowbit.dequantize_into(packed, scale, offset, bits, out, c, uniform=True)
+    q = ((out * c.float()).view(-1, 64) - offset.float()[:, None]) / scale.float()[:, None]
+    assert torch.allclose(q, q.round(), atol=1e-2) and float(q.min()) > -1e-2 and float(q.max()) < 2**bits - 1 + 1e-2
+    plain, ones = lowbit.roundtrip(w, bits), lowbit.roundtrip(w, bits, 64, torch.ones(128, dtype=torch.float16))
+    assert torch.equal(plain, ones)
+
+
+@pytest.mark.parametrize("bits", [2, 3])
+def test_activation_aware_scaling_cuts_the_output_error_on_outlier_channels(bits: int) -> None:
+    """Inputs with a few large channels (as small LLMs have): the scaled codes give a lower output
+    error than the plain ones, on held-out inputs of the same kind, not only on the calibration's."""
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(128, 256, generator=g) * 0.02
+    gain = torch.ones(256)
+    gain[torch.randperm(256, generator=g)[:6]] = 40.0
+
+    def inputs(n: int) -> torch.Tensor:
+        return torch.randn(n, 256, generator=g) * gain
+
+    x, held = inputs(256), inputs(256)
+    packed, scale, offset, c = calibrate.quantise_aware(w, x, bits, 64)
+    aware = torch.empty_like(w)
+    lowbit.dequantize_into(packed, scale, offset, bits, aware, c)
+    plain = lowbit.roundtrip(w, bits)
+    ref = held @ w.T
+    err, plain_err = float((held @ aware.T - ref).square().mean()), float((held @ plain.T - ref).square().mean())
+    assert err < 0.7 * plain_err, (err, plain_err)
+    assert not torch.equal(c, torch.ones_like(c)), "an alpha above 0 was chosen"
+
+
+def test_three_bit_codes_index_normal_quantile_levels() -> None:
+    """At 3 bits the codes stand for 8 normal-quantile levels (denser in the middle): the weight
+    comes back on those levels, and on Gaussian weights with a lower error than the uniform grid."""
+    grid = lowbit.levels(3, torch.device("cpu"))
+    assert grid is not None and grid.shape == (8,) and float(grid[0]) == 0 and abs(float(grid[-1]) - 7) < 1e-5
+    steps = grid.diff()
+    assert float(steps[3]) < float(steps[0]) and torch.allclose(steps, steps.flip(0), atol=1e-5)
+    assert lowbit.levels(4, torch.device("cpu")) is None and lowbit.levels(3, torch.device("cpu"), uniform=True) is None
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(128, 256, generator=g) * 0.02
+    packed, scale, offset = lowbit.quantize(w, 3, 64)
+    out = torch.empty_like(w)
+    lowbit.dequantize_into(packed, scale, offset, 3, out)
+    t = (out.view(-1, 64) - offset.float()[:, None]) / scale.float()[:, None]
+    assert float((t[..., None] - grid).abs().amin(-1).max()) < 1e-2
+    err = float((out - w).square().mean())
+    assert err < 0.95 * float((lowbit.roundtrip(w, 3, uniform=True) - w).square().mean())
 
 
 def test_widths_outside_the_supported_ones_are_refused() -> None:
@@ -83,8 +142,10 @@ def greedy(engine: Engine, prompt: str, budget: int, n: int = 32) -> Completion:
 
 def reference(model: LoadedModel, ids: list[int], n: int) -> list[int]:
     x = torch.tensor([ids])
-    out = model.model.hf_model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
-                                        pad_token_id=model.tokenizer.pad_token_id)
+    hf: Any = model.model.hf_model  # (typed as a Module, whose attributes type as Tensor)
+    tokenizer: Any = model.tokenizer
+    out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
+                      pad_token_id=tokenizer.pad_token_id)
     return out[0, len(ids):].tolist()
 
 
@@ -106,6 +167,54 @@ def test_greedy_text_with_a_self_draft_equals_plain_transformers(offloaded: Load
             per_pass.append(got.stats.tokens_per_pass)
     if bits == 4:  # drafts are accepted beyond the root (a random tiny model's flat distributions keep trees
         assert min(per_pass) > 1.5, per_pass  # shallow: even the target itself as its draft gives ~3 a pass)
+
+
+def test_calibration_inputs_are_each_linears_inputs(offloaded: LoadedModel, tiny_target: LoadedModel) -> None:
+    """collect_inputs, run on the streamed target, keeps per layer each Linear's inputs by weight
+    name: the same rows that plain transformers feeds those Linears."""
+    ids = calibrate.calibration_ids(offloaded.tokenizer)
+    assert len(ids) > 200
+    got = calibrate.collect_inputs(offloaded.model, ids, [1])
+    assert list(got) == [1]
+    hf = tiny_target.model.hf_model
+    seen: dict[str, torch.Tensor] = {}
+    layer = hf.model.layers[1]
+    hooks = [m.register_forward_hook(lambda mod, a, o, n=n: seen.__setitem__(n + ".weight", a[0][0]))
+             for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear)]
+    try:
+        hf(torch.tensor([ids]))
+    finally:
+        for h in hooks:
+            h.remove()
+    assert set(got[1]) == set(seen) and "mlp.down_proj.weight" in seen
+    rows = torch.linspace(0, len(ids) - 1, min(calibrate.MAX_ROWS, len(ids))).long()
+    for name, x in got[1].items():
+        assert torch.allclose(x, seen[name][rows].float(), atol=1e-4, rtol=1e-3), name
+
+
+def test_a_calibrated_self_draft_keeps_greedy_text_and_its_own_cache(offloaded: LoadedModel, tiny_target: LoadedModel,
+                                                                    tmp_path: Path) -> None:
+    """With the tokenizer, the substitutes carry column scales (not all 1), are cached under
+    another key than the uncalibrated ones, and greedy text is still plain transformers'."""
+    draft = build_self_draft(offloaded.model, 3, cache_dir=tmp_path, tokenizer=offloaded.tokenizer)
+    ids = calibrate.calibration_ids(offloaded.tokenizer)
+    assert cache_key(offloaded.model, 3, [0, 1], ids) != cache_key(offloaded.model, 3, [0, 1])
+    assert [f.stem for f in tmp_path.glob("*.safetensors")] == [cache_key(offloaded.model, 3, [0, 1], ids)]
+    assert draft.streamer is not None
+    layout, packed = draft.streamer.layouts[0], draft.streamer.homes[0].packed
+    assert packed is not None
+    widths = {e.name: e.qtype for e in layout.entries if e.kind == "lowbit"}
+    assert widths["self_attn.k_proj.weight"] == widths["self_attn.v_proj.weight"] == 4, widths
+    assert widths["self_attn.q_proj.weight"] == widths["mlp.down_proj.weight"] == 3, widths
+    scales = [layout.view(packed, e) for e in layout.entries if e.name.endswith("#cscale")]
+    assert scales and any(not torch.equal(c, torch.ones_like(c)) for c in scales)
+    engine = Engine(offloaded.model, offloaded.tokenizer, draft)
+    for prompt in PROMPTS:
+        got = greedy(engine, prompt, 16)
+        ref = reference(tiny_target, engine.encode(GenerationRequest(raw_prompt=prompt)), 32)
+        assert list(got.token_ids) == ref[: len(got.token_ids)], prompt
+    again = build_self_draft(offloaded.model, 3, cache_dir=tmp_path, tokenizer=offloaded.tokenizer)
+    assert again.self_draft.cached  # type: ignore[attr-defined]
 
 
 def test_the_draft_logits_follow_the_bits(offloaded: LoadedModel, tmp_path: Path) -> None:
@@ -130,7 +239,7 @@ def test_substitutes_are_saved_read_back_and_rebuilt_when_damaged(offloaded: Loa
     for a, b in zip(first.streamer.homes, again.streamer.homes):  # type: ignore[union-attr]
         assert a.packed is not None and b.packed is not None and torch.equal(a.packed, b.packed)
     data = files[0].read_bytes()
-    for damaged in (data[: len(data) // 2], b"\x00" * 64, data.replace(b"specchat-self-draft-1", b"specchat-self-draft-0")):
+    for damaged in (data[: len(data) // 2], b"\x00" * 64, data.replace(b"specchat-self-draft-2", b"specchat-self-draft-1")):
         files[0].write_bytes(damaged)
         rebuilt = build_self_draft(offloaded.model, 3, cache_dir=tmp_path)
         assert not rebuilt.self_draft.cached  # type: ignore[attr-defined]
