@@ -27,7 +27,9 @@
  * gives NaN, as the fp32 product would. Rows whose input length is not a multiple of 64 take
  * the fp32 path.
  */
-#define QM_FEW 8 /* tokens a small pass dots with each unpacked chunk (the VNNI rows below) */
+#define QM_FEW 2 /* tokens a small pass dots with each unpacked chunk (the VNNI rows below); measured on a
+                   * starter-shaped model, AVX-512 VNNI: 2 tokens about even with the fp32 tiles, 4 and 8
+                   * tokens 1.3-1.6x slower (each further token pays the full integer dot again) */
 #ifdef QM_VNNI
 
 typedef struct {
