@@ -98,6 +98,20 @@ static void make_digits(const float *x, int64_t n, char *mem, qm_digits *d) {
                                                      _mm512_loadu_si512(d->nat[i] + k), 0xD8));
 }
 
+/* Which of a block's 8 groups each 32-bit lane of a 64-value chunk c belongs to: q4 chunks hold
+ * groups 2c and 2c+1 as (g x4, g+1 x4, g x4, g+1 x4) (see row_q4_vnni); q8 chunks hold them in
+ * order, two groups of 32 or four of 16. */
+static const int32_t LANES_Q4[4][16] = {{0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1},
+                                        {2, 2, 2, 2, 3, 3, 3, 3, 2, 2, 2, 2, 3, 3, 3, 3},
+                                        {4, 4, 4, 4, 5, 5, 5, 5, 4, 4, 4, 4, 5, 5, 5, 5},
+                                        {6, 6, 6, 6, 7, 7, 7, 7, 6, 6, 6, 6, 7, 7, 7, 7}};
+static const int32_t LANES_Q8_32[4][16] = {{0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1},
+                                           {2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3},
+                                           {4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5},
+                                           {6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7}};
+static const int32_t LANES_Q8_16[2][16] = {{0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3},
+                                           {4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7}};
+
 /* The exact sum over 64 values of code * v (codes at most 15): w holds 64 unsigned codes, a/b/c
  * the digits. */
 static inline __m512i dot_digits(__m512i w, const int8_t *a, const int8_t *b, const int8_t *c) {
@@ -111,11 +125,8 @@ static inline __m512i dot_digits(__m512i w, const int8_t *a, const int8_t *b, co
  * g x4, g+1 x4; the digits were laid out (q4[]) to match. */
 static float row_q4_vnni(const qm_digits *d, const uint8_t *p, const void *sc, const void *mn, int half,
                          const float *xsum, int64_t K) {
-    const __m512i lanes[4] = {
-        _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1),
-        _mm512_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3, 2, 2, 2, 2, 3, 3, 3, 3),
-        _mm512_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5, 4, 4, 4, 4, 5, 5, 5, 5),
-        _mm512_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7, 6, 6, 6, 6, 7, 7, 7, 7)};
+    __m512i lanes[4];
+    for (int c = 0; c < 4; c++) lanes[c] = _mm512_loadu_si512(LANES_Q4[c]);
     const __m256i m4 = _mm256_set1_epi8(15);
     __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
     __m256 ext = _mm256_setzero_ps();
@@ -143,14 +154,9 @@ static float row_q4_vnni(const qm_digits *d, const uint8_t *p, const void *sc, c
  * (128 * the group's sum of v) comes back through c16/c32. */
 static float row_q8_vnni(const qm_digits *d, const int8_t *codes, const void *sc, const void *mn, int half,
                          const float *xsum, int64_t K, int64_t group) {
-    const __m512i lanes32[4] = {
-        _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
-        _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3),
-        _mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5),
-        _mm512_setr_epi32(6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7)};
-    const __m512i lanes16[2] = {
-        _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
-        _mm512_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7)};
+    __m512i lanes32[4], lanes16[2];
+    for (int c = 0; c < 4; c++) lanes32[c] = _mm512_loadu_si512(LANES_Q8_32[c]);
+    for (int c = 0; c < 2; c++) lanes16[c] = _mm512_loadu_si512(LANES_Q8_16[c]);
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     const __m512 k65536 = _mm512_set1_ps(65536.0f);
     const float *units = group == 16 ? d->u16 : d->u32, *back = group == 16 ? d->c16 : d->c32;
@@ -194,11 +200,8 @@ static inline __m256 load_params(const void *p, int half, int64_t g, int64_t n) 
 /* out[i] = row . x_i for tokens i < few: d[i] their digits, xsum[i] their sums over each group. */
 static void row_q4_vnni_few(const qm_digits *d, const float *const *xsum, int few, const uint8_t *p, const void *sc,
                             const void *mn, int half, int64_t K, float *out) {
-    const __m512i lanes[4] = {
-        _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1),
-        _mm512_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3, 2, 2, 2, 2, 3, 3, 3, 3),
-        _mm512_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5, 4, 4, 4, 4, 5, 5, 5, 5),
-        _mm512_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7, 6, 6, 6, 6, 7, 7, 7, 7)};
+    __m512i lanes[4];
+    for (int c = 0; c < 4; c++) lanes[c] = _mm512_loadu_si512(LANES_Q4[c]);
     const __m256i m4 = _mm256_set1_epi8(15);
     __m512 acc[QM_FEW], f[QM_FEW];
     __m256 ext[QM_FEW];
@@ -228,14 +231,9 @@ static void row_q4_vnni_few(const qm_digits *d, const float *const *xsum, int fe
 
 static void row_q8_vnni_few(const qm_digits *d, const float *const *xsum, int few, const int8_t *codes,
                             const void *sc, const void *mn, int half, int64_t K, int64_t group, float *out) {
-    const __m512i lanes32[4] = {
-        _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
-        _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3),
-        _mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5),
-        _mm512_setr_epi32(6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7)};
-    const __m512i lanes16[2] = {
-        _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
-        _mm512_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7)};
+    __m512i lanes32[4], lanes16[2];
+    for (int c = 0; c < 4; c++) lanes32[c] = _mm512_loadu_si512(LANES_Q8_32[c]);
+    for (int c = 0; c < 2; c++) lanes16[c] = _mm512_loadu_si512(LANES_Q8_16[c]);
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     const __m512 k65536 = _mm512_set1_ps(65536.0f);
     int per = (int)(64 / group);
