@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.decoding.acceptance import TAUS, AcceptanceModel, log_z, tempered
+from engine.decoding.acceptance import TAUS, AcceptanceModel, has_sibling, log_z, tempered
 from engine.decoding.grammar import GrammarState
 from engine.decoding.sampling import process_logits
 from engine.decoding.sequoia import StaticTree, build_tree
@@ -229,7 +229,7 @@ def grow_tree(
             logq_t = torch.cat([logq_t, tempered(child_lp[is_new], lz[:, None, :].expand(-1, kk, -1)[is_new])])
             match = torch.cat([match, torch.zeros_like(new_parent)])
             slots = torch.cat([slots, torch.full_like(new_parent, -1)])
-        score = _scores(model.log_accept(logq, match, logq_t), parents, depths)
+        score = _scores(model.log_accept(logq, match, logq_t, has_sibling(parents)), parents, depths)
         score[0] = 0.0
 
         # keep the root and the `budget` best other nodes, in creation order
@@ -441,4 +441,4 @@ def teach(model: AcceptanceModel, trace: DraftTrace, path: list[int], chosen: li
     kids = kids[choice[tree.parents[kids]] >= 0]
     if kids.numel():
         model.observe(trace.logq[kids], trace.match[kids], trace.logq_t[kids],
-                      tree.tokens[kids] == choice[tree.parents[kids]])
+                      tree.tokens[kids] == choice[tree.parents[kids]], has_sibling(tree.parents)[kids.cpu()])

@@ -36,7 +36,7 @@ from dataclasses import replace
 import torch
 
 from engine.decoding.acceptance import AcceptanceModel, AcceptanceModels
-from engine.decoding.context import MAX_MATCH, ContextIndex, Continuation, trie
+from engine.decoding.context import MAX_MATCH, ContextIndex, Continuation, seed_gains, seed_siblings, trie
 from engine.decoding.costs import DraftSwitch, DraftSwitches, PassCosts, SwitchSettings
 from engine.decoding.learned import LearnedFile
 from engine.decoding.logprobs import LogprobRecorder, TokenBytes
@@ -251,9 +251,19 @@ class Engine:
         else:  # context candidates alone, cut to the size that pays on this machine
             if not seeds[0] and not waits:  # nothing repeats: a plain pass, without a tree's bookkeeping
                 return self._ar_step(seq, tcache, run.choose, hidden_sink(run.dcache, tcache))
-            trace = grow_tree(None, None, torch.tensor(seq[-1:]), spec, request.sampling, self.draft_vocab_limit,
-                              self.acceptance[request.sampling], seeds, grammar=run.grammar)
             unread = len(seq) - 1 - tcache.length
+            model = self.acceptance[request.sampling]
+            if run.grammar is None and not waits:  # priced before any tree is built: most chat steps stop here
+                shared = seed_siblings(seeds)
+                gains = seed_gains(seeds, model.context_chances(seeds[2], shared), spec.max_depth, spec.budget)
+                if self.costs.best_size(gains, unread + 1) == 0:
+                    step = self._ar_step(seq, tcache, run.choose, hidden_sink(run.dcache, tcache))
+                    roots = [i for i, parent in enumerate(seeds[1]) if parent == 0]  # labelled as _learn's teach would
+                    model.observe_context([seeds[2][i] for i in roots], [shared[i] for i in roots],
+                                          [seeds[0][i] == step.tokens[0] for i in roots])
+                    return step
+            trace = grow_tree(None, None, torch.tensor(seq[-1:]), spec, request.sampling, self.draft_vocab_limit,
+                              model, seeds, grammar=run.grammar)
             gains = torch.sort(trace.tree.logp[1:], descending=True, stable=True).values.exp().tolist()
             size = self.costs.best_size(gains, unread + 1)
             if size == 0 and not waits:  # a plain pass; its token still labels the root's candidates (see _learn)

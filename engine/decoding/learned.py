@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from engine import paths
-from engine.decoding.acceptance import CONTEXT_PRIOR, LOGQ_EDGES, TAUS, AcceptanceModels
+from engine.decoding.acceptance import CONTEXT_PRIOR, LOGQ_EDGES, SHARED_PRIOR, TAUS, AcceptanceModels
 from engine.decoding.costs import PassCosts
 from engine.errors import EngineError
 from engine.model.causal_lm import CausalLM
@@ -143,4 +143,6 @@ def _checked(data: object, key: str) -> dict:
         models[name] = {"tau_ll": [float(v) for v in tau_ll],
                         "backed": _calibrator(model.get("backed"), len(LOGQ_EDGES) + 1, f"acceptance.{name}.backed"),
                         "context": _calibrator(model.get("context"), len(CONTEXT_PRIOR), f"acceptance.{name}.context")}
+        if "shared" in model:  # files written before the sibling table have none
+            models[name]["shared"] = _calibrator(model["shared"], len(SHARED_PRIOR), f"acceptance.{name}.shared")
     return {"costs": dict(zip(fields, values)), "acceptance": models}

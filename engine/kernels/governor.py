@@ -36,6 +36,8 @@ PROBE_EVERY = 256  # steps between looks at the other count
 MAX_BACKOFF = 8  # the wait doubles each time a look loses, up to this many times PROBE_EVERY
 SLOWDOWN = 3.0  # a model's recent steps this much slower than its best: look now
 QUIET = 16  # steps after a look before a slowdown may call for another
+FIRST_LOOK = 8  # steps before the first look: a process started on a busy machine has no fast step
+# to compare with, so without an early look it ran 256 steps at 600 ms before trying one thread
 WINDOW = 8
 PROBE_STEPS = 3  # a look's steps, judged by the fastest: the first after a switch pays for it (the
 # other count's threads still spin for a while after their last region)
@@ -52,6 +54,7 @@ class ThreadGovernor:
         self._tried: dict[object, list[float]] = {}  # the look's steps so far, by model
         self._since = 0  # steps since the last look
         self._backoff = 1
+        self._looked = False  # the first look is FIRST_LOOK steps in
         self._recent: dict[tuple[object, int], deque[float]] = {}
         self._best: dict[tuple[object, int], float] = {}
         self._lock = threading.Lock()
@@ -83,11 +86,12 @@ class ThreadGovernor:
             self._since += 1
             recent = list(self._recent[arm])[-4:]
             slowed = len(recent) == 4 and statistics.median(recent) > SLOWDOWN * self._best[arm]
-            if (slowed and self._since >= QUIET) or self._since >= PROBE_EVERY * self._backoff:
+            early = not self._looked and self._since >= FIRST_LOOK
+            if early or (slowed and self._since >= QUIET) or self._since >= PROBE_EVERY * self._backoff:
                 self._probe, self._tried = self._other(), {}
 
     def _judge(self, key: object, seconds: float) -> None:
-        probe, self._probe, self._since = self._probe, None, 0
+        probe, self._probe, self._since, self._looked = self._probe, None, 0, True
         assert probe is not None
         mine = self._recent.get((key, self.current))
         if mine and seconds < 0.9 * statistics.median(list(mine)[-4:]):

@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfi
 
 from engine import paths
 from engine.errors import OutOfMemory, UnsupportedModel
-from engine.loading import cpu_packed
+from engine.loading import cpu_packed, exact_pack
 from engine.loading.checkpoint import Checkpoint
 from engine.loading.multimodal import is_vision
 from engine.loading.weights import Weights
@@ -153,6 +153,11 @@ def materialise(weights: Weights, config: PretrainedConfig, settings: Materialis
     streamer = None
     if any(h.module is None for h in homes):
         streamer = LayerStreamer(homes, layouts, store, layer_template(hf), device, RING_SLOTS)
+    elif packing == "none" and device.type == "cpu" and dtype == torch.float32 and cpu_packed.kernels_on():
+        packed, tested = exact_pack.pack_exact(hf, head=True)  # a folder converted from a GGUF
+        if packed:
+            log.info("%s: %d of %d matrices are de-quantised Q4/Q8 blocks, run packed by the CPU kernel",
+                     weights.path.name, packed, tested)
     return CausalLM(hf, streamer=streamer, placement=placement)
 
 

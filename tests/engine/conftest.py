@@ -4,11 +4,12 @@ starter pair (cached in the user cache: it is ~1 GB of conversions worth keeping
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import torch
 from filelock import FileLock
 
 from engine.decoding.generation import Engine
@@ -76,3 +77,23 @@ def starter_pair(starter_gguf_file: Path) -> tuple[LoadedModel, LoadedModel]:
     with _starter_lock():
         target, draft = starter_folder(), proxy_draft_folder()  # converted once per cache
     return load_model(target), load_model(draft)
+
+
+@pytest.fixture(scope="session")
+def starter_reference(starter_pair: tuple[LoadedModel, LoadedModel]) -> Callable[[list[int], int], list[int]]:
+    """Greedy decoding of the starter's FP32 folder by plain transformers (dense nn.Linear,
+    torch's matmuls): (prompt ids, new tokens) -> the new ids. The independent reference: the
+    engine's own load of that folder runs packed (engine.loading.exact_pack), so its hf_model is
+    not one."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.loading.starter import starter_folder
+
+    model = AutoModelForCausalLM.from_pretrained(starter_folder(), dtype=torch.float32).eval()
+
+    def greedy(ids: list[int], new_tokens: int) -> list[int]:
+        x = torch.tensor([ids])
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens, do_sample=False)
+        return [int(t) for t in out[0, len(ids) :]]
+
+    return greedy

@@ -10,6 +10,7 @@ Sampling with candidates in the tree is in test_lossless_sampling.py.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -20,9 +21,11 @@ from engine.decoding.context import (
     MAX_NGRAM,
     ContextIndex,
     Continuation,
+    seed_gains,
+    seed_siblings,
     trie,
 )
-from engine.decoding.drafting import grow_tree
+from engine.decoding.drafting import grow_tree, teach
 from engine.decoding.generation import Engine
 from engine.decoding.prefill import prefill
 from engine.loading.load import LoadedModel
@@ -81,6 +84,47 @@ def test_trie_merges_shared_prefixes_and_keeps_the_longest_match() -> None:
     assert match == [6, 6, 2, 6, 1]
 
 
+def random_seeds(rng: random.Random) -> tuple[list[int], list[int], list[int]]:
+    conts = [Continuation(tuple(rng.randrange(6) for _ in range(rng.randint(1, 7))), rng.randint(1, 20))
+             for _ in range(rng.randint(1, 8))]
+    return trie(conts)
+
+
+def taught_model(rng: random.Random) -> AcceptanceModel:
+    """An acceptance model whose context table has moved off its prior."""
+    model = AcceptanceModel()
+    for _ in range(30):
+        match = [rng.randint(1, 20) for _ in range(5)]
+        model.observe_context(match, [rng.random() < 0.5 for _ in match], [rng.random() < 0.5 for _ in match])
+    return model
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_seed_gains_are_the_draft_free_trees_gains(seed: int) -> None:
+    """The plain-Python pricing of a draft-free step equals the tree grow_tree builds."""
+    rng = random.Random(seed)
+    seeds, model = random_seeds(rng), taught_model(rng)
+    spec = SpeculationSettings(budget=rng.choice([3, 8, 64]), max_depth=rng.choice([3, 5, 8]))
+    trace = grow_tree(None, None, torch.tensor([1]), spec, SamplingSettings(), 100, model, seeds)
+    want = sorted(trace.tree.logp[1:].exp().tolist(), reverse=True)
+    got = seed_gains(seeds, model.context_chances(seeds[2], seed_siblings(seeds)), spec.max_depth, spec.budget)
+    assert got == pytest.approx(want, rel=1e-5)
+
+
+def test_a_step_cut_to_a_plain_pass_teaches_what_its_tree_would() -> None:
+    rng = random.Random(3)
+    seeds = random_seeds(rng)
+    a, b = taught_model(random.Random(4)), taught_model(random.Random(4))
+    trace = grow_tree(None, None, torch.tensor([1]), SpeculationSettings(budget=64), SamplingSettings(), 100, a, seeds)
+    chosen = seeds[0][0]
+    teach(a, trace, [0], [chosen])
+    roots = [i for i, p in enumerate(seeds[1]) if p == 0]
+    shared = seed_siblings(seeds)
+    assert len(roots) > 1 and all(shared[i] for i in roots)  # siblings: their own table
+    b.observe_context([seeds[2][i] for i in roots], [shared[i] for i in roots], [seeds[0][i] == chosen for i in roots])
+    assert a.state() == b.state()
+
+
 def test_a_candidate_the_draft_also_proposes_is_one_node(tiny_close_draft: LoadedModel) -> None:
     draft = tiny_close_draft.model
     prompt = tiny_close_draft.tokenizer("Once upon a time there was")["input_ids"]
@@ -108,7 +152,8 @@ EDIT_PROMPT = ("Fix the typos in this paragraph and return it unchanged otherwis
                "seem to mind. Later that day, the fox returned to the forrest where its family was waiting.")
 
 
-def test_draft_free_trees_copy_text_and_keep_greedy_output(starter_pair: tuple[LoadedModel, LoadedModel]) -> None:
+def test_draft_free_trees_copy_text_and_keep_greedy_output(starter_pair: tuple[LoadedModel, LoadedModel],
+                                                           starter_reference: Callable[[list[int], int], list[int]]) -> None:
     target, _ = starter_pair
     engine = Engine(target.model, target.tokenizer, None)
     req = GenerationRequest(messages=(Message("user", EDIT_PROMPT),), max_new_tokens=40,
@@ -116,9 +161,7 @@ def test_draft_free_trees_copy_text_and_keep_greedy_output(starter_pair: tuple[L
     final = list(engine.generate(req))[-1]
     assert isinstance(final, Completion)
     ids = engine.encode(req)
-    x = torch.tensor([ids])
-    ref = target.model.hf_model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=40, do_sample=False)
-    ref_ids = ref[0, len(ids):].tolist()
+    ref_ids = starter_reference(ids, 40)
     assert list(final.token_ids) == ref_ids[: len(final.token_ids)] and len(final.token_ids) >= 20
     assert final.stats.mode == "context" and final.stats.draft_passes == 0
     assert final.stats.tokens_per_pass > 1.5, "the answer copies the paragraph: candidates are accepted"

@@ -87,7 +87,8 @@ def broken(state: dict) -> list[object]:
                            {**state, "acceptance": {"nonsense": greedy}},
                            {**state, "acceptance": {"greedy": {**greedy, "backed": {"hits": [2.0] * 11,
                                                                                      "seen": [1.0] * 11}}}},
-                           {**state, "acceptance": {"greedy": {**greedy, "context": {"hits": [0.0], "seen": [0.0]}}}}]
+                           {**state, "acceptance": {"greedy": {**greedy, "context": {"hits": [0.0], "seen": [0.0]}}}},
+                           {**state, "acceptance": {"greedy": {**greedy, "shared": {"hits": [0.0], "seen": [0.0]}}}}]
     return cases
 
 

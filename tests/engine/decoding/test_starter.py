@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import torch
 
 from engine.decoding.generation import Engine
 from engine.loading.load import LoadedModel, check_pair, load_model
@@ -45,14 +45,12 @@ def engine(starter_pair: tuple[LoadedModel, LoadedModel]) -> Engine:
 
 
 @pytest.fixture(scope="module")
-def references(engine: Engine) -> dict[str, list[int]]:
+def references(engine: Engine, starter_reference: Callable[[list[int], int], list[int]]) -> dict[str, list[int]]:
+    """Plain transformers greedy decoding of the starter's FP32 folder (dense, torch's matmuls)."""
     refs = {}
     for prompt in CHAT_PROMPTS:
         ids = engine.encode(GenerationRequest(messages=(Message("user", prompt),)))
-        x = torch.tensor([ids])
-        out = engine.target.hf_model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW_TOKENS,
-                                              do_sample=False)
-        refs[prompt] = out[0, len(ids) :].tolist()
+        refs[prompt] = starter_reference(ids, NEW_TOKENS)
     return refs
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from engine.kernels.governor import MAX_BACKOFF, PROBE_EVERY, PROBE_STEPS, ThreadGovernor
+from engine.kernels.governor import FIRST_LOOK, MAX_BACKOFF, PROBE_EVERY, PROBE_STEPS, ThreadGovernor
 
 IDLE = {2: 0.010, 1: 0.018}
 BUSY = {2: 0.600, 1: 0.012}
@@ -41,6 +41,15 @@ def test_a_busy_machine_drops_to_one_thread_fast_and_pays_little_to_look_back() 
     assert 1 <= slow <= 5 * PROBE_STEPS  # the looks back at 2 threads back off: 256, 512, 1024, 2048 steps apart
     seconds = sum(BUSY[t] for t in used)
     assert seconds < 1.25 * 6000 * BUSY[1]
+
+
+def test_a_process_started_on_a_busy_machine_looks_within_a_few_steps() -> None:
+    """No fast step to compare with: without the early look it ran PROBE_EVERY steps at 600 ms."""
+    gov = ThreadGovernor(2)
+    used = run(gov, 40, BUSY.__getitem__)
+    assert gov.current == 1
+    assert used.count(2) == FIRST_LOOK
+    assert set(used[FIRST_LOOK:]) == {1}
 
 
 def test_the_machine_freed_again_gets_its_threads_back() -> None:
