@@ -145,14 +145,7 @@ static void decode_q4(const uint8_t *packed, const void *scales, const void *min
     }
 }
 
-#ifdef QM_AVX2
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-    return _mm_cvtss_f32(s);
-}
-#endif
+#include "qm_attend.h" /* hsum, dot, attend, attend_masked */
 
 /* y[i, n0 + r] for r < rows (<= NB), from decoded weight rows w[r * K ..]: two activation
  * rows by four weight rows at a time (8 accumulators: 6 loads feed 8 FMAs). */
@@ -530,20 +523,6 @@ static float row_product(const qm_linear *w, int64_t r, const float *x, const fl
     return w->bias ? y + w->bias[r] : y;
 }
 
-static float dot(const float *a, const float *b, int64_t n) {
-    int64_t i = 0;
-    float out = 0.0f;
-#ifdef QM_AVX2
-    if (n % 8 == 0) {
-        __m256 acc = _mm256_setzero_ps();
-        for (; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-        return hsum(acc);
-    }
-#endif
-    for (; i < n; i++) out += a[i] * b[i];
-    return out;
-}
-
 /* One head in place: the optional per-head RMSNorm, then the rotary embedding
  * x * cos + rotate_half(x) * sin, rotate_half(x) = (-x[D/2:], x[:D/2]). */
 static void norm_and_rotate(float *x, const float *norm, float eps, const float *cos, const float *sin, int64_t d,
@@ -553,24 +532,6 @@ static void norm_and_rotate(float *x, const float *norm, float eps, const float 
     memcpy(tmp, x, sizeof(float) * (size_t)d);
     for (int64_t i = 0; i < h; i++) x[i] = tmp[i] * cos[i] + (-tmp[i + h]) * sin[i];
     for (int64_t i = h; i < d; i++) x[i] = tmp[i] * cos[i] + tmp[i - h] * sin[i];
-}
-
-/* Attention of one query head q (rotated) over a cache's `length` entries of its K/V head
- * and the new entry (k, v), which the cache does not need to hold yet. scores: length + 1. */
-static void attend(const float *q, const float *keys, const float *values, const float *k, const float *v,
-                   int64_t length, int64_t d, float scale, float *scores, float *out) {
-    float top = -INFINITY, sum = 0.0f;
-    for (int64_t j = 0; j <= length; j++) {
-        scores[j] = dot(q, j < length ? keys + j * d : k, d) * scale;
-        top = scores[j] > top ? scores[j] : top;
-    }
-    for (int64_t j = 0; j <= length; j++) sum += scores[j] = expf(scores[j] - top);
-    for (int64_t i = 0; i < d; i++) out[i] = 0.0f;
-    for (int64_t j = 0; j <= length; j++) {
-        float p = scores[j] / sum;
-        const float *vj = j < length ? values + j * d : v;
-        for (int64_t i = 0; i < d; i++) out[i] += p * vj[i];
-    }
 }
 
 /* x: the token's hidden state (hidden), updated in place through every layer. cos, sin:
@@ -754,29 +715,6 @@ static void product(const qm_linear *w, int64_t t, const float *x, int64_t n, fl
     (void)f;
 #endif
     tile_product(w, t, x, n, y, wbuf);
-}
-
-/* Attention of one query head q over `total` entries of its K/V head, those allowed: allow[j]
- * where allow is given, else j <= limit. scores: total. */
-static void attend_masked(const float *q, const float *keys, const float *values, int64_t total, const uint8_t *allow,
-                          int64_t limit, int64_t d, float scale, float *scores, float *out) {
-    float top = -INFINITY, sum = 0.0f;
-    for (int64_t j = 0; j < total; j++) {
-        if (allow ? !allow[j] : j > limit) continue;
-        scores[j] = dot(q, keys + j * d, d) * scale;
-        top = scores[j] > top ? scores[j] : top;
-    }
-    for (int64_t i = 0; i < d; i++) out[i] = 0.0f;
-    for (int64_t j = 0; j < total; j++) {
-        if (allow ? !allow[j] : j > limit) continue;
-        sum += scores[j] = expf(scores[j] - top);
-    }
-    for (int64_t j = 0; j < total; j++) {
-        if (allow ? !allow[j] : j > limit) continue;
-        float p = scores[j] / sum;
-        const float *vj = values + j * d;
-        for (int64_t i = 0; i < d; i++) out[i] += p * vj[i];
-    }
 }
 
 /* x: (n, hidden), updated in place. cos, sin: (n, head_dim), each token's own. keys[l],

@@ -1,0 +1,177 @@
+/* Attention of one query head over its K/V head's cache entries (included by qmatmul.c).
+ *
+ * transformers' eager attention in fp32: scores q.k * scale, softmax (the largest score taken
+ * off before exp), the values weighted by it. Only the order of the sums differs, and exp is a
+ * vector polynomial (Cephes' expf: ~1 ulp) instead of libm's.
+ *
+ * Measured on the starter's decode step with 200 tokens of context (one thread, a -DQM_PROFILE
+ * build, 2026-11-27): attention was 2.0-2.7 ms of a 16-21 ms step with one dot product, one
+ * horizontal sum and one libm expf a key. Here eight keys share one horizontal sum (a tree of
+ * hadds), exp runs on eight scores at once, and the value rows are summed with their
+ * unnormalised weights in registers (one division a head, not one a key; the output is not read
+ * and written back for each key).
+ */
+
+#ifdef QM_AVX2
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+static float dot(const float *a, const float *b, int64_t n) {
+    int64_t i = 0;
+    float out = 0.0f;
+#ifdef QM_AVX2
+    if (n % 8 == 0) {
+        __m256 acc = _mm256_setzero_ps();
+        for (; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+        return hsum(acc);
+    }
+#endif
+    for (; i < n; i++) out += a[i] * b[i];
+    return out;
+}
+
+#ifdef QM_AVX2
+/* q . k_r for the eight rows k0 + r * d (d a multiple of 8), as one vector. */
+static inline __m256 dot8(const float *q, const float *k0, int64_t d) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    for (int64_t i = 0; i < d; i += 8) {
+        __m256 u = _mm256_loadu_ps(q + i);
+        const float *k = k0 + i;
+        a0 = _mm256_fmadd_ps(u, _mm256_loadu_ps(k), a0);
+        a1 = _mm256_fmadd_ps(u, _mm256_loadu_ps(k + d), a1);
+        a2 = _mm256_fmadd_ps(u, _mm256_loadu_ps(k + 2 * d), a2);
+        a3 = _mm256_fmadd_ps(u, _mm256_loadu_ps(k + 3 * d), a3);
+        a4 = _mm256_fmadd_ps(u, _mm256_loadu_ps(k + 4 * d), a4);
+        a5 = _mm256_fmadd_ps(u, _mm256_loadu_ps(k + 5 * d), a5);
+        a6 = _mm256_fmadd_ps(u, _mm256_loadu_ps(k + 6 * d), a6);
+        a7 = _mm256_fmadd_ps(u, _mm256_loadu_ps(k + 7 * d), a7);
+    }
+    /* lane l of hadd(x, y) pairs: one tree gives [sum a0 .. sum a3 | sum a4 .. sum a7] in halves */
+    __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+    return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+/* e^x on eight lanes (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial in r,
+ * times 2^n). x below -87 gives e^-87 (the softmax's smallest weights, against a largest of 1);
+ * NaN stays NaN. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x); /* a NaN x is the second operand: kept */
+    x = _mm256_min_ps(_mm256_set1_ps(88.0f), x);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    __m256 y = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+#endif
+
+/* scores[j] for j < count: q . keys[j] * scale. */
+static void scores_of(const float *q, const float *keys, int64_t count, int64_t d, float scale, float *scores) {
+    int64_t j = 0;
+#ifdef QM_AVX2
+    if (d % 8 == 0)
+        for (; j + 8 <= count; j += 8)
+            _mm256_storeu_ps(scores + j, _mm256_mul_ps(dot8(q, keys + j * d, d), _mm256_set1_ps(scale)));
+#endif
+    for (; j < count; j++) scores[j] = dot(q, keys + j * d, d) * scale;
+}
+
+/* scores[j] = e^(scores[j] - top) for j < count. */
+static void exp_shifted(float *scores, int64_t count, float top) {
+    int64_t j = 0;
+#ifdef QM_AVX2
+    for (; j + 8 <= count; j += 8)
+        _mm256_storeu_ps(scores + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + j), _mm256_set1_ps(top))));
+    if (j < count) { /* the tail through the same polynomial: every weight from one exp */
+        float tail[8];
+        int64_t r = count - j;
+        for (int64_t i = 0; i < 8; i++) tail[i] = i < r ? scores[j + i] : top;
+        _mm256_storeu_ps(tail, exp8(_mm256_sub_ps(_mm256_loadu_ps(tail), _mm256_set1_ps(top))));
+        for (int64_t i = 0; i < r; i++) scores[j + i] = tail[i];
+    }
+#else
+    for (; j < count; j++) scores[j] = expf(scores[j] - top);
+#endif
+}
+
+/* out (d) = the sum over j < count of w[j] * rows[j * d .. + d]; rows with a zero weight (masked
+ * entries) are skipped. Eight registers of sums per 64 columns: out is not read and written
+ * again for every row. */
+static void weighted_rows(const float *w, const float *rows, int64_t count, int64_t d, float *out) {
+    int64_t c = 0;
+#ifdef QM_AVX2
+    for (; c + 64 <= d; c += 64) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+        for (int64_t j = 0; j < count; j++) {
+            if (w[j] == 0.0f) continue;
+            __m256 b = _mm256_set1_ps(w[j]);
+            const float *r = rows + j * d + c;
+            a0 = _mm256_fmadd_ps(b, _mm256_loadu_ps(r), a0);
+            a1 = _mm256_fmadd_ps(b, _mm256_loadu_ps(r + 8), a1);
+            a2 = _mm256_fmadd_ps(b, _mm256_loadu_ps(r + 16), a2);
+            a3 = _mm256_fmadd_ps(b, _mm256_loadu_ps(r + 24), a3);
+            a4 = _mm256_fmadd_ps(b, _mm256_loadu_ps(r + 32), a4);
+            a5 = _mm256_fmadd_ps(b, _mm256_loadu_ps(r + 40), a5);
+            a6 = _mm256_fmadd_ps(b, _mm256_loadu_ps(r + 48), a6);
+            a7 = _mm256_fmadd_ps(b, _mm256_loadu_ps(r + 56), a7);
+        }
+        float *o = out + c;
+        _mm256_storeu_ps(o, a0), _mm256_storeu_ps(o + 8, a1), _mm256_storeu_ps(o + 16, a2);
+        _mm256_storeu_ps(o + 24, a3), _mm256_storeu_ps(o + 32, a4), _mm256_storeu_ps(o + 40, a5);
+        _mm256_storeu_ps(o + 48, a6), _mm256_storeu_ps(o + 56, a7);
+    }
+#endif
+    for (int64_t i = c; i < d; i++) out[i] = 0.0f;
+    for (int64_t j = 0; j < count && c < d; j++) {
+        if (w[j] == 0.0f) continue;
+        for (int64_t i = c; i < d; i++) out[i] += w[j] * rows[j * d + i];
+    }
+}
+
+/* Attention of one query head q (rotated) over a cache's `length` entries of its K/V head
+ * and the new entry (k, v), which the cache does not need to hold yet. scores: length + 1. */
+static void attend(const float *q, const float *keys, const float *values, const float *k, const float *v,
+                   int64_t length, int64_t d, float scale, float *scores, float *out) {
+    scores_of(q, keys, length, d, scale, scores);
+    scores[length] = dot(q, k, d) * scale;
+    float top = -INFINITY, sum = 0.0f;
+    for (int64_t j = 0; j <= length; j++) top = scores[j] > top ? scores[j] : top;
+    exp_shifted(scores, length + 1, top);
+    for (int64_t j = 0; j <= length; j++) sum += scores[j];
+    weighted_rows(scores, values, length, d, out);
+    float inv = 1.0f / sum, last = scores[length];
+    for (int64_t i = 0; i < d; i++) out[i] = (out[i] + last * v[i]) * inv;
+}
+
+/* Attention of one query head q over `total` entries of its K/V head, those allowed: allow[j]
+ * where allow is given, else j <= limit. scores: total. */
+static void attend_masked(const float *q, const float *keys, const float *values, int64_t total, const uint8_t *allow,
+                          int64_t limit, int64_t d, float scale, float *scores, float *out) {
+    int64_t count = allow ? total : (limit + 1 < total ? limit + 1 : total);
+    scores_of(q, keys, count, d, scale, scores); /* a masked entry's score is computed and not used */
+    float top = -INFINITY, sum = 0.0f;
+    for (int64_t j = 0; j < count; j++)
+        if (!allow || allow[j]) top = scores[j] > top ? scores[j] : top;
+    exp_shifted(scores, count, top);
+    for (int64_t j = 0; j < count; j++) {
+        if (allow && !allow[j]) scores[j] = 0.0f; /* skipped by weighted_rows */
+        sum += scores[j];
+    }
+    weighted_rows(scores, values, count, d, out);
+    float inv = 1.0f / sum;
+    for (int64_t i = 0; i < d; i++) out[i] *= inv;
+}
