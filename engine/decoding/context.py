@@ -16,7 +16,6 @@ measured acceptance and the pass cost).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 MAX_NGRAM = 4  # n-grams indexed; a match is then extended backwards up to MAX_MATCH
@@ -105,35 +104,3 @@ def trie(continuations: list[Continuation]) -> tuple[list[int], list[int], list[
             node = children[key] = len(tokens)
     return tokens, parents, match
 
-
-def seed_gains(seeds: tuple[list[int], list[int], list[int]], log_chances: list[float], max_depth: int,
-               budget: int) -> list[float]:
-    """The acceptance chances along the path of each node of a `trie` of candidates (each node's
-    log chance given its parent, `log_chances`, summed over its ancestors), best first, at most
-    `budget`: the gains drafting.grow_tree's tree of the same seeds has (without a draft or a
-    grammar; nodes `max_depth` deep or deeper left out), in plain Python. A draft-free step
-    decides from them whether a tree pays before it builds one: on open chat most steps have
-    candidates and few pay, and building the tree's tensors cost ~2 ms a step on the starter
-    (a fifth of its step)."""
-    _, parents, _ = seeds
-    score: list[float] = []
-    depth: list[int] = []
-    kept: list[float] = []
-    for i, parent in enumerate(parents):
-        d = 1 if parent == 0 else depth[parent - 1] + 1
-        s = log_chances[i] + (0.0 if parent == 0 else score[parent - 1])
-        depth.append(d)
-        score.append(s)
-        if d < max_depth:
-            kept.append(s)
-    kept.sort(reverse=True)
-    return [math.exp(s) for s in kept[:budget]]
-
-
-def seed_siblings(seeds: tuple[list[int], list[int], list[int]]) -> list[bool]:
-    """Whether each node of a `trie` shares its parent with another (acceptance.has_sibling)."""
-    parents = seeds[1]
-    children: dict[int, int] = {}
-    for p in parents:
-        children[p] = children.get(p, 0) + 1
-    return [children[p] > 1 for p in parents]

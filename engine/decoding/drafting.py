@@ -62,6 +62,7 @@ class DraftTrace:
     logq: torch.Tensor  # (N,) draft log-probability of each node's token at its parent; NaN if unscored
     match: torch.Tensor  # (N,) long: match length of a context candidate, 0 for draft-only nodes
     logq_t: torch.Tensor  # (N, len(TAUS)): log q of the node's token at its parent at each draft temperature; NaN if unscored
+    shared: tuple[bool, ...] | None = None  # a context_tree's nodes with a sibling where it was priced; None: grown here
 
 
 def scoring_distribution(sampling: SamplingSettings) -> SamplingSettings:

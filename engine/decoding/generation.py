@@ -7,7 +7,8 @@ that adds text and ends with one Completion (text, token ids, finish reason, sta
 One step, as in the SpecExec paper (Svirschevski et al., 2024, Alg. 1):
 1. grow a tree: the draft's best-first expansion (drafting.grow_tree; a static Sequoia shape
    with spec.tree_mode "sequoia") seeded with context candidates, or the candidates alone
-   (draft-free), cut to the size that pays on this machine (costs.best_size);
+   (draft-free: priced, built and labelled in plain Python, context_tree.py), cut to the size
+   that pays on this machine (costs.best_size);
 2. verify it: one target pass over every tree token (verification.run_tree);
 3. accept: the walk from the root keeps 1..depth+1 tokens, exactly the target's choices
    (verification.accept), and both caches are pruned to that path (prune_to_accepted states
@@ -36,7 +37,8 @@ from dataclasses import replace
 import torch
 
 from engine.decoding.acceptance import AcceptanceModel, AcceptanceModels
-from engine.decoding.context import MAX_MATCH, ContextIndex, Continuation, seed_gains, seed_siblings, trie
+from engine.decoding.context import MAX_MATCH, ContextIndex, Continuation, trie
+from engine.decoding.context_tree import context_tree, seed_gains, seed_siblings, teach_context
 from engine.decoding.costs import DraftSwitch, DraftSwitches, PassCosts, SwitchSettings
 from engine.decoding.learned import LearnedFile
 from engine.decoding.logprobs import LogprobRecorder, TokenBytes
@@ -253,22 +255,26 @@ class Engine:
                 return self._ar_step(seq, tcache, run.choose, hidden_sink(run.dcache, tcache))
             unread = len(seq) - 1 - tcache.length
             model = self.acceptance[request.sampling]
-            if run.grammar is None and not waits:  # priced before any tree is built: most chat steps stop here
+            if run.grammar is None and not waits:  # in plain Python (context_tree.py): most chat steps stop at the price
                 shared = seed_siblings(seeds)
-                gains = seed_gains(seeds, model.context_chances(seeds[2], shared), spec.max_depth, spec.budget)
-                if self.costs.best_size(gains, unread + 1) == 0:
+                chances = model.context_chances(seeds[2], shared)
+                size = self.costs.best_size(seed_gains(seeds, chances, spec.max_depth, spec.budget), unread + 1)
+                if size == 0:
                     step = self._ar_step(seq, tcache, run.choose, hidden_sink(run.dcache, tcache))
                     roots = [i for i, parent in enumerate(seeds[1]) if parent == 0]  # labelled as _learn's teach would
                     model.observe_context([seeds[2][i] for i in roots], [shared[i] for i in roots],
                                           [seeds[0][i] == step.tokens[0] for i in roots])
                     return step
-            trace = grow_tree(None, None, torch.tensor(seq[-1:]), spec, request.sampling, self.draft_vocab_limit,
-                              model, seeds, grammar=run.grammar)
-            gains = torch.sort(trace.tree.logp[1:], descending=True, stable=True).values.exp().tolist()
-            size = self.costs.best_size(gains, unread + 1)
-            if size == 0 and not waits:  # a plain pass; its token still labels the root's candidates (see _learn)
-                return replace(self._ar_step(seq, tcache, run.choose, hidden_sink(run.dcache, tcache)), trace=trace, path=[0])
-            trace = top_nodes(trace, size)
+                trace = context_tree(seq[-1], seeds, shared, chances, spec.max_depth, size)
+            else:
+                trace = grow_tree(None, None, torch.tensor(seq[-1:]), spec, request.sampling, self.draft_vocab_limit,
+                                  model, seeds, grammar=run.grammar)
+                gains = torch.sort(trace.tree.logp[1:], descending=True, stable=True).values.exp().tolist()
+                size = self.costs.best_size(gains, unread + 1)
+                if size == 0 and not waits:  # a plain pass; its token still labels the root's candidates (see _learn)
+                    return replace(self._ar_step(seq, tcache, run.choose, hidden_sink(run.dcache, tcache)),
+                                   trace=trace, path=[0])
+                trace = top_nodes(trace, size)
         t0, start, sink = time.perf_counter(), tcache.length, hidden_sink(dcache, tcache)
         unread_t = torch.tensor(seq[start:-1])  # committed tokens the target lacks, root excluded
         past = start + unread_t.shape[0]
@@ -297,7 +303,8 @@ class Engine:
         timers.target += step.target_seconds
         timers.target_passes += 1
         if step.trace is not None:
-            teach(self.acceptance[run.request.sampling], step.trace, step.path, step.tokens)
+            (teach if step.trace.shared is None else teach_context)(self.acceptance[run.request.sampling], step.trace,
+                                                                   step.path, step.tokens)
             if step.verified:
                 self.costs.observe_step(step.trace.seconds, step.trace.passes, step.target_seconds)
                 timers.draft += step.trace.seconds

@@ -21,11 +21,10 @@ from engine.decoding.context import (
     MAX_NGRAM,
     ContextIndex,
     Continuation,
-    seed_gains,
-    seed_siblings,
     trie,
 )
-from engine.decoding.drafting import grow_tree, teach
+from engine.decoding.context_tree import context_tree, seed_gains, seed_siblings, teach_context
+from engine.decoding.drafting import grow_tree, teach, top_nodes
 from engine.decoding.generation import Engine
 from engine.decoding.prefill import prefill
 from engine.loading.load import LoadedModel
@@ -109,6 +108,38 @@ def test_seed_gains_are_the_draft_free_trees_gains(seed: int) -> None:
     want = sorted(trace.tree.logp[1:].exp().tolist(), reverse=True)
     got = seed_gains(seeds, model.context_chances(seeds[2], seed_siblings(seeds)), spec.max_depth, spec.budget)
     assert got == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_context_trees_are_the_trees_grow_tree_cuts(seed: int) -> None:
+    """context_tree builds, in plain Python, the tree grow_tree grows from the same seeds and
+    top_nodes cuts to the same size: the same nodes, order, scores and match lengths."""
+    rng = random.Random(seed)
+    seeds, model = random_seeds(rng), taught_model(rng)
+    spec = SpeculationSettings(budget=rng.choice([3, 8, 64]), max_depth=rng.choice([3, 5, 8]))
+    full = grow_tree(None, None, torch.tensor([1]), spec, SamplingSettings(), 100, model, seeds)
+    shared = seed_siblings(seeds)
+    for size in (1, 2, 5, spec.budget):
+        want = top_nodes(full, size)
+        got = context_tree(1, seeds, shared, model.context_chances(seeds[2], shared), spec.max_depth, min(size, spec.budget))
+        got.tree.check()
+        for name in ("tokens", "parents", "depths", "logp"):
+            assert torch.equal(getattr(got.tree, name), getattr(want.tree, name)), (size, name)
+        assert torch.equal(got.match, want.match) and got.passes == 0
+        assert got.shared is not None and len(got.shared) == len(got.tree)
+
+
+def test_a_verified_context_tree_teaches_what_teach_would() -> None:
+    rng = random.Random(5)
+    seeds = random_seeds(rng)
+    a, b = taught_model(random.Random(6)), taught_model(random.Random(6))
+    shared = seed_siblings(seeds)
+    trace = context_tree(1, seeds, shared, a.context_chances(seeds[2], shared), 8, 64)  # uncut: the same siblings
+    path = [0, *(i for i in range(1, len(trace.tree)) if trace.tree.parents[i] == 0)][:2]
+    chosen = [int(trace.tree.tokens[path[1]]) if len(path) > 1 else 0, 3]
+    teach(a, trace, path, chosen)
+    teach_context(b, trace, path, chosen)
+    assert a.state() == b.state()
 
 
 def test_a_step_cut_to_a_plain_pass_teaches_what_its_tree_would() -> None:
