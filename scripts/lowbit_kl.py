@@ -14,7 +14,12 @@ A variant names a quantiser and a group size: "plain3g64" (uniform grid, no colu
 "awq3g64" (uniform grid, activation-aware column scales), "nf3g64" / "nfawq3g64" (3-bit codes
 on the normal-quantile levels: what the self-draft stores at 3 bits), and "BASE+k1/k2=OTHER"
 for the matrices named k1, k2 quantised as OTHER (e.g. nfawq3g64+v_proj/k_proj=awq4g64: the
-3-bit self-draft's format); "self3" / "self4" is the engine's own self-draft of that width
+3-bit self-draft's format before issue 32's second round). Letters between "awq" and the bits
+choose the group fit (engine.offload.calibrate.quantise_aware): "h" weighs each column's error by
+mean(x_j^2), "c" adds the clip starts (calibrate.CLIPS), "f" compares the alphas (calibrate.ALPHAS)
+on a quick fit and fits only the chosen one fully (without "f": alphas 0, .25, .5, .75, each fitted
+fully), "b" refits each group's (s, m) on its Hessian block (an option, off in the engine);
+"nfawqhcf3g64+v_proj/k_proj=awqhcf4g64" is the self-draft's 3-bit format now. "self3" / "self4" is the engine's own self-draft of that width
 (engine.loading.self_draft, calibrated), run through its CausalLM; "proxy" is the starter's
 FP4 proxy draft. The bits column counts
 codes, scales and offsets (the column scales add 0.02 a weight on the starter). De-quantised
@@ -87,14 +92,15 @@ def calib_inputs(tok: Any, target: Any) -> dict[str, torch.Tensor]:
 
 
 CACHE = Path("/tmp/lbcache")
+OLD_ALPHAS = (0.0, 0.25, 0.5, 0.75)  # the alpha grid before the fast search (the "f" variants take calibrate.ALPHAS)
 
 
-def chosen_alpha(c: torch.Tensor, x: torch.Tensor) -> float:
-    """The alpha of calibrate.ALPHAS that column scale `c` was made with from inputs `x`."""
+def chosen_alpha(c: torch.Tensor, x: torch.Tensor, alphas: tuple[float, ...]) -> float:
+    """The alpha of `alphas` that column scale `c` was made with from inputs `x`."""
     if x.shape[0] > calibrate.MAX_ROWS:
         x = x[torch.linspace(0, x.shape[0] - 1, calibrate.MAX_ROWS).long()]
     m = x.float().abs().mean(dim=0)
-    return min(calibrate.ALPHAS, key=lambda a: float((calibrate.column_scale(m, a).float() - c.float()).abs().max()))
+    return min(alphas, key=lambda a: float((calibrate.column_scale(m, a).float() - c.float()).abs().max()))
 
 
 def weight_set(spec: str, target: Any, x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -105,19 +111,26 @@ def weight_set(spec: str, target: Any, x: dict[str, torch.Tensor]) -> dict[str, 
         return torch.load(path)
     aware, nf = "awq" in spec, spec.startswith("nf")
     bits, group = int(spec.split("g")[0][-1]), int(spec.split("g")[-1])
+    head = spec.split("g")[0][:-1]
+    weighted = "h" in head.replace("awq", "")
+    clips = calibrate.CLIPS if "c" in head else (1.0,)
+    search = calibrate.SEARCH_ROUNDS if "f" in head else None
+    alphas = calibrate.ALPHAS if "f" in head else OLD_ALPHAS
     out: dict[str, torch.Tensor] = {}
-    alphas: list[float] = []
+    alphas_chosen: list[float] = []
     for n, m in linears(target).items():
         if aware:
-            packed, scale, offset, c = calibrate.quantise_aware(m.weight, x[n], bits, group, uniform=not nf)
+            packed, scale, offset, c = calibrate.quantise_aware(m.weight, x[n], bits, group, alphas, not nf,
+                                                                weighted, clips, search, "b" in head)
             wq = torch.empty_like(m.weight)
             lowbit.dequantize_into(packed, scale, offset, bits, wq, c, not nf)
-            alphas.append(chosen_alpha(c, x[n]))
+            alphas_chosen.append(chosen_alpha(c, x[n], alphas))
         else:
             wq = lowbit.roundtrip(m.weight, bits, group, None, not nf)
         out[n] = wq.half()
-    if alphas:
-        print(f"  {spec}: alphas " + " ".join(f"{a:g}:{alphas.count(a)}" for a in sorted(set(alphas))), flush=True)
+    if alphas_chosen:
+        print(f"  {spec}: alphas " + " ".join(f"{a:g}:{alphas_chosen.count(a)}" for a in sorted(set(alphas_chosen))),
+              flush=True)
     CACHE.mkdir(exist_ok=True)
     torch.save(out, path)
     return out

@@ -14,7 +14,7 @@ and the proxy's layers as bitsandbytes FP4 with an fp32 absmax per 64 weights (4
 proxy folder itself is stored de-quantised to fp32). The proxy also needs an embedding and a
 head of its own; the self-draft uses the target's.
 
-    python scripts/self_draft_bench.py [--budgets 64,256,1024] [--tokens 48] [--prompts FILE] [--min-pass-gain 0] [--uncalibrated]
+    python scripts/self_draft_bench.py [--budgets 64,256,1024] [--tokens 48] [--prompts FILE] [--min-pass-gain 0] [--uncalibrated] [--no-proxy]
 """
 
 from __future__ import annotations
@@ -49,6 +49,8 @@ def main() -> None:
     parser.add_argument("--min-pass-gain", type=float, default=None,
                         help="0 grows every tree to its budget (compares drafts, not this CPU's costs); default: "
                         "the engine's own stop, from the measured costs of a draft pass and a step")
+    parser.add_argument("--no-proxy", action="store_true",
+                        help="leave out the FP4 proxy's row (its memory still sets the 'vs FP4' column)")
     args = parser.parse_args()
     set_threads(args.threads)
     budgets = [int(b) for b in args.budgets.split(",")]
@@ -57,8 +59,9 @@ def main() -> None:
     target = load_model(starter_folder(), offload="all")
     layer_params = target.model.shape.layer_params * target.model.shape.num_layers
     drafts = []
-    proxy = load_model(proxy_draft_folder())
-    drafts.append(("FP4 proxy (bitsandbytes, blocksize 64)", proxy.model, int(layer_params * FP4_BITS_PER_WEIGHT / 8)))
+    proxy_bytes = int(layer_params * FP4_BITS_PER_WEIGHT / 8)
+    if not args.no_proxy:
+        drafts.append(("FP4 proxy (bitsandbytes, blocksize 64)", load_model(proxy_draft_folder()).model, proxy_bytes))
     for bits in (int(b) for b in args.bits.split(",")):
         for calibrated in (True, False) if args.uncalibrated else (True,):
             t0 = time.perf_counter()
@@ -68,7 +71,6 @@ def main() -> None:
             label = info.label + ("" if calibrated else ", plain")
             print(f"built the {label} in {time.perf_counter() - t0:.1f} s")
             drafts.append((label, draft, info.nbytes - draft.streamer.dense_layout.nbytes))  # type: ignore[union-attr]
-    proxy_bytes = drafts[0][2]
     stop = "trees grown to the budget" if args.min_pass_gain == 0 else "the engine's own tree stop"
     print(f"\nstarter, every layer offloaded; {len(prompts)} prompts of {args.prompts.name} x {args.tokens} tokens; "
           f"tokens per target pass (SpecExec, draft + context candidates, {stop})\n")
@@ -83,6 +85,7 @@ def main() -> None:
             for b in budgets:
                 row = run_engine_row(engine, prompts, "specexec", b, t, args.tokens, min_pass_gain=args.min_pass_gain)
                 cells.append(row.new_tokens / max(row.target_passes, 1))
+                print(f"  ({label}, T={t:g} B={b}: {cells[-1]:.2f})", flush=True)
         print(f"{label:44} {nbytes / 2**20:10.1f} {nbytes / proxy_bytes:7.2f}" + "".join(f" {c:11.2f}" for c in cells),
               flush=True)
 

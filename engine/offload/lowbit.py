@@ -21,7 +21,15 @@ Codes start from the group's range; then (s, m) and the codes are fitted alterna
 fixed codes the least-squares (s, m) is a line fit, for fixed (s, m) the nearest code is a
 rounding to the nearest level. Each group keeps its best round: at 3 bits a fifth less squared
 error than rounding the range on Gaussian weights (tests/engine/loading/test_self_draft.py
-checks it is lower at every width). Bytes per weight: bits / 8 + 4 / group, plus 2 per input
+checks it is lower at every width). Two options make the fit output-aware without storing
+anything more (calibrate.py sets them): `importance` weighs each input column's squared error
+(h_j = mean(x_j^2) of the matrix's inputs, the diagonal of the layer's Hessian: the output error
+of a column's rounding grows with its input's size), in the line fit and in the choice of the
+best round; `clips` adds starts from the range shrunk about its middle (AWQ's clipping, here
+chosen per group by the same weighted error: an outlier that sets the range costs the other
+values their steps). On the starter's 3-bit draft the weighting took the KL to the target on
+held-out chat answers from 0.74 to 0.48 nats a token, the clip starts to 0.42 (the FP4 proxy:
+0.49). Bytes per weight: bits / 8 + 4 / group, plus 2 per input
 channel for c (3.5 bits a weight at 3 bits, groups of 64, and about 0.02 more for c on the
 starter; a bitsandbytes FP4 or NF4 weight with an fp32 absmax per 64 takes 4.5).
 
@@ -71,42 +79,60 @@ def packed_nbytes(numel: int, bits: int) -> int:
     return numel // 8 * bits
 
 
-def fit_groups(w: torch.Tensor, bits: int, levels: torch.Tensor | None = None
+def fit_groups(w: torch.Tensor, bits: int, levels: torch.Tensor | None = None,
+               weight: torch.Tensor | None = None, clips: tuple[float, ...] = (1.0,), rounds: int = FIT_ROUNDS
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(groups, G) fp32 -> (codes (groups, G) uint8, scale (groups,) fp16, offset (groups,) fp16)."""
+    """(groups, G) fp32 -> (codes (groups, G) uint8, scale (groups,) fp16, offset (groups,) fp16).
+    `weight` (groups, G), positive: each value's squared error counts that much (the fit and the
+    choice of round); `clips`: each a start from the group's range shrunk about its middle by
+    that ratio, the best of all rounds of all starts kept."""
     top = float(2**bits - 1)
     lo, hi = w.amin(dim=1), w.amax(dim=1)
-    s = ((hi - lo) / top).clamp(min=1e-8)
-    m = lo
+    mid, half = (hi + lo) / 2, (hi - lo) / 2
     best_err = torch.full_like(lo, float("inf"))
-    best_s, best_m = s.clone(), m.clone()
-    mean_w = w.mean(dim=1)
+    best_s, best_m = lo.clone(), lo.clone()
+    if weight is None:
+        def mean(t: torch.Tensor) -> torch.Tensor:
+            return t.mean(dim=1)
+    else:
+        norm = weight / weight.sum(dim=1, keepdim=True).clamp(min=1e-30)
+
+        def mean(t: torch.Tensor) -> torch.Tensor:
+            return (t * norm).sum(dim=1)
+    mean_w = mean(w)
+
+    mids = None if levels is None else ((levels[1:] + levels[:-1]) / 2).tolist()
 
     def codes(s16: torch.Tensor, m16: torch.Tensor) -> torch.Tensor:
         t = (w - m16[:, None]) / s16[:, None]
-        if levels is None:
+        if mids is None:
             return t.round_().clamp_(0, top)
-        mids = (levels[1:] + levels[:-1]) / 2
-        return torch.bucketize(t, mids).float()
+        q = torch.zeros(t.shape, dtype=torch.uint8, device=t.device)
+        for edge in mids:  # the nearest level's index: the midpoints below t (twice bucketize's speed on a CPU)
+            q += t > edge
+        return q
 
     def value(q: torch.Tensor) -> torch.Tensor:
         return q if levels is None else levels[q.long()]
 
-    for _ in range(FIT_ROUNDS):
-        s16, m16 = s.half().float().clamp(min=6e-8), m.half().float()
-        q = value(codes(s16, m16))
-        err = (q * s16[:, None] + m16[:, None] - w).square_().mean(dim=1)
-        better = err < best_err
-        best_err = torch.where(better, err, best_err)
-        best_s, best_m = torch.where(better, s16, best_s), torch.where(better, m16, best_m)
-        # least-squares line through (q, w) per group
-        mean_q = q.mean(dim=1)
-        dq = q - mean_q[:, None]
-        var = dq.square().mean(dim=1)
-        cov = (dq * (w - mean_w[:, None])).mean(dim=1)
-        flat = var < 1e-12
-        s = torch.where(flat, s, cov / var.clamp(min=1e-12)).clamp(min=1e-8)
-        m = torch.where(flat, m, mean_w - s * mean_q)
+    for ratio in clips:
+        s = (2 * half * ratio / top).clamp(min=1e-8)
+        m = mid - half * ratio
+        for _ in range(rounds):
+            s16, m16 = s.half().float().clamp(min=6e-8), m.half().float()
+            q = value(codes(s16, m16))
+            err = mean((q * s16[:, None] + m16[:, None] - w).square_())
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best_s, best_m = torch.where(better, s16, best_s), torch.where(better, m16, best_m)
+            # (weighted) least-squares line through (q, w) per group
+            mean_q = mean(q)
+            dq = q - mean_q[:, None]
+            var = mean(dq.square())
+            cov = mean(dq * (w - mean_w[:, None]))
+            flat = var < 1e-12
+            s = torch.where(flat, s, cov / var.clamp(min=1e-12)).clamp(min=1e-8)
+            m = torch.where(flat, m, mean_w - s * mean_q)
     q = codes(best_s, best_m)
     return q.to(torch.uint8), best_s.half(), best_m.half()
 
@@ -131,13 +157,23 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
 
 @torch.inference_mode()
 def quantize(weight: torch.Tensor, bits: int, group: int, cscale: torch.Tensor | None = None,
-             uniform: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             uniform: bool = False, importance: torch.Tensor | None = None, clips: tuple[float, ...] = (1.0,),
+             rounds: int = FIT_ROUNDS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A weight (any shape whose numel is a multiple of `group`, groups along its flattened
     last dimension) -> (codes packed (numel / 8 * bits,) uint8, scale (numel / group,) fp16,
     offset (numel / group,) fp16), on the weight's device. With `cscale` (the last dimension's
     size, fp16), the codes are those of weight * cscale (see dequantize_into)."""
     if bits not in BITS:
         raise ValueError(f"low-bit weights take {BITS} bits, not {bits}")
+    cols = weight.shape[-1]
+    hv = None
+    if importance is not None:  # (cols,): the error of column j counts h_j; in the scaled columns h_j / c_j^2
+        if tuple(importance.shape) != (cols,):
+            raise ValueError(f"an importance per input column ({cols}) is needed, not {tuple(importance.shape)}")
+        h = importance.float().to(weight.device)
+        if cscale is not None:
+            h = h / cscale.float().square()
+        hv = (h / h.mean()).clamp(min=1e-6).view(cols // group, group)
     if cscale is not None:
         weight = weight.float() * cscale.float()
     flat = weight.reshape(-1)
@@ -150,7 +186,8 @@ def quantize(weight: torch.Tensor, bits: int, group: int, cscale: torch.Tensor |
     step = max(group, CHUNK // group * group)
     for a in range(0, n, step):
         b = min(n, a + step)
-        codes, s, m = fit_groups(flat[a:b].float().view(-1, group), bits, grid)
+        wt = None if hv is None else hv[torch.arange(a // group, b // group, device=hv.device) % hv.shape[0]]
+        codes, s, m = fit_groups(flat[a:b].float().view(-1, group), bits, grid, wt, clips, rounds)
         packed[a // 8 * bits : b // 8 * bits] = pack(codes.reshape(-1), bits)
         scale[a // group : b // group] = s
         offset[a // group : b // group] = m
@@ -180,9 +217,10 @@ def dequantize_into(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Ten
 
 
 def roundtrip(weight: torch.Tensor, bits: int, group: int = 64, cscale: torch.Tensor | None = None,
-              uniform: bool = False) -> torch.Tensor:
+              uniform: bool = False, importance: torch.Tensor | None = None, clips: tuple[float, ...] = (1.0,)
+              ) -> torch.Tensor:
     """The weight as its low-bit codes give it back (fp32): quantize, then dequantize_into."""
-    packed, scale, offset = quantize(weight, bits, group, cscale, uniform)
+    packed, scale, offset = quantize(weight, bits, group, cscale, uniform, importance, clips)
     out = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
     dequantize_into(packed, scale, offset, bits, out, cscale, uniform)
     return out

@@ -15,6 +15,7 @@ from engine.errors import UsageError
 from engine.loading.load import LoadedModel, load_model
 from engine.loading.materialise import layer_template
 from engine.loading.self_draft import (
+    FORMAT,
     SELF_DRAFT_BITS,
     build_self_draft,
     cache_key,
@@ -231,6 +232,7 @@ def test_the_draft_logits_follow_the_bits(offloaded: LoadedModel, tmp_path: Path
 
 
 def test_substitutes_are_saved_read_back_and_rebuilt_when_damaged(offloaded: LoadedModel, tmp_path: Path) -> None:
+    assert FORMAT != "specchat-self-draft-2", "the damaged file below is a version-2 one"
     first = build_self_draft(offloaded.model, 3, cache_dir=tmp_path)
     files = list(tmp_path.glob("*.safetensors"))
     assert len(files) == 1 and files[0].stem == cache_key(offloaded.model, 3, [0, 1])
@@ -239,7 +241,7 @@ def test_substitutes_are_saved_read_back_and_rebuilt_when_damaged(offloaded: Loa
     for a, b in zip(first.streamer.homes, again.streamer.homes):  # type: ignore[union-attr]
         assert a.packed is not None and b.packed is not None and torch.equal(a.packed, b.packed)
     data = files[0].read_bytes()
-    for damaged in (data[: len(data) // 2], b"\x00" * 64, data.replace(b"specchat-self-draft-2", b"specchat-self-draft-1")):
+    for damaged in (data[: len(data) // 2], b"\x00" * 64, data.replace(FORMAT.encode(), b"specchat-self-draft-2")):
         files[0].write_bytes(damaged)
         rebuilt = build_self_draft(offloaded.model, 3, cache_dir=tmp_path)
         assert not rebuilt.self_draft.cached  # type: ignore[attr-defined]
