@@ -120,76 +120,6 @@ static inline __m512i dot_digits(__m512i w, const int8_t *a, const int8_t *b, co
     return _mm512_dpbusd_epi32(_mm512_slli_epi32(t, 8), w, _mm512_loadu_si512(c));
 }
 
-/* row_q4 from digits: each 64 values are groups g, g + 1, whose 32 code bytes unpack to
- * (low nibbles: g 0-15, g+1 0-15 | high nibbles: g 16-31, g+1 16-31), lanes g g g g, g+1 x4,
- * g x4, g+1 x4; the digits were laid out (q4[]) to match. */
-static float row_q4_vnni(const qm_digits *d, const uint8_t *p, const void *sc, const void *mn, int half,
-                         const float *xsum, int64_t K) {
-    __m512i lanes[4];
-    for (int c = 0; c < 4; c++) lanes[c] = _mm512_loadu_si512(LANES_Q4[c]);
-    const __m256i m4 = _mm256_set1_epi8(15);
-    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-    __m256 ext = _mm256_setzero_ps();
-    float s8[8];
-    int64_t groups = K / 32;
-    for (int64_t g = 0; g < groups; g += 8) {
-        int64_t n = groups - g < 8 ? groups - g : 8; /* even: K is a multiple of 64 */
-        __mmask8 live = (__mmask8)((1u << n) - 1);
-        const float *s = scale_block(sc, mn, half, xsum, g, n, s8, &ext);
-        __m512 f = _mm512_castps256_ps512(
-            _mm256_mul_ps(_mm256_maskz_loadu_ps(live, s), _mm256_maskz_loadu_ps(live, d->u32 + g)));
-        for (int64_t c = 0; c < n / 2; c++) {
-            int64_t at = (g + 2 * c) * 32;
-            __m256i bytes = _mm256_loadu_si256((const __m256i *)(p + at / 2));
-            __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(bytes, m4)),
-                                           _mm256_and_si256(_mm256_srli_epi16(bytes, 4), m4), 1);
-            __m512i t = dot_digits(w, d->q4[0] + at, d->q4[1] + at, d->q4[2] + at);
-            acc[c & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_permutexvar_ps(lanes[c], f), acc[c & 1]);
-        }
-    }
-    return _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1])) + hsum(ext);
-}
-
-/* row_q8 from digits (groups of 16 or 32): codes + 128 as unsigned bytes; the offset's share
- * (128 * the group's sum of v) comes back through c16/c32. */
-static float row_q8_vnni(const qm_digits *d, const int8_t *codes, const void *sc, const void *mn, int half,
-                         const float *xsum, int64_t K, int64_t group) {
-    __m512i lanes32[4], lanes16[2];
-    for (int c = 0; c < 4; c++) lanes32[c] = _mm512_loadu_si512(LANES_Q8_32[c]);
-    for (int c = 0; c < 2; c++) lanes16[c] = _mm512_loadu_si512(LANES_Q8_16[c]);
-    const __m512i flip = _mm512_set1_epi8((char)0x80);
-    const __m512 k65536 = _mm512_set1_ps(65536.0f);
-    const float *units = group == 16 ? d->u16 : d->u32, *back = group == 16 ? d->c16 : d->c32;
-    int per = (int)(64 / group); /* groups in 64 values */
-    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-    __m256 ext = _mm256_setzero_ps();
-    float s8[8];
-    int64_t groups = K / group;
-    for (int64_t g = 0; g < groups; g += 8) {
-        int64_t n = groups - g < 8 ? groups - g : 8; /* a multiple of `per` */
-        __mmask8 live = (__mmask8)((1u << n) - 1);
-        const float *s = scale_block(sc, mn, half, xsum, g, n, s8, &ext);
-        __m256 s256 = _mm256_maskz_loadu_ps(live, s);
-        ext = _mm256_fmadd_ps(s256, _mm256_maskz_loadu_ps(live, back + g), ext);
-        __m512 f = _mm512_castps256_ps512(_mm256_mul_ps(s256, _mm256_maskz_loadu_ps(live, units + g)));
-        for (int64_t c = 0; c < n / per; c++) {
-            int64_t at = g * group + c * 64;
-            __m512i w = _mm512_xor_si512(_mm512_loadu_si512(codes + at), flip);
-            /* codes up to 255: a's share apart, b's and c's together (each fits 32 bits) */
-            __m512i ta = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(d->nat[0] + at));
-            __m512i tb = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(d->nat[1] + at));
-            tb = _mm512_dpbusd_epi32(_mm512_slli_epi32(tb, 8), w, _mm512_loadu_si512(d->nat[2] + at));
-            __m512 fl = _mm512_permutexvar_ps(group == 16 ? lanes16[c] : lanes32[c], f);
-            acc[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ta), _mm512_mul_ps(fl, k65536), acc[0]);
-            acc[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tb), fl, acc[1]);
-        }
-    }
-    return _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1])) + hsum(ext);
-}
-
-/* ---- The same for the few tokens of a small pass (a chain, a small tree) ----
- * Each chunk's codes are unpacked once and dotted with every token's digits, so a pass of
- * n <= QM_FEW tokens costs the unpacking once, not n times. */
 /* n (<= 8) fp32 or fp16 values from p + g, the rest zero. */
 static inline __m256 load_params(const void *p, int half, int64_t g, int64_t n) {
     __mmask8 live = (__mmask8)((1u << n) - 1);
@@ -197,6 +127,109 @@ static inline __m256 load_params(const void *p, int half, int64_t g, int64_t n) 
     return _mm256_maskz_loadu_ps(live, (const float *)p + g);
 }
 
+/* QM_ROWS rows of a weight at once: they share each chunk's digit loads and the loop's
+ * bookkeeping, which one row of a few hundred values could not hide (a row of 576 q4 codes:
+ * 65-75 ns alone, 30-45 ns four at a time). And the codes QM_AHEAD blocks of rows ahead are
+ * prefetched: a step's weights stream from L3 or memory, a row at a time too short for the
+ * hardware's prefetcher to run ahead (four rows of 576 q4 codes from L3: 13.6 -> 18 G weights/s,
+ * /tmp/kb/bench.c in the session of 2026-11-27). */
+#define QM_ROWS 4
+#define QM_AHEAD 2
+#define QM_INLINE static inline __attribute__((always_inline))
+
+/* Rows 0 .. R-1 of a q4 weight from digits: codes at p + r * rb, scales and minimums at
+ * sc/mn + r * ps (fp16 where half); each 64 values are groups g, g + 1, whose 32 code bytes
+ * unpack to (low nibbles: g 0-15, g+1 0-15 | high nibbles: g 16-31, g+1 16-31), lanes g g g g,
+ * g+1 x4, g x4, g+1 x4; the digits were laid out (q4[]) to match. */
+QM_INLINE void q4_rows_vnni(const qm_digits *d, const uint8_t *p, int64_t rb, const void *sc, const void *mn,
+                            int64_t ps, int half, const float *xsum, int64_t K, const int R, float *out) {
+    __m512i lanes[4];
+    for (int c = 0; c < 4; c++) lanes[c] = _mm512_loadu_si512(LANES_Q4[c]);
+    const __m256i m4 = _mm256_set1_epi8(15);
+    __m512 acc[QM_ROWS], f[QM_ROWS];
+    __m256 ext[QM_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps(), ext[r] = _mm256_setzero_ps();
+    int64_t groups = K / 32;
+    for (int64_t g = 0; g < groups; g += 8) {
+        int64_t n = groups - g < 8 ? groups - g : 8; /* even: K is a multiple of 64 */
+        __mmask8 live = (__mmask8)((1u << n) - 1);
+        __m256 u = _mm256_maskz_loadu_ps(live, d->u32 + g), xs = mn ? _mm256_maskz_loadu_ps(live, xsum + g) : u;
+        for (int r = 0; r < R; r++) {
+            f[r] = _mm512_castps256_ps512(_mm256_mul_ps(load_params(row_at(sc, r * ps, half), half, g, n), u));
+            if (mn) ext[r] = _mm256_fmadd_ps(load_params(row_at(mn, r * ps, half), half, g, n), xs, ext[r]);
+        }
+        for (int64_t c = 0; c < n / 2; c++) {
+            int64_t at = (g + 2 * c) * 32;
+            __m512i da = _mm512_loadu_si512(d->q4[0] + at), db = _mm512_loadu_si512(d->q4[1] + at),
+                    dc = _mm512_loadu_si512(d->q4[2] + at);
+            for (int r = 0; r < R; r++) {
+                const uint8_t *row = p + r * rb + at / 2;
+                _mm_prefetch((const char *)(row + QM_AHEAD * QM_ROWS * rb), _MM_HINT_T0);
+                __m256i bytes = _mm256_loadu_si256((const __m256i *)row);
+                __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(bytes, m4)),
+                                               _mm256_and_si256(_mm256_srli_epi16(bytes, 4), m4), 1);
+                __m512i t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, da);
+                t = _mm512_dpbusd_epi32(_mm512_slli_epi32(t, 8), w, db);
+                t = _mm512_dpbusd_epi32(_mm512_slli_epi32(t, 8), w, dc);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_permutexvar_ps(lanes[c], f[r]), acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(acc[r]) + hsum(ext[r]);
+}
+
+/* The same for q8 rows (groups of 16 or 32): codes + 128 as unsigned bytes; the offset's share
+ * (128 * the group's sum of v) comes back through c16/c32. */
+QM_INLINE void q8_rows_vnni(const qm_digits *d, const int8_t *codes, int64_t rb, const void *sc, const void *mn,
+                            int64_t ps, int half, const float *xsum, int64_t K, int64_t group, const int R,
+                            float *out) {
+    __m512i lanes32[4], lanes16[2];
+    for (int c = 0; c < 4; c++) lanes32[c] = _mm512_loadu_si512(LANES_Q8_32[c]);
+    for (int c = 0; c < 2; c++) lanes16[c] = _mm512_loadu_si512(LANES_Q8_16[c]);
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    const __m512 k65536 = _mm512_set1_ps(65536.0f);
+    const float *units = group == 16 ? d->u16 : d->u32, *back = group == 16 ? d->c16 : d->c32;
+    int per = (int)(64 / group); /* groups in 64 values */
+    __m512 acc[QM_ROWS], f[QM_ROWS];
+    __m256 ext[QM_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps(), ext[r] = _mm256_setzero_ps();
+    int64_t groups = K / group;
+    for (int64_t g = 0; g < groups; g += 8) {
+        int64_t n = groups - g < 8 ? groups - g : 8; /* a multiple of `per` */
+        __mmask8 live = (__mmask8)((1u << n) - 1);
+        __m256 u = _mm256_maskz_loadu_ps(live, units + g), bk = _mm256_maskz_loadu_ps(live, back + g),
+               xs = mn ? _mm256_maskz_loadu_ps(live, xsum + g) : u;
+        for (int r = 0; r < R; r++) {
+            __m256 s = load_params(row_at(sc, r * ps, half), half, g, n);
+            ext[r] = _mm256_fmadd_ps(s, bk, ext[r]);
+            if (mn) ext[r] = _mm256_fmadd_ps(load_params(row_at(mn, r * ps, half), half, g, n), xs, ext[r]);
+            f[r] = _mm512_castps256_ps512(_mm256_mul_ps(s, u));
+        }
+        for (int64_t c = 0; c < n / per; c++) {
+            int64_t at = g * group + c * 64;
+            __m512i da = _mm512_loadu_si512(d->nat[0] + at), db = _mm512_loadu_si512(d->nat[1] + at),
+                    dc = _mm512_loadu_si512(d->nat[2] + at);
+            __m512i idx = group == 16 ? lanes16[c] : lanes32[c];
+            for (int r = 0; r < R; r++) {
+                const int8_t *row = codes + r * rb + at;
+                _mm_prefetch((const char *)(row + QM_AHEAD * QM_ROWS * rb), _MM_HINT_T0);
+                __m512i w = _mm512_xor_si512(_mm512_loadu_si512(row), flip);
+                /* codes up to 255: a's share apart, b's and c's together (each fits 32 bits) */
+                __m512i ta = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, da);
+                __m512i tb = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, db);
+                tb = _mm512_dpbusd_epi32(_mm512_slli_epi32(tb, 8), w, dc);
+                __m512 fl = _mm512_permutexvar_ps(idx, f[r]);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ta), _mm512_mul_ps(fl, k65536), acc[r]);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tb), fl, acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(acc[r]) + hsum(ext[r]);
+}
+
+/* ---- The same for the few tokens of a small pass (a chain, a small tree) ----
+ * Each chunk's codes are unpacked once and dotted with every token's digits, so a pass of
+ * n <= QM_FEW tokens costs the unpacking once, not n times. */
 /* out[i] = row . x_i for tokens i < few: d[i] their digits, xsum[i] their sums over each group. */
 static void row_q4_vnni_few(const qm_digits *d, const float *const *xsum, int few, const uint8_t *p, const void *sc,
                             const void *mn, int half, int64_t K, float *out) {
@@ -270,186 +303,31 @@ static void row_q8_vnni_few(const qm_digits *d, const float *const *xsum, int fe
 
 #endif
 
-#ifdef QM_VNNI256
-/* ---- The same on AVX2 CPUs with AVX-VNNI (Intel's since Alder Lake): 32 codes a dot ----
- * A group of 32 q4 codes unpacks in order (low nibbles: values 0-15, high: 16-31), so the digits
- * keep the activations' order (q4[] is nat[]). */
-typedef struct {
-    int8_t *nat[3], *q4[3];
-    float *u16, *u32, *c16, *c32;
-    int ok;
-} qm_digits;
-
-static size_t digits_bytes(int64_t n) { return (size_t)n * 3 + (size_t)(n / 16 + n / 32) * 2 * sizeof(float) + 64; }
-
-/* Signed bytes of 8 int32 digits x 4 (32 values, in order). */
-static inline __m256i bytes_of(__m256i d0, __m256i d1, __m256i d2, __m256i d3) {
-    __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(d0, d1), _mm256_packs_epi32(d2, d3));
-    return _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-}
-
-static void make_digits(const float *x, int64_t n, char *mem, qm_digits *d) {
-    d->ok = n % 64 == 0;
-    if (!d->ok) return;
-    float *f = (float *)mem;
-    d->u16 = f, d->u32 = f + n / 16, d->c16 = d->u32 + n / 32, d->c32 = d->c16 + n / 16;
-    int8_t *b = (int8_t *)(d->c32 + n / 32);
-    for (int i = 0; i < 3; i++) d->nat[i] = d->q4[i] = b + i * n;
-    const __m256 sign = _mm256_set1_ps(-0.0f), big = _mm256_set1_ps(3.40282347e38f);
-    const __m256i k128 = _mm256_set1_epi32(128), k255 = _mm256_set1_epi32(255);
-    for (int64_t blk = 0; blk < n / 32; blk++) {
-        __m256 xv[4], top = _mm256_setzero_ps();
-        int bad = 0;
-        for (int h = 0; h < 4; h++) {
-            xv[h] = _mm256_loadu_ps(x + blk * 32 + h * 8);
-            __m256 a = _mm256_andnot_ps(sign, xv[h]);
-            bad |= _mm256_movemask_ps(_mm256_cmp_ps(a, big, _CMP_NLE_UQ));
-            top = _mm256_max_ps(top, a);
-        }
-        float t8[8], tmax = 0.0f;
-        _mm256_storeu_ps(t8, top);
-        for (int j = 0; j < 8; j++) tmax = t8[j] > tmax ? t8[j] : tmax;
-        uint32_t bits;
-        memcpy(&bits, &tmax, sizeof bits);
-        int e = (int)(bits >> 23) & 255;
-        float unit, inv;
-        if (bad)
-            unit = NAN, inv = 0.0f;
-        else if (e < 22)
-            unit = 0.0f, inv = 0.0f;
-        else {
-            uint32_t ub = (uint32_t)(e - 21) << 23, ib = (uint32_t)(275 - e) << 23;
-            memcpy(&unit, &ub, sizeof unit);
-            memcpy(&inv, &ib, sizeof inv);
-        }
-        __m256 vi = _mm256_set1_ps(inv);
-        __m256i da[4], db[4], dc[4];
-        int32_t sums[2] = {0, 0};
-        for (int h = 0; h < 4; h++) {
-            __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(xv[h], vi));
-            int32_t v8[8];
-            _mm256_storeu_si256((__m256i *)v8, v);
-            for (int j = 0; j < 8; j++) sums[h / 2] += v8[j];
-            dc[h] = _mm256_sub_epi32(_mm256_and_si256(_mm256_add_epi32(v, k128), k255), k128);
-            __m256i r = _mm256_srai_epi32(_mm256_sub_epi32(v, dc[h]), 8);
-            db[h] = _mm256_sub_epi32(_mm256_and_si256(_mm256_add_epi32(r, k128), k255), k128);
-            da[h] = _mm256_srai_epi32(_mm256_sub_epi32(r, db[h]), 8);
-        }
-        _mm256_storeu_si256((__m256i *)(d->nat[0] + blk * 32), bytes_of(da[0], da[1], da[2], da[3]));
-        _mm256_storeu_si256((__m256i *)(d->nat[1] + blk * 32), bytes_of(db[0], db[1], db[2], db[3]));
-        _mm256_storeu_si256((__m256i *)(d->nat[2] + blk * 32), bytes_of(dc[0], dc[1], dc[2], dc[3]));
-        for (int h = 0; h < 2; h++) d->u16[blk * 2 + h] = unit, d->c16[blk * 2 + h] = -128.0f * unit * (float)sums[h];
-        d->u32[blk] = unit;
-        d->c32[blk] = -128.0f * unit * (float)(sums[0] + sums[1]);
-    }
-}
-
-static inline __m256 load_params(const void *p, int half, int64_t g, int64_t n, float *tmp) {
-    if (n == 8) return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + g)))
-                            : _mm256_loadu_ps((const float *)p + g);
-    for (int64_t j = 0; j < 8; j++) tmp[j] = j < n ? scale_at(p, g + j, half) : 0.0f;
-    return _mm256_loadu_ps(tmp);
-}
-
-static inline __m256 load_some(const float *p, int64_t n, float *tmp) {
-    if (n == 8) return _mm256_loadu_ps(p);
-    for (int64_t j = 0; j < 8; j++) tmp[j] = j < n ? p[j] : 0.0f;
-    return _mm256_loadu_ps(tmp);
-}
-
-static void row_q4_vnni_few(const qm_digits *d, const float *const *xsum, int few, const uint8_t *p, const void *sc,
-                            const void *mn, int half, int64_t K, float *out) {
-    const __m128i m4 = _mm_set1_epi8(15);
-    __m256 acc[QM_FEW], f[QM_FEW], ext[QM_FEW];
-    float tmp[8];
-    for (int i = 0; i < few; i++) acc[i] = _mm256_setzero_ps(), ext[i] = _mm256_setzero_ps();
-    int64_t groups = K / 32;
-    for (int64_t g = 0; g < groups; g += 8) {
-        int64_t n = groups - g < 8 ? groups - g : 8;
-        __m256 s = load_params(sc, half, g, n, tmp), m = mn ? load_params(mn, half, g, n, tmp) : _mm256_setzero_ps();
-        for (int i = 0; i < few; i++) {
-            f[i] = _mm256_mul_ps(s, load_some(d[i].u32 + g, n, tmp));
-            if (mn) ext[i] = _mm256_fmadd_ps(m, load_some(xsum[i] + g, n, tmp), ext[i]);
-        }
-        for (int64_t c = 0; c < n; c++) {
-            int64_t at = (g + c) * 32;
-            __m128i bytes = _mm_loadu_si128((const __m128i *)(p + at / 2));
-            __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), m4), _mm_and_si128(bytes, m4));
-            __m256i idx = _mm256_set1_epi32((int)c);
-            for (int i = 0; i < few; i++) {
-                __m256i t = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w,
-                                                    _mm256_loadu_si256((const __m256i *)(d[i].nat[0] + at)));
-                t = _mm256_dpbusd_avx_epi32(_mm256_slli_epi32(t, 8), w,
-                                            _mm256_loadu_si256((const __m256i *)(d[i].nat[1] + at)));
-                t = _mm256_dpbusd_avx_epi32(_mm256_slli_epi32(t, 8), w,
-                                            _mm256_loadu_si256((const __m256i *)(d[i].nat[2] + at)));
-                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_permutevar8x32_ps(f[i], idx), acc[i]);
-            }
-        }
-    }
-    for (int i = 0; i < few; i++) out[i] = hsum(acc[i]) + hsum(ext[i]);
-}
-
-static void row_q8_vnni_few(const qm_digits *d, const float *const *xsum, int few, const int8_t *codes,
-                            const void *sc, const void *mn, int half, int64_t K, int64_t group, float *out) {
-    const __m256i flip = _mm256_set1_epi8((char)0x80);
-    const __m256 k65536 = _mm256_set1_ps(65536.0f);
-    int per = (int)(32 / group);
-    __m256 acc[QM_FEW], f[QM_FEW], ext[QM_FEW];
-    float tmp[8];
-    for (int i = 0; i < few; i++) acc[i] = _mm256_setzero_ps(), ext[i] = _mm256_setzero_ps();
-    int64_t groups = K / group;
-    for (int64_t g = 0; g < groups; g += 8) {
-        int64_t n = groups - g < 8 ? groups - g : 8;
-        __m256 s = load_params(sc, half, g, n, tmp), m = mn ? load_params(mn, half, g, n, tmp) : _mm256_setzero_ps();
-        for (int i = 0; i < few; i++) {
-            const float *units = group == 16 ? d[i].u16 : d[i].u32, *back = group == 16 ? d[i].c16 : d[i].c32;
-            f[i] = _mm256_mul_ps(s, load_some(units + g, n, tmp));
-            ext[i] = _mm256_fmadd_ps(s, load_some(back + g, n, tmp), ext[i]);
-            if (mn) ext[i] = _mm256_fmadd_ps(m, load_some(xsum[i] + g, n, tmp), ext[i]);
-        }
-        for (int64_t c = 0; c < n / per; c++) {
-            int64_t at = g * group + c * 32;
-            __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(codes + at)), flip);
-            __m256i idx = per == 1 ? _mm256_set1_epi32((int)c)
-                                   : _mm256_setr_epi32((int)(2 * c), (int)(2 * c), (int)(2 * c), (int)(2 * c),
-                                                       (int)(2 * c + 1), (int)(2 * c + 1), (int)(2 * c + 1),
-                                                       (int)(2 * c + 1));
-            for (int i = 0; i < few; i++) {
-                __m256i ta = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w,
-                                                     _mm256_loadu_si256((const __m256i *)(d[i].nat[0] + at)));
-                __m256i tb = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w,
-                                                     _mm256_loadu_si256((const __m256i *)(d[i].nat[1] + at)));
-                tb = _mm256_dpbusd_avx_epi32(_mm256_slli_epi32(tb, 8), w,
-                                             _mm256_loadu_si256((const __m256i *)(d[i].nat[2] + at)));
-                __m256 fl = _mm256_permutevar8x32_ps(f[i], idx);
-                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ta), _mm256_mul_ps(fl, k65536), acc[i]);
-                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tb), fl, acc[i]);
-            }
-        }
-    }
-    for (int i = 0; i < few; i++) out[i] = hsum(acc[i]) + hsum(ext[i]);
-}
-
-static float row_q4_vnni(const qm_digits *d, const uint8_t *p, const void *sc, const void *mn, int half,
-                         const float *xsum, int64_t K) {
-    float out;
-    row_q4_vnni_few(d, &xsum, 1, p, sc, mn, half, K, &out);
-    return out;
-}
-
-static float row_q8_vnni(const qm_digits *d, const int8_t *codes, const void *sc, const void *mn, int half,
-                         const float *xsum, int64_t K, int64_t group) {
-    float out;
-    row_q8_vnni_few(d, &xsum, 1, codes, sc, mn, half, K, group, &out);
-    return out;
-}
-#endif
+#include "qm_digits256.h"
 
 #if defined(QM_VNNI) || defined(QM_VNNI256)
 /* Whether a row of w's kind, group and length takes the digits. */
 static inline int takes_digits(const qm_digits *d, int64_t kind, int64_t K, int64_t group) {
     return d->ok && K % 64 == 0 && (kind == 4 || group == 16 || group == 32);
+}
+
+/* Rows 0 .. rows - 1 (rows <= QM_ROWS) of a kind-4 or kind-8 weight from the digits: codes at
+ * codes + r * rb bytes, scales and minimums at sc/mn + r * ps entries. */
+static void rows_vnni(const qm_digits *d, int64_t kind, const void *codes, int64_t rb, const void *sc,
+                      const void *mn, int64_t ps, int half, const float *xsum, int64_t K, int64_t group, int rows,
+                      float *out) {
+    if (kind == 4 && rows == QM_ROWS)
+        q4_rows_vnni(d, (const uint8_t *)codes, rb, sc, mn, ps, half, xsum, K, QM_ROWS, out);
+    else if (rows == QM_ROWS)
+        q8_rows_vnni(d, (const int8_t *)codes, rb, sc, mn, ps, half, xsum, K, group, QM_ROWS, out);
+    else
+        for (int r = 0; r < rows; r++) {
+            const void *c = (const char *)codes + r * rb, *s = row_at(sc, r * ps, half), *m = row_at(mn, r * ps, half);
+            if (kind == 4)
+                q4_rows_vnni(d, (const uint8_t *)c, rb, s, m, ps, half, xsum, K, 1, out + r);
+            else
+                q8_rows_vnni(d, (const int8_t *)c, rb, s, m, ps, half, xsum, K, group, 1, out + r);
+        }
 }
 #else
 typedef struct {

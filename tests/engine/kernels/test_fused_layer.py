@@ -340,8 +340,8 @@ def test_the_portable_builds_compute_the_same(flags: tuple[str, ...], tmp_path: 
         assert lib.qm_simd() == next((code for flag, code in SIMD.items() if flag in flags), 0)
         g = torch.Generator().manual_seed(5)
         for k in (96, 128):  # the integer rows take inputs of a multiple of 64
-            codes = torch.randint(0, 16, (24, k), generator=g)
-            for scales in (torch.rand(24, k // 32, generator=g), torch.rand(24, k // 32, generator=g).half().float()):
+            codes = torch.randint(0, 16, (23, k), generator=g)  # blocks of 4 rows and a tail of 3
+            for scales in (torch.rand(23, k // 32, generator=g), torch.rand(23, k // 32, generator=g).half().float()):
                 for kind, bits in (("q4", 4), ("q8", 5)):
                     w = from_codes(codes, scales, -scales * 8, 32, bits)
                     assert w.kind == kind
