@@ -27,9 +27,10 @@
  * gives NaN, as the fp32 product would. Rows whose input length is not a multiple of 64 take
  * the fp32 path.
  */
-#define QM_FEW 2 /* tokens a small pass dots with each unpacked chunk (the VNNI rows below); measured on a
-                   * starter-shaped model, AVX-512 VNNI: 2 tokens about even with the fp32 tiles, 4 and 8
-                   * tokens 1.3-1.6x slower (each further token pays the full integer dot again) */
+#define QM_FEW 4 /* tokens a small pass dots with each unpacked chunk (the VNNI rows below). Measured, a
+                   * q4 1536x576 weight from L3, one thread, AVX-512 VNNI: 1-4 tokens 2.8 / 5.1 / 7.9 / 9.4
+                   * ms for 60 of them, the fp32 tiles 2-4 tokens 15.3 / 11.6 / 9.9 and 8 tokens 13.4 (past
+                   * 4, each further token's integer dot costs more than the tiles' shared decoding) */
 #ifdef QM_VNNI
 
 typedef struct {
@@ -137,168 +138,124 @@ static inline __m256 load_params(const void *p, int half, int64_t g, int64_t n) 
 #define QM_AHEAD 2
 #define QM_INLINE static inline __attribute__((always_inline))
 
-/* Rows 0 .. R-1 of a q4 weight from digits: codes at p + r * rb, scales and minimums at
- * sc/mn + r * ps (fp16 where half); each 64 values are groups g, g + 1, whose 32 code bytes
- * unpack to (low nibbles: g 0-15, g+1 0-15 | high nibbles: g 16-31, g+1 16-31), lanes g g g g,
- * g+1 x4, g x4, g+1 x4; the digits were laid out (q4[]) to match. */
-QM_INLINE void q4_rows_vnni(const qm_digits *d, const uint8_t *p, int64_t rb, const void *sc, const void *mn,
-                            int64_t ps, int half, const float *xsum, int64_t K, const int R, float *out) {
+/* Rows 0 .. R-1 of a q4 weight times the digits of tokens 0 .. few-1 (d[i], their group sums
+ * xsum[i]) into out[r * os + i]: codes at p + r * rb, scales and minimums at sc/mn + r * ps (fp16
+ * where half). Each 64 values are groups g, g + 1, whose 32 code bytes unpack to (low nibbles:
+ * g 0-15, g+1 0-15 | high nibbles: g 16-31, g+1 16-31), lanes g g g g, g+1 x4, g x4, g+1 x4; the
+ * digits were laid out (q4[]) to match. A row's codes are unpacked once for all the tokens, a
+ * token's digits loaded once for all the rows. */
+QM_INLINE void q4_rows_vnni(const qm_digits *d, const float *const *xsum, const int few, const uint8_t *p,
+                            int64_t rb, const void *sc, const void *mn, int64_t ps, int half, int64_t K, const int R,
+                            float *out, int64_t os) {
     __m512i lanes[4];
     for (int c = 0; c < 4; c++) lanes[c] = _mm512_loadu_si512(LANES_Q4[c]);
     const __m256i m4 = _mm256_set1_epi8(15);
-    __m512 acc[QM_ROWS], f[QM_ROWS];
-    __m256 ext[QM_ROWS];
-    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps(), ext[r] = _mm256_setzero_ps();
+    __m512 acc[QM_ROWS][QM_FEW], f[QM_ROWS][QM_FEW];
+    __m256 ext[QM_ROWS][QM_FEW];
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < few; i++) acc[r][i] = _mm512_setzero_ps(), ext[r][i] = _mm256_setzero_ps();
     int64_t groups = K / 32;
     for (int64_t g = 0; g < groups; g += 8) {
         int64_t n = groups - g < 8 ? groups - g : 8; /* even: K is a multiple of 64 */
         __mmask8 live = (__mmask8)((1u << n) - 1);
-        __m256 u = _mm256_maskz_loadu_ps(live, d->u32 + g), xs = mn ? _mm256_maskz_loadu_ps(live, xsum + g) : u;
+        __m256 u[QM_FEW], xs[QM_FEW];
+        for (int i = 0; i < few; i++)
+            u[i] = _mm256_maskz_loadu_ps(live, d[i].u32 + g), xs[i] = mn ? _mm256_maskz_loadu_ps(live, xsum[i] + g) : u[i];
         for (int r = 0; r < R; r++) {
-            f[r] = _mm512_castps256_ps512(_mm256_mul_ps(load_params(row_at(sc, r * ps, half), half, g, n), u));
-            if (mn) ext[r] = _mm256_fmadd_ps(load_params(row_at(mn, r * ps, half), half, g, n), xs, ext[r]);
+            __m256 s = load_params(row_at(sc, r * ps, half), half, g, n);
+            __m256 m = mn ? load_params(row_at(mn, r * ps, half), half, g, n) : s;
+            for (int i = 0; i < few; i++) {
+                f[r][i] = _mm512_castps256_ps512(_mm256_mul_ps(s, u[i]));
+                if (mn) ext[r][i] = _mm256_fmadd_ps(m, xs[i], ext[r][i]);
+            }
         }
         for (int64_t c = 0; c < n / 2; c++) {
             int64_t at = (g + 2 * c) * 32;
-            __m512i da = _mm512_loadu_si512(d->q4[0] + at), db = _mm512_loadu_si512(d->q4[1] + at),
-                    dc = _mm512_loadu_si512(d->q4[2] + at);
+            __m512i w[QM_ROWS];
             for (int r = 0; r < R; r++) {
                 const uint8_t *row = p + r * rb + at / 2;
                 _mm_prefetch((const char *)(row + QM_AHEAD * QM_ROWS * rb), _MM_HINT_T0);
                 __m256i bytes = _mm256_loadu_si256((const __m256i *)row);
-                __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(bytes, m4)),
-                                               _mm256_and_si256(_mm256_srli_epi16(bytes, 4), m4), 1);
-                __m512i t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, da);
-                t = _mm512_dpbusd_epi32(_mm512_slli_epi32(t, 8), w, db);
-                t = _mm512_dpbusd_epi32(_mm512_slli_epi32(t, 8), w, dc);
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_permutexvar_ps(lanes[c], f[r]), acc[r]);
+                w[r] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(bytes, m4)),
+                                          _mm256_and_si256(_mm256_srli_epi16(bytes, 4), m4), 1);
+            }
+            for (int i = 0; i < few; i++) {
+                __m512i da = _mm512_loadu_si512(d[i].q4[0] + at), db = _mm512_loadu_si512(d[i].q4[1] + at),
+                        dc = _mm512_loadu_si512(d[i].q4[2] + at);
+                for (int r = 0; r < R; r++) {
+                    __m512i t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[r], da);
+                    t = _mm512_dpbusd_epi32(_mm512_slli_epi32(t, 8), w[r], db);
+                    t = _mm512_dpbusd_epi32(_mm512_slli_epi32(t, 8), w[r], dc);
+                    acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_permutexvar_ps(lanes[c], f[r][i]),
+                                                acc[r][i]);
+                }
             }
         }
     }
-    for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(acc[r]) + hsum(ext[r]);
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < few; i++) out[r * os + i] = _mm512_reduce_add_ps(acc[r][i]) + hsum(ext[r][i]);
 }
 
 /* The same for q8 rows (groups of 16 or 32): codes + 128 as unsigned bytes; the offset's share
  * (128 * the group's sum of v) comes back through c16/c32. */
-QM_INLINE void q8_rows_vnni(const qm_digits *d, const int8_t *codes, int64_t rb, const void *sc, const void *mn,
-                            int64_t ps, int half, const float *xsum, int64_t K, int64_t group, const int R,
-                            float *out) {
+QM_INLINE void q8_rows_vnni(const qm_digits *d, const float *const *xsum, const int few, const int8_t *codes,
+                            int64_t rb, const void *sc, const void *mn, int64_t ps, int half, int64_t K,
+                            int64_t group, const int R, float *out, int64_t os) {
     __m512i lanes32[4], lanes16[2];
     for (int c = 0; c < 4; c++) lanes32[c] = _mm512_loadu_si512(LANES_Q8_32[c]);
     for (int c = 0; c < 2; c++) lanes16[c] = _mm512_loadu_si512(LANES_Q8_16[c]);
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     const __m512 k65536 = _mm512_set1_ps(65536.0f);
-    const float *units = group == 16 ? d->u16 : d->u32, *back = group == 16 ? d->c16 : d->c32;
     int per = (int)(64 / group); /* groups in 64 values */
-    __m512 acc[QM_ROWS], f[QM_ROWS];
-    __m256 ext[QM_ROWS];
-    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps(), ext[r] = _mm256_setzero_ps();
+    __m512 acc[QM_ROWS][QM_FEW], f[QM_ROWS][QM_FEW];
+    __m256 ext[QM_ROWS][QM_FEW];
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < few; i++) acc[r][i] = _mm512_setzero_ps(), ext[r][i] = _mm256_setzero_ps();
     int64_t groups = K / group;
     for (int64_t g = 0; g < groups; g += 8) {
         int64_t n = groups - g < 8 ? groups - g : 8; /* a multiple of `per` */
         __mmask8 live = (__mmask8)((1u << n) - 1);
-        __m256 u = _mm256_maskz_loadu_ps(live, units + g), bk = _mm256_maskz_loadu_ps(live, back + g),
-               xs = mn ? _mm256_maskz_loadu_ps(live, xsum + g) : u;
+        __m256 u[QM_FEW], bk[QM_FEW], xs[QM_FEW];
+        for (int i = 0; i < few; i++) {
+            u[i] = _mm256_maskz_loadu_ps(live, (group == 16 ? d[i].u16 : d[i].u32) + g);
+            bk[i] = _mm256_maskz_loadu_ps(live, (group == 16 ? d[i].c16 : d[i].c32) + g);
+            xs[i] = mn ? _mm256_maskz_loadu_ps(live, xsum[i] + g) : u[i];
+        }
         for (int r = 0; r < R; r++) {
             __m256 s = load_params(row_at(sc, r * ps, half), half, g, n);
-            ext[r] = _mm256_fmadd_ps(s, bk, ext[r]);
-            if (mn) ext[r] = _mm256_fmadd_ps(load_params(row_at(mn, r * ps, half), half, g, n), xs, ext[r]);
-            f[r] = _mm512_castps256_ps512(_mm256_mul_ps(s, u));
+            __m256 m = mn ? load_params(row_at(mn, r * ps, half), half, g, n) : s;
+            for (int i = 0; i < few; i++) {
+                ext[r][i] = _mm256_fmadd_ps(s, bk[i], ext[r][i]);
+                if (mn) ext[r][i] = _mm256_fmadd_ps(m, xs[i], ext[r][i]);
+                f[r][i] = _mm512_castps256_ps512(_mm256_mul_ps(s, u[i]));
+            }
         }
         for (int64_t c = 0; c < n / per; c++) {
             int64_t at = g * group + c * 64;
-            __m512i da = _mm512_loadu_si512(d->nat[0] + at), db = _mm512_loadu_si512(d->nat[1] + at),
-                    dc = _mm512_loadu_si512(d->nat[2] + at);
             __m512i idx = group == 16 ? lanes16[c] : lanes32[c];
+            __m512i w[QM_ROWS];
             for (int r = 0; r < R; r++) {
                 const int8_t *row = codes + r * rb + at;
                 _mm_prefetch((const char *)(row + QM_AHEAD * QM_ROWS * rb), _MM_HINT_T0);
-                __m512i w = _mm512_xor_si512(_mm512_loadu_si512(row), flip);
-                /* codes up to 255: a's share apart, b's and c's together (each fits 32 bits) */
-                __m512i ta = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, da);
-                __m512i tb = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, db);
-                tb = _mm512_dpbusd_epi32(_mm512_slli_epi32(tb, 8), w, dc);
-                __m512 fl = _mm512_permutexvar_ps(idx, f[r]);
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ta), _mm512_mul_ps(fl, k65536), acc[r]);
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tb), fl, acc[r]);
+                w[r] = _mm512_xor_si512(_mm512_loadu_si512(row), flip);
             }
-        }
-    }
-    for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(acc[r]) + hsum(ext[r]);
-}
-
-/* ---- The same for the few tokens of a small pass (a chain, a small tree) ----
- * Each chunk's codes are unpacked once and dotted with every token's digits, so a pass of
- * n <= QM_FEW tokens costs the unpacking once, not n times. */
-/* out[i] = row . x_i for tokens i < few: d[i] their digits, xsum[i] their sums over each group. */
-static void row_q4_vnni_few(const qm_digits *d, const float *const *xsum, int few, const uint8_t *p, const void *sc,
-                            const void *mn, int half, int64_t K, float *out) {
-    __m512i lanes[4];
-    for (int c = 0; c < 4; c++) lanes[c] = _mm512_loadu_si512(LANES_Q4[c]);
-    const __m256i m4 = _mm256_set1_epi8(15);
-    __m512 acc[QM_FEW], f[QM_FEW];
-    __m256 ext[QM_FEW];
-    for (int i = 0; i < few; i++) acc[i] = _mm512_setzero_ps(), ext[i] = _mm256_setzero_ps();
-    int64_t groups = K / 32;
-    for (int64_t g = 0; g < groups; g += 8) {
-        int64_t n = groups - g < 8 ? groups - g : 8;
-        __mmask8 live = (__mmask8)((1u << n) - 1);
-        __m256 s = load_params(sc, half, g, n), m = mn ? load_params(mn, half, g, n) : _mm256_setzero_ps();
-        for (int i = 0; i < few; i++) {
-            f[i] = _mm512_castps256_ps512(_mm256_mul_ps(s, _mm256_maskz_loadu_ps(live, d[i].u32 + g)));
-            if (mn) ext[i] = _mm256_fmadd_ps(m, _mm256_maskz_loadu_ps(live, xsum[i] + g), ext[i]);
-        }
-        for (int64_t c = 0; c < n / 2; c++) {
-            int64_t at = (g + 2 * c) * 32;
-            __m256i bytes = _mm256_loadu_si256((const __m256i *)(p + at / 2));
-            __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(bytes, m4)),
-                                           _mm256_and_si256(_mm256_srli_epi16(bytes, 4), m4), 1);
             for (int i = 0; i < few; i++) {
-                __m512i t = dot_digits(w, d[i].q4[0] + at, d[i].q4[1] + at, d[i].q4[2] + at);
-                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_permutexvar_ps(lanes[c], f[i]), acc[i]);
+                __m512i da = _mm512_loadu_si512(d[i].nat[0] + at), db = _mm512_loadu_si512(d[i].nat[1] + at),
+                        dc = _mm512_loadu_si512(d[i].nat[2] + at);
+                for (int r = 0; r < R; r++) {
+                    /* codes up to 255: a's share apart, b's and c's together (each fits 32 bits) */
+                    __m512i ta = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[r], da);
+                    __m512i tb = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[r], db);
+                    tb = _mm512_dpbusd_epi32(_mm512_slli_epi32(tb, 8), w[r], dc);
+                    __m512 fl = _mm512_permutexvar_ps(idx, f[r][i]);
+                    acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ta), _mm512_mul_ps(fl, k65536), acc[r][i]);
+                    acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tb), fl, acc[r][i]);
+                }
             }
         }
     }
-    for (int i = 0; i < few; i++) out[i] = _mm512_reduce_add_ps(acc[i]) + hsum(ext[i]);
-}
-
-static void row_q8_vnni_few(const qm_digits *d, const float *const *xsum, int few, const int8_t *codes,
-                            const void *sc, const void *mn, int half, int64_t K, int64_t group, float *out) {
-    __m512i lanes32[4], lanes16[2];
-    for (int c = 0; c < 4; c++) lanes32[c] = _mm512_loadu_si512(LANES_Q8_32[c]);
-    for (int c = 0; c < 2; c++) lanes16[c] = _mm512_loadu_si512(LANES_Q8_16[c]);
-    const __m512i flip = _mm512_set1_epi8((char)0x80);
-    const __m512 k65536 = _mm512_set1_ps(65536.0f);
-    int per = (int)(64 / group);
-    __m512 acc[QM_FEW], f[QM_FEW];
-    __m256 ext[QM_FEW];
-    for (int i = 0; i < few; i++) acc[i] = _mm512_setzero_ps(), ext[i] = _mm256_setzero_ps();
-    int64_t groups = K / group;
-    for (int64_t g = 0; g < groups; g += 8) {
-        int64_t n = groups - g < 8 ? groups - g : 8;
-        __mmask8 live = (__mmask8)((1u << n) - 1);
-        __m256 s = load_params(sc, half, g, n), m = mn ? load_params(mn, half, g, n) : _mm256_setzero_ps();
-        for (int i = 0; i < few; i++) {
-            const float *units = group == 16 ? d[i].u16 : d[i].u32, *back = group == 16 ? d[i].c16 : d[i].c32;
-            f[i] = _mm512_castps256_ps512(_mm256_mul_ps(s, _mm256_maskz_loadu_ps(live, units + g)));
-            ext[i] = _mm256_fmadd_ps(s, _mm256_maskz_loadu_ps(live, back + g), ext[i]);
-            if (mn) ext[i] = _mm256_fmadd_ps(m, _mm256_maskz_loadu_ps(live, xsum[i] + g), ext[i]);
-        }
-        for (int64_t c = 0; c < n / per; c++) {
-            int64_t at = g * group + c * 64;
-            __m512i w = _mm512_xor_si512(_mm512_loadu_si512(codes + at), flip);
-            __m512i idx = group == 16 ? lanes16[c] : lanes32[c];
-            for (int i = 0; i < few; i++) {
-                __m512i ta = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(d[i].nat[0] + at));
-                __m512i tb = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(d[i].nat[1] + at));
-                tb = _mm512_dpbusd_epi32(_mm512_slli_epi32(tb, 8), w, _mm512_loadu_si512(d[i].nat[2] + at));
-                __m512 fl = _mm512_permutexvar_ps(idx, f[i]);
-                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ta), _mm512_mul_ps(fl, k65536), acc[i]);
-                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tb), fl, acc[i]);
-            }
-        }
-    }
-    for (int i = 0; i < few; i++) out[i] = _mm512_reduce_add_ps(acc[i]) + hsum(ext[i]);
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < few; i++) out[r * os + i] = _mm512_reduce_add_ps(acc[r][i]) + hsum(ext[r][i]);
 }
 
 #endif
@@ -311,23 +268,34 @@ static inline int takes_digits(const qm_digits *d, int64_t kind, int64_t K, int6
     return d->ok && K % 64 == 0 && (kind == 4 || group == 16 || group == 32);
 }
 
-/* Rows 0 .. rows - 1 (rows <= QM_ROWS) of a kind-4 or kind-8 weight from the digits: codes at
- * codes + r * rb bytes, scales and minimums at sc/mn + r * ps entries. */
-static void rows_vnni(const qm_digits *d, int64_t kind, const void *codes, int64_t rb, const void *sc,
-                      const void *mn, int64_t ps, int half, const float *xsum, int64_t K, int64_t group, int rows,
-                      float *out) {
-    if (kind == 4 && rows == QM_ROWS)
-        q4_rows_vnni(d, (const uint8_t *)codes, rb, sc, mn, ps, half, xsum, K, QM_ROWS, out);
-    else if (rows == QM_ROWS)
-        q8_rows_vnni(d, (const int8_t *)codes, rb, sc, mn, ps, half, xsum, K, group, QM_ROWS, out);
-    else
-        for (int r = 0; r < rows; r++) {
-            const void *c = (const char *)codes + r * rb, *s = row_at(sc, r * ps, half), *m = row_at(mn, r * ps, half);
-            if (kind == 4)
-                q4_rows_vnni(d, (const uint8_t *)c, rb, s, m, ps, half, xsum, K, 1, out + r);
-            else
-                q8_rows_vnni(d, (const int8_t *)c, rb, s, m, ps, half, xsum, K, group, 1, out + r);
-        }
+/* Rows 0 .. rows - 1 (rows <= QM_ROWS) of a kind-4 or kind-8 weight times the digits of tokens
+ * 0 .. few - 1 (few <= QM_FEW) into out[r * os + i]: codes at codes + r * rb bytes, scales and
+ * minimums at sc/mn + r * ps entries. */
+static void rows_vnni(const qm_digits *d, const float *const *xsum, int few, int64_t kind, const void *codes,
+                      int64_t rb, const void *sc, const void *mn, int64_t ps, int half, int64_t K, int64_t group,
+                      int rows, float *out, int64_t os) {
+#define QM_BLOCK(F)                                                                                              \
+    (kind == 4 ? q4_rows_vnni(d, xsum, F, (const uint8_t *)codes, rb, sc, mn, ps, half, K, QM_ROWS, out, os)     \
+               : q8_rows_vnni(d, xsum, F, (const int8_t *)codes, rb, sc, mn, ps, half, K, group, QM_ROWS, out, os))
+    if (rows == QM_ROWS) { /* the token count a constant: its loops unrolled, its accumulators in registers */
+        if (few == 1)
+            QM_BLOCK(1);
+        else if (few == 2)
+            QM_BLOCK(2);
+        else if (few == 3)
+            QM_BLOCK(3);
+        else
+            QM_BLOCK(QM_FEW);
+        return;
+    }
+#undef QM_BLOCK
+    for (int r = 0; r < rows; r++) {
+        const void *c = (const char *)codes + r * rb, *s = row_at(sc, r * ps, half), *m = row_at(mn, r * ps, half);
+        if (kind == 4)
+            q4_rows_vnni(d, xsum, few, (const uint8_t *)c, rb, s, m, ps, half, K, 1, out + r * os, os);
+        else
+            q8_rows_vnni(d, xsum, few, (const int8_t *)c, rb, s, m, ps, half, K, group, 1, out + r * os, os);
+    }
 }
 #else
 typedef struct {

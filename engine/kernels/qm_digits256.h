@@ -88,164 +88,118 @@ static inline __m256 load_some(const float *p, int64_t n, float *tmp) {
     return _mm256_loadu_ps(tmp);
 }
 
-static void row_q4_vnni_few(const qm_digits *d, const float *const *xsum, int few, const uint8_t *p, const void *sc,
-                            const void *mn, int half, int64_t K, float *out) {
-    const __m128i m4 = _mm_set1_epi8(15);
-    __m256 acc[QM_FEW], f[QM_FEW], ext[QM_FEW];
-    float tmp[8];
-    for (int i = 0; i < few; i++) acc[i] = _mm256_setzero_ps(), ext[i] = _mm256_setzero_ps();
-    int64_t groups = K / 32;
-    for (int64_t g = 0; g < groups; g += 8) {
-        int64_t n = groups - g < 8 ? groups - g : 8;
-        __m256 s = load_params(sc, half, g, n, tmp), m = mn ? load_params(mn, half, g, n, tmp) : _mm256_setzero_ps();
-        for (int i = 0; i < few; i++) {
-            f[i] = _mm256_mul_ps(s, load_some(d[i].u32 + g, n, tmp));
-            if (mn) ext[i] = _mm256_fmadd_ps(m, load_some(xsum[i] + g, n, tmp), ext[i]);
-        }
-        for (int64_t c = 0; c < n; c++) {
-            int64_t at = (g + c) * 32;
-            __m128i bytes = _mm_loadu_si128((const __m128i *)(p + at / 2));
-            __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), m4), _mm_and_si128(bytes, m4));
-            __m256i idx = _mm256_set1_epi32((int)c);
-            for (int i = 0; i < few; i++) {
-                __m256i t = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w,
-                                                    _mm256_loadu_si256((const __m256i *)(d[i].nat[0] + at)));
-                t = _mm256_dpbusd_avx_epi32(_mm256_slli_epi32(t, 8), w,
-                                            _mm256_loadu_si256((const __m256i *)(d[i].nat[1] + at)));
-                t = _mm256_dpbusd_avx_epi32(_mm256_slli_epi32(t, 8), w,
-                                            _mm256_loadu_si256((const __m256i *)(d[i].nat[2] + at)));
-                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_permutevar8x32_ps(f[i], idx), acc[i]);
-            }
-        }
-    }
-    for (int i = 0; i < few; i++) out[i] = hsum(acc[i]) + hsum(ext[i]);
-}
-
-static void row_q8_vnni_few(const qm_digits *d, const float *const *xsum, int few, const int8_t *codes,
-                            const void *sc, const void *mn, int half, int64_t K, int64_t group, float *out) {
-    const __m256i flip = _mm256_set1_epi8((char)0x80);
-    const __m256 k65536 = _mm256_set1_ps(65536.0f);
-    int per = (int)(32 / group);
-    __m256 acc[QM_FEW], f[QM_FEW], ext[QM_FEW];
-    float tmp[8];
-    for (int i = 0; i < few; i++) acc[i] = _mm256_setzero_ps(), ext[i] = _mm256_setzero_ps();
-    int64_t groups = K / group;
-    for (int64_t g = 0; g < groups; g += 8) {
-        int64_t n = groups - g < 8 ? groups - g : 8;
-        __m256 s = load_params(sc, half, g, n, tmp), m = mn ? load_params(mn, half, g, n, tmp) : _mm256_setzero_ps();
-        for (int i = 0; i < few; i++) {
-            const float *units = group == 16 ? d[i].u16 : d[i].u32, *back = group == 16 ? d[i].c16 : d[i].c32;
-            f[i] = _mm256_mul_ps(s, load_some(units + g, n, tmp));
-            ext[i] = _mm256_fmadd_ps(s, load_some(back + g, n, tmp), ext[i]);
-            if (mn) ext[i] = _mm256_fmadd_ps(m, load_some(xsum[i] + g, n, tmp), ext[i]);
-        }
-        for (int64_t c = 0; c < n / per; c++) {
-            int64_t at = g * group + c * 32;
-            __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(codes + at)), flip);
-            __m256i idx = per == 1 ? _mm256_set1_epi32((int)c)
-                                   : _mm256_setr_epi32((int)(2 * c), (int)(2 * c), (int)(2 * c), (int)(2 * c),
-                                                       (int)(2 * c + 1), (int)(2 * c + 1), (int)(2 * c + 1),
-                                                       (int)(2 * c + 1));
-            for (int i = 0; i < few; i++) {
-                __m256i ta = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w,
-                                                     _mm256_loadu_si256((const __m256i *)(d[i].nat[0] + at)));
-                __m256i tb = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w,
-                                                     _mm256_loadu_si256((const __m256i *)(d[i].nat[1] + at)));
-                tb = _mm256_dpbusd_avx_epi32(_mm256_slli_epi32(tb, 8), w,
-                                             _mm256_loadu_si256((const __m256i *)(d[i].nat[2] + at)));
-                __m256 fl = _mm256_permutevar8x32_ps(f[i], idx);
-                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ta), _mm256_mul_ps(fl, k65536), acc[i]);
-                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tb), fl, acc[i]);
-            }
-        }
-    }
-    for (int i = 0; i < few; i++) out[i] = hsum(acc[i]) + hsum(ext[i]);
-}
-
 #define QM_ROWS 4
 #define QM_AHEAD 2
 #define QM_INLINE static inline __attribute__((always_inline))
 
-/* QM_ROWS rows at once, as the AVX-512 rows (which say why): codes at p + r * rb, scales and
- * minimums at sc/mn + r * ps. */
-QM_INLINE void q4_rows_vnni(const qm_digits *d, const uint8_t *p, int64_t rb, const void *sc, const void *mn,
-                            int64_t ps, int half, const float *xsum, int64_t K, const int R, float *out) {
+/* Rows 0 .. R-1 times the digits of tokens 0 .. few-1 into out[r * os + i], as the AVX-512 rows
+ * (qm_digits.h) do: a group of 32 q4 codes unpacks in order (low nibbles: values 0-15, high:
+ * 16-31), so the digits keep the activations' order. */
+QM_INLINE void q4_rows_vnni(const qm_digits *d, const float *const *xsum, const int few, const uint8_t *p,
+                            int64_t rb, const void *sc, const void *mn, int64_t ps, int half, int64_t K, const int R,
+                            float *out, int64_t os) {
     const __m128i m4 = _mm_set1_epi8(15);
-    __m256 acc[QM_ROWS], f[QM_ROWS], ext[QM_ROWS];
+    __m256 acc[QM_ROWS][QM_FEW], f[QM_ROWS][QM_FEW], ext[QM_ROWS][QM_FEW];
     float tmp[8];
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps(), ext[r] = _mm256_setzero_ps();
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < few; i++) acc[r][i] = _mm256_setzero_ps(), ext[r][i] = _mm256_setzero_ps();
     int64_t groups = K / 32;
     for (int64_t g = 0; g < groups; g += 8) {
         int64_t n = groups - g < 8 ? groups - g : 8;
-        __m256 u = load_some(d->u32 + g, n, tmp), xs = mn ? load_some(xsum + g, n, tmp) : u;
+        __m256 u[QM_FEW], xs[QM_FEW];
+        for (int i = 0; i < few; i++)
+            u[i] = load_some(d[i].u32 + g, n, tmp), xs[i] = mn ? load_some(xsum[i] + g, n, tmp) : u[i];
         for (int r = 0; r < R; r++) {
-            f[r] = _mm256_mul_ps(load_params(row_at(sc, r * ps, half), half, g, n, tmp), u);
-            if (mn) ext[r] = _mm256_fmadd_ps(load_params(row_at(mn, r * ps, half), half, g, n, tmp), xs, ext[r]);
+            __m256 s = load_params(row_at(sc, r * ps, half), half, g, n, tmp);
+            __m256 m = mn ? load_params(row_at(mn, r * ps, half), half, g, n, tmp) : s;
+            for (int i = 0; i < few; i++) {
+                f[r][i] = _mm256_mul_ps(s, u[i]);
+                if (mn) ext[r][i] = _mm256_fmadd_ps(m, xs[i], ext[r][i]);
+            }
         }
         for (int64_t c = 0; c < n; c++) {
             int64_t at = (g + c) * 32;
-            __m256i da = _mm256_loadu_si256((const __m256i *)(d->nat[0] + at)),
-                    db = _mm256_loadu_si256((const __m256i *)(d->nat[1] + at)),
-                    dc = _mm256_loadu_si256((const __m256i *)(d->nat[2] + at));
-            __m256i idx = _mm256_set1_epi32((int)c);
+            __m256i w[QM_ROWS];
             for (int r = 0; r < R; r++) {
                 const uint8_t *row = p + r * rb + at / 2;
                 _mm_prefetch((const char *)(row + QM_AHEAD * QM_ROWS * rb), _MM_HINT_T0);
                 __m128i bytes = _mm_loadu_si128((const __m128i *)row);
-                __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), m4), _mm_and_si128(bytes, m4));
-                __m256i t = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, da);
-                t = _mm256_dpbusd_avx_epi32(_mm256_slli_epi32(t, 8), w, db);
-                t = _mm256_dpbusd_avx_epi32(_mm256_slli_epi32(t, 8), w, dc);
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_permutevar8x32_ps(f[r], idx), acc[r]);
+                w[r] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), m4), _mm_and_si128(bytes, m4));
+            }
+            __m256i idx = _mm256_set1_epi32((int)c);
+            for (int i = 0; i < few; i++) {
+                __m256i da = _mm256_loadu_si256((const __m256i *)(d[i].nat[0] + at)),
+                        db = _mm256_loadu_si256((const __m256i *)(d[i].nat[1] + at)),
+                        dc = _mm256_loadu_si256((const __m256i *)(d[i].nat[2] + at));
+                for (int r = 0; r < R; r++) {
+                    __m256i t = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w[r], da);
+                    t = _mm256_dpbusd_avx_epi32(_mm256_slli_epi32(t, 8), w[r], db);
+                    t = _mm256_dpbusd_avx_epi32(_mm256_slli_epi32(t, 8), w[r], dc);
+                    acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_permutevar8x32_ps(f[r][i], idx), acc[r][i]);
+                }
             }
         }
     }
-    for (int r = 0; r < R; r++) out[r] = hsum(acc[r]) + hsum(ext[r]);
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < few; i++) out[r * os + i] = hsum(acc[r][i]) + hsum(ext[r][i]);
 }
 
-QM_INLINE void q8_rows_vnni(const qm_digits *d, const int8_t *codes, int64_t rb, const void *sc, const void *mn,
-                            int64_t ps, int half, const float *xsum, int64_t K, int64_t group, const int R,
-                            float *out) {
+QM_INLINE void q8_rows_vnni(const qm_digits *d, const float *const *xsum, const int few, const int8_t *codes,
+                            int64_t rb, const void *sc, const void *mn, int64_t ps, int half, int64_t K,
+                            int64_t group, const int R, float *out, int64_t os) {
     const __m256i flip = _mm256_set1_epi8((char)0x80);
     const __m256 k65536 = _mm256_set1_ps(65536.0f);
-    const float *units = group == 16 ? d->u16 : d->u32, *back = group == 16 ? d->c16 : d->c32;
     int per = (int)(32 / group);
-    __m256 acc[QM_ROWS], f[QM_ROWS], ext[QM_ROWS];
+    __m256 acc[QM_ROWS][QM_FEW], f[QM_ROWS][QM_FEW], ext[QM_ROWS][QM_FEW];
     float tmp[8];
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps(), ext[r] = _mm256_setzero_ps();
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < few; i++) acc[r][i] = _mm256_setzero_ps(), ext[r][i] = _mm256_setzero_ps();
     int64_t groups = K / group;
     for (int64_t g = 0; g < groups; g += 8) {
         int64_t n = groups - g < 8 ? groups - g : 8;
-        __m256 u = load_some(units + g, n, tmp), bk = load_some(back + g, n, tmp),
-               xs = mn ? load_some(xsum + g, n, tmp) : u;
+        __m256 u[QM_FEW], bk[QM_FEW], xs[QM_FEW];
+        for (int i = 0; i < few; i++) {
+            u[i] = load_some((group == 16 ? d[i].u16 : d[i].u32) + g, n, tmp);
+            bk[i] = load_some((group == 16 ? d[i].c16 : d[i].c32) + g, n, tmp);
+            xs[i] = mn ? load_some(xsum[i] + g, n, tmp) : u[i];
+        }
         for (int r = 0; r < R; r++) {
             __m256 s = load_params(row_at(sc, r * ps, half), half, g, n, tmp);
-            ext[r] = _mm256_fmadd_ps(s, bk, ext[r]);
-            if (mn) ext[r] = _mm256_fmadd_ps(load_params(row_at(mn, r * ps, half), half, g, n, tmp), xs, ext[r]);
-            f[r] = _mm256_mul_ps(s, u);
+            __m256 m = mn ? load_params(row_at(mn, r * ps, half), half, g, n, tmp) : s;
+            for (int i = 0; i < few; i++) {
+                ext[r][i] = _mm256_fmadd_ps(s, bk[i], ext[r][i]);
+                if (mn) ext[r][i] = _mm256_fmadd_ps(m, xs[i], ext[r][i]);
+                f[r][i] = _mm256_mul_ps(s, u[i]);
+            }
         }
         for (int64_t c = 0; c < n / per; c++) {
             int64_t at = g * group + c * 32;
-            __m256i da = _mm256_loadu_si256((const __m256i *)(d->nat[0] + at)),
-                    db = _mm256_loadu_si256((const __m256i *)(d->nat[1] + at)),
-                    dc = _mm256_loadu_si256((const __m256i *)(d->nat[2] + at));
             __m256i idx = per == 1 ? _mm256_set1_epi32((int)c)
                                    : _mm256_setr_epi32((int)(2 * c), (int)(2 * c), (int)(2 * c), (int)(2 * c),
                                                        (int)(2 * c + 1), (int)(2 * c + 1), (int)(2 * c + 1),
                                                        (int)(2 * c + 1));
+            __m256i w[QM_ROWS];
             for (int r = 0; r < R; r++) {
                 const int8_t *row = codes + r * rb + at;
                 _mm_prefetch((const char *)(row + QM_AHEAD * QM_ROWS * rb), _MM_HINT_T0);
-                __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)row), flip);
-                __m256i ta = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, da);
-                __m256i tb = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, db);
-                tb = _mm256_dpbusd_avx_epi32(_mm256_slli_epi32(tb, 8), w, dc);
-                __m256 fl = _mm256_permutevar8x32_ps(f[r], idx);
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ta), _mm256_mul_ps(fl, k65536), acc[r]);
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tb), fl, acc[r]);
+                w[r] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)row), flip);
+            }
+            for (int i = 0; i < few; i++) {
+                __m256i da = _mm256_loadu_si256((const __m256i *)(d[i].nat[0] + at)),
+                        db = _mm256_loadu_si256((const __m256i *)(d[i].nat[1] + at)),
+                        dc = _mm256_loadu_si256((const __m256i *)(d[i].nat[2] + at));
+                for (int r = 0; r < R; r++) {
+                    __m256i ta = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w[r], da);
+                    __m256i tb = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w[r], db);
+                    tb = _mm256_dpbusd_avx_epi32(_mm256_slli_epi32(tb, 8), w[r], dc);
+                    __m256 fl = _mm256_permutevar8x32_ps(f[r][i], idx);
+                    acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ta), _mm256_mul_ps(fl, k65536), acc[r][i]);
+                    acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tb), fl, acc[r][i]);
+                }
             }
         }
     }
-    for (int r = 0; r < R; r++) out[r] = hsum(acc[r]) + hsum(ext[r]);
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < few; i++) out[r * os + i] = hsum(acc[r][i]) + hsum(ext[r][i]);
 }
 #endif

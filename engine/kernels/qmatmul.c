@@ -356,6 +356,7 @@ static float row_q4(const float *x, const uint8_t *p, const void *sc, const void
 #ifndef QM_ROWS
 #define QM_ROWS 4 /* rows a block of a step's products (one at a time through the fp32 rows) */
 #endif
+_Static_assert(NB == QM_ROWS, "a small pass's tile of NB rows goes through the integer rows as one block");
 
 /* Each thread's decoded-weight scratch, kept between calls and grown as needed. */
 static _Thread_local float *scratch_buf = NULL;
@@ -408,9 +409,10 @@ int qm_matmul(int kind, const float *x, int64_t M, int64_t K, const void *codes,
 #pragma omp parallel for num_threads(threads) schedule(static)
             for (int64_t b = 0; b < (N + QM_ROWS - 1) / QM_ROWS; b++) {
                 int64_t n = b * QM_ROWS;
-                rows_vnni(&dg, kind, (const char *)codes + n * row_bytes, row_bytes, row_at(scales, n * groups, half),
-                          row_at(mins, n * groups, half), groups, half, xsum, K, group,
-                          (int)(N - n < QM_ROWS ? N - n : QM_ROWS), y + n);
+                const float *xs = xsum;
+                rows_vnni(&dg, &xs, 1, kind, (const char *)codes + n * row_bytes, row_bytes,
+                          row_at(scales, n * groups, half), row_at(mins, n * groups, half), groups, half, K, group,
+                          (int)(N - n < QM_ROWS ? N - n : QM_ROWS), y + n, 1);
             }
         }
 #endif
@@ -539,9 +541,9 @@ static void rows_product(const qm_linear *w, int64_t r, int64_t rows, const floa
     if (takes_digits(dg, kind, w->k, w->group)) {
         int64_t groups = w->k / w->group, rb = kind == 4 ? w->k / 2 : w->k;
         int half = (w->kind & QM_HALF) != 0;
-        rows_vnni(dg, kind, (const char *)w->codes + r * rb, rb, row_at(w->scales, r * groups, half),
-                  row_at(w->mins, r * groups, half), groups, half, w->group == 16 ? s16 : s32, w->k, w->group,
-                  (int)rows, out);
+        const float *xs = w->group == 16 ? s16 : s32;
+        rows_vnni(dg, &xs, 1, kind, (const char *)w->codes + r * rb, rb, row_at(w->scales, r * groups, half),
+                  row_at(w->mins, r * groups, half), groups, half, w->k, w->group, (int)rows, out, 1);
         if (w->bias)
             for (int64_t i = 0; i < rows; i++) out[i] += w->bias[r + i];
         return;
@@ -736,17 +738,14 @@ static void product(const qm_linear *w, int64_t t, const float *x, int64_t n, fl
         int64_t groups = w->k / w->group, n0 = t * NB;
         int half = (w->kind & QM_HALF) != 0;
         const float *xs[QM_FEW];
-        float out[QM_FEW];
         for (int64_t i = 0; i < n; i++) xs[i] = w->group == 16 ? f->s16[i] : f->s32[i];
-        for (int64_t row = n0; row < n0 + NB && row < w->n; row++) {
-            const void *sc = row_at(w->scales, row * groups, half), *mn = row_at(w->mins, row * groups, half);
-            if (kind == 4)
-                row_q4_vnni_few(f->d, xs, (int)n, (const uint8_t *)w->codes + row * (w->k / 2), sc, mn, half, w->k, out);
-            else
-                row_q8_vnni_few(f->d, xs, (int)n, (const int8_t *)w->codes + row * w->k, sc, mn, half, w->k, w->group,
-                                out);
-            for (int64_t i = 0; i < n; i++) y[i * w->n + row] = w->bias ? out[i] + w->bias[row] : out[i];
-        }
+        int rows = (int)(w->n - n0 < NB ? w->n - n0 : NB), rb = (int)(kind == 4 ? w->k / 2 : w->k);
+        float out[NB * QM_FEW];
+        rows_vnni(f->d, xs, (int)n, kind, (const char *)w->codes + n0 * rb, rb, row_at(w->scales, n0 * groups, half),
+                  row_at(w->mins, n0 * groups, half), groups, half, w->k, w->group, rows, out, QM_FEW);
+        for (int r = 0; r < rows; r++)
+            for (int64_t i = 0; i < n; i++)
+                y[i * w->n + n0 + r] = w->bias ? out[r * QM_FEW + i] + w->bias[n0 + r] : out[r * QM_FEW + i];
         return;
     }
 #else

@@ -197,7 +197,7 @@ def test_fused_passes_equal_the_layer_modules(family: str, monkeypatch: pytest.M
     past[[2, 9]] = False
     both(torch.randint(0, 300, (4,), generator=g), torch.tensor([14, 15, 15, 16]), tree_mask([-1, 0, 0, 2], past))
     ours.truncate(14)
-    theirs.truncate(14)  # and two nodes (the integer rows of VNNI CPUs take passes of up to 2)
+    theirs.truncate(14)  # and two nodes (the integer rows of VNNI CPUs take passes of up to 4)
     both(torch.randint(0, 300, (2,), generator=g), torch.tensor([14, 15]), tree_mask([-1, 0], past))
     # one node under a mask: the several-token path too (the tree above rejected whole)
     ours.truncate(14)
