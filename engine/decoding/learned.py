@@ -6,7 +6,8 @@ answer after the app starts, pay for exploring (trees priced optimistically, can
 estimated from a weak prior) and end just as the estimates are good. With it a fresh process
 starts where the last one with the same models ended.
 
-One JSON file per (target fingerprint, draft fingerprint, CPU threads) in the user data folder
+One JSON file per (target fingerprint, draft fingerprint, CPU threads, CPU kernel build: a
+faster kernel makes the old costs wrong) in the user data folder
 beside the hardware profile (`<data>/learned/<key>.json`). A fingerprint names the weights'
 files, their sizes and times, the quantisation, the compute dtype and the device kind
 (engine.loading.load.model_fingerprint), so a re-downloaded model, another quantisation or
@@ -36,6 +37,7 @@ from engine import paths
 from engine.decoding.acceptance import CONTEXT_PRIOR, LOGQ_EDGES, SHARED_PRIOR, TAUS, AcceptanceModels
 from engine.decoding.costs import PassCosts
 from engine.errors import EngineError
+from engine.kernels import build
 from engine.model.causal_lm import CausalLM
 from engine.untrusted import read_json_file
 
@@ -89,7 +91,8 @@ def learned_file(target: CausalLM, draft: CausalLM | None, root: Path | None = N
     """The file of this pair on this machine (None when a model has no fingerprint)."""
     if not target.fingerprint or (draft is not None and not draft.fingerprint):
         return None
-    key = f"{target.fingerprint}+{draft.fingerprint if draft is not None else 'none'}+{torch.get_num_threads()}"
+    key = (f"{target.fingerprint}+{draft.fingerprint if draft is not None else 'none'}+{torch.get_num_threads()}"
+           f"+{build.identity()}")
     name = hashlib.sha256(key.encode()).hexdigest()[:32] + ".json"
     return LearnedFile((root or paths.data_dir() / "learned") / name, key)
 

@@ -64,6 +64,14 @@ def kernels() -> ctypes.CDLL | None:
         return _loaded
 
 
+def identity() -> str:
+    """Which kernel build this process runs: its cache key (source, flags, compiler, CPU), or
+    "none" when none was loaded. Pass costs measured under one build are not another's
+    (engine.decoding.learned keys its files by it)."""
+    lib = _loaded
+    return Path(lib._name).parent.name if lib is not None else "none"
+
+
 def reset() -> None:
     """Forget the library this process loaded (tests build again under other settings)."""
     global _loaded, _tried

@@ -10,11 +10,13 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
-from engine.decoding.acceptance import AcceptanceModels
+from engine.decoding.acceptance import RESTORED_SEEN, AcceptanceModels, Calibrator
 from engine.decoding.costs import PassCosts
 from engine.decoding.generation import Engine
 from engine.decoding.learned import KEEP, LearnedFile, learned_file
+from engine.kernels import build
 from engine.loading.load import LoadedModel
 from engine.types import Completion, GenerationRequest, SamplingSettings, SpeculationSettings
 
@@ -44,12 +46,26 @@ def test_a_fresh_engine_starts_where_the_last_one_ended(tiny_target: LoadedModel
     assert learned.path.is_file()
     second = Engine(tiny_target.model, tiny_target.tokenizer, learned=learned)
     assert second.costs.state() == first.costs.state()
-    assert json.dumps(second.acceptance.state()) == json.dumps(first.acceptance.state())
+    taken_back = AcceptanceModels()  # the saved rates, each bin weighing at most RESTORED_SEEN labels
+    taken_back.restore(first.acceptance.state())
+    assert json.dumps(second.acceptance.state()) == json.dumps(taken_back.state())
     # the first trees are priced from the saved costs, not the optimistic prior
     assert second.costs.target(17) == first.costs.target(17) != PassCosts().target(17)
     # and the text is the same: what is learned sizes trees, it never changes tokens
     plain = Engine(tiny_target.model, tiny_target.tokenizer)
     assert answer(second).token_ids == text == answer(plain).token_ids
+
+
+def test_a_taken_back_table_keeps_its_rates_but_yields_to_new_labels() -> None:
+    """A saved table weighs as at most RESTORED_SEEN labels a bin in the next process: answers of
+    another kind (open chat after edits that copied their prompt) overturn it within an answer."""
+    table = Calibrator([0.5, 0.5, 0.5])
+    table.restore({"hits": [900.0, 10.0, 0.0], "seen": [1000.0, 12.0, 0.0]})
+    assert table.seen.tolist() == [RESTORED_SEEN, 12.0, 0.0] and table.hits[1] == 10.0
+    assert abs(float(table.hits[0]) - 0.9 * RESTORED_SEEN) < 1e-9 and table.table()[0] > 0.8
+    for _ in range(2 * int(RESTORED_SEEN)):  # (the whole 1000 labels kept: still 0.87 after these)
+        table.observe(torch.tensor([0]), torch.tensor([False]))
+    assert table.table()[0] < 0.5
 
 
 def test_another_pair_or_thread_count_has_its_own_file(tiny_target: LoadedModel, tiny_close_draft: LoadedModel,
@@ -66,6 +82,23 @@ def test_another_pair_or_thread_count_has_its_own_file(tiny_target: LoadedModel,
     finally:
         torch.set_num_threads(threads)
     assert other is not None and other.path != alone.path
+
+
+def test_another_kernel_build_has_its_own_file(tiny_target: LoadedModel, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Costs measured with one build of the CPU kernels (an older source, other flags) are not
+    the next one's: a faster step under old costs prices trees wrongly."""
+    before = learned_file(tiny_target.model, None, root=tmp_path)
+    monkeypatch.setattr(build, "identity", lambda: "another-build")
+    after = learned_file(tiny_target.model, None, root=tmp_path)
+    assert before is not None and after is not None and after.path != before.path
+
+
+def test_the_kernel_identity_names_the_loaded_build() -> None:
+    lib = build.kernels()
+    if lib is None:
+        pytest.skip("no C compiler here")
+    assert build.identity() == Path(lib._name).parent.name and len(build.identity()) == 20
 
 
 def valid_state(learned: LearnedFile) -> dict:
