@@ -28,9 +28,19 @@
  * the fp32 path.
  */
 #define QM_FEW 4 /* tokens a small pass dots with each unpacked chunk (the VNNI rows below). Measured, a
-                   * q4 1536x576 weight from L3, one thread, AVX-512 VNNI: 1-4 tokens 2.8 / 5.1 / 7.9 / 9.4
+                   * q4 1536x576 weight from L3, one thread, AVX-512 VNNI: 1-4 tokens 2.8 / 4.7 / 6.5 / 8.4
                    * ms for 60 of them, the fp32 tiles 2-4 tokens 15.3 / 11.6 / 9.9 and 8 tokens 13.4 (past
                    * 4, each further token's integer dot costs more than the tiles' shared decoding) */
+/* QM_ROWS rows of a weight at once: they share each chunk's digit loads and the loop's
+ * bookkeeping, which one row of a few hundred values could not hide (a row of 576 q4 codes:
+ * 65-75 ns alone, 30-45 ns four at a time). And the codes QM_AHEAD blocks of rows ahead are
+ * prefetched: a step's weights stream from L3 or memory, a row at a time too short for the
+ * hardware's prefetcher to run ahead (four rows of 576 q4 codes from L3: 13.6 -> 18 G weights/s,
+ * a C harness over this file, session of 2026-11-27). The fp32 rows take them one at a time. */
+#define QM_ROWS 4
+#define QM_AHEAD 2
+#define QM_INLINE static inline __attribute__((always_inline))
+
 #ifdef QM_VNNI
 
 typedef struct {
@@ -127,16 +137,6 @@ static inline __m256 load_params(const void *p, int half, int64_t g, int64_t n) 
     if (half) return _mm256_cvtph_ps(_mm_maskz_loadu_epi16(live, (const uint16_t *)p + g));
     return _mm256_maskz_loadu_ps(live, (const float *)p + g);
 }
-
-/* QM_ROWS rows of a weight at once: they share each chunk's digit loads and the loop's
- * bookkeeping, which one row of a few hundred values could not hide (a row of 576 q4 codes:
- * 65-75 ns alone, 30-45 ns four at a time). And the codes QM_AHEAD blocks of rows ahead are
- * prefetched: a step's weights stream from L3 or memory, a row at a time too short for the
- * hardware's prefetcher to run ahead (four rows of 576 q4 codes from L3: 13.6 -> 18 G weights/s,
- * /tmp/kb/bench.c in the session of 2026-11-27). */
-#define QM_ROWS 4
-#define QM_AHEAD 2
-#define QM_INLINE static inline __attribute__((always_inline))
 
 /* Rows 0 .. R-1 of a q4 weight times the digits of tokens 0 .. few-1 (d[i], their group sums
  * xsum[i]) into out[r * os + i]: codes at p + r * rb, scales and minimums at sc/mn + r * ps (fp16

@@ -88,10 +88,6 @@ static inline __m256 load_some(const float *p, int64_t n, float *tmp) {
     return _mm256_loadu_ps(tmp);
 }
 
-#define QM_ROWS 4
-#define QM_AHEAD 2
-#define QM_INLINE static inline __attribute__((always_inline))
-
 /* Rows 0 .. R-1 times the digits of tokens 0 .. few-1 into out[r * os + i], as the AVX-512 rows
  * (qm_digits.h) do: a group of 32 q4 codes unpacks in order (low nibbles: values 0-15, high:
  * 16-31), so the digits keep the activations' order. */

@@ -369,9 +369,6 @@ static float row_q4(const float *x, const uint8_t *p, const void *sc, const void
 }
 #endif
 #include "qm_digits.h"
-#ifndef QM_ROWS
-#define QM_ROWS 4 /* rows a block of a step's products (one at a time through the fp32 rows) */
-#endif
 _Static_assert(NB == QM_ROWS, "a small pass's tile of NB rows goes through the integer rows as one block");
 
 /* Each thread's decoded-weight scratch, kept between calls and grown as needed. */
