@@ -10,22 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_families import LAYERS, NEW, PROMPT, candidates_from
+from test_families import LAYERS, NEW, PROMPT, candidates_from, run
 from transformers import AutoModelForCausalLM
 
 from engine.decoding.generation import Engine
 from engine.loading.load import load_model
 from engine.testing.synthetic import TINY_FAMILIES, tiny_model
-from engine.types import Completion, GenerationRequest, SpeculationSettings
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-def _run(engine: Engine, **spec: object) -> tuple[list[int], Completion]:
-    req = GenerationRequest(raw_prompt=PROMPT, max_new_tokens=NEW, speculation=SpeculationSettings(**spec))  # type: ignore[arg-type]
-    final = list(engine.generate(req))[-1]
-    assert isinstance(final, Completion)
-    return engine.encode(req), final
 
 
 @pytest.mark.gpu
@@ -38,7 +30,7 @@ def test_every_family_decodes_on_the_gpu_as_transformers_does(arch: str, model_c
     target, draft = load_model(target_path, "cuda"), load_model(draft_path, "cuda")
     streamed = load_model(target_path, "cuda", offload="all")
     assert streamed.model.streamer is not None and not any(h.module for h in streamed.model.streamer.homes)
-    ids, plain = _run(Engine(target.model, target.tokenizer), mode="autoregressive")
+    ids, plain = run(Engine(target.model, target.tokenizer), mode="autoregressive")
     ref_model = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).to("cuda").eval()
     x = torch.tensor([ids], device="cuda")
     out = ref_model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW, do_sample=False,
@@ -46,12 +38,12 @@ def test_every_family_decodes_on_the_gpu_as_transformers_does(arch: str, model_c
     ref = out[0, len(ids):].tolist()
     with monkeypatch.context() as m:
         candidates_from(ref, m)
-        free = _run(Engine(target.model, target.tokenizer), budget=64, context_candidates=16)[1]
+        free = run(Engine(target.model, target.tokenizer), budget=64, context_candidates=16)[1]
     modes = {
         "plain": plain,
         "draft-free trees": free,
-        "noisy-copy draft": _run(Engine(target.model, target.tokenizer, draft.model), budget=16, max_depth=6)[1],
-        "every layer streamed": _run(Engine(streamed.model, streamed.tokenizer, draft.model), budget=16,
+        "noisy-copy draft": run(Engine(target.model, target.tokenizer, draft.model), budget=16, max_depth=6)[1],
+        "every layer streamed": run(Engine(streamed.model, streamed.tokenizer, draft.model), budget=16,
                                      max_depth=6)[1],
     }
     for mode, got in modes.items():
