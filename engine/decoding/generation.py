@@ -40,6 +40,7 @@ from engine.decoding.acceptance import AcceptanceModel, AcceptanceModels
 from engine.decoding.context import MAX_MATCH, ContextIndex, Continuation, trie
 from engine.decoding.context_tree import context_tree, seed_gains, seed_siblings, teach_context
 from engine.decoding.costs import DraftSwitch, DraftSwitches, PassCosts, SwitchSettings
+from engine.decoding.draft_rates import DraftRates
 from engine.decoding.learned import LearnedFile
 from engine.decoding.logprobs import LogprobRecorder, TokenBytes
 from engine.decoding.drafting import (
@@ -86,7 +87,8 @@ class Engine:
 
     def __init__(self, target: CausalLM, tokenizer: Tokenizer, draft: CausalLM | None = None,
                  cache: CacheSettings | None = None, files: CacheFiles | None = None,
-                 switch: SwitchSettings = SwitchSettings(), learned: LearnedFile | None = None) -> None:
+                 switch: SwitchSettings = SwitchSettings(), learned: LearnedFile | None = None,
+                 rates: DraftRates | None = None) -> None:
         self.target = target
         self.draft = draft
         self.tokenizer = tokenizer
@@ -104,6 +106,7 @@ class Engine:
         self.learned = learned  # where they are kept between processes (learned.py); None: not kept
         if learned is not None:
             learned.restore(self.costs, self.acceptance)
+        self.rates = rates  # where each answer's draft trees' passes are kept for the draft choice (draft_rates.py)
         self.switches = DraftSwitches(switch)
         self.copied_draft = draft is not None and copy_of_target(target, draft)  # it may read the target's K/V
         self.head = isinstance(draft, HeadDraft)  # it drafts from the target's hidden states (head_draft.py)
@@ -418,8 +421,10 @@ class Engine:
         timers, spec = run.timers, run.request.speculation  # after any out-of-memory shrink
         if run.use_spec and timers.target_passes and not run.draft.switched:
             key = (spec.tree_mode if run.draft.on else "context", spec.budget)
-            self.pass_record[key] = self.pass_record.get(key, PassTotals()) + PassTotals(
-                timers.target_passes, len(run.new), timers.draft_passes, timers.draft, timers.target)
+            totals = PassTotals(timers.target_passes, len(run.new), timers.draft_passes, timers.draft, timers.target)
+            self.pass_record[key] = self.pass_record.get(key, PassTotals()) + totals
+            if self.rates is not None and key[0] == "specexec":
+                self.rates.add(spec.budget, totals)
         return generation_stats(
             prompt_tokens=len(run.prompt), new_tokens=len(run.new), timers=timers, seconds=seconds, ttft=run.ttft,
             budget=spec.budget if run.use_spec else 0,

@@ -35,6 +35,7 @@ from engine.decoding.draft_choice import (
     manual_choice,
 )
 from engine.decoding.generation import Engine
+from engine.decoding.draft_rates import measured_curves, rates_for
 from engine.decoding.learned import learned_file
 from engine.errors import Cancelled, EngineError, InvalidRequest, UsageError
 from engine.loading.load import LoadedModel, check_pair, load_model, resolve_device, resolve_path
@@ -133,7 +134,8 @@ def load_engine(
         choice = manual_choice("none", NONE_LABEL, "chosen by hand: draft-free")
     report("ready", 1.0, "ready")
     engine = Engine(tmodel, loaded_target.tokenizer, draft_model, settings.cache,
-                    cache_files(settings.cache, tmodel, draft_model), learned=learned_file(tmodel, draft_model))
+                    cache_files(settings.cache, tmodel, draft_model), learned=learned_file(tmodel, draft_model),
+                    rates=rates_for(tmodel, choice.kind) if draft_model is not None else None)
     engine.draft_choice = choice  # type: ignore[attr-defined]  # read by the CLI, the app and the server
     return engine
 
@@ -183,7 +185,7 @@ def draft_options(loaded: LoadedModel, target_spec: str | Path,
                 check_pair(loaded, loaded_draft)
                 return loaded_draft.model
             loaders["catalog"] = load_catalog_draft
-    return DraftOptions(target.shape, target.placement, tuple(heads), self_option, catalog, _measured()), loaders
+    return DraftOptions(target.shape, target.placement, tuple(heads), self_option, catalog, _measured(target)), loaders
 
 
 def _load_chosen(choice: DraftChoice, loaders: dict[str, Loader],
@@ -285,13 +287,15 @@ def _profile() -> Any:
         return None
 
 
-def _measured() -> dict[str, Any]:
-    """Measured acceptance by kind: the wizard's saved calibration, which measures the catalog
-    pair the user chose (the learned files hold per-node acceptance, not a per-budget curve)."""
+def _measured(target: CausalLM) -> dict[str, Any]:
+    """Measured acceptance by kind: what each kind's trees did with this target in earlier
+    answers (draft_rates.py), else for the catalog draft the wizard's saved calibration, which
+    measures the catalog pair the user chose."""
     from engine.planning.calibration import saved_curve  # noqa: PLC0415
 
     curve = saved_curve()
-    return {"catalog": curve} if curve.measured else {}
+    wizard = {"catalog": curve} if curve.measured else {}
+    return {**wizard, **measured_curves(target)}
 
 
 def cache_files(settings: CacheSettings, target: CausalLM, draft: CausalLM | None) -> CacheFiles | None:
