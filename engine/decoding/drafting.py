@@ -346,11 +346,14 @@ def _next_batch(score: torch.Tensor, slots: torch.Tensor, parents: torch.Tensor,
         useful &= score > score[1:].min()
     unread = useful.nonzero()[:, 0]
     chosen: set[int] = set()
+    # plain lists for the walk: an element of a device tensor read in a loop waits for the device
+    # each time (on a GPU ~2 ms a draft pass went to these reads)
+    slot, parent = slots.tolist(), parents.tolist()
     for node in unread[torch.sort(-score[unread], stable=True).indices].tolist():
         chain = []
-        while node > 0 and slots[node] < 0 and node not in chosen:
+        while node > 0 and slot[node] < 0 and node not in chosen:
             chain.append(node)
-            node = int(parents[node])
+            node = parent[node]
         if len(chosen) + len(chain) > per_pass:
             if chosen:
                 break
