@@ -44,6 +44,7 @@ KINDS = ("mtp", "assistant", "self", "catalog")
 MAX_BYTES = 64 * 1024
 MAX_BUDGETS = 64  # per kind: the budgets an answer can run at (auto picks among a few)
 KEEP = 64  # files kept (the newest): one per target
+MIN_PASSES = 16  # a kind's record counts once it holds this many passes (one short answer does not turn the choice)
 
 
 class DraftRates:
@@ -93,16 +94,16 @@ def rates_for(target: CausalLM, kind: str, root: Path | None = None) -> DraftRat
 
 
 def measured_curves(target: CausalLM, root: Path | None = None) -> dict[str, AcceptanceCurve]:
-    """The measured acceptance curve of each kind that has run with `target` (from_records: a
-    fitted slope and each budget's own means), with the kind's depth cap (a head is not
-    credited with deeper paths than its prior was measured at)."""
+    """The measured acceptance curve of each kind that has run at least MIN_PASSES passes with
+    `target` (from_records: a fitted slope and each budget's own means), with the kind's depth
+    cap (a head is not credited with deeper paths than its prior was measured at)."""
     path = rates_file(target, root)
     if path is None:
         return {}
     out = {}
     for kind, rows in read_rates(path, target.fingerprint).items():
         curve = AcceptanceCurve.from_records({("specexec", int(b)): t for b, t in rows.items()})
-        if curve.measured:
+        if sum(m.passes for m in curve.measured) >= MIN_PASSES:
             out[kind] = replace(curve, depth_cap=prior_curve(kind).depth_cap)
     return out
 

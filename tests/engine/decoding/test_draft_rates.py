@@ -28,11 +28,12 @@ def test_answers_add_up_per_kind_and_budget(tmp_path: Path) -> None:
     rates = rates_for(TARGET, "self", root=tmp_path)
     assert rates is not None
     rates.add(64, PassTotals(10, 25, 40, 0.5, 1.0))
+    assert measured_curves(TARGET, root=tmp_path) == {}  # one short answer does not count yet
     rates.add(64, PassTotals(10, 35, 40, 0.5, 1.0))
     rates.add(256, PassTotals(4, 16, 20, 0.3, 0.4))
     mtp = rates_for(TARGET, "mtp", root=tmp_path)
     assert mtp is not None
-    mtp.add(8, PassTotals(12, 36, 36, 0.1, 1.2))
+    mtp.add(8, PassTotals(16, 48, 48, 0.1, 1.6))
     curves = measured_curves(TARGET, root=tmp_path)
     assert set(curves) == {"self", "mtp"}
     rows = {m.budget: m for m in curves["self"].measured}
