@@ -86,11 +86,23 @@ def set_shared_setting(name: str, value: str) -> None:
         data[name] = value
     else:
         data.pop(name, None)
+    write_json_atomic(path, data)
+
+
+def write_json_atomic(path: Path, data: object, *, indent: int | None = 1, durable: bool = False) -> None:
+    """Write JSON so that a reader, a crash or another process writing the same file at once
+    sees the old file or the new one, never half of one: through a temporary file of its own
+    (created exclusively, so nothing already there is opened) renamed over it. `durable`: on
+    the disk before the rename (fsync), for files whose loss costs more than a moment's wait.
+    OSError when the folder cannot be written."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(json.dumps(data, indent=1) + "\n")
+            f.write(json.dumps(data, indent=indent) + ("\n" if indent is not None else ""))
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -21,10 +21,8 @@ What this module does not do: choose (draft_choice.py) or decode (generation.py)
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import math
-import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -64,11 +62,8 @@ class DraftRates:
         state = {"version": VERSION, "target": self.target,
                  "kinds": {k: {b: [t.passes, t.tokens, t.draft_passes, t.draft_seconds, t.target_seconds]
                                for b, t in v.items()} for k, v in data.items()}}
-        tmp = self.path.with_name(self.path.name + ".tmp")
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps(state), encoding="utf-8")
-            os.replace(tmp, self.path)
+            paths.write_json_atomic(self.path, state, indent=None)
             _prune(self.path.parent)
         except OSError as exc:
             if not self._warned:

@@ -25,10 +25,8 @@ What this module does not do: learn (generation.py, costs.py, acceptance.py).
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import math
-import os
 from pathlib import Path
 
 import torch
@@ -75,11 +73,8 @@ class LearnedFile:
 
     def save(self, costs: PassCosts, acceptance: AcceptanceModels) -> None:
         state = {"version": VERSION, "key": self.key, "costs": costs.state(), "acceptance": acceptance.state()}
-        tmp = self.path.with_name(self.path.name + ".tmp")
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps(state), encoding="utf-8")
-            os.replace(tmp, self.path)
+            paths.write_json_atomic(self.path, state, indent=None)
             _prune(self.path.parent)
         except OSError as exc:
             if not self._warned:

@@ -17,16 +17,15 @@ a registered model's up to case and Unicode normalisation. Names match the same 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterable
 
+from engine import paths as engine_paths
 from engine.errors import (
     DiskFull,
     InvalidRequest,
@@ -79,18 +78,9 @@ def found_as_local(found: FoundModel) -> LocalModel:
 
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    """Write JSON so a crash leaves either the old file or the new one, never half of one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            json.dump(data, handle, indent=1)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Write JSON so a crash leaves either the old file or the new one, never half of one (on
+    the disk before the rename: a manifest or a download's state)."""
+    engine_paths.write_json_atomic(path, data, durable=True)
 
 
 def manifest_data(
