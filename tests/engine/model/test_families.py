@@ -45,9 +45,9 @@ def run(engine: Engine, **spec: object) -> tuple[list[int], Completion]:
     return engine.encode(req), final
 
 
-def reference(path: Path, ids: list[int], pad: int | None) -> list[int]:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    x = torch.tensor([ids])
+def reference(path: Path, ids: list[int], pad: int | None, device: str = "cpu") -> list[int]:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+    x = torch.tensor([ids], device=device)
     out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW, do_sample=False, pad_token_id=pad)
     return out[0, len(ids):].tolist()
 
@@ -64,13 +64,20 @@ def candidates_from(text: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_greedy_text_equals_transformers_in_every_mode(family: tuple[str, Path, Path],
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    arch, target_path, draft_path = family
-    target, draft = load_model(target_path), load_model(draft_path)
-    streamed = load_model(target_path, offload="all")
+    assert_every_mode(*family, "cpu", monkeypatch)
+
+
+def assert_every_mode(arch: str, target_path: Path, draft_path: Path, device: str,
+                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plain, draft-free trees, a noisy-copy draft and every layer streamed, on `device`, each
+    decode what transformers' `generate` gives on the same device (test_families_gpu.py runs it
+    on CUDA)."""
+    target, draft = load_model(target_path, device), load_model(draft_path, device)
+    streamed = load_model(target_path, device, offload="all")
     assert streamed.model.streamer is not None and not any(h.module for h in streamed.model.streamer.homes)
     ids, plain = run(Engine(target.model, target.tokenizer), mode="autoregressive")
     assert len(ids) > 3 * TINY_WINDOW, "the windows must be shorter than the prompt to be under test"
-    ref = reference(target_path, ids, target.tokenizer.pad_token_id)
+    ref = reference(target_path, ids, target.tokenizer.pad_token_id, device)
     with monkeypatch.context() as m:
         candidates_from(ref, m)
         free = run(Engine(target.model, target.tokenizer), budget=64, context_candidates=16)[1]
@@ -83,7 +90,7 @@ def test_greedy_text_equals_transformers_in_every_mode(family: tuple[str, Path, 
     }
     for mode, got in modes.items():
         want = ref[: len(got.token_ids)] if got.finish_reason == "eos" else ref
-        assert list(got.token_ids) == want, f"{arch}: {mode} differs from transformers"
+        assert list(got.token_ids) == want, f"{arch} on {device}: {mode} differs from transformers"
     assert modes["noisy-copy draft"].stats.tokens_per_pass > 1.3, "a close draft's trees should be accepted"
     assert free.stats.tokens_per_pass > 2.0, "the right candidate should be accepted deep"
 

@@ -10,10 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_families import LAYERS, NEW, PROMPT, candidates_from, run
-from transformers import AutoModelForCausalLM
+from test_families import LAYERS, PROMPT, assert_every_mode
 
-from engine.decoding.generation import Engine
 from engine.loading.load import load_model
 from engine.testing.synthetic import TINY_FAMILIES, tiny_model
 
@@ -27,30 +25,7 @@ def test_every_family_decodes_on_the_gpu_as_transformers_does(arch: str, model_c
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     target_path = tiny_model(arch, seed=0, layers=LAYERS, cache_dir=model_cache)
     draft_path = tiny_model(arch, seed=0, noise=0.05, layers=LAYERS, cache_dir=model_cache)
-    target, draft = load_model(target_path, "cuda"), load_model(draft_path, "cuda")
-    streamed = load_model(target_path, "cuda", offload="all")
-    assert streamed.model.streamer is not None and not any(h.module for h in streamed.model.streamer.homes)
-    ids, plain = run(Engine(target.model, target.tokenizer), mode="autoregressive")
-    ref_model = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).to("cuda").eval()
-    x = torch.tensor([ids], device="cuda")
-    out = ref_model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW, do_sample=False,
-                             pad_token_id=target.tokenizer.pad_token_id)
-    ref = out[0, len(ids):].tolist()
-    with monkeypatch.context() as m:
-        candidates_from(ref, m)
-        free = run(Engine(target.model, target.tokenizer), budget=64, context_candidates=16)[1]
-    modes = {
-        "plain": plain,
-        "draft-free trees": free,
-        "noisy-copy draft": run(Engine(target.model, target.tokenizer, draft.model), budget=16, max_depth=6)[1],
-        "every layer streamed": run(Engine(streamed.model, streamed.tokenizer, draft.model), budget=16,
-                                     max_depth=6)[1],
-    }
-    for mode, got in modes.items():
-        want = ref[: len(got.token_ids)] if got.finish_reason == "eos" else ref
-        assert list(got.token_ids) == want, f"{arch}: {mode} on the GPU differs from transformers on the GPU"
-    assert modes["noisy-copy draft"].stats.tokens_per_pass > 1.3
-    assert free.stats.tokens_per_pass > 2.0
+    assert_every_mode(arch, target_path, draft_path, "cuda", monkeypatch)
 
 
 @pytest.mark.gpu
