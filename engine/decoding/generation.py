@@ -288,8 +288,8 @@ class Engine:
         nodes = hidden[past - start :] if sink is not None else hidden
         result = accept(trace.tree, nodes, self.target.logits, run.choose, limit, self.eos_ids)
         seconds = time.perf_counter() - t0
-        if sink is not None:
-            sink(start, committed_states(hidden, past - start, result.path))
+        if sink is not None:  # what the head reads of this pass (an EAGLE-3 head: the target's layer inputs)
+            sink(start, committed_states(self.target.head_states(hidden), past - start, result.path))
         prune_to_accepted(tcache, past, dcache if drafting else None, trace.slots, result.path, not self.head)
         if drafting and run.draft.share:  # between steps a copied draft's cache is the target's
             assert dcache is not None

@@ -7,8 +7,8 @@ choice, with its reason, is recorded on the engine as `engine.draft_choice` (a D
 Draft specs (`parse_draft_spec`): None or "none" = draft-free; "auto" = the engine picks; "self"
 or "self:BITS" (BITS 2, 3, 4) = a self-draft of the target (engine.loading.self_draft; "self"
 sizes the bits to the memory left); a folder holding a Gemma 4 assistant (model_type
-gemma4_assistant) = that assistant drafting for its Gemma 4 target (engine.model.assistant);
-anything else = a draft model (catalog id, folder, .gguf).
+gemma4_assistant) = that assistant drafting for its Gemma 4 target (engine.model.assistant); a
+folder holding an EAGLE-3 head = that head (engine.model.eagle); anything else = a draft model (catalog id, folder, .gguf).
 
 What this module does not do: decode (generation.py), read weight files (engine.loading) or
 price drafts (draft_choice.py).
@@ -44,6 +44,8 @@ from engine.loading import self_draft
 from engine.model import heads as head_drafts
 from engine.model.assistant import load_assistant
 from engine.model.assistant_spec import is_assistant_folder
+from engine.model.eagle import load_eagle
+from engine.model.eagle_spec import is_eagle_folder
 from engine.model.cache_files import CacheFiles, install_key
 from engine.model.causal_lm import CausalLM
 from engine.types import CacheSettings, LoadProgress, LoadSettings, LoadStage
@@ -96,7 +98,8 @@ def load_engine(
     report("target", 0.0, f"loading {target} on {device}")
     # a named draft model is loaded after the target, fully on the GPU: the target's placement leaves room
     assistant = model_spec is not None and is_assistant_folder(Path(model_spec))
-    if assistant:  # its weights as stored (it runs in the target's dtype, usually the same)
+    eagle = model_spec is not None and is_eagle_folder(Path(model_spec))
+    if assistant or eagle:  # its weights as stored (it runs in the target's dtype, usually the same)
         reserve = sum(f.stat().st_size for f in Path(str(model_spec)).glob("*.safetensors")) if device == "cuda" else 0
     else:
         reserve = resident_bytes(resolve_path(model_spec), dtype) if model_spec is not None and device == "cuda" else 0
@@ -116,6 +119,12 @@ def load_engine(
         info = getattr(draft_model, "self_draft", None)
         label = info.label if info is not None else f"self-draft, {bits}-bit"
         choice = manual_choice("self", label, "chosen by hand (--draft self)", getattr(info, "bits", bits))
+    elif kind == "model" and eagle:
+        assert model_spec is not None
+        report("draft", 0.8, f"loading the EAGLE-3 head {model_spec}")
+        eagle_head = load_eagle(Path(model_spec), tmodel)
+        draft_model = eagle_head
+        choice = manual_choice("assistant", eagle_head.label, "chosen by hand (--draft to an EAGLE-3 head)")
     elif kind == "model" and assistant:
         assert model_spec is not None
         report("draft", 0.8, f"loading the assistant {model_spec}")

@@ -80,7 +80,7 @@ def prefill(model: CausalLM, cache: KVCache, ids: list[int], leave_room: int | N
             continue
         passes += 1
         if sink is not None:
-            sink(start, hidden)
+            sink(start, model.head_states(hidden))
         if adapt:
             seconds = time.perf_counter() - t0
             size, last = next_prefill_chunk(piece.shape[0], seconds, last, most), (int(piece.shape[0]), seconds)

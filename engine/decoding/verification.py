@@ -65,7 +65,7 @@ def read_committed(target: CausalLM, cache: KVCache, seq: list[int], sink: Sink 
     past = cache.length
     hidden = target.forward(torch.tensor(seq[past:]), torch.arange(past, len(seq)), cache, None)
     if sink is not None:
-        sink(past, hidden)
+        sink(past, target.head_states(hidden))
     return hidden
 
 

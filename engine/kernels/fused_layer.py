@@ -150,10 +150,24 @@ class FusedDecoder:
         known = self._buffers[cache] = _Buffers(cache)
         return known
 
-    def step(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def _pieces(self, grab: tuple[int, ...]) -> list[tuple[int, int]]:
+        """The runs of layers [a, b) between the layers whose inputs are kept (CausalLM.aux_inputs)."""
+        n = len(self.layers)
+        cuts = sorted({0, n, *(j for j in grab if 0 < j < n)})
+        return list(zip(cuts, cuts[1:]))
+
+    def _at(self, buffers: _Buffers, a: int) -> tuple[int, int, int]:
+        """The addresses of layer a's struct and its K and V buffer pointers (a run from layer a)."""
+        ptr = ctypes.sizeof(ctypes.c_void_p)
+        return (ctypes.addressof(self.layers) + a * ctypes.sizeof(Layer), ctypes.addressof(buffers.keys) + a * ptr,
+                ctypes.addressof(buffers.values) + a * ptr)
+
+    def step(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, grab: tuple[int, ...] = (),
+             kept: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
         """One token (input_ids and positions of shape (1,)) through every layer; its K/V
         appended to `cache` (reserved and positioned by the caller; `takes(cache)` true). The
-        final normed hidden state (1, hidden), as CausalLM.forward returns it."""
+        final normed hidden state (1, hidden), as CausalLM.forward returns it. `grab`: layers
+        whose inputs go into `kept` (by layer; the layers run in pieces between them)."""
         buffers = self._addresses(cache)
         assert buffers is not None, "call takes(cache) first"
         hidden = self.embed(input_ids.to(self.device)[None]).float().contiguous()  # (1, 1, H)
@@ -162,23 +176,28 @@ class FusedDecoder:
         chosen = governor()
         threads = chosen.threads()
         start = time.perf_counter()
-        rc = self._fn(self.layers, buffers.keys, buffers.values, len(self.layers), self.hidden, self.heads,
-                      self.kv_heads, self.head_dim, cache.capacity, cache.length, self.scale, cos.data_ptr(),
-                      sin.data_ptr(), hidden.data_ptr(), threads)
+        for a, b in self._pieces(grab):
+            if a in grab and kept is not None:
+                kept[a] = hidden[0].clone()
+            layers, keys, values = self._at(buffers, a)
+            rc = self._fn(layers, keys, values, b - a, self.hidden, self.heads, self.kv_heads, self.head_dim,
+                          cache.capacity, cache.length, self.scale, cos.data_ptr(), sin.data_ptr(), hidden.data_ptr(),
+                          threads)
+            if rc != 0:
+                raise torch.OutOfMemoryError("The fused CPU decoding step could not allocate its scratch memory.")
         chosen.record(self._key, threads, time.perf_counter() - start)
-        if rc != 0:
-            raise torch.OutOfMemoryError("The fused CPU decoding step could not allocate its scratch memory.")
         cache.commit(1)
         out: torch.Tensor = self.norm(hidden[0])  # (1, H)
         return out
 
 
-    def pass_(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-              allowed: torch.Tensor | None) -> torch.Tensor:
+    def pass_(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, allowed: torch.Tensor | None,
+              grab: tuple[int, ...] = (), kept: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
         """n tokens (a tree's nodes, or a chain) through every layer in one C call; their K/V
         appended to `cache` (reserved and positioned by the caller; `takes(cache)` true).
         allowed: (n, cache.length + n) bool, what each token attends to; None: a causal chain.
-        The final normed hidden states (n, hidden), as CausalLM.forward returns them."""
+        The final normed hidden states (n, hidden), as CausalLM.forward returns them. `grab`,
+        `kept`: as in `step`."""
         buffers = self._addresses(cache)
         assert buffers is not None, "call takes(cache) first"
         n = int(input_ids.shape[0])
@@ -189,12 +208,16 @@ class FusedDecoder:
         hidden = self.embed(input_ids.to(self.device)[None]).float().contiguous()  # (1, n, H)
         cos, sin = self.rotary(hidden, position_ids=positions[None])  # (1, n, D) each
         cos, sin = cos.float().contiguous(), sin.float().contiguous()
-        rc = self._many(self.layers, buffers.keys, buffers.values, len(self.layers), self.hidden, self.heads,
-                        self.kv_heads, self.head_dim, cache.capacity, cache.length, n, self.scale, cos.data_ptr(),
-                        sin.data_ptr(), mask.data_ptr() if mask is not None else None, hidden.data_ptr(),
-                        governor().threads())
-        if rc != 0:
-            raise torch.OutOfMemoryError("The fused CPU pass could not allocate its scratch memory.")
+        threads = governor().threads()
+        for a, b in self._pieces(grab):
+            if a in grab and kept is not None:
+                kept[a] = hidden[0].clone()
+            layers, keys, values = self._at(buffers, a)
+            rc = self._many(layers, keys, values, b - a, self.hidden, self.heads, self.kv_heads, self.head_dim,
+                            cache.capacity, cache.length, n, self.scale, cos.data_ptr(), sin.data_ptr(),
+                            mask.data_ptr() if mask is not None else None, hidden.data_ptr(), threads)
+            if rc != 0:
+                raise torch.OutOfMemoryError("The fused CPU pass could not allocate its scratch memory.")
         cache.commit(n)
         out: torch.Tensor = self.norm(hidden[0])  # (n, H)
         return out

@@ -55,6 +55,12 @@ class CausalLM:
     (their modules in `hf_model` then stay on the meta device); `placement` says where they
     live (all resident on the model's device when not given)."""
 
+    # the layers whose inputs a draft head reads besides the final hidden state (an EAGLE-3 head:
+    # vLLM's numbering, j = the input of layer j, 0 the embedding), in the head's order; each pass
+    # keeps them for `head_states` (read_layer_inputs)
+    aux_inputs: tuple[int, ...] = ()
+    _aux: torch.Tensor | None = None
+
     def __init__(self, hf_model: PreTrainedModel, streamer: LayerStreamer | None = None,
                  placement: Placement | None = None, fingerprint: str = "") -> None:
         self.hf_model: PreTrainedModel = hf_model.eval()
@@ -108,6 +114,24 @@ class CausalLM:
             return max(0, free - FREE_MARGIN_BYTES)
         return max(0, psutil.virtual_memory().available - HOST_FREE_MARGIN_BYTES)
 
+    def read_layer_inputs(self, layers: tuple[int, ...]) -> None:
+        """Keep the inputs of `layers` on every pass from now on (see `aux_inputs`)."""
+        n = len(self.layers)
+        if any(not 0 <= j < n for j in layers):
+            raise ValueError(f"layer inputs {list(layers)} outside 0..{n - 1}")
+        self.aux_inputs, self._aux = tuple(layers), None
+
+    def head_states(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What a draft head reads of the last pass, row for row with the `hidden` it returned:
+        `hidden` itself, or the kept layer inputs side by side (n, len(aux_inputs) * H)."""
+        if not self.aux_inputs:
+            return hidden
+        assert self._aux is not None and self._aux.shape[0] == hidden.shape[0], "head_states of another pass"
+        return self._aux
+
+    def _keep(self, kept: dict[int, torch.Tensor]) -> None:
+        self._aux = torch.cat([kept[j] for j in self.aux_inputs], dim=-1) if self.aux_inputs else None
+
     def new_cache(self, capacity: int = 256) -> KVCache:
         s = self.shape
         if any(spec is not None for spec in self.linear):
@@ -137,10 +161,15 @@ class CausalLM:
         cache.reserve(n)
         positions = positions.to(self.device)
         cache.set_positions(positions)
+        grab = self.aux_inputs
+        kept: dict[int, torch.Tensor] = {}
         if self.fused is not None and n <= FUSED_PASS_TOKENS and self.fused.takes(cache):
             if n == 1 and (allowed is None or bool(allowed.all())):  # a token that sees the whole cache
-                return self.fused.step(input_ids, positions, cache)
-            return self.fused.pass_(input_ids, positions, cache, allowed)
+                out = self.fused.step(input_ids, positions, cache, grab, kept)
+            else:
+                out = self.fused.pass_(input_ids, positions, cache, allowed, grab, kept)
+            self._keep(kept)
+            return out
         if isinstance(cache, HybridCache):
             cache.begin_pass(allowed, n)
         # one token that sees the whole cache (a plain decoding step) needs no mask: SDPA's masked
@@ -186,12 +215,16 @@ class CausalLM:
             rope_of = [rope] * len(self.kinds)
         if self.streamer is None:
             for i, layer in enumerate(self.layers):
+                if i in grab:
+                    kept[i] = hidden[0]
                 hidden = layer(hidden, attention_mask=masks[i], position_ids=pos, past_key_values=cache,
                                position_embeddings=rope_of[i], **extras[i])
                 if isinstance(hidden, tuple):  # older layer signatures return (hidden, ...)
                     hidden = hidden[0]
         else:
             def call(layer: nn.Module, index: int, h: torch.Tensor) -> torch.Tensor:
+                if index in grab:
+                    kept[index] = h[0]
                 # a streamed template serves every layer index of its kind (setattr: nn.Module's
                 # stubs type attribute writes as Tensor | Module)
                 for name, attr, value in self._layer_attrs[index]:
@@ -201,6 +234,7 @@ class CausalLM:
                 return out[0] if isinstance(out, tuple) else out
 
             hidden = self.streamer.run(hidden, call)
+        self._keep(kept)
         cache.commit(n)
         return self.norm(hidden[0])  # (n, H)
 

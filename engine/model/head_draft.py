@@ -77,10 +77,15 @@ class HeadCache(KVCache):
         """The target's cache the next passes write (only a head that reads it keeps it)."""
 
     # ---- the target's hidden states of committed tokens, by position ----------------------------
-    @torch.inference_mode()
     def observe(self, start: int, hidden: torch.Tensor) -> None:
         """The target's final hidden states (n, H) of committed positions start.. start+n-1 (a
-        target pass read them); what was kept from `start` on is replaced."""
+        target pass read them); what was kept from `start` on is replaced. (An EAGLE-3 head's
+        cache takes the target's layer inputs instead and keeps them fused: eagle.py.)"""
+        self._store(start, hidden)
+
+    @torch.inference_mode()
+    def _store(self, start: int, hidden: torch.Tensor) -> None:
+        """Keep (n, H) rows as the trail's positions start.. start+n-1."""
         n = hidden.shape[0]
         end = start + n
         if end > self.trail.shape[0]:
@@ -155,7 +160,7 @@ class HeadCache(KVCache):
         out.own[:length] = self.own[:length]
         out.seen[:length] = self.seen[:length]
         if self.trail_length:
-            out.observe(0, self.trail[: self.trail_length])
+            out._store(0, self.trail[: self.trail_length])
             out.known[: self.trail_length] = self.known[: self.trail_length]
         return out
 
@@ -292,15 +297,22 @@ class HeadDraft(CausalLM):
         cache.commit(n)
         return out
 
+    def _wave_mask(self, cache: HeadCache, slots: torch.Tensor, ok: torch.Tensor, allowed: torch.Tensor,
+                   total: int) -> torch.Tensor:
+        """Mark the wave's entries valid where their inputs were known; (r, total) additive mask
+        over the valid entries each row may see (a row always sees itself)."""
+        cache.seen[slots] = ok
+        visible = allowed & cache.seen[:total][None, :]
+        visible[torch.arange(slots.shape[0], device=slots.device), slots] = True
+        mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
+        mask.masked_fill_(~visible, self.mask_value())
+        return mask
+
     def _wave(self, cache: HeadCache, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
               ok: torch.Tensor, h_in: torch.Tensor, allowed: torch.Tensor,
               total: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer pass over rows whose inputs are ready: returns (own output, normed output)."""
-        cache.seen[slots] = ok
-        visible = allowed & cache.seen[:total][None, :]  # (r, total): valid entries only
-        visible[torch.arange(slots.shape[0], device=slots.device), slots] = True  # a row always sees itself
-        mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
-        mask.masked_fill_(~visible, self.mask_value())
+        mask = self._wave_mask(cache, slots, ok, allowed, total)
         emb = self.embed(ids)  # (r, H)
         if self.zero_first_embedding:  # NextN: the references zero the embedding of their position 0
             emb = emb.masked_fill((positions == 1)[:, None], 0)

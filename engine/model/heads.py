@@ -19,6 +19,8 @@ and returns a HeadDraft (head_draft.py) that the Engine takes as its `draft`.
 
 Gemma 4 ships its drafter as a separate model instead, an assistant folder beside the target's
 (engine.model.assistant): find_heads lists those for a Gemma 4 target, and load_head loads one.
+EAGLE-3 heads are folders of their own too, for any family (engine.model.eagle_spec, eagle):
+find_heads lists the ones beside the target after the checkpoint's own head.
 
 Only the first head layer is used (a checkpoint with several applies layer 0 at every depth,
 as vLLM does with one); its weights load dense in the target's dtype on the target's device.
@@ -40,8 +42,10 @@ from engine.errors import UnsupportedModel
 from engine.loading.checkpoint import Checkpoint
 from engine.loading.weights import expert_parts
 from engine.model.assistant import load_assistant
-from engine.model.assistant_spec import TARGET_TYPES, AssistantSpec, find_assistants
+from engine.model.assistant_spec import TARGET_TYPES, AssistantSpec, find_assistants, text_of
 from engine.model.causal_lm import CausalLM
+from engine.model.eagle import load_eagle
+from engine.model.eagle_spec import EagleSpec, eagle_spec, find_eagles
 from engine.model.head_draft import HeadDraft
 
 log = logging.getLogger(__name__)
@@ -108,22 +112,24 @@ def _build_layer(cls: type[nn.Module], config: Any, device: torch.device | str) 
 
 
 def find_heads(folder: Path, config: Any,
-               layer_cls: type[nn.Module] | None = None) -> list[HeadSpec | AssistantSpec]:
+               layer_cls: type[nn.Module] | None = None) -> list[HeadSpec | AssistantSpec | EagleSpec]:
     """The heads stored in `folder`'s safetensors shards for a target of `config` (a transformers
     config object; a wrapper's text config for vision-language checkpoints). Headers only.
     `layer_cls`: the family's decoder layer class (found from transformers' modeling module of
-    the model type when not given). For a Gemma 4 target: the assistant folders beside it."""
+    the model type when not given). For a Gemma 4 target: the assistant folders beside it. For
+    any target: the EAGLE-3 heads beside it (eagle_spec.py), after the checkpoint's own head."""
+    eagles: list[HeadSpec | AssistantSpec | EagleSpec] = list(find_eagles(folder, text_of(config)))
     if getattr(config, "model_type", None) in TARGET_TYPES:
-        return list(find_assistants(folder, config))
+        return [*find_assistants(folder, config), *eagles]
     naming = HEAD_NAMING.get(getattr(config, "model_type", None) or "")
     if naming is None or not any(Path(folder).glob("*.safetensors")):
-        return []
+        return eagles
     ckpt = Checkpoint(Path(folder), config.to_dict())
     try:
         prefix, fc, norm_e, norm_h, norm = _names(naming, config)
         stored = ckpt.names
         if not any(name.startswith(prefix) for name in stored) and fc not in stored:
-            return []
+            return eagles
         experts = any(name.startswith(prefix + "mlp.experts.") or name == prefix + "mlp.gate.weight"
                       for name in stored)
         cls = layer_cls or family_layer_class(config)
@@ -148,7 +154,7 @@ def find_heads(folder: Path, config: Any,
         if problem:
             log.warning("%s: %s", label, problem)
         return [HeadSpec("mtp", naming, label, prefix, fc, norm_e, norm_h, norm, experts, tuple(tensors), params,
-                         problem)]
+                         problem), *eagles]
     finally:
         ckpt.close()
 
@@ -165,10 +171,14 @@ def family_layer_class(config: Any) -> type[nn.Module]:
     return cls
 
 
-def load_head(target_folder: Path, target: CausalLM, spec: HeadSpec | AssistantSpec) -> HeadDraft:
+def load_head(target_folder: Path, target: CausalLM, spec: HeadSpec | AssistantSpec | EagleSpec) -> HeadDraft:
     """The head `spec` (from find_heads(target_folder, target.config)) as a draft for the loaded
     `target`: Engine(target, tokenizer, draft=load_head(...)). UnsupportedModel when the spec
     has a problem or the folder changed since."""
+    if isinstance(spec, EagleSpec):
+        if eagle_spec(spec.folder, text_of(target.config)) != spec:
+            raise UnsupportedModel("The EAGLE-3 head's files changed since it was found; load the model again.")
+        return load_eagle(spec.folder, target)
     if isinstance(spec, AssistantSpec):
         if spec.problem:
             raise UnsupportedModel(f"The assistant in {spec.folder} cannot be used: {spec.problem}. Load the model "

@@ -54,9 +54,9 @@ def fused_passes(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     real = FusedDecoder.pass_
 
     def counted(self: FusedDecoder, input_ids: torch.Tensor, positions: torch.Tensor, cache: object,
-                allowed: object) -> torch.Tensor:
+                *rest: Any) -> torch.Tensor:
         calls.append(int(input_ids.shape[0]))
-        return real(self, input_ids, positions, cache, allowed)  # type: ignore[arg-type]
+        return real(self, input_ids, positions, cache, *rest)  # type: ignore[arg-type]
 
     monkeypatch.setattr(FusedDecoder, "pass_", counted)
     yield calls
@@ -68,9 +68,10 @@ def fused_steps(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     calls: list[int] = []
     real = FusedDecoder.step
 
-    def counted(self: FusedDecoder, input_ids: torch.Tensor, positions: torch.Tensor, cache: object) -> torch.Tensor:
+    def counted(self: FusedDecoder, input_ids: torch.Tensor, positions: torch.Tensor, cache: object,
+                *rest: Any) -> torch.Tensor:
         calls.append(int(positions[0]))
-        return real(self, input_ids, positions, cache)  # type: ignore[arg-type]
+        return real(self, input_ids, positions, cache, *rest)  # type: ignore[arg-type]
 
     monkeypatch.setattr(FusedDecoder, "step", counted)
     yield calls
