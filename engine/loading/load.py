@@ -42,7 +42,9 @@ from engine.loading.gguf import GGUFWeights, gguf_tokenizer
 from engine.loading.materialise import MaterialiseSettings, materialise
 from engine.loading.multimodal import config_object, text_config
 from engine.loading.weights import SafetensorsWeights
+from engine.model.assistant_spec import is_assistant_folder
 from engine.model.causal_lm import CausalLM
+from engine.model.eagle_spec import is_eagle_folder
 from engine.model.family import layer_kinds
 from engine.store import resolve_model
 from engine.store.gguf_header import MissingPart, split_parts
@@ -219,6 +221,13 @@ def model_fingerprint(path: Path, quant: str, dtype: torch.dtype, device: str) -
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
+def draft_only(folder: Path) -> str:
+    """What `folder` holds when it is a draft head rather than a model ("" when it is not)."""
+    if is_eagle_folder(folder):
+        return "an EAGLE-3 head"
+    return "a Gemma 4 assistant" if is_assistant_folder(folder) else ""
+
+
 def load_model(
     spec: str | Path,
     device: str = "cpu",
@@ -263,6 +272,12 @@ def _load_model(
                                    reserve_bytes=reserve_bytes)
     try:
         if path.is_dir():
+            drafter = draft_only(path)
+            if drafter:
+                raise UnsupportedModel(f"'{path.name}' holds {drafter} that drafts for another model; it cannot chat "
+                                       "on its own. Load the model it was made for and pass this folder as its draft "
+                                       "(--draft FOLDER, or the Models page's Draft box); kept beside that model, "
+                                       "'auto' finds it.")
             config_dict = check_folder(path)
             tokenizer: Tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
             text = text_config(config_dict, path.name)

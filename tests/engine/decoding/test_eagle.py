@@ -120,6 +120,11 @@ def test_a_head_that_does_not_fit_is_refused_clearly(models: Path, target: Loade
         load_eagle(bad, target.model)
 
 
+def test_a_head_is_refused_as_a_model_to_chat_with(models: Path) -> None:
+    with pytest.raises(UnsupportedModel, match="holds an EAGLE-3 head that drafts for another model"):
+        load_model(models / "tiny-llama-EAGLE3")
+
+
 def test_pickled_weights_are_never_read(models: Path, target: LoadedModel, tmp_path: Path) -> None:
     folder = write_eagle(tmp_path / "pickled-eagle", models / "tiny-llama", aux=AUX)
     (folder / "model.safetensors").rename(folder / "pytorch_model.bin")
