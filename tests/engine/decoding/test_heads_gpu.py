@@ -1,7 +1,8 @@
 """The drafts a model brings, and the one SpecChat makes, on a CUDA GPU: MTP/NextN heads (Qwen3.5,
-Qwen3-Next, GLM-4.5), a Gemma 4 assistant, and a low-bit self-draft of a target whose layers all
+Qwen3-Next, GLM-4.5), a Gemma 4 assistant, an EAGLE-3 head, and a low-bit self-draft of a target whose layers all
 stream from pinned RAM each decode on the device exactly what transformers' `generate` gives on the
-same device. Their CPU twins are test_heads.py, test_assistant.py and test_self_draft.py; these
+same device. Their CPU twins are test_heads.py, test_assistant.py, test_eagle.py and
+test_self_draft.py; these
 run where a GPU is (`python scripts/gpu_proof.py`)."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from eagle_checkpoints import write_eagle
 from head_checkpoints import tiny_with_head
 from test_assistant import write_assistant
 from transformers import AutoModelForCausalLM
@@ -19,6 +21,7 @@ from engine.decoding.drafting import copy_of_target
 from engine.decoding.generation import Engine
 from engine.loading.load import LoadedModel, load_model
 from engine.loading.self_draft import build_self_draft
+from engine.model.eagle import load_eagle
 from engine.model.heads import find_heads, load_head
 from engine.testing.synthetic import tiny_model
 from engine.types import Completion, GenerationRequest, SpeculationSettings
@@ -73,6 +76,19 @@ def test_an_assistant_drafts_on_the_gpu_as_transformers_decodes(model_cache: Pat
     target = load_model(folder, "cuda")
     [spec] = find_heads(folder, target.model.config)
     assert_drafts_as_transformers(folder, target, load_head(folder, target.model, spec))
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("offload", ["none", "all"])
+def test_an_eagle_head_drafts_on_the_gpu_as_transformers_decodes(offload: str, model_cache: Path,
+                                                                 tmp_path: Path) -> None:
+    """The target keeps its inputs of three layers on the GPU, resident or streamed from pinned RAM."""
+    folder = tmp_path / "target"
+    shutil.copytree(tiny_model("llama", seed=0, layers=6, cache_dir=model_cache), folder)
+    head = write_eagle(tmp_path / "target-eagle3", folder, aux=[1, 3, 5], draft_vocab=60)
+    target = load_model(folder, "cuda", offload=offload)
+    assert_drafts_as_transformers(folder, target, load_eagle(head, target.model))
 
 
 @pytest.mark.gpu
