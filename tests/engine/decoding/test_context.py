@@ -219,4 +219,4 @@ def test_steps_cut_to_a_plain_pass_still_teach_the_candidates_acceptance(
     assert isinstance(final, Completion) and final.stats.target_passes == final.stats.new_tokens
     model = engine.acceptance[req.sampling]
     assert model.context.observations > 0
-    assert float(model.context.hits.sum()) > 0  # the answer copies the paragraph: some were right
+    assert sum(model.context.hits) > 0  # the answer copies the paragraph: some were right

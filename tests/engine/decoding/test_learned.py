@@ -61,7 +61,7 @@ def test_a_taken_back_table_keeps_its_rates_but_yields_to_new_labels() -> None:
     another kind (open chat after edits that copied their prompt) overturn it within an answer."""
     table = Calibrator([0.5, 0.5, 0.5])
     table.restore({"hits": [900.0, 10.0, 0.0], "seen": [1000.0, 12.0, 0.0]})
-    assert table.seen.tolist() == [RESTORED_SEEN, 12.0, 0.0] and table.hits[1] == 10.0
+    assert table.seen == [RESTORED_SEEN, 12.0, 0.0] and table.hits[1] == 10.0
     assert abs(float(table.hits[0]) - 0.9 * RESTORED_SEEN) < 1e-9 and table.table()[0] > 0.8
     for _ in range(2 * int(RESTORED_SEEN)):  # (the whole 1000 labels kept: still 0.87 after these)
         table.observe(torch.tensor([0]), torch.tensor([False]))
