@@ -272,13 +272,13 @@ def _load_model(
                                    reserve_bytes=reserve_bytes)
     try:
         if path.is_dir():
+            config_dict = check_folder(path)
             drafter = draft_only(path)
             if drafter:
                 raise UnsupportedModel(f"'{path.name}' holds {drafter} that drafts for another model; it cannot chat "
                                        "on its own. Load the model it was made for and pass this folder as its draft "
                                        "(--draft FOLDER, or the Models page's Draft box); kept beside that model, "
                                        "'auto' finds it.")
-            config_dict = check_folder(path)
             tokenizer: Tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
             text = text_config(config_dict, path.name)
             if text is not None:  # the wrapper's text model, with the wrapper's tokenizer

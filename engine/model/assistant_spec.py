@@ -10,7 +10,6 @@ vocabulary the target's (engine.model.assistant loads and runs it).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,9 @@ from typing import Any
 import torch
 from huggingface_hub.errors import StrictDataclassError
 from torch import nn
+
+from engine.errors import MalformedInput
+from engine.untrusted import read_json_file
 
 ASSISTANT_TYPE = "gemma4_assistant"
 TARGET_TYPES = ("gemma4_text", "gemma4")
@@ -44,8 +46,8 @@ def read_config(folder: Path) -> dict[str, Any] | None:
     try:
         if not path.is_file() or path.stat().st_size > CONFIG_LIMIT:
             return None
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        data = read_json_file(path, what="an assistant's config.json", max_bytes=CONFIG_LIMIT)
+    except (OSError, MalformedInput):  # unreadable, not JSON, or nested too deep: no assistant here
         return None
     return data if isinstance(data, dict) and data.get("model_type") == ASSISTANT_TYPE else None
 

@@ -30,13 +30,14 @@ models folder, or the Hugging Face cache's `models--org--name/snapshots/*`).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.errors import MalformedInput
 from engine.loading.checkpoint import Checkpoint
 from engine.model.assistant_spec import CONFIG_ERRORS, CONFIG_LIMIT
+from engine.untrusted import read_json_file
 
 KIND = "assistant"  # what engine.decoding.draft_choice prices it as: "an assistant or EAGLE head"
 LAYER_PREFIXES = ("midlayer.", "layers.0.", "model.layers.0.")
@@ -70,8 +71,8 @@ def read_config(folder: Path) -> dict[str, Any] | None:
     try:
         if not path.is_file() or path.stat().st_size > CONFIG_LIMIT:
             return None
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        data = read_json_file(path, what="a draft head's config.json", max_bytes=CONFIG_LIMIT)
+    except (OSError, MalformedInput):  # unreadable, not JSON, or nested too deep: no head here
         return None
     if not isinstance(data, dict):
         return None

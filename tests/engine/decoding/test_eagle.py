@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import shutil
+
 import pytest
 import torch
 from bigram_sampling import sampled_like_the_target
@@ -41,8 +43,6 @@ def models(model_cache: Path) -> Path:
     if not (target / "config.json").is_file():
         home.mkdir(parents=True, exist_ok=True)
         source = tiny_model("llama", seed=0, layers=6, cache_dir=model_cache)
-        import shutil
-
         shutil.copytree(source, target)
     write_eagle(home / "tiny-llama-EAGLE3", target, aux=AUX)
     return home
@@ -85,8 +85,6 @@ def test_a_head_beside_the_model_is_found_in_either_layout(models: Path, target:
     # vLLM speculators' layout, in the Hugging Face cache's layout beside the target's snapshot
     hub = tmp_path / "hub"
     snap = hub / "models--org--tiny-llama" / "snapshots" / "abc"
-    import shutil
-
     shutil.copytree(models / "tiny-llama", snap)
     write_eagle(hub / "models--org--tiny-llama-speculator.eagle3" / "snapshots" / "def", snap, layout="speculators",
                 aux=AUX, draft_vocab=40)
@@ -123,6 +121,17 @@ def test_a_head_that_does_not_fit_is_refused_clearly(models: Path, target: Loade
 def test_a_head_is_refused_as_a_model_to_chat_with(models: Path) -> None:
     with pytest.raises(UnsupportedModel, match="holds an EAGLE-3 head that drafts for another model"):
         load_model(models / "tiny-llama-EAGLE3")
+
+
+def test_a_config_nested_too_deep_beside_the_model_is_passed_over(models: Path, target: LoadedModel,
+                                                                    tmp_path: Path) -> None:
+    home = tmp_path / "m"
+    shutil.copytree(models / "tiny-llama", home / "tiny-llama")
+    (home / "deep-eagle3").mkdir()
+    (home / "deep-eagle3" / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    write_eagle(home / "tiny-llama-eagle3", home / "tiny-llama", aux=AUX)
+    found = [s for s in find_heads(home / "tiny-llama", target.model.config) if isinstance(s, EagleSpec)]
+    assert [s.folder.name for s in found] == ["tiny-llama-eagle3"]
 
 
 def test_pickled_weights_are_never_read(models: Path, target: LoadedModel, tmp_path: Path) -> None:
@@ -272,8 +281,6 @@ def test_auto_lists_the_head_and_a_path_loads_it(models: Path, target: LoadedMod
 
 
 def test_load_head_refuses_a_head_whose_files_changed(models: Path, target: LoadedModel, tmp_path: Path) -> None:
-    import shutil
-
     home = tmp_path / "m"
     shutil.copytree(models / "tiny-llama", home / "tiny-llama")
     folder = write_eagle(home / "tiny-llama-eagle3", home / "tiny-llama", aux=AUX)
