@@ -48,6 +48,7 @@ from engine.model.eagle import load_eagle
 from engine.model.eagle_spec import is_eagle_folder
 from engine.model.cache_files import CacheFiles, install_key
 from engine.model.causal_lm import CausalLM
+from engine.model.head_draft import HeadDraft
 from engine.types import CacheSettings, LoadProgress, LoadSettings, LoadStage
 from engine.units import GIB
 
@@ -119,18 +120,13 @@ def load_engine(
         info = getattr(draft_model, "self_draft", None)
         label = info.label if info is not None else f"self-draft, {bits}-bit"
         choice = manual_choice("self", label, "chosen by hand (--draft self)", getattr(info, "bits", bits))
-    elif kind == "model" and eagle:
+    elif kind == "model" and (eagle or assistant):  # a head in a folder of its own
         assert model_spec is not None
-        report("draft", 0.8, f"loading the EAGLE-3 head {model_spec}")
-        eagle_head = load_eagle(Path(model_spec), tmodel)
-        draft_model = eagle_head
-        choice = manual_choice("assistant", eagle_head.label, "chosen by hand (--draft to an EAGLE-3 head)")
-    elif kind == "model" and assistant:
-        assert model_spec is not None
-        report("draft", 0.8, f"loading the assistant {model_spec}")
-        head = load_assistant(Path(model_spec), tmodel)
+        what = "an EAGLE-3 head" if eagle else "an assistant folder"
+        report("draft", 0.8, f"loading {what} {model_spec}")
+        head: HeadDraft = (load_eagle if eagle else load_assistant)(Path(model_spec), tmodel)
         draft_model = head
-        choice = manual_choice("assistant", head.label, "chosen by hand (--draft to an assistant folder)")
+        choice = manual_choice("assistant", head.label, f"chosen by hand (--draft to {what})")
     elif kind == "model":
         assert model_spec is not None
         report("draft", 0.8, f"loading draft {model_spec}")

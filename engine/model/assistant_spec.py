@@ -40,16 +40,24 @@ class AssistantSpec:
     problem: str = ""  # why it cannot draft for this target ("" = it can)
 
 
-def read_config(folder: Path) -> dict[str, Any] | None:
-    """The folder's config.json when it describes a gemma4_assistant, else None."""
+def config_json(folder: Path) -> dict[str, Any] | None:
+    """The folder's config.json as an object, or None: none, larger than CONFIG_LIMIT,
+    unreadable, not JSON, nested too deep, not an object (a draft head's folder is looked at
+    among whatever sits beside a model)."""
     path = Path(folder) / "config.json"
     try:
         if not path.is_file() or path.stat().st_size > CONFIG_LIMIT:
             return None
-        data = read_json_file(path, what="an assistant's config.json", max_bytes=CONFIG_LIMIT)
-    except (OSError, MalformedInput):  # unreadable, not JSON, or nested too deep: no assistant here
+        data = read_json_file(path, what="a draft head's config.json", max_bytes=CONFIG_LIMIT)
+    except (OSError, MalformedInput):
         return None
-    return data if isinstance(data, dict) and data.get("model_type") == ASSISTANT_TYPE else None
+    return data if isinstance(data, dict) else None
+
+
+def read_config(folder: Path) -> dict[str, Any] | None:
+    """The folder's config.json when it describes a gemma4_assistant, else None."""
+    data = config_json(folder)
+    return data if data is not None and data.get("model_type") == ASSISTANT_TYPE else None
 
 
 def is_assistant_folder(folder: Path) -> bool:

@@ -34,10 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.errors import MalformedInput
 from engine.loading.checkpoint import Checkpoint
-from engine.model.assistant_spec import CONFIG_ERRORS, CONFIG_LIMIT
-from engine.untrusted import read_json_file
+from engine.model.assistant_spec import CONFIG_ERRORS, config_json
 
 KIND = "assistant"  # what engine.decoding.draft_choice prices it as: "an assistant or EAGLE head"
 LAYER_PREFIXES = ("midlayer.", "layers.0.", "model.layers.0.")
@@ -67,14 +65,8 @@ class EagleSpec:
 
 def read_config(folder: Path) -> dict[str, Any] | None:
     """The head's config as one flat dict (both layouts), or None when `folder` holds none."""
-    path = Path(folder) / "config.json"
-    try:
-        if not path.is_file() or path.stat().st_size > CONFIG_LIMIT:
-            return None
-        data = read_json_file(path, what="a draft head's config.json", max_bytes=CONFIG_LIMIT)
-    except (OSError, MalformedInput):  # unreadable, not JSON, or nested too deep: no head here
-        return None
-    if not isinstance(data, dict):
+    data = config_json(folder)
+    if data is None:
         return None
     archs = data.get("architectures")
     named = isinstance(archs, list) and any(isinstance(a, str) and "eagle3" in a.lower() for a in archs)
