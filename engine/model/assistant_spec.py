@@ -10,6 +10,7 @@ vocabulary the target's (engine.model.assistant loads and runs it).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -152,6 +153,30 @@ def _spec(folder: Path, config: dict[str, Any], target_config: Any) -> Assistant
                          layers, params, problem)
 
 
+def head_places(target: Path, named: Callable[[Path, str], bool]) -> list[Path]:
+    """Folders a draft head shipped with `target` (a model folder or file) may sit in: the
+    target folder's subfolders, the folders beside it whose name `named(target, name)` accepts,
+    and in the Hugging Face cache's layout the snapshots of the repos beside the target's repo
+    whose name it accepts (`named(repo folder, name)`). [] when the folders cannot be listed."""
+    places: list[Path] = []
+
+    def beside(home: Path) -> list[Path]:
+        return sorted(p for p in home.parent.iterdir() if p.is_dir() and p != home and named(home, p.name))
+
+    try:
+        if target.is_dir():
+            places += sorted(p for p in target.iterdir() if p.is_dir())
+        if target.parent != target and target.parent.is_dir():
+            places += beside(target)
+        repo = target.parent.parent
+        if target.parent.name == "snapshots" and repo.name.startswith("models--"):
+            for other in beside(repo):
+                places += sorted(p for p in (other / "snapshots").glob("*") if p.is_dir())
+    except OSError:
+        return []
+    return places
+
+
 def find_assistants(target_folder: Path, target_config: Any) -> list[AssistantSpec]:
     """Assistant folders shipped beside a Gemma 4 target: its subfolders, and its siblings whose
     name extends the target folder's (Google publishes google/gemma-4-E2B-it-assistant for
@@ -160,22 +185,7 @@ def find_assistants(target_folder: Path, target_config: Any) -> list[AssistantSp
     that do not fit the target are listed with their `problem`, after the ones that do."""
     if getattr(target_config, "model_type", None) not in TARGET_TYPES:
         return []
-    folder = Path(target_folder)
-    places: list[Path] = []
-
-    def beside(home: Path) -> list[Path]:
-        return sorted(p for p in home.parent.iterdir() if p.is_dir() and p != home and p.name.startswith(home.name))
-
-    try:
-        places += sorted(p for p in folder.iterdir() if p.is_dir())
-        if folder.parent != folder:
-            places += beside(folder)
-        repo = folder.parent.parent
-        if folder.parent.name == "snapshots" and repo.name.startswith("models--"):
-            for other in beside(repo):
-                places += sorted(p for p in (other / "snapshots").glob("*") if p.is_dir())
-    except OSError:
-        return []
+    places = head_places(Path(target_folder), lambda home, name: name.startswith(home.name))
     found = []
     for place in places:
         config = read_config(place)

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.loading.checkpoint import Checkpoint
-from engine.model.assistant_spec import CONFIG_ERRORS, config_json
+from engine.model.assistant_spec import CONFIG_ERRORS, config_json, head_places
 
 KIND = "assistant"  # what engine.decoding.draft_choice prices it as: "an assistant or EAGLE head"
 LAYER_PREFIXES = ("midlayer.", "layers.0.", "model.layers.0.")
@@ -211,23 +211,7 @@ def eagle_spec(folder: Path, target_config: Any) -> EagleSpec | None:
 
 def find_eagles(target_folder: Path, target_config: Any) -> list[EagleSpec]:
     """EAGLE-3 heads beside a target (see the module docstring), the ones that fit first."""
-    folder = Path(target_folder)
-    places: list[Path] = []
-
-    def eagles(home: Path) -> list[Path]:
-        return sorted(p for p in home.parent.iterdir() if p.is_dir() and p != home and "eagle" in p.name.lower())
-
-    try:
-        if folder.is_dir():
-            places += sorted(p for p in folder.iterdir() if p.is_dir())
-        if folder.parent != folder and folder.parent.is_dir():
-            places += eagles(folder)
-        repo = folder.parent.parent
-        if folder.parent.name == "snapshots" and repo.name.startswith("models--"):
-            for other in eagles(repo):
-                places += sorted(p for p in (other / "snapshots").glob("*") if p.is_dir())
-    except OSError:
-        return []
+    places = head_places(Path(target_folder), lambda _home, name: "eagle" in name.lower())
     found = []
     for place in places:
         try:
