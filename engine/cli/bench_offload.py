@@ -11,6 +11,8 @@ shards, never committed).
 own): the synthetic ~1.5 GB bf16 Llama in several shards, loaded with --quant; with --gguf, a
 synthetic ~1.5 GB Q4_K_M GGUF, streamed from its host store.
 
+--moe: an MoE model's experts run packed on the CPU, per tokens in a pass (bench_moe.py).
+
 --gguf alone compares packings on one synthetic shape: a GGUF's own Q4_K_M blocks, NF4 and dense
 layers: bytes per streamed layer, and resident and streamed pass times per budget.
 """
@@ -45,6 +47,10 @@ from engine.peak_memory import peak_rss_bytes, reset_peak, rss_bytes
 from engine.threads import set_threads
 from engine.types import Offload, Quant
 from engine.units import GB, MIB
+
+
+DEFAULT_BUDGETS = "1,4,16,64,256"  # the parser's --budgets default
+MOE_BUDGETS = [1, 2, 4, 8, 16, 32, 64]  # --moe: where the union of experts grows fastest
 
 
 # ---- pass times -------------------------------------------------------------------------------
@@ -219,6 +225,11 @@ def print_load_rss(folder: Path, quant: Quant, offload: Offload = "none") -> Non
 def run_bench_offload(args: argparse.Namespace) -> int:
     if args.threads:
         set_threads(args.threads)
+    if args.moe:
+        from engine.cli.bench_moe import run_bench_moe  # noqa: PLC0415
+
+        budgets = common.parse_list(args.budgets, int, "budgets") if args.budgets != DEFAULT_BUDGETS else MOE_BUDGETS
+        return run_bench_moe(args, budgets)
     if args.load_rss and args.gguf:
         gguf = synthetic_gguf(paths.cache_dir() / "synthetic" / "llama-1.5g-q4km.gguf", **SYNTHETIC_GGUF_BIG)
         print_load_rss(gguf, args.quant, "all")

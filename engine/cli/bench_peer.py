@@ -9,7 +9,8 @@ filter: nothing outside its folder) and built with cmake into the user cache
 names an existing build's bin folder instead.
 
 Per GGUF (default: the starter's Q4_1 file and a Q8_0 rewrite of it, engine.testing.gguf_write;
-`--synthetic`: random 1.1B models in Q4_0 and Q8_0, where memory bandwidth sets the pace),
+`--synthetic`: random 1.1B models in Q4_0 and Q8_0, where memory bandwidth sets the pace; `--moe`:
+a random MoE with Qwen3-30B-A3B's layers in Q4_0 and Q4_K_M, engine.testing.synthetic_moe),
 in one run and with the same thread count on both sides:
 
 - llama.cpp `llama-bench -p 0 -n N`: decode tok/s over an empty context (its headline figure);
@@ -221,6 +222,15 @@ def run_bench_peer(args: argparse.Namespace) -> int:
     root = paths.cache_dir() / "peer"
     if args.gguf:
         models = [(Path(g), Path(g).name) for g in args.gguf]
+    elif args.moe:
+        from engine.testing.synthetic_moe import SYNTHETIC_MOE, synthetic_moe_gguf  # noqa: PLC0415
+
+        models = []
+        for qtype, (layer, embed, head) in (("Q4_0", ("Q4_0", "Q4_0", "Q4_0")), ("Q4_K_M", ("Q4_K/Q6_K", "Q4_K", "Q6_K"))):
+            say(f"writing a synthetic MoE {qtype} GGUF (once)")
+            path = synthetic_moe_gguf(root / f"synthetic-moe-{qtype.lower()}.gguf", **SYNTHETIC_MOE, layer_types=(layer,),
+                                      embed_type=embed, head_type=head)
+            models.append((path, f"synthetic MoE {qtype}"))
     elif args.synthetic:
         from engine.testing.synthetic import SYNTHETIC_1B, synthetic_gguf  # noqa: PLC0415
 

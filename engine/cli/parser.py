@@ -372,6 +372,11 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     offload.add_argument("--gguf", action="store_true",
                          help="bytes per streamed layer and pass times of a Q4_K_M GGUF (kept packed) vs NF4 vs "
                          "dense layers of the same shape; with --load-rss: the synthetic ~1.5 GB K-quant GGUF")
+    offload.add_argument("--moe", action="store_true",
+                         help="an MoE model's experts run packed on the CPU: pass time, expert time and the "
+                         "experts woken per layer u(N) against the planner's prior, per tokens in the pass "
+                         "(default model: a synthetic MoE with Qwen3-30B-A3B's layers, Q4_K_M)")
+    offload.add_argument("--quick", action="store_true", help="with --moe: a small synthetic MoE (seconds)")
     offload.set_defaults(**{HANDLER: "engine.cli.bench_offload:run_bench_offload"})
     from engine.cli import parser_gpu  # noqa: PLC0415 - `bench gpu` and `bench peer`
 

@@ -11,9 +11,11 @@ per weight here against four for fp32. The values are the file's own (scale * co
 minimum is the de-quantised value bit for bit); only the order of a product's sums differs
 from a dense product.
 
-An MoE layer's experts (3-D (E, out, in) parameters; fused gate_up_proj from two GGUF tensors)
-are no Linear weights: the kernel multiplies 2-D Linears, so experts are de-quantised once at
-load into the compute dtype, like the norms.
+An MoE layer's routed experts (3-D (E, out, in) parameters; the fused gate_up_proj from two
+GGUF tensors) stay packed too, one kernel weight per expert and tensor, and the experts module
+becomes a PackedExperts (engine.kernels.experts) that runs only the experts a pass routes to. A
+projection with a part in a type the kernel does not read (IQ4_XS, MXFP4) is de-quantised whole;
+experts stored transposed (gpt-oss) stay the dense module they were.
 
 No kernel (no C compiler, Windows, SPECCHAT_NO_KERNELS=1) leaves everything de-quantised, as
 de-quantising at load did before kernels existed (materialise.unpack_at_load).
@@ -30,6 +32,7 @@ import math
 import torch
 from torch import nn
 
+from engine.kernels import experts as packed_experts
 from engine.kernels.build import kernels
 from engine.kernels.linear import PackedLinear, QuantWeight, from_codes
 from engine.offload import gguf_blocks
@@ -52,6 +55,41 @@ def eligible(layer: nn.Module, e: Entry) -> bool:
     return isinstance(owner, nn.Linear) and e.shape[1] % values == 0
 
 
+EXPERT_PROJECTIONS = ("gate_up_proj", "up_proj", "down_proj")
+
+
+def expert_eligible(layer: nn.Module, e: Entry) -> bool:
+    """Whether entry `e` of `layer` is (a part of) a routed-expert projection in blocks the kernel
+    reads, of an experts module PackedExperts runs."""
+    if e.kind != "gguf" or e.qtype not in gguf_blocks.AFFINE or len(e.shape) != 3 or e.row_order is not None:
+        return False
+    owner, _, leaf = e.param.rpartition(".")
+    if leaf not in EXPERT_PROJECTIONS or not owner:
+        return False
+    values, _ = gguf_blocks.block_size(e.qtype)
+    return packed_experts.supports(layer.get_submodule(owner)) and e.shape[-1] % values == 0
+
+
+def _expert_params(layer: nn.Module, layout: LayerLayout) -> set[str]:
+    """The expert parameters of `layer` whose every part `expert_eligible`."""
+    parts: dict[str, list[Entry]] = {}
+    for e in layout.entries:
+        if not e.side and len(e.shape) == 3:
+            parts.setdefault(e.param, []).append(e)
+    return {name for name, es in parts.items() if all(expert_eligible(layer, e) for e in es)}
+
+
+def _per_expert(w: QuantWeight, experts: int) -> tuple[QuantWeight, ...]:
+    """A weight of experts x rows stacked rows -> one weight per expert (views, no copy)."""
+    rows = w.out_features // experts
+
+    def cut(t: torch.Tensor | None, e: int) -> torch.Tensor | None:
+        return None if t is None else t[e * rows : (e + 1) * rows]
+
+    return tuple(QuantWeight(w.kind, w.codes[e * rows : (e + 1) * rows], w.scales[e * rows : (e + 1) * rows],
+                             cut(w.mins, e), w.group, rows, w.in_features) for e in range(experts))
+
+
 def quant_weight(blocks: torch.Tensor, qtype: int, shape: tuple[int, ...],
                  row_order: torch.Tensor | None) -> QuantWeight:
     """A tensor's GGUF bytes (rows x row bytes, flat) -> the kernel's weight, rows in the model's
@@ -71,32 +109,50 @@ def kernel_bytes(layout: LayerLayout, layer: nn.Module) -> int:
     """RAM one layer takes placed by `place_layer` (kernels on)."""
     total = 0
     esize = torch.empty((), dtype=layout.compute_dtype).element_size()
+    experts = _expert_params(layer, layout)
     for e in layout.entries:
+        if e.param in experts and not e.side:  # each part packed, its own rows
+            rows = math.prod(e.shape[:-1]) if e.part is None else e.shape[0] * (e.part[1] - e.part[0])
+            total += _packed_bytes(e.qtype, rows * e.shape[-1])
+            continue
         if not e.stands_for_param:
             continue
         numel = math.prod(e.shape)
         if eligible(layer, e):
-            values, _ = gguf_blocks.block_size(e.qtype)
-            group = 16 if e.qtype == gguf_blocks.Q.Q6_K else 32
-            bits = gguf_blocks.AFFINE_BITS[e.qtype]
-            code_bytes = numel // 2 if bits <= 4 and group == 32 else numel
-            sides = 2 if e.qtype not in (gguf_blocks.Q.Q8_0, gguf_blocks.Q.Q6_K) else 1
-            total += code_bytes + numel // group * 4 * sides
+            total += _packed_bytes(e.qtype, numel)
         else:
             total += numel * esize
     return total
 
 
+def _packed_bytes(qtype: int, numel: int) -> int:
+    """Bytes of `numel` weights of GGUF type `qtype` as the kernel holds them (fp32 scales and
+    minimums at most)."""
+    group = 16 if qtype == gguf_blocks.Q.Q6_K else 32
+    bits = gguf_blocks.AFFINE_BITS[qtype]
+    code_bytes = numel // 2 if bits <= 4 and group == 32 else numel
+    sides = 2 if qtype not in (gguf_blocks.Q.Q8_0, gguf_blocks.Q.Q6_K) else 1
+    return code_bytes + numel // group * 4 * sides
+
+
 def place_layer(layer: nn.Module, layout: LayerLayout, packed: torch.Tensor, unpacker: Unpacker,
                 dtype: torch.dtype, device: torch.device, use_kernels: bool) -> int:
     """Make `layer` (meta) a resident layer from its packed buffer: eligible Linears become
-    PackedLinear, the rest is de-quantised. Returns how many Linears were packed."""
+    PackedLinear, routed experts a PackedExperts, the rest is de-quantised. Returns how many
+    Linears (and expert projections) were packed."""
     packed_count = 0
     dense: dict[str, torch.Tensor] = {}
+    experts = _expert_params(layer, layout) if use_kernels else set()
+    expert_parts: dict[str, list[packed_experts.Part]] = {}
     for e in layout.entries:
         if e.side:
             continue
-        if use_kernels and eligible(layer, e):
+        if e.param in experts:
+            n = e.shape[0]
+            a, b = e.part if e.part is not None else (0, e.shape[1])
+            weight = quant_weight(layout.view(packed, e), e.qtype, (n * (b - a), e.shape[2]), None)
+            expert_parts.setdefault(e.param, []).append(packed_experts.Part(a, b, packed=_per_expert(weight, n)))
+        elif use_kernels and eligible(layer, e):
             order = unpacker.row_order(e)
             weight = quant_weight(layout.view(packed, e), e.qtype, e.shape, order)
             owner, _, attr = e.name.rpartition(".")
@@ -110,7 +166,28 @@ def place_layer(layer: nn.Module, layout: LayerLayout, packed: torch.Tensor, unp
         unpacker(layout, packed, dense, only=set(dense))
     for name, value in dense.items():  # biases land on the PackedLinear that replaced their Linear
         set_parameter(layer, name, value)
+    for owner in sorted({name.rpartition(".")[0] for name in expert_parts}):
+        packed_count += _pack_experts(layer, owner, expert_parts)
     return packed_count
+
+
+def _pack_experts(layer: nn.Module, owner: str, parts: dict[str, list[packed_experts.Part]]) -> int:
+    """Replace experts module `owner` of `layer` by a PackedExperts over its packed projections
+    (`parts`, by parameter name) and its dense ones (already set on it)."""
+    module = layer.get_submodule(owner)
+
+    def projection(leaf: str) -> list[packed_experts.Part]:
+        found = parts.get(f"{owner}.{leaf}")
+        if found is not None:
+            return found
+        value = getattr(module, leaf)
+        return [packed_experts.Part(0, value.shape[1], dense=value.data)]
+
+    first = "gate_up_proj" if getattr(module, "has_gate", True) else "up_proj"
+    new = packed_experts.PackedExperts(module, projection(first), projection("down_proj"))
+    parent_name, _, child = owner.rpartition(".")
+    setattr(layer.get_submodule(parent_name) if parent_name else layer, child, new)
+    return sum(1 for name in parts if name.startswith(owner + "."))
 
 
 def packed_head(blocks: torch.Tensor, qtype: int, shape: tuple[int, ...], row_order: torch.Tensor | None) -> PackedLinear | None:

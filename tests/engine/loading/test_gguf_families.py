@@ -25,6 +25,7 @@ from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 from engine.decoding.generation import Engine
 from engine.errors import UnsupportedModel
 from engine.kernels import build
+from engine.kernels.experts import PackedExperts
 from engine.kernels.linear import PackedLinear
 from engine.loading.gguf import GGUFWeights, gguf_config, isolated
 from engine.loading.load import LoadedModel, load_model
@@ -201,8 +202,8 @@ def test_logits_and_greedy_text_equal_transformers(family_pair: tuple, place: st
         experts = getattr(layer.mlp, "experts", None)
         # a Q8_0 layer's q, k, v, o (and gate, up, down of a dense MLP)
         assert len(packed) == (0 if place == "dequantised" else 4 if experts is not None else 7)
-        if experts is not None:  # 3-D experts: de-quantised once at load
-            assert experts.gate_up_proj.dtype == torch.float32 and experts.gate_up_proj.shape[0] == 4
+        if experts is not None:
+            check_experts(m, place)
     else:
         assert not p.resident_form and m.model.streamer is not None  # de-quantised as each pass runs it
     engine = Engine(m.model, m.tokenizer)
@@ -223,6 +224,22 @@ def test_logits_and_greedy_text_equal_transformers(family_pair: tuple, place: st
         assert list(got.token_ids) == (want[: len(got.token_ids)] if got.finish_reason == "eos" else want), prompt
         if place == "RAM":  # draft-free trees verify against the same streamed layers
             assert greedy(engine, prompt, mode="specexec").token_ids == got.token_ids
+
+
+def check_experts(m: LoadedModel, place: str) -> None:
+    """With the kernel, routed experts in kernel types stay packed (a Q4_K_M layer's Q4_K
+    gate/up merged into one q4 weight per expert, its Q6_K down a q8 one), IQ4_XS ones are
+    de-quantised once at load; without it every expert is."""
+    kinds = []
+    for layer in m.model.hf_model.model.layers:
+        experts = layer.mlp.experts
+        if isinstance(experts, PackedExperts):
+            assert experts.num_experts == 4 and len(experts.gate_up) == len(experts.down) == 1
+            kinds.append((experts.gate_up[0].packed[0].kind, experts.down[0].packed[0].kind))
+        else:
+            assert experts.gate_up_proj.dtype == torch.float32 and experts.gate_up_proj.shape[0] == 4
+            kinds.append("dense")
+    assert kinds == ([("q8", "q8"), ("q4", "q8"), ("q4", "q4"), "dense"] if place == "kernel" else ["dense"] * 4)
 
 
 def test_the_disk_tier_reads_the_moe_file_itself(model_cache: Path) -> None:

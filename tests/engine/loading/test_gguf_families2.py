@@ -43,6 +43,8 @@ from transformers import (
 
 from engine.decoding.generation import Engine
 from engine.errors import UnsupportedModel
+from engine.kernels import build
+from engine.kernels.experts import PackedExperts
 from engine.loading.gguf import GGUFWeights, gguf_config, isolated
 from engine.loading.load import load_model
 from engine.loading.materialise import layer_buffers_as_parameters
@@ -492,6 +494,11 @@ def assert_logits_and_greedy_text_equal(converted: tuple, offload: str) -> None:
     path, ref, tok = converted
     m = load_model(path, offload=offload)  # type: ignore[arg-type]
     assert m.model.placement is not None and m.model.placement.quant == "gguf"
+    if offload == "none" and build.kernels() is not None:  # routed experts stay packed (gpt-oss': transposed)
+        experts = [mod for name, mod in m.model.hf_model.named_modules() if name.endswith(".experts")]
+        packed = ref.config.model_type != "gpt_oss"
+        theirs = [name for name, _ in ref.named_modules() if name.endswith(".experts")]
+        assert len(experts) == len(theirs) and all(isinstance(e, PackedExperts) == packed for e in experts)
     engine = Engine(m.model, m.tokenizer)
     for prompt in PROMPTS:
         ids = tok(prompt)["input_ids"]

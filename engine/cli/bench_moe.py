@@ -1,0 +1,125 @@
+"""`specchat bench offload --moe`: what a target pass over N tokens costs an MoE model whose
+routed experts run packed on the CPU (engine.kernels.experts), against N.
+
+The model is --target (an MoE GGUF) or the synthetic MoE with Qwen3-30B-A3B's layers
+(engine.testing.synthetic_moe, Q4_K_M, written on first use; --quick: the small one). Each pass
+runs N tokens after a 64-token context: the N tokens that follow the context in a prompt of
+resources/prompts (consecutive text, as a tree's first path would be). Per N, the fastest of
+--repeats passes:
+
+- pass s: the whole pass; expert s: the part spent in the routed experts (timed around each
+  experts call), and its share;
+- u(N): experts woken per MoE layer (mean over layers), measured, beside the planner's prior
+  (engine.planning.moe.expert_union: routing spread evenly);
+- expert MB: the routed experts' bytes the pass read (u(N) x bytes per expert x layers), and the
+  seconds per token of the pass.
+
+What this module does not do: place experts on a GPU (not built yet), or price trees in the
+planner (the prior is there; the engine's online cost model measures passes as they run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from engine import paths
+from engine.errors import UsageError
+from engine.kernels.experts import PackedExperts
+from engine.loading.load import LoadedModel, load_model
+from engine.planning.moe import expert_union
+from engine.testing.synthetic_moe import SYNTHETIC_MOE, SYNTHETIC_MOE_SMALL, synthetic_moe_gguf
+from engine.units import MIB
+
+PROMPTS = Path(__file__).resolve().parents[2] / "resources" / "prompts" / "chat.txt"
+CONTEXT = 64
+
+
+def experts_of(loaded: LoadedModel) -> list[PackedExperts]:
+    return [m for m in loaded.model.hf_model.modules() if isinstance(m, PackedExperts)]
+
+
+def prompt_ids(loaded: LoadedModel, need: int) -> list[int]:
+    """`need` token ids of the prompts file's text, repeated if short."""
+    text = PROMPTS.read_text(encoding="utf-8") if PROMPTS.is_file() else "The quick brown fox jumps over the lazy dog. "
+    ids: list[int] = loaded.tokenizer(text)["input_ids"]
+    while len(ids) < need:
+        ids = ids + ids
+    return ids[:need]
+
+
+def run_moe_table(loaded: LoadedModel, budgets: list[int], repeats: int) -> list[dict]:
+    experts = experts_of(loaded)
+    if not experts:
+        raise UsageError("The model has no routed experts the packed CPU kernel runs (an MoE GGUF in Q4_0, Q4_1, "
+                         "Q5_x, Q8_0 or K-quant types, on a CPU with a C compiler).")
+    spent = [0.0]
+
+    def before(_m: torch.nn.Module, _args: tuple) -> None:
+        spent.append(-time.perf_counter())
+
+    def after(_m: torch.nn.Module, _args: tuple, _out: torch.Tensor) -> None:
+        spent[0] += time.perf_counter() + spent.pop()
+
+    hooks = [h for e in experts for h in (e.register_forward_pre_hook(before), e.register_forward_hook(after))]
+    model = loaded.model
+    ids = torch.tensor(prompt_ids(loaded, CONTEXT + max(budgets)))
+    cache = model.new_cache(CONTEXT + max(budgets) + 8)
+    num_experts, top_k = experts[0].num_experts, int(getattr(model.hf_model.config, "num_experts_per_tok", 0) or 0)
+    per_expert = statistics.mean(e.nbytes / e.num_experts for e in experts)
+    rows = []
+    try:
+        with torch.inference_mode():
+            model.forward(ids[:CONTEXT], torch.arange(CONTEXT), cache, None)
+            for n in budgets:
+                best: tuple[float, float, float] | None = None
+                for _ in range(repeats + 1):  # the first pass warms caches and the allocator
+                    cache.truncate(CONTEXT)
+                    spent[:] = [0.0]
+                    t0 = time.perf_counter()
+                    model.forward(ids[CONTEXT:CONTEXT + n], torch.arange(CONTEXT, CONTEXT + n), cache, None)
+                    seconds = time.perf_counter() - t0
+                    union = statistics.mean(e.last_union for e in experts)
+                    if best is None or seconds < best[0]:
+                        best = (seconds, spent[0], union)
+                assert best is not None
+                seconds, expert_s, union = best
+                rows.append({"tokens": n, "pass_s": seconds, "expert_s": expert_s, "union": union,
+                             "prior": expert_union(n, num_experts, top_k),
+                             "expert_mb": union * per_expert * len(experts) / MIB, "s_per_token": seconds / n})
+    finally:
+        for h in hooks:
+            h.remove()
+    return rows
+
+
+def format_moe_table(name: str, loaded: LoadedModel, rows: list[dict]) -> str:
+    experts = experts_of(loaded)
+    cfg = loaded.model.hf_model.config
+    lines = [f"model {name}: {len(experts)} MoE layers of {experts[0].num_experts} experts, "
+             f"{getattr(cfg, 'num_experts_per_tok', '?')} routed per token, "
+             f"{statistics.mean(e.nbytes / e.num_experts for e in experts) / MIB:.2f} MiB per expert (packed, CPU)",
+             f"{'tokens':>6} {'pass s':>8} {'expert s':>9} {'share':>6} {'u(N)':>7} {'prior':>7} {'expert MB':>10} "
+             f"{'s/token':>8}"]
+    for r in rows:
+        lines.append(f"{r['tokens']:>6} {r['pass_s']:>8.4f} {r['expert_s']:>9.4f} {r['expert_s'] / r['pass_s']:>6.0%} "
+                     f"{r['union']:>7.1f} {r['prior']:>7.1f} {r['expert_mb']:>10.1f} {r['s_per_token']:>8.4f}")
+    lines.append("u(N): experts woken per layer, measured on consecutive prompt tokens; prior: the planner's, "
+                 "routing spread evenly (engine.planning.moe)")
+    return "\n".join(lines)
+
+
+def run_bench_moe(args: argparse.Namespace, budgets: list[int]) -> int:
+    if args.target:
+        target = Path(args.target)
+    else:
+        shape = SYNTHETIC_MOE_SMALL if args.quick else SYNTHETIC_MOE
+        name = "moe-small-q4km.gguf" if args.quick else "moe-30b-a3b-8-layers-q4km.gguf"
+        target = synthetic_moe_gguf(paths.cache_dir() / "synthetic" / name, **shape)
+    loaded = load_model(target, "cpu", torch.float32, offload="none")
+    print(format_moe_table(target.name, loaded, run_moe_table(loaded, budgets, args.repeats)))
+    return 0

@@ -1,0 +1,108 @@
+"""PackedExperts against transformers' own experts modules over the same (de-quantised) values:
+every family's gate, merged and unmerged parts, a dense projection beside packed ones, and the
+routing statistics it keeps. The whole-model paths (GGUF files of each family, resident with the
+kernel) are in tests/engine/loading/test_gguf_families*.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+from engine.kernels import build
+from engine.kernels.experts import Part, PackedExperts, merged, supports
+from engine.kernels.linear import dequantize, from_dense
+
+pytestmark = pytest.mark.skipif(build.kernels() is None, reason="no C compiler here")
+
+E, H, I = 8, 64, 96  # experts, hidden, expert width (I: three groups of 32)
+
+
+def experts_module(kind: str) -> torch.nn.Module:
+    if kind == "mixtral":
+        config = AutoConfig.for_model("mixtral", hidden_size=H, intermediate_size=I, num_local_experts=E)
+        module = MixtralExperts(config)
+    else:
+        config = AutoConfig.for_model("qwen3_moe", hidden_size=H, moe_intermediate_size=I, num_experts=E)
+        module = Qwen3MoeExperts(config)
+    config._experts_implementation = "eager"
+    torch.manual_seed(0)
+    with torch.no_grad():
+        module.gate_up_proj.normal_(0, 0.1)
+        module.down_proj.normal_(0, 0.1)
+    return module.eval()
+
+
+def packed_parts(weight: torch.Tensor, splits: list[tuple[int, int, str]]) -> list[Part]:
+    """(E, rows, in) -> parts over row ranges, each "q4", "q8" or "dense"; the module's weight is
+    then set to the values the parts hold (what the file's values are)."""
+    parts = []
+    for a, b, kind in splits:
+        rows = weight[:, a:b]
+        if kind == "dense":
+            parts.append(Part(a, b, dense=rows.clone()))
+            continue
+        ws = tuple(from_dense(rows[e], kind, 32) for e in range(weight.shape[0]))  # type: ignore[arg-type]
+        with torch.no_grad():
+            weight[:, a:b] = torch.stack([dequantize(w) for w in ws])
+        parts.append(Part(a, b, packed=ws))
+    return parts
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("layout", ["merged", "apart", "dense down"])
+def test_packed_experts_compute_what_the_module_computes(family: str, layout: str) -> None:
+    module = experts_module(family)
+    if layout == "merged":  # gate and up of one type: one matrix per expert
+        gu = packed_parts(module.gate_up_proj.data, [(0, I, "q4"), (I, 2 * I, "q4")])
+        down = packed_parts(module.down_proj.data, [(0, H, "q8")])
+    elif layout == "apart":  # gate q8, up q4: two kernel calls, outputs side by side
+        gu = packed_parts(module.gate_up_proj.data, [(0, I, "q8"), (I, 2 * I, "q4")])
+        down = packed_parts(module.down_proj.data, [(0, H, "q4")])
+    else:
+        gu = packed_parts(module.gate_up_proj.data, [(0, I, "q8"), (I, 2 * I, "q8")])
+        down = packed_parts(module.down_proj.data, [(0, H, "dense")])
+    ours = PackedExperts(module, gu, down)
+    assert len(ours.gate_up) == (1 if layout != "apart" else 2)
+    g = torch.Generator().manual_seed(1)
+    for tokens in (1, 5, 33):
+        x = torch.randn(tokens, H, generator=g)
+        index = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(tokens)])
+        weights = torch.rand(tokens, 2, generator=g)
+        with torch.no_grad():
+            want = module(x, index, weights)
+        got = ours(x, index, weights)
+        assert got.shape == want.shape and got.dtype == want.dtype
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+        assert ours.last_tokens == tokens and ours.last_union == len(set(index.flatten().tolist()))
+    assert ours.calls == 3 and int(ours.hits.sum()) == 2 * (1 + 5 + 33)
+
+
+def test_experts_no_token_routes_to_are_never_run() -> None:
+    module = experts_module("qwen3_moe")
+    gu = packed_parts(module.gate_up_proj.data, [(0, 2 * I, "q8")])
+    down = packed_parts(module.down_proj.data, [(0, H, "q8")])
+    ours = PackedExperts(module, gu, down)
+    broken = list(ours.down)
+    # expert 5's weights replaced by NaN: a pass that routes nothing to it must not read them
+    bad = broken[0].packed[5]  # type: ignore[index]
+    bad.scales.fill_(float("nan"))
+    x = torch.randn(4, H)
+    index = torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0]])
+    assert torch.isfinite(ours(x, index, torch.ones(4, 2))).all()
+    assert ours.hits.tolist() == [2, 2, 2, 2, 0, 0, 0, 0]
+    assert torch.isnan(ours(x[:1], torch.tensor([[5, 0]]), torch.ones(1, 2))).any()
+
+
+def test_parts_must_tile_the_rows_and_transposed_experts_are_not_taken() -> None:
+    module = experts_module("qwen3_moe")
+    gu = packed_parts(module.gate_up_proj.data, [(0, I, "q8")])
+    with pytest.raises(ValueError, match="do not tile"):
+        merged(gu, 2 * I)
+    config = AutoConfig.for_model("gpt_oss", hidden_size=H, intermediate_size=I, num_local_experts=E)
+    assert supports(module) and not supports(GptOssExperts(config))
+    with pytest.raises(ValueError, match="not an experts module"):
+        PackedExperts(GptOssExperts(config), gu, gu)
