@@ -185,8 +185,9 @@ class Placement:
     device: str = "cpu"
     # how packed layers resident on a CPU run: "kernel" (their codes, by the packed CPU kernel),
     # "dequantised" (de-quantised once, at load); "" as the packing says (de-quantised as each
-    # layer runs, the streamed way)
-    resident_form: Literal["", "kernel", "dequantised"] = ""
+    # layer runs, the streamed way); "experts-cpu": an MoE on a GPU whose routed experts stay
+    # packed in RAM, run by the CPU kernel, the rest de-quantised at load on the GPU
+    resident_form: Literal["", "kernel", "dequantised", "experts-cpu"] = ""
 
     @property
     def unpacks_each_pass(self) -> bool:
@@ -220,7 +221,8 @@ class Placement:
         n = self.num_layers
         nf4 = PACKING_LABELS[self.quant]
         if self.resident_form and self.quant != "none":
-            nf4 = nf4[:-1] + (", packed CPU kernel)" if self.resident_form == "kernel" else ", de-quantised at load)")
+            nf4 = nf4[:-1] + {"kernel": ", packed CPU kernel)", "dequantised": ", de-quantised at load)",
+                              "experts-cpu": "; routed experts in RAM, run by the CPU)"}[self.resident_form]
         if self.device.startswith("cuda"):
             if self.gpu_layers == n:
                 return f"all {n} layers on GPU{nf4}"

@@ -20,6 +20,7 @@ StepMode = Literal["specexec", "context", "autoregressive"]  # how an answer was
 Device = Literal["auto", "cpu", "cuda"]
 Quant = Literal["none", "nf4"]
 Offload = Literal["auto", "none", "all"]
+Experts = Literal["auto", "cpu", "gpu"]  # where an MoE target's routed experts run (LoadSettings)
 TreeMode = Literal["specexec", "sequoia"]
 Fit = Literal["fits", "slow", "too big"]
 LoadStage = Literal["starter", "target", "draft", "ready"]
@@ -236,6 +237,9 @@ class LoadSettings:
     as fit (engine.planning.placement). ram_limit_bytes caps the host store (None = measured
     available RAM less a margin); layers past it go to the disk tier. context_length is the
     KV cache the placement reserves room for (None = the model's maximum, capped at 8192).
+    experts: where an MoE GGUF's routed experts run on a GPU machine: "cpu" keeps them packed in
+    RAM, run by the CPU kernel, and everything else on the GPU; "gpu" places them with their
+    layers; "auto" is "cpu" when the layers would not all fit on the GPU.
     cache: the KV caches kept between turns and saved to disk.
     """
 
@@ -243,6 +247,7 @@ class LoadSettings:
     quant: Quant = "none"
     offload: Offload = "auto"
     ram_limit_bytes: int | None = None
+    experts: Experts = "auto"
     context_length: int | None = None
     cache: CacheSettings = field(default_factory=CacheSettings)
 

@@ -126,6 +126,10 @@ def engine_options() -> argparse.ArgumentParser:
     models.add_argument("--offload", choices=("auto", "none", "all"), default="auto",
                         help="auto: keep as many target layers on --device as fit and stream the rest "
                         "from RAM (then disk); all: stream every layer; none: all on --device (default: auto)")
+    models.add_argument("--experts", choices=("auto", "cpu", "gpu"), default="auto",
+                        help="an MoE GGUF on a GPU: cpu = routed experts packed in RAM, run by the CPU, the rest "
+                        "on the GPU; gpu = experts with their layers; auto: cpu when the layers do not all fit "
+                        "on the GPU (default: auto)")
     models.add_argument("--ram-limit", type=float_in(0.0, 1e6), default=None, metavar="GB",
                         help="most RAM (GB, 10^9 bytes) the target's offloaded layers may take; the "
                         "rest go to a memory-mapped file on disk (default: what is free, less a margin)")

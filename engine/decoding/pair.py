@@ -106,7 +106,7 @@ def load_engine(
         reserve = resident_bytes(resolve_path(model_spec), dtype) if model_spec is not None and device == "cuda" else 0
     loaded_target = load_model(
         target, device=device, dtype=dtype, quant=settings.quant, offload=settings.offload,
-        ram_limit_bytes=settings.ram_limit_bytes, context_length=settings.context_length,
+        ram_limit_bytes=settings.ram_limit_bytes, context_length=settings.context_length, experts=settings.experts,
         reserve_bytes=reserve, report=lambda f, m: report("target", 0.8 * f, m))
     tmodel = loaded_target.model
     choice: DraftChoice

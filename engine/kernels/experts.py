@@ -19,14 +19,20 @@ A projection may be packed for some parts and dense for others: the fused gate_u
 two tensors (llama.cpp's ffn_gate_exps and ffn_up_exps) that may differ in type; parts of one
 kernel kind are merged into one matrix per expert (one kernel call), others run one call each.
 Experts stored transposed (gpt-oss' (E, in, out)) or with a norm after each expert are not
-handled here: they stay the dense module they were (`supports`).
+handled here: they stay the dense module they were (`supports`). The bias of a projection is
+added to its whole output, in transformers' order.
 
 Each call counts the tokens routed to each expert (`hits`) and the experts a pass woke
 (`last_union`): the routing statistics a placement (hot experts) and the tree's price (the
 union u(N) of the experts N tokens wake) are measured from.
 
+On a GPU machine (`--experts cpu`, engine.loading.materialise.experts_on_cpu) the model's other
+parts run on the GPU and call this module with states on the GPU: the states (a few KB a token)
+and routing come to the CPU, the sum goes back. The experts of a layer run after its attention,
+not beside it (no overlap yet).
+
 What this module does not do: read files (engine.loading.cpu_packed builds the weights), decide
-where experts live, or run on a GPU.
+where experts live, or run experts on a GPU.
 """
 
 from __future__ import annotations
@@ -135,6 +141,10 @@ class PackedExperts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        home = hidden_states.device
+        if home.type != "cpu":  # a model on a GPU whose experts stay here: the states come over, the sum goes back
+            x = x.to("cpu", torch.float32)
+            top_k_index, top_k_weights = top_k_index.cpu(), top_k_weights.to("cpu", torch.float32)
         k = top_k_index.shape[-1]
         flat = top_k_index.reshape(-1)
         counts = torch.bincount(flat, minlength=self.num_experts)[: self.num_experts]
@@ -158,6 +168,8 @@ class PackedExperts(nn.Module):
             out.index_add_(0, tokens, (y * w[:, None]).to(out.dtype))
         self.calls += 1
         self.last_union, self.last_tokens = woke, x.shape[0]
+        if home.type != "cpu":
+            out = out.to(home, hidden_states.dtype, non_blocking=False)
         return out.view(hidden_states.shape)
 
     @staticmethod
@@ -168,6 +180,7 @@ class PackedExperts(nn.Module):
                 outs.append(qlinear(x, p.packed[e]).to(x.dtype))
             else:
                 assert p.dense is not None
-                outs.append(F.linear(x, p.dense[e]))
+                w = p.dense[e]
+                outs.append(F.linear(x.to(w.device, w.dtype), w).to(x.device, x.dtype))
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         return y + bias[e] if bias is not None else y

@@ -79,6 +79,12 @@ def _expert_params(layer: nn.Module, layout: LayerLayout) -> set[str]:
     return {name for name, es in parts.items() if all(expert_eligible(layer, e) for e in es)}
 
 
+def packs_experts(layer: nn.Module, layout: LayerLayout) -> bool:
+    """Whether every routed-expert parameter of `layer` stays packed for the kernel."""
+    names = {e.param for e in layout.entries if not e.side and len(e.shape) == 3}
+    return bool(names) and names <= _expert_params(layer, layout)
+
+
 def _per_expert(w: QuantWeight, experts: int) -> tuple[QuantWeight, ...]:
     """A weight of experts x rows stacked rows -> one weight per expert (views, no copy)."""
     rows = w.out_features // experts
@@ -136,13 +142,17 @@ def _packed_bytes(qtype: int, numel: int) -> int:
 
 
 def place_layer(layer: nn.Module, layout: LayerLayout, packed: torch.Tensor, unpacker: Unpacker,
-                dtype: torch.dtype, device: torch.device, use_kernels: bool) -> int:
-    """Make `layer` (meta) a resident layer from its packed buffer: eligible Linears become
-    PackedLinear, routed experts a PackedExperts, the rest is de-quantised. Returns how many
-    Linears (and expert projections) were packed."""
+                dtype: torch.dtype, device: torch.device, use_kernels: bool,
+                device_packed: torch.Tensor | None = None) -> int:
+    """Make `layer` (meta) a resident layer from its packed buffer (in RAM): eligible Linears
+    become PackedLinear, routed experts a PackedExperts, the rest is de-quantised. On a GPU
+    (`device` not the CPU; `device_packed`: the same bytes there) only the routed experts stay
+    packed in RAM, for the CPU kernel; everything else is de-quantised on the GPU. Returns how
+    many Linears (and expert projections) were packed."""
     packed_count = 0
     dense: dict[str, torch.Tensor] = {}
     experts = _expert_params(layer, layout) if use_kernels else set()
+    on_cpu = device.type == "cpu"
     expert_parts: dict[str, list[packed_experts.Part]] = {}
     for e in layout.entries:
         if e.side:
@@ -152,7 +162,7 @@ def place_layer(layer: nn.Module, layout: LayerLayout, packed: torch.Tensor, unp
             a, b = e.part if e.part is not None else (0, e.shape[1])
             weight = quant_weight(layout.view(packed, e), e.qtype, (n * (b - a), e.shape[2]), None)
             expert_parts.setdefault(e.param, []).append(packed_experts.Part(a, b, packed=_per_expert(weight, n)))
-        elif use_kernels and eligible(layer, e):
+        elif use_kernels and on_cpu and eligible(layer, e):
             order = unpacker.row_order(e)
             weight = quant_weight(layout.view(packed, e), e.qtype, e.shape, order)
             owner, _, attr = e.name.rpartition(".")
@@ -163,7 +173,7 @@ def place_layer(layer: nn.Module, layout: LayerLayout, packed: torch.Tensor, unp
         elif e.param not in dense:  # every part of a fused parameter fills one tensor
             dense[e.param] = torch.empty(e.shape, dtype=dtype, device=device)
     if dense:
-        unpacker(layout, packed, dense, only=set(dense))
+        unpacker(layout, packed if device_packed is None else device_packed, dense, only=set(dense))
     for name, value in dense.items():  # biases land on the PackedLinear that replaced their Linear
         set_parameter(layer, name, value)
     for owner in sorted({name.rpartition(".")[0] for name in expert_parts}):

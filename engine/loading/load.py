@@ -49,7 +49,7 @@ from engine.model.family import layer_kinds
 from engine.store import resolve_model
 from engine.store.gguf_header import MissingPart, split_parts
 from engine.threads import use_compute_threads
-from engine.types import Offload, Quant, Tokenizer
+from engine.types import Experts, Offload, Quant, Tokenizer
 from engine.untrusted import MIB, read_json_file
 
 log = logging.getLogger(__name__)
@@ -239,13 +239,14 @@ def load_model(
     context_length: int | None = None,
     reserve_bytes: int = 0,
     report: Callable[[float, str], None] | None = None,
+    experts: Experts = "auto",
 ) -> LoadedModel:
     """Load one model (see _load_model) and record its fingerprint. On the CPU, PyTorch's
     threads are set to the physical cores first (engine.threads)."""
     if torch.device(device).type == "cpu":
         use_compute_threads()
     loaded = _load_model(spec, device, dtype, quant=quant, offload=offload, ram_limit_bytes=ram_limit_bytes,
-                         context_length=context_length, reserve_bytes=reserve_bytes, report=report)
+                         context_length=context_length, reserve_bytes=reserve_bytes, report=report, experts=experts)
     loaded.model.fingerprint = model_fingerprint(loaded.path, quant, dtype, device)
     return loaded
 
@@ -261,6 +262,7 @@ def _load_model(
     context_length: int | None = None,
     reserve_bytes: int = 0,
     report: Callable[[float, str], None] | None = None,
+    experts: Experts = "auto",
 ) -> LoadedModel:
     """Load one model, built on the meta device and filled tensor by tensor (materialise.py):
     resident 16-bit layers as transformers modules, the others packed in the host store: NF4
@@ -269,7 +271,7 @@ def _load_model(
     path = resolve_path(str(spec))
     settings = MaterialiseSettings(device=device, dtype=dtype, quant=quant, offload=offload,
                                    ram_limit_bytes=ram_limit_bytes, context_length=context_length,
-                                   reserve_bytes=reserve_bytes)
+                                   reserve_bytes=reserve_bytes, experts=experts)
     try:
         if path.is_dir():
             config_dict = check_folder(path)

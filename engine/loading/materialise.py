@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -50,7 +50,7 @@ from engine.planning.placement import (
 )
 from engine.store.gguf_header import split_parts
 from engine.shapes import ModelShape, Packing, Placement
-from engine.types import Offload, Quant
+from engine.types import Experts, Offload, Quant
 from engine.units import GIB
 
 if TYPE_CHECKING:
@@ -73,6 +73,7 @@ class MaterialiseSettings:
     context_length: int | None = None
     reserve_bytes: int = 0  # device memory to leave for something loaded later (the draft)
     max_budget: int = MAX_TREE_BUDGET
+    experts: Experts = "auto"  # an MoE GGUF on a GPU: where its routed experts run (experts_on_cpu)
 
 
 def host_budget(ram_limit_bytes: int | None) -> int:
@@ -133,7 +134,14 @@ def materialise(weights: Weights, config: PretrainedConfig, settings: Materialis
             log.info("%s is stored pre-quantised (%s): its layers load as they are", weights.path.name, packing)
         resident_bytes_cpu = unpack_at_load(layouts, settings, list(hf.model.layers))
         unpack = resident_bytes_cpu is not None
-        if resident_bytes_cpu is not None:
+        split = resident_bytes_cpu is None and experts_on_cpu(hf, layouts, settings)
+        if split:
+            n = len(layouts)
+            placement = Placement(n, n, 0, 0, max(layout.nbytes for layout in layouts), packing, settings.device,
+                                  resident_form="experts-cpu")
+            unpack = True
+            log.info("%s: routed experts packed in RAM (CPU kernel), the rest on %s", weights.path.name, device)
+        elif resident_bytes_cpu is not None:
             n = len(layouts)
             form: Literal["kernel", "dequantised"] = "kernel" if _kernel_layers(packing) else "dequantised"
             placement = Placement(n, n, 0, 0, max(layout.nbytes for layout in layouts), packing, settings.device,
@@ -182,6 +190,33 @@ def unpack_at_load(layouts: list[LayerLayout], settings: MaterialiseSettings, la
     else:
         need = sum(layout.dense_nbytes for layout in layouts)
     return need if need <= host_budget(settings.ram_limit_bytes) else None
+
+
+def experts_on_cpu(hf: PreTrainedModel, layouts: list[LayerLayout], settings: MaterialiseSettings) -> bool:
+    """Whether an MoE GGUF on a GPU keeps its routed experts packed in RAM, run by the CPU kernel,
+    with everything else resident on the GPU (de-quantised at load): `--experts cpu`, or "auto"
+    when its packed layers with the KV cache and a tree's activations would not all fit the free
+    GPU memory (streaming whole MoE layers would move every expert over the link each pass for
+    the few a token uses). Needs a GGUF, the kernel, and experts it runs in every MoE layer."""
+    if (not settings.device.startswith("cuda") or settings.experts == "gpu" or settings.offload == "all"
+            or layouts[0].quant != "gguf" or not cpu_packed.kernels_on()):
+        return False
+    layers = list(hf.model.layers)
+    moe = [(layer, layout) for layer, layout in zip(layers, layouts, strict=True)
+           if any(len(e.shape) == 3 and not e.side for e in layout.entries)]
+    packable = [cpu_packed.packs_experts(layer, layout) for layer, layout in moe]
+    if settings.experts == "cpu":  # the layers whose experts the kernel cannot run keep theirs on the GPU
+        if not all(packable):
+            log.info("--experts cpu: %d of %d MoE layers have experts in types the CPU kernel does not run; "
+                     "theirs stay on the GPU", packable.count(False), len(packable))
+        return any(packable)
+    if not moe or not all(packable):
+        return False
+    try:
+        plan_layers(hf, layouts, replace(settings, offload="none"), "gguf")
+    except OutOfMemory:
+        return True
+    return False
 
 
 def _kernel_layers(packing: Packing) -> bool:
@@ -364,6 +399,9 @@ def _place_layers(hf: PreTrainedModel, weights: Weights, layouts: list[LayerLayo
     where_name = "GPU" if device.type == "cuda" else "memory"
     unpacker = Unpacker(device) if unpack else None
     packed_scratch = torch.empty(max(layout.nbytes for layout in layouts), dtype=torch.uint8) if unpack else None
+    # experts on the CPU, the rest on a GPU (experts_on_cpu): the layer's bytes are de-quantised there
+    device_scratch = (torch.empty(max(layout.nbytes for layout in layouts), dtype=torch.uint8, device=device)
+                      if unpack and device.type != "cpu" else None)
     buf: torch.Tensor | None  # where layer i is packed (None: a disk layer already in the mapped file)
     try:
         for i in range(num_layers):
@@ -371,9 +409,11 @@ def _place_layers(hf: PreTrainedModel, weights: Weights, layouts: list[LayerLayo
             resident = tiers[i] == "device"
             if unpacker is not None and packed_scratch is not None:
                 layer = hf.model.layers[i]
-                weights.pack_layer(i, layout, packed_scratch, work)
+                weights.pack_layer(i, layout, packed_scratch, torch.device("cpu"))
+                if device_scratch is not None:
+                    device_scratch[:layout.nbytes].copy_(packed_scratch[:layout.nbytes])
                 cpu_packed.place_layer(layer, layout, packed_scratch, unpacker, dtype, device,
-                                       _kernel_layers(layout.quant))
+                                       _kernel_layers(layout.quant), device_packed=device_scratch)
                 homes.append(LayerHome(module=layer))
                 where = where_name
             elif resident and layout.quant == "none":

@@ -43,3 +43,33 @@ def test_bench_offload_moe_prints_the_union_per_tokens(model_cache: Path, capsys
         assert float(r[5]) == pytest.approx(32 * (1 - (1 - 4 / 32) ** n), abs=0.06)
         assert float(r[4]) <= min(32, 4 * n)
     assert not math.isnan(float(rows[-1][6]))
+
+
+def test_experts_placement_is_asked_for_described_and_cpu_only_where_a_gpu_is(model_cache: Path) -> None:
+    """`--experts` reaches the load settings; the placement says where the experts run; on a CPU
+    device the experts are already on the CPU (the kernel path), so no split is made."""
+    import torch
+
+    from engine.cli.common import load_settings
+    from engine.cli.parser import build_parser
+    from engine.loading.gguf import GGUFWeights
+    from engine.loading.materialise import MaterialiseSettings, experts_on_cpu, layer_buffers_as_parameters
+    from engine.shapes import Placement
+    from engine.testing.synthetic import tiny_gguf
+    from transformers import AutoModelForCausalLM
+
+    args = build_parser().parse_args(["generate", "--prompt", "hi", "--experts", "cpu"])
+    assert load_settings(args, type("S", (), {"device": "cuda"})()).experts == "cpu"  # type: ignore[arg-type]
+    assert build_parser().parse_args(["generate", "--prompt", "hi"]).experts == "auto"
+    split = Placement(8, 8, 0, 0, 1, "gguf", "cuda", resident_form="experts-cpu")
+    assert split.describe() == "all 8 layers on GPU (GGUF blocks; routed experts in RAM, run by the CPU)"
+    weights = GGUFWeights(tiny_gguf("qwen3_moe", layers=2, layer_types=("Q8_0",), cache_dir=model_cache))
+    try:
+        with torch.device("meta"):
+            hf = AutoModelForCausalLM.from_config(weights.config)
+        layer_buffers_as_parameters(hf)
+        weights.bind(hf)
+        layouts = weights.layouts(hf, torch.float32, "none")
+        assert not experts_on_cpu(hf, layouts, MaterialiseSettings(device="cpu", experts="cpu"))
+    finally:
+        weights.close()

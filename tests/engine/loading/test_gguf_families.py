@@ -242,6 +242,50 @@ def check_experts(m: LoadedModel, place: str) -> None:
     assert kinds == ([("q8", "q8"), ("q4", "q8"), ("q4", "q4"), "dense"] if place == "kernel" else ["dense"] * 4)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_experts_on_the_cpu_beside_a_gpu_give_transformers_text(family_pair: tuple) -> None:
+    path, ref, tok = family_pair
+    if not any(name.endswith(".experts") for name, _ in ref.named_modules()):
+        pytest.skip("no experts")
+    assert_experts_on_cpu_beside_gpu(path, ref, tok, PROMPTS, 20)
+
+
+def assert_experts_on_cpu_beside_gpu(path: Path, ref: nn.Module, tok: object, prompts: list[str], n: int) -> None:
+    """`--experts cpu` on a GPU: routed experts packed in RAM (run by the CPU kernel; a layer whose
+    experts are in a type it does not read keeps them on the GPU), everything else on the GPU;
+    logits within 1e-4 of transformers' on the GPU, its greedy text, and draft-free trees giving
+    the same text."""
+    if build.kernels() is None:
+        pytest.skip("no C compiler here")
+    m = load_model(path, "cuda", torch.float32, offload="none", experts="cpu")
+    p = m.model.placement
+    assert p is not None and p.resident_form == "experts-cpu" and m.model.streamer is None
+    experts = [mod for name, mod in m.model.hf_model.named_modules() if name.endswith(".experts")]
+    packed = [e for e in experts if isinstance(e, PackedExperts)]
+    assert packed and all(w.codes.device.type == "cpu" for e in packed for part in e.gate_up for w in part.packed)
+    others = [t for name, t in m.model.hf_model.named_parameters() if ".experts." not in name]
+    assert all(t.device.type == "cuda" for t in others)
+    ref = ref.to("cuda")
+    engine = Engine(m.model, m.tokenizer)
+    try:
+        for prompt in prompts:
+            ids = tok(prompt)["input_ids"]  # type: ignore[operator]
+            with torch.inference_mode():
+                theirs = ref(torch.tensor([ids], device="cuda")).logits[0]
+            ours = logits(m, ids)
+            assert (ours - theirs).abs().max() <= 1e-4 * theirs.abs().max(), prompt
+            x = torch.tensor([ids], device="cuda")
+            want = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
+                                pad_token_id=tok.pad_token_id)[0, len(ids):].tolist()  # type: ignore[attr-defined]
+            got = greedy(engine, prompt, n=n)
+            assert list(got.token_ids) == (want[: len(got.token_ids)] if got.finish_reason == "eos" else want), prompt
+            assert greedy(engine, prompt, mode="specexec", n=n).token_ids == got.token_ids
+        assert sum(e.calls for e in packed) > 0
+    finally:
+        ref.to("cpu")
+
+
 def test_the_disk_tier_reads_the_moe_file_itself(model_cache: Path) -> None:
     path = tiny("qwen3_moe", model_cache)
     before = set((model_cache / "offload").glob("*")) if (model_cache / "offload").is_dir() else set()

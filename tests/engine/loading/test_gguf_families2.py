@@ -28,7 +28,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader, GGUFWriter
 from gguf import quants as gq
 from gguf.constants import TokenType
-from test_gguf_families import greedy, logits
+from test_gguf_families import assert_experts_on_cpu_beside_gpu, greedy, logits
 from torch import nn
 from transformers import (
     AutoModelForCausalLM,
@@ -485,6 +485,15 @@ def test_experts_are_built_at_load_and_attention_stays_packed(converted: tuple) 
 @pytest.mark.parametrize("offload", ["none", "all"])
 def test_logits_and_greedy_text_equal_transformers(converted: tuple, offload: str) -> None:
     assert_logits_and_greedy_text_equal(converted, offload)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_experts_on_the_cpu_beside_a_gpu_give_transformers_text(converted: tuple) -> None:
+    path, ref, tok = converted
+    if not any(name.endswith(".experts") for name, _ in ref.named_modules()) or ref.config.model_type == "gpt_oss":
+        pytest.skip("no experts the CPU kernel runs (gpt-oss': transposed)")
+    assert_experts_on_cpu_beside_gpu(path, ref, tok, PROMPTS, NEW_TOKENS)
 
 
 def assert_logits_and_greedy_text_equal(converted: tuple, offload: str) -> None:
