@@ -29,7 +29,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         interrupts.watch()
         from engine.cli.main import main as cli_main
         from engine.cli.main import settle
-    except KeyboardInterrupt:  # Ctrl+C while the command line's modules import: no traceback
+    except BaseException as exc:  # Ctrl+C while the command line's modules import (maybe wrapped): no traceback
+        from engine.interrupts import caused_by_ctrl_c
+
+        if not caused_by_ctrl_c(exc):
+            raise
         print(file=sys.stderr, flush=True)
         os._exit(130)  # not sys.exit: see engine.cli.main.settle
     return settle(int(cli_main(args)))

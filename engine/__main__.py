@@ -10,7 +10,11 @@ def run() -> int:
 
         interrupts.watch()
         from engine.cli.main import main, settle
-    except KeyboardInterrupt:  # Ctrl+C while the command line's modules import
+    except BaseException as exc:  # Ctrl+C while the command line's modules import (maybe wrapped by one)
+        from engine.interrupts import caused_by_ctrl_c
+
+        if not caused_by_ctrl_c(exc):
+            raise
         print(file=sys.stderr, flush=True)
         os._exit(130)  # not sys.exit: see engine.cli.main.settle
     return settle(main())

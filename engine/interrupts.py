@@ -30,3 +30,17 @@ def watch() -> None:
 
 def seen() -> bool:
     return _seen
+
+
+def caused_by_ctrl_c(exc: BaseException) -> bool:
+    """Whether `exc` is Ctrl+C's KeyboardInterrupt or an error raised from one: Python wraps an
+    exception raised inside some hooks (a class body's `__set_name__`, as dataclasses' fields
+    run while a module imports) in a RuntimeError, so a Ctrl+C landing there surfaces as that."""
+    chain: set[int] = set()
+    at: BaseException | None = exc
+    while at is not None and id(at) not in chain:
+        if isinstance(at, KeyboardInterrupt):
+            return True
+        chain.add(id(at))
+        at = at.__cause__ or at.__context__
+    return False

@@ -76,6 +76,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as exc:  # a file the command had to write or read, outside the store's own checks
         return report(os_error_message(exc), EXIT_FAILURE)
     except Exception as exc:  # noqa: BLE001 - a bug: still one line, the traceback with -v
+        if interrupts.caused_by_ctrl_c(exc):  # a Ctrl+C an import wrapped in another error
+            print(file=sys.stderr)
+            return EXIT_INTERRUPTED
         if args.verbose:
             traceback.print_exc()
         first = (str(exc).strip().splitlines() or [""])[0][:200]

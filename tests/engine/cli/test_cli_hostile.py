@@ -174,6 +174,44 @@ def test_ctrl_c_swallowed_by_an_import_still_ends_the_command(monkeypatch: pytes
     assert rc == 130 and out == ""
 
 
+def test_ctrl_c_wrapped_by_an_import_still_ends_the_command(monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str],
+                                                            tiny_target_path: Path) -> None:
+    """A Ctrl+C that lands while a dataclass field's `__set_name__` runs (a module defining
+    dataclasses, importing) comes out as RuntimeError("Error calling __set_name__ ...") raised
+    from the KeyboardInterrupt: still 130, quietly (CI saw exit 1 once)."""
+    import importlib
+    from dataclasses import dataclass, field
+
+    from engine import interrupts
+
+    real_import = importlib.import_module
+
+    def wrapping_import(name: str) -> object:
+        real_import(name)
+
+        class Interrupting:
+            def __set_name__(self, owner: type, attr: str) -> None:
+                interrupts._on_sigint(signal.SIGINT, None)
+
+        @dataclass
+        class Late:
+            name: object = field(default_factory=Interrupting)
+            hook: Interrupting = Interrupting()  # its __set_name__ raises while the class is made
+
+        return None  # not reached
+
+    monkeypatch.setattr(interrupts, "_seen", False)
+    monkeypatch.setattr(importlib, "import_module", wrapping_import)
+    rc, out, err = cli(capsys, "generate", "--target", tiny_target_path, "--prompt", "hi", "--max-new-tokens", 4)
+    assert rc == 130 and out == "" and "bug" not in err
+    try:
+        raise RuntimeError("Error calling __set_name__") from KeyboardInterrupt()
+    except RuntimeError as exc:
+        assert interrupts.caused_by_ctrl_c(exc)
+    assert not interrupts.caused_by_ctrl_c(RuntimeError("a bug"))
+
+
 def test_a_closed_stdout_pipe_ends_quietly(tiny_target_path: Path, model_cache: Path) -> None:
     """`specchat generate ... | head -c 1`."""
     proc = spawn(["generate", "--target", tiny_target_path, "--raw-prompt", "Once upon a time",
