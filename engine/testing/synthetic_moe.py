@@ -7,8 +7,10 @@ experts of width 768, 8 routed per token, its 151,936-token vocabulary) in 8 of 
 so it fits a small machine's RAM (about 2.9 GB in Q4_K_M); a token reads what one of the
 real model's does in 8 layers. The attention and expert matrices are random blocks
 (gguf_write.random_blocks: random codes, fp16 scales setting weights of about 0.02); the router
-is random floats, so routing is spread evenly over the experts (real routers favour some: a
-tree's union of experts here is the most it can be for its size).
+is random floats. Its routing is not spread evenly: the states of a random model's tokens are
+much alike, so consecutive tokens share most experts (`specchat bench offload --moe`: 64 tokens
+wake 21 of 128 experts a layer, where evenly spread routing would wake 126). A real model's
+union lies between the two.
 
 What this module does not do: write a dense model (synthetic.synthetic_gguf) or anything
 meaningful to read.
@@ -42,7 +44,7 @@ class MoEShape(TypedDict):
 
 SYNTHETIC_MOE: MoEShape = dict(hidden=2048, layers=8, vocab=151936, heads=32, kv_heads=4, head_dim=128, experts=128,
                                top_k=8, expert_width=768)
-# the same proportions at a size a test or a quick bench writes in a second
+# smaller proportions, at a size a test or a quick bench writes in a second
 SYNTHETIC_MOE_SMALL: MoEShape = dict(hidden=256, layers=2, vocab=4096, heads=4, kv_heads=2, head_dim=64, experts=32,
                                      top_k=4, expert_width=256)
 

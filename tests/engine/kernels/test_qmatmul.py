@@ -52,7 +52,7 @@ def test_products_equal_the_dense_product_of_the_values(lib: object, kind: str, 
         assert (w.scales.dtype == torch.float16) == half
         ref_w = dequantize(w)
         bias = torch.randn(n, generator=g)
-        for m in (1, 2, 3, 5, 16, 64):
+        for m in (1, 2, 3, 4, 5, 16, 64):
             x = torch.randn(m, k, generator=g)
             assert close(qlinear(x, w), x @ ref_w.T), (n, k, m)
             assert close(qlinear(x, w, bias), x @ ref_w.T + bias), (n, k, m)
@@ -87,6 +87,21 @@ def test_activations_of_any_size_keep_their_precision(lib: object, kind: str, gr
         y = x.clone()
         y[0, 200] = bad
         assert not qlinear(y, w).isfinite().any()
+
+
+@pytest.mark.parametrize("kind,group", [("q4", 32), ("q8", 32), ("q8", 16)])
+def test_a_few_rows_give_each_rows_own_bits(lib: object, kind: str, group: int) -> None:
+    """On a CPU with integer rows, 2-4 rows of x (an MoE expert's share of a tree pass) go through
+    the rows a single row takes, each weight row read once for all: every output row has the
+    bits that row alone gets, so a tree's rows equal a decode step's."""
+    if lib.qm_simd() not in (4, 5):  # type: ignore[attr-defined]
+        pytest.skip("no integer rows on this CPU")
+    g = torch.Generator().manual_seed(5)
+    w = from_dense(torch.randn(100, 576, generator=g), kind, group)  # type: ignore[arg-type]
+    for m in (2, 3, 4):
+        x = torch.randn(m, 576, generator=g)
+        y = qlinear(x, w)
+        assert all(torch.equal(y[i], qlinear(x[i : i + 1], w)[0]) for i in range(m)), m
 
 
 def test_four_bit_codes_pack_as_gguf_blocks_hold_them(lib: object) -> None:
