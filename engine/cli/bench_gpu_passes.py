@@ -35,13 +35,8 @@ from engine.cli.bench_gpu_timing import (
     stream_only,
     sync,
 )
-from engine.loading.materialise import (
-    MaterialiseSettings,
-    device_free_bytes,
-    host_budget,
-    layer_template,
-    plan_layers,
-)
+from engine.loading.layer_plan import MaterialiseSettings, device_free_bytes, host_budget, plan_layers
+from engine.loading.materialise import layer_template
 from engine.testing.in_place import (
     llama_config,
     meta_model,

@@ -26,7 +26,7 @@ Each call counts the tokens routed to each expert (`hits`) and the experts a pas
 (`last_union`): the routing statistics a placement (hot experts) and the tree's price (the
 union u(N) of the experts N tokens wake) are measured from.
 
-On a GPU machine (`--experts cpu`, engine.loading.materialise.experts_on_cpu) the model's other
+On a GPU machine (`--experts cpu`, engine.loading.layer_plan.experts_on_cpu) the model's other
 parts run on the GPU and call this module with states on the GPU: the states (a few KB a token)
 and routing come to the CPU, the sum goes back. The experts of a layer run after its attention,
 not beside it (no overlap yet).

@@ -18,7 +18,7 @@ projection with a part in a type the kernel does not read (IQ4_XS, MXFP4) is de-
 experts stored transposed (gpt-oss) stay the dense module they were.
 
 No kernel (no C compiler, Windows, SPECCHAT_NO_KERNELS=1) leaves everything de-quantised, as
-de-quantising at load did before kernels existed (materialise.unpack_at_load).
+de-quantising at load did before kernels existed (layer_plan.unpack_at_load).
 
 What this module does not do: decide which layers are resident (materialise.py), or read
 files (engine.loading.gguf).

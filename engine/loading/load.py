@@ -39,7 +39,8 @@ from engine.errors import (
     UnsupportedModel,
 )
 from engine.loading.gguf import GGUFWeights, gguf_tokenizer
-from engine.loading.materialise import MaterialiseSettings, materialise
+from engine.loading.layer_plan import MaterialiseSettings
+from engine.loading.materialise import materialise
 from engine.loading.multimodal import config_object, text_config
 from engine.loading.weights import SafetensorsWeights
 from engine.model.assistant_spec import is_assistant_folder

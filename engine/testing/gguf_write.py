@@ -320,6 +320,15 @@ def random_blocks(qtype: Q, shape: tuple[int, ...], rng: np.random.Generator, sc
     return blocks.reshape(byte_shape)
 
 
+def random_tensor(qtype: Q, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """A synthetic model's tensor: F32 ones (norms), else random blocks whose fp16 scales make
+    weights of about 0.02 (IQ4's levels reach 127, Q6_K's and Q8_0's codes 32 and 127)."""
+    if qtype == Q.F32:
+        return np.ones(shape, dtype=np.float32)
+    scale = 5e-6 if qtype in (Q.IQ4_XS, Q.IQ4_NL) else 2e-5 if qtype in (Q.Q6_K, Q.Q8_0, Q.Q3_K) else 8e-5
+    return random_blocks(qtype, shape, rng, scale=scale)
+
+
 def requantize_gguf(src: Path, dest: Path, qtype: Q) -> Path:
     """`src` rewritten with every quantised tensor in `qtype` (its de-quantised values re-encoded;
     float tensors, metadata and tensor order as they are): the starter's Q4_1 file as Q8_0, for

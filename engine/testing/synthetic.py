@@ -46,7 +46,7 @@ from transformers import (
 )
 
 from engine import paths
-from engine.testing.gguf_write import Q, random_blocks, write_gguf
+from engine.testing.gguf_write import Q, random_tensor, write_gguf
 
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] "
@@ -453,12 +453,7 @@ def synthetic_gguf(path: Path, hidden: int, intermediate: int, layers: int, voca
     rng = np.random.default_rng(seed)
 
     def value(name: str) -> np.ndarray:
-        shape, qtype = kinds[name]
-        if qtype == Q.F32:
-            return np.ones(shape, dtype=np.float32)
-        # fp16 scales chosen so that weights come out at about 0.02 (IQ4 levels reach 127)
-        scale = 5e-6 if qtype in (Q.IQ4_XS, Q.IQ4_NL) else 2e-5 if qtype in (Q.Q6_K, Q.Q8_0, Q.Q3_K) else 8e-5
-        return random_blocks(qtype, shape, rng, scale=scale)
+        return random_tensor(kinds[name][1], kinds[name][0], rng)
 
     config = dict(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
                   num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096,

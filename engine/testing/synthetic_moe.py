@@ -26,7 +26,7 @@ from typing import TypedDict
 import numpy as np
 from transformers import AutoTokenizer
 
-from engine.testing.gguf_write import Q, random_blocks, write_gguf
+from engine.testing.gguf_write import Q, random_tensor, write_gguf
 from engine.testing.synthetic import _gguf_vocab, tiny_tokenizer_files
 
 
@@ -83,12 +83,9 @@ def synthetic_moe_gguf(path: Path, hidden: int, layers: int, vocab: int, heads: 
 
     def value(name: str) -> np.ndarray:
         shape, qtype = kinds[name]
-        if name.endswith("mlp.gate.weight"):  # a router that spreads tokens over every expert
+        if name.endswith("mlp.gate.weight"):  # the router: random floats
             return rng.normal(0.0, 1.0 / np.sqrt(hidden), shape).astype(np.float32)
-        if qtype == Q.F32:
-            return np.ones(shape, dtype=np.float32)
-        scale = 5e-6 if qtype in (Q.IQ4_XS, Q.IQ4_NL) else 2e-5 if qtype in (Q.Q6_K, Q.Q8_0, Q.Q3_K) else 8e-5
-        return random_blocks(qtype, shape, rng, scale=scale)
+        return random_tensor(qtype, shape, rng)
 
     config = dict(hidden_size=hidden, intermediate_size=experts * expert_width // top_k, num_hidden_layers=layers,
                   num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,

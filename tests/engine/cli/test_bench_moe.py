@@ -53,7 +53,8 @@ def test_experts_placement_is_asked_for_described_and_cpu_only_where_a_gpu_is(mo
     from engine.cli.common import load_settings
     from engine.cli.parser import build_parser
     from engine.loading.gguf import GGUFWeights
-    from engine.loading.materialise import MaterialiseSettings, experts_on_cpu, layer_buffers_as_parameters
+    from engine.loading.layer_plan import MaterialiseSettings, experts_on_cpu
+    from engine.loading.materialise import layer_buffers_as_parameters
     from engine.shapes import Placement
     from engine.testing.synthetic import tiny_gguf
     from transformers import AutoModelForCausalLM

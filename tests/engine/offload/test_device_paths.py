@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from engine.loading.load import load_model
-from engine.loading.materialise import device_free_bytes
+from engine.loading.layer_plan import device_free_bytes
 from engine.testing.synthetic import tiny_model
 from engine.offload.host_store import HostStore
 from engine.offload.layout import (
