@@ -9,6 +9,9 @@ same test rejects a distribution only mildly off (the target at 1.25x the temper
 
 from __future__ import annotations
 
+from pathlib import Path
+from types import SimpleNamespace
+
 import pytest
 import torch
 from chi_square import chisquare_pvalue
@@ -120,3 +123,41 @@ def test_distributions_with_context_candidates_in_the_tree(close_engine: Engine,
     assert chi2_pvalue(c1, p1) > 1e-3
     assert c2.sum() > 0.9 * N_SAMPLES
     assert chi2_pvalue(c2, p2) > 1e-3
+
+
+def test_an_moe_with_packed_experts_samples_the_target_distribution(model_cache: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 31's sampling check: a Qwen3-MoE GGUF whose routed experts run packed on the CPU
+    (engine.kernels.experts), drafted by a noisy copy of itself; first- and second-token
+    frequencies against the exact probabilities of transformers' own reading of the same file."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from engine.kernels import build
+    from engine.kernels.experts import PackedExperts
+    from engine.loading.gguf import isolated
+    from engine.loading.load import load_model
+    from engine.store.gguf_header import read_header
+    from engine.testing.synthetic import tiny_gguf
+
+    if build.kernels() is None:
+        pytest.skip("no C compiler here")
+    monkeypatch.setenv("SPECCHAT_CACHE_DIR", str(model_cache))
+    types = ("Q8_0", "Q4_K/Q6_K", "Q4_0")
+    path = tiny_gguf("qwen3_moe", layers=3, layer_types=types, cache_dir=model_cache)
+    target = load_model(path)
+    draft = load_model(tiny_gguf("qwen3_moe", noise=0.05, layers=3, layer_types=types, cache_dir=model_cache))
+    assert any(isinstance(m, PackedExperts) for m in target.model.hf_model.modules())
+    engine = Engine(target.model, target.tokenizer, draft.model)
+    with isolated(path) as src:
+        config = AutoConfig.from_pretrained(src.parent, gguf_file=src.name)
+        config.moe_intermediate_size = read_header(path).metadata["qwen3moe.expert_feed_forward_length"]
+        ref = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, config=config,
+                                                   dtype=torch.float32).eval()
+    reference = SimpleNamespace(target=SimpleNamespace(hf_model=ref), eos_ids=engine.eos_ids)
+    prompt = engine.tokenizer(PROMPT)["input_ids"]
+    p1, p2 = exact_distributions(reference, prompt, 1.0, 1.0)  # type: ignore[arg-type]
+    c1, c2, passes = sample_two_tokens(engine, 1.0, 1.0, p1.shape[0])
+    assert passes < 1.8 * N_SAMPLES, "most samples should take both tokens from one tree pass"
+    assert chi2_pvalue(c1, p1) > 1e-3 and c2.sum() > 0.9 * N_SAMPLES and chi2_pvalue(c2, p2) > 1e-3
+    q1, _ = exact_distributions(reference, prompt, 1.25, 1.0)  # type: ignore[arg-type]
+    assert chi2_pvalue(c1, q1) < 1e-3
