@@ -113,13 +113,15 @@ def format_moe_table(name: str, loaded: LoadedModel, rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def synthetic_target(quick: bool) -> Path:
+    """The synthetic MoE GGUF (Q4_K_M), written on first use; `quick`: the small one."""
+    shape = SYNTHETIC_MOE_SMALL if quick else SYNTHETIC_MOE
+    name = "moe-small-q4km.gguf" if quick else "moe-30b-a3b-8-layers-q4km.gguf"
+    return synthetic_moe_gguf(paths.cache_dir() / "synthetic" / name, **shape)
+
+
 def run_bench_moe(args: argparse.Namespace, budgets: list[int]) -> int:
-    if args.target:
-        target = Path(args.target)
-    else:
-        shape = SYNTHETIC_MOE_SMALL if args.quick else SYNTHETIC_MOE
-        name = "moe-small-q4km.gguf" if args.quick else "moe-30b-a3b-8-layers-q4km.gguf"
-        target = synthetic_moe_gguf(paths.cache_dir() / "synthetic" / name, **shape)
+    target = Path(args.target) if args.target else synthetic_target(args.quick)
     loaded = load_model(target, "cpu", torch.float32, offload="none")
     print(format_moe_table(target.name, loaded, run_moe_table(loaded, budgets, args.repeats)))
     return 0

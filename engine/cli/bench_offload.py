@@ -34,6 +34,8 @@ import torch
 
 from engine import paths
 from engine.cli import common
+from engine.kernels.experts import PackedExperts
+from engine.kernels.linear import PackedLinear
 from engine.loading.load import LoadedModel, load_model, resolve_device
 from engine.testing.synthetic import (
     SYNTHETIC_BIG,
@@ -178,10 +180,13 @@ def load_rss_child(folder: str, quant: Quant, offload: Offload) -> None:
 
 
 def held_layer_bytes(m: LoadedModel) -> int:
-    """Bytes the decoder layers hold in memory: resident modules, packed buffers, RAM arenas."""
+    """Bytes the decoder layers hold in memory: resident modules (their parameters, buffers and
+    packed-kernel weights), packed buffers, RAM arenas."""
     s = m.model.streamer
-    held = sum(t.numel() * t.element_size() for n, t in m.model.hf_model.named_parameters()
-               if not t.is_meta and n.startswith("model.layers."))
+    layers = m.model.hf_model.model.layers
+    held = sum(t.numel() * t.element_size() for t in [*layers.parameters(), *layers.buffers()] if not t.is_meta)
+    held += sum(mod.qweight.nbytes for mod in layers.modules() if isinstance(mod, PackedLinear))
+    held += sum(mod.packed_nbytes for mod in layers.modules() if isinstance(mod, PackedExperts))
     if s is not None:
         held += sum(h.packed.numel() for h in s.homes if h.packed is not None)
         held += s.store.ram_bytes if s.store is not None else 0
@@ -225,6 +230,12 @@ def print_load_rss(folder: Path, quant: Quant, offload: Offload = "none") -> Non
 def run_bench_offload(args: argparse.Namespace) -> int:
     if args.threads:
         set_threads(args.threads)
+    if args.moe and args.load_rss:  # the synthetic MoE resident (experts packed), then streamed
+        from engine.cli.bench_moe import synthetic_target  # noqa: PLC0415
+
+        for offload in ("none", "all"):
+            print_load_rss(synthetic_target(args.quick), "none", offload)
+        return 0
     if args.moe:
         from engine.cli.bench_moe import run_bench_moe  # noqa: PLC0415
 

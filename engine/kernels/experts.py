@@ -135,6 +135,11 @@ class PackedExperts(nn.Module):
     def nbytes(self) -> int:
         return sum(p.nbytes for p in (*self.gate_up, *self.down))
 
+    @property
+    def packed_nbytes(self) -> int:
+        """The packed parts' bytes (the dense ones are the module's buffers)."""
+        return sum(p.nbytes for p in (*self.gate_up, *self.down) if p.packed is not None)
+
     def extra_repr(self) -> str:
         kinds = "+".join(p.packed[0].kind if p.packed else "dense" for p in (*self.gate_up, *self.down))
         return f"{self._source}, experts={self.num_experts}, parts={kinds}"
