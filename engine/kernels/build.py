@@ -149,6 +149,9 @@ def _load(target: Path) -> ctypes.CDLL | None:
         lib.qm_matmul.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                   ctypes.c_int]
+        lib.qm_experts_one.restype = ctypes.c_int
+        lib.qm_experts_one.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                       ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
         return lib
     except (OSError, AttributeError) as exc:
         log.info("the cached kernel library %s does not load (%s)", target, exc)

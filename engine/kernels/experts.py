@@ -37,6 +37,7 @@ where experts live, or run experts on a GPU.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import cast
@@ -44,8 +45,12 @@ from typing import cast
 import torch
 from torch import nn
 from torch.nn import functional as F
+from transformers.activations import SiLUActivation
+from transformers.integrations import moe as moe_integration
 
-from engine.kernels.linear import QuantWeight, qlinear
+from engine.kernels.build import kernels
+from engine.kernels.governor import governor
+from engine.kernels.linear import QmLinear, QuantWeight, qlinear
 
 
 @dataclass(frozen=True)
@@ -126,10 +131,28 @@ class PackedExperts(nn.Module):
         bias = getattr(original, "has_bias", False)
         self.gate_up_bias = getattr(original, f"{first}_bias", None) if bias else None
         self.down_bias = getattr(original, "down_proj_bias", None) if bias else None
+        self._fused = self._one_token_call(original)
         self.hits = torch.zeros(self.num_experts, dtype=torch.int64)  # tokens routed to each expert, all calls
         self.calls = 0
         self.last_union = 0  # experts the last call woke
         self.last_tokens = 0
+
+    def _one_token_call(self, original: nn.Module) -> tuple[ctypes.Array, ctypes.Array] | None:
+        """qmatmul.c's qm_experts_one, for one token at a time, where its arithmetic is this
+        module's: SiLU(gate) * up (the default gate of a SiLU module), no biases, each projection
+        one packed part. Its arguments: each expert's gate_up and down as the C structs."""
+        lib = kernels()
+        if (lib is None or not self.has_gate or not isinstance(self.act_fn, (SiLUActivation, nn.SiLU))
+                or getattr(type(original), "_apply_gate", None) is not moe_integration._default_apply_gate
+                or self.gate_up_bias is not None or self.down_bias is not None
+                or len(self.gate_up) != 1 or len(self.down) != 1
+                or self.gate_up[0].packed is None or self.down[0].packed is None):
+            return None
+        gate_up, down = (QmLinear * self.num_experts)(), (QmLinear * self.num_experts)()
+        for e in range(self.num_experts):
+            gate_up[e].point_at(self.gate_up[0].packed[e])
+            down[e].point_at(self.down[0].packed[e])
+        return gate_up, down
 
     @property
     def nbytes(self) -> int:
@@ -151,6 +174,8 @@ class PackedExperts(nn.Module):
             x = x.to("cpu", torch.float32)
             top_k_index, top_k_weights = top_k_index.cpu(), top_k_weights.to("cpu", torch.float32)
         k = top_k_index.shape[-1]
+        if self._fused is not None and x.shape[0] == 1 and x.dtype is torch.float32:
+            return self._one_token(x, top_k_index, top_k_weights, home, hidden_states)
         flat = top_k_index.reshape(-1)
         counts = torch.bincount(flat, minlength=self.num_experts)[: self.num_experts]
         self.hits += counts.to(self.hits.device)
@@ -175,6 +200,29 @@ class PackedExperts(nn.Module):
         self.last_union, self.last_tokens = woke, x.shape[0]
         if home.type != "cpu":
             out = out.to(home, hidden_states.dtype, non_blocking=False)
+        return out.view(hidden_states.shape)
+
+    def _one_token(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                   home: torch.device, hidden_states: torch.Tensor) -> torch.Tensor:
+        """One token through its experts in one C call (a decode step), in ascending expert
+        order as the loop over experts sums them."""
+        assert self._fused is not None
+        lib = kernels()
+        assert lib is not None
+        pairs = sorted(zip(top_k_index.reshape(-1).tolist(), top_k_weights.reshape(-1).tolist(), strict=True))
+        ids = torch.tensor([e for e, _ in pairs], dtype=torch.int64)
+        weights = torch.tensor([w for _, w in pairs], dtype=torch.float32)
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        rc = lib.qm_experts_one(ctypes.addressof(self._fused[0]), ctypes.addressof(self._fused[1]), ids.data_ptr(),
+                                weights.data_ptr(), len(pairs), x.data_ptr(), out.data_ptr(), governor().threads())
+        if rc != 0:
+            raise torch.OutOfMemoryError("The packed CPU kernel could not allocate its scratch memory.")
+        self.hits.index_add_(0, ids, torch.ones_like(ids))
+        self.calls += 1
+        self.last_union, self.last_tokens = len(set(ids.tolist())), 1
+        if home.type != "cpu":
+            out = out.to(home, hidden_states.dtype)
         return out.view(hidden_states.shape)
 
     @staticmethod

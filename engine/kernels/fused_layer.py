@@ -39,7 +39,7 @@ from torch import nn
 
 from engine.kernels.build import kernels
 from engine.kernels.governor import governor
-from engine.kernels.linear import PackedLinear
+from engine.kernels.linear import PackedLinear, QmLinear
 from engine.model.cache import KVCache
 
 if TYPE_CHECKING:
@@ -53,16 +53,9 @@ LINEARS = (("q", "self_attn.q_proj"), ("k", "self_attn.k_proj"), ("v", "self_att
            ("o", "self_attn.o_proj"), ("gate", "mlp.gate_proj"), ("up", "mlp.up_proj"), ("down", "mlp.down_proj"))
 
 
-class Linear(ctypes.Structure):
-    """qmatmul.c's qm_linear."""
-    _fields_ = [("codes", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("mins", ctypes.c_void_p),
-                ("bias", ctypes.c_void_p), ("kind", ctypes.c_int64), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
-                ("group", ctypes.c_int64)]
-
-
 class Layer(ctypes.Structure):
     """qmatmul.c's qm_layer."""
-    _fields_ = [*((name, Linear) for name, _ in LINEARS),
+    _fields_ = [*((name, QmLinear) for name, _ in LINEARS),
                 ("attn_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
                 ("k_norm", ctypes.c_void_p),
                 ("attn_eps", ctypes.c_float), ("mlp_eps", ctypes.c_float), ("q_eps", ctypes.c_float),
@@ -240,15 +233,11 @@ class _Buffers:
                 and self._capacity == cache.capacity)
 
 
-def _fill_linear(struct: Linear, module: nn.Module) -> tuple[object, ...]:
+def _fill_linear(struct: QmLinear, module: nn.Module) -> tuple[object, ...]:
     """Point `struct` at a PackedLinear's weight and bias; returns what it points into."""
     assert isinstance(module, PackedLinear)
-    w = module.qweight
-    kind, codes, scales, mins = w.args
-    struct.codes, struct.scales, struct.mins = codes, scales, mins
-    struct.bias = module.bias.data_ptr() if module.bias is not None else None
-    struct.kind, struct.n, struct.k, struct.group = kind, w.out_features, w.in_features, w.group
-    return w, module.bias
+    struct.point_at(module.qweight, module.bias)
+    return module.qweight, module.bias
 
 
 def _refusal(model: CausalLM) -> str | None:

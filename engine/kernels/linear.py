@@ -21,6 +21,7 @@ What this module does not do: build the kernel (build.py) or decide which layers
 
 from __future__ import annotations
 
+import ctypes
 import functools
 from dataclasses import dataclass
 from typing import Literal
@@ -138,6 +139,21 @@ def qlinear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
     if bias is not None:
         y += bias
     return y if x.dim() == 2 else y.view(*x.shape[:-1], w.out_features)
+
+
+class QmLinear(ctypes.Structure):
+    """qmatmul.c's qm_linear: a QuantWeight (and bias) as the C calls that take whole layers read it."""
+
+    _fields_ = [("codes", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("mins", ctypes.c_void_p),
+                ("bias", ctypes.c_void_p), ("kind", ctypes.c_int64), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
+                ("group", ctypes.c_int64)]
+
+    def point_at(self, w: QuantWeight, bias: torch.Tensor | None = None) -> None:
+        """Point at `w` and `bias` (the caller keeps them alive as long as this is used)."""
+        kind, codes, scales, mins = w.args
+        self.codes, self.scales, self.mins = codes, scales, mins
+        self.bias = bias.data_ptr() if bias is not None else None
+        self.kind, self.n, self.k, self.group = kind, w.out_features, w.in_features, w.group
 
 
 class PackedLinear(nn.Module):

@@ -687,6 +687,74 @@ int qm_decode_layers(const qm_layer *layers, float *const *keys, float *const *v
     return 0;
 }
 
+/* ---- One token through an MoE layer's routed experts (engine/kernels/experts.py) ----
+ *
+ * y = the sum over j = 0 .. k - 1, in that order, of w[j] * down_j(SiLU(g_j) * u_j), where g_j
+ * and u_j are the two halves of gate_up_j x, expert e = ids[j] having gate_up[e] (2I x H: its I
+ * gate rows, then its I up rows) and down[e] (H x I). One parallel region, three barriers: the
+ * gate/up rows of all k experts split over the threads; each expert's activation, group sums
+ * and digits (one expert a thread); the output rows, each summing its k products. A Python loop
+ * over the experts started the threads twice an expert. Returns 0, or -1 when scratch memory
+ * could not be had. */
+int qm_experts_one(const qm_linear *gate_up, const qm_linear *down, const int64_t *ids, const float *w, int64_t k,
+                   const float *x, float *y, int threads) {
+    int64_t H = down[ids[0]].n, I = down[ids[0]].k, wide = H > I ? H : I;
+    int64_t sums = I / 16 + I / 32 + 2, bgu = (2 * I + QM_ROWS - 1) / QM_ROWS;
+    if (threads < 1) threads = 1;
+    /* gate/up outputs (k x 2I) | activations (k x I) | their group sums | x's group sums | a row per thread */
+    size_t floats = (size_t)(k * 3 * I + k * sums + H / 16 + H / 32 + 2) + (size_t)threads * (size_t)wide;
+    float *buf = (float *)malloc(sizeof(float) * floats);
+    size_t dig_bytes = digits_bytes(wide);
+    char *dig = (char *)malloc(dig_bytes * (size_t)(k + 1) + 1);
+    qm_digits *ad = (qm_digits *)malloc(sizeof(qm_digits) * (size_t)(k + 1));
+    if (!buf || !dig || !ad) {
+        free(buf), free(dig), free(ad);
+        return -1;
+    }
+    float *gu = buf, *act = gu + k * 2 * I, *asum = act + k * I, *x16 = asum + k * sums, *x32 = x16 + H / 16 + 1;
+    float *tmps = x32 + H / 32 + 1;
+    qm_digits *xd = ad + k;
+    group_sums(x, H, x16, x32);
+    make_digits(x, H, dig + dig_bytes * (size_t)k, xd);
+
+#pragma omp parallel num_threads(threads)
+    {
+        int t = 0;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+#endif
+        float *tmp = tmps + (size_t)t * (size_t)wide;
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < k * bgu; b++) {
+            int64_t j = b / bgu, r = (b % bgu) * QM_ROWS;
+            rows_product(&gate_up[ids[j]], r, 2 * I - r, x, x16, x32, xd, tmp, gu + j * 2 * I + r);
+        }
+#pragma omp for schedule(static)
+        for (int64_t j = 0; j < k; j++) {
+            const float *g = gu + j * 2 * I;
+            float *a = act + j * I, *s16 = asum + j * sums;
+            for (int64_t i = 0; i < I; i++) a[i] = (g[i] / (1.0f + expf(-g[i]))) * g[I + i];
+            group_sums(a, I, s16, s16 + I / 16 + 1);
+            make_digits(a, I, dig + dig_bytes * (size_t)j, &ad[j]);
+        }
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < H; r += QM_ROWS) {
+            float acc[QM_ROWS] = {0}, o[QM_ROWS];
+            int64_t rows = H - r < QM_ROWS ? H - r : QM_ROWS;
+            for (int64_t j = 0; j < k; j++) {
+                const float *s16 = asum + j * sums;
+                rows_product(&down[ids[j]], r, rows, act + j * I, s16, s16 + I / 16 + 1, &ad[j], tmp, o);
+                for (int64_t i = 0; i < rows; i++) acc[i] += w[j] * o[i];
+            }
+            for (int64_t i = 0; i < rows; i++) y[r + i] = acc[i];
+        }
+    }
+    free(ad);
+    free(dig);
+    free(buf);
+    return 0;
+}
+
 /* ---- Several tokens through the same layers: a tree pass, or a chain (engine/kernels/fused_layer.py) ----
  *
  * n tokens at once, each as in qm_decode_layers, with two differences. The products decode each

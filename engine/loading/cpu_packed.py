@@ -85,17 +85,6 @@ def packs_experts(layer: nn.Module, layout: LayerLayout) -> bool:
     return bool(names) and names <= _expert_params(layer, layout)
 
 
-def _per_expert(w: QuantWeight, experts: int) -> tuple[QuantWeight, ...]:
-    """A weight of experts x rows stacked rows -> one weight per expert (views, no copy)."""
-    rows = w.out_features // experts
-
-    def cut(t: torch.Tensor | None, e: int) -> torch.Tensor | None:
-        return None if t is None else t[e * rows : (e + 1) * rows]
-
-    return tuple(QuantWeight(w.kind, w.codes[e * rows : (e + 1) * rows], w.scales[e * rows : (e + 1) * rows],
-                             cut(w.mins, e), w.group, rows, w.in_features) for e in range(experts))
-
-
 def quant_weight(blocks: torch.Tensor, qtype: int, shape: tuple[int, ...],
                  row_order: torch.Tensor | None) -> QuantWeight:
     """A tensor's GGUF bytes (rows x row bytes, flat) -> the kernel's weight, rows in the model's
@@ -157,11 +146,13 @@ def place_layer(layer: nn.Module, layout: LayerLayout, packed: torch.Tensor, unp
     for e in layout.entries:
         if e.side:
             continue
-        if e.param in experts:
-            n = e.shape[0]
+        if e.param in experts:  # expert by expert: the conversion's temporaries are one expert's, not the layer's
             a, b = e.part if e.part is not None else (0, e.shape[1])
-            weight = quant_weight(layout.view(packed, e), e.qtype, (n * (b - a), e.shape[2]), None)
-            expert_parts.setdefault(e.param, []).append(packed_experts.Part(a, b, packed=_per_expert(weight, n)))
+            raw = layout.view(packed, e)
+            per = gguf_blocks.row_bytes(e.qtype, e.shape[2]) * (b - a)
+            weights = tuple(quant_weight(raw[i * per : (i + 1) * per], e.qtype, (b - a, e.shape[2]), None)
+                            for i in range(e.shape[0]))
+            expert_parts.setdefault(e.param, []).append(packed_experts.Part(a, b, packed=weights))
         elif use_kernels and on_cpu and eligible(layer, e):
             order = unpacker.row_order(e)
             weight = quant_weight(layout.view(packed, e), e.qtype, e.shape, order)

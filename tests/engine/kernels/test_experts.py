@@ -106,3 +106,28 @@ def test_parts_must_tile_the_rows_and_transposed_experts_are_not_taken() -> None
     assert supports(module) and not supports(GptOssExperts(config))
     with pytest.raises(ValueError, match="not an experts module"):
         PackedExperts(GptOssExperts(config), gu, gu)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_one_token_takes_one_c_call_with_the_loops_result(family: str) -> None:
+    """A decode step's token runs all its experts in one C call (qm_experts_one) where the
+    module is SiLU, unbiased and each projection one packed part; it gives what the loop over
+    experts gives, to float rounding, and keeps the same routing statistics."""
+    module = experts_module(family)
+    gu = packed_parts(module.gate_up_proj.data, [(0, I, "q4"), (I, 2 * I, "q4")])
+    down = packed_parts(module.down_proj.data, [(0, H, "q8")])
+    fused, loop = PackedExperts(module, gu, down), PackedExperts(module, gu, down)
+    assert fused._fused is not None
+    loop._fused = None
+    g = torch.Generator().manual_seed(2)
+    for _ in range(5):
+        x = torch.randn(1, H, generator=g)
+        index = torch.randperm(E, generator=g)[:2][None]
+        weights = torch.rand(1, 2, generator=g)
+        with torch.no_grad():
+            want = module(x, index, weights)
+        a, b = fused(x, index, weights), loop(x, index, weights)
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max() and (a - want).abs().max() <= 1e-5 * want.abs().max()
+    assert torch.equal(fused.hits, loop.hits) and fused.last_union == loop.last_union == 2
+    unfused = PackedExperts(module, packed_parts(module.gate_up_proj.data, [(0, I, "q8"), (I, 2 * I, "q4")]), down)
+    assert unfused._fused is None  # two gate_up parts: the loop
