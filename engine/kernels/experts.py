@@ -85,7 +85,7 @@ def merged(parts: Sequence[Part], rows: int) -> list[Part]:
     for p in sorted(parts, key=lambda p: p.start):
         last = out[-1] if out else None
         if (last is not None and last.packed is not None and p.packed is not None and last.stop == p.start
-                and _same_kind(last.packed[0], p.packed[0])):
+                and same_kind(last.packed[0], p.packed[0])):
             out[-1] = Part(last.start, p.stop, packed=tuple(_stack(a, b) for a, b in zip(last.packed, p.packed, strict=True)))
         else:
             out.append(p)
@@ -94,7 +94,8 @@ def merged(parts: Sequence[Part], rows: int) -> list[Part]:
     return out
 
 
-def _same_kind(a: QuantWeight, b: QuantWeight) -> bool:
+def same_kind(a: QuantWeight, b: QuantWeight) -> bool:
+    """Whether two weights' rows can stack into one weight (one kernel call)."""
     return (a.kind == b.kind and a.group == b.group and a.in_features == b.in_features
             and a.scales.dtype == b.scales.dtype and (a.mins is None) == (b.mins is None))
 
