@@ -120,35 +120,6 @@ def _per_expert(w: QuantWeight, experts: int) -> tuple[QuantWeight, ...]:
                              cut(w.mins, e), w.group, rows, w.in_features) for e in range(experts))
 
 
-CHUNK_VALUES = 1 << 24  # values converted at a time: the conversion's temporaries are a few times this
-
-
-def _chunked_weight(blocks: torch.Tensor, qtype: int, shape: tuple[int, int]) -> QuantWeight:
-    """quant_weight of a large tensor (an MoE layer's experts: 200 M values), converted some rows
-    at a time and joined: whole, its temporaries (codes as wide integers, nibble packing) took ~1.8
-    GB over the final footprint of a 30B-A3B-shaped layer's load. Scales are kept as fp16 only if
-    every chunk's are fp16 values."""
-    rows, cols = shape
-    step = max(1, CHUNK_VALUES // cols)
-    if rows <= step:
-        return quant_weight(blocks, qtype, shape, None)
-    per_row = gguf_blocks.row_bytes(qtype, cols)
-    chunks = [quant_weight(blocks[r * per_row : min(rows, r + step) * per_row], qtype, (min(rows, r + step) - r, cols),
-                           None) for r in range(0, rows, step)]
-    half = all(c.scales.dtype == torch.float16 for c in chunks)
-
-    def joined(ts: list[torch.Tensor | None]) -> torch.Tensor | None:
-        if any(t is None for t in ts):
-            return None
-        return torch.cat([t if half else t.float() for t in ts if t is not None])
-
-    codes = torch.cat([c.codes for c in chunks])
-    scales = joined([c.scales for c in chunks])
-    assert scales is not None
-    first = chunks[0]
-    return QuantWeight(first.kind, codes, scales, joined([c.mins for c in chunks]), first.group, rows, cols)
-
-
 def quant_weight(blocks: torch.Tensor, qtype: int, shape: tuple[int, ...],
                  row_order: torch.Tensor | None) -> QuantWeight:
     """A tensor's GGUF bytes (rows x row bytes, flat) -> the kernel's weight, rows in the model's
@@ -212,7 +183,7 @@ def place_layer(layer: nn.Module, layout: LayerLayout, packed: torch.Tensor, unp
             continue
         if e.param in experts:  # the whole tensor at once: per-expert conversions fragmented the heap (+0.9 GB)
             a, b = e.part if e.part is not None else (0, e.shape[1])
-            weight = _chunked_weight(layout.view(packed, e), e.qtype, (e.shape[0] * (b - a), e.shape[2]))
+            weight = quant_weight(layout.view(packed, e), e.qtype, (e.shape[0] * (b - a), e.shape[2]), None)
             expert_parts.setdefault(e.param, []).append((a, b, weight))
         elif use_kernels and on_cpu and eligible(layer, e):
             order = unpacker.row_order(e)

@@ -131,24 +131,3 @@ def test_one_token_takes_one_c_call_with_the_loops_result(family: str) -> None:
     assert torch.equal(fused.hits, loop.hits) and fused.last_union == loop.last_union == 2
     unfused = PackedExperts(module, packed_parts(module.gate_up_proj.data, [(0, I, "q8"), (I, 2 * I, "q4")]), down)
     assert unfused._fused is None  # two gate_up parts: the loop
-
-
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0"])
-def test_a_large_experts_tensor_converts_in_chunks_to_the_same_weight(qtype: str,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """An MoE layer's experts tensor is converted some rows at a time (the temporaries of a whole
-    200 M-value tensor took ~1.8 GB): the joined weight holds the values the whole conversion does."""
-    import numpy as np
-
-    from engine.kernels.linear import dequantize
-    from engine.loading import cpu_packed
-    from engine.testing.gguf_write import Q, quantize
-
-    rows, cols = 96, 256
-    values = np.random.default_rng(0).normal(0, 0.05, (rows, cols)).astype(np.float32)
-    blocks = torch.from_numpy(quantize(values, Q[qtype]).reshape(-1).copy())
-    whole = cpu_packed.quant_weight(blocks, int(Q[qtype]), (rows, cols), None)
-    monkeypatch.setattr(cpu_packed, "CHUNK_VALUES", 40 * cols)  # chunks of 40, 40 and 16 rows
-    chunked = cpu_packed._chunked_weight(blocks, int(Q[qtype]), (rows, cols))
-    assert (chunked.kind, chunked.out_features, chunked.in_features) == (whole.kind, rows, cols)
-    assert torch.equal(dequantize(chunked), dequantize(whole))
