@@ -423,6 +423,13 @@ SYNTHETIC_GGUF_BIG: SyntheticShape = dict(hidden=4096, intermediate=11008, layer
 SYNTHETIC_GGUF_SMALL: SyntheticShape = dict(hidden=1024, intermediate=2816, layers=6, vocab=8000, heads=16, kv_heads=4)  # ~55 MB
 
 
+def synthetic_vocab() -> dict:
+    """The tiny tokenizer's vocabulary as a GGUF stores it (write_gguf pads it to a model's size)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tiny_tokenizer_files(Path(tmp))
+        return _gguf_vocab(Path(tmp), AutoTokenizer.from_pretrained(tmp, trust_remote_code=False))
+
+
 def synthetic_gguf(path: Path, hidden: int, intermediate: int, layers: int, vocab: int, heads: int, kv_heads: int,
                    layer_types: tuple[str, ...] = ("Q4_K/Q6_K",), embed_type: str = "Q4_K", head_type: str = "Q6_K",
                    seed: int = 0) -> Path:
@@ -432,9 +439,7 @@ def synthetic_gguf(path: Path, hidden: int, intermediate: int, layers: int, voca
     if path.is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        tiny_tokenizer_files(Path(tmp))
-        vocab_meta = _gguf_vocab(Path(tmp), AutoTokenizer.from_pretrained(tmp, trust_remote_code=False))
+    vocab_meta = synthetic_vocab()
     kv = kv_heads * (hidden // heads)
     shapes: dict[str, tuple[int, ...]] = {
         "input_layernorm": (hidden,), "self_attn.q_proj": (hidden, hidden), "self_attn.k_proj": (kv, hidden),

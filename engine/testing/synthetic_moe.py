@@ -19,15 +19,12 @@ meaningful to read.
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 from typing import TypedDict
 
 import numpy as np
-from transformers import AutoTokenizer
-
 from engine.testing.gguf_write import Q, random_tensor, write_gguf
-from engine.testing.synthetic import _gguf_vocab, tiny_tokenizer_files
+from engine.testing.synthetic import synthetic_vocab
 
 
 class MoEShape(TypedDict):
@@ -57,9 +54,7 @@ def synthetic_moe_gguf(path: Path, hidden: int, layers: int, vocab: int, heads: 
     if path.is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        tiny_tokenizer_files(Path(tmp))
-        vocab_meta = _gguf_vocab(Path(tmp), AutoTokenizer.from_pretrained(tmp, trust_remote_code=False))
+    vocab_meta = synthetic_vocab()
     q, kv = heads * head_dim, kv_heads * head_dim
     shapes: dict[str, tuple[int, ...]] = {
         "input_layernorm.weight": (hidden,), "self_attn.q_proj.weight": (q, hidden),
