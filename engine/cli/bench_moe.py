@@ -2,7 +2,7 @@
 routed experts run packed on the CPU (engine.kernels.experts), against N.
 
 The model is --target (an MoE GGUF) or the synthetic MoE with Qwen3-30B-A3B's layers
-(engine.testing.synthetic_moe, Q4_K_M, written on first use; --quick: the small one). Each pass
+(engine.testing.random_gguf, Q4_K_M, written on first use; --quick: the small one). Each pass
 runs N tokens after a 64-token context: the N tokens that follow the context in a prompt of
 resources/prompts (consecutive text, as a tree's first path would be). Per N, the fastest of
 --repeats passes:
@@ -32,7 +32,7 @@ from engine.errors import UsageError
 from engine.kernels.experts import PackedExperts
 from engine.loading.load import LoadedModel, load_model
 from engine.planning.moe import expert_union
-from engine.testing.synthetic_moe import SYNTHETIC_MOE, SYNTHETIC_MOE_SMALL, synthetic_moe_gguf
+from engine.testing.random_gguf import SYNTHETIC_MOE, SYNTHETIC_MOE_SMALL, synthetic_moe_gguf
 from engine.units import MIB
 
 PROMPTS = Path(__file__).resolve().parents[2] / "resources" / "prompts" / "chat.txt"

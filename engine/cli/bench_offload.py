@@ -37,14 +37,8 @@ from engine.cli import common
 from engine.kernels.experts import PackedExperts
 from engine.kernels.linear import PackedLinear
 from engine.loading.load import LoadedModel, load_model, resolve_device
-from engine.testing.synthetic import (
-    SYNTHETIC_BIG,
-    SYNTHETIC_GGUF_BIG,
-    SYNTHETIC_GGUF_SMALL,
-    SYNTHETIC_SMALL,
-    synthetic_gguf,
-    synthetic_llama,
-)
+from engine.testing.random_gguf import SYNTHETIC_GGUF_BIG, SYNTHETIC_GGUF_SMALL, synthetic_gguf
+from engine.testing.synthetic import SYNTHETIC_BIG, SYNTHETIC_SMALL, synthetic_llama
 from engine.peak_memory import peak_rss_bytes, reset_peak, rss_bytes
 from engine.threads import set_threads
 from engine.types import Offload, Quant

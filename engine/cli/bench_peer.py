@@ -10,7 +10,7 @@ names an existing build's bin folder instead.
 
 Per GGUF (default: the starter's Q4_1 file and a Q8_0 rewrite of it, engine.testing.gguf_write;
 `--synthetic`: random 1.1B models in Q4_0 and Q8_0, where memory bandwidth sets the pace; `--moe`:
-a random MoE with Qwen3-30B-A3B's layers in Q4_0 and Q4_K_M, engine.testing.synthetic_moe),
+a random MoE with Qwen3-30B-A3B's layers in Q4_0 and Q4_K_M, engine.testing.random_gguf),
 in one run and with the same thread count on both sides:
 
 - llama.cpp `llama-bench -p 0 -n N`: decode tok/s over an empty context (its headline figure);
@@ -223,7 +223,7 @@ def run_bench_peer(args: argparse.Namespace) -> int:
     if args.gguf:
         models = [(Path(g), Path(g).name) for g in args.gguf]
     elif args.moe:
-        from engine.testing.synthetic_moe import SYNTHETIC_MOE, synthetic_moe_gguf  # noqa: PLC0415
+        from engine.testing.random_gguf import SYNTHETIC_MOE, synthetic_moe_gguf  # noqa: PLC0415
 
         models = []
         for qtype, (layer, embed, head) in (("Q4_0", ("Q4_0", "Q4_0", "Q4_0")), ("Q4_K_M", ("Q4_K/Q6_K", "Q4_K", "Q6_K"))):
@@ -232,7 +232,7 @@ def run_bench_peer(args: argparse.Namespace) -> int:
                                       embed_type=embed, head_type=head)
             models.append((path, f"synthetic MoE {qtype}"))
     elif args.synthetic:
-        from engine.testing.synthetic import SYNTHETIC_1B, synthetic_gguf  # noqa: PLC0415
+        from engine.testing.random_gguf import SYNTHETIC_1B, synthetic_gguf  # noqa: PLC0415
 
         models = []
         for qtype in ("Q4_0", "Q8_0"):

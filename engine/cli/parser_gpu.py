@@ -74,7 +74,7 @@ def add_bench_gpu(kinds: argparse._SubParsersAction) -> None:
     peer.add_argument("--synthetic", action="store_true", help="random 1.1B models (TinyLlama's shape) in Q4_0 and "
                       "Q8_0, written once to the cache, instead of the starter")
     peer.add_argument("--moe", action="store_true", help="a random MoE with Qwen3-30B-A3B's layers (128 experts, "
-                      "8 routed; 8 of its 48 layers) in Q4_0 and Q4_K_M (engine.testing.synthetic_moe)")
+                      "8 routed; 8 of its 48 layers) in Q4_0 and Q4_K_M (engine.testing.random_gguf)")
     peer.add_argument("--prompts", type=Path, metavar="FILE", help="prompts file (default: resources/prompts/edit.txt)")
     peer.add_argument("--limit", type=int_at_least(1), default=None, metavar="N", help="the first N prompts only")
     peer.add_argument("--max-new-tokens", type=int_at_least(2), default=64, metavar="N", help="tokens per answer "

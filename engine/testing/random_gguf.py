@@ -1,0 +1,147 @@
+"""Random GGUF files of chosen sizes, where the bytes and their layout, not the values, set the
+pace (the benchmarks' synthetic models): a Llama (`synthetic_gguf`, TinyLlama's proportions or
+others) and a Qwen3-MoE as llama.cpp's qwen3moe stores it (`synthetic_moe_gguf`). Tensors are
+random blocks (gguf_write.random_tensor: random codes, fp16 scales setting weights of about
+0.02), written one at a time; the tokenizer is the tiny one of engine.testing.synthetic.
+
+`SYNTHETIC_MOE` has Qwen3-30B-A3B's layer (hidden 2048, 32 query and 4 K/V heads of 128, 128
+experts of width 768, 8 routed per token, its 151,936-token vocabulary) in 8 of its 48 layers,
+so it fits a small machine's RAM (about 3.6 GB in Q4_K_M); a token reads what one of the real
+model's does in 8 layers. Its router is random floats. Its routing is not spread evenly: the
+states of a random model's tokens are much alike, so consecutive tokens share most experts
+(`specchat bench offload --moe`: 64 tokens wake 21 of 128 experts a layer, where evenly spread
+routing would wake 126). A real model's union lies between the two.
+
+What this module does not do: write anything meaningful to read (engine.testing.synthetic's tiny
+models are the ones tests compare text with).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import TypedDict
+
+import numpy as np
+from transformers import AutoTokenizer
+
+from engine.testing.gguf_write import Q, random_tensor, write_gguf
+from engine.testing.synthetic import SyntheticShape, _gguf_vocab, tiny_tokenizer_files
+
+
+class MoEShape(TypedDict):
+    hidden: int
+    layers: int
+    vocab: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    experts: int
+    top_k: int
+    expert_width: int
+
+
+SYNTHETIC_MOE: MoEShape = dict(hidden=2048, layers=8, vocab=151936, heads=32, kv_heads=4, head_dim=128, experts=128,
+                               top_k=8, expert_width=768)
+# smaller proportions, at a size a test or a quick bench writes in a second
+SYNTHETIC_MOE_SMALL: MoEShape = dict(hidden=256, layers=2, vocab=4096, heads=4, kv_heads=2, head_dim=64, experts=32,
+                                     top_k=4, expert_width=256)
+
+
+def synthetic_moe_gguf(path: Path, hidden: int, layers: int, vocab: int, heads: int, kv_heads: int, head_dim: int,
+                       experts: int, top_k: int, expert_width: int, layer_types: tuple[str, ...] = ("Q4_K/Q6_K",),
+                       embed_type: str = "Q4_K", head_type: str = "Q6_K", seed: int = 0) -> Path:
+    """Write the random Qwen3-MoE GGUF (types as tiny_gguf's: "Q4_K/Q6_K" is a Q4_K_M layer, its
+    attn_v and down experts in Q6_K), one tensor in memory at a time. Idempotent."""
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    vocab_meta = synthetic_vocab()
+    q, kv = heads * head_dim, kv_heads * head_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        "input_layernorm.weight": (hidden,), "self_attn.q_proj.weight": (q, hidden),
+        "self_attn.k_proj.weight": (kv, hidden), "self_attn.v_proj.weight": (kv, hidden),
+        "self_attn.o_proj.weight": (hidden, q), "self_attn.q_norm.weight": (head_dim,),
+        "self_attn.k_norm.weight": (head_dim,), "post_attention_layernorm.weight": (hidden,),
+        "mlp.gate.weight": (experts, hidden), "mlp.experts.gate_proj": (experts, expert_width, hidden),
+        "mlp.experts.up_proj": (experts, expert_width, hidden), "mlp.experts.down_proj": (experts, hidden, expert_width)}
+    tensors: list[tuple[str, tuple[int, ...], Q]] = [("model.embed_tokens.weight", (vocab, hidden), Q[embed_type])]
+    for i in range(layers):
+        main, _, side = layer_types[i % len(layer_types)].partition("/")
+        for name, shape in shapes.items():
+            if len(shape) == 1 or name == "mlp.gate.weight":  # norms and the router: F32, as llama.cpp keeps them
+                qtype = Q.F32
+            else:
+                qtype = Q[side] if side and name in ("self_attn.v_proj.weight", "mlp.experts.down_proj") else Q[main]
+            tensors.append((f"model.layers.{i}.{name}", shape, qtype))
+    tensors += [("model.norm.weight", (hidden,), Q.F32), ("lm_head.weight", (vocab, hidden), Q[head_type])]
+    kinds = {name: (shape, qtype) for name, shape, qtype in tensors}
+    rng = np.random.default_rng(seed)
+
+    def value(name: str) -> np.ndarray:
+        shape, qtype = kinds[name]
+        if name.endswith("mlp.gate.weight"):  # the router: random floats
+            return rng.normal(0.0, 1.0 / np.sqrt(hidden), shape).astype(np.float32)
+        return random_tensor(qtype, shape, rng)
+
+    config = dict(hidden_size=hidden, intermediate_size=experts * expert_width // top_k, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                  max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=1_000_000.0, vocab_size=vocab,
+                  num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=expert_width)
+    part = path.with_name(path.name + ".part")
+    write_gguf(part, "qwen3moe", config, vocab_meta, tensors, value, name=path.stem)
+    os.replace(part, path)
+    return path
+
+
+# TinyLlama-1.1B's proportions: where memory bandwidth, not the interpreter, sets a CPU's pace (bench peer)
+SYNTHETIC_1B: SyntheticShape = dict(hidden=2048, intermediate=5632, layers=22, vocab=32000, heads=32, kv_heads=4)
+SYNTHETIC_GGUF_BIG: SyntheticShape = dict(hidden=4096, intermediate=11008, layers=12, vocab=32000, heads=32, kv_heads=8)  # ~1.5 GB
+SYNTHETIC_GGUF_SMALL: SyntheticShape = dict(hidden=1024, intermediate=2816, layers=6, vocab=8000, heads=16, kv_heads=4)  # ~55 MB
+
+
+def synthetic_vocab() -> dict:
+    """The tiny tokenizer's vocabulary as a GGUF stores it (write_gguf pads it to a model's size)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tiny_tokenizer_files(Path(tmp))
+        return _gguf_vocab(Path(tmp), AutoTokenizer.from_pretrained(tmp, trust_remote_code=False))
+
+
+def synthetic_gguf(path: Path, hidden: int, intermediate: int, layers: int, vocab: int, heads: int, kv_heads: int,
+                   layer_types: tuple[str, ...] = ("Q4_K/Q6_K",), embed_type: str = "Q4_K", head_type: str = "Q6_K",
+                   seed: int = 0) -> Path:
+    """A random Llama GGUF of a chosen size (types as in tiny_gguf; the default is a Q4_K_M
+    file), of random blocks: weights of a sane magnitude whose values mean nothing, written
+    as fast as random bytes, one tensor in memory at a time. Idempotent."""
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    vocab_meta = synthetic_vocab()
+    kv = kv_heads * (hidden // heads)
+    shapes: dict[str, tuple[int, ...]] = {
+        "input_layernorm": (hidden,), "self_attn.q_proj": (hidden, hidden), "self_attn.k_proj": (kv, hidden),
+        "self_attn.v_proj": (kv, hidden), "self_attn.o_proj": (hidden, hidden),
+        "post_attention_layernorm": (hidden,), "mlp.gate_proj": (intermediate, hidden),
+        "mlp.up_proj": (intermediate, hidden), "mlp.down_proj": (hidden, intermediate)}
+    tensors: list[tuple[str, tuple[int, ...], Q]] = [("model.embed_tokens.weight", (vocab, hidden), Q[embed_type])]
+    for i in range(layers):
+        main, _, side = layer_types[i % len(layer_types)].partition("/")
+        for name, shape in shapes.items():
+            qtype = Q.F32 if len(shape) == 1 else Q[side] if side and name in ("self_attn.v_proj", "mlp.down_proj") \
+                else Q[main]
+            tensors.append((f"model.layers.{i}.{name}.weight", shape, qtype))
+    tensors += [("model.norm.weight", (hidden,), Q.F32), ("lm_head.weight", (vocab, hidden), Q[head_type])]
+    kinds = {name: (shape, qtype) for name, shape, qtype in tensors}
+    rng = np.random.default_rng(seed)
+
+    def value(name: str) -> np.ndarray:
+        return random_tensor(kinds[name][1], kinds[name][0], rng)
+
+    config = dict(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096,
+                  rms_norm_eps=1e-5, rope_theta=10000.0, vocab_size=vocab)
+    part = path.with_name(path.name + ".part")
+    write_gguf(part, "llama", config, vocab_meta, tensors, value, name=path.stem)
+    os.replace(part, path)
+    return path
