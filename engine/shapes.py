@@ -10,12 +10,18 @@ keeps a fixed-size state instead (plus its snapshots at turn ends, and per pendi
 the inputs a replay needs). `ModelShape.kv_bytes(context, tree, dtype_bytes)` is the one
 figure the planner and the memory checks use; a 128k context on a Gemma 3 is mostly windowed
 layers, a fraction of the every-layer-keeps-everything figure.
+
+A mixture-of-experts model's layer stores every routed expert but a token reads only its top-k
+(`ExpertShape`): the layer's parameters (what is stored, moved and held) count them all, while
+what a pass reads and computes is its always-on part (attention, router, shared experts, a dense
+MLP beside the experts) plus the union of the experts its tokens route to
+(engine.planning.moe.expert_union).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 # how decoder layers are kept and streamed: 16-bit, NF4, a GGUF file's own blocks, int4 AWQ/GPTQ
@@ -85,6 +91,40 @@ class CacheLayer:
 
 
 @dataclass(frozen=True)
+class ExpertShape:
+    """The routed experts of an MoE model: `experts` per layer, `top_k` of them per token, each a
+    gated MLP of `width` (gate, up and down: 3 x hidden x width weights), in `moe_layers` of the
+    model's layers (the others, e.g. GLM-4.5's first_k_dense_replace, have a dense MLP)."""
+
+    experts: int
+    top_k: int
+    width: int
+    moe_layers: int
+
+    @staticmethod
+    def from_config(config: Mapping[str, Any] | Any) -> ExpertShape | None:
+        """The routed experts a transformers config or config.json dict describes, None for a
+        dense model. Reads each family's names: num_experts / num_local_experts / n_routed_experts,
+        num_experts_per_tok / top_k_experts, moe_intermediate_size (else intermediate_size: Mixtral,
+        gpt-oss), and which layers are dense (first_k_dense_replace, mlp_only_layers,
+        decoder_sparse_step)."""
+        def get(key: str) -> Any:
+            return config.get(key) if isinstance(config, Mapping) else getattr(config, key, None)
+
+        experts = int(get("num_experts") or get("num_local_experts") or get("n_routed_experts") or 0)
+        top_k = int(get("num_experts_per_tok") or get("top_k_experts") or 0)
+        if experts <= 1 or top_k <= 0 or get("enable_moe_block") is False:  # Gemma 4 without its experts
+            return None
+        width = int(get("moe_intermediate_size") or get("intermediate_size") or 0)
+        layers = int(get("num_hidden_layers"))
+        dense = set(get("mlp_only_layers") or ())
+        step = int(get("decoder_sparse_step") or 1)
+        first_dense = int(get("first_k_dense_replace") or 0)
+        moe = [i for i in range(layers) if i not in dense and i >= first_dense and (i + 1) % step == 0]
+        return ExpertShape(experts, min(top_k, experts), width, len(moe)) if width and moe else None
+
+
+@dataclass(frozen=True)
 class ModelShape:
     """What the engine and the cost model need of a decoder-only model: its decoder layer, how
     many, the vocabulary (rows of the output head), and what each layer's cache keeps
@@ -96,6 +136,7 @@ class ModelShape:
     layer: LayerShape
     vocab_size: int
     cache_layers: tuple[CacheLayer, ...] = ()
+    experts: ExpertShape | None = None
 
     @property
     def hidden_size(self) -> int:
@@ -121,6 +162,60 @@ class ModelShape:
     def params(self) -> int:
         """Decoder layers plus embeddings and head (counted twice: untied is the common case)."""
         return self.num_layers * self.layer_params + 2 * self.head_params
+
+    # ---- mixtures of experts (all per decoder layer, averaged over the layers) ----
+    @property
+    def expert_params(self) -> int:
+        """One routed expert's weights (gate, up, down); 0 for a dense model."""
+        return 3 * self.hidden_size * self.experts.width if self.experts else 0
+
+    @property
+    def moe_fraction(self) -> float:
+        """Share of the decoder layers that route to experts."""
+        return self.experts.moe_layers / self.num_layers if self.experts else 0.0
+
+    @property
+    def routed_params(self) -> int:
+        """A layer's routed experts' weights, all of them (a layer's average)."""
+        return int(self.moe_fraction * self.experts.experts * self.expert_params) if self.experts else 0
+
+    @property
+    def always_params(self) -> int:
+        """What every token of a layer reads besides its routed experts: attention, norms, router,
+        shared experts, dense MLPs (all of `layer_params` for a dense model)."""
+        return self.layer_params - self.routed_params
+
+    def union_params(self, tokens: int, union: float | None = None) -> int:
+        """A layer's weights a pass over `tokens` tokens reads: the always-on part and the union
+        of the experts they route to (`union` experts per MoE layer; default the prior
+        engine.planning.moe.expert_union); the whole layer for a dense model."""
+        if self.experts is None:
+            return self.layer_params
+        if union is None:
+            from engine.planning.moe import expert_union  # noqa: PLC0415 - pure arithmetic, no cycle at import
+
+            union = expert_union(tokens, self.experts.experts, self.experts.top_k)
+        return self.always_params + int(self.moe_fraction * union * self.expert_params)
+
+    @property
+    def active_params(self) -> int:
+        """A layer's weights one token reads (its top-k experts): union_params(1)."""
+        if self.experts is None:
+            return self.layer_params
+        return self.always_params + int(self.moe_fraction * self.experts.top_k * self.expert_params)
+
+    @property
+    def activation_width(self) -> int:
+        """The MLP width a token's activations take: the dense width, or for an MoE its top-k
+        experts' and its always-on MLPs' (not every expert's, which `layer.intermediate_size`
+        counts to size the stored layer)."""
+        if self.experts is None:
+            return self.layer.intermediate_size
+        always_mlp = (self.always_params - self._attention_params()) // (3 * self.hidden_size)
+        return max(0, always_mlp) + self.experts.top_k * self.experts.width
+
+    def _attention_params(self) -> int:
+        return replace(self.layer, intermediate_size=0).params
 
     @property
     def caches(self) -> tuple[CacheLayer, ...]:
@@ -161,14 +256,26 @@ class ModelShape:
         caches = cache_layers_of(config, name)  # first: it opens Gemma 4's per-layer fields to get()
         heads = int(get("num_attention_heads"))
         hidden = int(get("hidden_size"))
-        width = get("intermediate_size")
-        if width is None and get("moe_intermediate_size"):  # an MoE layer with no dense width (Qwen3.5-MoE):
-            # every expert's width and the shared expert's, so its bytes are the layer's
-            experts = int(get("num_experts") or get("num_local_experts") or 1)
-            width = experts * int(get("moe_intermediate_size")) + int(get("shared_expert_intermediate_size") or 0)
-        layer = LayerShape(name, hidden, int(width), heads,
+        layers = int(get("num_hidden_layers"))
+        experts = ExpertShape.from_config(config)
+        width = int(get("intermediate_size") or 0)
+        if experts is not None:  # the stored layer's MLP width, averaged over the layers
+            width = _moe_width(get, experts, layers, width)
+        layer = LayerShape(name, hidden, width, heads,
                            int(get("num_key_value_heads") or heads), int(get("head_dim") or hidden // heads))
-        return ModelShape(name, int(get("num_hidden_layers")), layer, int(get("vocab_size")), caches)
+        return ModelShape(name, layers, layer, int(get("vocab_size")), caches, experts)
+
+
+def _moe_width(get: Any, experts: ExpertShape, layers: int, dense_width: int) -> int:
+    """The width of a dense MLP with the weights an MoE model's layer stores, averaged over its
+    layers: in an MoE layer every routed expert, the router (hidden x experts: a third of a
+    width each), shared experts (Qwen's shared_expert_intermediate_size, DeepSeek/GLM's
+    n_shared_experts x the expert width) and a dense MLP beside the experts (Gemma 4); in a
+    dense layer its intermediate_size."""
+    shared = int(get("shared_expert_intermediate_size") or 0) + int(get("n_shared_experts") or 0) * experts.width
+    beside = dense_width if get("enable_moe_block") else 0  # Gemma 4 runs its MLP and the experts
+    moe_layer = experts.experts * experts.width + shared + beside + -(-experts.experts // 3)
+    return round((experts.moe_layers * moe_layer + (layers - experts.moe_layers) * dense_width) / layers)
 
 
 @dataclass(frozen=True)

@@ -12,10 +12,14 @@ resources/prompts (consecutive text, as a tree's first path would be). Per N, th
 - u(N): experts woken per MoE layer (mean over layers), measured, beside the planner's prior
   (engine.planning.moe.expert_union: routing spread evenly);
 - expert MB: the routed experts' bytes the pass read (u(N) x bytes per expert x layers), and the
-  seconds per token of the pass.
+  seconds per token of the pass;
+- model s: the experts' seconds by the cost model's formula (profile.ExpertTiming, timed here on
+  random experts of Qwen3-30B-A3B's shape: `specchat bench hardware` keeps the same figure) with
+  the measured u(N) and this model's bytes per expert: the formula against the measurement;
+- planner s: what the planner prices them at before anything of the model was measured (the
+  prior u(N), KERNEL_EXPERT_BYTES_PER_PARAM).
 
-What this module does not do: place experts on a GPU (not built yet), or price trees in the
-planner (the prior is there; the engine's online cost model measures passes as they run).
+What this module does not do: place experts on a GPU (not built yet).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -31,7 +36,12 @@ from engine import paths
 from engine.errors import UsageError
 from engine.kernels.experts import PackedExperts
 from engine.loading.load import LoadedModel, load_model
+from engine.planning import planner
+from engine.planning.measure import expert_timing
 from engine.planning.moe import expert_union
+from engine.planning.profile import ExpertTiming, HardwareProfile
+from engine.planning.reference import reference_profile
+from engine.shapes import ModelShape
 from engine.testing.random_gguf import SYNTHETIC_MOE, SYNTHETIC_MOE_SMALL, synthetic_moe_gguf
 from engine.units import MIB
 
@@ -52,7 +62,10 @@ def prompt_ids(loaded: LoadedModel, need: int) -> list[int]:
     return ids[:need]
 
 
-def run_moe_table(loaded: LoadedModel, budgets: list[int], repeats: int) -> list[dict]:
+def run_moe_table(loaded: LoadedModel, budgets: list[int], repeats: int,
+                  profile: HardwareProfile | None = None) -> list[dict]:
+    """One row per N of `budgets`; `profile`: a hardware profile whose ExpertTiming prices the
+    experts (default: timed now)."""
     experts = experts_of(loaded)
     if not experts:
         raise UsageError("The model has no routed experts the packed CPU kernel runs (an MoE GGUF in Q4_0, Q4_1, "
@@ -71,6 +84,8 @@ def run_moe_table(loaded: LoadedModel, budgets: list[int], repeats: int) -> list
     cache = model.new_cache(CONTEXT + max(budgets) + 8)
     num_experts, top_k = experts[0].num_experts, int(getattr(model.hf_model.config, "num_experts_per_tok", 0) or 0)
     per_expert = statistics.mean(e.nbytes / e.num_experts for e in experts)
+    shape = ModelShape.from_config(model.hf_model.config)
+    timing = profile.cpu_experts if profile is not None and profile.cpu_experts is not None else expert_timing()
     rows = []
     try:
         with torch.inference_mode():
@@ -88,13 +103,23 @@ def run_moe_table(loaded: LoadedModel, budgets: list[int], repeats: int) -> list
                         best = (seconds, spent[0], union)
                 assert best is not None
                 seconds, expert_s, union = best
+                modelled = planned = float("nan")
+                if timing is not None:
+                    modelled = len(experts) * timing.seconds(union, n * top_k, shape.expert_params, int(per_expert))
+                    planned = shape.num_layers * planner.expert_seconds(_with(timing), shape, n)
                 rows.append({"tokens": n, "pass_s": seconds, "expert_s": expert_s, "union": union,
                              "prior": expert_union(n, num_experts, top_k),
-                             "expert_mb": union * per_expert * len(experts) / MIB, "s_per_token": seconds / n})
+                             "expert_mb": union * per_expert * len(experts) / MIB, "s_per_token": seconds / n,
+                             "model_s": modelled, "planner_s": planned})
     finally:
         for h in hooks:
             h.remove()
     return rows
+
+
+def _with(timing: ExpertTiming) -> HardwareProfile:
+    """A stand-in profile that holds `timing` (planner.expert_seconds reads nothing else of it)."""
+    return replace(reference_profile(), gpus=(), cpu_experts=timing)
 
 
 def format_moe_table(name: str, loaded: LoadedModel, rows: list[dict]) -> str:
@@ -104,12 +129,15 @@ def format_moe_table(name: str, loaded: LoadedModel, rows: list[dict]) -> str:
              f"{getattr(cfg, 'num_experts_per_tok', '?')} routed per token, "
              f"{statistics.mean(e.nbytes / e.num_experts for e in experts) / MIB:.2f} MiB per expert (packed, CPU)",
              f"{'tokens':>6} {'pass s':>8} {'expert s':>9} {'share':>6} {'u(N)':>7} {'prior':>7} {'expert MB':>10} "
-             f"{'s/token':>8}"]
+             f"{'s/token':>8} {'model s':>8} {'planner s':>9}"]
     for r in rows:
         lines.append(f"{r['tokens']:>6} {r['pass_s']:>8.4f} {r['expert_s']:>9.4f} {r['expert_s'] / r['pass_s']:>6.0%} "
-                     f"{r['union']:>7.1f} {r['prior']:>7.1f} {r['expert_mb']:>10.1f} {r['s_per_token']:>8.4f}")
+                     f"{r['union']:>7.1f} {r['prior']:>7.1f} {r['expert_mb']:>10.1f} {r['s_per_token']:>8.4f} "
+                     f"{r['model_s']:>8.4f} {r['planner_s']:>9.4f}")
     lines.append("u(N): experts woken per layer, measured on consecutive prompt tokens; prior: the planner's, "
-                 "routing spread evenly (engine.planning.moe)")
+                 "routing spread evenly (engine.planning.moe); model s: the experts' seconds by the cost "
+                 "model with the measured u(N) and this model's bytes; planner s: with the prior u(N) and its "
+                 "assumed bytes per weight")
     return "\n".join(lines)
 
 

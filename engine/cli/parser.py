@@ -341,8 +341,12 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
 
     plan = kinds.add_parser("plan", help="predicted tok/s per budget for a catalog pair on a profile",
                             description="The planner's prediction for a catalog target/draft pair on a saved "
-                            "profile (--profile) or a reference GPU from datasheet figures (--gpu).")
-    plan.add_argument("--target", required=True, metavar="ID", help="catalog id, e.g. llama-3.1-70b-instruct")
+                            "profile (--profile) or a reference GPU from datasheet figures (--gpu); with --moe, "
+                            "its projection for an MoE model on reference machines.")
+    plan.add_argument("--target", metavar="ID", help="catalog id, e.g. llama-3.1-70b-instruct (needed unless --moe)")
+    plan.add_argument("--moe", action="store_true",
+                      help="print the labelled MoE projection instead: Qwen3.6-35B-A3B with its experts on the CPU "
+                      "beside a 16 GB and an 8 GB reference GPU, against llama.cpp's published figure")
     plan.add_argument("--draft", metavar="ID", help="catalog id of the draft (none: autoregressive only)")
     where = plan.add_mutually_exclusive_group()
     where.add_argument("--profile", type=Path, metavar="FILE", help="a saved profile (default: this machine's)")

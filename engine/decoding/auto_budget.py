@@ -146,7 +146,7 @@ def budgets_that_fit(engine: Engine, request: GenerationRequest, free: int,
 
     def need(shape: ModelShape, budget: int) -> int:
         layer = shape.layer
-        act = activation_bytes(budget, tokens + budget, layer.hidden_size, layer.intermediate_size,
+        act = activation_bytes(budget, tokens + budget, layer.hidden_size, shape.activation_width,
                                layer.num_attention_heads, shape.vocab_size, esize)
         return act + shape.kv_bytes(tokens, 4 * budget, esize)  # each layer by its kind (engine.shapes)
 

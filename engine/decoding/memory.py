@@ -37,7 +37,7 @@ def generation_bytes(target: ModelShape, draft: ModelShape | None, dtype_bytes: 
     context = prompt + max_new + 8
     target_tokens = context + budget
     need = target.kv_bytes(context, budget, dtype_bytes)
-    need += budget * (6 * target.hidden_size + 3 * target.layer.intermediate_size) * dtype_bytes
+    need += budget * (6 * target.hidden_size + 3 * target.activation_width) * dtype_bytes
     need += budget * target_tokens * dtype_bytes + budget * target.vocab_size * 4
     if draft is not None:
         need += draft.kv_bytes(context, 4 * budget, dtype_bytes)

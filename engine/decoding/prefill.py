@@ -52,7 +52,7 @@ def prefill(model: CausalLM, cache: KVCache, ids: list[int], leave_room: int | N
     reads the target's: head_draft.HeadCache.observe)."""
     shape = model.shape
     size = tokens_per_pass(model.free_memory(), cache.length + len(ids), shape.hidden_size,
-                           shape.layer.intermediate_size, shape.layer.num_attention_heads, model.dtype.itemsize)
+                           shape.activation_width, shape.layer.num_attention_heads, model.dtype.itemsize)
     if chunk is not None:
         size = min(size, chunk)
     most, room, adapt = size, size, model.device.type == "cpu"

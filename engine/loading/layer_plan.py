@@ -143,7 +143,7 @@ def plan_layers(hf: PreTrainedModel, layouts: LayerLayout | list[LayerLayout], s
     kv_per_token = kv_bytes_per_token(num_layers, cfg.num_key_value_heads, head_dim, esize)
     try:  # each layer's cache by its kind (windows, linear states, shared K/V: engine.shapes)
         shape = ModelShape.from_config(cfg)
-        kv, width = shape.kv_bytes(context, settings.max_budget, esize), shape.layer.intermediate_size
+        kv, width = shape.kv_bytes(context, settings.max_budget, esize), shape.activation_width
     except (UnsupportedModel, TypeError, ValueError):  # a config the table does not describe: every layer full
         kv, width = kv_per_token * context, int(getattr(cfg, "intermediate_size", 0) or 4 * cfg.hidden_size)
     needs = MemoryNeeds(

@@ -4,9 +4,11 @@ Measured: OS, CPU model and cores, RAM total/available and multi-threaded copy b
 speed of the models folder's disk (a fresh file, dropped from the page cache where the OS allows);
 per GPU (torch + NVML): name, VRAM total/free, PCIe generation and width (idle, during a copy,
 and maximum), pinned and pageable host-to-device bandwidth, device memory bandwidth, fp16/bf16
-matmul rate, whether a copy overlaps a matmul; and the timing curve of one real decoder layer
+matmul rate, whether a copy overlaps a matmul; the timing curve of one real decoder layer
 (transformers' own LlamaDecoderLayer) of a given shape over tree sizes of 1..2048 tokens, on
-the device that would run it (the GPU if there is one, else the CPU at fp32).
+the device that would run it (the GPU if there is one, else the CPU at fp32); and the packed
+CPU kernel on MoE experts (ExpertTiming: where an MoE's experts run on the CPU, with or
+without a GPU).
 
 On CPU a 70B-shaped layer is 3.4 GB at fp32 and slow, so only a few token counts are measured
 (1, 4, 16, 64, 128) and the rest is extrapolated with the slope of the last two measured points
@@ -47,6 +49,7 @@ from engine.planning.profile import (
     GPU_TOKENS,
     LAYER_SHAPES,
     PROFILE_VERSION,
+    ExpertTiming,
     GpuProfile,
     HardwareProfile,
     LayerTiming,
@@ -81,7 +84,7 @@ def measure_hardware(progress: Progress | None = None, cancel: threading.Event |
     tiny layer). Raises Cancelled when `cancel` is set (checked between steps)."""
     t_start = time.perf_counter()
     cuda = torch.cuda.is_available()
-    step = _Steps(progress, cancel, total=10.0)
+    step = _Steps(progress, cancel, total=11.0)
     step(0.5, "reading system information")
     vm = psutil.virtual_memory()
     step(0.5, "measuring RAM copy bandwidth")
@@ -105,6 +108,8 @@ def measure_hardware(progress: Progress | None = None, cancel: threading.Event |
     step(0.5, f"building one {shape.name} decoder layer")
     timing = _layer_timing(shape, "cuda:0" if cuda else "cpu", tokens,
                            lambda frac, msg: step(5.5 / len(tokens), msg))
+    step(1.0, "timing MoE experts on the CPU")
+    experts = expert_timing(16 if quick else 64)
     profile = HardwareProfile(
         version=PROFILE_VERSION,
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -123,6 +128,7 @@ def measure_hardware(progress: Progress | None = None, cancel: threading.Event |
         layer_timing=timing,
         measure_seconds=time.perf_counter() - t_start,
         quick=quick,
+        cpu_experts=experts,
     )
     profile = replace(profile, warnings=tuple(profile_warnings(profile)))
     if progress is not None:
@@ -155,6 +161,40 @@ def _keep_busy(fn: Callable[[], None], seconds: float) -> None:
     fn()
     while time.perf_counter() < end:
         fn()
+
+
+EXPERT_HIDDEN, EXPERT_WIDTH, EXPERT_TOP_K = 2048, 768, 8  # Qwen3-30B-A3B's experts
+
+
+def expert_timing(experts: int = 64, tokens: int = 8, repeats: int = 3) -> ExpertTiming | None:
+    """Time the packed CPU kernel on `experts` random 4-bit experts (more bytes than a CPU's
+    caches hold at 64: each call reads from RAM, as a model's experts are): one token through
+    EXPERT_TOP_K of them, the next call the next EXPERT_TOP_K, and `tokens` tokens through the
+    same EXPERT_TOP_K. None when the kernel cannot be built here (the experts then run
+    de-quantised, which the planner prices as dense layers)."""
+    from engine.kernels import linear  # noqa: PLC0415 - builds the C kernel on first use
+    from engine.kernels.build import kernels  # noqa: PLC0415
+
+    if kernels() is None:
+        return None
+    gen = torch.Generator().manual_seed(0)
+    bank = [(linear.from_dense(torch.randn(2 * EXPERT_WIDTH, EXPERT_HIDDEN, generator=gen), "q4"),
+             linear.from_dense(torch.randn(EXPERT_HIDDEN, EXPERT_WIDTH, generator=gen), "q4")) for _ in range(experts)]
+    groups = [bank[i:i + EXPERT_TOP_K] for i in range(0, experts - EXPERT_TOP_K + 1, EXPERT_TOP_K)]
+
+    def run(x: torch.Tensor, group: list[tuple[linear.QuantWeight, linear.QuantWeight]]) -> None:
+        for gate_up, down in group:
+            g, u = linear.qlinear(x, gate_up).chunk(2, dim=-1)
+            linear.qlinear(torch.nn.functional.silu(g) * u, down)
+
+    one, many = torch.randn(1, EXPERT_HIDDEN, generator=gen), torch.randn(tokens, EXPERT_HIDDEN, generator=gen)
+    t_one = min(_best_of(lambda g=g: run(one, g), 1) for g in groups * repeats)  # type: ignore[misc]
+    t_many = min(_best_of(lambda g=g: run(many, g), 1) for g in groups * repeats)  # type: ignore[misc]
+    params = 3 * EXPERT_HIDDEN * EXPERT_WIDTH
+    nbytes = bank[0][0].nbytes + bank[0][1].nbytes
+    extra_rows = EXPERT_TOP_K * (tokens - 1)
+    return ExpertTiming(params, nbytes, EXPERT_TOP_K * nbytes / t_one / GB,
+                        max(t_many - t_one, 0.0) / (extra_rows * params), torch.get_num_threads())
 
 
 def _ram_copy_gbps(nbytes: int) -> float:

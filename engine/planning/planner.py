@@ -14,6 +14,15 @@ Cost model of one speculation step with budget B and depth D (n = B + 1 tree tok
   (NF4, GGUF blocks, AWQ/GPTQ int4) before its matmuls: at the GPU's memory speed there, at
   CPU_UNPACK_S_PER_PARAM on a CPU, where it is most of the pass (the format that runs is
   priced, not a dense stand-in for it).
+- An MoE target's layer (ModelShape.experts) reads its always-on part (attention, router, shared
+  experts) and the union of the experts the pass's tokens route to: u(N), the prior
+  engine.planning.moe.expert_union, rising from top_k at one token towards every expert. With
+  the experts on the CPU (the packed kernel, alone or beside a GPU: Placement.resident_form
+  "kernel" or "experts-cpu") they cost the profile's ExpertTiming: u(N) experts read at its
+  GB/s plus each further (token, expert) row's compute; beside a GPU they run after the layer's
+  GPU part (no overlap yet) plus a synchronisation. Elsewhere the union is read and each token
+  computes its top-k. A tree's price grows with u(N), not N, and the budget that pays is
+  often small.
 - T_draft = draft passes per step x one draft pass over default_expand_per_pass(B) nodes (the
   drafter's batch); the draft is resident.
 - a(B, D), expected tokens per target pass, and the draft passes per step: the acceptance
@@ -32,8 +41,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from engine.planning.calibration import AcceptanceCurve
+from engine.planning.moe import expert_union
 from engine.planning.placement import MemoryNeeds, activation_bytes, plan_placement
-from engine.planning.profile import HardwareProfile
+from engine.planning.profile import ExpertTiming, HardwareProfile
 from engine.store.catalog import CatalogModel
 from engine.shapes import ModelShape, Packing, Placement
 from engine.types import DecodeMode, Fit, PassRecord, default_expand_per_pass
@@ -54,6 +64,15 @@ PACKED_BYTES_PER_PARAM = {"nf4": NF4_BYTES_PER_PARAM, "gguf": 0.6, "awq": 0.53, 
 # The packed CPU kernel's time per token beyond the first against an fp32 product's, once its
 # weights are read (`python scripts/bench_qmatmul.py`, 2 threads: 1.4x at 16-64 rows).
 KERNEL_TOKEN_RATIO = 1.4
+# What the packed CPU kernel holds per weight of a GGUF's routed experts (Q4_K_M: Q4_K gate and up
+# with fp32 scales and minimums per 32, 0.75; its down Q6_K, held as int8 + fp32 scales per 16,
+# 1.25, on about half the layers and Q4_K on the rest): 0.83.
+KERNEL_EXPERT_BYTES_PER_PARAM = 0.83
+# Priors for a profile without an ExpertTiming (measured before SpecChat timed experts): a
+# further token's expert row, per weight (this project's 2-core CPU at 2 threads, `specchat bench
+# hardware`: 2.3e-11), and the experts read at the RAM copy rate.
+EXPERT_ROW_S_PER_PARAM = 2.3e-11
+EXPERTS_SYNC_S = 1e-4  # per MoE layer and pass, experts on the CPU beside a GPU: states over, the sum back
 HOST_MARGIN_BYTES = 2 * GB  # RAM left to the OS and the app when predicting a placement
 PREDICTED_CONTEXT = 4096  # KV cache a prediction reserves room for
 PREDICTED_BUDGET = 512  # tree activations a prediction reserves room for
@@ -79,18 +98,59 @@ def compute_seconds(profile: HardwareProfile, params: int, tokens: int, quant: s
         read = params * PACKED_BYTES_PER_PARAM[quant] / timing.memory_bandwidth
         more = max(0.0, timing.scaled_seconds(params, tokens) - timing.scaled_seconds(params, 1))
         return timing.overhead_s + read + KERNEL_TOKEN_RATIO * more
-    t = timing.scaled_seconds(params, tokens)
-    if quant in CPU_UNPACK_S_PER_PARAM and not form:
-        if profile.gpu is not None:
-            t += 2 * params / (profile.gpu.device_memory_gbps * GB)  # to 16-bit, at VRAM speed
-        else:
-            t += params * CPU_UNPACK_S_PER_PARAM[quant]
-    return t
+    return timing.scaled_seconds(params, tokens) + unpack_seconds(profile, params, quant, form)
+
+
+def unpack_seconds(profile: HardwareProfile, params: int, quant: str, form: str = "") -> float:
+    """De-quantising `params` packed weights, as a pass does for layers kept packed and run
+    de-quantised (`form` ""): to 16-bit at VRAM speed on a GPU, at CPU_UNPACK_S_PER_PARAM on a CPU."""
+    if quant not in CPU_UNPACK_S_PER_PARAM or form:
+        return 0.0
+    if profile.gpu is not None:
+        return 2 * params / (profile.gpu.device_memory_gbps * GB)
+    return params * CPU_UNPACK_S_PER_PARAM[quant]
+
+
+def cpu_experts(profile: HardwareProfile) -> ExpertTiming:
+    """The profile's measured packed-expert timing, or a prior from its RAM speed."""
+    if profile.cpu_experts is not None:
+        return profile.cpu_experts
+    gbps = profile.ram_copy_gbps if profile.gpu is not None else profile.layer_timing.memory_bandwidth / GB
+    return ExpertTiming(1, 1, gbps, EXPERT_ROW_S_PER_PARAM, profile.torch_threads)
+
+
+def expert_seconds(profile: HardwareProfile, target: ModelShape, tokens: int, union: float | None = None) -> float:
+    """The routed experts of one (average) decoder layer run by the packed CPU kernel over
+    `tokens` tokens waking `union` experts (default: the prior u(N))."""
+    ex = target.experts
+    if ex is None or tokens <= 0:
+        return 0.0
+    u = union if union is not None else expert_union(tokens, ex.experts, ex.top_k)
+    nbytes = int(target.expert_params * KERNEL_EXPERT_BYTES_PER_PARAM)
+    return target.moe_fraction * cpu_experts(profile).seconds(u, tokens * ex.top_k, target.expert_params, nbytes)
+
+
+def layer_seconds(profile: HardwareProfile, target: ModelShape, placement: Placement, tokens: int) -> float:
+    """One decoder layer's compute over `tokens` tokens as `placement` runs it (its weights'
+    copy over a link is priced by target_pass_seconds)."""
+    quant, form = placement.quant, placement.resident_form
+    if target.experts is None:
+        return compute_seconds(profile, target.layer_params, tokens, quant, form)
+    if form == "experts-cpu" or (form == "kernel" and profile.gpu is None):
+        always = compute_seconds(profile, target.always_params, tokens, quant,
+                                 "dequantised" if form == "experts-cpu" else form)
+        sync = target.moe_fraction * EXPERTS_SYNC_S if form == "experts-cpu" else 0.0
+        return always + expert_seconds(profile, target, tokens) + sync
+    # the experts de-quantised where they live: the union read once, each token computing its top-k
+    timing, active = profile.layer_timing, target.active_params
+    return (timing.scaled_seconds(target.union_params(tokens), 1)
+            + timing.scaled_seconds(active, tokens) - timing.scaled_seconds(active, 1)
+            + unpack_seconds(profile, target.layer_params, quant, form))  # the whole layer, when a pass unpacks it
 
 
 def target_pass_seconds(profile: HardwareProfile, target: ModelShape, placement: Placement, tokens: int) -> float:
     """One target pass over `tokens` tree tokens (the decoder layers; the head is separate)."""
-    compute = compute_seconds(profile, target.layer_params, tokens, placement.quant, placement.resident_form)
+    compute = layer_seconds(profile, target, placement, tokens)
     total = placement.gpu_layers * compute
     gpu = profile.gpu
     if placement.ram_layers:
@@ -233,7 +293,22 @@ def estimate_placement(profile: HardwareProfile, target: ModelShape, quant: Pack
                                host_free=host_free)
     if device == "cpu" and quant == "gguf":  # its Linear weights stay packed for the CPU kernel (cpu_packed)
         placement = replace(placement, resident_form="kernel")
+    elif placement.gpu_layers < target.num_layers and quant == "gguf" and target.experts is not None:
+        placement = _experts_on_cpu(target, placement, needs, context_length, device_free, host_free)
     return placement
+
+
+def _experts_on_cpu(target: ModelShape, streamed: Placement, needs: MemoryNeeds, context_length: int,
+                    device_free: int, host_free: int) -> Placement:
+    """An MoE GGUF too big for the GPU, as the loader's `--experts auto` places it
+    (engine.loading.layer_plan.experts_on_cpu): everything but the routed experts on the GPU
+    (16-bit), the experts packed in RAM for the CPU kernel, when both fit; else `streamed`."""
+    gpu_bytes = target.num_layers * target.always_params * 2 + needs.fixed + needs.kv_at(context_length) \
+        + needs.activations + GB
+    host_bytes = target.num_layers * target.routed_params * KERNEL_EXPERT_BYTES_PER_PARAM
+    if gpu_bytes > device_free or host_bytes > host_free:
+        return streamed
+    return replace(streamed, gpu_layers=target.num_layers, ram_layers=0, disk_layers=0, resident_form="experts-cpu")
 
 
 def predicted_needs(profile: HardwareProfile, target: ModelShape, draft: ModelShape | None = None,
@@ -246,7 +321,7 @@ def predicted_needs(profile: HardwareProfile, target: ModelShape, draft: ModelSh
         fixed=2 * target.head_params * dtype_bytes + draft_bytes,
         kv_per_token=target.kv_bytes_per_token(dtype_bytes),
         kv_bytes=target.kv_bytes(context_length, PREDICTED_BUDGET, dtype_bytes),
-        activations=activation_bytes(PREDICTED_BUDGET, context_length, layer.hidden_size, layer.intermediate_size,
+        activations=activation_bytes(PREDICTED_BUDGET, context_length, layer.hidden_size, target.activation_width,
                                      layer.num_attention_heads, target.vocab_size, dtype_bytes))
 
 

@@ -85,6 +85,31 @@ class LayerTiming:
 
 
 @dataclass(frozen=True)
+class ExpertTiming:
+    """The packed CPU kernel running routed experts (measure.py times Qwen3-30B-A3B's: gate and
+    up 2 x 768 x 2048 and down 2048 x 768, 4-bit codes with a scale and minimum per 32), the
+    way a pass with its experts on the CPU runs them (engine.kernels.experts).
+
+    read_gbps: packed bytes per second while one token runs its top-k experts (each read once
+    from RAM, Python and the activation included): the memory-bound end. row_s_per_param:
+    seconds per expert weight that each further token routed to an expert already being read
+    adds (compute). A pass over N tokens waking u experts of a layer with k per token costs
+    u x expert_bytes / read_gbps + (N k - u) x expert_params x row_s_per_param."""
+
+    expert_params: int
+    expert_bytes: int
+    read_gbps: float
+    row_s_per_param: float
+    threads: int
+
+    def seconds(self, union: float, rows: float, expert_params: int, expert_bytes: int) -> float:
+        """Experts of one layer: `union` distinct experts of `expert_params` weights stored in
+        `expert_bytes`, read once, over `rows` (token, expert) pairs in all."""
+        return (union * expert_bytes / (self.read_gbps * GB)
+                + max(rows - union, 0.0) * expert_params * self.row_s_per_param)
+
+
+@dataclass(frozen=True)
 class GpuProfile:
     index: int
     name: str
@@ -126,6 +151,7 @@ class HardwareProfile:
     measure_seconds: float
     warnings: tuple[str, ...] = ()
     quick: bool = False
+    cpu_experts: ExpertTiming | None = None  # None: measured before SpecChat timed experts
 
     @property
     def gpu(self) -> GpuProfile | None:
@@ -143,6 +169,8 @@ class HardwareProfile:
         fields["layer_timing"] = LayerTiming(**lt)
         fields["gpus"] = tuple(GpuProfile(**g) for g in d.get("gpus", ()))
         fields["warnings"] = tuple(d.get("warnings", ()))
+        if d.get("cpu_experts") is not None:
+            fields["cpu_experts"] = ExpertTiming(**d["cpu_experts"])
         return HardwareProfile(**fields)
 
     def summary_lines(self) -> list[str]:
@@ -168,6 +196,10 @@ class HardwareProfile:
         measured = ", ".join(f"{n}: {s * 1e3:.0f} ms" for n, s in lt.points)
         lines.append(f"One {lt.shape.name} layer ({lt.layer_bytes / GB:.2f} GB {lt.dtype}) on {lt.device}, "
                      f"tokens: {measured}; per-layer overhead {lt.overhead_s * 1e3:.2f} ms")
+        if self.cpu_experts is not None:
+            ex = self.cpu_experts
+            lines.append(f"MoE experts on the CPU (packed 4-bit, {ex.threads} threads): read {ex.read_gbps:.1f} GB/s, "
+                         f"{ex.row_s_per_param * ex.expert_params * 1e6:.0f} us per further token an expert runs")
         lines += [f"warning: {w}" for w in self.warnings]
         return lines
 
@@ -257,6 +289,10 @@ def check_profile(profile: HardwareProfile) -> None:
         non_negative.update({f"GPU {g.index} {k}": getattr(g, k) for k in
                              ("vram_total", "vram_free", "pageable_h2d_gbps", "fp16_tflops", "bf16_tflops")})
     positive.update({f"layer time at {n} tokens": t for n, t in lt.points})
+    if profile.cpu_experts is not None:
+        positive.update({f"cpu_experts {k}": getattr(profile.cpu_experts, k)
+                         for k in ("expert_params", "expert_bytes", "read_gbps", "threads")})
+        non_negative["cpu_experts row_s_per_param"] = profile.cpu_experts.row_s_per_param
     for name, value in (*positive.items(), *non_negative.items()):
         low_ok = value > 0 if name in positive else value >= 0
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not (low_ok and value < math.inf):

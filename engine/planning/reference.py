@@ -12,6 +12,7 @@ from engine.planning.profile import (
     GPU_TOKENS,
     LAYER_SHAPES,
     PROFILE_VERSION,
+    ExpertTiming,
     GpuProfile,
     HardwareProfile,
     LayerTiming,
@@ -36,6 +37,11 @@ REFERENCE_GPUS = {
     "rtx4060ti-16gb": ReferenceGpu("NVIDIA GeForce RTX 4060 Ti 16GB", 16, 288, 44, 4),
     # a 12 GB card (the issue's "Qwen3.6-27B on a 12 GB card"): GA106, 28 SMs x 4 tensor cores x
     # 256 FP16 flops per clock at 1.78 GHz = 51 TFLOP/s dense, as the 3090's 71 counts; 360 GB/s
+    # 8 GB cards (the issue's llama.cpp figure for an MoE on 8 GB): RTX 2080, TU104 at 448 GB/s,
+    # 40 TFLOP/s fp16 with fp32 accumulate (GeForce Turing runs it at half the fp16-accumulate
+    # 81), PCIe 3; RTX 4060, AD107 at 272 GB/s, 61 (half of 121), PCIe 4 x8
+    "rtx2080-8gb": ReferenceGpu("NVIDIA GeForce RTX 2080", 8, 448, 40, 3),
+    "rtx4060-8gb": ReferenceGpu("NVIDIA GeForce RTX 4060", 8, 272, 61, 4),
     "rtx3060-12gb": ReferenceGpu("NVIDIA GeForce RTX 3060 12GB", 12, 360, 51, 4),
     "l40": ReferenceGpu("NVIDIA L40", 48, 864, 181, 4),
     "a100-80gb": ReferenceGpu("NVIDIA A100 80GB PCIe", 80, 1935, 312, 4),
@@ -46,10 +52,12 @@ GPU_LAYER_OVERHEAD_S = 1.5e-4  # ~15 kernel launches per decoder layer
 
 
 def reference_profile(gpu: str = "rtx4090", pinned_gbps: float = 25.0, ram_gb: float = 128.0,
-                      disk_gbps: float = 3.0, layer_shape: str = "llama-70b") -> HardwareProfile:
+                      disk_gbps: float = 3.0, layer_shape: str = "llama-70b",
+                      cpu_experts: ExpertTiming | None = None) -> HardwareProfile:
     """A profile built from datasheet figures instead of measurements: the layer curve is a
     roofline, overhead + max(bytes / (0.8 x memory bandwidth), flops / (0.6 x tensor rate)).
-    `pinned_gbps` is the host-to-device rate (PCIe 4 x16 pinned copies reach ~25 GB/s)."""
+    `pinned_gbps` is the host-to-device rate (PCIe 4 x16 pinned copies reach ~25 GB/s);
+    `cpu_experts` the CPU's packed-expert timing (default: the planner's prior from RAM speed)."""
     ref = REFERENCE_GPUS[gpu]
     shape = LAYER_SHAPES[layer_shape]
     nbytes = shape.params * 2
@@ -64,4 +72,4 @@ def reference_profile(gpu: str = "rtx4090", pinned_gbps: float = 25.0, ram_gb: f
         version=PROFILE_VERSION, created="reference", os="-", cpu_model="reference", cpu_cores=16, cpu_threads=32,
         torch_threads=16, ram_total=int(ram_gb * GB), ram_available=int((ram_gb - 4) * GB), ram_copy_gbps=20.0,
         disk_path="-", disk_read_gbps=disk_gbps, disk_read_uncached=True, gpus=(card,), layer_timing=timing,
-        measure_seconds=0.0, warnings=(), quick=False)
+        measure_seconds=0.0, warnings=(), quick=False, cpu_experts=cpu_experts)

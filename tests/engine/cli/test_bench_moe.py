@@ -43,6 +43,10 @@ def test_bench_offload_moe_prints_the_union_per_tokens(model_cache: Path, capsys
         assert float(r[5]) == pytest.approx(32 * (1 - (1 - 4 / 32) ** n), abs=0.06)
         assert float(r[4]) <= min(32, 4 * n)
     assert not math.isnan(float(rows[-1][6]))
+    # the cost model's seconds for the experts: with the measured union, and the planner's prior
+    for r in rows:
+        assert float(r[8]) > 0 and float(r[9]) > 0
+    assert float(rows[-1][9]) > float(rows[0][9])  # the prior's union grows with N
 
 
 def test_experts_placement_is_asked_for_described_and_cpu_only_where_a_gpu_is(model_cache: Path) -> None:
