@@ -100,6 +100,9 @@ class ExpertShape:
     top_k: int
     width: int
     moe_layers: int
+    # how much a pass's tokens share their experts: 1.0 the prior (routing spread evenly), less
+    # as measured for the model (engine.planning.moe.fit_sharing)
+    sharing: float = 1.0
 
     @staticmethod
     def from_config(config: Mapping[str, Any] | Any) -> ExpertShape | None:
@@ -187,14 +190,14 @@ class ModelShape:
 
     def union_params(self, tokens: int, union: float | None = None) -> int:
         """A layer's weights a pass over `tokens` tokens reads: the always-on part and the union
-        of the experts they route to (`union` experts per MoE layer; default the prior
-        engine.planning.moe.expert_union); the whole layer for a dense model."""
+        of the experts they route to (`union` experts per MoE layer; default
+        engine.planning.moe.expert_union at the model's sharing); the whole layer for a dense model."""
         if self.experts is None:
             return self.layer_params
         if union is None:
             from engine.planning.moe import expert_union  # noqa: PLC0415 - pure arithmetic, no cycle at import
 
-            union = expert_union(tokens, self.experts.experts, self.experts.top_k)
+            union = expert_union(tokens, self.experts.experts, self.experts.top_k, self.experts.sharing)
         return self.always_params + int(self.moe_fraction * union * self.expert_params)
 
     @property

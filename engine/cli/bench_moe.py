@@ -38,7 +38,7 @@ from engine.kernels.experts import PackedExperts
 from engine.loading.load import LoadedModel, load_model
 from engine.planning import planner
 from engine.planning.measure import expert_timing
-from engine.planning.moe import expert_union
+from engine.planning.moe import expert_union, fit_sharing
 from engine.planning.profile import ExpertTiming, HardwareProfile
 from engine.planning.reference import reference_profile
 from engine.shapes import ModelShape
@@ -82,7 +82,7 @@ def run_moe_table(loaded: LoadedModel, budgets: list[int], repeats: int,
     model = loaded.model
     ids = torch.tensor(prompt_ids(loaded, CONTEXT + max(budgets)))
     cache = model.new_cache(CONTEXT + max(budgets) + 8)
-    num_experts, top_k = experts[0].num_experts, int(getattr(model.hf_model.config, "num_experts_per_tok", 0) or 0)
+    num_experts, top_k = experts[0].num_experts, _top_k(loaded)
     per_expert = statistics.mean(e.nbytes / e.num_experts for e in experts)
     shape = ModelShape.from_config(model.hf_model.config)
     timing = profile.cpu_experts if profile is not None and profile.cpu_experts is not None else expert_timing()
@@ -117,6 +117,10 @@ def run_moe_table(loaded: LoadedModel, budgets: list[int], repeats: int,
     return rows
 
 
+def _top_k(loaded: LoadedModel) -> int:
+    return int(getattr(loaded.model.hf_model.config, "num_experts_per_tok", 0) or 0)
+
+
 def _with(timing: ExpertTiming) -> HardwareProfile:
     """A stand-in profile that holds `timing` (planner.expert_seconds reads nothing else of it)."""
     return replace(reference_profile(), gpus=(), cpu_experts=timing)
@@ -138,6 +142,11 @@ def format_moe_table(name: str, loaded: LoadedModel, rows: list[dict]) -> str:
                  "routing spread evenly (engine.planning.moe); model s: the experts' seconds by the cost "
                  "model with the measured u(N) and this model's bytes; planner s: with the prior u(N) and its "
                  "assumed bytes per weight")
+    sharing = fit_sharing({r["tokens"]: (1, r["union"]) for r in rows}, experts[0].num_experts, _top_k(loaded))
+    fitted = ", ".join(f"{r['tokens']}: {expert_union(r['tokens'], experts[0].num_experts, _top_k(loaded), sharing):.1f}"
+                       for r in rows if r["tokens"] > 1)
+    lines.append(f"measured routing: sharing {sharing:.2f} (1.00 = the prior), its u(N) {fitted}: what the "
+                 "planner prices this model's trees by once its passes measured it")
     return "\n".join(lines)
 
 

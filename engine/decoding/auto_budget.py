@@ -4,7 +4,8 @@
 remote engine, a test double. A request whose speculation budget is 0 leaves it with
 - the planner's mode, budget and depth for the loaded pair on this machine's hardware profile
   (engine.planning.planner.plan_for_pair, calibrated from the passes the engine has recorded,
-  so the choice improves as the conversation goes on), among the budgets whose tree pass fits
+  so the choice improves as the conversation goes on; an MoE target's trees priced by the experts
+  its passes were measured to wake, `routed_shape`), among the budgets whose tree pass fits
   in the memory free where the target runs (a 2,048-token tree under a 12 GiB card's cap ran
   out of memory in `bench gpu` while the planner had chosen it);
 - without a profile for this device, or without a draft, FALLBACK_BUDGET: draft-free trees
@@ -30,6 +31,8 @@ import torch
 
 from engine.decoding.generation import Engine
 from engine.decoding.memory import free_memory
+from engine.kernels.experts import measured_unions
+from engine.planning.moe import fit_sharing
 from engine.planning.placement import activation_bytes
 from engine.planning.planner import DEFAULT_BUDGETS, plan_for_pair
 from engine.planning.profile import HardwareProfile, load_profile
@@ -121,7 +124,7 @@ class AutoBudget:
             log.warning("reading the hardware profile failed", exc_info=True)
             profile = None
         plan = None if profile is None else plan_for_pair(
-            profile, engine.target.shape, engine.draft.shape, engine.placement, engine.pass_record, budgets=fits)
+            profile, routed_shape(engine), engine.draft.shape, engine.placement, engine.pass_record, budgets=fits)
         capped = f"; trees above {max(fits)} tokens do not fit in the free memory" if max(fits) < max(DEFAULT_BUDGETS) else ""
         if plan is None:
             budget = max((b for b in fits if b <= FALLBACK_BUDGET), default=min(fits))
@@ -131,6 +134,22 @@ class AutoBudget:
             return BudgetChoice(False, FALLBACK_BUDGET, depth, "planner", plan.reason, plan.tokens_per_second)
         return BudgetChoice(True, plan.budget, plan.max_depth, "planner", plan.reason + capped,
                             plan.tokens_per_second)
+
+
+def routed_shape(engine: Engine) -> ModelShape:
+    """The target's shape with the routing its MoE layers measured so far (engine.kernels.experts
+    .measured_unions, fitted by engine.planning.moe.fit_sharing): the planner then prices trees
+    by the experts this model's tokens really wake, not the prior's spread. Unchanged for a
+    dense model, or before a pass of 2+ tokens."""
+    shape = engine.target.shape
+    hf_model = getattr(engine.target, "hf_model", None)
+    if shape.experts is None or hf_model is None:
+        return shape
+    unions = measured_unions(hf_model.modules())
+    if not unions:
+        return shape
+    sharing = fit_sharing(unions, shape.experts.experts, shape.experts.top_k)
+    return replace(shape, experts=replace(shape.experts, sharing=sharing))
 
 
 def budgets_that_fit(engine: Engine, request: GenerationRequest, free: int,

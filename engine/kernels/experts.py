@@ -23,8 +23,9 @@ handled here: they stay the dense module they were (`supports`). The bias of a p
 added to its whole output, in transformers' order.
 
 Each call counts the tokens routed to each expert (`hits`) and the experts a pass woke
-(`last_union`): the routing statistics a placement (hot experts) and the tree's price (the
-union u(N) of the experts N tokens wake) are measured from.
+(`last_union`, and over calls of 2+ tokens `union_log`): the routing statistics a placement
+(hot experts) and the tree's price (the union u(N) of the experts N tokens wake:
+`measured_unions`, engine.planning.moe.fit_sharing) are measured from.
 
 On a GPU machine (`--experts cpu`, engine.loading.layer_plan.experts_on_cpu) the model's other
 parts run on the GPU and call this module with states on the GPU: the states (a few KB a token)
@@ -38,7 +39,7 @@ where experts live, or run experts on a GPU.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -137,6 +138,8 @@ class PackedExperts(nn.Module):
         self.calls = 0
         self.last_union = 0  # experts the last call woke
         self.last_tokens = 0
+        # calls of 2+ tokens by log2 of their tokens: (calls, tokens, experts woken), summed
+        self.union_log: dict[int, tuple[int, int, int]] = {}
 
     def _one_token_call(self, original: nn.Module) -> tuple[ctypes.Array, ctypes.Array] | None:
         """qmatmul.c's qm_experts_one, for one token at a time, where its arithmetic is this
@@ -199,6 +202,10 @@ class PackedExperts(nn.Module):
             out.index_add_(0, tokens, (y * w[:, None]).to(out.dtype))
         self.calls += 1
         self.last_union, self.last_tokens = woke, x.shape[0]
+        if self.last_tokens > 1:
+            bucket = self.last_tokens.bit_length()
+            calls, seen, union = self.union_log.get(bucket, (0, 0, 0))
+            self.union_log[bucket] = (calls + 1, seen + self.last_tokens, union + woke)
         if home.type != "cpu":
             out = out.to(home, hidden_states.dtype, non_blocking=False)
         return out.view(hidden_states.shape)
@@ -238,3 +245,16 @@ class PackedExperts(nn.Module):
                 outs.append(F.linear(x.to(w.device, w.dtype), w).to(x.device, x.dtype))
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         return y + bias[e] if bias is not None else y
+
+
+def measured_unions(modules: Iterable[nn.Module]) -> dict[int, tuple[int, float]]:
+    """What the PackedExperts among `modules` (a model's) measured of passes of 2+ tokens: mean
+    tokens per pass (by powers of two) -> (observations, mean experts woken per MoE layer), the
+    input of engine.planning.moe.fit_sharing; {} before any such pass."""
+    totals: dict[int, list[int]] = {}
+    for m in modules:
+        if isinstance(m, PackedExperts):
+            for bucket, (calls, tokens, union) in m.union_log.items():
+                t = totals.setdefault(bucket, [0, 0, 0])
+                t[0], t[1], t[2] = t[0] + calls, t[1] + tokens, t[2] + union
+    return {round(tokens / calls): (calls, union / calls) for calls, tokens, union in totals.values() if calls}

@@ -131,3 +131,36 @@ def test_one_token_takes_one_c_call_with_the_loops_result(family: str) -> None:
     assert torch.equal(fused.hits, loop.hits) and fused.last_union == loop.last_union == 2
     unfused = PackedExperts(module, packed_parts(module.gate_up_proj.data, [(0, I, "q8"), (I, 2 * I, "q4")]), down)
     assert unfused._fused is None  # two gate_up parts: the loop
+
+
+def test_passes_of_several_tokens_log_the_experts_they_woke() -> None:
+    """union_log keeps what the planner fits its u(N) to (engine.planning.moe.fit_sharing), per
+    power of two of tokens; one-token calls (always top-k) are not logged; the routed_shape the
+    budget planner uses takes the fitted sharing."""
+    from types import SimpleNamespace
+
+    from engine.decoding.auto_budget import routed_shape
+    from engine.kernels.experts import measured_unions
+    from engine.shapes import ExpertShape, LayerShape, ModelShape
+
+    module = experts_module("qwen3_moe")
+    ours = PackedExperts(module, packed_parts(module.gate_up_proj.data, [(0, 2 * I, "q4")]),
+                         packed_parts(module.down_proj.data, [(0, H, "q8")]))
+    model = torch.nn.Sequential(ours)
+    shape = ModelShape("m", 1, LayerShape("m", H, E * I, 4, 2, 16), 100, experts=ExpertShape(E, 2, I, 1))
+    engine = SimpleNamespace(target=SimpleNamespace(shape=shape, hf_model=model))
+    assert measured_unions(model.modules()) == {} and routed_shape(engine) == shape  # type: ignore[arg-type]
+
+    def call(routes: list[list[int]]) -> None:
+        index = torch.tensor(routes)
+        ours(torch.randn(len(routes), H), index, torch.full(index.shape, 0.5))
+
+    call([[0, 1]])  # one token: not logged
+    call([[0, 1], [0, 1], [1, 0], [0, 1], [1, 0]])  # 5 tokens sharing 2 experts
+    call([[2, 3], [3, 2], [2, 3], [3, 2], [2, 3], [3, 2]])  # 6 tokens, 2 experts
+    call([[0, 1], [2, 3]])  # 2 tokens, 4 experts
+    assert ours.union_log == {3: (2, 11, 4), 2: (1, 2, 4)}
+    assert measured_unions(model.modules()) == {6: (2, 2.0), 2: (1, 4.0)}
+    routed = routed_shape(engine)  # type: ignore[arg-type]
+    assert routed.experts is not None and routed.experts.sharing < 0.5  # 5-6 tokens woke what one does
+    assert routed.union_params(6) < shape.union_params(6)

@@ -161,3 +161,26 @@ def test_bench_plan_moe_prints_a_labelled_projection(capsys: pytest.CaptureFixtu
         assert tok_s <= by[(machine, gbps, "file bytes")]
     assert main(["bench", "plan"]) == 2
     assert "--target" in capsys.readouterr().err
+
+
+def test_measured_routing_is_fitted_and_prices_trees_by_it() -> None:
+    from engine.planning.moe import fit_sharing
+
+    curve = {n: (10, expert_union(n, 128, 8, 0.4)) for n in (2, 8, 64)}
+    assert fit_sharing(curve, 128, 8) == pytest.approx(0.4, abs=0.01)
+    assert fit_sharing({n: (10, expert_union(n, 128, 8)) for n in (2, 8, 64)}, 128, 8) == 1.0  # the prior
+    assert fit_sharing({}, 128, 8) == fit_sharing({1: (50, 8.0)}, 128, 8) == 1.0  # nothing measured
+    assert fit_sharing({4: (3, 40.0)}, 128, 8) == 1.0  # above the prior: priced at the prior, no higher
+    assert expert_union(1, 128, 8, 0.3) == pytest.approx(8) and expert_union(10**12, 128, 8, 0.3) == pytest.approx(128)
+    # the synthetic MoE's routing (`bench offload --moe`, random weights: alike token states)
+    synthetic = {2: (3, 9.1), 4: (3, 10.5), 8: (3, 12.9), 16: (3, 14.8), 32: (3, 18.1), 64: (3, 20.8)}
+    s = fit_sharing(synthetic, 128, 8)
+    assert 0.15 < s < 0.35
+    assert all(abs(expert_union(n, 128, 8, s) - u) < 0.1 * u for n, (_, u) in synthetic.items())
+    profile = cpu_profile(ExpertTiming(1, 1, 19.0, 2.3e-11, 2))
+    shared = dataclasses.replace(QWEN3_30B, experts=dataclasses.replace(QWEN3_30B.experts, sharing=s))
+    place = planner.estimate_placement(profile, QWEN3_30B, "gguf")
+    assert planner.target_pass_seconds(profile, shared, place, 16) < planner.target_pass_seconds(
+        profile, QWEN3_30B, place, 16)
+    assert planner.target_pass_seconds(profile, shared, place, 1) == pytest.approx(
+        planner.target_pass_seconds(profile, QWEN3_30B, place, 1))
