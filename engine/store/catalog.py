@@ -25,7 +25,7 @@ from engine.paths import resource
 from engine.store.gguf_header import (
     SPLIT_NAME,  # a catalog entry is one whole file, never a part
 )
-from engine.shapes import LayerShape, ModelShape
+from engine.shapes import ExpertShape, LayerShape, ModelShape
 from engine.untrusted import read_json_file
 
 log = logging.getLogger(__name__)
@@ -33,7 +33,8 @@ log = logging.getLogger(__name__)
 SCHEMA_VERSION = 1
 # Display names of the weight formats (CatalogModel.dtype), for lists and tables.
 _FORMAT_LABELS = {"bfloat16": "BF16", "float16": "FP16", "bnb-nf4": "bnb NF4", "mxfp4": "MXFP4"}
-_SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_kv_heads", "head_dim")
+_SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_kv_heads", "head_dim",
+               "experts", "experts_per_token", "expert_width")
 DEFAULT_CATALOG_PATH = resource("catalog.json")
 MAX_CATALOG_BYTES = 8 << 20
 
@@ -85,6 +86,11 @@ class CatalogModel:
     num_attention_heads: int | None = None
     num_kv_heads: int | None = None
     head_dim: int | None = None
+    # an MoE's routed experts (config.json's expert count, experts per token, expert width); its
+    # intermediate_size is then the width of the MLPs every token runs beside them (0: none)
+    experts: int | None = None
+    experts_per_token: int | None = None
+    expert_width: int | None = None
     model_type: str = ""  # config.json's model_type; a GGUF entry's general.architecture
     unsupported: str = ""  # why SpecChat cannot run this entry yet; "" when it runs
 
@@ -120,14 +126,21 @@ class CatalogModel:
     def shape(self) -> ModelShape:
         """The model's shape for the cost model: from the entry's shape fields; without them, a
         layer sized from the parameter count (hidden size from the usual aspect ratio)."""
-        if self.hidden_size and self.intermediate_size and self.num_attention_heads and self.num_kv_heads \
-                and self.head_dim:
-            layer = LayerShape(self.id, self.hidden_size, self.intermediate_size, self.num_attention_heads,
+        experts = None
+        if self.experts and self.experts_per_token and self.expert_width:
+            experts = ExpertShape(self.experts, self.experts_per_token, self.expert_width, self.layers)
+        if self.hidden_size and (self.intermediate_size or experts) and self.num_attention_heads \
+                and self.num_kv_heads and self.head_dim:
+            width = self.intermediate_size or 0
+            if experts is not None:  # the stored layer: every expert, the router, the always-on MLPs
+                width += experts.experts * experts.width + -(-experts.experts // 3)
+            layer = LayerShape(self.id, self.hidden_size, width, self.num_attention_heads,
                                self.num_kv_heads, self.head_dim)
         else:
             hidden = 128 * max(1, round(math.sqrt(self.parameters / self.layers / 12) / 128))
             layer = LayerShape(self.id, hidden, int(3.5 * hidden), hidden // 128, max(1, hidden // 1024), 128)
-        return ModelShape(self.id, self.layers, layer, self.vocab_rows)
+            experts = None  # a layer sized from the parameter count is priced as a dense one
+        return ModelShape(self.id, self.layers, layer, self.vocab_rows, experts=experts)
 
 
 @dataclass(frozen=True)

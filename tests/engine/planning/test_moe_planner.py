@@ -184,3 +184,26 @@ def test_measured_routing_is_fitted_and_prices_trees_by_it() -> None:
         profile, QWEN3_30B, place, 16)
     assert planner.target_pass_seconds(profile, shared, place, 1) == pytest.approx(
         planner.target_pass_seconds(profile, QWEN3_30B, place, 1))
+
+
+def test_the_catalogs_moe_entries_are_priced_as_moe() -> None:
+    """gpt-oss' catalog shape (its config.json's values) gives the cards' parameter counts and a
+    token's top-4 experts. gpt-oss-20b resident on a 24 GB GPU reads a token's experts, not all
+    of them: predicted faster than a dense model of its size. gpt-oss-120b does not fit: its
+    experts are not kept packed (transposed MXFP4, de-quantised at load), so whole layers stream
+    and it stays under 1 tok/s either way."""
+    from engine.store.catalog import load_catalog
+
+    catalog = load_catalog()
+    for model_id, params in (("gpt-oss-20b", 20.91), ("gpt-oss-120b", 116.83)):
+        shape = catalog.find(model_id).shape()  # type: ignore[union-attr]
+        assert shape.experts is not None and shape.experts.top_k == 4
+        assert shape.params / B == pytest.approx(params, rel=0.002)
+    profile = reference_profile("rtx4090", ram_gb=128)
+    for model_id, fit, faster in (("gpt-oss-20b", "fits", 1.5), ("gpt-oss-120b", "slow", 1.0)):
+        entry = catalog.find(model_id)
+        assert entry is not None
+        moe = planner.predict_pair(profile, entry, None)
+        dense = planner.predict_pair(profile, dataclasses.replace(entry, experts=None), None)
+        assert moe.fit == fit
+        assert moe.tokens_per_second > faster * dense.tokens_per_second
