@@ -138,14 +138,15 @@ class AutoBudget:
 
 def routed_shape(engine: Engine) -> ModelShape:
     """The target's shape with the routing its MoE layers measured so far (engine.kernels.experts
-    .measured_unions, fitted by engine.planning.moe.fit_sharing): the planner then prices trees
-    by the experts this model's tokens really wake, not the prior's spread. Unchanged for a
-    dense model, or before a pass of 2+ tokens."""
+    .measured_unions, with what earlier processes measured: Engine.routing_seed; fitted by
+    engine.planning.moe.fit_sharing): the planner then prices trees by the experts this model's
+    tokens really wake, not the prior's spread. Unchanged for a dense model, or before a pass of
+    2+ tokens."""
     shape = engine.target.shape
     hf_model = getattr(engine.target, "hf_model", None)
     if shape.experts is None or hf_model is None:
         return shape
-    unions = measured_unions(hf_model.modules())
+    unions = measured_unions(hf_model.modules(), getattr(engine, "routing_seed", None))
     if not unions:
         return shape
     sharing = fit_sharing(unions, shape.experts.experts, shape.experts.top_k)

@@ -42,6 +42,7 @@ from engine.decoding.context_tree import context_tree, seed_gains, seed_siblings
 from engine.decoding.costs import DraftSwitch, DraftSwitches, PassCosts, SwitchSettings
 from engine.decoding.draft_rates import DraftRates
 from engine.decoding.learned import LearnedFile
+from engine.kernels.experts import UnionTotals, union_totals
 from engine.decoding.logprobs import LogprobRecorder, TokenBytes
 from engine.decoding.drafting import (
     copy_of_target,
@@ -106,6 +107,8 @@ class Engine:
         self.learned = learned  # where they are kept between processes (learned.py); None: not kept
         if learned is not None:
             learned.restore(self.costs, self.acceptance)
+        # an MoE target's routing measured by earlier processes (the experts its passes woke)
+        self.routing_seed: UnionTotals = learned.routing if learned is not None else {}
         self.rates = rates  # where each answer's draft trees' passes are kept for the draft choice (draft_rates.py)
         self.switches = DraftSwitches(switch)
         self.copied_draft = draft is not None and copy_of_target(target, draft)  # it may read the target's K/V
@@ -185,7 +188,9 @@ class Engine:
                 run.prefix.tokens = list(run.seq)
                 self.prefixes.give_back(run.prefix)
             if self.learned is not None:
-                self.learned.save(self.costs, self.acceptance)
+                routing = union_totals(self.target.hf_model.modules(), self.routing_seed) \
+                    if self.target.shape.experts is not None else None
+                self.learned.save(self.costs, self.acceptance, routing)
         if run.finish in ("length", "cancelled"):
             text, _ = run.detok.push(run.new, final=True)
             if text:

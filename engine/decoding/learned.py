@@ -1,5 +1,7 @@
 """What an engine learned as it decoded, kept between processes: the pass costs (costs.PassCosts)
-and the acceptance models (acceptance.AcceptanceModels) of one model pair on one machine.
+and the acceptance models (acceptance.AcceptanceModels) of one model pair on one machine, and for
+an MoE target the experts its passes woke (engine.kernels.experts.union_totals: what the planner
+prices its trees by, engine.decoding.auto_budget.routed_shape).
 
 Without it every process starts from priors: a one-shot `specchat generate`, and the first
 answer after the app starts, pay for exploring (trees priced optimistically, candidates
@@ -36,6 +38,7 @@ from engine.decoding.acceptance import CONTEXT_PRIOR, LOGQ_EDGES, SHARED_PRIOR, 
 from engine.decoding.costs import PassCosts
 from engine.errors import EngineError
 from engine.kernels import build
+from engine.kernels.experts import UnionTotals
 from engine.model.causal_lm import CausalLM
 from engine.untrusted import read_json_file
 
@@ -45,6 +48,7 @@ VERSION = 1
 KEEP = 32  # files kept (the newest): one per model pair and thread count
 MAX_BYTES = 256 * 1024
 REGIMES = ("greedy", "t<=0.5", "t<=1", "t>1")
+MAX_BUCKETS = 40  # routing rows: passes of up to 2^40 tokens
 
 
 class LearnedFile:
@@ -54,10 +58,12 @@ class LearnedFile:
         self.path = path
         self.key = key
         self._warned = False
+        self.routing: UnionTotals = {}  # restored with the rest ({} without a file or for a dense target)
 
     def restore(self, costs: PassCosts, acceptance: AcceptanceModels) -> bool:
         """Fill `costs` and `acceptance` from the file; False (nothing changed) when there is
         none or it does not hold a valid state for this key."""
+        self.routing = {}
         if not self.path.is_file():
             return False
         try:
@@ -68,11 +74,14 @@ class LearnedFile:
             return False
         costs.restore(state["costs"])
         acceptance.restore(state["acceptance"])
+        self.routing = state["routing"]
         log.info("pass costs and acceptance from %s", self.path.name)
         return True
 
-    def save(self, costs: PassCosts, acceptance: AcceptanceModels) -> None:
-        state = {"version": VERSION, "key": self.key, "costs": costs.state(), "acceptance": acceptance.state()}
+    def save(self, costs: PassCosts, acceptance: AcceptanceModels, routing: UnionTotals | None = None) -> None:
+        state: dict = {"version": VERSION, "key": self.key, "costs": costs.state(), "acceptance": acceptance.state()}
+        if routing:
+            state["routing"] = [[b, *t] for b, t in sorted(routing.items())]
         try:
             paths.write_json_atomic(self.path, state, indent=None)
             _prune(self.path.parent)
@@ -143,4 +152,22 @@ def _checked(data: object, key: str) -> dict:
                         "context": _calibrator(model.get("context"), len(CONTEXT_PRIOR), f"acceptance.{name}.context")}
         if "shared" in model:  # files written before the sibling table have none
             models[name]["shared"] = _calibrator(model["shared"], len(SHARED_PRIOR), f"acceptance.{name}.shared")
-    return {"costs": dict(zip(fields, values)), "acceptance": models}
+    return {"costs": dict(zip(fields, values)), "acceptance": models, "routing": _routing(data.get("routing", []))}
+
+
+def _routing(value: object) -> UnionTotals:
+    """[[bucket, calls, tokens, experts woken], ...]: buckets of 2+ tokens (log2), at most one
+    row each, whole numbers, a pass of 2^(bucket-1) or more tokens each."""
+    if not isinstance(value, list) or len(value) > MAX_BUCKETS:
+        raise ValueError("routing: not a list of buckets")
+    out: UnionTotals = {}
+    for row in value:
+        if not (isinstance(row, list) and len(row) == 4
+                and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in row)):
+            raise ValueError("routing: a row is not four whole numbers >= 0")
+        bucket, calls, tokens, union = row
+        if not 2 <= bucket <= MAX_BUCKETS or bucket in out or calls < 1 or tokens < calls << (bucket - 1) \
+                or tokens >= calls << bucket or union < calls:
+            raise ValueError(f"routing: bucket {bucket} does not hold passes of its size")
+        out[bucket] = (calls, tokens, union)
+    return out

@@ -178,3 +178,15 @@ def test_only_the_newest_files_are_kept(tmp_path: Path) -> None:
     LearnedFile(tmp_path / "new.json", "new").save(PassCosts(), AcceptanceModels())
     kept = sorted(p.name for p in tmp_path.glob("*.json"))
     assert len(kept) == KEEP and "new.json" in kept and "000.json" not in kept
+
+
+def test_an_moe_targets_routing_rows_are_checked(learned: LearnedFile) -> None:
+    """The experts an MoE's passes woke (engine.kernels.experts.union_totals), per power of two
+    of tokens: rows that no pass of their size gives make the whole file ignored."""
+    state = valid_state(learned)
+    learned.path.write_text(json.dumps({**state, "routing": [[3, 2, 9, 10], [7, 1, 100, 40]]}))
+    assert learned.restore(PassCosts(), AcceptanceModels()) and learned.routing == {3: (2, 9, 10), 7: (1, 100, 40)}
+    for rows in ([[3, 2, 20, 10]], [[1, 1, 1, 1]], [[3, 0, 0, 0]], [[3, 2, 9]], [[3, 2, 9, -1]], [[3, 2, 9, 0]],
+                 [[3, 2, 9, 10], [3, 2, 9, 10]], "x", [[3, 2.5, 9, 10]], [[3, True, 9, 10]], [[99, 1, 2, 1]]):
+        learned.path.write_text(json.dumps({**state, "routing": rows}))
+        assert not learned.restore(PassCosts(), AcceptanceModels()), rows

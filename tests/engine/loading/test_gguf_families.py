@@ -10,6 +10,7 @@ multiplies; greedy text is identical in every place."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -224,6 +225,41 @@ def test_logits_and_greedy_text_equal_transformers(family_pair: tuple, place: st
         assert list(got.token_ids) == (want[: len(got.token_ids)] if got.finish_reason == "eos" else want), prompt
         if place == "RAM":  # draft-free trees verify against the same streamed layers
             assert greedy(engine, prompt, mode="specexec").token_ids == got.token_ids
+
+
+@pytest.mark.skipif(build.kernels() is None, reason="no C compiler here")
+def test_the_routing_an_moe_measured_is_kept_for_the_next_process(model_cache: Path, tmp_path: Path) -> None:
+    """The experts the passes of 2+ tokens woke (PackedExperts.union_log) are saved with the
+    learned costs after an answer, and a fresh engine of the same model starts from them: the
+    budget planner prices its first trees by the measured routing (auto_budget.routed_shape)."""
+    from engine.decoding.auto_budget import routed_shape
+    from engine.decoding.learned import learned_file
+    from engine.kernels.experts import measured_unions, union_totals
+    from engine.planning.moe import fit_sharing
+
+    m = load_model(tiny("qwen3_moe", model_cache), offload="none")
+    assert m.model.shape.experts is not None
+    for module in m.model.hf_model.modules():  # this test's passes only (the model is its own)
+        if isinstance(module, PackedExperts):
+            module.union_log.clear()
+    learned = learned_file(m.model, None, root=tmp_path)
+    assert learned is not None
+    first = Engine(m.model, m.tokenizer, learned=learned)
+    assert first.routing_seed == {} and routed_shape(first) == m.model.shape  # nothing measured yet
+    greedy(first, PROMPTS[0], mode="specexec")
+    measured = union_totals(m.model.hf_model.modules())
+    assert measured and all(bucket >= 2 and calls >= 1 for bucket, (calls, _, _) in measured.items())
+    saved = json.loads(learned.path.read_text())["routing"]
+    assert {row[0]: tuple(row[1:]) for row in saved} == measured
+    for module in m.model.hf_model.modules():  # as a fresh process: nothing measured in its modules
+        if isinstance(module, PackedExperts):
+            module.union_log.clear()
+    second = Engine(m.model, m.tokenizer, learned=learned)
+    assert second.routing_seed == measured
+    planned, shape = routed_shape(second), m.model.shape
+    assert planned.experts is not None and shape.experts is not None
+    assert planned.experts.sharing == fit_sharing(measured_unions([], measured), shape.experts.experts,
+                                                   shape.experts.top_k)
 
 
 def check_experts(m: LoadedModel, place: str) -> None:
