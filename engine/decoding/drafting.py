@@ -45,6 +45,7 @@ from engine.decoding.grammar import GrammarState
 from engine.decoding.sampling import process_logits
 from engine.decoding.sequoia import StaticTree, build_tree
 from engine.decoding.tree import Tree, ancestor_mask
+from engine.kernels.embedding import leading_rows
 from engine.model.cache import KVCache
 from engine.model.causal_lm import CausalLM
 from engine.model.head_draft import HeadDraft
@@ -98,10 +99,11 @@ def copy_of_target(target: CausalLM, draft: CausalLM) -> bool:
     for name in ("rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings"):
         if getattr(target.config, name, None) != getattr(draft.config, name, None):
             return False
-    a, b = target.embed.weight, draft.embed.weight
+    n = min(target.shape.vocab_size, draft.shape.vocab_size, 2048)
+    a, b = leading_rows(target.embed, n), leading_rows(draft.embed, n)  # a packed table: only these rows
     if a.is_meta or b.is_meta:
         return False
-    n = min(a.shape[0], b.shape[0], 2048)
+    n = min(a.shape[0], b.shape[0])
     with torch.inference_mode():
         cos = torch.nn.functional.cosine_similarity(a[:n].float().cpu(), b[:n].float().cpu(), dim=-1)
     return float(cos.mean()) > COPY_SIMILARITY

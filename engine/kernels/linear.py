@@ -114,6 +114,20 @@ def dequantize(w: QuantWeight) -> torch.Tensor:
     return v.reshape(w.out_features, w.in_features)
 
 
+def dequantize_rows(w: QuantWeight, rows: torch.Tensor) -> torch.Tensor:
+    """(len(rows), K) fp32: rows `rows` of dequantize(w), reading only those rows (a look-up in
+    an embedding table kept packed)."""
+    rows = rows.reshape(-1).to(torch.long)
+    codes = w.codes[rows]
+    if w.kind == "q4":
+        p = codes.reshape(len(rows), -1, 16)
+        codes = torch.stack([p & 15, p >> 4], dim=2)
+    v = codes.reshape(len(rows), -1, w.group).float() * w.scales[rows].float()[..., None]
+    if w.mins is not None:
+        v = v + w.mins[rows].float()[..., None]
+    return v.reshape(len(rows), w.in_features)
+
+
 def qlinear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
             threads: int | None = None) -> torch.Tensor:
     """x (..., K) -> (..., N) fp32: x @ dequantize(w).T (+ bias), by the kernel; by that dense

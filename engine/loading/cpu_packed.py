@@ -225,11 +225,19 @@ def _pack_experts(layer: nn.Module, owner: str, parts: dict[str, list[tuple[int,
     return sum(1 for name in parts if name.startswith(owner + "."))
 
 
-def packed_head(blocks: torch.Tensor, qtype: int, shape: tuple[int, ...], row_order: torch.Tensor | None) -> PackedLinear | None:
-    """The head as a PackedLinear, when its blocks are a type the kernel reads and a kernel exists."""
+def packed_matrix(blocks: torch.Tensor, qtype: int, shape: tuple[int, ...],
+                  row_order: torch.Tensor | None) -> QuantWeight | None:
+    """A whole matrix (a head, an embedding table) as the kernel's weight, when its blocks are a
+    type the kernel reads and a kernel exists; else None."""
     if not kernels_on() or qtype not in gguf_blocks.AFFINE or len(shape) != 2:
         return None
     values, _ = gguf_blocks.block_size(qtype)
     if shape[1] % values:
         return None
-    return PackedLinear(quant_weight(blocks, qtype, shape, row_order))
+    return quant_weight(blocks, qtype, shape, row_order)
+
+
+def packed_head(blocks: torch.Tensor, qtype: int, shape: tuple[int, ...], row_order: torch.Tensor | None) -> PackedLinear | None:
+    """The head as a PackedLinear, when packed_matrix takes its blocks."""
+    weight = packed_matrix(blocks, qtype, shape, row_order)
+    return PackedLinear(weight) if weight is not None else None

@@ -29,6 +29,8 @@ from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfi
 
 from engine import paths
 from engine.errors import UnsupportedModel
+from engine.kernels.embedding import PackedEmbedding
+from engine.kernels.linear import PackedLinear, QuantWeight
 from engine.loading import cpu_packed, exact_pack
 from engine.loading.checkpoint import Checkpoint
 from engine.loading.multimodal import is_vision
@@ -44,7 +46,7 @@ from engine.loading.layer_plan import MaterialiseSettings, experts_on_cpu, kerne
 from engine.planning.placement import RING_SLOTS
 from engine.store.gguf_header import split_parts
 from engine.shapes import Placement
-from engine.units import GIB
+from engine.units import GIB, MIB
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -96,8 +98,14 @@ def materialise(weights: Weights, config: PretrainedConfig, settings: Materialis
         if generation_config is not None:
             hf.generation_config = generation_config
         weights.bind(hf)
-        _place_outer(hf, weights, device, dtype)
         layouts = weights.layouts(hf, dtype, settings.quant)
+        # the embedding stays packed where the layers will run resident with the kernel (their
+        # RAM counted before any outer weight is read: the packed table is all the outer RAM)
+        table = _packed_table(weights, device, dtype) \
+            if kernel_layers(layouts[0].quant) and unpack_at_load(layouts, settings, list(hf.model.layers)) else None
+        _place_outer(hf, weights, device, dtype, packed_table=table is not None)
+        if table is not None:
+            _keep_table_packed(hf, weights, table)
         packing = layouts[0].quant
         if packing != settings.quant and settings.quant == "nf4":
             log.info("%s is stored pre-quantised (%s): its layers load as they are", weights.path.name, packing)
@@ -138,11 +146,35 @@ def materialise(weights: Weights, config: PretrainedConfig, settings: Materialis
     return CausalLM(hf, streamer=streamer, placement=placement)
 
 
-def _pack_head(hf: PreTrainedModel, weights: Weights, device: torch.device) -> None:
-    """The head as a packed-kernel Linear when its blocks (or the tied embedding's) allow; the
-    embedding keeps its de-quantised rows for look-ups."""
+def _packed_table(weights: Weights, device: torch.device, dtype: torch.dtype) -> QuantWeight | None:
+    """The embedding table kept in its file's blocks (engine.kernels.embedding), where a model
+    runs in fp32 on the CPU with the kernel and the file's table is a type it reads: a
+    vocabulary-sized matrix de-quantised only row by row as tokens are looked up."""
     blocks = getattr(weights, "blocks", None)
-    if blocks is None:
+    if blocks is None or device.type != "cpu" or dtype != torch.float32:
+        return None
+    found = blocks("model.embed_tokens.weight")
+    return cpu_packed.packed_matrix(*found) if found is not None else None
+
+
+def _keep_table_packed(hf: PreTrainedModel, weights: Weights, table: QuantWeight) -> None:
+    """`table` becomes the model's embedding; a head tied to it (or absent from the file) is the
+    same packed weight, run by the kernel: one copy of the matrix for both."""
+    hf.model.embed_tokens = PackedEmbedding(table, hf.model.embed_tokens)
+    if _tied(hf, weights):
+        hf.lm_head = PackedLinear(table)
+    log.info("%s: embedding table kept packed (%.0f MiB)", weights.path.name, table.nbytes / MIB)
+
+
+def _tied(hf: PreTrainedModel, weights: Weights) -> bool:
+    return bool(getattr(hf.config, "tie_word_embeddings", False)) or not weights.has("lm_head.weight")
+
+
+def _pack_head(hf: PreTrainedModel, weights: Weights, device: torch.device) -> None:
+    """The head as a packed-kernel Linear when its blocks (or the tied embedding's) allow (a
+    head already packed with its table is kept)."""
+    blocks = getattr(weights, "blocks", None)
+    if blocks is None or isinstance(hf.lm_head, PackedLinear):
         return
     tied = bool(getattr(hf.config, "tie_word_embeddings", False)) or not weights.has("lm_head.weight")
     found = blocks("model.embed_tokens.weight" if tied else "lm_head.weight")
@@ -186,15 +218,19 @@ def layer_buffers_as_parameters(module: nn.Module) -> None:
             owner.register_parameter(leaf, nn.Parameter(buf, requires_grad=False))
 
 
-def _place_outer(hf: PreTrainedModel, weights: Weights, device: torch.device, dtype: torch.dtype) -> None:
-    """Embeddings, final norm, head (and anything else outside the decoder layers) -> device."""
+def _place_outer(hf: PreTrainedModel, weights: Weights, device: torch.device, dtype: torch.dtype,
+                 packed_table: bool = False) -> None:
+    """Embeddings, final norm, head (and anything else outside the decoder layers) -> device;
+    `packed_table`: the embedding (and a head tied to it) are left for _keep_table_packed."""
     names = [n for n, _ in hf.named_parameters(remove_duplicate=False) if not n.startswith(LAYERS)]
-    tied = bool(getattr(hf.config, "tie_word_embeddings", False))
+    tied = _tied(hf, weights)
+    skipped = {"model.embed_tokens.weight", "lm_head.weight"} if packed_table and tied else \
+        {"model.embed_tokens.weight"} if packed_table else set()
     for name in names:
-        if name == "lm_head.weight" and (tied or not weights.has(name)):
+        if (name == "lm_head.weight" and tied) or name in skipped:
             continue
         set_parameter(hf, name, weights.load(name, dtype, device))
-    if tied or not weights.has("lm_head.weight"):
+    if tied and not packed_table:
         hf.lm_head.weight = hf.model.embed_tokens.weight
     inner = hf.model
     with torch.device(device):  # rotary tables are computed, not stored
@@ -203,7 +239,7 @@ def _place_outer(hf: PreTrainedModel, weights: Weights, device: torch.device, dt
         if buf.is_meta and not name.startswith(LAYERS):
             _computed_buffer(hf, name, device)
     left = [n for n, t in list(hf.named_parameters()) + list(hf.named_buffers())
-            if t.is_meta and not n.startswith(LAYERS)]
+            if t.is_meta and not n.startswith(LAYERS) and n not in skipped]
     assert not left, f"not materialised: {left}"
 
 

@@ -96,8 +96,10 @@ class CausalLM:
         self.softcap: float | None = float(softcap) if softcap else None
         # the head's rows, not config.vocab_size: some checkpoints pad the embedding matrix
         self.shape = replace(ModelShape.from_config(cfg, cfg.model_type), vocab_size=self.head.out_features)
-        self.dtype: torch.dtype = self.embed.weight.dtype
-        self.device: torch.device = self.embed.weight.device
+        # a table kept packed (engine.kernels.embedding) says its dtype and device itself
+        table = self.embed if isinstance(getattr(self.embed, "dtype", None), torch.dtype) else self.embed.weight
+        self.dtype: torch.dtype = table.dtype
+        self.device: torch.device = table.device
         if placement is None:
             n = self.shape.num_layers
             layer_bytes = self.shape.layer_params * self.dtype.itemsize
