@@ -169,6 +169,10 @@ def load_rss_child(folder: str, quant: Quant, offload: Offload) -> None:
     p = m.model.placement
     outer = sum(t.numel() * t.element_size() for n, t in m.model.hf_model.named_parameters()
                 if not t.is_meta and not n.startswith("model.layers."))
+    # a head and an embedding table kept packed (one weight when tied)
+    packed = {id(w): w.nbytes for mod in (m.model.embed, m.model.head)
+              for w in [getattr(mod, "qweight", None) or getattr(mod, "packed", None)] if w is not None}
+    outer += sum(packed.values())
     print(json.dumps(dict(base=base, peak=peak, final=rss_bytes(), layers_bytes=held_layer_bytes(m),
                           layer_bytes=p.layer_bytes, outer_bytes=outer, placement=p.describe(), seconds=seconds)))
 
