@@ -326,14 +326,16 @@ class Placement:
 
     def describe(self) -> str:
         """Where the layers live, in the status bar's and the CLI's words: "18 of 80 layers on
-        GPU, 62 in RAM" on a GPU; on a CPU, where the device memory is the RAM, "3 of 5 layers
-        resident, 2 streamed from disk"."""
+        GPU, 62 in RAM" on a GPU; "all 48 layers on GPU, experts: 0 % in VRAM, rest on CPU" for
+        an MoE whose routed experts run on the CPU; on a CPU, where the device memory is the RAM,
+        "3 of 5 layers resident, 2 streamed from disk"."""
         n = self.num_layers
         nf4 = PACKING_LABELS[self.quant]
-        if self.resident_form and self.quant != "none":
-            nf4 = nf4[:-1] + {"kernel": ", packed CPU kernel)", "dequantised": ", de-quantised at load)",
-                              "experts-cpu": "; routed experts in RAM, run by the CPU)"}[self.resident_form]
+        if self.resident_form and self.quant != "none" and self.resident_form != "experts-cpu":
+            nf4 = nf4[:-1] + {"kernel": ", packed CPU kernel)", "dequantised": ", de-quantised at load)"}[self.resident_form]
         if self.device.startswith("cuda"):
+            if self.resident_form == "experts-cpu":  # no expert is cached in VRAM yet
+                return f"all {n} layers on GPU, experts: 0 % in VRAM, rest on CPU{nf4}"
             if self.gpu_layers == n:
                 return f"all {n} layers on GPU{nf4}"
             parts = [f"{self.gpu_layers} of {n} layers on GPU"]

@@ -10,8 +10,11 @@ optionally a minimum per group, w = scale * code (+ minimum):
   its low nibble and value k + 16 in its high nibble), groups of 32: Q4_0, Q4_1, Q4_K.
 
 Scales and minimums are kept in fp16 where every one of a weight's is exactly an fp16 value (the
-file's own fp16 scales: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), else in fp32 (K-quants' scale products):
-the values multiplied are the file's either way, and a Q4_1 step reads 0.625 bytes a weight.
+file's own fp16 scales: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), as K-quants store them where they are
+K-quants' (per 8 groups an fp16 factor and 8 int8 multipliers, 10 bytes, uint8 tensors: the
+kernel multiplies them out in fp32, exactly: `from_factors`), else in fp32: the values
+multiplied are the file's either way. A Q4_1 step reads 0.625 bytes a weight, a Q4_K one 0.578
+(0.75 with its scale products in fp32), a Q6_K one (int8 codes) 1.08 (1.25).
 
 `from_codes` packs codes of either kind (engine.offload.gguf_blocks.affine gives them);
 `from_dense` quantises a float weight (tests and benchmarks); `dequantize` is the reference.
@@ -34,14 +37,15 @@ from engine.kernels.governor import governor
 
 Kind = Literal["q8", "q4"]
 HALF = 256  # qmatmul.c's QM_HALF: the scales and minimums are fp16
+KSC = 512  # qmatmul.c's QM_KSC: the scales and minimums as K-quants store them (uint8 tensors)
 
 
 @dataclass(frozen=True)
 class QuantWeight:
     kind: Kind
     codes: torch.Tensor  # q8: int8 (N, K); q4: uint8 (N, K/2)
-    scales: torch.Tensor  # fp32 or fp16 (N, K/group)
-    mins: torch.Tensor | None  # (N, K/group), the scales' dtype, or None
+    scales: torch.Tensor  # fp32 or fp16 (N, K/group), or uint8 K-scales (N, K/group/8 * 10)
+    mins: torch.Tensor | None  # the scales' dtype and layout, or None
     group: int
     out_features: int
     in_features: int
@@ -50,7 +54,7 @@ class QuantWeight:
     def args(self) -> tuple[int, int, int, int | None]:
         """The kernel's kind code and the addresses of codes, scales and minimums (the tensors
         live as long as the weight and are never replaced: it is frozen)."""
-        half = HALF if self.scales.dtype == torch.float16 else 0
+        half = HALF if self.scales.dtype == torch.float16 else KSC if self.scales.dtype == torch.uint8 else 0
         return ((8 if self.kind == "q8" else 4) | half, self.codes.data_ptr(), self.scales.data_ptr(),
                 self.mins.data_ptr() if self.mins is not None else None)
 
@@ -71,11 +75,48 @@ def from_codes(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | N
     if all(t is None or _exact_half(t) for t in (scales, mins)):  # the kernel reads 2 bytes, not 4
         scales = scales.half()
         mins = mins.half() if mins is not None else None
-    if bits <= 4 and group == 32 and mins is not None:
+    kind, packed = _packed_codes(codes, group, bits, mins is not None)
+    return QuantWeight(kind, packed, scales, mins, group, n, k)
+
+
+def _packed_codes(codes: torch.Tensor, group: int, bits: int, has_mins: bool) -> tuple[Kind, torch.Tensor]:
+    n, k = codes.shape
+    if bits <= 4 and group == 32 and has_mins:
         q = codes.to(torch.uint8).reshape(n, k // 32, 2, 16)
-        packed = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
-        return QuantWeight("q4", packed, scales, mins, 32, n, k)
-    return QuantWeight("q8", codes.to(torch.int8).contiguous(), scales, mins, group, n, k)
+        return "q4", (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+    return "q8", codes.to(torch.int8).contiguous()
+
+
+def from_factors(codes: torch.Tensor, d: torch.Tensor, mult: torch.Tensor, dmin: torch.Tensor | None,
+                 mmult: torch.Tensor | None, group: int, bits: int) -> QuantWeight:
+    """codes (N, K) of `bits` bits with scales d * mult (and minimums dmin * mmult) as K-quants
+    store them: d, dmin (N, K/group/8) fp16 values, one per 8 groups; mult, mmult (N, K/group)
+    whole numbers in -128..127. Kept in that form (10 bytes per 8 groups); the kernel multiplies
+    them out in fp32, exactly (an fp16 times an 8-bit integer), so the values multiplied are
+    from_codes(codes, d * mult, dmin * mmult)'s."""
+    n, k = codes.shape
+    if k % (8 * group):
+        raise ValueError(f"{k} columns are not a whole number of blocks of 8 groups of {group}")
+    kind, packed = _packed_codes(codes, group, bits, dmin is not None)
+    mins = _k_params(dmin, mmult) if dmin is not None and mmult is not None else None
+    return QuantWeight(kind, packed, _k_params(d, mult), mins, group, n, k)
+
+
+def _k_params(d: torch.Tensor, mult: torch.Tensor) -> torch.Tensor:
+    n, blocks = d.shape
+    out = torch.empty(n, blocks, 10, dtype=torch.uint8)
+    out[..., :2] = d.to(torch.float16).contiguous().view(torch.uint8).reshape(n, blocks, 2)
+    out[..., 2:] = mult.to(torch.int8).reshape(n, blocks, 8).view(torch.uint8)
+    return out.reshape(n, blocks * 10)
+
+
+def params_fp32(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """Scales or minimums (rows, ...) in any of the kept forms -> (rows, groups) fp32 values."""
+    if t.dtype != torch.uint8:
+        return t.float()
+    blocks = t.reshape(t.shape[0], groups // 8, 10)
+    d = blocks[..., :2].contiguous().view(torch.float16).float()  # (rows, blocks, 1)
+    return (d * blocks[..., 2:].contiguous().view(torch.int8).float()).reshape(t.shape[0], groups)
 
 
 def _exact_half(t: torch.Tensor) -> bool:
@@ -108,9 +149,10 @@ def codes_of(w: QuantWeight) -> torch.Tensor:
 
 def dequantize(w: QuantWeight) -> torch.Tensor:
     """(N, K) fp32 values: scale * code + minimum, in fp32 (the values the kernel multiplies by)."""
-    v = codes_of(w).float().reshape(w.out_features, -1, w.group) * w.scales.float()[..., None]
+    groups = w.in_features // w.group
+    v = codes_of(w).float().reshape(w.out_features, -1, w.group) * params_fp32(w.scales, groups)[..., None]
     if w.mins is not None:
-        v = v + w.mins.float()[..., None]
+        v = v + params_fp32(w.mins, groups)[..., None]
     return v.reshape(w.out_features, w.in_features)
 
 
@@ -122,9 +164,10 @@ def dequantize_rows(w: QuantWeight, rows: torch.Tensor) -> torch.Tensor:
     if w.kind == "q4":
         p = codes.reshape(len(rows), -1, 16)
         codes = torch.stack([p & 15, p >> 4], dim=2)
-    v = codes.reshape(len(rows), -1, w.group).float() * w.scales[rows].float()[..., None]
+    groups = w.in_features // w.group
+    v = codes.reshape(len(rows), -1, w.group).float() * params_fp32(w.scales[rows], groups)[..., None]
     if w.mins is not None:
-        v = v + w.mins[rows].float()[..., None]
+        v = v + params_fp32(w.mins[rows], groups)[..., None]
     return v.reshape(len(rows), w.in_features)
 
 

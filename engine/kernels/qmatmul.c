@@ -45,6 +45,11 @@
 
 #define NB 4 /* weight rows decoded together */
 #define QM_HALF 256 /* in a kind code: scales and minimums are fp16, not fp32 */
+/* in a kind code: scales and minimums as K-quants store them, per 8 groups one fp16 factor and 8
+ * int8 multipliers (10 bytes; a row's groups a multiple of 8): d * sc, exact in fp32, expanded
+ * to fp32 as each row is read (row_params) */
+#define QM_KSC 512
+#define QM_FLAGS (QM_HALF | QM_KSC)
 
 /* Scales and minimums are fp32, or fp16 where every one of a weight's is exactly an fp16 (GGUF's
  * Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 store them so: a step then reads 0.625 bytes per Q4_1 weight,
@@ -78,7 +83,36 @@ static inline const void *row_at(const void *p, int64_t i, int half) {
     return p ? (const void *)((const char *)p + i * (half ? 2 : 4)) : NULL;
 }
 
-int qm_version(void) { return 1; }
+/* How a kind code's scales and minimums are stored: 0 fp32, 1 fp16, 2 K-scales. */
+static inline int params_fmt(int64_t kind) { return (kind & QM_KSC) ? 2 : (kind & QM_HALF) ? 1 : 0; }
+
+/* The scales (or minimums) of `rows` weight rows from row r on, `groups` a row, as the row
+ * kernels read them: a pointer into fp32 (fmt 0) or fp16 (fmt 1) ones, or K-scales (fmt 2)
+ * expanded into buf (rows x groups fp32, the values d * sc). NULL stays NULL. */
+static const void *row_params(const void *p, int64_t r, int64_t rows, int64_t groups, int fmt, float *buf) {
+    if (!p) return NULL;
+    if (fmt < 2) return row_at(p, r * groups, fmt);
+    const unsigned char *b = (const unsigned char *)p + r * (groups / 8) * 10;
+    for (int64_t i = 0; i < rows * groups; i += 8, b += 10) {
+        uint16_t h;
+        memcpy(&h, b, sizeof h);
+        float d = half_to_float(h);
+#ifdef QM_AVX2 /* the 8 multipliers at once: the expansion is ~1 % of a row's work, not ~20 % */
+        int64_t m8;
+        memcpy(&m8, b + 2, sizeof m8);
+        __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(m8)));
+        _mm256_storeu_ps(buf + i, _mm256_mul_ps(_mm256_set1_ps(d), m));
+#else
+        for (int j = 0; j < 8; j++) buf[i + j] = d * (float)(int8_t)b[2 + j];
+#endif
+    }
+    return buf;
+}
+
+/* Floats of expansion scratch for `rows` rows of `groups` (one where nothing is expanded). */
+#define PARAMS_BUF(fmt, rows, groups) ((fmt) == 2 ? (rows) * (groups) : 1)
+
+int qm_version(void) { return 2; }
 
 int qm_simd(void) { /* 0 plain C, 2 AVX2, 3 AVX-512, 4 AVX-512 VNNI, 5 AVX2 + AVX-VNNI */
 #if defined(QM_VNNI)
@@ -388,19 +422,20 @@ static int matmul_few(int kind, const float *x, int64_t M, int64_t K, const void
                       const void *mins, int64_t N, int64_t group, float *y, int threads);
 
 /* kind 8: codes int8 (N x K), groups of `group`; kind 4: packed nibbles (N x K/2), groups of 32;
- * either + QM_HALF: scales and minimums in fp16. scales and mins: N x K/group (mins may be NULL). Returns 0, or -1 when scratch memory
+ * either + QM_HALF: scales and minimums in fp16, or + QM_KSC: as K-quants (row_params). scales and mins: N x K/group (mins may be NULL). Returns 0, or -1 when scratch memory
  * could not be had. */
 int qm_matmul(int kind, const float *x, int64_t M, int64_t K, const void *codes, const void *scales,
               const void *mins, int64_t N, int64_t group, float *y, int threads) {
-    int half = (kind & QM_HALF) != 0;
-    kind &= ~QM_HALF;
+    int fmt = params_fmt(kind), half = fmt == 1;
+    int flags = kind & QM_FLAGS;
+    kind &= ~QM_FLAGS;
     int64_t tiles = (N + NB - 1) / NB;
     int failed = 0;
     int64_t row_bytes = kind == 4 ? K / 2 : K;
     int64_t groups = K / group;
     if (threads < 1) threads = 1;
     if (M > 1 && M <= QM_FEW) { /* a few tokens (an MoE expert's share of a tree): the integer rows, once */
-        int done = matmul_few(kind | (half ? QM_HALF : 0), x, M, K, codes, scales, mins, N, group, y, threads);
+        int done = matmul_few(kind | flags, x, M, K, codes, scales, mins, N, group, y, threads);
         if (done) return done < 0 ? -1 : 0;
     }
 #ifdef QM_AVX2
@@ -429,17 +464,20 @@ int qm_matmul(int kind, const float *x, int64_t M, int64_t K, const void *codes,
 #pragma omp parallel for num_threads(threads) schedule(static)
             for (int64_t b = 0; b < (N + QM_ROWS - 1) / QM_ROWS; b++) {
                 int64_t n = b * QM_ROWS;
+                int rows = (int)(N - n < QM_ROWS ? N - n : QM_ROWS);
                 const float *xs = xsum;
+                float sb[PARAMS_BUF(fmt, QM_ROWS, groups)], mb[PARAMS_BUF(fmt, QM_ROWS, groups)];
                 rows_vnni(&dg, &xs, 1, kind, (const char *)codes + n * row_bytes, row_bytes,
-                          row_at(scales, n * groups, half), row_at(mins, n * groups, half), groups, half, K, group,
-                          (int)(N - n < QM_ROWS ? N - n : QM_ROWS), y + n, 1);
+                          row_params(scales, n, rows, groups, fmt, sb), row_params(mins, n, rows, groups, fmt, mb),
+                          groups, half, K, group, rows, y + n, 1);
             }
         }
 #endif
         if (!done) {
 #pragma omp parallel for num_threads(threads) schedule(static)
             for (int64_t n = 0; n < N; n++) {
-                const void *sc = row_at(scales, n * groups, half), *mn = row_at(mins, n * groups, half);
+                float sb[PARAMS_BUF(fmt, 1, groups)], mb[PARAMS_BUF(fmt, 1, groups)];
+                const void *sc = row_params(scales, n, 1, groups, fmt, sb), *mn = row_params(mins, n, 1, groups, fmt, mb);
                 y[n] = kind == 4 ? ROW_Q4(x, (const uint8_t *)codes + n * row_bytes, sc, mn, half, xsum, K)
                                  : ROW_Q8(x, (const int8_t *)codes + n * row_bytes, sc, mn, half, xsum, K, group);
             }
@@ -463,7 +501,8 @@ int qm_matmul(int kind, const float *x, int64_t M, int64_t K, const void *codes,
             int rows = (int)(N - n0 < NB ? N - n0 : NB);
             for (int r = 0; r < rows; r++) {
                 int64_t n = n0 + r;
-                const void *sc = row_at(scales, n * groups, half), *mn = row_at(mins, n * groups, half);
+                float sb[PARAMS_BUF(fmt, 1, groups)], mb[PARAMS_BUF(fmt, 1, groups)];
+                const void *sc = row_params(scales, n, 1, groups, fmt, sb), *mn = row_params(mins, n, 1, groups, fmt, mb);
                 if (kind == 4)
                     decode_q4((const uint8_t *)codes + n * row_bytes, sc, mn, half, K, w + r * K);
                 else
@@ -489,10 +528,10 @@ int qm_matmul(int kind, const float *x, int64_t M, int64_t K, const void *codes,
 
 typedef struct {
     const void *codes;    /* q8: int8 (n, k); q4: uint8 (n, k / 2) */
-    const void *scales;   /* (n, k / group), fp32, or fp16 where kind has QM_HALF */
+    const void *scales;   /* (n, k / group), fp32, or fp16 where kind has QM_HALF, or K-scales (QM_KSC) */
     const void *mins;     /* (n, k / group) or NULL, the same type */
     const float *bias;    /* (n) or NULL */
-    int64_t kind, n, k, group;  /* kind 8 or 4 (+ QM_HALF); group 16 or 32 where there are minimums */
+    int64_t kind, n, k, group;  /* kind 8 or 4 (+ QM_HALF or QM_KSC); group 16 or 32 where there are minimums */
 } qm_linear;
 
 typedef struct {
@@ -528,9 +567,10 @@ static void group_sums(const float *x, int64_t n, float *s16, float *s32) {
  * build decodes into it). */
 static float row_product(const qm_linear *w, int64_t r, const float *x, const float *s16, const float *s32,
                          float *tmp) {
-    int64_t groups = w->k / w->group, kind = w->kind & ~QM_HALF;
-    int half = (w->kind & QM_HALF) != 0;
-    const void *sc = row_at(w->scales, r * groups, half), *mn = row_at(w->mins, r * groups, half);
+    int64_t groups = w->k / w->group, kind = w->kind & ~QM_FLAGS;
+    int fmt = params_fmt(w->kind), half = fmt == 1;
+    float sb[PARAMS_BUF(fmt, 1, groups)], mb[PARAMS_BUF(fmt, 1, groups)];
+    const void *sc = row_params(w->scales, r, 1, groups, fmt, sb), *mn = row_params(w->mins, r, 1, groups, fmt, mb);
     float y;
 #ifdef QM_AVX2
     const float *xs = w->group == 16 ? s16 : s32;
@@ -557,13 +597,14 @@ static void rows_product(const qm_linear *w, int64_t r, int64_t rows, const floa
                          const float *s32, const qm_digits *dg, float *tmp, float *out) {
     if (rows > QM_ROWS) rows = QM_ROWS;
 #ifdef QM_INT
-    int64_t kind = w->kind & ~QM_HALF;
+    int64_t kind = w->kind & ~QM_FLAGS;
     if (takes_digits(dg, kind, w->k, w->group)) {
         int64_t groups = w->k / w->group, rb = kind == 4 ? w->k / 2 : w->k;
-        int half = (w->kind & QM_HALF) != 0;
+        int fmt = params_fmt(w->kind), half = fmt == 1;
         const float *xs = w->group == 16 ? s16 : s32;
-        rows_vnni(dg, &xs, 1, kind, (const char *)w->codes + r * rb, rb, row_at(w->scales, r * groups, half),
-                  row_at(w->mins, r * groups, half), groups, half, w->k, w->group, (int)rows, out, 1);
+        float sb[PARAMS_BUF(fmt, QM_ROWS, groups)], mb[PARAMS_BUF(fmt, QM_ROWS, groups)];
+        rows_vnni(dg, &xs, 1, kind, (const char *)w->codes + r * rb, rb, row_params(w->scales, r, rows, groups, fmt, sb),
+                  row_params(w->mins, r, rows, groups, fmt, mb), groups, half, w->k, w->group, (int)rows, out, 1);
         if (w->bias)
             for (int64_t i = 0; i < rows; i++) out[i] += w->bias[r + i];
         return;
@@ -768,12 +809,13 @@ int qm_experts_one(const qm_linear *gate_up, const qm_linear *down, const int64_
 
 /* Tile t of w (rows t * NB ..) times the n rows of x (n, w->k) into y (n, w->n) (+ bias). */
 static void tile_product(const qm_linear *w, int64_t t, const float *x, int64_t n, float *y, float *wbuf) {
-    int64_t n0 = t * NB, groups = w->k / w->group, kind = w->kind & ~QM_HALF;
-    int half = (w->kind & QM_HALF) != 0;
+    int64_t n0 = t * NB, groups = w->k / w->group, kind = w->kind & ~QM_FLAGS;
+    int fmt = params_fmt(w->kind), half = fmt == 1;
     int rows = (int)(w->n - n0 < NB ? w->n - n0 : NB);
     for (int r = 0; r < rows; r++) {
         int64_t row = n0 + r;
-        const void *sc = row_at(w->scales, row * groups, half), *mn = row_at(w->mins, row * groups, half);
+        float sb[PARAMS_BUF(fmt, 1, groups)], mb[PARAMS_BUF(fmt, 1, groups)];
+        const void *sc = row_params(w->scales, row, 1, groups, fmt, sb), *mn = row_params(w->mins, row, 1, groups, fmt, mb);
         if (kind == 4)
             decode_q4((const uint8_t *)w->codes + row * (w->k / 2), sc, mn, half, w->k, wbuf + r * w->k);
         else
@@ -821,16 +863,18 @@ static void make_few(const float *x, int64_t n, int64_t k, char *mem, qm_few *f)
 /* tile_product, through the integer rows where the pass's inputs were made digits. */
 static void product(const qm_linear *w, int64_t t, const float *x, int64_t n, float *y, float *wbuf, const qm_few *f) {
 #ifdef QM_INT
-    int64_t kind = w->kind & ~QM_HALF;
+    int64_t kind = w->kind & ~QM_FLAGS;
     if (f->few == n && takes_digits(&f->d[0], kind, w->k, w->group)) {
         int64_t groups = w->k / w->group, n0 = t * NB;
-        int half = (w->kind & QM_HALF) != 0;
+        int fmt = params_fmt(w->kind), half = fmt == 1;
         const float *xs[QM_FEW];
         for (int64_t i = 0; i < n; i++) xs[i] = w->group == 16 ? f->s16[i] : f->s32[i];
         int rows = (int)(w->n - n0 < NB ? w->n - n0 : NB), rb = (int)(kind == 4 ? w->k / 2 : w->k);
         float out[NB * QM_FEW];
-        rows_vnni(f->d, xs, (int)n, kind, (const char *)w->codes + n0 * rb, rb, row_at(w->scales, n0 * groups, half),
-                  row_at(w->mins, n0 * groups, half), groups, half, w->k, w->group, rows, out, QM_FEW);
+        float sb[PARAMS_BUF(fmt, NB, groups)], mb[PARAMS_BUF(fmt, NB, groups)];
+        rows_vnni(f->d, xs, (int)n, kind, (const char *)w->codes + n0 * rb, rb,
+                  row_params(w->scales, n0, rows, groups, fmt, sb), row_params(w->mins, n0, rows, groups, fmt, mb),
+                  groups, half, w->k, w->group, rows, out, QM_FEW);
         for (int r = 0; r < rows; r++)
             for (int64_t i = 0; i < n; i++)
                 y[i * w->n + n0 + r] = w->bias ? out[r * QM_FEW + i] + w->bias[n0 + r] : out[r * QM_FEW + i];
@@ -849,8 +893,8 @@ static void product(const qm_linear *w, int64_t t, const float *x, int64_t n, fl
 static int matmul_few(int kind, const float *x, int64_t M, int64_t K, const void *codes, const void *scales,
                       const void *mins, int64_t N, int64_t group, float *y, int threads) {
 #ifdef QM_INT
-    int half = (kind & QM_HALF) != 0;
-    kind &= ~QM_HALF;
+    int fmt = params_fmt(kind), half = fmt == 1;
+    kind &= ~QM_FLAGS;
     if (M > QM_FEW || K % 64 || (group != 16 && group != 32)) return 0;
     char *mem = (char *)malloc((size_t)M * few_bytes(K) + 64);
     if (!mem) return -1;
@@ -868,8 +912,9 @@ static int matmul_few(int kind, const float *x, int64_t M, int64_t K, const void
         int64_t n0 = b * QM_ROWS;
         int rows = (int)(N - n0 < QM_ROWS ? N - n0 : QM_ROWS);
         float out[QM_ROWS * QM_FEW];
-        rows_vnni(f.d, xs, (int)M, kind, (const char *)codes + n0 * rb, rb, row_at(scales, n0 * groups, half),
-                  row_at(mins, n0 * groups, half), groups, half, K, group, rows, out, QM_FEW);
+        float sb[PARAMS_BUF(fmt, QM_ROWS, groups)], mb[PARAMS_BUF(fmt, QM_ROWS, groups)];
+        rows_vnni(f.d, xs, (int)M, kind, (const char *)codes + n0 * rb, rb, row_params(scales, n0, rows, groups, fmt, sb),
+                  row_params(mins, n0, rows, groups, fmt, mb), groups, half, K, group, rows, out, QM_FEW);
         for (int r = 0; r < rows; r++)
             for (int64_t i = 0; i < M; i++) y[i * N + n0 + r] = out[r * QM_FEW + i];
     }

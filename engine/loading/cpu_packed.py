@@ -34,7 +34,7 @@ from torch import nn
 
 from engine.kernels import experts as packed_experts
 from engine.kernels.build import kernels
-from engine.kernels.linear import PackedLinear, QuantWeight, from_codes
+from engine.kernels.linear import PackedLinear, QuantWeight, from_codes, from_factors
 from engine.offload import gguf_blocks
 from engine.offload.layout import Entry, LayerLayout, set_parameter
 from engine.offload.unpack import Unpacker
@@ -130,9 +130,17 @@ def quant_weight(blocks: torch.Tensor, qtype: int, shape: tuple[int, ...],
     if row_order is not None:
         stored = stored[row_order]
     _, nbytes = gguf_blocks.block_size(qtype)
-    codes, scales, mins, group = gguf_blocks.affine(stored.reshape(-1, nbytes), qtype)
+    blocks = stored.reshape(-1, nbytes)
+    codes, scales, mins, group = gguf_blocks.affine(blocks, qtype)
+    bits = gguf_blocks.AFFINE_BITS[qtype]
+    if qtype in gguf_blocks.K_FACTORED:  # kept as the file factors them: 10 bytes per 8 groups
+        del scales, mins
+        d, sc, dmin, mn = gguf_blocks.k_factors(blocks, qtype)
+        return from_factors(codes.reshape(rows, cols), d.reshape(rows, -1), sc.reshape(rows, -1),
+                            dmin.reshape(rows, -1) if dmin is not None else None,
+                            mn.reshape(rows, -1) if mn is not None else None, group, bits)
     return from_codes(codes.reshape(rows, cols), scales.reshape(rows, -1),
-                      mins.reshape(rows, -1) if mins is not None else None, group, gguf_blocks.AFFINE_BITS[qtype])
+                      mins.reshape(rows, -1) if mins is not None else None, group, bits)
 
 
 def kernel_bytes(layout: LayerLayout, layer: nn.Module) -> int:
@@ -156,12 +164,14 @@ def kernel_bytes(layout: LayerLayout, layer: nn.Module) -> int:
 
 
 def _packed_bytes(qtype: int, numel: int) -> int:
-    """Bytes of `numel` weights of GGUF type `qtype` as the kernel holds them (fp32 scales and
-    minimums at most)."""
+    """Bytes of `numel` weights of GGUF type `qtype` as the kernel holds them (K-quants' scales
+    and minimums as they factor them, 10 bytes per 8 groups; the others' in fp32 at most)."""
     group = 16 if qtype == gguf_blocks.Q.Q6_K else 32
     bits = gguf_blocks.AFFINE_BITS[qtype]
     code_bytes = numel // 2 if bits <= 4 and group == 32 else numel
     sides = 2 if qtype not in (gguf_blocks.Q.Q8_0, gguf_blocks.Q.Q6_K) else 1
+    if qtype in gguf_blocks.K_FACTORED:
+        return code_bytes + numel // (8 * group) * 10 * sides
     return code_bytes + numel // group * 4 * sides
 
 

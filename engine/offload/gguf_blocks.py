@@ -223,6 +223,23 @@ def affine(b: torch.Tensor, qtype: int) -> tuple[torch.Tensor, torch.Tensor, tor
     raise ValueError(f"{type_name(qtype)} is not a linear block type")
 
 
+K_FACTORED = (Q.Q4_K, Q.Q5_K, Q.Q6_K)  # scales (and minimums) an fp16 times small integers
+
+
+def k_factors(b: torch.Tensor, qtype: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                                                    torch.Tensor | None]:
+    """(n, block bytes) uint8 blocks of a K_FACTORED type -> the factors of affine's scales and
+    minimums, per 8 groups one fp16 value and per group an integer: (d (n, blocks of 8 groups),
+    sc (n, groups), dmin or None, mn or None), with affine's scales = d * sc and minimums =
+    dmin * mn (dmin holds the minimum's sign: -dmin of the block)."""
+    if qtype in (Q.Q4_K, Q.Q5_K):
+        sc, mn = _k_scales(b[:, 4:16])
+        return _f16(b, 0), sc, -_f16(b, 2), mn
+    if qtype == Q.Q6_K:  # 16 groups of 16: the block's one factor serves both halves
+        return _f16(b, 208).repeat(1, 2), b[:, 192:208].contiguous().view(torch.int8).float(), None, None
+    raise ValueError(f"{type_name(qtype)} is not a K-quant type")
+
+
 def dequantize(data: torch.Tensor, qtype: int) -> torch.Tensor:
     """Flat uint8 bytes of whole blocks of `qtype` -> flat fp32 values (float types: as stored,
     converted to fp32)."""

@@ -167,7 +167,7 @@ EXPERT_HIDDEN, EXPERT_WIDTH, EXPERT_TOP_K = 2048, 768, 8  # Qwen3-30B-A3B's expe
 
 
 def expert_timing(experts: int = 64, tokens: int = 8, repeats: int = 3) -> ExpertTiming | None:
-    """Time the packed CPU kernel on `experts` random 4-bit experts (more bytes than a CPU's
+    """Time the packed CPU kernel on `experts` random Q4_K experts (more bytes than a CPU's
     caches hold at 64: each call reads from RAM, as a model's experts are): one token through
     EXPERT_TOP_K of them, the next call the next EXPERT_TOP_K, and `tokens` tokens through the
     same EXPERT_TOP_K. None when the kernel cannot be built here (the experts then run
@@ -178,8 +178,15 @@ def expert_timing(experts: int = 64, tokens: int = 8, repeats: int = 3) -> Exper
     if kernels() is None:
         return None
     gen = torch.Generator().manual_seed(0)
-    bank = [(linear.from_dense(torch.randn(2 * EXPERT_WIDTH, EXPERT_HIDDEN, generator=gen), "q4"),
-             linear.from_dense(torch.randn(EXPERT_HIDDEN, EXPERT_WIDTH, generator=gen), "q4")) for _ in range(experts)]
+
+    def q4_k(rows: int, cols: int) -> linear.QuantWeight:  # random Q4_K values, held as the kernel holds Q4_K
+        groups = cols // 32
+        return linear.from_factors(torch.randint(0, 16, (rows, cols), generator=gen),
+                                   torch.full((rows, groups // 8), 1e-3), torch.randint(0, 64, (rows, groups), generator=gen),
+                                   torch.full((rows, groups // 8), -1e-3), torch.randint(0, 64, (rows, groups), generator=gen),
+                                   32, 4)
+
+    bank = [(q4_k(2 * EXPERT_WIDTH, EXPERT_HIDDEN), q4_k(EXPERT_HIDDEN, EXPERT_WIDTH)) for _ in range(experts)]
     groups = [bank[i:i + EXPERT_TOP_K] for i in range(0, experts - EXPERT_TOP_K + 1, EXPERT_TOP_K)]
 
     def run(x: torch.Tensor, group: list[tuple[linear.QuantWeight, linear.QuantWeight]]) -> None:

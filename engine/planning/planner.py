@@ -64,10 +64,10 @@ PACKED_BYTES_PER_PARAM = {"nf4": NF4_BYTES_PER_PARAM, "gguf": 0.6, "awq": 0.53, 
 # The packed CPU kernel's time per token beyond the first against an fp32 product's, once its
 # weights are read (`python scripts/bench_qmatmul.py`, 2 threads: 1.4x at 16-64 rows).
 KERNEL_TOKEN_RATIO = 1.4
-# What the packed CPU kernel holds per weight of a GGUF's routed experts (Q4_K_M: Q4_K gate and up
-# with fp32 scales and minimums per 32, 0.75; its down Q6_K, held as int8 + fp32 scales per 16,
-# 1.25, on about half the layers and Q4_K on the rest): 0.83.
-KERNEL_EXPERT_BYTES_PER_PARAM = 0.83
+# What the packed CPU kernel holds per weight of a GGUF's routed experts (Q4_K_M: Q4_K gate and up,
+# half a byte a code and 10 bytes of scales and 10 of minimums per 256, 0.578; its down Q6_K, held
+# as int8 codes + 10 bytes per 128, 1.078, on about half the layers and Q4_K on the rest): 0.66.
+KERNEL_EXPERT_BYTES_PER_PARAM = 0.66
 # Priors for a profile without an ExpertTiming (measured before SpecChat timed experts): a
 # further token's expert row, per weight (this project's 2-core CPU at 2 threads, `specchat bench
 # hardware`: 2.3e-11), and the experts read at the RAM copy rate.

@@ -87,7 +87,7 @@ class LayerTiming:
 @dataclass(frozen=True)
 class ExpertTiming:
     """The packed CPU kernel running routed experts (measure.py times Qwen3-30B-A3B's: gate and
-    up 2 x 768 x 2048 and down 2048 x 768, 4-bit codes with a scale and minimum per 32), the
+    up 2 x 768 x 2048 and down 2048 x 768, Q4_K values as the kernel holds them), the
     way a pass with its experts on the CPU runs them (engine.kernels.experts).
 
     read_gbps: packed bytes per second while one token runs its top-k experts (each read once

@@ -41,7 +41,7 @@ LLAMA_CPP_TOK_S = 36.7  # Qwen3-30B-A3B Q4_K_M, llama.cpp --n-cpu-moe, RTX 2080 
 EXPERT_READ_GBPS = (30.0, 45.0, 60.0)
 CPU_THREADS = 8
 ROW_S_PER_PARAM_ONE_THREAD = 4.6e-11  # a further token's expert row per weight on one of this project's cores
-FILE_BYTES_PER_PARAM = 0.6  # Q4_K_M experts in the file (what llama.cpp reads) against the kernel's 0.83
+FILE_BYTES_PER_PARAM = 0.6  # Q4_K_M experts in the file (what llama.cpp reads) against the kernel's 0.66
 BUDGETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
@@ -125,6 +125,6 @@ def format_projection(rows: list[ProjectionRow]) -> list[str]:
     for r in rows:
         lines.append(f"{r.machine:<44}{r.expert_gbps:>12.0f}{r.experts_at:>14}{r.autoregressive:>10.1f}{r.best:>8.1f}"
                      f"{r.budget or 'AR':>8}{r.tokens_per_pass:>9.2f}{100 * r.tree_share:>7.0f}%{r.vs_llama_cpp:>11.2f}x")
-    lines.append("'file bytes': the experts read at the GGUF's own 0.6 bytes a weight (a K-quant kernel layout not "
-                 "built yet) instead of the 0.83 SpecChat's kernel holds now")
+    lines.append(f"'file bytes': the experts read at the GGUF's own {FILE_BYTES_PER_PARAM} bytes a weight instead of "
+                 f"the {planner.KERNEL_EXPERT_BYTES_PER_PARAM} SpecChat's kernel holds (Q6_K codes in a byte)")
     return lines

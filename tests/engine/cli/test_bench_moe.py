@@ -67,7 +67,7 @@ def test_experts_placement_is_asked_for_described_and_cpu_only_where_a_gpu_is(mo
     assert load_settings(args, type("S", (), {"device": "cuda"})()).experts == "cpu"  # type: ignore[arg-type]
     assert build_parser().parse_args(["generate", "--prompt", "hi"]).experts == "auto"
     split = Placement(8, 8, 0, 0, 1, "gguf", "cuda", resident_form="experts-cpu")
-    assert split.describe() == "all 8 layers on GPU (GGUF blocks; routed experts in RAM, run by the CPU)"
+    assert split.describe() == "all 8 layers on GPU, experts: 0 % in VRAM, rest on CPU (GGUF blocks)"
     weights = GGUFWeights(tiny_gguf("qwen3_moe", layers=2, layer_types=("Q8_0",), cache_dir=model_cache))
     try:
         with torch.device("meta"):

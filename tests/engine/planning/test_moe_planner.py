@@ -121,7 +121,7 @@ def test_an_moe_gguf_too_big_for_the_gpu_keeps_its_experts_on_the_cpu(gpu: str, 
     else:
         assert placement.gpu_layers < QWEN3_30B.num_layers
     if form:
-        assert "routed experts in RAM" in placement.describe()
+        assert "experts: 0 % in VRAM, rest on CPU" in placement.describe()
         assert planner.target_pass_seconds(profile, QWEN3_30B, placement, 1) > \
             QWEN3_30B.num_layers * planner.expert_seconds(profile, QWEN3_30B, 1)
 
@@ -153,7 +153,7 @@ def test_bench_plan_moe_prints_a_labelled_projection(capsys: pytest.CaptureFixtu
     rows = got["rows"]
     assert got["projection"] and len(rows) == 12
     for row in rows:
-        assert "routed experts in RAM" in row["placement"]
+        assert "experts: 0 % in VRAM, rest on CPU" in row["placement"]
         assert row["best"] >= row["autoregressive"] > 0
     by = {(r["machine"], r["expert_gbps"], r["experts_at"]): r["autoregressive"] for r in rows}
     for (machine, gbps, at), tok_s in by.items():  # faster expert reads, fewer bytes: never slower
