@@ -100,6 +100,15 @@ def test_figures_go_with_their_model(qtbot: QtBot, window: MainWindow) -> None:
     assert [f.text() for f in bar.figures] == ["", "", "", ""] and not bar.has_draft
 
 
+def test_an_moe_with_its_experts_on_the_cpu_says_where_they_are(qtbot: QtBot, window: MainWindow) -> None:
+    """Issue 31: "experts: x % in VRAM, rest on CPU" (no expert is cached in VRAM yet: 0 %)."""
+    split = Placement(48, 48, 0, 0, quant="gguf", device="cuda:0", resident_form="experts-cpu")
+    bar = window.status
+    bar.show_pair(TARGET, "", split)
+    assert bar.placement.text() == "experts: 0 % in VRAM, rest on CPU"
+    assert "all 48 layers on GPU, experts: 0 % in VRAM, rest on CPU (GGUF blocks)." in bar.placement.toolTip()
+
+
 def _off(reason: str) -> BudgetChoice:
     return BudgetChoice(False, 64, 16, "planner", reason, 9.0)
 
