@@ -100,9 +100,11 @@ def materialise(weights: Weights, config: PretrainedConfig, settings: Materialis
         weights.bind(hf)
         layouts = weights.layouts(hf, dtype, settings.quant)
         # the embedding stays packed where the layers will run resident with the kernel (their
-        # RAM counted before any outer weight is read: the packed table is all the outer RAM)
-        table = _packed_table(weights, device, dtype) \
-            if kernel_layers(layouts[0].quant) and unpack_at_load(layouts, settings, list(hf.model.layers)) else None
+        # RAM counted before any outer weight is read: the packed table is all the outer RAM), and
+        # in any CPU load where no head is tied to it (its look-ups are the file's values, bit for
+        # bit; a tied head streamed beside de-quantised layers stays the dense table it is)
+        resident = kernel_layers(layouts[0].quant) and unpack_at_load(layouts, settings, list(hf.model.layers))
+        table = _packed_table(weights, device, dtype) if resident or not _tied(hf, weights) else None
         _place_outer(hf, weights, device, dtype, packed_table=table is not None)
         if table is not None:
             _keep_table_packed(hf, weights, table)

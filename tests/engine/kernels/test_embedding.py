@@ -1,8 +1,9 @@
 """The embedding table kept packed on the CPU (engine.kernels.embedding): a look-up gives the rows
 the de-quantised table holds, bit for bit (Gemma's scaled embedding too); a GGUF loaded resident
 with the kernel keeps its table in the file's blocks (a tied head the same weight, one copy), and
-a streamed load keeps the dense table it reads bit for bit. Whole-model logits and text against
-transformers with the table packed: tests/engine/loading/test_gguf_families*.py ("kernel")."""
+a streamed load keeps it packed too unless a head is tied to it. Whole-model logits and text against
+transformers with the table packed: tests/engine/loading/test_gguf_families*.py ("kernel", and the
+streamed places of untied models, whose logits stay bit for bit)."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def test_a_look_up_gives_the_tables_rows_bit_for_bit(kind: str, group: int) -> N
 
 @pytest.mark.skipif(build.kernels() is None, reason="no C compiler here")
 @pytest.mark.parametrize("tied", [False, True])
-def test_a_resident_gguf_keeps_its_table_packed_and_a_streamed_one_dense(model_cache: Path, tied: bool) -> None:
+def test_a_resident_gguf_keeps_its_table_packed_and_a_streamed_one_unless_tied(model_cache: Path, tied: bool) -> None:
     path = tiny_gguf("llama", cache_dir=model_cache, tied=tied)
     resident = load_model(path, "cpu", torch.float32, offload="none").model
     assert isinstance(resident.embed, PackedEmbedding)
@@ -52,6 +53,9 @@ def test_a_resident_gguf_keeps_its_table_packed_and_a_streamed_one_dense(model_c
     assert isinstance(resident.head, PackedLinear)
     assert (resident.head.qweight is resident.embed.packed) == tied  # tied: one packed copy serves both
     streamed = load_model(path, "cpu", torch.float32, offload="all").model
-    assert type(streamed.embed) is nn.Embedding  # the file's values, de-quantised as before
+    # streamed layers: a head tied to the table keeps it dense (the head's product the file's
+    # values, bit for bit, as the de-quantised layers'); an untied table is packed all the same
+    assert isinstance(streamed.embed, PackedEmbedding) != tied
+    assert type(streamed.head) is nn.Linear
     ids = torch.tensor([[3, 1, 4, 1, 5]])
     assert torch.equal(resident.embed(ids), streamed.embed(ids))  # the same values either way
