@@ -68,6 +68,10 @@ KERNEL_TOKEN_RATIO = 1.4
 # half a byte a code and 10 bytes of scales and 10 of minimums per 256, 0.578; its down Q6_K, held
 # as int8 codes + 10 bytes per 128, 1.078, on about half the layers and Q4_K on the rest): 0.66.
 KERNEL_EXPERT_BYTES_PER_PARAM = 0.66
+# The head of a GGUF as the kernel holds it: Q6_K in K-quant files (int8 codes + 10 bytes per
+# 128), 1.08 a weight (a Q8_0 file's 1.06; a one-token step reads all of it, so it is most of a
+# small model's step: the synthetic MoE's 151,936 x 2048 head ~15 ms of a 45 ms step here)
+KERNEL_HEAD_BYTES_PER_PARAM = 1.08
 # Priors for a profile without an ExpertTiming (measured before SpecChat timed experts): a
 # further token's expert row, per weight (this project's 2-core CPU at 2 threads, `specchat bench
 # hardware`: 2.3e-11), and the experts read at the RAM copy rate.
@@ -86,7 +90,7 @@ def layer_bytes(shape: ModelShape, quant: str, device: str) -> int:
 
 
 def compute_seconds(profile: HardwareProfile, params: int, tokens: int, quant: str = "none",
-                    form: str = "") -> float:
+                    form: str = "", bytes_per_param: float | None = None) -> float:
     """One layer of `params` weights over `tokens` tokens on the profile's compute device,
     unpacking included for a packed `quant` ("nf4", "gguf", "awq", "gptq") unpacked every pass.
     `form` "kernel": its Linear weights stay packed for the packed CPU kernel (engine.kernels),
@@ -95,7 +99,7 @@ def compute_seconds(profile: HardwareProfile, params: int, tokens: int, quant: s
     layer runs as an unpacked one."""
     timing = profile.layer_timing
     if form == "kernel" and quant in PACKED_BYTES_PER_PARAM and profile.gpu is None:
-        read = params * PACKED_BYTES_PER_PARAM[quant] / timing.memory_bandwidth
+        read = params * (bytes_per_param or PACKED_BYTES_PER_PARAM[quant]) / timing.memory_bandwidth
         more = max(0.0, timing.scaled_seconds(params, tokens) - timing.scaled_seconds(params, 1))
         return timing.overhead_s + read + KERNEL_TOKEN_RATIO * more
     return timing.scaled_seconds(params, tokens) + unpack_seconds(profile, params, quant, form)
@@ -167,7 +171,11 @@ def target_pass_seconds(profile: HardwareProfile, target: ModelShape, placement:
     return total
 
 
-def head_seconds(profile: HardwareProfile, model: ModelShape, rows: int) -> float:
+def head_seconds(profile: HardwareProfile, model: ModelShape, rows: int, placement: Placement | None = None) -> float:
+    """The output head over `rows` rows: dense, or packed for the CPU kernel where `placement`'s
+    layers are (a GGUF run resident by the kernel keeps its head in the file's blocks too)."""
+    if placement is not None and placement.resident_form == "kernel" and profile.gpu is None:
+        return compute_seconds(profile, model.head_params, rows, placement.quant, "kernel", KERNEL_HEAD_BYTES_PER_PARAM)
     return compute_seconds(profile, model.head_params, rows)
 
 
@@ -213,13 +221,13 @@ def predict_budget(profile: HardwareProfile, target: ModelShape, draft: ModelSha
         one = draft_pass(per_pass) if draft_pass is not None else draft_pass_seconds(profile, draft, per_pass)
         t_draft = curve.draft_passes(budget, max_depth) * one * curve.draft_time_scale
     t_target = curve.target_time_scale * (target_pass_seconds(profile, target, placement, budget + 1)
-                                          + a * head_seconds(profile, target, 1))
+                                          + a * head_seconds(profile, target, 1, placement))
     return BudgetPrediction(budget, max_depth, a, t_draft, t_target, a / (t_draft + t_target + STEP_OVERHEAD_S))
 
 
 def autoregressive_tokens_per_second(profile: HardwareProfile, target: ModelShape, placement: Placement,
                                      time_scale: float = 1.0) -> float:
-    step = time_scale * (target_pass_seconds(profile, target, placement, 1) + head_seconds(profile, target, 1))
+    step = time_scale * (target_pass_seconds(profile, target, placement, 1) + head_seconds(profile, target, 1, placement))
     return 1.0 / (step + AR_OVERHEAD_S)
 
 
@@ -232,7 +240,7 @@ def time_scales(profile: HardwareProfile, target: ModelShape, draft: ModelShape,
             continue
         t_meas += r.target_seconds
         t_pred += r.passes * (target_pass_seconds(profile, target, placement, b + 1)
-                              + r.tokens / r.passes * head_seconds(profile, target, 1))
+                              + r.tokens / r.passes * head_seconds(profile, target, 1, placement))
         d_meas += r.draft_seconds
         d_pred += r.draft_passes * draft_pass_seconds(profile, draft, default_expand_per_pass(b))
     return (t_meas / t_pred if t_meas and t_pred else 1.0, d_meas / d_pred if d_meas and d_pred else 1.0)

@@ -207,3 +207,16 @@ def test_the_catalogs_moe_entries_are_priced_as_moe() -> None:
         dense = planner.predict_pair(profile, dataclasses.replace(entry, experts=None), None)
         assert moe.fit == fit
         assert moe.tokens_per_second > faster * dense.tokens_per_second
+
+
+def test_a_head_the_kernel_holds_packed_is_priced_as_held() -> None:
+    """A GGUF run resident by the kernel keeps its head packed (Q6_K: 1.08 bytes a weight): priced
+    so, not as an fp32 head (4 bytes), which made the synthetic MoE's prior 0.57x its measured
+    speed on this machine (1.25x with the packed head)."""
+    profile = cpu_profile(ExpertTiming(1, 1, 19.0, 2.3e-11, 2))
+    place = planner.estimate_placement(profile, QWEN3_30B, "gguf")
+    assert place.resident_form == "kernel"
+    packed, dense = planner.head_seconds(profile, QWEN3_30B, 1, place), planner.head_seconds(profile, QWEN3_30B, 1)
+    assert packed < 0.35 * dense
+    assert planner.autoregressive_tokens_per_second(profile, QWEN3_30B, place) > 1 / (
+        planner.target_pass_seconds(profile, QWEN3_30B, place, 1) + dense)
