@@ -21,7 +21,7 @@ import json
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from types import ModuleType
 from typing import cast
@@ -401,16 +401,9 @@ def named_profile(path: Path | None) -> HardwareProfile | None:
 
 def run_bench_plan(args: argparse.Namespace) -> int:
     if args.moe:
-        from engine.planning import projection  # noqa: PLC0415 - reads transformers' Qwen3.5-MoE config
+        from engine.cli.bench_moe import print_projection  # noqa: PLC0415
 
-        rows = projection.project()
-        if args.json:
-            print(json.dumps({"projection": True, "model": projection.MODEL, "llama_cpp_tok_s": projection.LLAMA_CPP_TOK_S,
-                              "rows": [{**asdict(r), "tree_share": r.tree_share,
-                                        "vs_llama_cpp": r.vs_llama_cpp} for r in rows]}))
-        else:
-            print("\n".join(projection.format_projection(rows)))
-        return 0
+        return print_projection(args.json)
     if not args.target:
         raise UsageError("bench plan: --target ID is needed (or --moe for the MoE projection).")
     catalog = load_catalog()

@@ -1,5 +1,6 @@
 """`specchat bench offload --moe`: what a target pass over N tokens costs an MoE model whose
-routed experts run packed on the CPU (engine.kernels.experts), against N.
+routed experts run packed on the CPU (engine.kernels.experts), against N; and `specchat bench
+plan --moe`'s printing of the labelled MoE projection (engine.planning.projection).
 
 The model is --target (an MoE GGUF) or the synthetic MoE with Qwen3-30B-A3B's layers
 (engine.testing.random_gguf, Q4_K_M, written on first use; --quick: the small one). Each pass
@@ -25,9 +26,10 @@ What this module does not do: place experts on a GPU (not built yet).
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -161,4 +163,18 @@ def run_bench_moe(args: argparse.Namespace, budgets: list[int]) -> int:
     target = Path(args.target) if args.target else synthetic_target(args.quick)
     loaded = load_model(target, "cpu", torch.float32, offload="none")
     print(format_moe_table(target.name, loaded, run_moe_table(loaded, budgets, args.repeats)))
+    return 0
+
+
+def print_projection(as_json: bool) -> int:
+    """`specchat bench plan --moe`: the labelled MoE projection (engine.planning.projection)."""
+    from engine.planning import projection  # noqa: PLC0415 - reads transformers' Qwen3.5-MoE config
+
+    rows = projection.project()
+    if as_json:
+        print(json.dumps({"projection": True, "model": projection.MODEL, "llama_cpp_tok_s": projection.LLAMA_CPP_TOK_S,
+                          "rows": [{**asdict(r), "tree_share": r.tree_share, "vs_llama_cpp": r.vs_llama_cpp}
+                                   for r in rows]}))
+    else:
+        print("\n".join(projection.format_projection(rows)))
     return 0
