@@ -42,7 +42,6 @@ from engine.decoding.context_tree import context_tree, seed_gains, seed_siblings
 from engine.decoding.costs import DraftSwitch, DraftSwitches, PassCosts, SwitchSettings
 from engine.decoding.draft_rates import DraftRates
 from engine.decoding.learned import LearnedFile
-from engine.kernels.experts import UnionTotals, union_totals
 from engine.decoding.logprobs import LogprobRecorder, TokenBytes
 from engine.decoding.drafting import (
     copy_of_target,
@@ -63,6 +62,7 @@ from engine.decoding.stats import StepTimers, generation_stats
 from engine.decoding.text import Detokenizer, encode_prompt, eos_ids
 from engine.decoding.verification import Sink, accept, committed_states, prune_to_accepted, read_committed, run_tree
 from engine.errors import ContextTooLong, InvalidRequest, OutOfMemory
+from engine.kernels.experts import UnionTotals, union_totals
 from engine.model.cache import KVCache
 from engine.model.cache_files import CacheFiles
 from engine.model.causal_lm import CausalLM
