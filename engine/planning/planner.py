@@ -37,6 +37,7 @@ that is not loaded yet).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
@@ -133,6 +134,40 @@ def expert_seconds(profile: HardwareProfile, target: ModelShape, tokens: int, un
     u = union if union is not None else expert_union(tokens, ex.experts, ex.top_k, ex.sharing)
     nbytes = int(target.expert_params * KERNEL_EXPERT_BYTES_PER_PARAM)
     return target.moe_fraction * cpu_experts(profile).seconds(u, tokens * ex.top_k, target.expert_params, nbytes)
+
+
+def streamed_expert_seconds(profile: HardwareProfile, target: ModelShape, tokens: int,
+                            union: float | None = None) -> float:
+    """The routed experts of one (average) layer streamed to the GPU for a pass instead of run by
+    the CPU (the issue's `--experts stream`, not built: a price to compare): the union's bytes as
+    the file stores them over the pinned link, de-quantised there at VRAM speed; the GPU's
+    products themselves are noise beside the copy. inf without a GPU or experts."""
+    ex, gpu = target.experts, profile.gpu
+    if ex is None or gpu is None:
+        return math.inf
+    u = union if union is not None else expert_union(tokens, ex.experts, ex.top_k, ex.sharing)
+    params = u * target.expert_params
+    return target.moe_fraction * (params * PACKED_BYTES_PER_PARAM["gguf"] / (gpu.pinned_h2d_gbps * GB)
+                                  + 2 * params / (gpu.device_memory_gbps * GB))
+
+
+def stream_pays_from(profile: HardwareProfile, target: ModelShape, most: int = 4096) -> int | None:
+    """The fewest tokens a pass of which streams its experts to the GPU faster than the CPU runs
+    them (passes of more tokens wake more experts, and each expert's further tokens cost the CPU
+    compute the GPU does not feel); None when none up to `most` does."""
+    n = 1
+    while n <= most:
+        if streamed_expert_seconds(profile, target, n) < expert_seconds(profile, target, n):
+            lo, hi = n // 2 + 1, n  # the first power of two that pays; the first count, between
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if streamed_expert_seconds(profile, target, mid) < expert_seconds(profile, target, mid):
+                    hi = mid
+                else:
+                    lo = mid + 1
+            return lo
+        n *= 2
+    return None
 
 
 def layer_seconds(profile: HardwareProfile, target: ModelShape, placement: Placement, tokens: int) -> float:

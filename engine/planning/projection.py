@@ -11,6 +11,10 @@ speed is not known here, so it is a column: 30, 45 and 60 GB/s (dual-channel DDR
 89.6 GB/s; this project's 2 server cores read 19 GB/s, 10 per core, `specchat bench hardware`),
 its further-token rows this project's per-core rate over CPU_THREADS cores.
 
+The last column: from how many tokens a pass copying its experts' union over the link to the GPU
+(file bytes, de-quantised there) beats the CPU running them (planner.stream_pays_from): the
+issue's "stream a layer's needed experts only when the union makes that cheaper".
+
 Placement as the loader's `--experts auto` does it (the model does not fit the GPU): attention,
 router, shared expert, head and caches on the GPU, the routed experts packed in RAM and run by
 the CPU kernel after each layer's GPU part (no overlap yet). The tree: a draft that costs one
@@ -69,6 +73,7 @@ class ProjectionRow:
     best: float  # tok/s of the planner's choice (autoregressive when no tree pays)
     budget: int  # 0: autoregressive
     tokens_per_pass: float
+    stream_from: int | None = None  # tokens a pass from which streaming its experts beats the CPU (None: never)
 
     @property
     def tree_share(self) -> float:
@@ -110,7 +115,8 @@ def project(machines: tuple[Machine, ...] = MACHINES, gbps: tuple[float, ...] = 
                 best = max(plan.curve, key=lambda p: p.tokens_per_second)
                 rows.append(ProjectionRow(machine.label, read, experts_at, placement.describe(),
                                           plan.autoregressive_tokens_per_second, plan.tokens_per_second,
-                                          plan.budget, best.tokens_per_pass if plan.budget else 1.0))
+                                          plan.budget, best.tokens_per_pass if plan.budget else 1.0,
+                                          planner.stream_pays_from(profile, target)))
     return rows
 
 
@@ -121,10 +127,13 @@ def format_projection(rows: list[ProjectionRow]) -> list[str]:
              f"  against llama.cpp --n-cpu-moe: {LLAMA_CPP_TOK_S} tok/s (Qwen3-30B-A3B Q4_K_M, RTX 2080 8 GB, measured "
              "by others)",
              f"{'machine':<44}{'expert GB/s':>12}{'experts at':>14}{'AR tok/s':>10}{'best':>8}{'budget':>8}"
-             f"{'tok/pass':>9}{'tree %':>8}{'x llama.cpp':>12}"]
+             f"{'tok/pass':>9}{'tree %':>8}{'x llama.cpp':>12}{'stream from':>12}"]
     for r in rows:
         lines.append(f"{r.machine:<44}{r.expert_gbps:>12.0f}{r.experts_at:>14}{r.autoregressive:>10.1f}{r.best:>8.1f}"
-                     f"{r.budget or 'AR':>8}{r.tokens_per_pass:>9.2f}{100 * r.tree_share:>7.0f}%{r.vs_llama_cpp:>11.2f}x")
+                     f"{r.budget or 'AR':>8}{r.tokens_per_pass:>9.2f}{100 * r.tree_share:>7.0f}%{r.vs_llama_cpp:>11.2f}x"
+                     f"{r.stream_from or 'never':>12}")
     lines.append(f"'file bytes': the experts read at the GGUF's own {FILE_BYTES_PER_PARAM} bytes a weight instead of "
                  f"the {planner.KERNEL_EXPERT_BYTES_PER_PARAM} SpecChat's kernel holds (Q6_K codes in a byte)")
+    lines.append("'stream from': the fewest tokens a pass from which copying its experts' union to the GPU beats the "
+                 "CPU running them (prompt chunks, not decode trees; streaming is not built)")
     return lines

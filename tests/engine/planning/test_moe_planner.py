@@ -155,6 +155,7 @@ def test_bench_plan_moe_prints_a_labelled_projection(capsys: pytest.CaptureFixtu
     for row in rows:
         assert "experts: 0 % in VRAM, rest on CPU" in row["placement"]
         assert row["best"] >= row["autoregressive"] > 0
+        assert row["stream_from"] is None or row["stream_from"] > 16  # never a decode step
     by = {(r["machine"], r["expert_gbps"], r["experts_at"]): r["autoregressive"] for r in rows}
     for (machine, gbps, at), tok_s in by.items():  # faster expert reads, fewer bytes: never slower
         assert tok_s <= by.get((machine, gbps + 15, at), tok_s)
@@ -220,3 +221,21 @@ def test_a_head_the_kernel_holds_packed_is_priced_as_held() -> None:
     assert packed < 0.35 * dense
     assert planner.autoregressive_tokens_per_second(profile, QWEN3_30B, place) > 1 / (
         planner.target_pass_seconds(profile, QWEN3_30B, place, 1) + dense)
+
+
+def test_streaming_a_passs_experts_to_the_gpu_pays_only_for_long_passes() -> None:
+    """Copying the union of a pass's experts over the link costs their file bytes; running them on
+    the CPU costs reading them from RAM (faster than any PCIe link) plus each further token's
+    rows. So one token and a decode tree stay on the CPU; a prompt chunk of a few hundred tokens,
+    whose union is every expert and whose rows swamp the CPU, streams."""
+    profile = reference_profile("rtx2080-8gb", pinned_gbps=12.0, ram_gb=64,
+                                cpu_experts=ExpertTiming(1, 1, 45.0, 5.75e-12, 8))
+    moe = ModelShape.from_config(Qwen3_5MoeTextConfig())
+    start = planner.stream_pays_from(profile, moe)
+    assert start is not None and 32 < start < 1024
+    for n in (1, 8, start - 1):
+        assert planner.streamed_expert_seconds(profile, moe, n) >= planner.expert_seconds(profile, moe, n)
+    for n in (start, 2 * start, 4096):
+        assert planner.streamed_expert_seconds(profile, moe, n) < planner.expert_seconds(profile, moe, n)
+    assert planner.stream_pays_from(cpu_profile(None), moe) is None  # no GPU to stream to
+    assert planner.stream_pays_from(profile, dense_like(moe)) is None
