@@ -20,7 +20,7 @@ MLP beside the experts) plus the union of the experts its tokens route to
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -90,6 +90,13 @@ class CacheLayer:
         return kv + state + pending
 
 
+def _getter(config: Mapping[str, Any] | Any) -> Callable[[str], Any]:
+    """A config's field by name, from a transformers config object or a config.json dict."""
+    if isinstance(config, Mapping):
+        return config.get
+    return lambda key: getattr(config, key, None)
+
+
 @dataclass(frozen=True)
 class ExpertShape:
     """The routed experts of an MoE model: `experts` per layer, `top_k` of them per token, each a
@@ -111,8 +118,7 @@ class ExpertShape:
         num_experts_per_tok / top_k_experts, moe_intermediate_size (else intermediate_size: Mixtral,
         gpt-oss), and which layers are dense (first_k_dense_replace, mlp_only_layers,
         decoder_sparse_step)."""
-        def get(key: str) -> Any:
-            return config.get(key) if isinstance(config, Mapping) else getattr(config, key, None)
+        get = _getter(config)
 
         experts = int(get("num_experts") or get("num_local_experts") or get("n_routed_experts") or 0)
         top_k = int(get("num_experts_per_tok") or get("top_k_experts") or 0)
@@ -253,8 +259,7 @@ class ModelShape:
         SpecChat runs; another model_type is taken as full attention in every layer."""
         from engine.planning.kv_sizing import cache_layers_of  # reads engine.model.family's table
 
-        def get(key: str) -> Any:
-            return config.get(key) if isinstance(config, Mapping) else getattr(config, key, None)
+        get = _getter(config)
 
         caches = cache_layers_of(config, name)  # first: it opens Gemma 4's per-layer fields to get()
         heads = int(get("num_attention_heads"))
@@ -269,6 +274,12 @@ class ModelShape:
         return ModelShape(name, layers, layer, int(get("vocab_size")), caches, experts)
 
 
+def moe_layer_width(experts: ExpertShape, always: int = 0) -> int:
+    """The width of a dense MLP with an MoE layer's weights: every routed expert, the router
+    (hidden x experts: a third of a width each) and `always`, the MLPs every token runs."""
+    return experts.experts * experts.width + always + -(-experts.experts // 3)
+
+
 def _moe_width(get: Any, experts: ExpertShape, layers: int, dense_width: int) -> int:
     """The width of a dense MLP with the weights an MoE model's layer stores, averaged over its
     layers: in an MoE layer every routed expert, the router (hidden x experts: a third of a
@@ -277,7 +288,7 @@ def _moe_width(get: Any, experts: ExpertShape, layers: int, dense_width: int) ->
     dense layer its intermediate_size."""
     shared = int(get("shared_expert_intermediate_size") or 0) + int(get("n_shared_experts") or 0) * experts.width
     beside = dense_width if get("enable_moe_block") else 0  # Gemma 4 runs its MLP and the experts
-    moe_layer = experts.experts * experts.width + shared + beside + -(-experts.experts // 3)
+    moe_layer = moe_layer_width(experts, shared + beside)
     return round((experts.moe_layers * moe_layer + (layers - experts.moe_layers) * dense_width) / layers)
 
 

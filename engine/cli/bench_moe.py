@@ -29,7 +29,7 @@ import argparse
 import json
 import statistics
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -41,8 +41,7 @@ from engine.loading.load import LoadedModel, load_model
 from engine.planning import planner
 from engine.planning.measure import expert_timing
 from engine.planning.moe import expert_union, fit_sharing
-from engine.planning.profile import ExpertTiming, HardwareProfile
-from engine.planning.reference import reference_profile
+from engine.planning.profile import HardwareProfile
 from engine.shapes import ModelShape
 from engine.testing.random_gguf import SYNTHETIC_MOE, SYNTHETIC_MOE_SMALL, synthetic_moe_gguf
 from engine.units import MIB
@@ -108,7 +107,7 @@ def run_moe_table(loaded: LoadedModel, budgets: list[int], repeats: int,
                 modelled = planned = float("nan")
                 if timing is not None:
                     modelled = len(experts) * timing.seconds(union, n * top_k, shape.expert_params, int(per_expert))
-                    planned = shape.num_layers * planner.expert_seconds(_with(timing), shape, n)
+                    planned = shape.num_layers * planner.timed_expert_seconds(timing, shape, n)
                 rows.append({"tokens": n, "pass_s": seconds, "expert_s": expert_s, "union": union,
                              "prior": expert_union(n, num_experts, top_k),
                              "expert_mb": union * per_expert * len(experts) / MIB, "s_per_token": seconds / n,
@@ -121,11 +120,6 @@ def run_moe_table(loaded: LoadedModel, budgets: list[int], repeats: int,
 
 def _top_k(loaded: LoadedModel) -> int:
     return int(getattr(loaded.model.hf_model.config, "num_experts_per_tok", 0) or 0)
-
-
-def _with(timing: ExpertTiming) -> HardwareProfile:
-    """A stand-in profile that holds `timing` (planner.expert_seconds reads nothing else of it)."""
-    return replace(reference_profile(), gpus=(), cpu_experts=timing)
 
 
 def format_moe_table(name: str, loaded: LoadedModel, rows: list[dict]) -> str:

@@ -127,13 +127,18 @@ def cpu_experts(profile: HardwareProfile) -> ExpertTiming:
 def expert_seconds(profile: HardwareProfile, target: ModelShape, tokens: int, union: float | None = None) -> float:
     """The routed experts of one (average) decoder layer run by the packed CPU kernel over
     `tokens` tokens waking `union` experts (default: u(N) at the model's sharing, the prior
-    until its routing was measured)."""
+    until its routing was measured), at the profile's packed-expert timing."""
+    return timed_expert_seconds(cpu_experts(profile), target, tokens, union)
+
+
+def timed_expert_seconds(timing: ExpertTiming, target: ModelShape, tokens: int, union: float | None = None) -> float:
+    """expert_seconds at a given ExpertTiming."""
     ex = target.experts
     if ex is None or tokens <= 0:
         return 0.0
     u = union if union is not None else expert_union(tokens, ex.experts, ex.top_k, ex.sharing)
     nbytes = int(target.expert_params * KERNEL_EXPERT_BYTES_PER_PARAM)
-    return target.moe_fraction * cpu_experts(profile).seconds(u, tokens * ex.top_k, target.expert_params, nbytes)
+    return target.moe_fraction * timing.seconds(u, tokens * ex.top_k, target.expert_params, nbytes)
 
 
 def streamed_expert_seconds(profile: HardwareProfile, target: ModelShape, tokens: int,

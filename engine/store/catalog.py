@@ -25,7 +25,7 @@ from engine.paths import resource
 from engine.store.gguf_header import (
     SPLIT_NAME,  # a catalog entry is one whole file, never a part
 )
-from engine.shapes import ExpertShape, LayerShape, ModelShape
+from engine.shapes import ExpertShape, LayerShape, ModelShape, moe_layer_width
 from engine.untrusted import read_json_file
 
 log = logging.getLogger(__name__)
@@ -133,7 +133,7 @@ class CatalogModel:
                 and self.num_kv_heads and self.head_dim:
             width = self.intermediate_size or 0
             if experts is not None:  # the stored layer: every expert, the router, the always-on MLPs
-                width += experts.experts * experts.width + -(-experts.experts // 3)
+                width = moe_layer_width(experts, width)
             layer = LayerShape(self.id, self.hidden_size, width, self.num_attention_heads,
                                self.num_kv_heads, self.head_dim)
         else:
