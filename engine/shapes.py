@@ -309,6 +309,7 @@ class Placement:
     # layer runs, the streamed way); "experts-cpu": an MoE on a GPU whose routed experts stay
     # packed in RAM, run by the CPU kernel, the rest de-quantised at load on the GPU
     resident_form: Literal["", "kernel", "dequantised", "experts-cpu"] = ""
+    cached_experts: float = 0.0  # "experts-cpu": the share of routed experts cached in VRAM (expert_cache)
 
     @property
     def unpacks_each_pass(self) -> bool:
@@ -335,6 +336,12 @@ class Placement:
                 streamed += 1
         return out
 
+    def experts_where(self) -> str:
+        """"experts: 12 % in VRAM, rest on CPU" (an "experts-cpu" placement)."""
+        share = self.cached_experts * 100
+        pct = f"{share:.0f}" if share >= 1 or share == 0 else f"{share:.1f}"
+        return f"experts: {pct} % in VRAM, rest on CPU"
+
     def describe(self) -> str:
         """Where the layers live, in the status bar's and the CLI's words: "18 of 80 layers on
         GPU, 62 in RAM" on a GPU; "all 48 layers on GPU, experts: 0 % in VRAM, rest on CPU" for
@@ -345,8 +352,8 @@ class Placement:
         if self.resident_form and self.quant != "none" and self.resident_form != "experts-cpu":
             nf4 = nf4[:-1] + {"kernel": ", packed CPU kernel)", "dequantised": ", de-quantised at load)"}[self.resident_form]
         if self.device.startswith("cuda"):
-            if self.resident_form == "experts-cpu":  # no expert is cached in VRAM yet
-                return f"all {n} layers on GPU, experts: 0 % in VRAM, rest on CPU{nf4}"
+            if self.resident_form == "experts-cpu":
+                return f"all {n} layers on GPU, {self.experts_where()}{nf4}"
             if self.gpu_layers == n:
                 return f"all {n} layers on GPU{nf4}"
             parts = [f"{self.gpu_layers} of {n} layers on GPU"]

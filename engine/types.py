@@ -239,7 +239,9 @@ class LoadSettings:
     KV cache the placement reserves room for (None = the model's maximum, capped at 8192).
     experts: where an MoE GGUF's routed experts run on a GPU machine: "cpu" keeps them packed in
     RAM, run by the CPU kernel, and everything else on the GPU; "gpu" places them with their
-    layers; "auto" is "cpu" when the layers would not all fit on the GPU.
+    layers; "auto" is "cpu" when the layers would not all fit on the GPU. expert_cache: with the
+    experts on the CPU, the most used of them kept in the VRAM left once both models are loaded
+    (bytes at most; None = all of it, 0 = none; engine.kernels.expert_cache).
     cache: the KV caches kept between turns and saved to disk.
     """
 
@@ -248,6 +250,7 @@ class LoadSettings:
     offload: Offload = "auto"
     ram_limit_bytes: int | None = None
     experts: Experts = "auto"
+    expert_cache: int | None = None
     context_length: int | None = None
     cache: CacheSettings = field(default_factory=CacheSettings)
 

@@ -131,7 +131,7 @@ def short_placement(placement: Placement) -> tuple[str, str]:
     where = "on GPU" if placement.device.startswith("cuda") else "in RAM"
     quant = PACKING_LABELS[placement.quant]
     if placement.resident_form == "experts-cpu":  # an MoE: the rest on the GPU, the routed experts in RAM
-        return "experts: 0 % in VRAM, rest on CPU", "experts on CPU"
+        return placement.experts_where(), "experts on CPU"
     if on_device == n:
         return f"all {n} layers {where}{quant}", f"all {where}"
     if not on_device:

@@ -293,8 +293,9 @@ def bench_engine(target_spec: str, draft_spec: str | None) -> Engine:
 
 def load_settings(args: argparse.Namespace, setup: Setup) -> LoadSettings:
     ram_limit = None if args.ram_limit is None else int(args.ram_limit * GB)
+    cache = getattr(args, "expert_cache", None)
     return LoadSettings(device=setup.device, quant=args.quant, offload=args.offload, ram_limit_bytes=ram_limit,
-                        experts=getattr(args, "experts", "auto"))
+                        experts=getattr(args, "experts", "auto"), expert_cache=None if cache is None else int(cache * GB))
 
 
 def planned(engine: Engine, status: Callable[[str], None],

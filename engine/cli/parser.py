@@ -130,6 +130,10 @@ def engine_options() -> argparse.ArgumentParser:
                         help="an MoE GGUF on a GPU: cpu = routed experts packed in RAM, run by the CPU, the rest "
                         "on the GPU; gpu = experts with their layers; auto: cpu when the layers do not all fit "
                         "on the GPU (default: auto)")
+    models.add_argument("--expert-cache", type=float_in(0.0, 1e6), default=None, metavar="GB",
+                        help="with an MoE's routed experts on the CPU beside a GPU: most GPU memory (GB) for a "
+                        "cache of the most used experts, run there beside the CPU's; 0 = none (default: all "
+                        "the GPU memory left once the models are loaded)")
     models.add_argument("--ram-limit", type=float_in(0.0, 1e6), default=None, metavar="GB",
                         help="most RAM (GB, 10^9 bytes) the target's offloaded layers may take; the "
                         "rest go to a memory-mapped file on disk (default: what is free, less a margin)")

@@ -62,6 +62,7 @@ from engine.decoding.stats import StepTimers, generation_stats
 from engine.decoding.text import Detokenizer, encode_prompt, eos_ids
 from engine.decoding.verification import Sink, accept, committed_states, prune_to_accepted, read_committed, run_tree
 from engine.errors import ContextTooLong, InvalidRequest, OutOfMemory
+from engine.kernels.expert_cache import RoutingCounts
 from engine.kernels.experts import UnionTotals, union_totals
 from engine.model.cache import KVCache
 from engine.model.cache_files import CacheFiles
@@ -109,6 +110,8 @@ class Engine:
             learned.restore(self.costs, self.acceptance)
         # an MoE target's routing measured by earlier processes (the experts its passes woke)
         self.routing_seed: UnionTotals = learned.routing if learned is not None else {}
+        # with experts cached on the GPU: the routing counts that pick them, kept and rebalanced per answer
+        self.expert_counts = RoutingCounts(target.hf_model, target.fingerprint)
         self.rates = rates  # where each answer's draft trees' passes are kept for the draft choice (draft_rates.py)
         self.switches = DraftSwitches(switch)
         self.copied_draft = draft is not None and copy_of_target(target, draft)  # it may read the target's K/V
@@ -191,6 +194,8 @@ class Engine:
                 routing = union_totals(self.target.hf_model.modules(), self.routing_seed) \
                     if self.target.shape.experts is not None else None
                 self.learned.save(self.costs, self.acceptance, routing)
+            if self.expert_counts.active:
+                self.expert_counts.after_answer()
         if run.finish in ("length", "cancelled"):
             text, _ = run.detok.push(run.new, final=True)
             if text:

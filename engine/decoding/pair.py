@@ -39,6 +39,7 @@ from engine.decoding.draft_rates import measured_curves, rates_for
 from engine.decoding.learned import learned_file
 from engine.errors import Cancelled, EngineError, InvalidRequest, UsageError
 from engine.loading.load import LoadedModel, check_pair, load_model, resolve_device, resolve_path
+from engine.loading.layer_plan import MaterialiseSettings, cache_experts
 from engine.loading.materialise import resident_bytes
 from engine.loading import self_draft
 from engine.model import heads as head_drafts
@@ -137,6 +138,10 @@ def load_engine(
     else:
         draft_model = None
         choice = manual_choice("none", NONE_LABEL, "chosen by hand: draft-free")
+    if settings.expert_cache != 0 and tmodel.placement is not None and tmodel.placement.resident_form == "experts-cpu":
+        report("draft", 0.95, "caching the most used experts in the GPU memory left")
+        cache_experts(tmodel, MaterialiseSettings(device=device, dtype=dtype, context_length=settings.context_length,
+                                                  expert_cache=settings.expert_cache))
     report("ready", 1.0, "ready")
     engine = Engine(tmodel, loaded_target.tokenizer, draft_model, settings.cache,
                     cache_files(settings.cache, tmodel, draft_model), learned=learned_file(tmodel, draft_model),

@@ -29,11 +29,14 @@ Each call counts the tokens routed to each expert (`hits`) and the experts a pas
 
 On a GPU machine (`--experts cpu`, engine.loading.layer_plan.experts_on_cpu) the model's other
 parts run on the GPU and call this module with states on the GPU: the states (a few KB a token)
-and routing come to the CPU, the sum goes back. The experts of a layer run after its attention,
-not beside it (no overlap yet).
+and routing come to the CPU, the sum goes back. Some experts may be cached on the GPU (`cache`:
+de-quantised there from the packed bytes, in the model's dtype): their products are queued on the
+GPU first, so they compute while the CPU runs the token's other experts; a decode step's cached
+experts take a fixed handful of GPU operations read from the router's tensors there
+(`_one_token_hot`), nothing waiting for the GPU. The two sums (each in fp32) are added on the GPU.
 
-What this module does not do: read files (engine.loading.cpu_packed builds the weights), decide
-where experts live, or run experts on a GPU.
+What this module does not do: read files (engine.loading.cpu_packed builds the weights), or
+decide which experts are cached (engine.kernels.expert_cache).
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ from transformers.integrations import moe as moe_integration
 
 from engine.kernels.build import kernels
 from engine.kernels.governor import governor
-from engine.kernels.linear import QmLinear, QuantWeight, qlinear
+from engine.kernels.linear import QmLinear, QuantWeight, dequantize, qlinear
 
 
 @dataclass(frozen=True)
@@ -140,6 +143,13 @@ class PackedExperts(nn.Module):
         self.last_tokens = 0
         # calls of 2+ tokens by log2 of their tokens: (calls, tokens, experts woken), summed
         self.union_log: dict[int, tuple[int, int, int]] = {}
+        # experts cached on the GPU (cache): their gate_up and down stacked by slot, the expert in
+        # each slot, each expert's slot (-1: on the CPU), and the routed pairs they ran
+        self._hot: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.hot_ids: list[int] = []
+        self._slot: torch.Tensor | None = None
+        self._slot_there: torch.Tensor | None = None  # _slot where the cache is
+        self.hot_hits = 0
 
     def _one_token_call(self, original: nn.Module) -> tuple[ctypes.Array, ctypes.Array] | None:
         """qmatmul.c's qm_experts_one, for one token at a time, where its arithmetic is this
@@ -171,28 +181,183 @@ class PackedExperts(nn.Module):
         kinds = "+".join(p.packed[0].kind if p.packed else "dense" for p in (*self.gate_up, *self.down))
         return f"{self._source}, experts={self.num_experts}, parts={kinds}"
 
+    @property
+    def expert_nbytes(self) -> int:
+        """Bytes of one expert de-quantised to fp32 (its gate/up and down matrices): what a
+        cached expert takes in VRAM is this times its dtype's size / 4."""
+        return 4 * (self.gate_up_rows * self.hidden + self.hidden * self.width)
+
+    @property
+    def width(self) -> int:
+        """The down projection's input width (the expert's intermediate size)."""
+        p = self.down[0]
+        return p.packed[0].in_features if p.packed is not None else int(cast(torch.Tensor, p.dense).shape[-1])
+
+    def cacheable(self) -> bool:
+        """Whether experts of this module can be cached on the GPU (cache): no biases."""
+        return self.gate_up_bias is None and self.down_bias is None
+
+    def cache(self, ids: Iterable[int], device: torch.device | str, dtype: torch.dtype) -> int:
+        """Keep experts `ids` de-quantised on `device` in `dtype` (the values transformers holds
+        for the file on that device), run there (beside the CPU's experts) for the tokens routed
+        to them. Replaces the experts cached before; with as many ids as slots already held,
+        only the experts new to the set are de-quantised and copied. Returns how many were."""
+        if not self.cacheable():
+            raise ValueError(f"{self._source} has biases: its experts are not cached on the GPU")
+        wanted = sorted(set(int(e) for e in ids))
+        if any(not 0 <= e < self.num_experts for e in wanted):
+            raise ValueError(f"expert ids must be in [0, {self.num_experts})")
+        dev = torch.device(device)
+        if not wanted:
+            self.uncache()
+            return 0
+        held = self._hot
+        if held is None or held[0].shape[0] != len(wanted) or held[0].device != dev or held[0].dtype != dtype:
+            self.uncache()  # the old buffers go before the new ones are taken
+            gate_up = torch.empty((len(wanted), self.gate_up_rows, self.hidden), dtype=dtype, device=dev)
+            down = torch.empty((len(wanted), self.hidden, self.width), dtype=dtype, device=dev)
+            self._hot, self.hot_ids = (gate_up, down), [-1] * len(wanted)
+        gate_up, down = cast(tuple[torch.Tensor, torch.Tensor], self._hot)
+        keep = {e: j for j, e in enumerate(self.hot_ids) if e in set(wanted)}
+        free = iter(j for j in range(len(wanted)) if j not in set(keep.values()))
+        copied = 0
+        for e in wanted:
+            if e in keep:
+                continue
+            j = next(free)
+            gate_up[j].copy_(self.expert_matrix(self.gate_up, e, dev))
+            down[j].copy_(self.expert_matrix(self.down, e, dev))
+            self.hot_ids[j] = e
+            copied += 1
+        self._slot = torch.full((self.num_experts,), -1, dtype=torch.int64)
+        for j, e in enumerate(self.hot_ids):
+            self._slot[e] = j
+        self._slot_there = self._slot.to(dev)
+        return copied
+
+    def uncache(self) -> None:
+        """Drop the experts cached on the GPU: every expert runs on the CPU again."""
+        self._hot, self.hot_ids, self._slot, self._slot_there = None, [], None, None
+
+    @property
+    def cached_nbytes(self) -> int:
+        """Bytes the cached experts take where they are cached."""
+        if self._hot is None:
+            return 0
+        return sum(t.numel() * t.element_size() for t in self._hot)
+
+    @staticmethod
+    def expert_matrix(parts: Sequence[Part], e: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Expert e's matrix of one projection in fp32 on `device` (the kernel's values of its
+        packed parts, de-quantised there from the packed bytes: fp32 products and sums, the same
+        values on any device)."""
+        rows = [dequantize(_on(p.packed[e], device)) if p.packed is not None
+                else cast(torch.Tensor, p.dense)[e].to(device, torch.float32) for p in parts]
+        return rows[0] if len(rows) == 1 else torch.cat(rows)
+
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum for each token: the experts cached on the GPU
+        (`cache`) run there, queued first so they compute while the CPU runs the rest."""
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         home = hidden_states.device
+        routed = top_k_index, top_k_weights  # where the router left them (the cache reads them there)
         if home.type != "cpu":  # a model on a GPU whose experts stay here: the states come over, the sum goes back
             x = x.to("cpu", torch.float32)
             top_k_index, top_k_weights = top_k_index.cpu(), top_k_weights.to("cpu", torch.float32)
         k = top_k_index.shape[-1]
-        if self._fused is not None and x.shape[0] == 1 and x.dtype is torch.float32:
-            return self._one_token(x, top_k_index, top_k_weights, home, hidden_states)
         flat = top_k_index.reshape(-1)
+        weights = top_k_weights.reshape(-1)
         counts = torch.bincount(flat, minlength=self.num_experts)[: self.num_experts]
+        self._count(counts, x.shape[0])
+        hot_sum = None
+        cold = torch.ones_like(flat, dtype=torch.bool)
+        if self._slot is not None:
+            slots = self._slot[flat]
+            cold = slots < 0
+            if not bool(cold.all()):
+                if x.shape[0] == 1 and self._slot_there is not None and self._slot_there.device == home:
+                    hot_sum = self._one_token_hot(hidden_states.reshape(x.shape), *routed)
+                else:
+                    hot_sum = self._run_hot(hidden_states.reshape(x.shape), flat, weights, slots, k)
+                self.hot_hits += int((~cold).sum())
+        if self._fused is not None and x.shape[0] == 1 and x.dtype is torch.float32:
+            out = self._one_token(x, flat[cold], weights[cold])
+        else:
+            out = self._loop(x, flat, weights, cold, k)
+        if home.type != "cpu":
+            out = out.to(home, non_blocking=False)
+        if hot_sum is not None:
+            out = out.to(hot_sum.device) + hot_sum
+        return out.to(hidden_states.dtype).view(hidden_states.shape)
+
+    def _count(self, counts: torch.Tensor, tokens: int) -> None:
         self.hits += counts.to(self.hits.device)
-        order = torch.argsort(flat, stable=True)
-        token_of = order // k
-        weight_of = top_k_weights.reshape(-1)[order]
+        self.calls += 1
+        self.last_union, self.last_tokens = int((counts > 0).sum()), tokens
+        if tokens > 1:
+            bucket = tokens.bit_length()
+            calls, seen, union = self.union_log.get(bucket, (0, 0, 0))
+            self.union_log[bucket] = (calls + 1, seen + tokens, union + self.last_union)
+
+    def _one_token_hot(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """A decode step's cached experts in a fixed number of operations, all on the cache's
+        device from the router's own tensors there (nothing waits for the GPU): the token's k
+        routed experts' slots gathered (an expert not cached reads slot 0 and gets weight 0), two
+        batched products and the gate, the weighted sum in fp32."""
+        assert self._hot is not None and self._slot_there is not None
+        gate_up, down = self._hot
+        slots = self._slot_there[index.reshape(-1)]
+        cached = slots >= 0
+        k = slots.shape[0]
+        x = x.to(gate_up.dtype).reshape(1, 1, -1).expand(k, 1, -1)
+        h = torch.bmm(x, gate_up.index_select(0, slots.clamp(min=0)).transpose(1, 2))
+        h = self._gate(h) if self._gate is not None else self.act_fn(h)
+        y = torch.bmm(h, down.index_select(0, slots.clamp(min=0)).transpose(1, 2)).reshape(k, -1).float()
+        w = weights.reshape(-1).to(torch.float32)
+        return torch.where(cached[:, None], y * w[:, None], 0.0).sum(0, keepdim=True)
+
+    def _run_hot(self, x: torch.Tensor, flat: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor,
+                 k: int) -> torch.Tensor:
+        """The cached experts' weighted sum (fp32, on their device) for the pairs routed to them,
+        each expert's products in the model's dtype on the GPU, as transformers computes them
+        there. Queued on the device's stream without waiting for it."""
+        assert self._hot is not None
+        gate_up, down = self._hot
+        dev = gate_up.device
+        x = x.to(dev, gate_up.dtype)
+        out = torch.zeros(x.shape, dtype=torch.float32, device=dev)
+        pairs = (slots >= 0).nonzero().reshape(-1).tolist()
+        by_slot: dict[int, list[int]] = {}
+        for i in pairs:
+            by_slot.setdefault(int(slots[i]), []).append(i)
+        for j in sorted(by_slot, key=lambda j: self.hot_ids[j]):  # ascending expert order
+            idx = by_slot[j]
+            if x.shape[0] == 1:  # a decode step: no index tensors to send
+                h = F.linear(x, gate_up[j])
+                h = self._gate(h) if self._gate is not None else self.act_fn(h)
+                out += F.linear(h, down[j]).float() * float(weights[idx[0]])
+                continue
+            tokens = torch.tensor([i // k for i in idx], dtype=torch.int64).to(dev, non_blocking=True)
+            w = weights[idx].to(dev, torch.float32, non_blocking=True)
+            h = F.linear(x[tokens], gate_up[j])
+            h = self._gate(h) if self._gate is not None else self.act_fn(h)
+            out.index_add_(0, tokens, F.linear(h, down[j]).float() * w[:, None])
+        return out
+
+    def _loop(self, x: torch.Tensor, flat: torch.Tensor, weights: torch.Tensor, keep: torch.Tensor,
+              k: int) -> torch.Tensor:
+        """The pairs `keep` selects, one expert at a time in ascending order (fp32, on the CPU)."""
+        pairs = keep.nonzero().reshape(-1)
+        ids = flat[pairs]
+        order = torch.argsort(ids, stable=True)
+        token_of = pairs[order] // k
+        weight_of = weights[pairs[order]]
+        counts = torch.bincount(ids, minlength=self.num_experts)[: self.num_experts]
         out = torch.zeros_like(x)
         start = 0
-        woke = 0
         for e, n in enumerate(counts.tolist()):
             if not n:
                 continue
-            woke += 1
             tokens = token_of[start : start + n]
             w = weight_of[start : start + n]
             start += n
@@ -200,38 +365,26 @@ class PackedExperts(nn.Module):
             h = self._gate(h) if self._gate is not None else self.act_fn(h)
             y = self._project(self.down, e, h, self.down_bias)
             out.index_add_(0, tokens, (y * w[:, None]).to(out.dtype))
-        self.calls += 1
-        self.last_union, self.last_tokens = woke, x.shape[0]
-        if self.last_tokens > 1:
-            bucket = self.last_tokens.bit_length()
-            calls, seen, union = self.union_log.get(bucket, (0, 0, 0))
-            self.union_log[bucket] = (calls + 1, seen + self.last_tokens, union + woke)
-        if home.type != "cpu":
-            out = out.to(home, hidden_states.dtype, non_blocking=False)
-        return out.view(hidden_states.shape)
+        return out
 
-    def _one_token(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                   home: torch.device, hidden_states: torch.Tensor) -> torch.Tensor:
+    def _one_token(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """One token through its experts in one C call (a decode step), in ascending expert
         order as the loop over experts sums them."""
         assert self._fused is not None
         lib = kernels()
         assert lib is not None
-        pairs = sorted(zip(top_k_index.reshape(-1).tolist(), top_k_weights.reshape(-1).tolist(), strict=True))
+        out = torch.empty_like(x)
+        if not len(ids):
+            return out.zero_()
+        pairs = sorted(zip(ids.tolist(), weights.tolist(), strict=True))
         ids = torch.tensor([e for e, _ in pairs], dtype=torch.int64)
         weights = torch.tensor([w for _, w in pairs], dtype=torch.float32)
         x = x.contiguous()
-        out = torch.empty_like(x)
         rc = lib.qm_experts_one(ctypes.addressof(self._fused[0]), ctypes.addressof(self._fused[1]), ids.data_ptr(),
                                 weights.data_ptr(), len(pairs), x.data_ptr(), out.data_ptr(), governor().threads())
         if rc != 0:
             raise torch.OutOfMemoryError("The packed CPU kernel could not allocate its scratch memory.")
-        self.hits.index_add_(0, ids, torch.ones_like(ids))
-        self.calls += 1
-        self.last_union, self.last_tokens = len(set(ids.tolist())), 1
-        if home.type != "cpu":
-            out = out.to(home, hidden_states.dtype)
-        return out.view(hidden_states.shape)
+        return out
 
     @staticmethod
     def _project(parts: Sequence[Part], e: int, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -245,6 +398,14 @@ class PackedExperts(nn.Module):
                 outs.append(F.linear(x.to(w.device, w.dtype), w).to(x.device, x.dtype))
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         return y + bias[e] if bias is not None else y
+
+
+def _on(w: QuantWeight, device: torch.device | str) -> QuantWeight:
+    """`w` with its tensors on `device` (to de-quantise it there)."""
+    if w.codes.device == torch.device(device):
+        return w
+    return QuantWeight(w.kind, w.codes.to(device), w.scales.to(device), w.mins.to(device) if w.mins is not None else None,
+                       w.group, w.out_features, w.in_features)
 
 
 UnionTotals = dict[int, tuple[int, int, int]]  # log2 bucket of tokens -> (calls, tokens, experts woken), summed

@@ -1,7 +1,8 @@
 """Where and how a model's decoder layers will live, decided before any weight is read: the
 device memory free (under any allocator cap), the RAM the host store may use, and which form
 a packed model's resident layers take on a CPU (packed-kernel weights or de-quantised at load)
-or on a GPU whose MoE experts stay on the CPU.
+or on a GPU whose MoE experts stay on the CPU, and how many of those experts the VRAM left
+over caches (cache_experts).
 
 What this module does not do: read weights or build modules (materialise.py), or the placement
 arithmetic itself (engine.planning.placement).
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 
 from engine.errors import OutOfMemory, UnsupportedModel
+from engine.kernels.expert_cache import CacheState, CountsFile, fill, packed_experts
 from engine.loading import cpu_packed
 from engine.offload.layout import LayerLayout
 from engine.planning.placement import MemoryNeeds, activation_bytes, kv_bytes_per_token, plan_placement
@@ -27,6 +29,8 @@ from engine.units import GIB
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
+
+    from engine.model.causal_lm import CausalLM
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +49,9 @@ class MaterialiseSettings:
     reserve_bytes: int = 0  # device memory to leave for something loaded later (the draft)
     max_budget: int = MAX_TREE_BUDGET
     experts: Experts = "auto"  # an MoE GGUF on a GPU: where its routed experts run (experts_on_cpu)
+    # with the routed experts on the CPU beside a GPU: VRAM for a cache of the most used experts
+    # (engine.kernels.expert_cache): None = what the placement leaves spare, 0 = none
+    expert_cache: int | None = None
 
 
 def host_budget(ram_limit_bytes: int | None) -> int:
@@ -125,6 +132,44 @@ def device_free_bytes(device: torch.device | str) -> int:
     return int(max(0, min(free, limit - torch.cuda.memory_reserved(index))))
 
 
+def device_needs(hf: PreTrainedModel, settings: MaterialiseSettings) -> MemoryNeeds:
+    """What a placement leaves free on the device beside the layers: the KV cache for the
+    context and the activations of the largest tree (and `reserve_bytes`)."""
+    cfg = hf.config
+    num_layers = cfg.num_hidden_layers
+    esize = torch.empty((), dtype=settings.dtype).element_size()
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    context = context_of(hf, settings)
+    kv_per_token = kv_bytes_per_token(num_layers, cfg.num_key_value_heads, head_dim, esize)
+    try:  # each layer's cache by its kind (windows, linear states, shared K/V: engine.shapes)
+        shape = ModelShape.from_config(cfg)
+        kv, width = shape.kv_bytes(context, settings.max_budget, esize), shape.activation_width
+    except (UnsupportedModel, TypeError, ValueError):  # a config the table does not describe: every layer full
+        kv, width = kv_per_token * context, int(getattr(cfg, "intermediate_size", 0) or 4 * cfg.hidden_size)
+    return MemoryNeeds(
+        fixed=settings.reserve_bytes,  # the outer weights are already on the device
+        kv_per_token=kv_per_token,
+        kv_bytes=kv,
+        activations=activation_bytes(settings.max_budget, context, cfg.hidden_size, width,
+                                     cfg.num_attention_heads, cfg.vocab_size, esize),
+    )
+
+
+def context_of(hf: PreTrainedModel, settings: MaterialiseSettings) -> int:
+    return settings.context_length or min(int(getattr(hf.config, "max_position_embeddings", DEFAULT_CONTEXT)),
+                                          DEFAULT_CONTEXT)
+
+
+def spare_device_bytes(hf: PreTrainedModel, settings: MaterialiseSettings) -> int:
+    """Device memory still free once everything placed on it is there, less what a pass needs
+    (device_needs at the context) and a margin (5 % of it, at least 256 MiB) for the allocator's
+    blocks and the draft's passes: what a cache of experts may take."""
+    free = device_free_bytes(settings.device)
+    needs = device_needs(hf, settings)
+    return max(0, free - needs.kv_at(context_of(hf, settings)) - needs.activations - settings.reserve_bytes
+               - max(256 * 1024 * 1024, free // 20))
+
+
 def plan_layers(hf: PreTrainedModel, layouts: LayerLayout | list[LayerLayout], settings: MaterialiseSettings,
                 quant: Packing) -> Placement:
     """Where `hf`'s decoder layers go: the device memory free now (under any allocator cap),
@@ -135,24 +180,9 @@ def plan_layers(hf: PreTrainedModel, layouts: LayerLayout | list[LayerLayout], s
     cfg = hf.config
     device = settings.device
     num_layers = cfg.num_hidden_layers
-    esize = torch.empty((), dtype=settings.dtype).element_size()
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     layer_bytes = max(layout.nbytes for layout in layouts)
-    context = settings.context_length or min(int(getattr(cfg, "max_position_embeddings", DEFAULT_CONTEXT)),
-                                             DEFAULT_CONTEXT)
-    kv_per_token = kv_bytes_per_token(num_layers, cfg.num_key_value_heads, head_dim, esize)
-    try:  # each layer's cache by its kind (windows, linear states, shared K/V: engine.shapes)
-        shape = ModelShape.from_config(cfg)
-        kv, width = shape.kv_bytes(context, settings.max_budget, esize), shape.activation_width
-    except (UnsupportedModel, TypeError, ValueError):  # a config the table does not describe: every layer full
-        kv, width = kv_per_token * context, int(getattr(cfg, "intermediate_size", 0) or 4 * cfg.hidden_size)
-    needs = MemoryNeeds(
-        fixed=settings.reserve_bytes,  # the outer weights are already on the device
-        kv_per_token=kv_per_token,
-        kv_bytes=kv,
-        activations=activation_bytes(settings.max_budget, context, cfg.hidden_size, width,
-                                     cfg.num_attention_heads, cfg.vocab_size, esize),
-    )
+    context = context_of(hf, settings)
+    needs = device_needs(hf, settings)
     device_free = device_free_bytes(device) if device.startswith("cuda") else 0
     placement = plan_placement(
         num_layers=num_layers, layer_bytes=layer_bytes, dense_layer_bytes=layouts[0].dense_nbytes, quant=quant,
@@ -165,3 +195,29 @@ def plan_layers(hf: PreTrainedModel, layouts: LayerLayout | list[LayerLayout], s
                               f"cache but {device_free / GIB:.1f} GiB is free. Use --offload auto (stream "
                               "layers from RAM) or --quant nf4.")
     return placement
+
+
+def cache_experts(model: CausalLM, settings: MaterialiseSettings) -> CacheState | None:
+    """With the routed experts on the CPU beside a GPU (placement "experts-cpu"), fill the VRAM
+    left spare (spare_device_bytes; at most settings.expert_cache) with the experts the saved
+    routing counts of this model use most (engine.kernels.expert_cache), evenly spread without
+    them; the placement then says what share is cached. Called once both models are loaded, so
+    the draft's memory is already taken. None where there is nothing to cache."""
+    placement = model.placement
+    if (placement is None or placement.resident_form != "experts-cpu" or not settings.device.startswith("cuda")
+            or settings.expert_cache == 0):
+        return None
+    hf = model.hf_model
+    modules = packed_experts(hf)
+    if not modules:
+        return None
+    budget = spare_device_bytes(hf, settings)
+    if settings.expert_cache is not None:
+        budget = min(budget, settings.expert_cache)
+    counts_file = CountsFile.of(model.fingerprint)
+    counts = counts_file.load(len(modules), modules[0].num_experts) if counts_file is not None else None
+    state = fill(hf, budget, settings.device, settings.dtype, counts)
+    model.placement = replace(placement, cached_experts=state.fraction)
+    log.info("expert cache: %d of %d routed experts in VRAM (%.2f GiB, %s)", state.cached, state.experts,
+             state.nbytes / GIB, "chosen by the saved routing counts" if counts is not None else "spread evenly")
+    return state

@@ -156,6 +156,16 @@ def streamed_expert_seconds(profile: HardwareProfile, target: ModelShape, tokens
                                   + 2 * params / (gpu.device_memory_gbps * GB))
 
 
+def cached_expert_seconds(profile: HardwareProfile, target: ModelShape, tokens: int) -> float:
+    """An average layer's routed experts for `tokens` tokens were all of them cached in VRAM (16-bit,
+    engine.kernels.expert_cache): the union read from VRAM once."""
+    ex, gpu = target.experts, profile.gpu
+    if ex is None or gpu is None:
+        return math.inf
+    u = expert_union(tokens, ex.experts, ex.top_k, ex.sharing)
+    return target.moe_fraction * 2 * u * target.expert_params / (gpu.device_memory_gbps * GB)
+
+
 def stream_pays_from(profile: HardwareProfile, target: ModelShape, most: int = 4096) -> int | None:
     """The fewest tokens a pass of which streams its experts to the GPU faster than the CPU runs
     them (passes of more tokens wake more experts, and each expert's further tokens cost the CPU
@@ -184,8 +194,14 @@ def layer_seconds(profile: HardwareProfile, target: ModelShape, placement: Place
     if form == "experts-cpu" or (form == "kernel" and profile.gpu is None):
         always = compute_seconds(profile, target.always_params, tokens, quant,
                                  "dequantised" if form == "experts-cpu" else form)
-        sync = target.moe_fraction * EXPERTS_SYNC_S if form == "experts-cpu" else 0.0
-        return always + expert_seconds(profile, target, tokens) + sync
+        if form != "experts-cpu":
+            return always + expert_seconds(profile, target, tokens)
+        # the experts cached in VRAM run on the GPU while the CPU runs the rest; routing taken as
+        # spread evenly, the cache serves its share of the experts' work
+        cached = placement.cached_experts
+        cpu = (1.0 - cached) * expert_seconds(profile, target, tokens)
+        gpu = cached * cached_expert_seconds(profile, target, tokens)
+        return always + max(cpu, gpu) + target.moe_fraction * EXPERTS_SYNC_S
     # the experts de-quantised where they live: the union read once, each token computing its top-k
     timing, active = profile.layer_timing, target.active_params
     return (timing.scaled_seconds(target.union_params(tokens), 1)
@@ -351,13 +367,17 @@ def _experts_on_cpu(target: ModelShape, streamed: Placement, needs: MemoryNeeds,
                     device_free: int, host_free: int) -> Placement:
     """An MoE GGUF too big for the GPU, as the loader's `--experts auto` places it
     (engine.loading.layer_plan.experts_on_cpu): everything but the routed experts on the GPU
-    (16-bit), the experts packed in RAM for the CPU kernel, when both fit; else `streamed`."""
+    (16-bit), the experts packed in RAM for the CPU kernel, when both fit, and the GPU memory left
+    caching experts (their share in `cached_experts`); else `streamed`."""
     gpu_bytes = target.num_layers * target.always_params * 2 + needs.fixed + needs.kv_at(context_length) \
         + needs.activations + GB
     host_bytes = target.num_layers * target.routed_params * KERNEL_EXPERT_BYTES_PER_PARAM
     if gpu_bytes > device_free or host_bytes > host_free:
         return streamed
-    return replace(streamed, gpu_layers=target.num_layers, ram_layers=0, disk_layers=0, resident_form="experts-cpu")
+    every_expert = target.num_layers * target.routed_params * 2  # 16-bit in the cache (engine.kernels.expert_cache)
+    cached = min(1.0, (device_free - gpu_bytes) / every_expert) if every_expert else 0.0
+    return replace(streamed, gpu_layers=target.num_layers, ram_layers=0, disk_layers=0, resident_form="experts-cpu",
+                   cached_experts=cached)
 
 
 def predicted_needs(profile: HardwareProfile, target: ModelShape, draft: ModelShape | None = None,

@@ -17,7 +17,8 @@ issue's "stream a layer's needed experts only when the union makes that cheaper"
 
 Placement as the loader's `--experts auto` does it (the model does not fit the GPU): attention,
 router, shared expert, head and caches on the GPU, the routed experts packed in RAM and run by
-the CPU kernel after each layer's GPU part (no overlap yet). The tree: a draft that costs one
+the CPU kernel after each layer's GPU part, and as many experts as the GPU memory left holds
+cached there in 16 bits, computed beside the CPU's (engine.kernels.expert_cache). The tree: a draft that costs one
 decoder layer of the target plus its head on the GPU per pass (what a model's own MTP head
 costs), with the planner's prior acceptance curve: an assumption, labelled as such.
 
@@ -74,6 +75,7 @@ class ProjectionRow:
     budget: int  # 0: autoregressive
     tokens_per_pass: float
     stream_from: int | None = None  # tokens a pass from which streaming its experts beats the CPU (None: never)
+    cached: float = 0.0  # the share of routed experts the GPU memory left caches (engine.kernels.expert_cache)
 
     @property
     def tree_share(self) -> float:
@@ -116,7 +118,7 @@ def project(machines: tuple[Machine, ...] = MACHINES, gbps: tuple[float, ...] = 
                 rows.append(ProjectionRow(machine.label, read, experts_at, placement.describe(),
                                           plan.autoregressive_tokens_per_second, plan.tokens_per_second,
                                           plan.budget, best.tokens_per_pass if plan.budget else 1.0,
-                                          planner.stream_pays_from(profile, target)))
+                                          planner.stream_pays_from(profile, target), placement.cached_experts))
     return rows
 
 
@@ -126,14 +128,16 @@ def format_projection(rows: list[ProjectionRow]) -> list[str]:
              "+ head, prior acceptance curve",
              f"  against llama.cpp --n-cpu-moe: {LLAMA_CPP_TOK_S} tok/s (Qwen3-30B-A3B Q4_K_M, RTX 2080 8 GB, measured "
              "by others)",
-             f"{'machine':<44}{'expert GB/s':>12}{'experts at':>14}{'AR tok/s':>10}{'best':>8}{'budget':>8}"
+             f"{'machine':<44}{'expert GB/s':>12}{'experts at':>14}{'in VRAM':>8}{'AR tok/s':>10}{'best':>8}{'budget':>8}"
              f"{'tok/pass':>9}{'tree %':>8}{'x llama.cpp':>12}{'stream from':>12}"]
     for r in rows:
-        lines.append(f"{r.machine:<44}{r.expert_gbps:>12.0f}{r.experts_at:>14}{r.autoregressive:>10.1f}{r.best:>8.1f}"
+        lines.append(f"{r.machine:<44}{r.expert_gbps:>12.0f}{r.experts_at:>14}{100 * r.cached:>7.0f}%{r.autoregressive:>10.1f}{r.best:>8.1f}"
                      f"{r.budget or 'AR':>8}{r.tokens_per_pass:>9.2f}{100 * r.tree_share:>7.0f}%{r.vs_llama_cpp:>11.2f}x"
                      f"{r.stream_from or 'never':>12}")
     lines.append(f"'file bytes': the experts read at the GGUF's own {FILE_BYTES_PER_PARAM} bytes a weight instead of "
                  f"the {planner.KERNEL_EXPERT_BYTES_PER_PARAM} SpecChat's kernel holds (Q6_K codes in a byte)")
+    lines.append("'in VRAM': the share of the routed experts (16-bit) the GPU memory left holds, run there beside the "
+                 "CPU's; priced as serving that share of the experts' work (routing spread evenly)")
     lines.append("'stream from': the fewest tokens a pass from which copying its experts' union to the GPU beats the "
                  "CPU running them (prompt chunks, not decode trees; streaming is not built)")
     return lines

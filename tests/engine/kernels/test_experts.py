@@ -164,3 +164,42 @@ def test_passes_of_several_tokens_log_the_experts_they_woke() -> None:
     routed = routed_shape(engine)  # type: ignore[arg-type]
     assert routed.experts is not None and routed.experts.sharing < 0.5  # 5-6 tokens woke what one does
     assert routed.union_params(6) < shape.union_params(6)
+
+
+@pytest.mark.parametrize("tokens", [1, 7])
+def test_experts_cached_on_the_device_give_what_the_cpu_gives(tokens: int) -> None:
+    """Experts cached where the model runs (`cache`; here the CPU stands in for the GPU, in fp32)
+    run there with dense products and the rest by the kernel: the sum is the module's, to float
+    rounding, whichever experts are cached, for a decode step (the one-call path) and a pass of
+    several tokens. A new set of as many experts copies only the ones new to it; the routed pairs
+    the cache served are counted; uncached, every expert runs on the CPU again."""
+    module = experts_module("qwen3_moe")
+    gu = packed_parts(module.gate_up_proj.data, [(0, I, "q4"), (I, 2 * I, "q4")])
+    down = packed_parts(module.down_proj.data, [(0, H, "q8")])
+    ours = PackedExperts(module, gu, down)
+    assert ours.cacheable() and ours.cached_nbytes == 0 and ours.width == I
+    assert ours.expert_nbytes == 4 * (2 * I * H + H * I)
+    g = torch.Generator().manual_seed(3)
+    served = 0
+    for ids in ([0, 1, 2], [2, 5, 7], [3], list(range(E))):
+        copied = ours.cache(ids, "cpu", torch.float32)
+        assert ours.cached_nbytes == len(ids) * ours.expert_nbytes and sorted(ours.hot_ids) == ids
+        assert copied == (len(ids) if ids != [2, 5, 7] else 2)  # expert 2 stays in its slot
+        for _ in range(3):
+            x = torch.randn(tokens, H, generator=g)
+            index = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(tokens)])
+            weights = torch.rand(tokens, 2, generator=g)
+            with torch.no_grad():
+                want = module(x, index, weights)
+            got = ours(x, index, weights)
+            assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+            served += sum(e in ids for e in index.flatten().tolist())
+    assert ours.hot_hits == served > 0 and int(ours.hits.sum()) == 4 * 3 * tokens * 2
+    ours.uncache()
+    x = torch.randn(tokens, H, generator=g)
+    index = torch.zeros(tokens, 2, dtype=torch.int64)
+    index[:, 1] = 1
+    ours(x, index, torch.ones(tokens, 2))
+    assert ours.hot_hits == served and ours.cached_nbytes == 0
+    with pytest.raises(ValueError, match="expert ids"):
+        ours.cache([E], "cpu", torch.float32)

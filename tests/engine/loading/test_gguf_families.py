@@ -26,9 +26,11 @@ from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 from engine.decoding.generation import Engine
 from engine.errors import UnsupportedModel
 from engine.kernels import build
+from engine.kernels.expert_cache import CountsFile, fill
 from engine.kernels.experts import PackedExperts
 from engine.kernels.linear import PackedLinear
 from engine.loading.gguf import GGUFWeights, gguf_config, isolated
+from engine.loading.layer_plan import MaterialiseSettings, cache_experts
 from engine.loading.load import LoadedModel, load_model
 from engine.store.gguf_header import read_header
 from engine.testing.gguf_write import Q, gguf_name, write_gguf
@@ -262,6 +264,40 @@ def test_the_routing_an_moe_measured_is_kept_for_the_next_process(model_cache: P
                                                    shape.experts.top_k)
 
 
+@pytest.mark.skipif(build.kernels() is None, reason="no C compiler here")
+def test_experts_cached_beside_the_cpus_give_transformers_text(family_pair: tuple, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Half the packed experts cached where the model runs (engine.kernels.expert_cache; the CPU
+    stands in for the GPU: dense products there, the kernel for the rest, as on a GPU machine):
+    transformers' logits and greedy text, tokens served by both; the engine keeps the routing
+    counts per model after each answer."""
+    path, ref, tok = family_pair
+    if not any(name.endswith(".experts") for name, _ in ref.named_modules()):
+        pytest.skip("no experts")
+    monkeypatch.setenv("SPECCHAT_DATA_DIR", str(tmp_path))
+    m = load_model(path, offload="none")
+    packed = [mod for mod in m.model.hf_model.modules() if isinstance(mod, PackedExperts)]
+    total = sum(e.num_experts for e in packed)
+    state = fill(m.model.hf_model, total // 2 * packed[0].expert_nbytes, "cpu", torch.float32)
+    assert state.cached == total // 2 and 0 < state.fraction < 1
+    engine = Engine(m.model, m.tokenizer)
+    assert engine.expert_counts.active and engine.expert_counts.seed is None
+    for prompt in PROMPTS:
+        ids = tok(prompt)["input_ids"]
+        with torch.inference_mode():
+            theirs = ref(torch.tensor([ids])).logits[0]
+        assert (logits(m, ids) - theirs).abs().max() <= 1e-4 * theirs.abs().max(), prompt
+        x = torch.tensor([ids])
+        want = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=20, do_sample=False,
+                            pad_token_id=tok.pad_token_id)[0, len(ids):].tolist()
+        got = greedy(engine, prompt)
+        assert list(got.token_ids) == (want[: len(got.token_ids)] if got.finish_reason == "eos" else want), prompt
+    hot, routed = sum(e.hot_hits for e in packed), sum(int(e.hits.sum()) for e in packed)
+    assert 0 < hot < routed
+    saved = CountsFile.of(m.model.fingerprint).load(len(packed), packed[0].num_experts)  # type: ignore[union-attr]
+    assert saved is not None and sum(map(sum, saved)) == routed
+
+
 def check_experts(m: LoadedModel, place: str) -> None:
     """With the kernel, routed experts in kernel types stay packed (a Q4_K_M layer's Q4_K
     gate/up merged into one q4 weight per expert, its Q6_K down a q8 one), IQ4_XS ones are
@@ -291,7 +327,7 @@ def assert_experts_on_cpu_beside_gpu(path: Path, ref: nn.Module, tok: object, pr
     """`--experts cpu` on a GPU: routed experts packed in RAM (run by the CPU kernel; a layer whose
     experts are in a type it does not read keeps them on the GPU), everything else on the GPU;
     logits within 1e-4 of transformers' on the GPU, its greedy text, and draft-free trees giving
-    the same text."""
+    the same text; then the same with half the experts cached in VRAM."""
     if build.kernels() is None:
         pytest.skip("no C compiler here")
     m = load_model(path, "cuda", torch.float32, offload="none", experts="cpu")
@@ -303,21 +339,30 @@ def assert_experts_on_cpu_beside_gpu(path: Path, ref: nn.Module, tok: object, pr
     others = [t for name, t in m.model.hf_model.named_parameters() if ".experts." not in name]
     assert all(t.device.type == "cuda" for t in others)
     ref = ref.to("cuda")
-    engine = Engine(m.model, m.tokenizer)
     try:
-        for prompt in prompts:
-            ids = tok(prompt)["input_ids"]  # type: ignore[operator]
-            with torch.inference_mode():
-                theirs = ref(torch.tensor([ids], device="cuda")).logits[0]
-            ours = logits(m, ids)
-            assert (ours - theirs).abs().max() <= 1e-4 * theirs.abs().max(), prompt
-            x = torch.tensor([ids], device="cuda")
-            want = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
-                                pad_token_id=tok.pad_token_id)[0, len(ids):].tolist()  # type: ignore[attr-defined]
-            got = greedy(engine, prompt, n=n)
-            assert list(got.token_ids) == (want[: len(got.token_ids)] if got.finish_reason == "eos" else want), prompt
-            assert greedy(engine, prompt, mode="specexec", n=n).token_ids == got.token_ids
-        assert sum(e.calls for e in packed) > 0
+        for cached in (False, True):
+            if cached:  # then half the experts cached in VRAM (expert_cache), run there beside the CPU's
+                half = sum(e.num_experts for e in packed) // 2 * packed[0].expert_nbytes
+                state = cache_experts(m.model, MaterialiseSettings(device="cuda", dtype=torch.float32,
+                                                                   expert_cache=half))
+                p = m.model.placement
+                assert state is not None and state.cached > 0 and p is not None and p.cached_experts > 0
+                assert "% in VRAM" in p.describe() and not p.describe().startswith("experts: 0 %")
+                assert all(t.device.type == "cuda" for e in packed if e._hot is not None for t in e._hot)
+            engine = Engine(m.model, m.tokenizer)
+            for prompt in prompts:
+                ids = tok(prompt)["input_ids"]  # type: ignore[operator]
+                with torch.inference_mode():
+                    theirs = ref(torch.tensor([ids], device="cuda")).logits[0]
+                ours = logits(m, ids)
+                assert (ours - theirs).abs().max() <= 1e-4 * theirs.abs().max(), prompt
+                x = torch.tensor([ids], device="cuda")
+                want = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
+                                    pad_token_id=tok.pad_token_id)[0, len(ids):].tolist()  # type: ignore[attr-defined]
+                got = greedy(engine, prompt, n=n)
+                assert list(got.token_ids) == (want[: len(got.token_ids)] if got.finish_reason == "eos" else want), prompt
+                assert greedy(engine, prompt, mode="specexec", n=n).token_ids == got.token_ids
+            assert sum(e.calls for e in packed) > 0 and (sum(e.hot_hits for e in packed) > 0) == cached
     finally:
         ref.to("cpu")
 
