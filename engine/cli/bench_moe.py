@@ -81,6 +81,8 @@ def run_moe_table(loaded: LoadedModel, budgets: list[int], repeats: int,
 
     hooks = [h for e in experts for h in (e.register_forward_pre_hook(before), e.register_forward_hook(after))]
     model = loaded.model
+    fused, model.fused = model.fused, None  # the experts' seconds come from their modules' calls, which
+    # the fused decode step (one C call for a whole 1-token pass) does not make: the general path here
     ids = torch.tensor(prompt_ids(loaded, CONTEXT + max(budgets)))
     cache = model.new_cache(CONTEXT + max(budgets) + 8)
     num_experts, top_k = experts[0].num_experts, _top_k(loaded)
@@ -115,6 +117,7 @@ def run_moe_table(loaded: LoadedModel, budgets: list[int], repeats: int,
     finally:
         for h in hooks:
             h.remove()
+        model.fused = fused
     return rows
 
 

@@ -9,7 +9,11 @@ step is: the embedding and the rotary cos/sin (the model's own modules), one C c
 norm.
 
 `FusedDecoder.of(model)` says once, at load, whether a model qualifies: dense llama, mistral,
-qwen2 (q/k/v biases) or qwen3 (per-head q/k norms) layers, all resident on the CPU in fp32,
+qwen2 (q/k/v biases) or qwen3 (per-head q/k norms) layers, or Qwen3-MoE and Mixtral layers whose
+routed experts are all packed with the one-token experts kernel (PackedExperts._fused: the step
+runs their router as transformers does, softmax, top-k, renormalised, and their experts summed in
+expert order, counting the routed tokens into each PackedExperts.hits; an MoE's passes of several
+tokens keep the general path), all resident on the CPU in fp32,
 full attention everywhere (no sliding window), SiLU MLP, every Linear of every layer a
 PackedLinear (minimums, where present, in groups of 16 or 32). `takes(cache)` says per step
 whether the cache is a plain KVCache of this shape. SPECCHAT_NO_FUSED=1 in the environment (read
@@ -20,7 +24,7 @@ their mask, or a chain (a prompt's chunk), each weight tile decoded once for all
 draft-free tree on the starter then costs a few milliseconds more than a plain step, not the
 general path's ~20 ms of Python and small operations, so trees pay on a CPU again.
 
-What this module does not do: streamed layers, experts, windows, hybrids or GPUs
+What this module does not do: streamed layers, shared experts, windows, hybrids or GPUs
 (CausalLM.forward's general path runs those), or choose which weights are packed.
 """
 
@@ -39,6 +43,7 @@ from torch import nn
 
 from engine.kernels.build import kernels
 from engine.kernels.governor import governor
+from engine.kernels.experts import PackedExperts
 from engine.kernels.linear import PackedLinear, QmLinear
 from engine.model.cache import KVCache
 
@@ -49,6 +54,9 @@ log = logging.getLogger(__name__)
 
 _keys = itertools.count()
 FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+# MoE families whose routed layers the step runs too (router: softmax, top-k, renormalised where the
+# config says; no shared expert): model type -> (class prefix, whether the top-k is renormalised)
+MOE_FAMILIES = {"qwen3_moe": "Qwen3Moe", "mixtral": "Mixtral"}
 LINEARS = (("q", "self_attn.q_proj"), ("k", "self_attn.k_proj"), ("v", "self_attn.v_proj"),
            ("o", "self_attn.o_proj"), ("gate", "mlp.gate_proj"), ("up", "mlp.up_proj"), ("down", "mlp.down_proj"))
 
@@ -59,7 +67,10 @@ class Layer(ctypes.Structure):
                 ("attn_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
                 ("k_norm", ctypes.c_void_p),
                 ("attn_eps", ctypes.c_float), ("mlp_eps", ctypes.c_float), ("q_eps", ctypes.c_float),
-                ("k_eps", ctypes.c_float)]
+                ("k_eps", ctypes.c_float),
+                ("router", ctypes.c_void_p), ("expert_gate_up", ctypes.c_void_p), ("expert_down", ctypes.c_void_p),
+                ("hits", ctypes.c_void_p), ("experts", ctypes.c_int64), ("top_k", ctypes.c_int64),
+                ("norm_topk", ctypes.c_int64)]
 
 
 def disabled() -> bool:
@@ -83,8 +94,30 @@ class FusedDecoder:
         self.layers = (Layer * len(model.layers))()
         self._held: list[object] = []  # what the structs point into, alive as long as they are
         layer: Any
+        # an MoE's routed layers: the experts' counts live here, each PackedExperts.hits a row of them
+        moe: list[PackedExperts] = [e for layer in model.layers
+                                    if isinstance(e := getattr(layer.get_submodule("mlp"), "experts", None), PackedExperts)]
+        self.moe = bool(moe)
+        self._experts = moe
+        self.hits = torch.zeros(len(moe), max((e.num_experts for e in moe), default=0), dtype=torch.int64)
+        for i, experts in enumerate(moe):
+            self.hits[i, : experts.num_experts] = experts.hits
+            experts.hits = self.hits[i, : experts.num_experts]
+        routed = iter(range(len(moe)))
         for layer, struct in zip(model.layers, self.layers):
-            for field, path in LINEARS:
+            block = getattr(layer.mlp, "experts", None)
+            if isinstance(block, PackedExperts):
+                experts = block
+                assert experts._fused is not None
+                router = layer.mlp.gate
+                self._held += [router.weight, experts._fused]
+                struct.router = router.weight.data_ptr()
+                struct.expert_gate_up = ctypes.addressof(experts._fused[0])
+                struct.expert_down = ctypes.addressof(experts._fused[1])
+                struct.hits = self.hits[next(routed)].data_ptr()
+                struct.experts, struct.top_k = experts.num_experts, int(router.top_k)
+                struct.norm_topk = int(bool(getattr(router, "norm_topk_prob", True)))
+            for field, path in LINEARS if not isinstance(block, PackedExperts) else LINEARS[:4]:
                 self._held.append(_fill_linear(getattr(struct, field), layer.get_submodule(path)))
             sa: Any = layer.self_attn
             norms = {"attn": layer.input_layernorm, "mlp": layer.post_attention_layernorm,
@@ -123,8 +156,9 @@ class FusedDecoder:
         return cls(model, lib)
 
     def takes(self, cache: KVCache) -> bool:
-        """Whether a step on `cache` can run here: a plain KVCache of this model's shape."""
-        return self._addresses(cache) is not None
+        """Whether a step on `cache` can run here: a plain KVCache of this model's shape (and no
+        expert of an MoE cached elsewhere: engine.kernels.expert_cache)."""
+        return self._addresses(cache) is not None and not any(e.hot_ids for e in self._experts)
 
     def _addresses(self, cache: KVCache) -> _Buffers | None:
         """`cache`'s buffer addresses (kept per cache, read again when its buffers were
@@ -240,18 +274,37 @@ def _fill_linear(struct: QmLinear, module: nn.Module) -> tuple[object, ...]:
     return module.qweight, module.bias
 
 
+def _routed_refusal(block: nn.Module, hidden: int) -> str | None:
+    """Why an MoE block cannot run in the step (its router and experts as the C code reads them),
+    or None."""
+    experts, router = getattr(block, "experts", None), getattr(block, "gate", None)
+    if not isinstance(experts, PackedExperts) or experts._fused is None:
+        return "routed experts the one-call kernel does not run"
+    if type(router).__name__ not in ("Qwen3MoeTopKRouter", "MixtralTopKRouter") or \
+            set(vars(block).get("_modules", {})) != {"experts", "gate"}:
+        return "a router or block other than softmax top-k"
+    weight = getattr(router, "weight", None)
+    if (not isinstance(weight, torch.Tensor) or weight.dtype != torch.float32 or not weight.is_contiguous()
+            or tuple(weight.shape) != (experts.num_experts, hidden) or weight.device.type != "cpu"):
+        return "router weight"
+    if not 0 < int(getattr(router, "top_k", 0)) <= experts.num_experts:
+        return "router top_k"
+    return None
+
+
 def _refusal(model: CausalLM) -> str | None:
     """Why `model` cannot take the fused step, or None when it can."""
     if disabled():
         return "SPECCHAT_NO_FUSED"
     cfg = model.config
-    prefix = FAMILIES.get(cfg.model_type)
+    prefix = FAMILIES.get(cfg.model_type) or MOE_FAMILIES.get(cfg.model_type)
     if prefix is None:
         return f"model type {cfg.model_type}"
+    routed = cfg.model_type in MOE_FAMILIES
     if model.streamer is not None or model.device.type != "cpu" or model.dtype != torch.float32:
         return "not resident on the CPU in fp32"
-    if any(k.mixer != "attention" or k.window is not None or k.sinks or k.gated or k.ffn != "dense"
-           for k in model.kinds) or model.windows or any(s is not None for s in model.linear):
+    if any(k.mixer != "attention" or k.window is not None or k.sinks or k.gated or k.shared_experts
+           or k.ffn != "dense" and not routed for k in model.kinds) or model.windows or any(s is not None for s in model.linear):
         return "a layer other than dense full attention"
     if model.per_layer_inputs or model.family.layer_inputs or model.family.rotary_per_type or model.kv_shapes:
         return "per-layer inputs or shapes"
@@ -263,9 +316,15 @@ def _refusal(model: CausalLM) -> str | None:
     layer: Any
     for layer in model.layers:
         attn: Any = getattr(layer, "self_attn", None)
+        mlp = type(getattr(layer, "mlp", None)).__name__
         if type(layer).__name__ != f"{prefix}DecoderLayer" or type(attn).__name__ != f"{prefix}Attention" \
-                or type(getattr(layer, "mlp", None)).__name__ != f"{prefix}MLP":
+                or mlp not in (f"{prefix}MLP", f"{prefix}SparseMoeBlock"):
             return f"layer modules {type(layer).__name__}"
+        moe = mlp.endswith("SparseMoeBlock")
+        if moe:
+            why = _routed_refusal(layer.mlp, cfg.hidden_size)
+            if why is not None:
+                return why
         if getattr(attn, "sliding_window", None) is not None or not isinstance(getattr(attn, "head_dim", None), int):
             return "a sliding window or an unknown head size"
         d = attn.head_dim
@@ -280,7 +339,7 @@ def _refusal(model: CausalLM) -> str | None:
                 "v": (kv_heads * d, cfg.hidden_size), "o": (cfg.hidden_size, heads * d),
                 "gate": (cfg.intermediate_size, cfg.hidden_size), "up": (cfg.intermediate_size, cfg.hidden_size),
                 "down": (cfg.hidden_size, cfg.intermediate_size)}
-        for field, path in LINEARS:
+        for field, path in LINEARS if not moe else LINEARS[:4]:
             lin = layer.get_submodule(path)
             if not isinstance(lin, PackedLinear):
                 return f"{path} is not packed"

@@ -112,7 +112,7 @@ static const void *row_params(const void *p, int64_t r, int64_t rows, int64_t gr
 /* Floats of expansion scratch for `rows` rows of `groups` (one where nothing is expanded). */
 #define PARAMS_BUF(fmt, rows, groups) ((fmt) == 2 ? (rows) * (groups) : 1)
 
-int qm_version(void) { return 2; }
+int qm_version(void) { return 3; }
 
 int qm_simd(void) { /* 0 plain C, 2 AVX2, 3 AVX-512, 4 AVX-512 VNNI, 5 AVX2 + AVX-VNNI */
 #if defined(QM_VNNI)
@@ -539,6 +539,13 @@ typedef struct {
     const float *attn_norm, *mlp_norm;  /* (hidden) */
     const float *q_norm, *k_norm;       /* (head_dim) per-head norms, or NULL */
     float attn_eps, mlp_eps, q_eps, k_eps;
+    /* an MoE layer (experts > 0; gate/up/down unused): the router's fp32 weight (experts x hidden),
+     * each expert's gate_up (2I x hidden) and down (hidden x I), top_k routed a token, their
+     * probabilities renormalised to sum 1 where norm_topk; routed tokens counted into hits (experts) */
+    const float *router;
+    const qm_linear *expert_gate_up, *expert_down;
+    int64_t *hits;
+    int64_t experts, top_k, norm_topk;
 } qm_layer;
 
 /* out = x * rsqrt(mean(x^2) + eps) * weight, as LlamaRMSNorm computes it in fp32. */
@@ -634,28 +641,53 @@ static void norm_and_rotate(float *x, const float *norm, float eps, const float 
  * Five barriers a layer (after the q/k/v, attention, o, gate/up and down products): whatever
  * lies between two products (a norm, the group sums of a product's input) each thread computes
  * for itself, and each query head rotates its K/V head's new key itself. */
+static void experts_region(const qm_linear *gate_up, const qm_linear *down, const int64_t *ids, const float *w,
+                           int64_t k, const float *x, const float *xs16, const float *xs32, const qm_digits *xd,
+                           float *gu, float *act, float *asum, char *dig, size_t dig_bytes, qm_digits *ad,
+                           float *tmp, float *y, int acc_into);
+static void route_one(const qm_layer *L, const float *logits, int64_t *ids, float *w);
+
 int qm_decode_layers(const qm_layer *layers, float *const *keys, float *const *values, int64_t count, int64_t hidden,
                      int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t capacity, int64_t length,
                      float scale, const float *cos, const float *sin, float *x, int threads) {
     int64_t D = head_dim, nq = heads * D, nkv = kv_heads * D, group_size = heads / kv_heads;
     int64_t bq = (nq + QM_ROWS - 1) / QM_ROWS, bkv = (nkv + QM_ROWS - 1) / QM_ROWS; /* blocks of rows */
     int64_t inter = 0, widest = hidden > nq ? hidden : nq;
-    for (int64_t l = 0; l < count; l++) inter = layers[l].gate.n > inter ? layers[l].gate.n : inter;
+    int64_t E = 0, K = 0, I = 0; /* the MoE layers' most experts, top_k and expert width */
+    for (int64_t l = 0; l < count; l++) {
+        const qm_layer *L = layers + l;
+        if (L->experts > 0) {
+            E = L->experts > E ? L->experts : E, K = L->top_k > K ? L->top_k : K;
+            I = L->expert_down[0].k > I ? L->expert_down[0].k : I;
+        } else {
+            inter = L->gate.n > inter ? L->gate.n : inter;
+        }
+    }
     widest = inter > widest ? inter : widest;
+    widest = I > widest ? I : widest;
     if (threads < 1) threads = 1;
-    /* shared: q, k, v | attention output | SiLU(gate) * up; per thread: scores, the normed
-     * input, group sums of 16 and of 32, a decoded row or a head */
+    /* shared: q, k, v | attention output | SiLU(gate) * up | an MoE layer's router logits, routed
+     * weights (+ E of scratch), gate/up outputs, activations and their group sums; per thread:
+     * scores, the normed input, group sums of 16 and of 32, a decoded row or a head */
+    int64_t sums = I / 16 + I / 32 + 2;
+    size_t moe = (size_t)(E + K + E + K * 3 * I + K * sums);
     size_t per_thread = (size_t)(length + 1) + 4 * (size_t)widest;
-    size_t total = (size_t)(2 * nq + 2 * nkv + inter) + (size_t)threads * per_thread;
+    size_t total = (size_t)(2 * nq + 2 * nkv + inter) + moe + (size_t)threads * per_thread;
     float *buf = (float *)malloc(sizeof(float) * total);
     if (!buf) return -1;
-    float *q = buf, *k = q + nq, *v = k + nkv, *attn = v + nkv, *act = attn + nq, *own = act + inter;
-    size_t dig_bytes = digits_bytes(widest);
-    char *dig = (char *)malloc(dig_bytes * (size_t)threads + 1); /* each thread's digits of a product's input */
-    if (!dig) {
-        free(buf);
+    float *q = buf, *k = q + nq, *v = k + nkv, *attn = v + nkv, *act = attn + nq, *logits = act + inter;
+    float *wts = logits + E, *gu = wts + K + E, *eact = gu + K * 2 * I, *asum = eact + K * I;
+    float *own = asum + K * sums;
+    size_t dig_bytes = digits_bytes(widest), edig_bytes = digits_bytes(I > 0 ? I : 1);
+    char *dig = (char *)malloc(dig_bytes * (size_t)threads + edig_bytes * (size_t)K + 1); /* each thread's digits
+                                                        * of a product's input, then each routed expert's */
+    int64_t *ids = (int64_t *)malloc(sizeof(int64_t) * (size_t)(K + 1));
+    qm_digits *ad = (qm_digits *)malloc(sizeof(qm_digits) * (size_t)(K + 1));
+    if (!dig || !ids || !ad) {
+        free(buf), free(dig), free(ids), free(ad);
         return -1;
     }
+    char *edig = dig + dig_bytes * (size_t)threads;
 
 #pragma omp parallel num_threads(threads)
     {
@@ -705,6 +737,15 @@ int qm_decode_layers(const qm_layer *layers, float *const *keys, float *const *v
             rms_norm(x, L->mlp_norm, L->mlp_eps, hidden, xn);
             group_sums(xn, hidden, s16, s32);
             make_digits(xn, hidden, mine, &dg);
+            if (L->experts > 0) { /* routed experts: the router, one thread routing, the experts' rows */
+#pragma omp for schedule(static)
+                for (int64_t e = 0; e < L->experts; e++) logits[e] = dot(L->router + e * hidden, xn, hidden);
+#pragma omp single
+                route_one(L, logits, ids, wts);
+                experts_region(L->expert_gate_up, L->expert_down, ids, wts, L->top_k, xn, s16, s32, &dg, gu, eact,
+                               asum, edig, edig_bytes, ad, tmp, x, 1);
+                continue;
+            }
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < L->gate.n; r += QM_ROWS) {
                 float gate[QM_ROWS], up[QM_ROWS];
@@ -723,6 +764,8 @@ int qm_decode_layers(const qm_layer *layers, float *const *keys, float *const *v
             }
         }
     }
+    free(ids);
+    free(ad);
     free(dig);
     free(buf);
     return 0;
@@ -737,10 +780,46 @@ int qm_decode_layers(const qm_layer *layers, float *const *keys, float *const *v
  * and digits (one expert a thread); the output rows, each summing its k products. A Python loop
  * over the experts started the threads twice an expert. Returns 0, or -1 when scratch memory
  * could not be had. */
+/* The work of qm_experts_one, called by every thread of a parallel region (three barriers):
+ * x's group sums and digits given (xs16/xs32/xd: the calling thread's own or shared copies),
+ * scratch gu (k x 2I), act (k x I), asum (k x sums), dig (k digit buffers), ad (k); tmp a row per
+ * thread. acc_into: add the sum into y instead of writing it. */
+static void experts_region(const qm_linear *gate_up, const qm_linear *down, const int64_t *ids, const float *w,
+                           int64_t k, const float *x, const float *xs16, const float *xs32, const qm_digits *xd,
+                           float *gu, float *act, float *asum, char *dig, size_t dig_bytes, qm_digits *ad,
+                           float *tmp, float *y, int acc_into) {
+    int64_t H = down[ids[0]].n, I = down[ids[0]].k;
+    int64_t sums = I / 16 + I / 32 + 2, bgu = (2 * I + QM_ROWS - 1) / QM_ROWS;
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < k * bgu; b++) {
+        int64_t j = b / bgu, r = (b % bgu) * QM_ROWS;
+        rows_product(&gate_up[ids[j]], r, 2 * I - r, x, xs16, xs32, xd, tmp, gu + j * 2 * I + r);
+    }
+#pragma omp for schedule(static)
+    for (int64_t j = 0; j < k; j++) {
+        const float *g = gu + j * 2 * I;
+        float *a = act + j * I, *s16 = asum + j * sums;
+        for (int64_t i = 0; i < I; i++) a[i] = (g[i] / (1.0f + expf(-g[i]))) * g[I + i];
+        group_sums(a, I, s16, s16 + I / 16 + 1);
+        make_digits(a, I, dig + dig_bytes * (size_t)j, &ad[j]);
+    }
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < H; r += QM_ROWS) {
+        float acc[QM_ROWS] = {0}, o[QM_ROWS];
+        int64_t rows = H - r < QM_ROWS ? H - r : QM_ROWS;
+        for (int64_t j = 0; j < k; j++) {
+            const float *s16 = asum + j * sums;
+            rows_product(&down[ids[j]], r, rows, act + j * I, s16, s16 + I / 16 + 1, &ad[j], tmp, o);
+            for (int64_t i = 0; i < rows; i++) acc[i] += w[j] * o[i];
+        }
+        for (int64_t i = 0; i < rows; i++) y[r + i] = acc_into ? y[r + i] + acc[i] : acc[i];
+    }
+}
+
 int qm_experts_one(const qm_linear *gate_up, const qm_linear *down, const int64_t *ids, const float *w, int64_t k,
                    const float *x, float *y, int threads) {
     int64_t H = down[ids[0]].n, I = down[ids[0]].k, wide = H > I ? H : I;
-    int64_t sums = I / 16 + I / 32 + 2, bgu = (2 * I + QM_ROWS - 1) / QM_ROWS;
+    int64_t sums = I / 16 + I / 32 + 2;
     if (threads < 1) threads = 1;
     /* gate/up outputs (k x 2I) | activations (k x I) | their group sums | x's group sums | a row per thread */
     size_t floats = (size_t)(k * 3 * I + k * sums + H / 16 + H / 32 + 2) + (size_t)threads * (size_t)wide;
@@ -764,36 +843,44 @@ int qm_experts_one(const qm_linear *gate_up, const qm_linear *down, const int64_
 #ifdef _OPENMP
         t = omp_get_thread_num();
 #endif
-        float *tmp = tmps + (size_t)t * (size_t)wide;
-#pragma omp for schedule(static)
-        for (int64_t b = 0; b < k * bgu; b++) {
-            int64_t j = b / bgu, r = (b % bgu) * QM_ROWS;
-            rows_product(&gate_up[ids[j]], r, 2 * I - r, x, x16, x32, xd, tmp, gu + j * 2 * I + r);
-        }
-#pragma omp for schedule(static)
-        for (int64_t j = 0; j < k; j++) {
-            const float *g = gu + j * 2 * I;
-            float *a = act + j * I, *s16 = asum + j * sums;
-            for (int64_t i = 0; i < I; i++) a[i] = (g[i] / (1.0f + expf(-g[i]))) * g[I + i];
-            group_sums(a, I, s16, s16 + I / 16 + 1);
-            make_digits(a, I, dig + dig_bytes * (size_t)j, &ad[j]);
-        }
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < H; r += QM_ROWS) {
-            float acc[QM_ROWS] = {0}, o[QM_ROWS];
-            int64_t rows = H - r < QM_ROWS ? H - r : QM_ROWS;
-            for (int64_t j = 0; j < k; j++) {
-                const float *s16 = asum + j * sums;
-                rows_product(&down[ids[j]], r, rows, act + j * I, s16, s16 + I / 16 + 1, &ad[j], tmp, o);
-                for (int64_t i = 0; i < rows; i++) acc[i] += w[j] * o[i];
-            }
-            for (int64_t i = 0; i < rows; i++) y[r + i] = acc[i];
-        }
+        experts_region(gate_up, down, ids, w, k, x, x16, x32, xd, gu, act, asum, dig, dig_bytes, ad,
+                       tmps + (size_t)t * (size_t)wide, y, 0);
     }
     free(ad);
     free(dig);
     free(buf);
     return 0;
+}
+
+/* A token's routing from its normed state xn (one thread): the router's logits, softmax in fp32,
+ * the top_k largest (the lower expert on ties), renormalised where norm_topk, then sorted by
+ * expert (the order the experts' sums are taken in); counted into hits. */
+static void route_one(const qm_layer *L, const float *logits, int64_t *ids, float *w) {
+    int64_t E = L->experts, K = L->top_k;
+    float mx = -INFINITY, total = 0.0f;
+    for (int64_t e = 0; e < E; e++) mx = logits[e] > mx ? logits[e] : mx;
+    float *p = (float *)w + K; /* E floats of scratch after the K weights */
+    for (int64_t e = 0; e < E; e++) total += (p[e] = expf(logits[e] - mx));
+    for (int64_t e = 0; e < E; e++) p[e] /= total;
+    float picked = 0.0f;
+    for (int64_t j = 0; j < K; j++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; e++) {
+            int taken = 0;
+            for (int64_t i = 0; i < j; i++) taken |= ids[i] == e;
+            if (!taken && (best < 0 || p[e] > p[best])) best = e;
+        }
+        ids[j] = best, w[j] = p[best], picked += p[best];
+    }
+    if (L->norm_topk)
+        for (int64_t j = 0; j < K; j++) w[j] /= picked;
+    for (int64_t j = 1; j < K; j++) /* insertion sort by expert */
+        for (int64_t i = j; i > 0 && ids[i - 1] > ids[i]; i--) {
+            int64_t ti = ids[i]; ids[i] = ids[i - 1]; ids[i - 1] = ti;
+            float tw = w[i]; w[i] = w[i - 1]; w[i - 1] = tw;
+        }
+    if (L->hits)
+        for (int64_t j = 0; j < K; j++) L->hits[ids[j]]++;
 }
 
 /* ---- Several tokens through the same layers: a tree pass, or a chain (engine/kernels/fused_layer.py) ----

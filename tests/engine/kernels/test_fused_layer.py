@@ -358,3 +358,43 @@ def test_the_portable_builds_compute_the_same(flags: tuple[str, ...], tmp_path: 
             assert close(fused.forward(tokens, positions, ours, allowed), plain.forward(tokens, positions, theirs, allowed))
     finally:
         build.reset()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_moe_steps_route_in_the_fused_step(arch: str, model_cache: Path, monkeypatch: pytest.MonkeyPatch,
+                                           fused_steps: list[int], fused_passes: list[int]) -> None:
+    """An MoE whose routed experts are all packed (Qwen3-MoE, Mixtral) takes its decode steps in
+    one C call too: the router (softmax, top-k, renormalised), the routed experts summed in
+    expert order, counted into each layer's PackedExperts.hits. Each step's hidden state is the
+    general path's (which tests/engine/loading/test_gguf_families.py holds to transformers'),
+    the routing counts the same, and greedy text, plain and with draft-free trees (whose passes
+    of several tokens keep the general path), the same."""
+    from engine.kernels.experts import PackedExperts
+
+    path = tiny_gguf(arch, layers=3, layer_types=("Q8_0", "Q4_K/Q6_K", "Q4_0"), cache_dir=model_cache)
+    fused = load_model(path, offload="none")
+    monkeypatch.setenv("SPECCHAT_NO_FUSED", "1")
+    plain = load_model(path, offload="none")
+    monkeypatch.delenv("SPECCHAT_NO_FUSED")
+    assert fused.model.fused is not None and fused.model.fused.moe and plain.model.fused is None
+    experts = [[m for m in model.model.hf_model.modules() if isinstance(m, PackedExperts)] for model in (fused, plain)]
+    assert len(experts[0]) == 3
+    caches = [m.model.new_cache(64) for m in (fused, plain)]
+    ids = fused.tokenizer(PROMPTS[0])["input_ids"]
+    outs = [m.model.forward(torch.tensor(ids), torch.arange(len(ids)), c, None) for m, c in zip((fused, plain), caches)]
+    assert close(outs[0], outs[1]) and fused_steps == [] and fused_passes == []
+    token = int(fused.model.logits(outs[0][-1:]).argmax())
+    for step in range(12):
+        pos = torch.tensor([len(ids) + step])
+        a, b = (m.model.forward(torch.tensor([token]), pos, c, None) for m, c in zip((fused, plain), caches))
+        assert close(a, b), step
+        token = int(fused.model.logits(a).argmax())
+    assert len(fused_steps) == 12
+    for mine, theirs in zip(*experts):
+        assert torch.equal(mine.hits, theirs.hits) and int(mine.hits.sum()) == 2 * (len(ids) + 12)
+    before = len(fused_steps)
+    ours = greedy(Engine(fused.model, fused.tokenizer), PROMPTS[1], 24)
+    assert len(fused_steps) - before >= len(ours) - 1
+    assert ours == greedy(Engine(plain.model, plain.tokenizer), PROMPTS[1], 24)
+    assert greedy(Engine(fused.model, fused.tokenizer), PROMPTS[1], 24, "specexec") == ours
+    assert fused_passes == []  # an MoE's passes of several tokens take the general path
