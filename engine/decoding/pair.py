@@ -39,7 +39,7 @@ from engine.decoding.draft_rates import measured_curves, rates_for
 from engine.decoding.learned import learned_file
 from engine.errors import Cancelled, EngineError, InvalidRequest, UsageError
 from engine.loading.load import LoadedModel, check_pair, load_model, resolve_device, resolve_path
-from engine.loading.layer_plan import MaterialiseSettings, cache_experts
+from engine.loading.layer_plan import STREAM_FROM_TOKENS, MaterialiseSettings, cache_experts, stream_experts
 from engine.loading.materialise import resident_bytes
 from engine.loading import self_draft
 from engine.model import heads as head_drafts
@@ -138,10 +138,13 @@ def load_engine(
     else:
         draft_model = None
         choice = manual_choice("none", NONE_LABEL, "chosen by hand: draft-free")
-    if settings.expert_cache != 0 and tmodel.placement is not None and tmodel.placement.resident_form == "experts-cpu":
+    if tmodel.placement is not None and tmodel.placement.resident_form == "experts-cpu":
         report("draft", 0.95, "caching the most used experts in the GPU memory left")
-        cache_experts(tmodel, MaterialiseSettings(device=device, dtype=dtype, context_length=settings.context_length,
-                                                  expert_cache=settings.expert_cache))
+        placed = MaterialiseSettings(device=device, dtype=dtype, context_length=settings.context_length,
+                                     expert_cache=settings.expert_cache)
+        cache_experts(tmodel, placed)
+        if settings.experts == "auto":  # "cpu" keeps every expert on the CPU (a benchmark's point)
+            stream_experts(tmodel, placed, stream_from(tmodel))
     report("ready", 1.0, "ready")
     engine = Engine(tmodel, loaded_target.tokenizer, draft_model, settings.cache,
                     cache_files(settings.cache, tmodel, draft_model), learned=learned_file(tmodel, draft_model),
@@ -285,6 +288,17 @@ def _catalog_draft(target_spec: str | Path, path: Path) -> tuple[CatalogOption |
     if draft is None or local is None:
         return None, None
     return CatalogOption(draft.id, draft.shape()), local
+
+
+def stream_from(target: CausalLM) -> int | None:
+    """From how many tokens a pass streams an MoE's experts to the GPU: the planner's price on the
+    saved hardware profile (None: never pays), layer_plan.STREAM_FROM_TOKENS without one."""
+    profile = _profile()
+    if profile is None or profile.gpu is None:
+        return STREAM_FROM_TOKENS
+    from engine.planning import planner  # noqa: PLC0415
+
+    return planner.stream_pays_from(profile, target.shape)
 
 
 def _profile() -> Any:

@@ -95,9 +95,13 @@ def fill(model: nn.Module, budget_bytes: int, device: torch.device | str, dtype:
          counts: Sequence[Sequence[float]] | None = None) -> CacheState:
     """Cache as many experts as `budget_bytes` holds on `device` (in `dtype`), chosen by
     `counts` (else spread evenly). Modules with biases are left on the CPU."""
-    modules = [m for m in packed_experts(model) if m.cacheable()]
+    every = packed_experts(model)
+    keep = [i for i, m in enumerate(every) if m.cacheable()]
+    modules = [every[i] for i in keep]
     if not modules:
         return CacheState(0, 0, 0, float("nan"))
+    if counts is not None:  # one row per MoE layer (packed_experts' order): those of the layers cached
+        counts = [counts[i] for i in keep] if len(counts) == len(every) else None
     size = torch.empty((), dtype=dtype).element_size()
     per_expert = max(m.expert_nbytes for m in modules) * size // 4
     slots = max(0, budget_bytes) // per_expert
@@ -133,9 +137,8 @@ def rebalance(model: nn.Module, seed: Sequence[Sequence[float]] | None = None,
     modules = [m for m in packed_experts(model) if m.cacheable()]
     if not modules or not any(m.hot_ids for m in modules):
         return 0
-    counts = current_counts(model, seed)
-    if len(counts) != len(modules):
-        return 0
+    every = packed_experts(model)
+    counts = [row for m, row in zip(every, current_counts(model, seed), strict=True) if m.cacheable()]
     now = [list(m.hot_ids) for m in modules]
     sets = [sorted(sorted(range(m.num_experts), key=lambda e: (-row[e], e))[: len(ids)])
             for m, row, ids in zip(modules, counts, now, strict=True)]

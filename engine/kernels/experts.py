@@ -150,6 +150,9 @@ class PackedExperts(nn.Module):
         self._slot: torch.Tensor | None = None
         self._slot_there: torch.Tensor | None = None  # _slot where the cache is
         self.hot_hits = 0
+        # passes of many tokens run on the GPU (stream): (device, dtype, from how many tokens)
+        self._stream: tuple[torch.device, torch.dtype, int] | None = None
+        self.streamed_passes = 0
 
     def _one_token_call(self, original: nn.Module) -> tuple[ctypes.Array, ctypes.Array] | None:
         """qmatmul.c's qm_experts_one, for one token at a time, where its arithmetic is this
@@ -269,6 +272,9 @@ class PackedExperts(nn.Module):
         weights = top_k_weights.reshape(-1)
         counts = torch.bincount(flat, minlength=self.num_experts)[: self.num_experts]
         self._count(counts, x.shape[0])
+        if self._stream is not None and x.shape[0] >= self._stream[2] and self._stream[0] == home:
+            streamed = self._run_streamed(hidden_states.reshape(x.shape), flat, weights, k)
+            return streamed.to(hidden_states.dtype).view(hidden_states.shape)
         hot_sum = None
         cold = torch.ones_like(flat, dtype=torch.bool)
         if self._slot is not None:
@@ -323,25 +329,60 @@ class PackedExperts(nn.Module):
         there. Queued on the device's stream without waiting for it."""
         assert self._hot is not None
         gate_up, down = self._hot
-        dev = gate_up.device
-        x = x.to(dev, gate_up.dtype)
-        out = torch.zeros(x.shape, dtype=torch.float32, device=dev)
         pairs = (slots >= 0).nonzero().reshape(-1).tolist()
-        by_slot: dict[int, list[int]] = {}
+        by_expert: dict[int, list[int]] = {}
         for i in pairs:
-            by_slot.setdefault(int(slots[i]), []).append(i)
-        for j in sorted(by_slot, key=lambda j: self.hot_ids[j]):  # ascending expert order
-            idx = by_slot[j]
+            by_expert.setdefault(self.hot_ids[int(slots[i])], []).append(i)
+        mats = {e: (gate_up[int(self._slot[e])], down[int(self._slot[e])]) for e in by_expert}  # type: ignore[index]
+        return self._run_on(x, by_expert, weights, k, lambda e: mats[e], gate_up.device, gate_up.dtype)
+
+    def stream(self, device: torch.device | str, dtype: torch.dtype, from_tokens: int) -> None:
+        """Passes of `from_tokens` tokens or more (a prompt's chunks) run all their experts on
+        `device`: each expert they wake de-quantised there from its packed bytes (the bytes
+        cross the link once a pass, engine.planning.planner.stream_pays_from), in `dtype`; the
+        cached ones from the cache. Fewer tokens keep the CPU."""
+        if not self.cacheable():
+            raise ValueError(f"{self._source} has biases: its experts are not run on the GPU")
+        self._stream = (torch.empty(0, device=device).device, dtype, max(1, int(from_tokens)))  # cuda -> cuda:0
+
+    def _run_streamed(self, x: torch.Tensor, flat: torch.Tensor, weights: torch.Tensor, k: int) -> torch.Tensor:
+        """Every routed pair of a pass on the streaming device (fp32 sum there)."""
+        assert self._stream is not None
+        dev, dtype, _ = self._stream
+        by_expert: dict[int, list[int]] = {}
+        for i, e in enumerate(flat.tolist()):
+            by_expert.setdefault(int(e), []).append(i)
+
+        def matrices(e: int) -> tuple[torch.Tensor, torch.Tensor]:
+            if self._hot is not None and self._slot is not None and int(self._slot[e]) >= 0:
+                j = int(self._slot[e])
+                return self._hot[0][j], self._hot[1][j]
+            return (self.expert_matrix(self.gate_up, e, dev).to(dtype), self.expert_matrix(self.down, e, dev).to(dtype))
+
+        self.streamed_passes += 1
+        return self._run_on(x, by_expert, weights, k, matrices, dev, dtype)
+
+    def _run_on(self, x: torch.Tensor, by_expert: dict[int, list[int]], weights: torch.Tensor, k: int,
+                matrices: Callable[[int], tuple[torch.Tensor, torch.Tensor]], dev: torch.device,
+                dtype: torch.dtype) -> torch.Tensor:
+        """The weighted sum (fp32, on `dev`) of the experts in `by_expert` (expert -> its routed
+        pairs, token * k + j) over x, in ascending expert order, each expert's (gate_up, down) from
+        `matrices`, its products in `dtype`."""
+        x = x.to(dev, dtype)
+        out = torch.zeros(x.shape, dtype=torch.float32, device=dev)
+        for e in sorted(by_expert):
+            idx = by_expert[e]
+            gate_up, down = matrices(e)
             if x.shape[0] == 1:  # a decode step: no index tensors to send
-                h = F.linear(x, gate_up[j])
+                h = F.linear(x, gate_up)
                 h = self._gate(h) if self._gate is not None else self.act_fn(h)
-                out += F.linear(h, down[j]).float() * float(weights[idx[0]])
+                out += F.linear(h, down).float() * float(weights[idx[0]])
                 continue
             tokens = torch.tensor([i // k for i in idx], dtype=torch.int64).to(dev, non_blocking=True)
             w = weights[idx].to(dev, torch.float32, non_blocking=True)
-            h = F.linear(x[tokens], gate_up[j])
+            h = F.linear(x[tokens], gate_up)
             h = self._gate(h) if self._gate is not None else self.act_fn(h)
-            out.index_add_(0, tokens, F.linear(h, down[j]).float() * w[:, None])
+            out.index_add_(0, tokens, F.linear(h, down).float() * w[:, None])
         return out
 
     def _loop(self, x: torch.Tensor, flat: torch.Tensor, weights: torch.Tensor, keep: torch.Tensor,

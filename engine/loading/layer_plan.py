@@ -162,12 +162,13 @@ def context_of(hf: PreTrainedModel, settings: MaterialiseSettings) -> int:
 
 def spare_device_bytes(hf: PreTrainedModel, settings: MaterialiseSettings) -> int:
     """Device memory still free once everything placed on it is there, less what a pass needs
-    (device_needs at the context) and a margin (5 % of it, at least 256 MiB) for the allocator's
-    blocks and the draft's passes: what a cache of experts may take."""
+    (device_needs at the context) and a margin (10 % of it, at least 512 MiB) for the allocator's
+    blocks, the draft's passes and a long prompt's experts streamed to the GPU: what a cache of
+    experts may take."""
     free = device_free_bytes(settings.device)
     needs = device_needs(hf, settings)
     return max(0, free - needs.kv_at(context_of(hf, settings)) - needs.activations - settings.reserve_bytes
-               - max(256 * 1024 * 1024, free // 20))
+               - max(512 * 1024 * 1024, free // 10))
 
 
 def plan_layers(hf: PreTrainedModel, layouts: LayerLayout | list[LayerLayout], settings: MaterialiseSettings,
@@ -221,3 +222,23 @@ def cache_experts(model: CausalLM, settings: MaterialiseSettings) -> CacheState 
     log.info("expert cache: %d of %d routed experts in VRAM (%.2f GiB, %s)", state.cached, state.experts,
              state.nbytes / GIB, "chosen by the saved routing counts" if counts is not None else "spread evenly")
     return state
+
+
+STREAM_FROM_TOKENS = 256  # without a hardware profile: the projection's machines pay from 215-286 tokens
+
+
+def stream_experts(model: CausalLM, settings: MaterialiseSettings, from_tokens: int | None) -> int:
+    """With the routed experts on the CPU beside a GPU, passes of `from_tokens` tokens or more (a
+    long prompt's chunks: engine.planning.planner.stream_pays_from) run their experts on the GPU,
+    de-quantised there from the packed bytes, rather than on the CPU (PackedExperts.stream).
+    Returns the layers that stream (0: none, or `from_tokens` None)."""
+    placement = model.placement
+    if (from_tokens is None or placement is None or placement.resident_form != "experts-cpu"
+            or not settings.device.startswith("cuda")):
+        return 0
+    modules = [m for m in packed_experts(model.hf_model) if m.cacheable()]
+    for m in modules:
+        m.stream(settings.device, settings.dtype, from_tokens)
+    if modules:
+        log.info("experts of passes of %d tokens or more run on the GPU (streamed from RAM)", from_tokens)
+    return len(modules)

@@ -144,7 +144,7 @@ def timed_expert_seconds(timing: ExpertTiming, target: ModelShape, tokens: int, 
 def streamed_expert_seconds(profile: HardwareProfile, target: ModelShape, tokens: int,
                             union: float | None = None) -> float:
     """The routed experts of one (average) layer streamed to the GPU for a pass instead of run by
-    the CPU (the issue's `--experts stream`, not built: a price to compare): the union's bytes as
+    the CPU (PackedExperts.stream, engine.loading.layer_plan.stream_experts): the union's bytes as
     the file stores them over the pinned link, de-quantised there at VRAM speed; the GPU's
     products themselves are noise beside the copy. inf without a GPU or experts."""
     ex, gpu = target.experts, profile.gpu

@@ -139,5 +139,5 @@ def format_projection(rows: list[ProjectionRow]) -> list[str]:
     lines.append("'in VRAM': the share of the routed experts (16-bit) the GPU memory left holds, run there beside the "
                  "CPU's; priced as serving that share of the experts' work (routing spread evenly)")
     lines.append("'stream from': the fewest tokens a pass from which copying its experts' union to the GPU beats the "
-                 "CPU running them (prompt chunks, not decode trees; streaming is not built)")
+                 "CPU running them (prompt chunks, not decode trees; `--experts auto` streams from there)")
     return lines

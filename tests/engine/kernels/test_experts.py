@@ -203,3 +203,28 @@ def test_experts_cached_on_the_device_give_what_the_cpu_gives(tokens: int) -> No
     assert ours.hot_hits == served and ours.cached_nbytes == 0
     with pytest.raises(ValueError, match="expert ids"):
         ours.cache([E], "cpu", torch.float32)
+
+
+def test_passes_of_many_tokens_stream_their_experts_to_the_device() -> None:
+    """`stream`: passes of `from_tokens` tokens or more run every expert they wake where the model
+    runs (de-quantised there from the packed bytes; cached ones from the cache), fewer keep the
+    CPU: the module's sum either way (the CPU stands in for the GPU, in fp32)."""
+    module = experts_module("qwen3_moe")
+    gu = packed_parts(module.gate_up_proj.data, [(0, I, "q4"), (I, 2 * I, "q4")])
+    down = packed_parts(module.down_proj.data, [(0, H, "q8")])
+    ours = PackedExperts(module, gu, down)
+    ours.stream("cpu", torch.float32, 4)
+    g = torch.Generator().manual_seed(4)
+    for cached in ([], [1, 6]):
+        ours.cache(cached, "cpu", torch.float32)
+        for tokens in (1, 3, 4, 20):
+            x = torch.randn(tokens, H, generator=g)
+            index = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(tokens)])
+            weights = torch.rand(tokens, 2, generator=g)
+            with torch.no_grad():
+                want = module(x, index, weights)
+            before = ours.streamed_passes
+            got = ours(x, index, weights)
+            assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+            assert ours.streamed_passes - before == (tokens >= 4)
+    assert int(ours.hits.sum()) == 2 * 2 * (1 + 3 + 4 + 20)

@@ -30,7 +30,7 @@ from engine.kernels.expert_cache import CountsFile, fill
 from engine.kernels.experts import PackedExperts
 from engine.kernels.linear import PackedLinear
 from engine.loading.gguf import GGUFWeights, gguf_config, isolated
-from engine.loading.layer_plan import MaterialiseSettings, cache_experts
+from engine.loading.layer_plan import MaterialiseSettings, cache_experts, stream_experts
 from engine.loading.load import LoadedModel, load_model
 from engine.store.gguf_header import read_header
 from engine.testing.gguf_write import Q, gguf_name, write_gguf
@@ -269,8 +269,8 @@ def test_experts_cached_beside_the_cpus_give_transformers_text(family_pair: tupl
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """Half the packed experts cached where the model runs (engine.kernels.expert_cache; the CPU
     stands in for the GPU: dense products there, the kernel for the rest, as on a GPU machine):
-    transformers' logits and greedy text, tokens served by both; the engine keeps the routing
-    counts per model after each answer."""
+    transformers' logits and greedy text, tokens served by both, passes of three tokens or more
+    streaming all their experts; the engine keeps the routing counts per model after each answer."""
     path, ref, tok = family_pair
     if not any(name.endswith(".experts") for name, _ in ref.named_modules()):
         pytest.skip("no experts")
@@ -280,6 +280,8 @@ def test_experts_cached_beside_the_cpus_give_transformers_text(family_pair: tupl
     total = sum(e.num_experts for e in packed)
     state = fill(m.model.hf_model, total // 2 * packed[0].expert_nbytes, "cpu", torch.float32)
     assert state.cached == total // 2 and 0 < state.fraction < 1
+    for e in packed:  # and passes of 3+ tokens (the prompts' chunks) run every expert "there"
+        e.stream("cpu", torch.float32, 3)
     engine = Engine(m.model, m.tokenizer)
     assert engine.expert_counts.active and engine.expert_counts.seed is None
     for prompt in PROMPTS:
@@ -293,7 +295,7 @@ def test_experts_cached_beside_the_cpus_give_transformers_text(family_pair: tupl
         got = greedy(engine, prompt)
         assert list(got.token_ids) == (want[: len(got.token_ids)] if got.finish_reason == "eos" else want), prompt
     hot, routed = sum(e.hot_hits for e in packed), sum(int(e.hits.sum()) for e in packed)
-    assert 0 < hot < routed
+    assert 0 < hot < routed and sum(e.streamed_passes for e in packed) >= 2 * len(packed)
     saved = CountsFile.of(m.model.fingerprint).load(len(packed), packed[0].num_experts)  # type: ignore[union-attr]
     assert saved is not None and sum(map(sum, saved)) == routed
 
@@ -327,7 +329,8 @@ def assert_experts_on_cpu_beside_gpu(path: Path, ref: nn.Module, tok: object, pr
     """`--experts cpu` on a GPU: routed experts packed in RAM (run by the CPU kernel; a layer whose
     experts are in a type it does not read keeps them on the GPU), everything else on the GPU;
     logits within 1e-4 of transformers' on the GPU, its greedy text, and draft-free trees giving
-    the same text; then the same with half the experts cached in VRAM."""
+    the same text; then the same with half the experts cached in VRAM, then with passes of two
+    tokens or more streaming their experts to the GPU as well."""
     if build.kernels() is None:
         pytest.skip("no C compiler here")
     m = load_model(path, "cuda", torch.float32, offload="none", experts="cpu")
@@ -340,8 +343,10 @@ def assert_experts_on_cpu_beside_gpu(path: Path, ref: nn.Module, tok: object, pr
     assert all(t.device.type == "cuda" for t in others)
     ref = ref.to("cuda")
     try:
-        for cached in (False, True):
-            if cached:  # then half the experts cached in VRAM (expert_cache), run there beside the CPU's
+        for cached in (False, True, True):
+            if cached and any(e._hot is not None for e in packed):  # then passes of 2+ tokens streamed as well
+                assert stream_experts(m.model, MaterialiseSettings(device="cuda", dtype=torch.float32), 2) > 0
+            elif cached:  # then half the experts cached in VRAM (expert_cache), run there beside the CPU's
                 half = sum(e.num_experts for e in packed) // 2 * packed[0].expert_nbytes
                 state = cache_experts(m.model, MaterialiseSettings(device="cuda", dtype=torch.float32,
                                                                    expert_cache=half))
@@ -363,6 +368,7 @@ def assert_experts_on_cpu_beside_gpu(path: Path, ref: nn.Module, tok: object, pr
                 assert list(got.token_ids) == (want[: len(got.token_ids)] if got.finish_reason == "eos" else want), prompt
                 assert greedy(engine, prompt, mode="specexec", n=n).token_ids == got.token_ids
             assert sum(e.calls for e in packed) > 0 and (sum(e.hot_hits for e in packed) > 0) == cached
+        assert sum(e.streamed_passes for e in packed) > 0
     finally:
         ref.to("cpu")
 
