@@ -32,7 +32,7 @@ import math
 import torch
 from torch import nn
 
-from engine.kernels import experts as packed_experts
+from engine.kernels import expert_parts, experts as packed_experts
 from engine.kernels.build import kernels
 from engine.kernels.linear import PackedLinear, QuantWeight, from_codes, from_factors
 from engine.offload import gguf_blocks
@@ -67,7 +67,7 @@ def expert_eligible(layer: nn.Module, e: Entry) -> bool:
     if leaf not in EXPERT_PROJECTIONS or not owner:
         return False
     values, _ = gguf_blocks.block_size(e.qtype)
-    return packed_experts.supports(layer.get_submodule(owner)) and e.shape[-1] % values == 0
+    return expert_parts.supports(layer.get_submodule(owner)) and e.shape[-1] % values == 0
 
 
 def _expert_params(layer: nn.Module, layout: LayerLayout) -> set[str]:
@@ -91,7 +91,7 @@ def _merged(parts: list[tuple[int, int, QuantWeight]], experts: int) -> list[tup
     a layer (merging expert by expert left the heap fragmented)."""
     out: list[tuple[int, int, QuantWeight]] = []
     for a, b, w in sorted(parts, key=lambda p: p[0]):
-        if out and out[-1][1] == a and packed_experts.same_kind(out[-1][2], w):
+        if out and out[-1][1] == a and expert_parts.same_kind(out[-1][2], w):
             a0, _, v = out.pop()
 
             def cat(x: torch.Tensor | None, y: torch.Tensor | None) -> torch.Tensor | None:
@@ -221,12 +221,12 @@ def _pack_experts(layer: nn.Module, owner: str, parts: dict[str, list[tuple[int,
     module = layer.get_submodule(owner)
     experts = int(getattr(module, "num_experts"))
 
-    def projection(leaf: str) -> list[packed_experts.Part]:
+    def projection(leaf: str) -> list[expert_parts.Part]:
         found = parts.get(f"{owner}.{leaf}")
         if found is not None:
-            return [packed_experts.Part(a, b, packed=_per_expert(w, experts)) for a, b, w in _merged(found, experts)]
+            return [expert_parts.Part(a, b, packed=_per_expert(w, experts)) for a, b, w in _merged(found, experts)]
         value = getattr(module, leaf)
-        return [packed_experts.Part(0, value.shape[1], dense=value.data)]
+        return [expert_parts.Part(0, value.shape[1], dense=value.data)]
 
     first = "gate_up_proj" if getattr(module, "has_gate", True) else "up_proj"
     new = packed_experts.PackedExperts(module, projection(first), projection("down_proj"))

@@ -30,6 +30,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from engine.units import GB
+
+if TYPE_CHECKING:
+    from engine.planning.profile import HardwareProfile
+    from engine.shapes import ModelShape
 
 MIN_SHARING = 0.05
 SHARING_STEPS = 200  # the grid fit_sharing searches (0.05 .. 1.0)
@@ -62,3 +69,13 @@ def fit_sharing(unions: Mapping[int, tuple[int, float]], experts: int, top_k: in
 def expert_bytes_per_pass(tokens: int, experts: int, top_k: int, expert_bytes: int, layers: int) -> float:
     """Bytes of routed experts a pass over `tokens` tokens reads, by the prior, over `layers` MoE layers."""
     return expert_union(tokens, experts, top_k) * expert_bytes * layers
+
+
+def cached_expert_seconds(profile: HardwareProfile, target: ModelShape, tokens: int) -> float:
+    """An average layer's routed experts for `tokens` tokens were all of them cached in VRAM (16-bit,
+    engine.kernels.expert_cache): the union read from VRAM once."""
+    ex, gpu = target.experts, profile.gpu
+    if ex is None or gpu is None:
+        return math.inf
+    u = expert_union(tokens, ex.experts, ex.top_k, ex.sharing)
+    return target.moe_fraction * 2 * u * target.expert_params / (gpu.device_memory_gbps * GB)

@@ -42,7 +42,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from engine.planning.calibration import AcceptanceCurve
-from engine.planning.moe import expert_union
+from engine.planning.moe import cached_expert_seconds, expert_union
 from engine.planning.placement import MemoryNeeds, activation_bytes, plan_placement
 from engine.planning.profile import ExpertTiming, HardwareProfile
 from engine.store.catalog import CatalogModel
@@ -156,16 +156,6 @@ def streamed_expert_seconds(profile: HardwareProfile, target: ModelShape, tokens
                                   + 2 * params / (gpu.device_memory_gbps * GB))
 
 
-def cached_expert_seconds(profile: HardwareProfile, target: ModelShape, tokens: int) -> float:
-    """An average layer's routed experts for `tokens` tokens were all of them cached in VRAM (16-bit,
-    engine.kernels.expert_cache): the union read from VRAM once."""
-    ex, gpu = target.experts, profile.gpu
-    if ex is None or gpu is None:
-        return math.inf
-    u = expert_union(tokens, ex.experts, ex.top_k, ex.sharing)
-    return target.moe_fraction * 2 * u * target.expert_params / (gpu.device_memory_gbps * GB)
-
-
 def stream_pays_from(profile: HardwareProfile, target: ModelShape, most: int = 4096) -> int | None:
     """The fewest tokens a pass of which streams its experts to the GPU faster than the CPU runs
     them (passes of more tokens wake more experts, and each expert's further tokens cost the CPU
@@ -196,8 +186,7 @@ def layer_seconds(profile: HardwareProfile, target: ModelShape, placement: Place
                                  "dequantised" if form == "experts-cpu" else form)
         if form != "experts-cpu":
             return always + expert_seconds(profile, target, tokens)
-        # the experts cached in VRAM run on the GPU while the CPU runs the rest; routing taken as
-        # spread evenly, the cache serves its share of the experts' work
+        # cached experts run on the GPU beside the CPU's, serving their share (routing taken as even)
         cached = placement.cached_experts
         cpu = (1.0 - cached) * expert_seconds(profile, target, tokens)
         gpu = cached * cached_expert_seconds(profile, target, tokens)

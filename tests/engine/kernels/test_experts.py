@@ -13,7 +13,8 @@ from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
 from engine.kernels import build
-from engine.kernels.experts import Part, PackedExperts, merged, supports
+from engine.kernels.expert_parts import Part, merged, supports
+from engine.kernels.experts import PackedExperts
 from engine.kernels.linear import dequantize, from_dense
 
 pytestmark = pytest.mark.skipif(build.kernels() is None, reason="no C compiler here")
