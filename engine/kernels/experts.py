@@ -84,7 +84,8 @@ class PackedExperts(nn.Module):
         self.gate_up_bias = getattr(original, f"{first}_bias", None) if bias else None
         self.down_bias = getattr(original, "down_proj_bias", None) if bias else None
         self._fused = self._one_token_call(original)
-        self.hits = torch.zeros(self.num_experts, dtype=torch.int64)  # tokens routed to each expert, all calls
+        # tokens routed to each expert, all calls (the fused decode step adds to it in place: never replaced)
+        self.hits = torch.zeros(self.num_experts, dtype=torch.int64)
         self.calls = 0
         self.last_union = 0  # experts the last call woke
         self.last_tokens = 0

@@ -94,27 +94,23 @@ class FusedDecoder:
         self.layers = (Layer * len(model.layers))()
         self._held: list[object] = []  # what the structs point into, alive as long as they are
         layer: Any
-        # an MoE's routed layers: the experts' counts live here, each PackedExperts.hits a row of them
+        # an MoE's routed layers (the step counts their routed tokens into each PackedExperts.hits)
         moe: list[PackedExperts] = [e for layer in model.layers
                                     if isinstance(e := getattr(layer.get_submodule("mlp"), "experts", None), PackedExperts)]
         self.moe = bool(moe)
         self._experts = moe
-        self.hits = torch.zeros(len(moe), max((e.num_experts for e in moe), default=0), dtype=torch.int64)
-        for i, experts in enumerate(moe):
-            self.hits[i, : experts.num_experts] = experts.hits
-            experts.hits = self.hits[i, : experts.num_experts]
-        routed = iter(range(len(moe)))
         for layer, struct in zip(model.layers, self.layers):
             block = getattr(layer.mlp, "experts", None)
             if isinstance(block, PackedExperts):
                 experts = block
                 assert experts._fused is not None
                 router = layer.mlp.gate
-                self._held += [router.weight, experts._fused]
+                self._held += [router.weight, experts._fused, experts.hits]
                 struct.router = router.weight.data_ptr()
                 struct.expert_gate_up = ctypes.addressof(experts._fused[0])
                 struct.expert_down = ctypes.addressof(experts._fused[1])
-                struct.hits = self.hits[next(routed)].data_ptr()
+                assert experts.hits.dtype == torch.int64 and experts.hits.is_contiguous()
+                struct.hits = experts.hits.data_ptr()  # incremented in place (the tensor is never replaced)
                 struct.experts, struct.top_k = experts.num_experts, int(router.top_k)
                 struct.norm_topk = int(bool(getattr(router, "norm_topk_prob", True)))
             for field, path in LINEARS if not isinstance(block, PackedExperts) else LINEARS[:4]:
