@@ -88,7 +88,7 @@ def served(counts: Sequence[Sequence[float]], sets: Sequence[Sequence[int]]) -> 
     total = sum(sum(row) for row in counts)
     if total <= 0:
         return float("nan")
-    return sum(sum(row[e] for e in ids) for row, ids in zip(counts, sets, strict=True)) / total
+    return sum(sum(row[e] for e in ids if e >= 0) for row, ids in zip(counts, sets, strict=True)) / total
 
 
 def fill(model: nn.Module, budget_bytes: int, device: torch.device | str, dtype: torch.dtype,
@@ -113,7 +113,7 @@ def fill(model: nn.Module, budget_bytes: int, device: torch.device | str, dtype:
 
 def state(model: nn.Module, counts: Sequence[Sequence[float]] | None = None) -> CacheState:
     modules = packed_experts(model)
-    cached = sum(len(m.hot_ids) for m in modules)
+    cached = sum(e >= 0 for m in modules for e in m.hot_ids)
     experts = sum(m.num_experts for m in modules)
     share = served(counts, [m.hot_ids for m in modules]) if counts is not None else float("nan")
     return CacheState(cached, experts, sum(m.cached_nbytes for m in modules), share)
@@ -178,7 +178,11 @@ class RoutingCounts:
         if self.file is None:
             return 0
         self.file.save(current_counts(self.model, self.seed))
-        return rebalance(self.model, self.seed)
+        try:
+            return rebalance(self.model, self.seed)
+        except torch.OutOfMemoryError:  # the copies' temporaries did not fit: the cache stays as it is
+            log.warning("expert cache: out of memory moving experts; the cached set stays as it was")
+            return 0
 
 
 # ---- the counts kept between processes --------------------------------------------------------

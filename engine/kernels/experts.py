@@ -172,18 +172,24 @@ class PackedExperts(nn.Module):
         keep = {e: j for j, e in enumerate(self.hot_ids) if e in set(wanted)}
         free = iter(j for j in range(len(wanted)) if j not in set(keep.values()))
         copied = 0
-        for e in wanted:
-            if e in keep:
-                continue
-            j = next(free)
-            gate_up[j].copy_(self.expert_matrix(self.gate_up, e, dev))
-            down[j].copy_(self.expert_matrix(self.down, e, dev))
-            self.hot_ids[j] = e
-            copied += 1
-        self._slot = torch.full((self.num_experts,), -1, dtype=torch.int64)
-        for j, e in enumerate(self.hot_ids):
-            self._slot[e] = j
-        self._slot_there = self._slot.to(dev)
+        try:
+            for e in wanted:
+                if e in keep:
+                    continue
+                j = next(free)
+                # both matrices made before either slot is written: running out of memory here leaves
+                # every slot whole, holding the expert hot_ids names
+                gu, dn = self.expert_matrix(self.gate_up, e, dev), self.expert_matrix(self.down, e, dev)
+                gate_up[j].copy_(gu)
+                down[j].copy_(dn)
+                self.hot_ids[j] = e
+                copied += 1
+        finally:
+            self._slot = torch.full((self.num_experts,), -1, dtype=torch.int64)
+            for j, e in enumerate(self.hot_ids):
+                if e >= 0:
+                    self._slot[e] = j
+            self._slot_there = self._slot.to(dev)
         return copied
 
     def uncache(self) -> None:

@@ -217,7 +217,14 @@ def cache_experts(model: CausalLM, settings: MaterialiseSettings) -> CacheState 
         budget = min(budget, settings.expert_cache)
     counts_file = CountsFile.of(model.fingerprint)
     counts = counts_file.load(len(modules), modules[0].num_experts) if counts_file is not None else None
-    state = fill(hf, budget, settings.device, settings.dtype, counts)
+    try:
+        state = fill(hf, budget, settings.device, settings.dtype, counts)
+    except torch.OutOfMemoryError:  # the estimate of what was free was wrong: no cache, nothing lost
+        for m in modules:
+            m.uncache()
+        torch.cuda.empty_cache()
+        log.warning("expert cache: out of GPU memory filling %.2f GiB; every expert runs on the CPU", budget / GIB)
+        return None
     model.placement = replace(placement, cached_experts=state.fraction)
     log.info("expert cache: %d of %d routed experts in VRAM (%.2f GiB, %s)", state.cached, state.experts,
              state.nbytes / GIB, "chosen by the saved routing counts" if counts is not None else "spread evenly")

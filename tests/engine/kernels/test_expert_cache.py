@@ -110,3 +110,55 @@ def test_experts_with_biases_stay_on_the_cpu() -> None:
     assert fill(model, 10 * model[0].expert_nbytes, "cpu", torch.float32).cached == 0
     with pytest.raises(ValueError, match="biases"):
         model[0].cache([0], "cpu", torch.float32)
+
+
+def test_running_out_of_memory_while_moving_experts_keeps_every_slot_whole(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rebalance whose temporaries do not fit stops where it is: each slot holds, whole, the
+    expert it says it does, the answer goes on, and the sums stay the module's."""
+    model = model_of(1)
+    layer = model[0]
+    fill(model, 3 * layer.expert_nbytes, "cpu", torch.float32)
+    keeper = RoutingCounts(model, "model-oom", root=tmp_path)
+    route(model, [5, 6], tokens=40)
+    real = PackedExperts.expert_matrix
+    made = []
+
+    def short(parts: object, e: int, device: object = "cpu") -> torch.Tensor:
+        made.append(e)
+        if len(made) > 2:  # the second expert's first matrix: out of memory
+            raise torch.OutOfMemoryError("no room")
+        return real(parts, e, device)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(PackedExperts, "expert_matrix", staticmethod(short))
+    assert keeper.after_answer() == 0  # logged, not raised
+    monkeypatch.setattr(PackedExperts, "expert_matrix", staticmethod(real))
+    assert layer.hot_ids == [0, 5, 2]  # expert 5 moved in; 6 did not fit, slot 2 still holds expert 2
+    assert layer._hot is not None and layer._slot is not None
+    for j, e in enumerate(layer.hot_ids):
+        assert int(layer._slot[e]) == j
+        assert torch.equal(layer._hot[0][j], real(layer.gate_up, e)) and torch.equal(layer._hot[1][j], real(layer.down, e))
+    assert sum(int(layer._slot[e] >= 0) for e in range(E)) == 3
+
+
+def test_a_cache_that_does_not_fit_leaves_every_expert_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loader's fill (layer_plan.cache_experts) running out of GPU memory (its estimate of what
+    was free wrong) loads without a cache, saying so, rather than failing the load."""
+    from types import SimpleNamespace
+
+    from engine.loading import layer_plan
+    from engine.shapes import Placement
+
+    model = model_of(2)
+    placement = Placement(2, 2, 0, 0, 1, "gguf", "cuda", resident_form="experts-cpu")
+    loaded = SimpleNamespace(placement=placement, hf_model=model, fingerprint="")
+    monkeypatch.setattr(layer_plan, "spare_device_bytes", lambda hf, settings: 10 * model[0].expert_nbytes)
+
+    def short(*args: object, **kwargs: object) -> None:
+        model[0].cache([0], "cpu", torch.float32)  # part of it done, then no room
+        raise torch.OutOfMemoryError("no room")
+
+    monkeypatch.setattr(layer_plan, "fill", short)
+    settings = layer_plan.MaterialiseSettings(device="cuda", dtype=torch.float32)
+    assert layer_plan.cache_experts(loaded, settings) is None  # type: ignore[arg-type]
+    assert all(m.cached_nbytes == 0 and not m.hot_ids for m in model) and loaded.placement.cached_experts == 0
