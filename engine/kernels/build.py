@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("qmatmul.c")
 FLAG_SETS = (("-O3", "-march=native", "-fopenmp"), ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"), ("-O3", "-fopenmp"),
              ("-O3",))
-VERSION = 3  # qmatmul.c qm_version(): 2 reads K-quant scales (QM_KSC), 3 routes MoE layers in a decode step
+VERSION = 4  # qmatmul.c qm_version(): 2 K-quant scales (QM_KSC), 3 MoE layers in a decode step, 4 six-bit codes
 SIMD_NAMES = {0: "plain C", 2: "AVX2", 3: "AVX-512", 4: "AVX-512 VNNI integer rows", 5: "AVX2, AVX-VNNI integer rows"}
 
 _lock = threading.Lock()

@@ -4,8 +4,10 @@ inference `nn.Linear`, running qmatmul.c through ctypes.
 A `QuantWeight` holds a weight (out_features x in_features) as codes, a scale per group and
 optionally a minimum per group, w = scale * code (+ minimum):
 
-- "q8": int8 codes (N x K), groups of 16 or 32: GGUF's Q8_0, Q5_0/Q5_1/Q5_K (codes 0..31),
-  Q6_K (codes -32..31, groups of 16);
+- "q8": int8 codes (N x K), groups of 16 or 32: GGUF's Q8_0 (and 5- or 6-bit codes whose rows
+  are not whole chunks of 64);
+- "q6": codes -32..31 in six bits (N x K/64*48, `pack6`), groups of 16 or 32: Q6_K (groups of
+  16), Q5_0/Q5_1/Q5_K (codes 0..31, with minimums);
 - "q4": codes 0..15 packed two per byte (N x K/2; in each group of 32, byte k holds value k in
   its low nibble and value k + 16 in its high nibble), groups of 32: Q4_0, Q4_1, Q4_K.
 
@@ -14,7 +16,8 @@ file's own fp16 scales: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), as K-quants store them wh
 K-quants' (per 8 groups an fp16 factor and 8 int8 multipliers, 10 bytes, uint8 tensors: the
 kernel multiplies them out in fp32, exactly: `from_factors`), else in fp32: the values
 multiplied are the file's either way. A Q4_1 step reads 0.625 bytes a weight, a Q4_K one 0.578
-(0.75 with its scale products in fp32), a Q6_K one (int8 codes) 1.08 (1.25).
+(0.75 with its scale products in fp32), a Q6_K one 0.828 (kind q6: six bits a code, 48 bytes per
+64 values as `pack6` lays them out; as int8 codes it was 1.08), the file's 0.820.
 
 `from_codes` packs codes of either kind (engine.offload.gguf_blocks.affine gives them);
 `from_dense` quantises a float weight (tests and benchmarks); `dequantize` is the reference.
@@ -35,7 +38,8 @@ from torch import nn
 from engine.kernels.build import kernels
 from engine.kernels.governor import governor
 
-Kind = Literal["q8", "q4"]
+Kind = Literal["q8", "q4", "q6"]
+KIND_CODES = {"q8": 8, "q4": 4, "q6": 6}  # qmatmul.c's kind codes
 HALF = 256  # qmatmul.c's QM_HALF: the scales and minimums are fp16
 KSC = 512  # qmatmul.c's QM_KSC: the scales and minimums as K-quants store them (uint8 tensors)
 
@@ -55,7 +59,7 @@ class QuantWeight:
         """The kernel's kind code and the addresses of codes, scales and minimums (the tensors
         live as long as the weight and are never replaced: it is frozen)."""
         half = HALF if self.scales.dtype == torch.float16 else KSC if self.scales.dtype == torch.uint8 else 0
-        return ((8 if self.kind == "q8" else 4) | half, self.codes.data_ptr(), self.scales.data_ptr(),
+        return (KIND_CODES[self.kind] | half, self.codes.data_ptr(), self.scales.data_ptr(),
                 self.mins.data_ptr() if self.mins is not None else None)
 
     @property
@@ -84,7 +88,32 @@ def _packed_codes(codes: torch.Tensor, group: int, bits: int, has_mins: bool) ->
     if bits <= 4 and group == 32 and has_mins:
         q = codes.to(torch.uint8).reshape(n, k // 32, 2, 16)
         return "q4", (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+    if bits in (5, 6) and group in (16, 32) and k % 64 == 0 and int(codes.min()) >= -32 and int(codes.max()) <= 31:
+        return "q6", pack6(codes)
     return "q8", codes.to(torch.int8).contiguous()
+
+
+def pack6(codes: torch.Tensor) -> torch.Tensor:
+    """(N, K) codes in -32..31 -> kind q6's bytes (N, K / 64 * 48): per 64 values c = code + 32,
+    32 bytes of low nibbles (byte j: value j's, value j + 32's in the high nibble), then 16 bytes of
+    the top two bits (byte j, bits 2i and 2i + 1: value j + 16 i's). qmatmul.c's expand_q6."""
+    n, k = codes.shape
+    c = (codes.to(torch.int16) + 32).to(torch.uint8).reshape(n, k // 64, 64)
+    low, top = c & 15, c >> 4
+    nibbles = low[..., :32] | (low[..., 32:] << 4)
+    t = top.reshape(n, k // 64, 4, 16)
+    tops = t[:, :, 0] | (t[:, :, 1] << 2) | (t[:, :, 2] << 4) | (t[:, :, 3] << 6)
+    return torch.cat([nibbles, tops], dim=-1).reshape(n, k // 64 * 48).contiguous()
+
+
+def unpack6(packed: torch.Tensor, k: int) -> torch.Tensor:
+    """pack6's inverse: (N, K / 64 * 48) bytes -> (N, K) int32 codes in -32..31."""
+    n = packed.shape[0]
+    b = packed.reshape(n, k // 64, 48).to(torch.int32)
+    low = torch.cat([b[..., :32] & 15, b[..., :32] >> 4], dim=-1)  # (n, chunks, 64)
+    tops = b[..., 32:]
+    top = torch.cat([(tops >> (2 * i)) & 3 for i in range(4)], dim=-1)  # value j + 16 i at 16 i + j
+    return ((low | (top << 4)) - 32).reshape(n, k)
 
 
 def from_factors(codes: torch.Tensor, d: torch.Tensor, mult: torch.Tensor, dmin: torch.Tensor | None,
@@ -143,6 +172,8 @@ def codes_of(w: QuantWeight) -> torch.Tensor:
     """(N, K) codes as ints."""
     if w.kind == "q8":
         return w.codes.to(torch.int32)
+    if w.kind == "q6":
+        return unpack6(w.codes, w.in_features)
     p = w.codes.reshape(w.out_features, -1, 16)
     return torch.stack([p & 15, p >> 4], dim=2).reshape(w.out_features, w.in_features).to(torch.int32)
 
@@ -164,6 +195,8 @@ def dequantize_rows(w: QuantWeight, rows: torch.Tensor) -> torch.Tensor:
     if w.kind == "q4":
         p = codes.reshape(len(rows), -1, 16)
         codes = torch.stack([p & 15, p >> 4], dim=2)
+    elif w.kind == "q6":
+        codes = unpack6(codes, w.in_features)
     groups = w.in_features // w.group
     v = codes.reshape(len(rows), -1, w.group).float() * params_fp32(w.scales[rows], groups)[..., None]
     if w.mins is not None:

@@ -200,7 +200,12 @@ QM_INLINE void q4_rows_vnni(const qm_digits *d, const float *const *xsum, const 
  * (128 * the group's sum of v) comes back through c16/c32. */
 QM_INLINE void q8_rows_vnni(const qm_digits *d, const float *const *xsum, const int few, const int8_t *codes,
                             int64_t rb, const void *sc, const void *mn, int64_t ps, int half, int64_t K,
-                            int64_t group, const int R, float *out, int64_t os) {
+                            int64_t group, const int R, float *out, int64_t os, const int six) {
+    /* six: kind-6 codes (see expand_q6), c = code + 32 made in registers from each 48 bytes: the
+     * low nibbles as a q4 chunk's (in order here), the top bits of four values a byte, shifted
+     * into place per 16; the offset's share is a quarter of q8's */
+    const __m512i shifts = _mm512_setr_epi64(0, 0, 2, 2, 4, 4, 6, 6), three = _mm512_set1_epi8(3);
+    const __m256i m4 = _mm256_set1_epi8(15);
     __m512i lanes32[4], lanes16[2];
     for (int c = 0; c < 4; c++) lanes32[c] = _mm512_loadu_si512(LANES_Q8_32[c]);
     for (int c = 0; c < 2; c++) lanes16[c] = _mm512_loadu_si512(LANES_Q8_16[c]);
@@ -219,6 +224,7 @@ QM_INLINE void q8_rows_vnni(const qm_digits *d, const float *const *xsum, const 
         for (int i = 0; i < few; i++) {
             u[i] = _mm256_maskz_loadu_ps(live, (group == 16 ? d[i].u16 : d[i].u32) + g);
             bk[i] = _mm256_maskz_loadu_ps(live, (group == 16 ? d[i].c16 : d[i].c32) + g);
+            if (six) bk[i] = _mm256_mul_ps(bk[i], _mm256_set1_ps(0.25f));
             xs[i] = mn ? _mm256_maskz_loadu_ps(live, xsum[i] + g) : u[i];
         }
         for (int r = 0; r < R; r++) {
@@ -235,6 +241,17 @@ QM_INLINE void q8_rows_vnni(const qm_digits *d, const float *const *xsum, const 
             __m512i idx = group == 16 ? lanes16[c] : lanes32[c];
             __m512i w[QM_ROWS];
             for (int r = 0; r < R; r++) {
+                if (six) {
+                    const uint8_t *row = (const uint8_t *)codes + r * rb + at / 64 * 48;
+                    _mm_prefetch((const char *)(row + QM_AHEAD * QM_ROWS * rb), _MM_HINT_T0);
+                    __m256i bytes = _mm256_loadu_si256((const __m256i *)row);
+                    __m512i nib = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(bytes, m4)),
+                                                     _mm256_and_si256(_mm256_srli_epi16(bytes, 4), m4), 1);
+                    __m512i top = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(row + 32)));
+                    top = _mm512_and_si512(_mm512_srlv_epi64(top, shifts), three);
+                    w[r] = _mm512_or_si512(nib, _mm512_slli_epi16(top, 4));
+                    continue;
+                }
                 const int8_t *row = codes + r * rb + at;
                 _mm_prefetch((const char *)(row + QM_AHEAD * QM_ROWS * rb), _MM_HINT_T0);
                 w[r] = _mm512_xor_si512(_mm512_loadu_si512(row), flip);
@@ -265,7 +282,12 @@ QM_INLINE void q8_rows_vnni(const qm_digits *d, const float *const *xsum, const 
 #if defined(QM_VNNI) || defined(QM_VNNI256)
 /* Whether a row of w's kind, group and length takes the digits. */
 static inline int takes_digits(const qm_digits *d, int64_t kind, int64_t K, int64_t group) {
-    return d->ok && K % 64 == 0 && (kind == 4 || group == 16 || group == 32);
+#ifdef QM_VNNI
+    const int six = 1;
+#else
+    const int six = 0; /* the AVX-VNNI build reads kind 6 through the fp32 rows */
+#endif
+    return d->ok && K % 64 == 0 && (kind == 4 || group == 16 || group == 32) && (kind != 6 || six);
 }
 
 /* Rows 0 .. rows - 1 (rows <= QM_ROWS) of a kind-4 or kind-8 weight times the digits of tokens
@@ -276,7 +298,8 @@ static void rows_vnni(const qm_digits *d, const float *const *xsum, int few, int
                       int rows, float *out, int64_t os) {
 #define QM_BLOCK(F)                                                                                              \
     (kind == 4 ? q4_rows_vnni(d, xsum, F, (const uint8_t *)codes, rb, sc, mn, ps, half, K, QM_ROWS, out, os)     \
-               : q8_rows_vnni(d, xsum, F, (const int8_t *)codes, rb, sc, mn, ps, half, K, group, QM_ROWS, out, os))
+               : q8_rows_vnni(d, xsum, F, (const int8_t *)codes, rb, sc, mn, ps, half, K, group, QM_ROWS, out, os, \
+                              kind == 6))
     if (rows == QM_ROWS) { /* the token count a constant: its loops unrolled, its accumulators in registers */
         if (few == 1)
             QM_BLOCK(1);
@@ -294,7 +317,7 @@ static void rows_vnni(const qm_digits *d, const float *const *xsum, int few, int
         if (kind == 4)
             q4_rows_vnni(d, xsum, few, (const uint8_t *)c, rb, s, m, ps, half, K, 1, out + r * os, os);
         else
-            q8_rows_vnni(d, xsum, few, (const int8_t *)c, rb, s, m, ps, half, K, group, 1, out + r * os, os);
+            q8_rows_vnni(d, xsum, few, (const int8_t *)c, rb, s, m, ps, half, K, group, 1, out + r * os, os, kind == 6);
     }
 }
 #else

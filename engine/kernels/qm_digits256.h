@@ -142,7 +142,8 @@ QM_INLINE void q4_rows_vnni(const qm_digits *d, const float *const *xsum, const 
 
 QM_INLINE void q8_rows_vnni(const qm_digits *d, const float *const *xsum, const int few, const int8_t *codes,
                             int64_t rb, const void *sc, const void *mn, int64_t ps, int half, int64_t K,
-                            int64_t group, const int R, float *out, int64_t os) {
+                            int64_t group, const int R, float *out, int64_t os, const int six) {
+    (void)six; /* kind 6 takes the fp32 rows in this build (takes_digits) */
     const __m256i flip = _mm256_set1_epi8((char)0x80);
     const __m256 k65536 = _mm256_set1_ps(65536.0f);
     int per = (int)(32 / group);

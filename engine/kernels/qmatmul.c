@@ -112,7 +112,7 @@ static const void *row_params(const void *p, int64_t r, int64_t rows, int64_t gr
 /* Floats of expansion scratch for `rows` rows of `groups` (one where nothing is expanded). */
 #define PARAMS_BUF(fmt, rows, groups) ((fmt) == 2 ? (rows) * (groups) : 1)
 
-int qm_version(void) { return 3; }
+int qm_version(void) { return 4; }
 
 int qm_simd(void) { /* 0 plain C, 2 AVX2, 3 AVX-512, 4 AVX-512 VNNI, 5 AVX2 + AVX-VNNI */
 #if defined(QM_VNNI)
@@ -194,6 +194,42 @@ static void decode_q4(const uint8_t *packed, const void *scales, const void *min
         }
 #endif
     }
+}
+
+/* kind 6: Q6_K's six-bit codes kept in six bits, c = code + 32 (0 .. 63), 48 bytes per 64
+ * values: 32 bytes of low nibbles (byte j: value j's, and in its high nibble value j + 32's), then
+ * 16 bytes of the top two bits (byte j: bits 2i and 2i + 1 are value j + 16 i's). */
+static void expand_q6(const uint8_t *p, int64_t K, int8_t *out) {
+    for (int64_t at = 0; at < K; at += 64, p += 48, out += 64)
+        for (int j = 0; j < 32; j++) {
+            int top = p[32 + (j & 15)];
+            out[j] = (int8_t)(((p[j] & 15) | (((top >> (2 * (j >> 4))) & 3) << 4)) - 32);
+            out[j + 32] = (int8_t)(((p[j] >> 4) | (((top >> (2 * ((j >> 4) + 2))) & 3) << 4)) - 32);
+        }
+}
+
+/* A kind-6 row as signed codes, in this thread's buffer (kept between calls, grown as needed). */
+static _Thread_local int8_t *six_buf = NULL;
+static _Thread_local size_t six_len = 0;
+static const int8_t *six_row(const void *p, int64_t K) {
+    if ((size_t)K > six_len) {
+        int8_t *grown = (int8_t *)realloc(six_buf, (size_t)K);
+        if (!grown) abort(); /* K bytes: a machine without them cannot have loaded the model */
+        six_buf = grown, six_len = (size_t)K;
+    }
+    expand_q6((const uint8_t *)p, K, six_buf);
+    return six_buf;
+}
+
+static inline int64_t row_bytes_of(int64_t kind, int64_t K) { return kind == 4 ? K / 2 : kind == 6 ? K / 64 * 48 : K; }
+
+/* One weight row of any kind -> fp32 values. */
+static void decode_row(int64_t kind, const void *row, const void *sc, const void *mn, int half, int64_t K,
+                       int64_t group, float *out) {
+    if (kind == 4)
+        decode_q4((const uint8_t *)row, sc, mn, half, K, out);
+    else
+        decode_q8(kind == 6 ? six_row(row, K) : (const int8_t *)row, sc, mn, half, K, group, out);
 }
 
 #include "qm_attend.h" /* hsum, dot, attend, attend_masked */
@@ -401,6 +437,13 @@ static float row_q4(const float *x, const uint8_t *p, const void *sc, const void
     }
     return hsum(acc) + hsum(ext);
 }
+
+/* One row of any kind times x through the fp32 rows. */
+static float row_fp32(int64_t kind, const float *x, const void *row, const void *sc, const void *mn, int half,
+                      const float *xsum, int64_t K, int64_t group) {
+    if (kind == 4) return ROW_Q4(x, (const uint8_t *)row, sc, mn, half, xsum, K);
+    return ROW_Q8(x, kind == 6 ? six_row(row, K) : (const int8_t *)row, sc, mn, half, xsum, K, group);
+}
 #endif
 #include "qm_digits.h"
 _Static_assert(NB == QM_ROWS, "a small pass's tile of NB rows goes through the integer rows as one block");
@@ -422,7 +465,7 @@ static int matmul_few(int kind, const float *x, int64_t M, int64_t K, const void
                       const void *mins, int64_t N, int64_t group, float *y, int threads);
 
 /* kind 8: codes int8 (N x K), groups of `group`; kind 4: packed nibbles (N x K/2), groups of 32;
- * either + QM_HALF: scales and minimums in fp16, or + QM_KSC: as K-quants (row_params). scales and mins: N x K/group (mins may be NULL). Returns 0, or -1 when scratch memory
+ * kind 6: six-bit codes (N x K/64*48, expand_q6), groups of 16 or 32; any + QM_HALF: scales and minimums in fp16, or + QM_KSC: as K-quants (row_params). scales and mins: N x K/group (mins may be NULL). Returns 0, or -1 when scratch memory
  * could not be had. */
 int qm_matmul(int kind, const float *x, int64_t M, int64_t K, const void *codes, const void *scales,
               const void *mins, int64_t N, int64_t group, float *y, int threads) {
@@ -431,7 +474,7 @@ int qm_matmul(int kind, const float *x, int64_t M, int64_t K, const void *codes,
     kind &= ~QM_FLAGS;
     int64_t tiles = (N + NB - 1) / NB;
     int failed = 0;
-    int64_t row_bytes = kind == 4 ? K / 2 : K;
+    int64_t row_bytes = row_bytes_of(kind, K);
     int64_t groups = K / group;
     if (threads < 1) threads = 1;
     if (M > 1 && M <= QM_FEW) { /* a few tokens (an MoE expert's share of a tree): the integer rows, once */
@@ -478,8 +521,7 @@ int qm_matmul(int kind, const float *x, int64_t M, int64_t K, const void *codes,
             for (int64_t n = 0; n < N; n++) {
                 float sb[PARAMS_BUF(fmt, 1, groups)], mb[PARAMS_BUF(fmt, 1, groups)];
                 const void *sc = row_params(scales, n, 1, groups, fmt, sb), *mn = row_params(mins, n, 1, groups, fmt, mb);
-                y[n] = kind == 4 ? ROW_Q4(x, (const uint8_t *)codes + n * row_bytes, sc, mn, half, xsum, K)
-                                 : ROW_Q8(x, (const int8_t *)codes + n * row_bytes, sc, mn, half, xsum, K, group);
+                y[n] = row_fp32(kind, x, (const char *)codes + n * row_bytes, sc, mn, half, xsum, K, group);
             }
         }
         free(mem);
@@ -503,10 +545,7 @@ int qm_matmul(int kind, const float *x, int64_t M, int64_t K, const void *codes,
                 int64_t n = n0 + r;
                 float sb[PARAMS_BUF(fmt, 1, groups)], mb[PARAMS_BUF(fmt, 1, groups)];
                 const void *sc = row_params(scales, n, 1, groups, fmt, sb), *mn = row_params(mins, n, 1, groups, fmt, mb);
-                if (kind == 4)
-                    decode_q4((const uint8_t *)codes + n * row_bytes, sc, mn, half, K, w + r * K);
-                else
-                    decode_q8((const int8_t *)codes + n * row_bytes, sc, mn, half, K, group, w + r * K);
+                decode_row(kind, (const char *)codes + n * row_bytes, sc, mn, half, K, group, w + r * K);
             }
             multiply(x, M, K, w, rows, y, N, n0);
         }
@@ -527,11 +566,11 @@ int qm_matmul(int kind, const float *x, int64_t M, int64_t K, const void *codes,
  * barriers a layer (the general path starts them for each of ~210 products). */
 
 typedef struct {
-    const void *codes;    /* q8: int8 (n, k); q4: uint8 (n, k / 2) */
+    const void *codes;    /* q8: int8 (n, k); q4: uint8 (n, k / 2); q6: uint8 (n, k / 64 * 48) */
     const void *scales;   /* (n, k / group), fp32, or fp16 where kind has QM_HALF, or K-scales (QM_KSC) */
     const void *mins;     /* (n, k / group) or NULL, the same type */
     const float *bias;    /* (n) or NULL */
-    int64_t kind, n, k, group;  /* kind 8 or 4 (+ QM_HALF or QM_KSC); group 16 or 32 where there are minimums */
+    int64_t kind, n, k, group;  /* kind 8, 6 or 4 (+ QM_HALF or QM_KSC); group 16 or 32 where there are minimums */
 } qm_linear;
 
 typedef struct {
@@ -582,16 +621,10 @@ static float row_product(const qm_linear *w, int64_t r, const float *x, const fl
 #ifdef QM_AVX2
     const float *xs = w->group == 16 ? s16 : s32;
     (void)tmp;
-    if (kind == 4)
-        y = ROW_Q4(x, (const uint8_t *)w->codes + r * (w->k / 2), sc, mn, half, xs, w->k);
-    else
-        y = ROW_Q8(x, (const int8_t *)w->codes + r * w->k, sc, mn, half, xs, w->k, w->group);
+    y = row_fp32(kind, x, (const char *)w->codes + r * row_bytes_of(kind, w->k), sc, mn, half, xs, w->k, w->group);
 #else
     (void)s16, (void)s32;
-    if (kind == 4)
-        decode_q4((const uint8_t *)w->codes + r * (w->k / 2), sc, mn, half, w->k, tmp);
-    else
-        decode_q8((const int8_t *)w->codes + r * w->k, sc, mn, half, w->k, w->group, tmp);
+    decode_row(kind, (const char *)w->codes + r * row_bytes_of(kind, w->k), sc, mn, half, w->k, w->group, tmp);
     y = 0.0f;
     for (int64_t k = 0; k < w->k; k++) y += x[k] * tmp[k];
 #endif
@@ -606,7 +639,7 @@ static void rows_product(const qm_linear *w, int64_t r, int64_t rows, const floa
 #ifdef QM_INT
     int64_t kind = w->kind & ~QM_FLAGS;
     if (takes_digits(dg, kind, w->k, w->group)) {
-        int64_t groups = w->k / w->group, rb = kind == 4 ? w->k / 2 : w->k;
+        int64_t groups = w->k / w->group, rb = row_bytes_of(kind, w->k);
         int fmt = params_fmt(w->kind), half = fmt == 1;
         const float *xs = w->group == 16 ? s16 : s32;
         float sb[PARAMS_BUF(fmt, QM_ROWS, groups)], mb[PARAMS_BUF(fmt, QM_ROWS, groups)];
@@ -903,10 +936,8 @@ static void tile_product(const qm_linear *w, int64_t t, const float *x, int64_t 
         int64_t row = n0 + r;
         float sb[PARAMS_BUF(fmt, 1, groups)], mb[PARAMS_BUF(fmt, 1, groups)];
         const void *sc = row_params(w->scales, row, 1, groups, fmt, sb), *mn = row_params(w->mins, row, 1, groups, fmt, mb);
-        if (kind == 4)
-            decode_q4((const uint8_t *)w->codes + row * (w->k / 2), sc, mn, half, w->k, wbuf + r * w->k);
-        else
-            decode_q8((const int8_t *)w->codes + row * w->k, sc, mn, half, w->k, w->group, wbuf + r * w->k);
+        decode_row(kind, (const char *)w->codes + row * row_bytes_of(kind, w->k), sc, mn, half, w->k, w->group,
+                   wbuf + r * w->k);
     }
     multiply(x, n, w->k, wbuf, rows, y, w->n, n0);
     if (w->bias)
@@ -956,7 +987,7 @@ static void product(const qm_linear *w, int64_t t, const float *x, int64_t n, fl
         int fmt = params_fmt(w->kind), half = fmt == 1;
         const float *xs[QM_FEW];
         for (int64_t i = 0; i < n; i++) xs[i] = w->group == 16 ? f->s16[i] : f->s32[i];
-        int rows = (int)(w->n - n0 < NB ? w->n - n0 : NB), rb = (int)(kind == 4 ? w->k / 2 : w->k);
+        int rows = (int)(w->n - n0 < NB ? w->n - n0 : NB), rb = (int)row_bytes_of(kind, w->k);
         float out[NB * QM_FEW];
         float sb[PARAMS_BUF(fmt, NB, groups)], mb[PARAMS_BUF(fmt, NB, groups)];
         rows_vnni(f->d, xs, (int)n, kind, (const char *)w->codes + n0 * rb, rb,
@@ -993,7 +1024,7 @@ static int matmul_few(int kind, const float *x, int64_t M, int64_t K, const void
     }
     const float *xs[QM_FEW];
     for (int64_t i = 0; i < M; i++) xs[i] = group == 16 ? f.s16[i] : f.s32[i];
-    int64_t groups = K / group, rb = kind == 4 ? K / 2 : K;
+    int64_t groups = K / group, rb = row_bytes_of(kind, K);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t b = 0; b < (N + QM_ROWS - 1) / QM_ROWS; b++) {
         int64_t n0 = b * QM_ROWS;

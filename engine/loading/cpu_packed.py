@@ -168,7 +168,7 @@ def _packed_bytes(qtype: int, numel: int) -> int:
     and minimums as they factor them, 10 bytes per 8 groups; the others' in fp32 at most)."""
     group = 16 if qtype == gguf_blocks.Q.Q6_K else 32
     bits = gguf_blocks.AFFINE_BITS[qtype]
-    code_bytes = numel // 2 if bits <= 4 and group == 32 else numel
+    code_bytes = numel // 2 if bits <= 4 and group == 32 else numel * 3 // 4 if bits in (5, 6) else numel
     sides = 2 if qtype not in (gguf_blocks.Q.Q8_0, gguf_blocks.Q.Q6_K) else 1
     if qtype in gguf_blocks.K_FACTORED:
         return code_bytes + numel // (8 * group) * 10 * sides

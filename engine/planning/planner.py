@@ -66,13 +66,13 @@ PACKED_BYTES_PER_PARAM = {"nf4": NF4_BYTES_PER_PARAM, "gguf": 0.6, "awq": 0.53, 
 # weights are read (`python scripts/bench_qmatmul.py`, 2 threads: 1.4x at 16-64 rows).
 KERNEL_TOKEN_RATIO = 1.4
 # What the packed CPU kernel holds per weight of a GGUF's routed experts (Q4_K_M: Q4_K gate and up,
-# half a byte a code and 10 bytes of scales and 10 of minimums per 256, 0.578; its down Q6_K, held
-# as int8 codes + 10 bytes per 128, 1.078, on about half the layers and Q4_K on the rest): 0.66.
-KERNEL_EXPERT_BYTES_PER_PARAM = 0.66
-# The head of a GGUF as the kernel holds it: Q6_K in K-quant files (int8 codes + 10 bytes per
-# 128), 1.08 a weight (a Q8_0 file's 1.06; a one-token step reads all of it, so it is most of a
-# small model's step: the synthetic MoE's 151,936 x 2048 head ~15 ms of a 45 ms step here)
-KERNEL_HEAD_BYTES_PER_PARAM = 1.08
+# half a byte a code and 10 bytes of scales and 10 of minimums per 256, 0.578; its down Q6_K, six
+# bits a code + 10 bytes per 128 (kind q6), 0.828, on about half the layers and Q4_K on the rest): 0.62.
+KERNEL_EXPERT_BYTES_PER_PARAM = 0.62
+# The head of a GGUF as the kernel holds it: Q6_K in K-quant files (six-bit codes + 10 bytes per
+# 128), 0.83 a weight (a Q8_0 file's 1.06; a one-token step reads all of it, so it is much of a
+# small model's step: the synthetic MoE's 151,936 x 2048 head ~11 ms of a 33 ms step here)
+KERNEL_HEAD_BYTES_PER_PARAM = 0.83
 # Priors for a profile without an ExpertTiming (measured before SpecChat timed experts): a
 # further token's expert row, per weight (this project's 2-core CPU at 2 threads, `specchat bench
 # hardware`: 2.3e-11), and the experts read at the RAM copy rate.

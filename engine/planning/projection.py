@@ -46,7 +46,7 @@ LLAMA_CPP_TOK_S = 36.7  # Qwen3-30B-A3B Q4_K_M, llama.cpp --n-cpu-moe, RTX 2080 
 EXPERT_READ_GBPS = (30.0, 45.0, 60.0)
 CPU_THREADS = 8
 ROW_S_PER_PARAM_ONE_THREAD = 4.6e-11  # a further token's expert row per weight on one of this project's cores
-FILE_BYTES_PER_PARAM = 0.6  # Q4_K_M experts in the file (what llama.cpp reads) against the kernel's 0.66
+FILE_BYTES_PER_PARAM = 0.6  # Q4_K_M experts in the file (what llama.cpp reads) against the kernel's 0.62
 BUDGETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
@@ -135,7 +135,7 @@ def format_projection(rows: list[ProjectionRow]) -> list[str]:
                      f"{r.budget or 'AR':>8}{r.tokens_per_pass:>9.2f}{100 * r.tree_share:>7.0f}%{r.vs_llama_cpp:>11.2f}x"
                      f"{r.stream_from or 'never':>12}")
     lines.append(f"'file bytes': the experts read at the GGUF's own {FILE_BYTES_PER_PARAM} bytes a weight instead of "
-                 f"the {planner.KERNEL_EXPERT_BYTES_PER_PARAM} SpecChat's kernel holds (Q6_K codes in a byte)")
+                 f"the {planner.KERNEL_EXPERT_BYTES_PER_PARAM} SpecChat's kernel holds")
     lines.append("'in VRAM': the share of the routed experts (16-bit) the GPU memory left holds, run there beside the "
                  "CPU's; priced as serving that share of the experts' work (routing spread evenly)")
     lines.append("'stream from': the fewest tokens a pass from which copying its experts' union to the GPU beats the "

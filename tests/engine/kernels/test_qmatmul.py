@@ -30,24 +30,27 @@ def close(got: torch.Tensor, want: torch.Tensor) -> bool:
 
 @pytest.mark.parametrize("kind,group,mins,half", [("q8", 32, False, False), ("q8", 16, False, True),
                                                   ("q8", 32, True, True), ("q4", 32, True, False),
-                                                  ("q4", 32, True, True)])
+                                                  ("q4", 32, True, True), ("q6", 16, False, False),
+                                                  ("q6", 32, True, True)])
 def test_products_equal_the_dense_product_of_the_values(lib: object, kind: str, group: int, mins: bool,
                                                         half: bool) -> None:
     """half: scales and minimums that are all fp16 values (as GGUF's Q4_1/Q8_0 store them) are
     kept and read as fp16; others as fp32."""
     g = torch.Generator().manual_seed(0)
     for n, k in ((1, 32), (7, 96), (64, 576), (13, 1536)):
+        if kind == "q6" and k % 64:
+            continue  # six-bit codes take whole chunks of 64 (else q8 holds them)
         if kind == "q4" and not half:
             w = from_dense(torch.randn(n, k, generator=g), "q4")
         else:
-            lo, hi = (-128, 128) if not mins else (0, 32 if kind == "q8" else 16)
+            lo, hi = ((-32, 32) if kind == "q6" else (-128, 128)) if not mins else (0, 32 if kind != "q4" else 16)
             codes = torch.randint(lo, hi, (n, k), generator=g, dtype=torch.int8)
             scales = torch.rand(n, k // group, generator=g) * 0.1
             lows = torch.randn(n, k // group, generator=g) * 0.1 if mins else None
             if half:
                 scales[0, 0] = 6e-8  # an fp16 subnormal (the plain C build converts it by hand)
                 scales, lows = scales.half().float(), lows.half().float() if lows is not None else None
-            w = from_codes(codes, scales, lows, group, 4 if kind == "q4" else 8 if not mins else 5)
+            w = from_codes(codes, scales, lows, group, {"q4": 4, "q6": 6, "q8": 8}[kind])
         assert w.kind == kind
         assert (w.scales.dtype == torch.float16) == half
         ref_w = dequantize(w)

@@ -302,8 +302,8 @@ def test_experts_cached_beside_the_cpus_give_transformers_text(family_pair: tupl
 
 def check_experts(m: LoadedModel, place: str) -> None:
     """With the kernel, routed experts in kernel types stay packed (a Q4_K_M layer's Q4_K
-    gate/up merged into one q4 weight per expert, its Q6_K down a q8 one), IQ4_XS ones are
-    de-quantised once at load; without it every expert is."""
+    gate/up merged into one q4 weight per expert, its Q6_K down a q6 one: six bits a code),
+    IQ4_XS ones are de-quantised once at load; without it every expert is."""
     kinds = []
     for layer in m.model.hf_model.model.layers:
         experts = layer.mlp.experts
@@ -313,7 +313,7 @@ def check_experts(m: LoadedModel, place: str) -> None:
         else:
             assert experts.gate_up_proj.dtype == torch.float32 and experts.gate_up_proj.shape[0] == 4
             kinds.append("dense")
-    assert kinds == ([("q8", "q8"), ("q4", "q8"), ("q4", "q4"), "dense"] if place == "kernel" else ["dense"] * 4)
+    assert kinds == ([("q8", "q8"), ("q4", "q6"), ("q4", "q4"), "dense"] if place == "kernel" else ["dense"] * 4)
 
 
 @pytest.mark.gpu

@@ -222,7 +222,7 @@ def test_the_catalogs_moe_entries_are_priced_as_moe() -> None:
 
 
 def test_a_head_the_kernel_holds_packed_is_priced_as_held() -> None:
-    """A GGUF run resident by the kernel keeps its head packed (Q6_K: 1.08 bytes a weight): priced
+    """A GGUF run resident by the kernel keeps its head packed (Q6_K: 0.83 bytes a weight): priced
     so, not as an fp32 head (4 bytes), which made the synthetic MoE's prior 0.57x its measured
     speed on this machine (1.25x with the packed head)."""
     profile = cpu_profile(ExpertTiming(1, 1, 19.0, 2.3e-11, 2))
