@@ -238,7 +238,7 @@ class PackedExperts(nn.Module):
                 if x.shape[0] == 1 and self._slot_there is not None and self._slot_there.device == home:
                     hot_sum = self._one_token_hot(hidden_states.reshape(x.shape), *routed)
                 else:
-                    hot_sum = self._run_hot(hidden_states.reshape(x.shape), flat, weights, slots, k)
+                    hot_sum = self._run_hot(hidden_states.reshape(x.shape), flat, weights, cold, k)
                 self.hot_hits += int((~cold).sum())
         if self._fused is not None and x.shape[0] == 1 and x.dtype is torch.float32:
             out = self._one_token(x, flat[cold], weights[cold])
@@ -276,19 +276,20 @@ class PackedExperts(nn.Module):
         w = weights.reshape(-1).to(torch.float32)
         return torch.where(cached[:, None], y * w[:, None], 0.0).sum(0, keepdim=True)
 
-    def _run_hot(self, x: torch.Tensor, flat: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor,
+    def _run_hot(self, x: torch.Tensor, flat: torch.Tensor, weights: torch.Tensor, cold: torch.Tensor,
                  k: int) -> torch.Tensor:
         """The cached experts' weighted sum (fp32, on their device) for the pairs routed to them,
         each expert's products in the model's dtype on the GPU, as transformers computes them
         there. Queued on the device's stream without waiting for it."""
         assert self._hot is not None
-        gate_up, down = self._hot
-        pairs = (slots >= 0).nonzero().reshape(-1).tolist()
-        by_expert: dict[int, list[int]] = {}
-        for i in pairs:
-            by_expert.setdefault(self.hot_ids[int(slots[i])], []).append(i)
-        mats = {e: (gate_up[int(self._slot[e])], down[int(self._slot[e])]) for e in by_expert}  # type: ignore[index]
-        return self._run_on(x, by_expert, weights, k, lambda e: mats[e], gate_up.device, gate_up.dtype)
+        by_expert = _by_expert(flat.tolist(), (~cold).tolist())
+        return self._run_on(x, by_expert, weights, k, self._cached, self._hot[0].device, self._hot[0].dtype)
+
+    def _cached(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert e's (gate_up, down) in the cache (it is cached)."""
+        assert self._hot is not None and self._slot is not None
+        j = int(self._slot[e])
+        return self._hot[0][j], self._hot[1][j]
 
     def stream(self, device: torch.device | str, dtype: torch.dtype, from_tokens: int) -> None:
         """Passes of `from_tokens` tokens or more (a prompt's chunks) run all their experts on
@@ -303,14 +304,11 @@ class PackedExperts(nn.Module):
         """Every routed pair of a pass on the streaming device (fp32 sum there)."""
         assert self._stream is not None
         dev, dtype, _ = self._stream
-        by_expert: dict[int, list[int]] = {}
-        for i, e in enumerate(flat.tolist()):
-            by_expert.setdefault(int(e), []).append(i)
+        by_expert = _by_expert(flat.tolist())
 
         def matrices(e: int) -> tuple[torch.Tensor, torch.Tensor]:
-            if self._hot is not None and self._slot is not None and int(self._slot[e]) >= 0:
-                j = int(self._slot[e])
-                return self._hot[0][j], self._hot[1][j]
+            if self._slot is not None and int(self._slot[e]) >= 0:
+                return self._cached(e)
             return (self.expert_matrix(self.gate_up, e, dev).to(dtype), self.expert_matrix(self.down, e, dev).to(dtype))
 
         self.streamed_passes += 1
@@ -393,6 +391,16 @@ class PackedExperts(nn.Module):
                 outs.append(F.linear(x.to(w.device, w.dtype), w).to(x.device, x.dtype))
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         return y + bias[e] if bias is not None else y
+
+
+def _by_expert(experts: list[int], keep: list[bool] | None = None) -> dict[int, list[int]]:
+    """The routed pairs (token * k + j) of each expert among `experts` (flat routing), those
+    `keep` selects."""
+    out: dict[int, list[int]] = {}
+    for i, e in enumerate(experts):
+        if keep is None or keep[i]:
+            out.setdefault(e, []).append(i)
+    return out
 
 
 UnionTotals = dict[int, tuple[int, int, int]]  # log2 bucket of tokens -> (calls, tokens, experts woken), summed

@@ -37,6 +37,13 @@ def experts_module(kind: str) -> torch.nn.Module:
     return module.eval()
 
 
+def routed(tokens: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random states of `tokens` tokens, each routed to 2 distinct experts with random weights."""
+    x = torch.randn(tokens, H, generator=g)
+    index = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(tokens)])
+    return x, index, torch.rand(tokens, 2, generator=g)
+
+
 def packed_parts(weight: torch.Tensor, splits: list[tuple[int, int, str]]) -> list[Part]:
     """(E, rows, in) -> parts over row ranges, each "q4", "q8" or "dense"; the module's weight is
     then set to the values the parts hold (what the file's values are)."""
@@ -70,9 +77,7 @@ def test_packed_experts_compute_what_the_module_computes(family: str, layout: st
     assert len(ours.gate_up) == (1 if layout != "apart" else 2)
     g = torch.Generator().manual_seed(1)
     for tokens in (1, 5, 33):
-        x = torch.randn(tokens, H, generator=g)
-        index = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(tokens)])
-        weights = torch.rand(tokens, 2, generator=g)
+        x, index, weights = routed(tokens, g)
         with torch.no_grad():
             want = module(x, index, weights)
         got = ours(x, index, weights)
@@ -187,9 +192,7 @@ def test_experts_cached_on_the_device_give_what_the_cpu_gives(tokens: int) -> No
         assert ours.cached_nbytes == len(ids) * ours.expert_nbytes and sorted(ours.hot_ids) == ids
         assert copied == (len(ids) if ids != [2, 5, 7] else 2)  # expert 2 stays in its slot
         for _ in range(3):
-            x = torch.randn(tokens, H, generator=g)
-            index = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(tokens)])
-            weights = torch.rand(tokens, 2, generator=g)
+            x, index, weights = routed(tokens, g)
             with torch.no_grad():
                 want = module(x, index, weights)
             got = ours(x, index, weights)
@@ -219,9 +222,7 @@ def test_passes_of_many_tokens_stream_their_experts_to_the_device() -> None:
     for cached in ([], [1, 6]):
         ours.cache(cached, "cpu", torch.float32)
         for tokens in (1, 3, 4, 20):
-            x = torch.randn(tokens, H, generator=g)
-            index = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(tokens)])
-            weights = torch.rand(tokens, 2, generator=g)
+            x, index, weights = routed(tokens, g)
             with torch.no_grad():
                 want = module(x, index, weights)
             before = ours.streamed_passes
