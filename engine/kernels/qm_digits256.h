@@ -118,7 +118,7 @@ QM_INLINE void q4_rows_vnni(const qm_digits *d, const float *const *xsum, const 
             __m256i w[QM_ROWS];
             for (int r = 0; r < R; r++) {
                 const uint8_t *row = p + r * rb + at / 2;
-                _mm_prefetch((const char *)(row + QM_AHEAD * QM_ROWS * rb), _MM_HINT_T0);
+                _mm_prefetch((const char *)(row + QM_AHEAD * QM_ROWS * rb), QM_HINT);
                 __m128i bytes = _mm_loadu_si128((const __m128i *)row);
                 w[r] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), m4), _mm_and_si128(bytes, m4));
             }
@@ -178,7 +178,7 @@ QM_INLINE void q8_rows_vnni(const qm_digits *d, const float *const *xsum, const 
             __m256i w[QM_ROWS];
             for (int r = 0; r < R; r++) {
                 const int8_t *row = codes + r * rb + at;
-                _mm_prefetch((const char *)(row + QM_AHEAD * QM_ROWS * rb), _MM_HINT_T0);
+                _mm_prefetch((const char *)(row + QM_AHEAD * QM_ROWS * rb), QM_HINT);
                 w[r] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)row), flip);
             }
             for (int i = 0; i < few; i++) {
