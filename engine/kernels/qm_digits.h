@@ -313,6 +313,14 @@ QM_INLINE void q8_rows_vnni(const qm_digits *d, const float *const *xsum, const 
                 __m512i da = _mm512_loadu_si512(d[i].nat[0] + at), db = _mm512_loadu_si512(d[i].nat[1] + at),
                         dc = _mm512_loadu_si512(d[i].nat[2] + at);
                 for (int r = 0; r < R; r++) {
+                    if (six) { /* codes up to 63: the three dots in one lane, as q4's (under 2^31) */
+                        __m512i t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[r], da);
+                        t = _mm512_dpbusd_epi32(_mm512_slli_epi32(t, 8), w[r], db);
+                        t = _mm512_dpbusd_epi32(_mm512_slli_epi32(t, 8), w[r], dc);
+                        acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_permutexvar_ps(idx, f[r][i]),
+                                                    acc[r][i]);
+                        continue;
+                    }
                     /* codes up to 255: a's share apart, b's and c's together (each fits 32 bits) */
                     __m512i ta = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[r], da);
                     __m512i tb = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[r], db);
@@ -350,9 +358,9 @@ static void rows_vnni(const qm_digits *d, const float *const *xsum, int few, int
                       int64_t rb, const void *sc, const void *mn, int64_t ps, int half, int64_t K, int64_t group,
                       int rows, float *out, int64_t os) {
 #define QM_BLOCK(F)                                                                                              \
-    (kind == 4 ? q4_rows_vnni(d, xsum, F, (const uint8_t *)codes, rb, sc, mn, ps, half, K, QM_ROWS, out, os)     \
-               : q8_rows_vnni(d, xsum, F, (const int8_t *)codes, rb, sc, mn, ps, half, K, group, QM_ROWS, out, os, \
-                              kind == 6))
+    (kind == 4   ? q4_rows_vnni(d, xsum, F, (const uint8_t *)codes, rb, sc, mn, ps, half, K, QM_ROWS, out, os)     \
+     : kind == 6 ? q8_rows_vnni(d, xsum, F, (const int8_t *)codes, rb, sc, mn, ps, half, K, group, QM_ROWS, out, os, 1) \
+                 : q8_rows_vnni(d, xsum, F, (const int8_t *)codes, rb, sc, mn, ps, half, K, group, QM_ROWS, out, os, 0))
     if (rows == QM_ROWS) { /* the token count a constant: its loops unrolled, its accumulators in registers */
         if (few == 1)
             QM_BLOCK(1);
