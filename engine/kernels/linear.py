@@ -94,26 +94,48 @@ def _packed_codes(codes: torch.Tensor, group: int, bits: int, has_mins: bool) ->
 
 
 def pack6(codes: torch.Tensor) -> torch.Tensor:
-    """(N, K) codes in -32..31 -> kind q6's bytes (N, K / 64 * 48): per 64 values c = code + 32,
-    32 bytes of low nibbles (byte j: value j's, value j + 32's in the high nibble), then 16 bytes of
-    the top two bits (byte j, bits 2i and 2i + 1: value j + 16 i's). qmatmul.c's expand_q6."""
+    """(N, K) codes in -32..31 -> kind q6's bytes (N, K / 64 * 48), c = code + 32. Each whole 128
+    values: 64 bytes of low nibbles (byte j: value j's, value j + 64's in the high nibble), then 32
+    bytes of the top two bits (byte j, bits 2i and 2i + 1: value j + 32 i's). A last 64 (K = 64 mod
+    128): 32 bytes of low nibbles (byte j: value j's, value j + 32's), then 16 bytes of top bits
+    (byte j, bits 2i, 2i + 1: value j + 16 i's). qmatmul.c's expand_q6; the AVX-512 rows unpack a
+    128 in 11 instructions where two 64s took 19."""
     n, k = codes.shape
-    c = (codes.to(torch.int16) + 32).to(torch.uint8).reshape(n, k // 64, 64)
+    c = (codes.to(torch.int16) + 32).to(torch.uint8)
+    parts = [_pack6(c[:, : k // 128 * 128].reshape(n, -1, 128), 128)] if k >= 128 else []
+    if k % 128:
+        parts.append(_pack6(c[:, k // 128 * 128 :].reshape(n, 1, 64), 64))
+    return torch.cat(parts, dim=-1).contiguous()
+
+
+def _pack6(c: torch.Tensor, width: int) -> torch.Tensor:
+    """(N, blocks, width) values 0..63 -> (N, blocks * width * 3 / 4) bytes, as pack6 lays them."""
+    n, blocks, _ = c.shape
     low, top = c & 15, c >> 4
-    nibbles = low[..., :32] | (low[..., 32:] << 4)
-    t = top.reshape(n, k // 64, 4, 16)
+    nibbles = low[..., : width // 2] | (low[..., width // 2 :] << 4)
+    t = top.reshape(n, blocks, 4, width // 4)
     tops = t[:, :, 0] | (t[:, :, 1] << 2) | (t[:, :, 2] << 4) | (t[:, :, 3] << 6)
-    return torch.cat([nibbles, tops], dim=-1).reshape(n, k // 64 * 48).contiguous()
+    return torch.cat([nibbles, tops], dim=-1).reshape(n, -1)
 
 
 def unpack6(packed: torch.Tensor, k: int) -> torch.Tensor:
     """pack6's inverse: (N, K / 64 * 48) bytes -> (N, K) int32 codes in -32..31."""
     n = packed.shape[0]
-    b = packed.reshape(n, k // 64, 48).to(torch.int32)
-    low = torch.cat([b[..., :32] & 15, b[..., :32] >> 4], dim=-1)  # (n, chunks, 64)
-    tops = b[..., 32:]
-    top = torch.cat([(tops >> (2 * i)) & 3 for i in range(4)], dim=-1)  # value j + 16 i at 16 i + j
-    return ((low | (top << 4)) - 32).reshape(n, k)
+    whole = k // 128 * 96
+    parts = [_unpack6(packed[:, :whole], 128)] if k >= 128 else []
+    if k % 128:
+        parts.append(_unpack6(packed[:, whole:], 64))
+    return torch.cat(parts, dim=-1).reshape(n, k) - 32
+
+
+def _unpack6(b: torch.Tensor, width: int) -> torch.Tensor:
+    n = b.shape[0]
+    b = b.reshape(n, -1, width * 3 // 4).to(torch.int32)
+    half = width // 2
+    low = torch.cat([b[..., :half] & 15, b[..., :half] >> 4], dim=-1)  # (n, blocks, width)
+    tops = b[..., half:]
+    top = torch.cat([(tops >> (2 * i)) & 3 for i in range(4)], dim=-1)  # value j + width/4 i at that index
+    return (low | (top << 4)).reshape(n, -1)
 
 
 def from_factors(codes: torch.Tensor, d: torch.Tensor, mult: torch.Tensor, dmin: torch.Tensor | None,

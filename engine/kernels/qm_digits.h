@@ -253,11 +253,15 @@ QM_INLINE void q4_rows_vnni(const qm_digits *d, const float *const *xsum, const 
 QM_INLINE void q8_rows_vnni(const qm_digits *d, const float *const *xsum, const int few, const int8_t *codes,
                             int64_t rb, const void *sc, const void *mn, int64_t ps, int half, int64_t K,
                             int64_t group, const int R, float *out, int64_t os, const int six) {
-    /* six: kind-6 codes (see expand_q6), c = code + 32 made in registers from each 48 bytes: the
-     * low nibbles as a q4 chunk's (in order here), the top bits of four values a byte, shifted
-     * into place per 16; the offset's share is a quarter of q8's */
+    /* six: kind-6 codes (see expand_q6), c = code + 32 made in registers: a whole 128 from its 96
+     * bytes at once (the low nibbles give values 0-63 and 64-127 in order; the top bits of four
+     * values a byte, each 32 shifted to bits 4-5 within their 64-bit lanes and masked), kept for
+     * its second 64; a last 64 from its 48; the offset's share is a quarter of q8's */
     const __m512i shifts = _mm512_setr_epi64(0, 0, 2, 2, 4, 4, 6, 6), three = _mm512_set1_epi8(3);
+    const __m512i up_lo = _mm512_setr_epi64(4, 4, 4, 4, 2, 2, 2, 2), down_hi = _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2);
+    const __m512i m4w = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30);
     const __m256i m4 = _mm256_set1_epi8(15);
+    __m512i second[QM_ROWS]; /* a whole 128's values 64-127, for its second chunk */
     __m512i lanes32[4], lanes16[2];
     for (int c = 0; c < 4; c++) lanes32[c] = _mm512_loadu_si512(LANES_Q8_32[c]);
     for (int c = 0; c < 2; c++) lanes16[c] = _mm512_loadu_si512(LANES_Q8_16[c]);
@@ -294,6 +298,22 @@ QM_INLINE void q8_rows_vnni(const qm_digits *d, const float *const *xsum, const 
             __m512i idx = group == 16 ? lanes16[c] : lanes32[c];
             __m512i w[QM_ROWS];
             for (int r = 0; r < R; r++) {
+                if (six && at + 128 - at % 128 <= K) { /* in a whole 128 */
+                    if (at % 128) {
+                        w[r] = second[r];
+                        continue;
+                    }
+                    const uint8_t *row = (const uint8_t *)codes + r * rb + at / 128 * 96;
+                    _mm_prefetch((const char *)(row + QM_AHEAD * QM_ROWS * rb), QM_HINT);
+                    _mm_prefetch((const char *)(row + 64 + QM_AHEAD * QM_ROWS * rb), QM_HINT);
+                    __m512i bytes = _mm512_loadu_si512(row);
+                    __m512i top = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(row + 64)));
+                    w[r] = _mm512_or_si512(_mm512_and_si512(bytes, m4w),
+                                           _mm512_and_si512(_mm512_sllv_epi64(top, up_lo), m30));
+                    second[r] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(bytes, 4), m4w),
+                                                _mm512_and_si512(_mm512_srlv_epi64(top, down_hi), m30));
+                    continue;
+                }
                 if (six) {
                     const uint8_t *row = (const uint8_t *)codes + r * rb + at / 64 * 48;
                     _mm_prefetch((const char *)(row + QM_AHEAD * QM_ROWS * rb), QM_HINT);

@@ -196,11 +196,20 @@ static void decode_q4(const uint8_t *packed, const void *scales, const void *min
     }
 }
 
-/* kind 6: Q6_K's six-bit codes kept in six bits, c = code + 32 (0 .. 63), 48 bytes per 64
- * values: 32 bytes of low nibbles (byte j: value j's, and in its high nibble value j + 32's), then
- * 16 bytes of the top two bits (byte j: bits 2i and 2i + 1 are value j + 16 i's). */
+/* kind 6: Q6_K's six-bit codes kept in six bits, c = code + 32 (0 .. 63), 48 bytes per 64 values
+ * (linear.pack6). Each whole 128 values: 64 bytes of low nibbles (byte j: value j's, and in its
+ * high nibble value j + 64's), then 32 bytes of the top two bits (byte j: bits 2i and 2i + 1 are
+ * value j + 32 i's). A last 64 (K = 64 mod 128): 32 bytes of low nibbles (value j, value j + 32),
+ * then 16 bytes of top bits (byte j: value j + 16 i's). */
 static void expand_q6(const uint8_t *p, int64_t K, int8_t *out) {
-    for (int64_t at = 0; at < K; at += 64, p += 48, out += 64)
+    int64_t at = 0;
+    for (; at + 128 <= K; at += 128, p += 96, out += 128)
+        for (int j = 0; j < 64; j++) {
+            int top = p[64 + (j & 31)];
+            out[j] = (int8_t)(((p[j] & 15) | (((top >> (2 * (j >> 5))) & 3) << 4)) - 32);
+            out[j + 64] = (int8_t)(((p[j] >> 4) | (((top >> (2 * ((j >> 5) + 2))) & 3) << 4)) - 32);
+        }
+    if (at < K)
         for (int j = 0; j < 32; j++) {
             int top = p[32 + (j & 15)];
             out[j] = (int8_t)(((p[j] & 15) | (((top >> (2 * (j >> 4))) & 3) << 4)) - 32);

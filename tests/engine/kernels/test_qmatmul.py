@@ -107,6 +107,19 @@ def test_a_few_rows_give_each_rows_own_bits(lib: object, kind: str, group: int) 
         assert all(torch.equal(y[i], qlinear(x[i : i + 1], w)[0]) for i in range(m)), m
 
 
+def test_six_bit_codes_round_trip_through_their_packing() -> None:
+    """pack6 lays whole 128s and a last 64 differently (linear.pack6); unpack6 reads both back, and
+    the bytes are three quarters of a byte a code either way."""
+    from engine.kernels.linear import pack6, unpack6
+
+    g = torch.Generator().manual_seed(7)
+    for k in (64, 128, 192, 576, 1024):
+        codes = torch.randint(-32, 32, (3, k), generator=g, dtype=torch.int8)
+        packed = pack6(codes)
+        assert packed.shape == (3, k // 64 * 48)
+        assert torch.equal(unpack6(packed, k), codes.int()), k
+
+
 def test_four_bit_codes_pack_as_gguf_blocks_hold_them(lib: object) -> None:
     codes = torch.arange(32).remainder(16).reshape(1, 32)
     w = from_codes(codes, torch.ones(1, 1), torch.zeros(1, 1), 32, 4)
