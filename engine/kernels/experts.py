@@ -252,6 +252,11 @@ class PackedExperts(nn.Module):
 
     def _count(self, counts: torch.Tensor, tokens: int) -> None:
         self.hits += counts.to(self.hits.device)
+        self.logged(counts, tokens)
+
+    def logged(self, counts: torch.Tensor, tokens: int) -> None:
+        """A call of `tokens` tokens that routed `counts` to each expert, already in `hits` (the
+        fused pass counts them there itself): the call, its union and the union log."""
         self.calls += 1
         self.last_union, self.last_tokens = int((counts > 0).sum()), tokens
         if tokens > 1:

@@ -11,9 +11,10 @@ norm.
 `FusedDecoder.of(model)` says once, at load, whether a model qualifies: dense llama, mistral,
 qwen2 (q/k/v biases) or qwen3 (per-head q/k norms) layers, or Qwen3-MoE and Mixtral layers whose
 routed experts are all packed with the one-token experts kernel (PackedExperts._fused: the step
-runs their router as transformers does, softmax, top-k, renormalised, and their experts summed in
-expert order, counting the routed tokens into each PackedExperts.hits; an MoE's passes of several
-tokens keep the general path), all resident on the CPU in fp32,
+and the pass run their router as transformers does, softmax, top-k, renormalised, and each
+token's experts summed in expert order, counting the routed tokens into each PackedExperts.hits;
+a pass reads each woken expert once for all its tokens and logs the union it woke), all resident
+on the CPU in fp32,
 full attention everywhere (no sliding window), SiLU MLP, every Linear of every layer a
 PackedLinear (minimums, where present, in groups of 16 or 32). `takes(cache)` says per step
 whether the cache is a plain KVCache of this shape. SPECCHAT_NO_FUSED=1 in the environment (read
@@ -232,6 +233,7 @@ class FusedDecoder:
         cos, sin = self.rotary(hidden, position_ids=positions[None])  # (1, n, D) each
         cos, sin = cos.float().contiguous(), sin.float().contiguous()
         threads = governor().threads()
+        before = [e.hits.clone() for e in self._experts]  # the pass counts its routed tokens into hits
         for a, b in self._pieces(grab):
             if a in grab and kept is not None:
                 kept[a] = hidden[0].clone()
@@ -241,6 +243,8 @@ class FusedDecoder:
                             mask.data_ptr() if mask is not None else None, hidden.data_ptr(), threads)
             if rc != 0:
                 raise torch.OutOfMemoryError("The fused CPU pass could not allocate its scratch memory.")
+        for e, seen in zip(self._experts, before):  # the union each layer woke, for the tree's price
+            e.logged(e.hits - seen, n)
         cache.commit(n)
         out: torch.Tensor = self.norm(hidden[0])  # (n, H)
         return out

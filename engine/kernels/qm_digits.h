@@ -262,6 +262,7 @@ QM_INLINE void q8_rows_vnni(const qm_digits *d, const float *const *xsum, const 
     const __m512i m4w = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30);
     const __m256i m4 = _mm256_set1_epi8(15);
     __m512i second[QM_ROWS]; /* a whole 128's values 64-127, for its second chunk */
+    for (int r = 0; r < QM_ROWS; r++) second[r] = _mm512_setzero_si512();
     __m512i lanes32[4], lanes16[2];
     for (int c = 0; c < 4; c++) lanes32[c] = _mm512_loadu_si512(LANES_Q8_32[c]);
     for (int c = 0; c < 2; c++) lanes16[c] = _mm512_loadu_si512(LANES_Q8_16[c]);

@@ -687,7 +687,7 @@ static void experts_region(const qm_linear *gate_up, const qm_linear *down, cons
                            int64_t k, const float *x, const float *xs16, const float *xs32, const qm_digits *xd,
                            float *gu, float *act, float *asum, char *dig, size_t dig_bytes, qm_digits *ad,
                            float *tmp, float *y, int acc_into);
-static void route_one(const qm_layer *L, const float *logits, int64_t *ids, float *w);
+static void route_one(const qm_layer *L, const float *logits, int64_t *ids, float *w, int64_t *hits);
 
 int qm_decode_layers(const qm_layer *layers, float *const *keys, float *const *values, int64_t count, int64_t hidden,
                      int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t capacity, int64_t length,
@@ -783,7 +783,7 @@ int qm_decode_layers(const qm_layer *layers, float *const *keys, float *const *v
 #pragma omp for schedule(static)
                 for (int64_t e = 0; e < L->experts; e++) logits[e] = dot(L->router + e * hidden, xn, hidden);
 #pragma omp single
-                route_one(L, logits, ids, wts);
+                route_one(L, logits, ids, wts, L->hits);
                 experts_region(L->expert_gate_up, L->expert_down, ids, wts, L->top_k, xn, s16, s32, &dg, gu, eact,
                                asum, edig, edig_bytes, ad, tmp, x, 1);
                 continue;
@@ -896,8 +896,9 @@ int qm_experts_one(const qm_linear *gate_up, const qm_linear *down, const int64_
 
 /* A token's routing from its normed state xn (one thread): the router's logits, softmax in fp32,
  * the top_k largest (the lower expert on ties), renormalised where norm_topk, then sorted by
- * expert (the order the experts' sums are taken in); counted into hits. */
-static void route_one(const qm_layer *L, const float *logits, int64_t *ids, float *w) {
+ * expert (the order the experts' sums are taken in); counted into hits (unless NULL). w: top_k
+ * weights, then E floats of scratch. */
+static void route_one(const qm_layer *L, const float *logits, int64_t *ids, float *w, int64_t *hits) {
     int64_t E = L->experts, K = L->top_k;
     float mx = -INFINITY, total = 0.0f;
     for (int64_t e = 0; e < E; e++) mx = logits[e] > mx ? logits[e] : mx;
@@ -921,8 +922,8 @@ static void route_one(const qm_layer *L, const float *logits, int64_t *ids, floa
             int64_t ti = ids[i]; ids[i] = ids[i - 1]; ids[i - 1] = ti;
             float tw = w[i]; w[i] = w[i - 1]; w[i - 1] = tw;
         }
-    if (L->hits)
-        for (int64_t j = 0; j < K; j++) L->hits[ids[j]]++;
+    if (hits)
+        for (int64_t j = 0; j < K; j++) hits[ids[j]]++;
 }
 
 /* ---- Several tokens through the same layers: a tree pass, or a chain (engine/kernels/fused_layer.py) ----
@@ -1054,6 +1055,137 @@ static int matmul_few(int kind, const float *x, int64_t M, int64_t K, const void
 #endif
 }
 
+/* ---- An MoE layer's routed experts in a pass of n tokens (qm_pass_layers) ----
+ *
+ * Every token routed as a decode step routes it (route_one); the pairs (token, expert) grouped by
+ * expert, experts in ascending order; each woken expert's rows read once for all its tokens
+ * (the integer rows take up to QM_FEW tokens a call, each token's bits those it gets alone), so a
+ * token's sum is the step's: its experts' weighted outputs added in expert order. Three
+ * barriers after the routing: gate/up rows of all woken experts, the pairs' activations, the
+ * output rows. */
+typedef struct {
+    int64_t *ids;    /* (n, top_k) each token's experts, ascending */
+    float *wts;      /* (n, top_k) their weights */
+    int64_t *order;  /* (n * top_k) pairs p = i * top_k + j, grouped by expert, tokens ascending */
+    int64_t *woken;  /* the experts woken, ascending; their first pair in order[]: start[], count[] */
+    int64_t *start, *count, used;
+    float *gu, *act, *asum; /* per pair (in order[]'s order): gate/up (2I), activation (I), its sums */
+    char *dig;              /* per pair: digits of its activation (dig_bytes each) */
+    qm_digits *ad;
+    size_t dig_bytes;
+} qm_routed;
+
+/* Rows r .. r + rows - 1 of w times `cnt` inputs (x[i], their sums s16[i]/s32[i] and digits
+ * dg[i]) into out[i * QM_ROWS + row]: the integer rows QM_FEW inputs at a time where they take
+ * digits, else each input's rows (rows_product). tmp: a row of scratch. (fp32 tiles decoded once
+ * for an expert's 9 or more tokens, as the dense pass takes them, measured no faster for a pass
+ * of 128-256 tokens and 1.2x slower for 16: not taken.) */
+static void rows_for(const qm_linear *w, int64_t r, int64_t rows, int64_t cnt, const float *const *x,
+                     const float *const *s16, const float *const *s32, const qm_digits *const *dg, float *tmp,
+                     float *out) {
+    if (rows > QM_ROWS) rows = QM_ROWS;
+#ifdef QM_INT
+    int64_t kind = w->kind & ~QM_FLAGS;
+    if (takes_digits(dg[0], kind, w->k, w->group)) {
+        int64_t groups = w->k / w->group, rb = row_bytes_of(kind, w->k);
+        int fmt = params_fmt(w->kind), half = fmt == 1;
+        float sb[PARAMS_BUF(fmt, QM_ROWS, groups)], mb[PARAMS_BUF(fmt, QM_ROWS, groups)];
+        const void *sc = row_params(w->scales, r, rows, groups, fmt, sb), *mn = row_params(w->mins, r, rows, groups, fmt, mb);
+        for (int64_t i0 = 0; i0 < cnt; i0 += QM_FEW) {
+            int f = (int)(cnt - i0 < QM_FEW ? cnt - i0 : QM_FEW);
+            qm_digits d[QM_FEW];
+            const float *xs[QM_FEW];
+            float o[QM_ROWS * QM_FEW];
+            for (int i = 0; i < f; i++) d[i] = *dg[i0 + i], xs[i] = w->group == 16 ? s16[i0 + i] : s32[i0 + i];
+            rows_vnni(d, xs, f, kind, (const char *)w->codes + r * rb, rb, sc, mn, groups, half, w->k, w->group,
+                      (int)rows, o, QM_FEW);
+            for (int i = 0; i < f; i++)
+                for (int64_t j = 0; j < rows; j++)
+                    out[(i0 + i) * QM_ROWS + j] = w->bias ? o[j * QM_FEW + i] + w->bias[r + j] : o[j * QM_FEW + i];
+        }
+        return;
+    }
+#endif
+    for (int64_t i = 0; i < cnt; i++) rows_product(w, r, rows, x[i], s16[i], s32[i], dg[i], tmp, out + i * QM_ROWS);
+}
+
+/* Called by every thread of qm_pass_layers' region. xn: (n, H) the tokens' normed states, their
+ * sums and digits tok16/tok32 (stride tsum) and tokd; x: (n, H) += the experts' sums. logits: n x E
+ * scratch; route: n x (top_k + E) scratch; ptrs: per thread 4 x n * top_k pointers; mine: per
+ * thread 2 * n * top_k * QM_ROWS floats; tmp: a row. */
+static void routed_pass(const qm_layer *L, int64_t n, int64_t H, const float *xn, const float *tok16,
+                        const float *tok32, int64_t tsum, const qm_digits *tokd, float *logits, float *route,
+                        qm_routed *R, const void **ptrs, float *mine, float *tmp, float *x) {
+    int64_t E = L->experts, K = L->top_k, P = n * K;
+    int64_t I = L->expert_down[0].k, sums = I / 16 + I / 32 + 2, bgu = (2 * I + QM_ROWS - 1) / QM_ROWS;
+#pragma omp for schedule(static)
+    for (int64_t s = 0; s < n * E; s++) logits[s] = dot(L->router + (s % E) * H, xn + (s / E) * H, H);
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        float *w = route + i * (K + E);
+        route_one(L, logits + i * E, R->ids + i * K, w, NULL);
+        memcpy(R->wts + i * K, w, sizeof(float) * (size_t)K);
+    }
+#pragma omp single
+    { /* counted, and the pairs grouped by expert (a counting sort: tokens stay ascending) */
+        memset(R->count, 0, sizeof(int64_t) * (size_t)E);
+        for (int64_t p = 0; p < P; p++) R->count[R->ids[p]]++;
+        if (L->hits)
+            for (int64_t e = 0; e < E; e++) L->hits[e] += R->count[e];
+        int64_t at = 0;
+        R->used = 0;
+        for (int64_t e = 0; e < E; e++) {
+            R->start[e] = at, at += R->count[e];
+            if (R->count[e]) R->woken[R->used++] = e;
+        }
+        int64_t *next = R->woken + E; /* E more: each expert's next free slot */
+        memcpy(next, R->start, sizeof(int64_t) * (size_t)E);
+        for (int64_t p = 0; p < P; p++) R->order[next[R->ids[p]]++] = p;
+    }
+    const float **xin = (const float **)ptrs, **s16 = xin + P, **s32 = s16 + P;
+    const qm_digits **dg = (const qm_digits **)(s32 + P);
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < R->used * bgu; b++) {
+        int64_t e = R->woken[b / bgu], r = (b % bgu) * QM_ROWS, c = R->count[e], first = R->start[e];
+        int64_t rows = 2 * I - r < QM_ROWS ? 2 * I - r : QM_ROWS;
+        for (int64_t q = 0; q < c; q++) {
+            int64_t i = R->order[first + q] / K;
+            xin[q] = xn + i * H, s16[q] = tok16 + i * tsum, s32[q] = tok32 + i * tsum, dg[q] = tokd + i;
+        }
+        rows_for(&L->expert_gate_up[e], r, rows, c, xin, s16, s32, dg, tmp, mine);
+        for (int64_t q = 0; q < c; q++)
+            for (int64_t j = 0; j < rows; j++) R->gu[(first + q) * 2 * I + r + j] = mine[q * QM_ROWS + j];
+    }
+#pragma omp for schedule(static)
+    for (int64_t q = 0; q < P; q++) {
+        const float *g = R->gu + q * 2 * I;
+        float *a = R->act + q * I, *a16 = R->asum + q * sums;
+        for (int64_t i = 0; i < I; i++) a[i] = (g[i] / (1.0f + expf(-g[i]))) * g[I + i];
+        group_sums(a, I, a16, a16 + I / 16 + 1);
+        make_digits(a, I, R->dig + R->dig_bytes * (size_t)q, &R->ad[q]);
+    }
+    float *acc = mine + P * QM_ROWS;
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < H; r += QM_ROWS) {
+        int64_t rows = H - r < QM_ROWS ? H - r : QM_ROWS;
+        memset(acc, 0, sizeof(float) * (size_t)(n * QM_ROWS));
+        for (int64_t u = 0; u < R->used; u++) { /* experts ascending: each token's sum in the step's order */
+            int64_t e = R->woken[u], c = R->count[e], first = R->start[e];
+            for (int64_t q = 0; q < c; q++) {
+                const float *a16 = R->asum + (first + q) * sums;
+                xin[q] = R->act + (first + q) * I, s16[q] = a16, s32[q] = a16 + I / 16 + 1, dg[q] = R->ad + first + q;
+            }
+            rows_for(&L->expert_down[e], r, rows, c, xin, s16, s32, dg, tmp, mine);
+            for (int64_t q = 0; q < c; q++) {
+                int64_t p = R->order[first + q], i = p / K;
+                for (int64_t j = 0; j < rows; j++) acc[i * QM_ROWS + j] += R->wts[p] * mine[q * QM_ROWS + j];
+            }
+        }
+        for (int64_t i = 0; i < n; i++)
+            for (int64_t j = 0; j < rows; j++) x[i * H + r + j] = x[i * H + r + j] + acc[i * QM_ROWS + j];
+    }
+}
+
 /* x: (n, hidden), updated in place. cos, sin: (n, head_dim), each token's own. keys[l],
  * values[l]: (kv_heads, capacity, head_dim) with room for length + n entries. Returns 0, or -1
  * when scratch memory could not be had. */
@@ -1062,22 +1194,64 @@ int qm_pass_layers(const qm_layer *layers, float *const *keys, float *const *val
                    float scale, const float *cos, const float *sin, const uint8_t *allowed, float *x, int threads) {
     int64_t D = head_dim, H = hidden, nq = heads * D, nkv = kv_heads * D, group_size = heads / kv_heads;
     int64_t inter = 0, total = length + n;
-    for (int64_t l = 0; l < count; l++) inter = layers[l].gate.n > inter ? layers[l].gate.n : inter;
+    int64_t E = 0, K = 0, I = 0; /* the MoE layers' most experts, top_k and expert width */
+    for (int64_t l = 0; l < count; l++) {
+        const qm_layer *L = layers + l;
+        if (L->experts > 0) {
+            E = L->experts > E ? L->experts : E, K = L->top_k > K ? L->top_k : K;
+            I = L->expert_down[0].k > I ? L->expert_down[0].k : I;
+        } else {
+            inter = L->gate.n > inter ? L->gate.n : inter;
+        }
+    }
     int64_t widest = H > nq ? H : nq;
     widest = inter > widest ? inter : widest;
+    widest = I > widest ? I : widest;
     if (threads < 1) threads = 1;
+    /* the routed experts' scratch (routed_pass), where a layer has them */
+    int64_t P = n * K, sums = I / 16 + I / 32 + 2;
+    size_t tok_bytes = few_bytes(H), edig = digits_bytes(I > 0 ? I : 1);
+    size_t routed_floats = (size_t)(n * E + n * (K + E) + P + P * 3 * I + P * sums) +
+                           (size_t)threads * (size_t)(2 * P * QM_ROWS);
+    size_t routed_bytes = E ? sizeof(float) * routed_floats + sizeof(int64_t) * (size_t)(2 * P + 4 * E) +
+                                  tok_bytes * (size_t)n + edig * (size_t)P + sizeof(qm_digits) * (size_t)(n + P) +
+                                  sizeof(void *) * (size_t)(4 * P) * (size_t)threads + 64
+                            : 1;
+    char *routed_mem = (char *)malloc(routed_bytes);
+    if (!routed_mem) return -1;
+    qm_routed R;
+    memset(&R, 0, sizeof R);
+    float *logits = NULL, *route = NULL, *mines = NULL, *tok16 = NULL, *tok32 = NULL;
+    qm_digits *tokd = NULL;
+    const void **ptrs = NULL;
+    int64_t tsum = (int64_t)(tok_bytes / sizeof(float));
+    if (E) {
+        char *m = routed_mem;
+        tok16 = (float *)m, tok32 = tok16 + H / 16 + 1, m += tok_bytes * (size_t)n; /* few_bytes: 64-byte multiples */
+        R.dig = m, R.dig_bytes = edig, m += edig * (size_t)P;
+        logits = (float *)m, route = logits + n * E, R.wts = route + n * (K + E), R.gu = R.wts + P;
+        R.act = R.gu + P * 2 * I, R.asum = R.act + P * I, mines = R.asum + P * sums;
+        m = (char *)(mines + (size_t)threads * (size_t)(2 * P * QM_ROWS));
+        R.ids = (int64_t *)m, R.order = R.ids + P, R.woken = R.order + P, R.start = R.woken + 2 * E;
+        R.count = R.start + E, m = (char *)(R.count + E);
+        tokd = (qm_digits *)m, R.ad = tokd + n, m = (char *)(R.ad + P);
+        ptrs = (const void **)m;
+    }
     /* shared: xn | q | k | v | attn | gate (then the activation) | up | a product's output;
      * per thread: a decoded tile, scores, a head */
     size_t shared = (size_t)n * (size_t)(H + nq + 2 * nkv + nq + 2 * inter + H);
     size_t per_thread = (size_t)NB * (size_t)widest + (size_t)total + (size_t)D;
     float *buf = (float *)malloc(sizeof(float) * (shared + (size_t)threads * per_thread));
-    if (!buf) return -1;
+    if (!buf) {
+        free(routed_mem);
+        return -1;
+    }
     float *xn = buf, *q = xn + n * H, *k = q + n * nq, *v = k + n * nkv, *attn = v + n * nkv;
     float *gate = attn + n * nq, *up = gate + n * inter, *out = up + n * inter, *own = out + n * H;
     size_t few_per = n <= QM_FEW ? (size_t)n * few_bytes(widest) : 0; /* each thread's digits of a product's input */
     char *fewmem = (char *)malloc(few_per * (size_t)threads + 64);
     if (!fewmem) {
-        free(buf);
+        free(buf), free(routed_mem);
         return -1;
     }
 
@@ -1132,6 +1306,17 @@ int qm_pass_layers(const qm_layer *layers, float *const *keys, float *const *val
             }
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < n; i++) rms_norm(x + i * H, L->mlp_norm, L->mlp_eps, H, xn + i * H);
+            if (L->experts > 0) { /* routed experts: each token's sums and digits, then routed_pass */
+#pragma omp for schedule(static)
+                for (int64_t i = 0; i < n; i++) {
+                    float *t16 = tok16 + i * tsum, *t32 = tok32 + i * tsum;
+                    group_sums(xn + i * H, H, t16, t32);
+                    make_digits(xn + i * H, H, (char *)(t32 + H / 32 + 1), &tokd[i]);
+                }
+                routed_pass(L, n, H, xn, tok16, tok32, tsum, tokd, logits, route, &R,
+                            ptrs + (size_t)t * (size_t)(4 * P), mines + (size_t)t * (size_t)(2 * P * QM_ROWS), wbuf, x);
+                continue;
+            }
             int64_t I = L->gate.n;
             make_few(xn, n, H, mine, &few);
 #pragma omp for schedule(static)
@@ -1155,5 +1340,6 @@ int qm_pass_layers(const qm_layer *layers, float *const *keys, float *const *val
     }
     free(fewmem);
     free(buf);
+    free(routed_mem);
     return 0;
 }

@@ -167,13 +167,12 @@ class CausalLM:
         kept: dict[int, torch.Tensor] = {}
         if self.fused is not None and n <= FUSED_PASS_TOKENS and self.fused.takes(cache):
             one = n == 1 and (allowed is None or bool(allowed.all()))  # a token that sees the whole cache
-            if one or not self.fused.moe:  # an MoE's passes of several tokens take the general path
-                if one:
-                    out = self.fused.step(input_ids, positions, cache, grab, kept)
-                else:
-                    out = self.fused.pass_(input_ids, positions, cache, allowed, grab, kept)
-                self._keep(kept)
-                return out
+            if one:
+                out = self.fused.step(input_ids, positions, cache, grab, kept)
+            else:
+                out = self.fused.pass_(input_ids, positions, cache, allowed, grab, kept)
+            self._keep(kept)
+            return out
         if isinstance(cache, HybridCache):
             cache.begin_pass(allowed, n)
         # one token that sees the whole cache (a plain decoding step) needs no mask: SDPA's masked

@@ -363,12 +363,14 @@ def test_the_portable_builds_compute_the_same(flags: tuple[str, ...], tmp_path: 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
 def test_moe_steps_route_in_the_fused_step(arch: str, model_cache: Path, monkeypatch: pytest.MonkeyPatch,
                                            fused_steps: list[int], fused_passes: list[int]) -> None:
-    """An MoE whose routed experts are all packed (Qwen3-MoE, Mixtral) takes its decode steps in
-    one C call too: the router (softmax, top-k, renormalised), the routed experts summed in
-    expert order, counted into each layer's PackedExperts.hits. Each step's hidden state is the
-    general path's (which tests/engine/loading/test_gguf_families.py holds to transformers'),
-    the routing counts the same, and greedy text, plain and with draft-free trees (whose passes
-    of several tokens keep the general path), the same."""
+    """An MoE whose routed experts are all packed (Qwen3-MoE, Mixtral) takes its decode steps and
+    its passes of several tokens (a prompt's chain, a tree) in one C call too: the router
+    (softmax, top-k, renormalised), each token's routed experts summed in expert order, counted
+    into each layer's PackedExperts.hits; a pass reads each woken expert once for all its tokens
+    and logs the union it woke (what trees are priced by). Every hidden state and K/V entry is
+    the general path's (which tests/engine/loading/test_gguf_families.py holds to transformers'),
+    the routing counts and unions the same, and greedy text, plain and with draft-free trees,
+    the same."""
     from engine.kernels.experts import PackedExperts
 
     path = tiny_gguf(arch, layers=3, layer_types=("Q8_0", "Q4_K/Q6_K", "Q4_0"), cache_dir=model_cache)
@@ -380,21 +382,42 @@ def test_moe_steps_route_in_the_fused_step(arch: str, model_cache: Path, monkeyp
     experts = [[m for m in model.model.hf_model.modules() if isinstance(m, PackedExperts)] for model in (fused, plain)]
     assert len(experts[0]) == 3
     caches = [m.model.new_cache(64) for m in (fused, plain)]
+
+    def both(tokens: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+        got, want = (m.model.forward(tokens, positions, c, allowed) for m, c in zip((fused, plain), caches))
+        assert close(got, want)
+        for k1, k2 in zip(caches[0].tensors(), caches[1].tensors()):
+            assert close(k1[0], k2[0]) and close(k1[1], k2[1])
+        for mine, theirs in zip(*experts):
+            assert torch.equal(mine.hits, theirs.hits) and mine.union_log == theirs.union_log
+        return got
+
     ids = fused.tokenizer(PROMPTS[0])["input_ids"]
-    outs = [m.model.forward(torch.tensor(ids), torch.arange(len(ids)), c, None) for m, c in zip((fused, plain), caches)]
-    assert close(outs[0], outs[1]) and fused_steps == [] and fused_passes == []
-    token = int(fused.model.logits(outs[0][-1:]).argmax())
+    out = both(torch.tensor(ids), torch.arange(len(ids)), None)  # the prompt: a chain
+    assert fused_steps == [] and fused_passes == [len(ids)]
+    assert all(0 < m.last_union <= m.num_experts for m in experts[0])
+    past = torch.ones(len(ids), dtype=torch.bool)
+    parents = [-1, 0, 0, 1, 2, 2, 4]  # a tree of 7 nodes (the integer rows take up to 4 tokens an expert)
+    depth = [0] * len(parents)
+    for i, p in enumerate(parents):
+        depth[i] = depth[p] + 1 if p >= 0 else 0
+    both(torch.randint(0, 200, (7,)), len(ids) + torch.tensor(depth), tree_mask(parents, past))
+    for cache in caches:  # keep the path 0 -> 2 -> 4, as verification does
+        cache.keep(torch.tensor([*range(len(ids)), len(ids), len(ids) + 2, len(ids) + 4]))
+    both(torch.randint(0, 200, (3,)), len(ids) + 3 + torch.tensor([0, 1, 1]), tree_mask([-1, 0, 0], torch.ones(len(ids) + 3, dtype=torch.bool)))
+    for cache in caches:
+        cache.truncate(len(ids) + 3)
+    assert fused_passes == [len(ids), 7, 3]
+    token = int(fused.model.logits(out[-1:]).argmax())
     for step in range(12):
-        pos = torch.tensor([len(ids) + step])
-        a, b = (m.model.forward(torch.tensor([token]), pos, c, None) for m, c in zip((fused, plain), caches))
-        assert close(a, b), step
-        token = int(fused.model.logits(a).argmax())
+        pos = torch.tensor([len(ids) + 3 + step])
+        token = int(fused.model.logits(both(torch.tensor([token]), pos, None)).argmax())
     assert len(fused_steps) == 12
-    for mine, theirs in zip(*experts):
-        assert torch.equal(mine.hits, theirs.hits) and int(mine.hits.sum()) == 2 * (len(ids) + 12)
+    assert int(experts[0][0].hits.sum()) == 2 * (len(ids) + 7 + 3 + 12)
     before = len(fused_steps)
     ours = greedy(Engine(fused.model, fused.tokenizer), PROMPTS[1], 24)
     assert len(fused_steps) - before >= len(ours) - 1
     assert ours == greedy(Engine(plain.model, plain.tokenizer), PROMPTS[1], 24)
+    passes = len(fused_passes)
     assert greedy(Engine(fused.model, fused.tokenizer), PROMPTS[1], 24, "specexec") == ours
-    assert fused_passes == []  # an MoE's passes of several tokens take the general path
+    assert len(fused_passes) > passes  # the prompt's pass at least
