@@ -75,8 +75,9 @@ KERNEL_EXPERT_BYTES_PER_PARAM = 0.62
 KERNEL_HEAD_BYTES_PER_PARAM = 0.83
 # Priors for a profile without an ExpertTiming (measured before SpecChat timed experts): a
 # further token's expert row, per weight (this project's 2-core CPU at 2 threads, `specchat bench
-# hardware`: 2.3e-11), and the experts read at the RAM copy rate.
-EXPERT_ROW_S_PER_PARAM = 2.3e-11
+# hardware`: 1.4e-11 with 2-4 tokens an expert, the integer rows, since the ninth session's
+# 128-code rows; 2.3e-11 before), and the experts read at the RAM copy rate.
+EXPERT_ROW_S_PER_PARAM = 1.4e-11
 EXPERTS_SYNC_S = 1e-4  # per MoE layer and pass, experts on the CPU beside a GPU: states over, the sum back
 HOST_MARGIN_BYTES = 2 * GB  # RAM left to the OS and the app when predicting a placement
 PREDICTED_CONTEXT = 4096  # KV cache a prediction reserves room for

@@ -45,7 +45,10 @@ MODEL = "Qwen3.6-35B-A3B (GGUF, 4-bit experts)"
 LLAMA_CPP_TOK_S = 36.7  # Qwen3-30B-A3B Q4_K_M, llama.cpp --n-cpu-moe, RTX 2080 8 GB (issue 31)
 EXPERT_READ_GBPS = (30.0, 45.0, 60.0)
 CPU_THREADS = 8
-ROW_S_PER_PARAM_ONE_THREAD = 4.6e-11  # a further token's expert row per weight on one of this project's cores
+# a further token's expert row per weight on one of this project's cores: 1.43e-11 at 2 threads
+# (measure.expert_timing, 2-4 tokens an expert: the integer rows, 128 codes at a time since the
+# ninth session; it was 4.6e-11 a core through the 64-code rows)
+ROW_S_PER_PARAM_ONE_THREAD = 2.9e-11
 FILE_BYTES_PER_PARAM = 0.6  # Q4_K_M experts in the file (what llama.cpp reads) against the kernel's 0.62
 BUDGETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
