@@ -61,13 +61,13 @@ def merged(parts: Sequence[Part], rows: int) -> list[Part]:
 def same_kind(a: QuantWeight, b: QuantWeight) -> bool:
     """Whether two weights' rows can stack into one weight (one kernel call)."""
     return (a.kind == b.kind and a.group == b.group and a.in_features == b.in_features
-            and a.scales.dtype == b.scales.dtype and (a.mins is None) == (b.mins is None))
+            and a.scales.dtype == b.scales.dtype and (a.mins is None) == (b.mins is None) and a.offset == b.offset)
 
 
 def _stack(a: QuantWeight, b: QuantWeight) -> QuantWeight:
-    return QuantWeight(a.kind, torch.cat([a.codes, b.codes]), torch.cat([a.scales, b.scales]),
-                       torch.cat([a.mins, b.mins]) if a.mins is not None and b.mins is not None else None,
-                       a.group, a.out_features + b.out_features, a.in_features)
+    return a.like(torch.cat([a.codes, b.codes]), torch.cat([a.scales, b.scales]),
+                  torch.cat([a.mins, b.mins]) if a.mins is not None and b.mins is not None else None,
+                  a.out_features + b.out_features)
 
 
 
@@ -75,5 +75,5 @@ def on_device(w: QuantWeight, device: torch.device | str) -> QuantWeight:
     """`w` with its tensors on `device` (to de-quantise it there)."""
     if w.codes.device == torch.device(device):
         return w
-    return QuantWeight(w.kind, w.codes.to(device), w.scales.to(device), w.mins.to(device) if w.mins is not None else None,
-                       w.group, w.out_features, w.in_features)
+    return w.like(w.codes.to(device), w.scales.to(device), w.mins.to(device) if w.mins is not None else None,
+                  w.out_features)

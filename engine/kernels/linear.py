@@ -42,6 +42,7 @@ Kind = Literal["q8", "q4", "q6"]
 KIND_CODES = {"q8": 8, "q4": 4, "q6": 6}  # qmatmul.c's kind codes
 HALF = 256  # qmatmul.c's QM_HALF: the scales and minimums are fp16
 KSC = 512  # qmatmul.c's QM_KSC: the scales and minimums as K-quants store them (uint8 tensors)
+OFF8 = 1024  # qmatmul.c's QM_OFF8: q4 codes offset by 8, no minimums stored (QuantWeight.offset)
 
 
 @dataclass(frozen=True)
@@ -53,14 +54,21 @@ class QuantWeight:
     group: int
     out_features: int
     in_features: int
+    offset: int = 0  # q4 without minimums: each value scale * (code - offset); 8 for GGUF's Q4_0
 
     @functools.cached_property
     def args(self) -> tuple[int, int, int, int | None]:
         """The kernel's kind code and the addresses of codes, scales and minimums (the tensors
         live as long as the weight and are never replaced: it is frozen)."""
         half = HALF if self.scales.dtype == torch.float16 else KSC if self.scales.dtype == torch.uint8 else 0
-        return (KIND_CODES[self.kind] | half, self.codes.data_ptr(), self.scales.data_ptr(),
-                self.mins.data_ptr() if self.mins is not None else None)
+        return (KIND_CODES[self.kind] | half | (OFF8 if self.offset else 0), self.codes.data_ptr(),
+                self.scales.data_ptr(), self.mins.data_ptr() if self.mins is not None else None)
+
+    def like(self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+             out_features: int) -> QuantWeight:
+        """A weight of this one's kind, group, width and offset over other tensors (rows of it,
+        rows stacked with another's, or a copy on another device)."""
+        return QuantWeight(self.kind, codes, scales, mins, self.group, out_features, self.in_features, self.offset)
 
     @property
     def nbytes(self) -> int:
@@ -80,6 +88,8 @@ def from_codes(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | N
         scales = scales.half()
         mins = mins.half() if mins is not None else None
     kind, packed = _packed_codes(codes, group, bits, mins is not None)
+    if kind == "q4" and mins is not None and torch.equal(mins.float(), -8.0 * scales.float()):
+        return QuantWeight(kind, packed, scales, None, group, n, k, offset=8)  # Q4_0: the file's 0.5625 bytes a weight
     return QuantWeight(kind, packed, scales, mins, group, n, k)
 
 
@@ -203,10 +213,19 @@ def codes_of(w: QuantWeight) -> torch.Tensor:
 def dequantize(w: QuantWeight) -> torch.Tensor:
     """(N, K) fp32 values: scale * code + minimum, in fp32 (the values the kernel multiplies by)."""
     groups = w.in_features // w.group
-    v = codes_of(w).float().reshape(w.out_features, -1, w.group) * params_fp32(w.scales, groups)[..., None]
-    if w.mins is not None:
-        v = v + params_fp32(w.mins, groups)[..., None]
+    scales = params_fp32(w.scales, groups)
+    v = codes_of(w).float().reshape(w.out_features, -1, w.group) * scales[..., None]
+    mins = _mins_fp32(w.mins, scales, w.offset, groups)
+    if mins is not None:
+        v = v + mins[..., None]
     return v.reshape(w.out_features, w.in_features)
+
+
+def _mins_fp32(mins: torch.Tensor | None, scales: torch.Tensor, offset: int, groups: int) -> torch.Tensor | None:
+    """The minimums in fp32: stored, or -offset * scale (exact in fp32), or None."""
+    if mins is not None:
+        return params_fp32(mins, groups)
+    return -float(offset) * scales if offset else None
 
 
 def dequantize_rows(w: QuantWeight, rows: torch.Tensor) -> torch.Tensor:
@@ -220,9 +239,11 @@ def dequantize_rows(w: QuantWeight, rows: torch.Tensor) -> torch.Tensor:
     elif w.kind == "q6":
         codes = unpack6(codes, w.in_features)
     groups = w.in_features // w.group
-    v = codes.reshape(len(rows), -1, w.group).float() * params_fp32(w.scales[rows], groups)[..., None]
-    if w.mins is not None:
-        v = v + params_fp32(w.mins[rows], groups)[..., None]
+    scales = params_fp32(w.scales[rows], groups)
+    v = codes.reshape(len(rows), -1, w.group).float() * scales[..., None]
+    mins = _mins_fp32(w.mins[rows] if w.mins is not None else None, scales, w.offset, groups)
+    if mins is not None:
+        v = v + mins[..., None]
     return v.reshape(len(rows), w.in_features)
 
 

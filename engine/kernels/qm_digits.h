@@ -172,7 +172,9 @@ QM_INLINE void prefetch_params(const void *sc, const void *mn, int64_t ps, int h
  * token's digits loaded once for all the rows. */
 QM_INLINE void q4_rows_vnni(const qm_digits *d, const float *const *xsum, const int few, const uint8_t *p,
                             int64_t rb, const void *sc, const void *mn, int64_t ps, int half, int64_t K, const int R,
-                            float *out, int64_t os) {
+                            float *out, int64_t os, const int off8) {
+    /* off8 (QM_OFF8, no minimums): each value scale * (code - 8); the offset's share, -8 u (the
+     * group's sum of v), is c32 / 16 */
     __m512i lanes[4];
     for (int c = 0; c < 4; c++) lanes[c] = _mm512_loadu_si512(LANES_Q4[c]);
     const __m512i wide[2] = {_mm512_loadu_si512(LANES_Q4W[0]), _mm512_loadu_si512(LANES_Q4W[1])};
@@ -187,8 +189,10 @@ QM_INLINE void q4_rows_vnni(const qm_digits *d, const float *const *xsum, const 
         int64_t n = groups - g < 8 ? groups - g : 8; /* even: K is a multiple of 64 */
         __mmask8 live = (__mmask8)((1u << n) - 1);
         __m256 u[QM_FEW], xs[QM_FEW];
-        for (int i = 0; i < few; i++)
+        for (int i = 0; i < few; i++) {
             u[i] = _mm256_maskz_loadu_ps(live, d[i].u32 + g), xs[i] = mn ? _mm256_maskz_loadu_ps(live, xsum[i] + g) : u[i];
+            if (off8) xs[i] = _mm256_mul_ps(_mm256_maskz_loadu_ps(live, d[i].c32 + g), _mm256_set1_ps(0.0625f));
+        }
         prefetch_params(sc, mn, ps, half, g, R);
         for (int r = 0; r < R; r++) {
             __m256 s = load_params(row_at(sc, r * ps, half), half, g, n);
@@ -196,6 +200,7 @@ QM_INLINE void q4_rows_vnni(const qm_digits *d, const float *const *xsum, const 
             for (int i = 0; i < few; i++) {
                 f[r][i] = _mm512_castps256_ps512(_mm256_mul_ps(s, u[i]));
                 if (mn) ext[r][i] = _mm256_fmadd_ps(m, xs[i], ext[r][i]);
+                if (off8) ext[r][i] = _mm256_fmadd_ps(s, xs[i], ext[r][i]);
             }
         }
         for (int64_t c = 0; c < n / 4; c++) { /* 128 values: groups g + 4c .. g + 4c + 3 */
@@ -369,6 +374,7 @@ static inline int takes_digits(const qm_digits *d, int64_t kind, int64_t K, int6
 #else
     const int six = 0; /* the AVX-VNNI build reads kind 6 through the fp32 rows */
 #endif
+    kind = QM_KIND(kind);
     return d->ok && K % 64 == 0 && (kind == 4 || group == 16 || group == 32) && (kind != 6 || six);
 }
 
@@ -379,7 +385,8 @@ static void rows_vnni(const qm_digits *d, const float *const *xsum, int few, int
                       int64_t rb, const void *sc, const void *mn, int64_t ps, int half, int64_t K, int64_t group,
                       int rows, float *out, int64_t os) {
 #define QM_BLOCK(F)                                                                                              \
-    (kind == 4   ? q4_rows_vnni(d, xsum, F, (const uint8_t *)codes, rb, sc, mn, ps, half, K, QM_ROWS, out, os)     \
+    (QM_KIND(kind) == 4 ? q4_rows_vnni(d, xsum, F, (const uint8_t *)codes, rb, sc, mn, ps, half, K, QM_ROWS, out, os, \
+                                       (kind & QM_OFF8) != 0)                                                   \
      : kind == 6 ? q8_rows_vnni(d, xsum, F, (const int8_t *)codes, rb, sc, mn, ps, half, K, group, QM_ROWS, out, os, 1) \
                  : q8_rows_vnni(d, xsum, F, (const int8_t *)codes, rb, sc, mn, ps, half, K, group, QM_ROWS, out, os, 0))
     if (rows == QM_ROWS) { /* the token count a constant: its loops unrolled, its accumulators in registers */
@@ -396,8 +403,8 @@ static void rows_vnni(const qm_digits *d, const float *const *xsum, int few, int
 #undef QM_BLOCK
     for (int r = 0; r < rows; r++) {
         const void *c = (const char *)codes + r * rb, *s = row_at(sc, r * ps, half), *m = row_at(mn, r * ps, half);
-        if (kind == 4)
-            q4_rows_vnni(d, xsum, few, (const uint8_t *)c, rb, s, m, ps, half, K, 1, out + r * os, os);
+        if (QM_KIND(kind) == 4)
+            q4_rows_vnni(d, xsum, few, (const uint8_t *)c, rb, s, m, ps, half, K, 1, out + r * os, os, (kind & QM_OFF8) != 0);
         else
             q8_rows_vnni(d, xsum, few, (const int8_t *)c, rb, s, m, ps, half, K, group, 1, out + r * os, os, kind == 6);
     }

@@ -93,7 +93,7 @@ static inline __m256 load_some(const float *p, int64_t n, float *tmp) {
  * 16-31), so the digits keep the activations' order. */
 QM_INLINE void q4_rows_vnni(const qm_digits *d, const float *const *xsum, const int few, const uint8_t *p,
                             int64_t rb, const void *sc, const void *mn, int64_t ps, int half, int64_t K, const int R,
-                            float *out, int64_t os) {
+                            float *out, int64_t os, const int off8) {
     const __m128i m4 = _mm_set1_epi8(15);
     __m256 acc[QM_ROWS][QM_FEW], f[QM_ROWS][QM_FEW], ext[QM_ROWS][QM_FEW];
     float tmp[8];
@@ -103,14 +103,17 @@ QM_INLINE void q4_rows_vnni(const qm_digits *d, const float *const *xsum, const 
     for (int64_t g = 0; g < groups; g += 8) {
         int64_t n = groups - g < 8 ? groups - g : 8;
         __m256 u[QM_FEW], xs[QM_FEW];
-        for (int i = 0; i < few; i++)
+        for (int i = 0; i < few; i++) {
             u[i] = load_some(d[i].u32 + g, n, tmp), xs[i] = mn ? load_some(xsum[i] + g, n, tmp) : u[i];
+            if (off8) xs[i] = _mm256_mul_ps(load_some(d[i].c32 + g, n, tmp), _mm256_set1_ps(0.0625f)); /* as qm_digits.h */
+        }
         for (int r = 0; r < R; r++) {
             __m256 s = load_params(row_at(sc, r * ps, half), half, g, n, tmp);
             __m256 m = mn ? load_params(row_at(mn, r * ps, half), half, g, n, tmp) : s;
             for (int i = 0; i < few; i++) {
                 f[r][i] = _mm256_mul_ps(s, u[i]);
                 if (mn) ext[r][i] = _mm256_fmadd_ps(m, xs[i], ext[r][i]);
+                if (off8) ext[r][i] = _mm256_fmadd_ps(s, xs[i], ext[r][i]);
             }
         }
         for (int64_t c = 0; c < n; c++) {

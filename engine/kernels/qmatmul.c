@@ -49,7 +49,11 @@
  * int8 multipliers (10 bytes; a row's groups a multiple of 8): d * sc, exact in fp32, expanded
  * to fp32 as each row is read (row_params) */
 #define QM_KSC 512
-#define QM_FLAGS (QM_HALF | QM_KSC)
+#define QM_FLAGS (QM_HALF | QM_KSC) /* stripped where the scales are read; QM_OFF8 stays in the kind */
+/* In a q4 kind code: no minimums stored, each value scale * (code - 8), GGUF's Q4_0 (its file's
+ * 0.5625 bytes a weight, not 0.625 with a minimum of -8 scale kept beside each scale). */
+#define QM_OFF8 1024
+#define QM_KIND(k) ((k) & 15) /* 4, 6 or 8 */
 
 /* Scales and minimums are fp32, or fp16 where every one of a weight's is exactly an fp16 (GGUF's
  * Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 store them so: a step then reads 0.625 bytes per Q4_1 weight,
@@ -161,12 +165,14 @@ static void decode_q8(const int8_t *codes, const void *scales, const void *mins,
     }
 }
 
-static void decode_q4(const uint8_t *packed, const void *scales, const void *mins, int half, int64_t K, float *out) {
+/* off8 (QM_OFF8): no minimums stored, each -8 scale. */
+static void decode_q4(const uint8_t *packed, const void *scales, const void *mins, int half, int64_t K, float *out,
+                      int off8) {
     int64_t groups = K / 32;
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *p = packed + g * 16;
         float *o = out + g * 32;
-        float s = scale_at(scales, g, half), m = mins ? scale_at(mins, g, half) : 0.0f;
+        float s = scale_at(scales, g, half), m = mins ? scale_at(mins, g, half) : off8 ? -8.0f * s : 0.0f;
 #ifdef QM_AVX512 /* 16 lanes: half the instructions (the decoding is ~35-40 % of an 8-token pass) */
         __m512 vs = _mm512_set1_ps(s), vm = _mm512_set1_ps(m);
         __m128i bytes = _mm_loadu_si128((const __m128i *)p), mask = _mm_set1_epi8(15);
@@ -230,15 +236,17 @@ static const int8_t *six_row(const void *p, int64_t K) {
     return six_buf;
 }
 
-static inline int64_t row_bytes_of(int64_t kind, int64_t K) { return kind == 4 ? K / 2 : kind == 6 ? K / 64 * 48 : K; }
+static inline int64_t row_bytes_of(int64_t kind, int64_t K) {
+    return QM_KIND(kind) == 4 ? K / 2 : QM_KIND(kind) == 6 ? K / 64 * 48 : K;
+}
 
 /* One weight row of any kind -> fp32 values. */
 static void decode_row(int64_t kind, const void *row, const void *sc, const void *mn, int half, int64_t K,
                        int64_t group, float *out) {
-    if (kind == 4)
-        decode_q4((const uint8_t *)row, sc, mn, half, K, out);
+    if (QM_KIND(kind) == 4)
+        decode_q4((const uint8_t *)row, sc, mn, half, K, out, (kind & QM_OFF8) != 0);
     else
-        decode_q8(kind == 6 ? six_row(row, K) : (const int8_t *)row, sc, mn, half, K, group, out);
+        decode_q8(QM_KIND(kind) == 6 ? six_row(row, K) : (const int8_t *)row, sc, mn, half, K, group, out);
 }
 
 #include "qm_attend.h" /* hsum, dot, attend, attend_masked */
@@ -450,8 +458,13 @@ static float row_q4(const float *x, const uint8_t *p, const void *sc, const void
 /* One row of any kind times x through the fp32 rows. */
 static float row_fp32(int64_t kind, const float *x, const void *row, const void *sc, const void *mn, int half,
                       const float *xsum, int64_t K, int64_t group) {
-    if (kind == 4) return ROW_Q4(x, (const uint8_t *)row, sc, mn, half, xsum, K);
-    return ROW_Q8(x, kind == 6 ? six_row(row, K) : (const int8_t *)row, sc, mn, half, xsum, K, group);
+    if ((kind & QM_OFF8) && QM_KIND(kind) == 4) { /* as decode_row: the minimums -8 scale in fp32 */
+        float s2[K / 32 + 1], m2[K / 32 + 1];
+        for (int64_t g = 0; g < K / 32; g++) s2[g] = scale_at(sc, g, half), m2[g] = -8.0f * s2[g];
+        return ROW_Q4(x, (const uint8_t *)row, s2, m2, 0, xsum, K);
+    }
+    if (QM_KIND(kind) == 4) return ROW_Q4(x, (const uint8_t *)row, sc, mn, half, xsum, K);
+    return ROW_Q8(x, QM_KIND(kind) == 6 ? six_row(row, K) : (const int8_t *)row, sc, mn, half, xsum, K, group);
 }
 #endif
 #include "qm_digits.h"
@@ -493,7 +506,7 @@ int qm_matmul(int kind, const float *x, int64_t M, int64_t K, const void *codes,
 #ifdef QM_AVX2
     if (M == 1 && group % 8 == 0 && K % 8 == 0) {
         float *xsum = NULL;
-        if (mins) {  /* the sum of x over each group, for the minimums */
+        if (mins || (kind & QM_OFF8)) {  /* the sum of x over each group, for the minimums */
             xsum = (float *)malloc(sizeof(float) * (size_t)groups);
             if (!xsum) return -1;
             for (int64_t g = 0; g < groups; g++) {

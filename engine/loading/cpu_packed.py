@@ -102,8 +102,7 @@ def _merged(parts: list[tuple[int, int, QuantWeight]], experts: int) -> list[tup
 
             codes, scales = cat(v.codes, w.codes), cat(v.scales, w.scales)
             assert codes is not None and scales is not None
-            w = QuantWeight(v.kind, codes, scales, cat(v.mins, w.mins), v.group, v.out_features + w.out_features,
-                            v.in_features)
+            w = v.like(codes, scales, cat(v.mins, w.mins), v.out_features + w.out_features)
             a = a0
         out.append((a, b, w))
     return out
@@ -116,8 +115,8 @@ def _per_expert(w: QuantWeight, experts: int) -> tuple[QuantWeight, ...]:
     def cut(t: torch.Tensor | None, e: int) -> torch.Tensor | None:
         return None if t is None else t[e * rows : (e + 1) * rows]
 
-    return tuple(QuantWeight(w.kind, w.codes[e * rows : (e + 1) * rows], w.scales[e * rows : (e + 1) * rows],
-                             cut(w.mins, e), w.group, rows, w.in_features) for e in range(experts))
+    return tuple(w.like(w.codes[e * rows : (e + 1) * rows], w.scales[e * rows : (e + 1) * rows], cut(w.mins, e), rows)
+                 for e in range(experts))
 
 
 def quant_weight(blocks: torch.Tensor, qtype: int, shape: tuple[int, ...],

@@ -107,6 +107,29 @@ def test_a_few_rows_give_each_rows_own_bits(lib: object, kind: str, group: int) 
         assert all(torch.equal(y[i], qlinear(x[i : i + 1], w)[0]) for i in range(m)), m
 
 
+def test_q4_0_is_held_at_its_files_bytes(lib: object) -> None:
+    """GGUF's Q4_0 (4-bit codes, minimum -8 scale) keeps no minimums: the codes offset by 8
+    (QuantWeight.offset), 0.5625 bytes a weight with fp16 scales. Products equal the dense
+    product of its values through the integer rows (1-4 tokens), the fp32 tiles (5+), a row
+    length that is no multiple of 64 (the fp32 rows) and the 64-value tail of the 128-code rows."""
+    g = torch.Generator().manual_seed(11)
+    for n, k in ((7, 96), (64, 576), (13, 1536)):
+        codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int8)
+        scales = (torch.rand(n, k // 32, generator=g) * 0.1).half().float()
+        w = from_codes(codes, scales, -8 * scales, 32, 4)
+        assert w.kind == "q4" and w.offset == 8 and w.mins is None
+        assert w.nbytes == n * k // 2 + n * k // 32 * 2
+        ref_w = (codes.float().reshape(n, -1, 32) - 8) * scales[..., None]
+        assert torch.equal(dequantize(w), ref_w.reshape(n, k))
+        for m in (1, 2, 3, 4, 5, 16):
+            x = torch.randn(m, k, generator=g)
+            assert close(qlinear(x, w), x @ ref_w.reshape(n, k).T), (n, k, m)
+        x = torch.randn(4, k, generator=g)
+        assert torch.equal(qlinear(x, w, threads=1), qlinear(x, w, threads=2))
+    other = from_codes(codes, scales, -7 * scales, 32, 4)  # any other minimum is kept
+    assert other.offset == 0 and other.mins is not None
+
+
 def test_six_bit_codes_round_trip_through_their_packing() -> None:
     """pack6 lays whole 128s and a last 64 differently (linear.pack6); unpack6 reads both back, and
     the bytes are three quarters of a byte a code either way."""
