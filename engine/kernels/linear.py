@@ -99,23 +99,35 @@ def _packed_codes(codes: torch.Tensor, group: int, bits: int, has_mins: bool) ->
         q = codes.to(torch.uint8).reshape(n, k // 32, 2, 16)
         return "q4", (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
     if bits in (5, 6) and group in (16, 32) and k % 64 == 0 and int(codes.min()) >= -32 and int(codes.max()) <= 31:
-        return "q6", pack6(codes)
+        return "q6", pack6(codes, group)
     return "q8", codes.to(torch.int8).contiguous()
 
 
-def pack6(codes: torch.Tensor) -> torch.Tensor:
+def pack6(codes: torch.Tensor, group: int = 32) -> torch.Tensor:
     """(N, K) codes in -32..31 -> kind q6's bytes (N, K / 64 * 48), c = code + 32. Each whole 128
-    values: 64 bytes of low nibbles (byte j: value j's, value j + 64's in the high nibble), then 32
-    bytes of the top two bits (byte j, bits 2i and 2i + 1: value j + 32 i's). A last 64 (K = 64 mod
-    128): 32 bytes of low nibbles (byte j: value j's, value j + 32's), then 16 bytes of top bits
-    (byte j, bits 2i, 2i + 1: value j + 16 i's). qmatmul.c's expand_q6; the AVX-512 rows unpack a
-    128 in 11 instructions where two 64s took 19."""
+    values: 64 bytes of low nibbles (byte j: value lo(j)'s, value hi(j)'s in the high nibble), then
+    32 bytes of the top two bits (byte j, bits 2i and 2i + 1: value lo(j)'s, lo(j + 32)'s,
+    hi(j)'s, hi(j + 32)'s for i = 0..3). Groups of 32: lo(j) = j, hi(j) = j + 64; groups of 16
+    (Q6_K): lo(j) the first 8 values of group j / 8, hi(j) its last 8, so the two halves of a
+    64-byte load cover the same 8 groups and their dots add in one lane (qm_digits.h). A last 64
+    (K = 64 mod 128): 32 bytes of low nibbles (value j, value j + 32), then 16 bytes of top bits
+    (byte j, bits 2i, 2i + 1: value j + 16 i's). qmatmul.c's expand_q6 reads both."""
     n, k = codes.shape
     c = (codes.to(torch.int16) + 32).to(torch.uint8)
-    parts = [_pack6(c[:, : k // 128 * 128].reshape(n, -1, 128), 128)] if k >= 128 else []
+    whole = k // 128 * 128
+    parts = [_pack6(c[:, :whole].reshape(n, -1, 128)[..., _order(group)], 128)] if k >= 128 else []
     if k % 128:
-        parts.append(_pack6(c[:, k // 128 * 128 :].reshape(n, 1, 64), 64))
+        parts.append(_pack6(c[:, whole:].reshape(n, 1, 64), 64))
     return torch.cat(parts, dim=-1).contiguous()
+
+
+def _order(group: int) -> torch.Tensor:
+    """A whole 128's values in the order pack6 stores them: lo(0..63), then hi(0..63)."""
+    if group != 16:
+        return torch.arange(128)
+    j = torch.arange(64)
+    lo = 16 * (j // 8) + j % 8
+    return torch.cat([lo, lo + 8])
 
 
 def _pack6(c: torch.Tensor, width: int) -> torch.Tensor:
@@ -128,11 +140,14 @@ def _pack6(c: torch.Tensor, width: int) -> torch.Tensor:
     return torch.cat([nibbles, tops], dim=-1).reshape(n, -1)
 
 
-def unpack6(packed: torch.Tensor, k: int) -> torch.Tensor:
+def unpack6(packed: torch.Tensor, k: int, group: int = 32) -> torch.Tensor:
     """pack6's inverse: (N, K / 64 * 48) bytes -> (N, K) int32 codes in -32..31."""
     n = packed.shape[0]
     whole = k // 128 * 96
-    parts = [_unpack6(packed[:, :whole], 128)] if k >= 128 else []
+    parts = []
+    if k >= 128:
+        stored = _unpack6(packed[:, :whole], 128).reshape(n, -1, 128)
+        parts.append(torch.empty_like(stored).index_copy_(2, _order(group), stored).reshape(n, -1))
     if k % 128:
         parts.append(_unpack6(packed[:, whole:], 64))
     return torch.cat(parts, dim=-1).reshape(n, k) - 32
@@ -205,7 +220,7 @@ def codes_of(w: QuantWeight) -> torch.Tensor:
     if w.kind == "q8":
         return w.codes.to(torch.int32)
     if w.kind == "q6":
-        return unpack6(w.codes, w.in_features)
+        return unpack6(w.codes, w.in_features, w.group)
     p = w.codes.reshape(w.out_features, -1, 16)
     return torch.stack([p & 15, p >> 4], dim=2).reshape(w.out_features, w.in_features).to(torch.int32)
 
@@ -237,7 +252,7 @@ def dequantize_rows(w: QuantWeight, rows: torch.Tensor) -> torch.Tensor:
         p = codes.reshape(len(rows), -1, 16)
         codes = torch.stack([p & 15, p >> 4], dim=2)
     elif w.kind == "q6":
-        codes = unpack6(codes, w.in_features)
+        codes = unpack6(codes, w.in_features, w.group)
     groups = w.in_features // w.group
     scales = params_fp32(w.scales[rows], groups)
     v = codes.reshape(len(rows), -1, w.group).float() * scales[..., None]

@@ -51,13 +51,15 @@ typedef struct {
     int8_t *q4[3];  /* the same, reordered as q4 codes unpack (see q4_rows_vnni): each 128 as x 0-15, 32-47,
                      * 64-79, 96-111 (low nibbles), then 16-31, 48-63, 80-95, 112-127 (high nibbles); a last
                      * 64 (n = 64 mod 128) as x 0-15, 32-47, 16-31, 48-63 */
+    int8_t *q6[3];  /* the same, each whole 128 as groups-of-16 six-bit codes unpack (linear.pack6): the
+                     * first 8 values of each of its 8 groups of 16, then their last 8 */
     float *u16, *u32; /* each group of 16 / 32's unit u (a block's, for both its groups of 16) */
     float *c16, *c32; /* -128 * u * (the group's sum of v): a q8 code offset's share, taken back */
     int ok;           /* digits were made (the length is a multiple of 64) */
 } qm_digits;
 
 /* Bytes of scratch for digits of n activations. */
-static size_t digits_bytes(int64_t n) { return (size_t)n * 6 + (size_t)(n / 16 + n / 32) * 2 * sizeof(float) + 64; }
+static size_t digits_bytes(int64_t n) { return (size_t)n * 9 + (size_t)(n / 16 + n / 32) * 2 * sizeof(float) + 64; }
 
 /* x (n values) -> d, in `mem` (digits_bytes(n)). */
 static void make_digits(const float *x, int64_t n, char *mem, qm_digits *d) {
@@ -66,7 +68,7 @@ static void make_digits(const float *x, int64_t n, char *mem, qm_digits *d) {
     float *f = (float *)mem;
     d->u16 = f, d->u32 = f + n / 16, d->c16 = d->u32 + n / 32, d->c32 = d->c16 + n / 16;
     int8_t *b = (int8_t *)(d->c32 + n / 32);
-    for (int i = 0; i < 3; i++) d->nat[i] = b + i * n, d->q4[i] = b + (3 + i) * n;
+    for (int i = 0; i < 3; i++) d->nat[i] = b + i * n, d->q4[i] = b + (3 + i) * n, d->q6[i] = b + (6 + i) * n;
     const __m512 sign = _mm512_set1_ps(-0.0f);
     const __m512i k128 = _mm512_set1_epi32(128), k255 = _mm512_set1_epi32(255);
     for (int64_t blk = 0; blk < n / 32; blk++) {
@@ -115,6 +117,12 @@ static void make_digits(const float *x, int64_t n, char *mem, qm_digits *d) {
             _mm512_storeu_si512(d->q4[i] + k, _mm512_permutex2var_epi64(a, lo, b));
             _mm512_storeu_si512(d->q4[i] + k + 64, _mm512_permutex2var_epi64(a, hi, b));
         }
+        const __m512i even = _mm512_setr_epi64(0, 2, 4, 6, 8, 10, 12, 14), odd = _mm512_setr_epi64(1, 3, 5, 7, 9, 11, 13, 15);
+        for (int64_t j = 0; j + 128 <= n; j += 128) { /* eighths of 8 values: even ones, then odd ones */
+            __m512i a = _mm512_loadu_si512(d->nat[i] + j), b = _mm512_loadu_si512(d->nat[i] + j + 64);
+            _mm512_storeu_si512(d->q6[i] + j, _mm512_permutex2var_epi64(a, even, b));
+            _mm512_storeu_si512(d->q6[i] + j + 64, _mm512_permutex2var_epi64(a, odd, b));
+        }
         if (k < n) /* quarters A B C D -> A C B D */
             _mm512_storeu_si512(d->q4[i] + k, _mm512_shuffle_i64x2(_mm512_loadu_si512(d->nat[i] + k),
                                                                    _mm512_loadu_si512(d->nat[i] + k), 0xD8));
@@ -130,6 +138,7 @@ static const int32_t LANES_Q4[4][16] = {{0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 
                                         {6, 6, 6, 6, 7, 7, 7, 7, 6, 6, 6, 6, 7, 7, 7, 7}};
 static const int32_t LANES_Q4W[2][16] = {{0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3},
                                          {4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7}};
+static const int32_t LANES_Q6_16[16] = {0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7};
 static const int32_t LANES_Q8_32[4][16] = {{0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1},
                                            {2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3},
                                            {4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5},
@@ -266,7 +275,8 @@ QM_INLINE void q8_rows_vnni(const qm_digits *d, const float *const *xsum, const 
     const __m512i up_lo = _mm512_setr_epi64(4, 4, 4, 4, 2, 2, 2, 2), down_hi = _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2);
     const __m512i m4w = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30);
     const __m256i m4 = _mm256_set1_epi8(15);
-    __m512i second[QM_ROWS]; /* a whole 128's values 64-127, for its second chunk */
+    const __m512i pairs = _mm512_loadu_si512(LANES_Q6_16);
+    __m512i second[QM_ROWS]; /* a whole 128's values 64-127, for its second chunk (groups of 32) */
     for (int r = 0; r < QM_ROWS; r++) second[r] = _mm512_setzero_si512();
     __m512i lanes32[4], lanes16[2];
     for (int c = 0; c < 4; c++) lanes32[c] = _mm512_loadu_si512(LANES_Q8_32[c]);
@@ -298,6 +308,33 @@ QM_INLINE void q8_rows_vnni(const qm_digits *d, const float *const *xsum, const 
                 if (mn) ext[r][i] = _mm256_fmadd_ps(m, xs[i], ext[r][i]);
                 f[r][i] = _mm512_castps256_ps512(_mm256_mul_ps(s, u[i]));
             }
+        }
+        if (six && group == 16 && n == 8) { /* a whole 128 of groups of 16: both halves' dots in one lane */
+            int64_t at = g * 16;
+            __m512i lo[QM_ROWS], hi[QM_ROWS];
+            for (int r = 0; r < R; r++) {
+                const uint8_t *row = (const uint8_t *)codes + r * rb + at / 128 * 96;
+                _mm_prefetch((const char *)(row + QM_AHEAD * QM_ROWS * rb), QM_HINT);
+                _mm_prefetch((const char *)(row + 64 + QM_AHEAD * QM_ROWS * rb), QM_HINT);
+                __m512i bytes = _mm512_loadu_si512(row);
+                __m512i top = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(row + 64)));
+                lo[r] = _mm512_or_si512(_mm512_and_si512(bytes, m4w), _mm512_and_si512(_mm512_sllv_epi64(top, up_lo), m30));
+                hi[r] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(bytes, 4), m4w),
+                                        _mm512_and_si512(_mm512_srlv_epi64(top, down_hi), m30));
+            }
+            for (int i = 0; i < few; i++) {
+                const int8_t *da = d[i].q6[0] + at, *db = d[i].q6[1] + at, *dc = d[i].q6[2] + at;
+                __m512i a0 = _mm512_loadu_si512(da), a1 = _mm512_loadu_si512(da + 64);
+                __m512i b0 = _mm512_loadu_si512(db), b1 = _mm512_loadu_si512(db + 64);
+                __m512i c0 = _mm512_loadu_si512(dc), c1 = _mm512_loadu_si512(dc + 64);
+                for (int r = 0; r < R; r++) { /* 8 products a lane, codes <= 63: under 2^31 (2,130,508,800) */
+                    __m512i t = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[r], a0), hi[r], a1);
+                    t = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_slli_epi32(t, 8), lo[r], b0), hi[r], b1);
+                    t = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_slli_epi32(t, 8), lo[r], c0), hi[r], c1);
+                    acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_permutexvar_ps(pairs, f[r][i]), acc[r][i]);
+                }
+            }
+            continue;
         }
         for (int64_t c = 0; c < n / per; c++) {
             int64_t at = g * group + c * 64;

@@ -203,17 +203,20 @@ static void decode_q4(const uint8_t *packed, const void *scales, const void *min
 }
 
 /* kind 6: Q6_K's six-bit codes kept in six bits, c = code + 32 (0 .. 63), 48 bytes per 64 values
- * (linear.pack6). Each whole 128 values: 64 bytes of low nibbles (byte j: value j's, and in its
- * high nibble value j + 64's), then 32 bytes of the top two bits (byte j: bits 2i and 2i + 1 are
- * value j + 32 i's). A last 64 (K = 64 mod 128): 32 bytes of low nibbles (value j, value j + 32),
- * then 16 bytes of top bits (byte j: value j + 16 i's). */
-static void expand_q6(const uint8_t *p, int64_t K, int8_t *out) {
+ * (linear.pack6). Each whole 128 values: 64 bytes of low nibbles (byte j: value lo(j)'s, and in
+ * its high nibble value hi(j)'s), then 32 bytes of the top two bits (byte j: bits 0-1 value
+ * lo(j)'s, 2-3 lo(j + 32)'s, 4-5 hi(j)'s, 6-7 hi(j + 32)'s); groups of 32: lo(j) = j, hi(j) =
+ * j + 64; groups of 16: lo(j) = 16 (j / 8) + j % 8, hi(j) = lo(j) + 8. A last 64 (K = 64 mod
+ * 128): 32 bytes of low nibbles (value j, value j + 32), then 16 bytes of top bits (byte j: value
+ * j + 16 i's). */
+static void expand_q6(const uint8_t *p, int64_t K, int64_t group, int8_t *out) {
     int64_t at = 0;
     for (; at + 128 <= K; at += 128, p += 96, out += 128)
         for (int j = 0; j < 64; j++) {
-            int top = p[64 + (j & 31)];
-            out[j] = (int8_t)(((p[j] & 15) | (((top >> (2 * (j >> 5))) & 3) << 4)) - 32);
-            out[j + 64] = (int8_t)(((p[j] >> 4) | (((top >> (2 * ((j >> 5) + 2))) & 3) << 4)) - 32);
+            int top = p[64 + (j & 31)], lo = group == 16 ? 16 * (j >> 3) + (j & 7) : j;
+            int hi = group == 16 ? lo + 8 : j + 64, field = 2 * (j >> 5); /* 0 or 2: hi's fields are 2 on */
+            out[lo] = (int8_t)(((p[j] & 15) | (((top >> field) & 3) << 4)) - 32);
+            out[hi] = (int8_t)(((p[j] >> 4) | (((top >> (field + 4)) & 3) << 4)) - 32);
         }
     if (at < K)
         for (int j = 0; j < 32; j++) {
@@ -226,13 +229,13 @@ static void expand_q6(const uint8_t *p, int64_t K, int8_t *out) {
 /* A kind-6 row as signed codes, in this thread's buffer (kept between calls, grown as needed). */
 static _Thread_local int8_t *six_buf = NULL;
 static _Thread_local size_t six_len = 0;
-static const int8_t *six_row(const void *p, int64_t K) {
+static const int8_t *six_row(const void *p, int64_t K, int64_t group) {
     if ((size_t)K > six_len) {
         int8_t *grown = (int8_t *)realloc(six_buf, (size_t)K);
         if (!grown) abort(); /* K bytes: a machine without them cannot have loaded the model */
         six_buf = grown, six_len = (size_t)K;
     }
-    expand_q6((const uint8_t *)p, K, six_buf);
+    expand_q6((const uint8_t *)p, K, group, six_buf);
     return six_buf;
 }
 
@@ -246,7 +249,7 @@ static void decode_row(int64_t kind, const void *row, const void *sc, const void
     if (QM_KIND(kind) == 4)
         decode_q4((const uint8_t *)row, sc, mn, half, K, out, (kind & QM_OFF8) != 0);
     else
-        decode_q8(QM_KIND(kind) == 6 ? six_row(row, K) : (const int8_t *)row, sc, mn, half, K, group, out);
+        decode_q8(QM_KIND(kind) == 6 ? six_row(row, K, group) : (const int8_t *)row, sc, mn, half, K, group, out);
 }
 
 #include "qm_attend.h" /* hsum, dot, attend, attend_masked */
@@ -464,7 +467,7 @@ static float row_fp32(int64_t kind, const float *x, const void *row, const void 
         return ROW_Q4(x, (const uint8_t *)row, s2, m2, 0, xsum, K);
     }
     if (QM_KIND(kind) == 4) return ROW_Q4(x, (const uint8_t *)row, sc, mn, half, xsum, K);
-    return ROW_Q8(x, QM_KIND(kind) == 6 ? six_row(row, K) : (const int8_t *)row, sc, mn, half, xsum, K, group);
+    return ROW_Q8(x, QM_KIND(kind) == 6 ? six_row(row, K, group) : (const int8_t *)row, sc, mn, half, xsum, K, group);
 }
 #endif
 #include "qm_digits.h"

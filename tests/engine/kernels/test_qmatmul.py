@@ -131,16 +131,19 @@ def test_q4_0_is_held_at_its_files_bytes(lib: object) -> None:
 
 
 def test_six_bit_codes_round_trip_through_their_packing() -> None:
-    """pack6 lays whole 128s and a last 64 differently (linear.pack6); unpack6 reads both back, and
-    the bytes are three quarters of a byte a code either way."""
+    """pack6 lays whole 128s (in an order of their own for groups of 16) and a last 64 differently
+    (linear.pack6); unpack6 reads them all back, and the bytes are three quarters of a byte a code
+    either way."""
     from engine.kernels.linear import pack6, unpack6
 
     g = torch.Generator().manual_seed(7)
-    for k in (64, 128, 192, 576, 1024):
-        codes = torch.randint(-32, 32, (3, k), generator=g, dtype=torch.int8)
-        packed = pack6(codes)
-        assert packed.shape == (3, k // 64 * 48)
-        assert torch.equal(unpack6(packed, k), codes.int()), k
+    for group in (16, 32):
+        for k in (64, 128, 192, 576, 1024):
+            codes = torch.randint(-32, 32, (3, k), generator=g, dtype=torch.int8)
+            packed = pack6(codes, group)
+            assert packed.shape == (3, k // 64 * 48)
+            assert torch.equal(unpack6(packed, k, group), codes.int()), (group, k)
+    assert not torch.equal(pack6(codes, 16), pack6(codes, 32))
 
 
 def test_four_bit_codes_pack_as_gguf_blocks_hold_them(lib: object) -> None:
