@@ -9,7 +9,8 @@ optionally a minimum per group, w = scale * code (+ minimum):
 - "q6": codes -32..31 in six bits (N x K/64*48, `pack6`), groups of 16 or 32: Q6_K (groups of
   16), Q5_0/Q5_1/Q5_K (codes 0..31, with minimums);
 - "q4": codes 0..15 packed two per byte (N x K/2; in each group of 32, byte k holds value k in
-  its low nibble and value k + 16 in its high nibble), groups of 32: Q4_0, Q4_1, Q4_K.
+  its low nibble and value k + 16 in its high nibble), groups of 32: Q4_0, Q4_1, Q4_K. Q4_0's
+  minimum, -8 scale, is not stored (`offset` 8): 0.5625 bytes a weight, the file's.
 
 Scales and minimums are kept in fp16 where every one of a weight's is exactly an fp16 value (the
 file's own fp16 scales: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), as K-quants store them where they are

@@ -705,6 +705,19 @@ static void experts_region(const qm_linear *gate_up, const qm_linear *down, cons
                            float *tmp, float *y, int acc_into);
 static void route_one(const qm_layer *L, const float *logits, int64_t *ids, float *w, int64_t *hits);
 
+/* The dense layers' widest MLP (inter) and the MoE layers' most experts, top_k and expert width. */
+static void widths(const qm_layer *layers, int64_t count, int64_t *inter, int64_t *E, int64_t *K, int64_t *I) {
+    for (int64_t l = 0; l < count; l++) {
+        const qm_layer *L = layers + l;
+        if (L->experts > 0) {
+            *E = L->experts > *E ? L->experts : *E, *K = L->top_k > *K ? L->top_k : *K;
+            *I = L->expert_down[0].k > *I ? L->expert_down[0].k : *I;
+        } else {
+            *inter = L->gate.n > *inter ? L->gate.n : *inter;
+        }
+    }
+}
+
 int qm_decode_layers(const qm_layer *layers, float *const *keys, float *const *values, int64_t count, int64_t hidden,
                      int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t capacity, int64_t length,
                      float scale, const float *cos, const float *sin, float *x, int threads) {
@@ -712,15 +725,7 @@ int qm_decode_layers(const qm_layer *layers, float *const *keys, float *const *v
     int64_t bq = (nq + QM_ROWS - 1) / QM_ROWS, bkv = (nkv + QM_ROWS - 1) / QM_ROWS; /* blocks of rows */
     int64_t inter = 0, widest = hidden > nq ? hidden : nq;
     int64_t E = 0, K = 0, I = 0; /* the MoE layers' most experts, top_k and expert width */
-    for (int64_t l = 0; l < count; l++) {
-        const qm_layer *L = layers + l;
-        if (L->experts > 0) {
-            E = L->experts > E ? L->experts : E, K = L->top_k > K ? L->top_k : K;
-            I = L->expert_down[0].k > I ? L->expert_down[0].k : I;
-        } else {
-            inter = L->gate.n > inter ? L->gate.n : inter;
-        }
-    }
+    widths(layers, count, &inter, &E, &K, &I);
     widest = inter > widest ? inter : widest;
     widest = I > widest ? I : widest;
     if (threads < 1) threads = 1;
@@ -1211,15 +1216,7 @@ int qm_pass_layers(const qm_layer *layers, float *const *keys, float *const *val
     int64_t D = head_dim, H = hidden, nq = heads * D, nkv = kv_heads * D, group_size = heads / kv_heads;
     int64_t inter = 0, total = length + n;
     int64_t E = 0, K = 0, I = 0; /* the MoE layers' most experts, top_k and expert width */
-    for (int64_t l = 0; l < count; l++) {
-        const qm_layer *L = layers + l;
-        if (L->experts > 0) {
-            E = L->experts > E ? L->experts : E, K = L->top_k > K ? L->top_k : K;
-            I = L->expert_down[0].k > I ? L->expert_down[0].k : I;
-        } else {
-            inter = L->gate.n > inter ? L->gate.n : inter;
-        }
-    }
+    widths(layers, count, &inter, &E, &K, &I);
     int64_t widest = H > nq ? H : nq;
     widest = inter > widest ? inter : widest;
     widest = I > widest ? I : widest;

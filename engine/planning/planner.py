@@ -73,10 +73,9 @@ KERNEL_EXPERT_BYTES_PER_PARAM = 0.62
 # 128), 0.83 a weight (a Q8_0 file's 1.06; a one-token step reads all of it, so it is much of a
 # small model's step: the synthetic MoE's 151,936 x 2048 head ~11 ms of a 33 ms step here)
 KERNEL_HEAD_BYTES_PER_PARAM = 0.83
-# Priors for a profile without an ExpertTiming (measured before SpecChat timed experts): a
-# further token's expert row, per weight (this project's 2-core CPU at 2 threads, `specchat bench
-# hardware`: 1.4e-11 with 2-4 tokens an expert, the integer rows, since the ninth session's
-# 128-code rows; 2.3e-11 before), and the experts read at the RAM copy rate.
+# Priors for a profile without an ExpertTiming: a further token's expert row, per weight (this
+# project's 2-core CPU at 2 threads, `specchat bench hardware`, 4 tokens an expert: the integer
+# rows, 1.4e-11 since the ninth session's 128-code rows, 2.3e-11 before), and RAM copy speed reads.
 EXPERT_ROW_S_PER_PARAM = 1.4e-11
 EXPERTS_SYNC_S = 1e-4  # per MoE layer and pass, experts on the CPU beside a GPU: states over, the sum back
 HOST_MARGIN_BYTES = 2 * GB  # RAM left to the OS and the app when predicting a placement
