@@ -54,6 +54,7 @@ from app.widgets.field_row import ElidedLabel
 from app.workers.download_worker import DownloadOptions, DownloadQueue, StarterSource
 from app.workers.scan_worker import DiskScan, ScanHost
 from engine import paths
+from engine.decoding.draft_menu import DraftEntry, head_entries
 from engine.errors import EngineError
 from engine.store import (
     Discovery,
@@ -134,6 +135,8 @@ class ModelsPage(QWidget):
         header.addStretch(1)
         header.addWidget(self.folder_label)
         self.pair = PairBox()
+        self.pair.heads_for = self._heads_for
+        self._heads: dict[Path, list[DraftEntry]] = {}  # by target path, until the next listing
         self.pair.use_requested.connect(self.set_active_pair)
         self.profile_label = QLabel()
         self.profile_label.setWordWrap(True)
@@ -194,6 +197,16 @@ class ModelsPage(QWidget):
         model = self._find_local(spec)
         return model.path if model is not None else None
 
+    def _heads_for(self, name: str) -> list[DraftEntry]:
+        """The heads the local model `name` brings (draft_menu: config files and headers only),
+        kept until the models are listed again."""
+        path = self._locate(name)
+        if path is None:
+            return []
+        if path not in self._heads:
+            self._heads[path] = head_entries(path)
+        return self._heads[path]
+
     def _pref_spec(self, spec: str) -> str:
         """How the preferences name a model: the starter by its GGUF (what loads), others by id."""
         path = self._locate(spec) if spec and spec == self._catalog.starter else None
@@ -247,6 +260,7 @@ class ModelsPage(QWidget):
         profile = load_profile()
         self._options = pair_options(self._catalog, profile, locate=self._locate)
         self.profile_label.setText("This computer: " + profile_headline(profile))
+        self._heads.clear()  # a head downloaded or removed shows at the next listing
         self.catalog.fill(self._options, self.is_local)
         self.local.fill(self._local, self._damage, self.found.problems)
         self._show_pair()
@@ -350,7 +364,8 @@ class ModelsPage(QWidget):
         self.downloads.finish(spec, "cancelled", "Cancelled · the partial data is kept; download again to resume")
 
 
-DRAFT_WORDS = {"": "no draft", "none": "no draft", "auto": "the draft the engine picks", "self": "a self-draft"}
+DRAFT_WORDS = {"": "no draft", "none": "no draft", "auto": "the draft the engine picks", "self": "a self-draft",
+               "mtp": "the model's MTP head", **{f"self:{b}": f"a {b}-bit self-draft" for b in (2, 3, 4)}}
 
 
 def _short_name(spec: str) -> str:

@@ -51,10 +51,12 @@ class NoModelLoaded(EngineError):
 
 def running_draft(spec: str, has_draft: bool, choice: DraftChoice | None) -> str:
     """The draft that runs, as the app names it: "" when none runs, a draft model by the spec it
-    was loaded by, a head or a self-draft (picked by "auto" or "self") by its label."""
+    was loaded by, a head or a self-draft (picked by "auto", or by hand: "self", "mtp", a head's
+    folder) by its label."""
     if not has_draft:
         return ""
-    if spec in ("auto", "self") or spec.startswith("self:"):
+    if spec in ("auto", "self", "mtp") or spec.startswith("self:") or (choice is not None and
+                                                                       choice.kind in ("mtp", "assistant")):
         return choice.label if choice is not None else spec
     return spec
 

@@ -94,7 +94,7 @@ def budget_value(text: str) -> int | str:
 
 DRAFT_HELP = ("auto: the engine picks the fastest of the target's MTP head, a shipped assistant/EAGLE head, a "
               "self-draft, the catalog's draft and none, and says why; none: draft-free (trees of context "
-              "candidates only); self or self:BITS (2, 3, 4): a low-bit copy of the target's offloaded layers "
+              "candidates only); mtp: the MTP/NextN layers the target's checkpoint carries; self or self:BITS (2, 3, 4): a low-bit copy of the target's offloaded layers "
               "plus its resident ones ('self' sizes the bits to the memory left); MODEL: a draft model sharing "
               "the target's tokenizer, or a folder holding a Gemma 4 assistant or an EAGLE-3 head (found "
               "beside the model by 'auto' too: a folder whose name says eagle) (default: auto)")

@@ -4,7 +4,8 @@ spec names or, for "auto", the one engine.decoding.draft_choice picks; checks th
 shares the target's tokenizer, and gives the Engine the files its KV caches are saved to. The
 choice, with its reason, is recorded on the engine as `engine.draft_choice` (a DraftChoice).
 
-Draft specs (`parse_draft_spec`): None or "none" = draft-free; "auto" = the engine picks; "self"
+Draft specs (`parse_draft_spec`): None or "none" = draft-free; "auto" = the engine picks; "mtp" =
+the MTP / NextN layers the target's checkpoint carries (engine.model.heads); "self"
 or "self:BITS" (BITS 2, 3, 4) = a self-draft of the target (engine.loading.self_draft; "self"
 sizes the bits to the memory left); a folder holding a Gemma 4 assistant (model_type
 gemma4_assistant) = that assistant drafting for its Gemma 4 target (engine.model.assistant); a
@@ -37,7 +38,7 @@ from engine.decoding.draft_choice import (
 from engine.decoding.generation import Engine
 from engine.decoding.draft_rates import measured_curves, rates_for
 from engine.decoding.learned import learned_file
-from engine.errors import Cancelled, EngineError, InvalidRequest, UsageError
+from engine.errors import Cancelled, EngineError, InvalidRequest, UnsupportedModel, UsageError
 from engine.loading.load import LoadedModel, check_pair, load_model, resolve_device, resolve_path
 from engine.loading.layer_plan import STREAM_FROM_TOKENS, MaterialiseSettings, cache_experts, stream_experts
 from engine.loading.materialise import resident_bytes
@@ -55,7 +56,7 @@ from engine.units import GIB
 
 log = logging.getLogger(__name__)
 
-SpecKind = Literal["auto", "none", "self", "model"]
+SpecKind = Literal["auto", "none", "mtp", "self", "model"]
 SELF_BITS_ALLOWED = (2, 3, 4)
 
 
@@ -69,6 +70,8 @@ def parse_draft_spec(spec: str | Path | None) -> tuple[SpecKind, int | None, str
         return "auto", None, None
     if text == "self":
         return "self", None, None
+    if text == "mtp":
+        return "mtp", None, None
     if text.startswith("self:"):
         bits = text[5:]
         if bits not in tuple(map(str, SELF_BITS_ALLOWED)):
@@ -121,6 +124,11 @@ def load_engine(
         info = getattr(draft_model, "self_draft", None)
         label = info.label if info is not None else f"self-draft, {bits}-bit"
         choice = manual_choice("self", label, "chosen by hand (--draft self)", getattr(info, "bits", bits))
+    elif kind == "mtp":
+        spec = checkpoint_head(loaded_target.path, tmodel.config)
+        report("draft", 0.8, f"loading the draft head {spec.label}")
+        draft_model = head_drafts.load_head(loaded_target.path, tmodel, spec)
+        choice = manual_choice("mtp", spec.label, "chosen by hand (--draft mtp)")
     elif kind == "model" and (eagle or assistant):  # a head in a folder of its own
         assert model_spec is not None
         what = "an EAGLE-3 head" if eagle else "an assistant folder"
@@ -258,6 +266,20 @@ def find_heads(folder: Path, config: Any) -> list[Any]:
     except (EngineError, OSError, ValueError) as exc:
         log.warning("looking for draft heads in %s failed: %s", folder, exc)
         return []
+
+
+def checkpoint_head(folder: Path, config: Any) -> Any:
+    """The MTP / NextN head stored in the target's checkpoint (engine.model.heads.HeadSpec).
+    UsageError when it carries none; UnsupportedModel when it does and the head cannot run."""
+    found = [s for s in find_heads(folder, config) if str(getattr(s, "kind", "")) == "mtp"]
+    if not found:
+        raise UsageError(f"'{folder.name}' carries no MTP or NextN draft layers (only some Qwen3.5/3.6, GLM-4.5 and "
+                         "DeepSeek-V3 checkpoints do, and a GGUF file never keeps them): choose another draft "
+                         "(--draft auto lets the engine pick).")
+    if found[0].problem:
+        raise UnsupportedModel(f"The model's draft head cannot be used: {found[0].problem}. Choose another draft "
+                               "(--draft auto lets the engine pick).")
+    return found[0]
 
 
 def _head_loader(folder: Path, target: CausalLM, spec: Any) -> Loader:

@@ -7,6 +7,7 @@ runs, fetched by a starter source (pip, stood in for by `tiny_starter`, a tiny Q
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -136,8 +137,8 @@ def test_import_remove_and_choose_a_pair_from_local_models(
 
         page.pair.target_combo.setCurrentIndex(page.pair.target_combo.findData(target.name))
         drafts = [page.pair.draft_combo.itemData(i) for i in range(page.pair.draft_combo.count())]
-        # the engine's choices (automatic, none, self-draft), then the other model: never the target itself
-        assert drafts == ["auto", "", "self", draft.name]
+        # the engine's choices (automatic, none, self-drafts), then the other model: never the target itself
+        assert drafts == ["auto", "", None, "self", "self:4", "self:3", "self:2", None, draft.name]
         page.pair.draft_combo.setCurrentIndex(page.pair.draft_combo.findData(draft.name))
         page.pair.target_combo.setCurrentIndex(page.pair.target_combo.findData(draft.name))  # the draft as target...
         assert page.pair.draft_combo.findData(draft.name) == -1 and page.pair.draft_combo.currentData() == ""  # ...is no draft
@@ -523,3 +524,27 @@ def _left():  # type: ignore[no-untyped-def]
     from PySide6.QtCore import Qt
 
     return Qt.MouseButton.LeftButton
+
+
+def test_the_draft_box_lists_a_head_kept_beside_the_target(
+    qtbot: QtBot, prefs_store: PreferencesStore, hub: HubServer, download_settings: DownloadSettings,
+    app_env: Path,
+) -> None:
+    sys.path.insert(0, str(Path(__file__).parents[1] / "engine" / "decoding"))
+    from eagle_checkpoints import write_eagle
+
+    target = tiny_model("llama", seed=0, cache_dir=app_env / "cache")
+    head = write_eagle(target.parent / f"{target.name}-eagle3", target, aux=[0, 1, 1])
+    page = make_page(qtbot, prefs_store, hub, download_settings)
+    try:
+        assert page.import_path(target) is not None
+        combo = page.pair.draft_combo
+        page.pair.target_combo.setCurrentIndex(page.pair.target_combo.findData(target.name))
+        index = combo.findData(str(head))
+        assert index >= 0 and "EAGLE-3" in combo.itemText(index) and "cannot" not in combo.itemText(index)
+        combo.setCurrentIndex(index)
+        with qtbot.waitSignal(page.active_pair_changed) as chosen:
+            qtbot.mouseClick(page.pair.use_button, _left())
+        assert chosen.args == [target.name, str(head)] and prefs_store.load().draft == str(head)
+    finally:
+        page.shutdown()

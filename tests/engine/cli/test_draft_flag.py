@@ -36,6 +36,7 @@ def test_parse_draft_spec() -> None:
     assert parse_draft_spec("auto") == ("auto", None, None)
     assert parse_draft_spec("self") == ("self", None, None)
     assert parse_draft_spec("self:3") == ("self", 3, None)
+    assert parse_draft_spec("mtp") == ("mtp", None, None)
     assert parse_draft_spec("some/folder") == ("model", None, "some/folder")
     with pytest.raises(InvalidRequest, match="2, 3 or 4 bits"):
         parse_draft_spec("self:8")
