@@ -10,6 +10,13 @@ cannot run yet (a family, wrapper or weight format the engine does not load) say
 `unsupported`: it is listed, never paired, and `CatalogModel.refusal()` is what a download of it
 raises before a byte is fetched. The catalog tests hold each mark against the engine's own
 loading checks, so a mark goes stale loudly when the engine learns the format.
+
+Roles: "target", "draft" (a small model of the target's tokenizer) and "head": an EAGLE-3 head
+(engine.model.eagle_spec), one decoder layer trained on one target's hidden states, with no
+tokenizer or model of its own. A head names the targets it was trained for (`head_for`) and is
+paired only with those. Its id says "eagle", so the models folder keeps it beside its target,
+where engine.model.eagle_spec.find_eagles looks for heads; its `shape` is its own layer's, and
+`draft_vocab_size` the rows of its output head (a head drafts over a reduced vocabulary).
 """
 
 from __future__ import annotations
@@ -34,7 +41,9 @@ SCHEMA_VERSION = 1
 # Display names of the weight formats (CatalogModel.dtype), for lists and tables.
 _FORMAT_LABELS = {"bfloat16": "BF16", "float16": "FP16", "bnb-nf4": "bnb NF4", "mxfp4": "MXFP4"}
 _SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_kv_heads", "head_dim",
-               "experts", "experts_per_token", "expert_width")
+               "experts", "experts_per_token", "expert_width", "draft_vocab_size")
+ROLES = ("target", "draft", "head")
+HEAD_WORD = "eagle"  # in every head's id: its folder then sits where find_eagles looks, beside its target
 DEFAULT_CATALOG_PATH = resource("catalog.json")
 MAX_CATALOG_BYTES = 8 << 20
 
@@ -93,10 +102,18 @@ class CatalogModel:
     expert_width: int | None = None
     model_type: str = ""  # config.json's model_type; a GGUF entry's general.architecture
     unsupported: str = ""  # why SpecChat cannot run this entry yet; "" when it runs
+    # an EAGLE-3 head (role "head"): the catalog ids of the targets it was trained for, and the
+    # rows of its output head (its reduced draft vocabulary; None: the full vocabulary)
+    head_for: tuple[str, ...] = ()
+    draft_vocab_size: int | None = None
 
     @property
     def runnable(self) -> bool:
         return not self.unsupported
+
+    @property
+    def is_head(self) -> bool:
+        return self.role == "head"
 
     def refusal(self) -> UnsupportedModel:
         """What a download of an entry SpecChat cannot run raises, before any request."""
@@ -125,7 +142,10 @@ class CatalogModel:
 
     def shape(self) -> ModelShape:
         """The model's shape for the cost model: from the entry's shape fields; without them, a
-        layer sized from the parameter count (hidden size from the usual aspect ratio)."""
+        layer sized from the parameter count (hidden size from the usual aspect ratio). A head's:
+        its one layer and its output head over the draft vocabulary, which is what one draft
+        pass runs (its `fc` over the target's three hidden states and the layer's doubled q/k/v
+        inputs are not counted: a few per cent of the layer)."""
         experts = None
         if self.experts and self.experts_per_token and self.expert_width:
             experts = ExpertShape(self.experts, self.experts_per_token, self.expert_width, self.layers)
@@ -140,7 +160,7 @@ class CatalogModel:
             hidden = 128 * max(1, round(math.sqrt(self.parameters / self.layers / 12) / 128))
             layer = LayerShape(self.id, hidden, int(3.5 * hidden), hidden // 128, max(1, hidden // 1024), 128)
             experts = None  # a layer sized from the parameter count is priced as a dense one
-        return ModelShape(self.id, self.layers, layer, self.vocab_rows, experts=experts)
+        return ModelShape(self.id, self.layers, layer, self.draft_vocab_size or self.vocab_rows, experts=experts)
 
 
 @dataclass(frozen=True)
@@ -179,6 +199,19 @@ class Catalog:
     def pair(self, pair_id: str) -> CatalogPair | None:
         return next((p for p in self.pairs if p.id == pair_id), None)
 
+    def draft_pair(self, target_id: str) -> CatalogPair | None:
+        """The first pair of `target_id` with a draft *model* (role "draft"): what a caller that
+        loads the catalog's draft as a model takes; a head's pair is never it."""
+        for pair in self.pairs:
+            draft = self.find(pair.draft) if pair.target == target_id and pair.draft else None
+            if draft is not None and draft.role == "draft":
+                return pair
+        return None
+
+    def heads_for(self, target_id: str) -> tuple[CatalogModel, ...]:
+        """The EAGLE-3 heads declared for `target_id`."""
+        return tuple(m for m in self.models if m.is_head and target_id in m.head_for)
+
 
 def load_catalog(path: Path | None = None) -> Catalog:
     """Read and validate the catalog; a malformed file raises UnsupportedModel naming the entry."""
@@ -206,6 +239,11 @@ def load_catalog(path: Path | None = None) -> Catalog:
     ids = {m.id for m in models}
     if len(ids) != len(models):
         raise UnsupportedModel(f"The model catalog {source} lists a model id twice.")
+    for model in models:
+        unknown = [t for t in model.head_for if t not in ids]
+        if unknown:
+            raise UnsupportedModel(f"Catalog entry {model.id!r} in {source} is declared a head for {unknown[0]!r}, "
+                                   "which is not in the catalog. Reinstall SpecChat to restore the catalog.")
     try:
         pairs = tuple(
             CatalogPair(_text(p, "id"), _text(p, "target"), "" if p["draft"] is None else _text(p, "draft"),
@@ -252,6 +290,18 @@ def _check_files(model: CatalogModel, source: Path) -> None:
 
     if not model.model_type:
         raise bad("it names no model_type (config.json's, or the GGUF's architecture)")
+    if model.role not in ROLES:
+        raise bad(f"its role is {model.role!r}, not one of {', '.join(ROLES)}")
+    if model.is_head:
+        if not model.head_for:
+            raise bad("a head names the targets it was trained for (head_for)")
+        if HEAD_WORD not in model.id.lower():
+            raise bad(f"a head's id says {HEAD_WORD!r}, so its folder sits where heads are looked for")
+        if "config.json" not in model.files or not any(f.endswith(".safetensors") for f in model.files) \
+                or model.gguf_file or model.prequantised:
+            raise bad("a head downloads its config.json and 16-bit .safetensors weights")
+    elif model.head_for or model.draft_vocab_size:
+        raise bad("only a head (role 'head') names head_for or a draft_vocab_size")
     ggufs = [f for f in model.files if f.lower().endswith(".gguf")]
     if ggufs:
         name = ggufs[0]
@@ -274,12 +324,24 @@ def _check_pair(pair: CatalogPair, target: CatalogModel, draft: CatalogModel | N
     """A pair shares one tokenizer: the same chat-template family, and embedding rows that differ
     by padding only (Qwen2.5's targets pad 151665 tokens to 152064 rows, its 0.5B to 151936);
     a draft whose rows are far off is another tokenizer even when the template matches. A
-    draft-free pair names a target."""
+    draft-free pair names a target. A head's pair names a target the head was trained for
+    (`head_for`): a head drafts from that model's hidden states and nothing else's."""
     problem = ""
     if draft is None:
         if target.role != "target":
             raise UnsupportedModel(f"Catalog pair {pair.id!r} in {source} is draft-free but its target {target.id} has "
                                    f"role {target.role!r}. Reinstall SpecChat to restore the catalog.")
+        return
+    if draft.is_head and target.role == "target":
+        if target.id not in draft.head_for:
+            raise UnsupportedModel(
+                f"Catalog pair {pair.id!r} in {source} pairs the EAGLE-3 head {draft.id} with {target.id}, but the head "
+                f"was trained for {', '.join(draft.head_for)}: it reads one model's hidden states and drafts for no "
+                "other. Reinstall SpecChat to restore the catalog.")
+        if draft.vocab_rows != target.vocab_rows:
+            raise UnsupportedModel(
+                f"Catalog pair {pair.id!r} in {source}: the head {draft.id} maps its tokens onto {draft.vocab_rows} "
+                f"rows but {target.id} has {target.vocab_rows}. Reinstall SpecChat to restore the catalog.")
         return
     if target.role != "target" or draft.role != "draft":
         problem = f"its target {target.id} has role {target.role!r} and its draft {draft.id} {draft.role!r}"
@@ -337,12 +399,21 @@ def _parse_model(entry: dict[str, Any], source: Path) -> CatalogModel:
             **{k: int(v) for k, v in entry.get("shape", {}).items() if k in _SHAPE_KEYS},
             model_type=_text(entry, "model_type"),
             unsupported=unsupported.strip(),
+            head_for=_names(entry, "head_for"),
         )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise UnsupportedModel(
             f"Catalog entry {str(entry.get('id', '?'))[:80]!r} in {source} is malformed ({exc!r:.200}). "
             "Reinstall SpecChat to restore the catalog."
         ) from exc
+
+
+def _names(entry: dict[str, Any], key: str) -> tuple[str, ...]:
+    """entry[key], a list of text (() when absent); TypeError naming the key."""
+    value = entry.get(key, [])
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise TypeError(f"{key} must be a list of catalog ids")
+    return tuple(value)
 
 
 def _text(entry: dict[str, Any], key: str, default: str | None = None) -> str:

@@ -5,19 +5,23 @@ An entry is marked "cannot run yet" (`unsupported`) exactly when the engine's ow
 a checkpoint like it: engine.loading.load.check_folder on a config.json of the entry's
 model_type and weight format (a vision-language wrapper is given its text model, as the hub's
 configs are), or, for a GGUF, the architectures the GGUF loader runs. So when the engine learns
-a format (MXFP4 experts, Gemma 4) the mark fails here until the catalog says so too.
+a format (MXFP4 experts, Gemma 4) the mark fails here until the catalog says so too. An
+EAGLE-3 head (role "head") is held to engine.model.eagle_spec: a config.json of its shape, read
+against each target it is declared for, must fit that target.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from engine.errors import UnsupportedModel
 from engine.loading.load import check_folder
+from engine.model.eagle_spec import eagle_spec
 from engine.model.family import FAMILIES
 from engine.store import load_catalog
 from engine.store.catalog import DEFAULT_CATALOG_PATH, CatalogModel
@@ -40,8 +44,31 @@ QUANTISATION: dict[str, dict[str, Any] | None] = {
 }
 
 
+def head_refusal(model: CatalogModel, folder: Path) -> str | None:
+    """Why engine.model.eagle_spec would refuse a head of `model`'s config beside each target it
+    is declared for (its problem), None if it takes it; weights are not written, so a head that
+    fits stops at the missing .safetensors, after every config check."""
+    folder.mkdir()
+    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": model.model_type, "num_hidden_layers": 1,
+              "hidden_size": model.hidden_size, "intermediate_size": model.intermediate_size,
+              "num_attention_heads": model.num_attention_heads, "num_key_value_heads": model.num_kv_heads,
+              "head_dim": model.head_dim, "vocab_size": model.vocab_rows, "draft_vocab_size": model.draft_vocab_size}
+    (folder / "config.json").write_text(json.dumps(config))
+    for target_id in model.head_for:
+        target = CATALOG.find(target_id)
+        assert target is not None and target.hidden_size is not None
+        spec = eagle_spec(folder, SimpleNamespace(hidden_size=target.hidden_size, vocab_size=target.vocab_rows,
+                                                  num_hidden_layers=target.layers))
+        assert spec is not None
+        if not spec.problem.startswith("it has no .safetensors file"):
+            return f"for {target_id}: {spec.problem}"
+    return None
+
+
 def engine_refusal(model: CatalogModel, folder: Path) -> str | None:
     """Why the engine would refuse a checkpoint like `model` (its user message), None if it takes it."""
+    if model.is_head:
+        return head_refusal(model, folder)
     if model.gguf_file:
         return None if model.model_type in GGUF_ARCHITECTURES else f"a '{model.model_type}' GGUF"
     config: dict[str, Any] = {"model_type": model.model_type, "num_hidden_layers": model.layers,
@@ -112,6 +139,20 @@ def test_the_current_models_are_there_as_published(model_id: str, repo_id: str, 
     assert RAW[model_id]["checked"]["on"] == "2026-11-26"
     pair = CATALOG.pair(pair_id)
     assert pair is not None and pair.target == model_id and pair.draft_free
+
+
+def test_each_head_is_offered_with_the_targets_it_was_trained_for() -> None:
+    """An EAGLE-3 head's pairs are exactly its declared targets, its facts say what was not read
+    from the hub, and its id keeps its folder where the engine looks for heads."""
+    heads = [m for m in CATALOG.models if m.is_head]
+    assert [h.id for h in heads] == ["llama-3.3-70b-instruct-eagle3"]
+    for head in heads:
+        assert "eagle" in head.id and head.layers == 1 and head.draft_vocab_size
+        assert {p.target for p in CATALOG.pairs if p.draft == head.id} == set(head.head_for)
+        assert "NOT checked" in RAW[head.id]["checked"]["facts"] and RAW[head.id]["checked"]["estimated"]
+        for target in head.head_for:
+            pair = CATALOG.draft_pair(target)
+            assert pair is None or pair.draft != head.id  # never loaded as a draft model
 
 
 def test_the_2024_pairs_stay() -> None:
