@@ -15,6 +15,10 @@ answers"); before that, the planner's prediction, labelled as one ("predicted fr
 benchmark; not measured here yet"). `pair_options(..., locate=...)` finds the local copy a
 measurement belongs to.
 
+A pair whose draft is an EAGLE-3 head (catalog role "head") is priced as a head: its one layer
+and its output head per draft pass (the entry's shape), with the EAGLE-3 acceptance prior of
+engine.decoding.draft_choice (`pair_curve`), never the wizard's calibration of a draft model.
+
 `download_warning` says why a download deserves a second look (a pair that does not fit, a
 large download, more than the free disk space); the pages ask through an injected callable.
 """
@@ -28,9 +32,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from engine.decoding.draft_choice import prior_curve
 from engine.errors import EngineError
 from engine.planning import planner, profile
-from engine.planning.calibration import saved_curve
+from engine.planning.calibration import AcceptanceCurve, saved_curve
 from engine.planning.measured import MeasuredSpeed, format_rate, measured_speed
 from engine.planning.planner import PairPrediction
 from engine.planning.profile import HardwareProfile
@@ -65,6 +70,7 @@ class PairOption:
     target_format: str = ""  # what runs: "BF16", "GGUF Q4_K_M", "AWQ INT4", the starter's Q4_1 GGUF...
     target_source: str = ""  # where the target comes from: "owner/name", "owner/name:FILE.gguf", PyPI
     measured: MeasuredSpeed | None = None  # what this computer measured for the pair
+    draft_role: str = ""  # the draft's catalog role: "draft" (a model), "head" (an EAGLE-3 head), "" none
 
     @property
     def fit_label(self) -> str:
@@ -124,12 +130,19 @@ def profile_lines(profile: HardwareProfile | None) -> list[str]:
     return profile.summary_lines()
 
 
+def pair_curve(draft: CatalogModel | None) -> AcceptanceCurve:
+    """The acceptance curve a catalog pair is priced with: for an EAGLE-3 head the prior
+    draft_choice prices every head by ("assistant"); else the wizard's calibration of the
+    catalog pair it ran (the catalog prior until it has run one)."""
+    return prior_curve("assistant") if draft is not None and draft.is_head else saved_curve()
+
+
 def _predict(profile: HardwareProfile | None, target: CatalogModel, draft: CatalogModel | None,
              quant: str) -> PairPrediction | None:
     if profile is None:
         return None
     try:  # calibrated from the app's test runs when there are some
-        return planner.predict_pair(profile, target, draft, quant=quant, curve=saved_curve())
+        return planner.predict_pair(profile, target, draft, quant=quant, curve=pair_curve(draft))
     except EngineError as exc:  # a pair the planner cannot price shows "no prediction"
         log.info("no prediction for %s + %s: %s", target.id, draft.id if draft else "-", exc.user_message)
         return None
@@ -180,6 +193,7 @@ def _option(pair_id: str, title: str, description: str, target: CatalogModel, dr
     prediction = _predict(profile, priced, draft, quant)
     measured = measured_for(locate, target.id, draft.id if draft else "", profile)
     reason = _reason(prediction, measured)
+    about["draft_role"] = draft.role if draft is not None else ""
     if prediction is None:
         return PairOption(pair_id, title, description, target.id, draft.id if draft else "", size,
                           fit="unknown" if profile is None else "no prediction", reason=reason, measured=measured,
@@ -264,7 +278,7 @@ def predicted_curve(profile: HardwareProfile | None, target: CatalogModel, draft
     if profile is None or draft is None:
         return []
     try:
-        curve = planner.predict_curve(profile, target, draft, quant=quant, curve=saved_curve())  # as the table's
+        curve = planner.predict_curve(profile, target, draft, quant=quant, curve=pair_curve(draft))  # as the table's
         return [(int(b), float(t)) for b, t in curve]
     except (EngineError, ValueError, KeyError, ZeroDivisionError) as exc:
         log.info("no curve for %s + %s: %s", target.id, draft.id, exc)

@@ -21,8 +21,8 @@ from engine.units import format_bytes
 
 # fit and speed first: at half a screen the last columns need scrolling
 CATALOG_COLUMNS = ("Pair", "Fit", "Speed here", "Target", "Format", "Draft", "Download", "On disk", "About")
-COL_PAIR, COL_FORMAT, COL_FIT, COL_SPEED, COL_ABOUT = (CATALOG_COLUMNS.index(c) for c in
-                                                       ("Pair", "Format", "Fit", "Speed here", "About"))
+COL_PAIR, COL_FORMAT, COL_FIT, COL_SPEED, COL_DRAFT, COL_ABOUT = (
+    CATALOG_COLUMNS.index(c) for c in ("Pair", "Format", "Fit", "Speed here", "Draft", "About"))
 FIT_COLOURS = {"fits": "#1e7d32", "slow": "#b26a00", "too big": "#b3261e", "unknown": "#666666"}
 SOURCE_WORDS = {"hub": "downloaded", "import": "imported", "pypi-wheel": "PyPI wheel", "hf-cache": "HF cache",
                 **FOUND_SOURCES}
@@ -48,7 +48,7 @@ def fill_catalog(table: QTableWidget, options: Sequence[PairOption], is_local: C
         on_disk = [m for m in needed if is_local(m)]
         disk = "yes" if len(on_disk) == len(needed) else (f"{len(on_disk)} of {len(needed)}" if on_disk else "no")
         cells = [option.title, option.fit_label, option.speed_text(), option.target, option.target_format,
-                 option.draft or "—", format_bytes(option.download_bytes), disk, option.description]
+                 draft_text(option), format_bytes(option.download_bytes), disk, option.description]
         for col, text in enumerate(cells):
             item = QTableWidgetItem(text)
             item.setData(Qt.ItemDataRole.UserRole, option.pair_id)
@@ -56,12 +56,22 @@ def fill_catalog(table: QTableWidget, options: Sequence[PairOption], is_local: C
                 item.setToolTip(option.reason or option.description)
             if col == COL_FORMAT:
                 item.setToolTip(option.target_source)
+            if col == COL_DRAFT and option.draft_role == "head":
+                item.setToolTip(f"An EAGLE-3 head trained for {option.target}: one decoder layer that drafts from the "
+                                "target's hidden states. It runs only with that target; it is downloaded beside it.")
             if col == COL_FIT:
                 item.setForeground(QBrush(QColor("#ffffff")))
                 item.setBackground(QBrush(QColor(FIT_COLOURS.get(option.fit, "#666666"))))
                 item.setTextAlignment(Qt.AlignmentFlag.AlignCenter)
                 item.setToolTip(option.reason or option.fit_label)
             table.setItem(row, col, item)
+
+
+def draft_text(option: PairOption) -> str:
+    """The Draft cell: the draft's id, marked when it is an EAGLE-3 head; "—" for none."""
+    if not option.draft:
+        return "—"
+    return f"{option.draft} (EAGLE-3 head)" if option.draft_role == "head" else option.draft
 
 
 def fill_local(table: QTableWidget, models: Sequence[LocalModel]) -> None:

@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.models.recommend import predicted_curve
+from app.models.recommend import pair_curve, predicted_curve
 from app.state.preferences import Preferences
 from app.state.running import RunningPair
 from engine.errors import EngineError
@@ -49,7 +49,7 @@ class PlotEntry:
                 plain = planner.predict_pair(profile, self.target, None, quant, curve=saved_curve())
                 return [(1, plain.tokens_per_second)], 1
             return (predicted_curve(profile, self.target, self.draft, quant),
-                    planner.predict_pair(profile, self.target, self.draft, quant, curve=saved_curve()).budget)
+                    planner.predict_pair(profile, self.target, self.draft, quant, curve=pair_curve(self.draft)).budget)
         except (EngineError, ValueError, KeyError, ZeroDivisionError) as exc:
             log.info("no prediction for %s: %s", self.label, exc)
             return [], None

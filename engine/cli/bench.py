@@ -30,6 +30,7 @@ import torch
 
 from engine.cli import common
 from engine.cli.parser import BENCH_METHODS
+from engine.decoding.draft_choice import prior_curve
 from engine.decoding.generation import Engine
 from engine.decoding.pair import draft_choice_of
 from engine.errors import InvalidRequest, UsageError
@@ -426,8 +427,10 @@ def run_bench_plan(args: argparse.Namespace) -> int:
             profile = replace(profile, ram_total=ram, ram_available=ram - (profile.ram_total - profile.ram_available))
             where += f", as if it had {args.ram_gb:g} GB RAM"
     assert target is not None
-    pred = planner.predict_pair(profile, target, draft, quant=args.quant)
-    curve = planner.predict_curve(profile, target, draft, quant=args.quant) if draft is not None else []
+    # an EAGLE-3 head is priced with the prior draft_choice prices every head by
+    prior = prior_curve("assistant") if draft is not None and draft.is_head else AcceptanceCurve()
+    pred = planner.predict_pair(profile, target, draft, quant=args.quant, curve=prior)
+    curve = planner.predict_curve(profile, target, draft, quant=args.quant, curve=prior) if draft is not None else []
     if args.json:
         print(json.dumps({"target": target.id, "draft": draft.id if draft else None, "where": where,
                           "mode": pred.mode, "budget": pred.budget, "max_depth": pred.max_depth,

@@ -81,7 +81,7 @@ def run_bench_drafts(args: argparse.Namespace) -> int:
         heads.append(HeadOption("mtp", "MTP head (1 layer)"))
     if args.assistant:
         heads.append(HeadOption("assistant", "assistant/EAGLE head (1 layer)"))
-    pair = next((p for p in catalog.pairs if p.target == target.id and p.draft), None)
+    pair = catalog.draft_pair(target.id)  # a draft model: a catalog EAGLE-3 head is --assistant's kind
     draft_model = catalog.find(pair.draft) if pair is not None else None
     cat = CatalogOption(draft_model.id, draft_model.shape()) if draft_model is not None else None
     fits = projected_self_option(profile, shape, placement)

@@ -72,6 +72,7 @@ def _list(models_dir: Path, as_json: bool, out: TextIO) -> int:
     here = {m.id for m in catalog.models if match_local(local, m.id, m) is not None}
     own = [m for m in local if m.source not in FOUND_SOURCES]  # the found ones get their own section
     damage = {m.path: model_damage(m.path) for m in own}  # found ones were checked by discovery
+    role = {m.id: m.role for m in catalog.models}
     if as_json:
         json.dump({
             "models_dir": str(models_dir),
@@ -86,8 +87,10 @@ def _list(models_dir: Path, as_json: bool, out: TextIO) -> int:
                          "format": m.format_label, "prequantised": m.prequantised,
                          "download_bytes": m.download_bytes, "parameters": m.parameters, "license": m.license,
                          "gated": m.gated, "local": m.id in here, "model_type": m.model_type,
-                         "runs": m.runnable, "unsupported": m.unsupported or None} for m in catalog.models],
-            "pairs": [{"id": p.id, "target": p.target, "draft": p.draft or None} for p in catalog.pairs],
+                         "runs": m.runnable, "unsupported": m.unsupported or None,
+                         "head_for": list(m.head_for) or None} for m in catalog.models],
+            "pairs": [{"id": p.id, "target": p.target, "draft": p.draft or None,
+                       "draft_role": role.get(p.draft) if p.draft else None} for p in catalog.pairs],
         }, out, indent=1)
         out.write("\n")
         return 0
@@ -107,9 +110,13 @@ def _list(models_dir: Path, as_json: bool, out: TextIO) -> int:
                   f"{entry.parameters / 1e9:6.2f}B  {entry.license:<10} {gated:<5} {entry.repo_id}\n")
         if not entry.runnable:
             out.write(f"      cannot run yet: {entry.unsupported}\n")  # not a "!" line: nothing is damaged
+        if entry.is_head:
+            out.write(f"      EAGLE-3 head trained for {', '.join(entry.head_for)} (drafts only for it)\n")
     out.write("\nPairs (target + draft):\n")
     for p in catalog.pairs:
-        out.write(f"  {p.id:<24} {p.target} + {p.draft or '(no draft: trees from the context)'}\n")
+        draft = p.draft + (" (EAGLE-3 head)" if role.get(p.draft) == "head" else "") if p.draft \
+            else "(no draft: trees from the context)"
+        out.write(f"  {p.id:<24} {p.target} + {draft}\n")
     return 0
 
 
