@@ -102,6 +102,11 @@ def load_engine(
     device, dtype = resolve_device(settings.device)
     report("target", 0.0, f"loading {target} on {device}")
     # a named draft model is loaded after the target, fully on the GPU: the target's placement leaves room
+    if model_spec is not None and not Path(model_spec).expanduser().exists():  # a catalog id: a head's is a folder
+        try:
+            model_spec = str(resolve_path(model_spec))
+        except EngineError:
+            pass  # not downloaded: load_model below says so, for a draft model and a head alike
     assistant = model_spec is not None and is_assistant_folder(Path(model_spec))
     eagle = model_spec is not None and is_eagle_folder(Path(model_spec))
     if assistant or eagle:  # its weights as stored (it runs in the target's dtype, usually the same)
@@ -301,7 +306,7 @@ def _catalog_draft(target_spec: str | Path, path: Path) -> tuple[CatalogOption |
             (m for m in catalog.models if path.name in (m.id, m.repo_id.split("/")[-1], m.gguf_file)), None)
         if entry is None:
             return None, None
-        pair = next((p for p in catalog.pairs if p.target == entry.id and p.draft), None)
+        pair = catalog.draft_pair(entry.id)  # a draft model's pair, never a head's (loaded as a head, beside)
         draft = catalog.find(pair.draft) if pair is not None else None
         local = resolve_model(draft.id) if draft is not None else None
     except (EngineError, OSError) as exc:

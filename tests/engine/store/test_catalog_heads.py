@@ -141,7 +141,7 @@ TINY_VOCAB = 384  # engine.testing.synthetic.tiny_model's
 
 def test_a_downloaded_head_pair_lands_where_the_engine_finds_and_loads_the_head(
     head_files: tuple[dict[str, bytes], dict[str, bytes]], hub: HubServer, models_dir: Path,
-    settings: DownloadSettings, tmp_path: Path,
+    settings: DownloadSettings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     target_files, head_files_ = head_files
     hub.add_repo(FakeRepo(TARGET_REPO, target_files))
@@ -165,3 +165,7 @@ def test_a_downloaded_head_pair_lands_where_the_engine_finds_and_loads_the_head(
     engine = load_engine(str(target), str(resolved))
     choice = draft_choice_of(engine)
     assert choice is not None and choice.kind == "assistant" and "EAGLE-3 head" in choice.label
+    # `--draft ID` on the command line: the id is resolved to the head's folder, loaded as a head
+    monkeypatch.setenv("SPECCHAT_MODELS_DIR", str(models_dir))
+    by_id = draft_choice_of(load_engine(str(target), pair.draft))
+    assert by_id is not None and by_id.kind == "assistant" and by_id.label == choice.label
