@@ -18,8 +18,8 @@ for the matrices named k1, k2 quantised as OTHER (e.g. nfawq3g64+v_proj/k_proj=a
 choose the group fit (engine.offload.calibrate.quantise_aware): "h" weighs each column's error by
 mean(x_j^2), "c" adds the clip starts (calibrate.CLIPS), "f" compares the alphas (calibrate.ALPHAS)
 on a quick fit and fits only the chosen one fully (without "f": alphas 0, .25, .5, .75, each fitted
-fully), "b" refits each group's (s, m) on its Hessian block (an option, off in the engine);
-"nfawqhcf3g64+v_proj/k_proj=awqhcf4g64" is the self-draft's 3-bit format now. "self3" / "self4" is the engine's own self-draft of that width
+fully); "nfawqhcf3g32+v_proj=awqhcf4g32" is the self-draft's 3-bit format now (every variant
+stores (s, m) as lowbit.py does now: bytes under the rows' factors). "self3" / "self4" is the engine's own self-draft of that width
 (engine.loading.self_draft, calibrated), run through its CausalLM; "proxy" is the starter's
 FP4 proxy draft. The bits column counts
 codes, scales and offsets (the column scales add 0.02 a weight on the starter). De-quantised
@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from bitsandbytes.functional import dequantize_4bit, quantize_4bit
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine.cli.common import read_prompts
@@ -65,13 +66,19 @@ def texts(tok: Any, target: Any, path: Path) -> list[tuple[torch.Tensor, int]]:
 
 
 @torch.inference_mode()
-def kl(target_logp: list[torch.Tensor], draft: Any, data: list[tuple[torch.Tensor, int]]) -> float:
-    total, n = 0.0, 0
+def kl(target_logp: list[torch.Tensor], draft: Any, data: list[tuple[torch.Tensor, int]]
+       ) -> tuple[float, float, float]:
+    """KL(target || draft) in nats a token, how often the draft's most likely token is the
+    target's (what a greedy tree's first branch needs), and how often the target's is among the
+    draft's 4 likeliest (what a tree's side branches catch)."""
+    total, same, top4, n = 0.0, 0, 0, 0
     for p, (ids, start) in zip(target_logp, data):
         q = torch.log_softmax(draft(ids[None]).logits[0, start - 1 : -1].float(), -1)
         total += float((p.exp() * (p - q)).sum())
+        same += int((p.argmax(-1) == q.argmax(-1)).sum())
+        top4 += int((q.topk(4, dim=-1).indices == p.argmax(-1)[:, None]).any(-1).sum())
         n += p.shape[0]
-    return total / n
+    return total / n, same / n, top4 / n
 
 
 def linears(model: Any) -> dict[str, torch.nn.Linear]:
@@ -91,7 +98,7 @@ def calib_inputs(tok: Any, target: Any) -> dict[str, torch.Tensor]:
     return got
 
 
-CACHE = Path("/tmp/lbcache")
+CACHE = Path("/tmp/lbcache-bytes")  # (a variant's weights in the byte format of lowbit.py)
 OLD_ALPHAS = (0.0, 0.25, 0.5, 0.75)  # the alpha grid before the fast search (the "f" variants take calibrate.ALPHAS)
 
 
@@ -120,10 +127,9 @@ def weight_set(spec: str, target: Any, x: dict[str, torch.Tensor]) -> dict[str, 
     alphas_chosen: list[float] = []
     for n, m in linears(target).items():
         if aware:
-            packed, scale, offset, c = calibrate.quantise_aware(m.weight, x[n], bits, group, alphas, not nf,
-                                                                weighted, clips, search, "b" in head)
+            *codes, c = calibrate.quantise_aware(m.weight, x[n], bits, group, alphas, not nf, weighted, clips, search)
             wq = torch.empty_like(m.weight)
-            lowbit.dequantize_into(packed, scale, offset, bits, wq, c, not nf)
+            lowbit.dequantize_into(*codes, bits, wq, c, not nf)
             alphas_chosen.append(chosen_alpha(c, x[n], alphas))
         else:
             wq = lowbit.roundtrip(m.weight, bits, group, None, not nf)
@@ -137,8 +143,10 @@ def weight_set(spec: str, target: Any, x: dict[str, torch.Tensor]) -> dict[str, 
 
 
 def bits_of(spec: str) -> float:
+    """Codes, byte scales and offsets (lowbit.py), and the rows' fp16 factors on the starter (32
+    bits per row of at least 576 inputs)."""
     bits, group = int(spec.split("g")[0][-1]), int(spec.split("g")[-1])
-    return bits + 32 / group
+    return bits + 16 / group + 32 / 576
 
 
 class _Logits:
@@ -164,16 +172,34 @@ def self_draft(bits: int) -> tuple[_Logits, float]:
     return _Logits(draft), (info.nbytes - draft.streamer.dense_layout.nbytes) * 8 / weights
 
 
+@torch.inference_mode()
+def jitter(model: Any, ratio: float) -> None:
+    """Noise of `ratio` x each row's standard deviation on every decoder Linear (seeded)."""
+    g = torch.Generator().manual_seed(0)
+    for m in linears(model).values():
+        w = m.weight
+        w.add_(torch.randn(w.shape, generator=g) * w.std(dim=1, keepdim=True) * ratio)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variants", default="plain3g64,awq3g64,nfawq3g64+v_proj/k_proj=awq4g64,plain4g64,proxy")
     parser.add_argument("--files", default="tuning.txt,chat.txt,edit.txt")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--jitter", type=float, default=0.0,
+                        help="add Gaussian noise of this many times each row's standard deviation to the target's "
+                        "decoder weights first (the starter's weights are de-quantised Q4_1: every 32 of a row lie "
+                        "on a 16-level grid, which flatters groups of 32; the noise takes them off it)")
     args = parser.parse_args()
     set_threads(args.threads)
+    global CACHE
+    if args.jitter:
+        CACHE = CACHE.with_name(f"{CACHE.name}-jitter{args.jitter:g}")
     folder = starter_folder()
     tok = AutoTokenizer.from_pretrained(folder)
     target = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    if args.jitter:
+        jitter(target, args.jitter)
     files = args.files.split(",")
     CACHE.mkdir(exist_ok=True)
     data = {}
@@ -188,33 +214,42 @@ def main() -> None:
     x = calib_inputs(tok, target)
     print(f"calibration: {next(iter(x.values())).shape[0]} tokens; held out: "
           + ", ".join(f"{f} {len(d)} answers" for f, d in data.items()))
-    print(f"{'draft':44} {'bits':>5}" + "".join(f" {f:>10}" for f in files), flush=True)
+    print(f"{'draft':44} {'bits':>5}" + "".join(f" {f + ' KL/top1/top4':>26}" for f in files), flush=True)
     for name in args.variants.split(","):
         t0 = time.perf_counter()
-        if name == "proxy":
+        if name == "proxy" and args.jitter:  # the FP4 proxy of the jittered target, made as starter.py makes it
+            draft = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+            with torch.inference_mode():
+                for (n, m), (_, t) in zip(linears(draft).items(), linears(target).items()):
+                    q, state = quantize_4bit(t.weight.float(), blocksize=64, quant_type="fp4")
+                    m.weight.copy_(dequantize_4bit(q, state))
+            bpw = 4.5
+        elif name == "proxy":
             draft = AutoModelForCausalLM.from_pretrained(proxy_draft_folder(), dtype=torch.float32).eval()
             bpw = 4.5
+        elif name.startswith("self") and args.jitter:
+            raise SystemExit("the engine's own self-draft reads the starter from its folder: not with --jitter")
         elif name.startswith("self"):  # the library's self-draft, built as the engine builds it
             draft, bpw = self_draft(int(name[4:]))
-        else:  # "base" or "base+kind1/kind2=other": e.g. awq3g128+down_proj/o_proj=awq4g128
+        else:  # "base", "base+kind1/kind2=other", more "+kinds=other" after: the last that names a matrix wins
             draft = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-            base, _, over = name.partition("+")
-            kinds, _, other = over.partition("=")
-            sets = {base: weight_set(base, target, x)}
-            if other:
-                sets[other] = weight_set(other, target, x)
+            base, *overs = name.split("+")
+            rules = [(kinds.split("/"), other) for kinds, _, other in (o.partition("=") for o in overs)]
+            sets = {spec: weight_set(spec, target, x) for spec in {base, *(o for _, o in rules)}}
             total = nbits = 0.0
             with torch.inference_mode():
                 for n, m in linears(draft).items():
-                    spec = other if other and any(k in n.split(".") or f"layers.{k}" in n
-                                                   for k in kinds.split("/")) else base
+                    spec = base
+                    for kinds, other in rules:
+                        if any(k in n.split(".") or f"layers.{k}" in n for k in kinds):
+                            spec = other
                     m.weight.copy_(sets[spec][n].float())
                     total += m.weight.numel()
                     nbits += m.weight.numel() * bits_of(spec)
             bpw = nbits / total
         cells = [kl(logp[f], draft, data[f]) for f in files]
         took = time.perf_counter() - t0
-        print(f"{name:44} {bpw:5.3f}" + "".join(f" {c:10.3f}" for c in cells) + f"   ({took:.0f} s)",
+        print(f"{name:44} {bpw:5.3f}" + "".join(f" {c[0]:10.3f} / {c[1]:5.3f} / {c[2]:5.3f}" for c in cells) + f"   ({took:.0f} s)",
               flush=True)
 
 

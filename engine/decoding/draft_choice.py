@@ -69,7 +69,7 @@ from engine.units import GB, GIB
 DraftKind = Literal["mtp", "assistant", "self", "catalog", "none"]
 KINDS: tuple[DraftKind, ...] = ("mtp", "assistant", "self", "catalog", "none")
 SELF_BITS = (4, 3, 2)  # engine.loading.self_draft.SELF_DRAFT_BITS
-SUBSTITUTE_GROUP = 64  # weights per group of a substitute; each group keeps an fp16 scale and zero
+SUBSTITUTE_GROUP = 32  # weights per group of a substitute; each group keeps a byte scale and a byte zero
 
 
 @dataclass(frozen=True)
@@ -320,9 +320,9 @@ def _price(profile: HardwareProfile | None, options: DraftOptions, kind: DraftKi
 
 # ---- a self-draft's memory, for a target that is not loaded (projections) ------------------------
 def substitute_bytes_estimate(target: ModelShape, layers: int, bits: int) -> int:
-    """Low-bit substitutes of `layers` decoder layers: the codes plus an fp16 scale and zero per
+    """Low-bit substitutes of `layers` decoder layers: the codes plus a byte scale and zero per
     SUBSTITUTE_GROUP weights (engine.loading.self_draft measures the real figure)."""
-    return int(layers * target.layer_params * (bits / 8 + 4 / SUBSTITUTE_GROUP))
+    return int(layers * target.layer_params * (bits / 8 + 2 / SUBSTITUTE_GROUP))
 
 
 def device_left(profile: HardwareProfile, target: ModelShape, placement: Placement) -> int:

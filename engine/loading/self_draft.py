@@ -9,24 +9,26 @@ cache shapes, and so reads the target's K/V of the committed text (drafting.shar
 its only error is the substitutes' rounding.
 
 The bits are chosen by the caller (`fitting_bits`: the widest that fits in what the target's
-resident layers and caches leave). A 3-bit self-draft keeps the attention's key and value
-projections at 4 bits (entry_bits; 3.56 bits a weight on the starter, 3.59 with the column
-scales, under the 3.6 that is 80 % of the FP4 proxy's memory): on the starter that cut the KL
-to the target by a fifth to a quarter for 0.06 bits a weight, more than any other choice of
-matrices (or groups of 128 with wider MLP matrices, which lost: see scripts/lowbit_kl.py).
+resident layers and caches leave). A 3-bit self-draft keeps the attention's value projection at
+4 bits in groups of 64 (entry_bits, entry_group): on the starter (groups of 32 with byte (s, m),
+lowbit.py) that cut the KL to the target on held-out chat from 0.33 to 0.31 nats a token (0.30
+in groups of 32, 0.27 with the key projection at 4 bits too, either of which would take the draft
+past 80 % of the FP4 proxy's memory: 3.6 bits a weight).
 
 Given the target's tokenizer, the substitutes are activation-aware (engine.offload.calibrate):
 the target runs once over a built-in text of ~500 tokens, each Linear's inputs are kept, and
 each weight's columns are scaled by its inputs' magnitudes before quantising (the `#cscale`
 side entry; all ones without a tokenizer), and each group's scale and offset are fitted to
 the error weighed by its columns' input energy, from the range and two clipped starts. On the
-starter at 3 bits this takes the KL divergence to the target from 2.30 to 0.42 nats a token on
-held-out chat answers (0.74 with the column scales alone; the FP4 proxy: 0.49).
+starter at 3 bits these take the KL divergence to the target from 2.30 to 0.42 nats a token on
+held-out chat answers with groups of 64, and groups of 32 with byte (s, m) to 0.29 (the FP4
+proxy: 0.49).
 
 Substitutes are cached on disk, in one safetensors file keyed by the target's fingerprint, the
 bits, the substituted layers, the calibration text and this module's format (FORMAT: version 2
 added the column scales, the 3-bit levels and the wider key/value projections, version 3 the
-weighted, clipped group fit, so an older file is never read): a changed target gets a new key, and a file whose header or sizes do not
+weighted, clipped group fit, version 4 groups of 32 with byte (s, m) and only the value
+projection wider, so an older file is never read): a changed target gets a new key, and a file whose header or sizes do not
 match is deleted and rebuilt. (The codes are not checksummed: a damaged code makes worse drafts,
 never wrong text, since every token is verified by the target.)
 
@@ -61,8 +63,9 @@ from engine.types import Tokenizer
 log = logging.getLogger(__name__)
 
 SELF_DRAFT_BITS = (4, 3, 2)  # widest first
-FORMAT = "specchat-self-draft-3"
-WIDER = ("k_proj", "v_proj")  # one bit wider in a 3-bit self-draft (entry_bits)
+FORMAT = "specchat-self-draft-4"
+WIDER = ("v_proj",)  # one bit wider in a 3-bit self-draft (entry_bits), in groups of WIDER_GROUP
+WIDER_GROUP = 64
 Report = Callable[[float, str], None]
 
 
@@ -101,11 +104,21 @@ def _layouts(target: CausalLM, bits: int) -> list[LayerLayout]:
 
 
 def entry_bits(name: str, bits: int) -> int:
-    """The width of one weight in a `bits` self-draft: at 3 bits the attention's key and value
-    projections (WIDER: a GQA model's smallest matrices, and on the starter the ones whose
-    rounding costs the most KL per bit) take 4; everything else takes `bits`."""
+    """The width of one weight in a `bits` self-draft: at 3 bits the attention's value
+    projection (WIDER: with the key projection a GQA model's smallest matrices, and on the
+    starter the one whose rounding costs the most KL per bit) takes 4; everything else `bits`."""
     module = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else name
     return bits + 1 if bits == 3 and module in WIDER else bits
+
+
+def entry_group(name: str, shape: tuple[int, ...], bits: int) -> int | None:
+    """The group size of one weight in a `bits` self-draft (None: it stays dense): lowbit's,
+    but 64 for a wider entry (entry_bits) whose rows it divides: its fourth bit gains more than
+    groups of 32 would, which would take the draft past 3.6 bits a weight."""
+    group = lowbit.group_of(shape)
+    if group is not None and entry_bits(name, bits) > bits and shape[-1] % WIDER_GROUP == 0:
+        return WIDER_GROUP
+    return group
 
 
 def _layout(params: tuple[tuple[str, tuple[int, ...]], ...], dtype: torch.dtype, bits: int) -> LayerLayout:
@@ -115,14 +128,15 @@ def _layout(params: tuple[tuple[str, tuple[int, ...]], ...], dtype: torch.dtype,
         numel = 1
         for s in shape:
             numel *= s
-        group = lowbit.group_of(shape)
+        group = entry_group(name, shape, bits)
         if group is None:
             entries.append(Entry(name, "dense", shape, dtype, 0, numel * esize))
             continue
         width = entry_bits(name, bits)
         entries.append(Entry(name, "lowbit", shape, torch.uint8, 0, lowbit.packed_nbytes(numel, width), qtype=width))
-        for side in ("#scale", "#min"):
-            entries.append(Entry(name + side, "side", (numel // group,), torch.float16, 0, numel // group * 2))
+        entries.append(Entry(name + "#scale", "side", (numel // group,), torch.uint8, 0, numel // group))
+        entries.append(Entry(name + "#min", "side", (numel // group,), torch.int8, 0, numel // group))
+        entries.append(Entry(name + "#rows", "side", (numel // shape[-1], 2), torch.float16, 0, numel // shape[-1] * 4))
         entries.append(Entry(name + "#cscale", "side", (shape[-1],), torch.float16, 0, shape[-1] * 2))
     return LayerLayout.packed(entries, dtype, "lowbit")
 
@@ -148,7 +162,7 @@ def cache_key(target: CausalLM, bits: int, layers: list[int], calibration: list[
         return ""
     calib = "none" if calibration is None else hashlib.sha256(str(calibration).encode()).hexdigest()[:16]
     text = (f"{FORMAT}|{target.fingerprint}|{bits}|{lowbit.GROUPS}|{lowbit.FIT_ROUNDS}|{layers}|{calib}|"
-            f"{calibrate.ALPHAS}|{calibrate.MAX_ROWS}|{lowbit.NF_BITS}|{WIDER}")
+            f"{calibrate.ALPHAS}|{calibrate.MAX_ROWS}|{lowbit.NF_BITS}|{WIDER}|{WIDER_GROUP}")
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
@@ -234,17 +248,17 @@ def _pack_layer(layout: LayerLayout, params: dict[str, torch.Tensor], inputs: di
         if e.kind == "dense":
             layout.view(buf, e).copy_(value.reshape(e.shape))
             continue
-        group = lowbit.group_of(e.shape)
-        assert group is not None
+        group = value.numel() // by_name[e.name + "#scale"].shape[0]  # the layout's (entry_group)
         x = inputs.get(e.name)
         if x is not None and value.dim() == 2 and x.shape[-1] == value.shape[-1]:
-            codes, scale, offset, cscale = calibrate.quantise_aware(value, x, e.qtype, group)
+            codes, scale, offset, rows, cscale = calibrate.quantise_aware(value, x, e.qtype, group)
         else:  # no inputs seen (no tokenizer, an MoE's fused experts): unscaled columns
-            codes, scale, offset = lowbit.quantize(value, e.qtype, group)
+            codes, scale, offset, rows = lowbit.quantize(value, e.qtype, group)
             cscale = torch.ones(e.shape[-1], dtype=torch.float16, device=device)
         layout.view(buf, e).copy_(codes)
         layout.view(buf, by_name[e.name + "#scale"]).copy_(scale)
         layout.view(buf, by_name[e.name + "#min"]).copy_(offset)
+        layout.view(buf, by_name[e.name + "#rows"]).copy_(rows)
         layout.view(buf, by_name[e.name + "#cscale"]).copy_(cscale)
     return buf
 

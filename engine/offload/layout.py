@@ -18,8 +18,9 @@ just before they run (unpack.py), for entries of kind:
   entry per tensor, `name#k` with `part` (a, b): its bytes de-quantise into rows [a, b) of
   every matrix of the parameter (a strided slice of the dense parameter);
 - "awq" / "gptq": int4 codes packed eight per int32, with `#scales`, `#qzeros` (and `#g_idx`);
-- "lowbit": a self-draft's 2-4-bit codes (lowbit.py; `qtype`: the bits), with fp16 `#scale`
-  and `#min` per group.
+- "lowbit": a self-draft's 2-4-bit codes (lowbit.py; `qtype`: the bits), with a byte `#scale`
+  (uint8) and `#min` (int8) per group, two fp16 factors per row (`#rows`) and an fp16 column
+  scale per input (`#cscale`).
 
 What this module does not do: decide where a layer lives (host_store, streamer), read
 checkpoints (engine.loading), or de-quantise (unpack.py).

@@ -45,7 +45,8 @@ class Unpacker:
             elif e.kind == "lowbit":
                 cscale = by_name.get(e.name + "#cscale")
                 lowbit.dequantize_into(layout.view(packed, e), layout.view(packed, by_name[e.name + "#scale"]),
-                                       layout.view(packed, by_name[e.name + "#min"]), e.qtype, out,
+                                       layout.view(packed, by_name[e.name + "#min"]),
+                                       layout.view(packed, by_name[e.name + "#rows"]), e.qtype, out,
                                        None if cscale is None else layout.view(packed, cscale))
             else:  # "awq" / "gptq"
                 int4.dequantize_into(e.kind, {k: layout.view(packed, s) for k, s in _sides(by_name, e)},

@@ -42,24 +42,52 @@ def test_codes_pack_and_unpack_exactly(bits: int) -> None:
     assert torch.equal(lowbit.unpack(packed, bits), codes.to(torch.int32))
 
 
+def group_params(scale: torch.Tensor, offset: torch.Tensor, rows: torch.Tensor, cols: int,
+                 group: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each group's (s, m) as the bytes and the rows' factors give them, (groups,) fp32."""
+    s, m = lowbit.from_bytes(scale.view(-1, cols // group), offset.view(-1, cols // group), rows)
+    return s.reshape(-1), m.reshape(-1)
+
+
 @pytest.mark.parametrize("bits", lowbit.BITS)
 def test_quantised_weight_lies_on_its_grid_and_beats_rounding_the_range(bits: int) -> None:
     g = torch.Generator().manual_seed(0)
     w = torch.randn(96, 256, generator=g) * 0.02
     w[3, 17] = 0.5  # an outlier: its group's range is wide
-    packed, scale, offset = lowbit.quantize(w, bits, 64, uniform=True)
-    assert packed.numel() * 8 / w.numel() == bits and scale.dtype == torch.float16 and scale.numel() == w.numel() // 64
+    w[5, 64:96] = w[5, 64:96] * 0.01 - 0.3  # a group of tiny spread far from zero: its offset is the row's largest
+    packed, scale, offset, rows = lowbit.quantize(w, bits, 32, uniform=True)
+    assert packed.numel() * 8 / w.numel() == bits and scale.dtype == torch.uint8 and offset.dtype == torch.int8
+    assert scale.numel() == offset.numel() == w.numel() // 32 and rows.shape == (96, 2) and rows.dtype == torch.float16
     out = torch.empty_like(w)
-    lowbit.dequantize_into(packed, scale, offset, bits, out, uniform=True)
-    q = (out.view(-1, 64) - offset.float()[:, None]) / scale.float()[:, None]
+    lowbit.dequantize_into(packed, scale, offset, rows, bits, out, uniform=True)
+    s, m = group_params(scale, offset, rows, 256)
+    q = (out.view(-1, 32) - m[:, None]) / s[:, None]
     assert torch.allclose(q, q.round(), atol=1e-3) and float(q.min()) > -1e-3 and float(q.max()) < 2**bits - 1 + 1e-3
-    groups = w.view(-1, 64)
+    groups = w.view(-1, 32)
     lo, hi = groups.amin(1), groups.amax(1)
     step = (hi - lo) / (2**bits - 1)
     plain = ((groups - lo[:, None]) / step[:, None]).round() * step[:, None] + lo[:, None]
-    err, plain_err = float((out.view(-1, 64) - groups).square().mean()), float((plain - groups).square().mean())
+    err, plain_err = float((out.view(-1, 32) - groups).square().mean()), float((plain - groups).square().mean())
     assert err < 0.95 * plain_err, (err, plain_err)
     assert err < 0.25 * float(w.square().mean()) / 4 ** (bits - 2)  # 2 bits: within a quarter of the weight's power
+
+
+@pytest.mark.parametrize("bits", lowbit.BITS)
+def test_byte_group_parameters_cost_a_fraction_of_what_the_groups_gain(bits: int) -> None:
+    """(s, m) in a byte each under the rows' fp16 factors: the weight's error is within a few per
+    cent of the same fit with float (s, m), and groups of 32 stored so beat groups of 64 with
+    fp16 (s, m) at the same bits a weight (what the self-draft kept before)."""
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(64, 512, generator=g) * 0.02 * (torch.rand(64, 1, generator=g) + 0.2)
+    err = float((lowbit.roundtrip(w, bits) - w).square().mean())
+    grid = lowbit.levels(bits, w.device)
+    floats = {}
+    for group in (32, 64):
+        q, s, m = lowbit.fit_groups(w.view(-1, group).float(), bits, grid)
+        value = q.float() if grid is None else grid[q.long()]
+        floats[group] = float((value * s.float()[:, None] + m.float()[:, None] - w.view(-1, group)).square().mean())
+    assert err < 1.08 * floats[32], (err, floats)
+    assert err < 0.9 * floats[64], (err, floats)
 
 
 @pytest.mark.parametrize("bits", lowbit.BITS)
@@ -69,12 +97,13 @@ def test_column_scaled_codes_round_trip(bits: int) -> None:
     g = torch.Generator().manual_seed(1)
     w = torch.randn(64, 128, generator=g) * 0.02
     c = (torch.rand(128, generator=g) * 8 + 0.25).half()
-    packed, scale, offset = lowbit.quantize(w, bits, 64, c, uniform=True)
+    packed, scale, offset, rows = lowbit.quantize(w, bits, 32, c, uniform=True)
     out = torch.empty_like(w)
-    lowbit.dequantize_into(packed, scale, offset, bits, out, c, uniform=True)
-    q = ((out * c.float()).view(-1, 64) - offset.float()[:, None]) / scale.float()[:, None]
+    lowbit.dequantize_into(packed, scale, offset, rows, bits, out, c, uniform=True)
+    s, m = group_params(scale, offset, rows, 128)
+    q = ((out * c.float()).view(-1, 32) - m[:, None]) / s[:, None]
     assert torch.allclose(q, q.round(), atol=1e-2) and float(q.min()) > -1e-2 and float(q.max()) < 2**bits - 1 + 1e-2
-    plain, ones = lowbit.roundtrip(w, bits), lowbit.roundtrip(w, bits, 64, torch.ones(128, dtype=torch.float16))
+    plain, ones = lowbit.roundtrip(w, bits), lowbit.roundtrip(w, bits, 32, torch.ones(128, dtype=torch.float16))
     assert torch.equal(plain, ones)
 
 
@@ -91,9 +120,9 @@ def test_activation_aware_scaling_cuts_the_output_error_on_outlier_channels(bits
         return torch.randn(n, 256, generator=g) * gain
 
     x, held = inputs(256), inputs(256)
-    packed, scale, offset, c = calibrate.quantise_aware(w, x, bits, 64)
+    packed, scale, offset, rows, c = calibrate.quantise_aware(w, x, bits, 32)
     aware = torch.empty_like(w)
-    lowbit.dequantize_into(packed, scale, offset, bits, aware, c)
+    lowbit.dequantize_into(packed, scale, offset, rows, bits, aware, c)
     plain = lowbit.roundtrip(w, bits)
     ref = held @ w.T
     err, plain_err = float((held @ aware.T - ref).square().mean()), float((held @ plain.T - ref).square().mean())
@@ -111,13 +140,14 @@ def test_three_bit_codes_index_normal_quantile_levels() -> None:
     assert lowbit.levels(4, torch.device("cpu")) is None and lowbit.levels(3, torch.device("cpu"), uniform=True) is None
     g = torch.Generator().manual_seed(3)
     w = torch.randn(128, 256, generator=g) * 0.02
-    packed, scale, offset = lowbit.quantize(w, 3, 64)
+    packed, scale, offset, rows = lowbit.quantize(w, 3, 32)
     out = torch.empty_like(w)
-    lowbit.dequantize_into(packed, scale, offset, 3, out)
-    t = (out.view(-1, 64) - offset.float()[:, None]) / scale.float()[:, None]
+    lowbit.dequantize_into(packed, scale, offset, rows, 3, out)
+    s, m = group_params(scale, offset, rows, 256)
+    t = (out.view(-1, 32) - m[:, None]) / s[:, None]
     assert float((t[..., None] - grid).abs().amin(-1).max()) < 1e-2
     err = float((out - w).square().mean())
-    assert err < 0.95 * float((lowbit.roundtrip(w, 3, uniform=True) - w).square().mean())
+    assert err < 0.98 * float((lowbit.roundtrip(w, 3, uniform=True) - w).square().mean())  # groups of 32: ~3 % lower
 
 
 def test_widths_outside_the_supported_ones_are_refused() -> None:
@@ -205,8 +235,9 @@ def test_a_calibrated_self_draft_keeps_greedy_text_and_its_own_cache(offloaded: 
     layout, packed = draft.streamer.layouts[0], draft.streamer.homes[0].packed
     assert packed is not None
     widths = {e.name: e.qtype for e in layout.entries if e.kind == "lowbit"}
-    assert widths["self_attn.k_proj.weight"] == widths["self_attn.v_proj.weight"] == 4, widths
-    assert widths["self_attn.q_proj.weight"] == widths["mlp.down_proj.weight"] == 3, widths
+    assert widths["self_attn.v_proj.weight"] == 4, widths
+    assert widths["self_attn.q_proj.weight"] == widths["self_attn.k_proj.weight"] == widths["mlp.down_proj.weight"] \
+        == 3, widths
     scales = [layout.view(packed, e) for e in layout.entries if e.name.endswith("#cscale")]
     assert scales and any(not torch.equal(c, torch.ones_like(c)) for c in scales)
     engine = Engine(offloaded.model, offloaded.tokenizer, draft)
