@@ -111,6 +111,17 @@ def entry_bits(name: str, bits: int) -> int:
     return bits + 1 if bits == 3 and module in WIDER else bits
 
 
+ROUTERS = ("gate", "router", "shared_expert_gate")  # an MoE's routing matrices: kept as the target has them
+
+
+def _router(name: str) -> bool:
+    """An MoE router's weight ("mlp.gate.weight"; not "mlp.gate_proj.weight"): a few thousandths
+    of the layer's parameters, and its rounding would send tokens to other experts than the
+    target's, so it stays dense."""
+    parts = name.split(".")
+    return len(parts) >= 2 and parts[-2] in ROUTERS
+
+
 def entry_group(name: str, shape: tuple[int, ...], bits: int) -> int | None:
     """The group size of one weight in a `bits` self-draft (None: it stays dense): lowbit's,
     but 64 for a wider entry (entry_bits) whose rows it divides: its fourth bit gains more than
@@ -129,7 +140,7 @@ def _layout(params: tuple[tuple[str, tuple[int, ...]], ...], dtype: torch.dtype,
         for s in shape:
             numel *= s
         group = entry_group(name, shape, bits)
-        if group is None:
+        if group is None or _router(name):
             entries.append(Entry(name, "dense", shape, dtype, 0, numel * esize))
             continue
         width = entry_bits(name, bits)
@@ -250,9 +261,13 @@ def _pack_layer(layout: LayerLayout, params: dict[str, torch.Tensor], inputs: di
             continue
         group = value.numel() // by_name[e.name + "#scale"].shape[0]  # the layout's (entry_group)
         x = inputs.get(e.name)
-        if x is not None and value.dim() == 2 and x.shape[-1] == value.shape[-1]:
-            codes, scale, offset, rows, cscale = calibrate.quantise_aware(value, x, e.qtype, group)
-        else:  # no inputs seen (no tokenizer, an MoE's fused experts): unscaled columns
+        if x is not None and value.dim() in (2, 3) and x.shape[-1] == value.shape[-1]:
+            # an MoE's fused gate/up (E, 2I, H): one column scale for all experts' rows, from
+            # every token's input (each expert takes a share of them)
+            codes, scale, offset, rows, cscale = calibrate.quantise_aware(value.reshape(-1, value.shape[-1]), x,
+                                                                          e.qtype, group)
+        else:  # no inputs seen (no tokenizer; an MoE's fused down projection, whose inputs are
+            # each expert's own): unscaled columns
             codes, scale, offset, rows = lowbit.quantize(value, e.qtype, group)
             cscale = torch.ones(e.shape[-1], dtype=torch.float16, device=device)
         layout.view(buf, e).copy_(codes)

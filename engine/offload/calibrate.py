@@ -129,10 +129,19 @@ def quantise_aware(w: torch.Tensor, x: torch.Tensor, bits: int, group: int,
     return (*codes, best[2])
 
 
+def fused_experts(module: nn.Module) -> bool:
+    """An MoE's fused experts (transformers' `*Experts`: gate_up_proj (E, 2I, H) and down_proj),
+    called with every token's hidden state (tokens, H) and the routing: each expert's gate/up
+    rows take (a subset of) those tokens, so their column scales come from all of them."""
+    gate_up = getattr(module, "gate_up_proj", None)
+    return isinstance(gate_up, torch.Tensor) and gate_up.dim() == 3
+
+
 @torch.inference_mode()
 def collect_inputs(target: CausalLM, ids: list[int], layers: list[int]) -> dict[int, dict[str, torch.Tensor]]:
     """Run the target over `ids` (one pass) and keep, for each of `layers`, each Linear's inputs
-    (MAX_ROWS rows, fp32, on the CPU) by its weight's name in the layer ("mlp.down_proj.weight").
+    (MAX_ROWS rows, fp32, on the CPU) by its weight's name in the layer ("mlp.down_proj.weight"),
+    and an MoE's fused experts' inputs by their gate/up weight's ("mlp.experts.gate_up_proj").
     The streamer runs one layer module at a time and reports its index after it (after_layer):
     the Linear calls since the last report are that layer's, named from the last module that
     ran (the layer itself)."""
@@ -145,7 +154,7 @@ def collect_inputs(target: CausalLM, ids: list[int], layers: list[int]) -> dict[
     out: dict[int, dict[str, torch.Tensor]] = {}
 
     def hook(module: nn.Module, args: tuple, output: object) -> None:
-        if isinstance(module, nn.Linear) and args and isinstance(args[0], torch.Tensor):
+        if (isinstance(module, nn.Linear) or fused_experts(module)) and args and isinstance(args[0], torch.Tensor):
             x = args[0].detach().reshape(-1, args[0].shape[-1])
             if x.shape[0] == len(ids):
                 pending.append((module, x[rows.to(x.device)].float().cpu()))
@@ -156,7 +165,8 @@ def collect_inputs(target: CausalLM, ids: list[int], layers: list[int]) -> dict[
     def after(i: int) -> None:
         if i in wanted and last:
             names = {id(m): n for n, m in last[0].named_modules()}
-            out[i] = {names[id(m)] + ".weight": x for m, x in pending if id(m) in names}
+            out[i] = {names[id(m)] + (".gate_up_proj" if fused_experts(m) else ".weight"): x
+                      for m, x in pending if id(m) in names}
         pending.clear()
         if saved is not None:
             saved(i)

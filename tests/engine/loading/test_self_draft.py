@@ -3,11 +3,13 @@ real tiny models loaded with their layers offloaded, checked against plain trans
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from engine.decoding.drafting import copy_of_target
 from engine.decoding.generation import Engine
@@ -26,7 +28,7 @@ from engine.loading.self_draft import (
 from engine.model.causal_lm import CausalLM
 from engine.offload import calibrate, lowbit
 from engine.offload.streamer import LayerHome, LayerStreamer
-from engine.testing.synthetic import tiny_gguf
+from engine.testing.synthetic import tiny_gguf, tiny_model
 from engine.types import Completion, GenerationRequest, SpeculationSettings
 
 PROMPTS = ["Paris is the capital of", "def add(a, b):"]
@@ -326,3 +328,37 @@ def test_resident_layers_serve_the_draft_as_they_are(model_cache: Path) -> None:
         raw_prompt=PROMPTS[1], max_new_tokens=24, speculation=SpeculationSettings(mode="autoregressive"))))[-1]
     assert isinstance(plain, Completion) and got.token_ids == plain.token_ids
     assert got.stats.tokens_per_pass > 2.0
+
+
+def test_an_moe_self_draft_scales_its_experts_gate_up_columns(model_cache: Path, tmp_path: Path) -> None:
+    """An MoE target (fused experts): the calibration keeps the experts' inputs (every token's
+    hidden state), so the substitutes of gate/up carry column scales shared by all experts, and
+    the down projection (each expert's own inputs) stays unscaled; greedy text is the target's.
+    (A few of the experts' input channels are made 30 times the others, as small LLMs have them.)"""
+    folder = tmp_path / "moe"
+    shutil.copytree(tiny_model("qwen3_moe", seed=0, layers=2, cache_dir=model_cache), folder)
+    state = load_file(folder / "model.safetensors")
+    for i in (0, 1):
+        state[f"model.layers.{i}.post_attention_layernorm.weight"][:3] *= 30
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    offloaded = load_model(folder, offload="all")
+    ids = calibrate.calibration_ids(offloaded.tokenizer)
+    seen = calibrate.collect_inputs(offloaded.model, ids, [0, 1])
+    hidden = int(offloaded.model.config.hidden_size)
+    assert seen[1]["mlp.experts.gate_up_proj"].shape == (min(calibrate.MAX_ROWS, len(ids)), hidden)
+    draft = build_self_draft(offloaded.model, 3, cache_dir=None, tokenizer=offloaded.tokenizer)
+    assert draft.streamer is not None
+    layout, packed = draft.streamer.layouts[1], draft.streamer.homes[1].packed
+    assert packed is not None
+    scales = {e.name: layout.view(packed, e) for e in layout.entries if e.name.endswith("#cscale")}
+    kinds = {e.name: e.kind for e in layout.entries}
+    gate_up = scales["mlp.experts.gate_up_proj#cscale"]
+    assert gate_up.shape == (hidden,)
+    assert not torch.equal(gate_up, torch.ones_like(gate_up)), "an alpha above 0 was chosen for the experts"
+    down = scales.get("mlp.experts.down_proj#cscale")  # (dense here: the tiny experts' width, 48, takes no group)
+    assert kinds["mlp.experts.down_proj"] == "dense" or (down is not None and torch.equal(down, torch.ones_like(down)))
+    assert kinds["mlp.gate.weight"] == "dense", "the router stays as the target has it"
+    plain = load_model(folder)
+    engine = Engine(offloaded.model, offloaded.tokenizer, draft)
+    got = greedy(engine, PROMPTS[0], 16, n=16)
+    assert list(got.token_ids) == reference(plain, engine.encode(GenerationRequest(raw_prompt=PROMPTS[0])), 16)
