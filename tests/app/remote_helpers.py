@@ -5,23 +5,16 @@ serve` as a subprocess (tests/engine/serving/serve_process.py), the vLLM stand-i
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
+
+from engine.testing.by_path import module_at
 
 SERVING = Path(__file__).resolve().parents[1] / "engine" / "serving"
 
 
 def _module(name: str) -> ModuleType:
-    module = sys.modules.get(name)
-    if module is None:
-        spec = importlib.util.spec_from_file_location(name, SERVING / f"{name}.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return module
+    return module_at(name, SERVING / f"{name}.py")
 
 
 serve_process = _module("serve_process")

@@ -7,7 +7,6 @@ runs, fetched by a starter source (pip, stood in for by `tiny_starter`, a tiny Q
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from pytestqt.qtbot import QtBot
 
 from app.models.page import CATALOG_COLUMNS, COL_FIT, COL_SPEED, ModelsPage
 from app.state.preferences_store import PreferencesStore
+from engine.testing.by_path import module_at
 from engine.testing.synthetic import tiny_model
 from engine.store import list_local_models
 from engine.store.pypi import STARTER_GGUF_NAME
@@ -530,8 +530,8 @@ def test_the_draft_box_lists_a_head_kept_beside_the_target(
     qtbot: QtBot, prefs_store: PreferencesStore, hub: HubServer, download_settings: DownloadSettings,
     app_env: Path,
 ) -> None:
-    sys.path.insert(0, str(Path(__file__).parents[1] / "engine" / "decoding"))
-    from eagle_checkpoints import write_eagle
+    write_eagle = module_at("eagle_checkpoints", Path(__file__).resolve().parents[1] / "engine" / "decoding"
+                            / "eagle_checkpoints.py").write_eagle
 
     target = tiny_model("llama", seed=0, cache_dir=app_env / "cache")
     head = write_eagle(target.parent / f"{target.name}-eagle3", target, aux=[0, 1, 1])

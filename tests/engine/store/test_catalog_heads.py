@@ -6,10 +6,8 @@ head (not as a draft model)."""
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import shutil
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -23,6 +21,7 @@ from engine.model.eagle_spec import find_eagles, is_eagle_folder
 from engine.store import download_model, load_catalog, resolve_model
 from engine.store.catalog import Catalog
 from engine.store.transfer import DownloadSettings
+from engine.testing.by_path import module_at
 from engine.testing.synthetic import tiny_model
 
 AUX = [1, 3, 5]
@@ -31,15 +30,7 @@ TARGET_REPO, HEAD_REPO = "org/tiny-llama", "org/tiny-llama-EAGLE3"
 
 def _eagle_checkpoints() -> ModuleType:
     """tests/engine/decoding/eagle_checkpoints.py, the EAGLE tests' own head writer (one module)."""
-    module = sys.modules.get("eagle_checkpoints")
-    if module is None:
-        path = Path(__file__).resolve().parents[1] / "decoding" / "eagle_checkpoints.py"
-        spec = importlib.util.spec_from_file_location("eagle_checkpoints", path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["eagle_checkpoints"] = module
-        spec.loader.exec_module(module)
-    return module
+    return module_at("eagle_checkpoints", Path(__file__).resolve().parents[1] / "decoding" / "eagle_checkpoints.py")
 
 
 def entry(model_id: str, repo_id: str, role: str, **more: Any) -> dict[str, Any]:
