@@ -239,16 +239,15 @@ def dequantize_into(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Ten
     grid = levels(bits, packed.device, uniform)
     flat = out.view(-1)
     n = flat.numel()
-    cols = n // rows.view(-1, 2).shape[0]
-    group = n // scale.numel()
     factors = rows.view(-1, 2)
+    cols, group = n // factors.shape[0], n // scale.numel()
     step = max(1, CHUNK // cols) * cols
     for a in range(0, n, step):
         b = min(n, a + step)
         q = unpack(packed[a // 8 * bits : b // 8 * bits], bits).view(-1, group)
         qf = q.to(torch.float32) if grid is None else grid[q]
         s, m = from_bytes(scale[a // group : b // group].view(-1, cols // group),
-                          offset[a // group : b // group].view(torch.int8).view(-1, cols // group),
+                          offset[a // group : b // group].view(torch.int8).view(-1, cols // group),  # (a raw buffer's bytes too)
                           factors[a // cols : b // cols])
         w = qf * s.reshape(-1, 1) + m.reshape(-1, 1)
         flat[a:b].copy_(w.reshape(-1))
