@@ -116,17 +116,17 @@ def pack6(codes: torch.Tensor, group: int = 32) -> torch.Tensor:
     n, k = codes.shape
     c = (codes.to(torch.int16) + 32).to(torch.uint8)
     whole = k // 128 * 128
-    parts = [_pack6(c[:, :whole].reshape(n, -1, 128)[..., _order(group)], 128)] if k >= 128 else []
+    parts = [_pack6(c[:, :whole].reshape(n, -1, 128)[..., _order(group, codes.device)], 128)] if k >= 128 else []
     if k % 128:
         parts.append(_pack6(c[:, whole:].reshape(n, 1, 64), 64))
     return torch.cat(parts, dim=-1).contiguous()
 
 
-def _order(group: int) -> torch.Tensor:
-    """A whole 128's values in the order pack6 stores them: lo(0..63), then hi(0..63)."""
+def _order(group: int, device: torch.device) -> torch.Tensor:
+    """A whole 128's values in the order pack6 stores them: lo(0..63), then hi(0..63), on `device`."""
     if group != 16:
-        return torch.arange(128)
-    j = torch.arange(64)
+        return torch.arange(128, device=device)
+    j = torch.arange(64, device=device)
     lo = 16 * (j // 8) + j % 8
     return torch.cat([lo, lo + 8])
 
@@ -148,7 +148,7 @@ def unpack6(packed: torch.Tensor, k: int, group: int = 32) -> torch.Tensor:
     parts = []
     if k >= 128:
         stored = _unpack6(packed[:, :whole], 128).reshape(n, -1, 128)
-        parts.append(torch.empty_like(stored).index_copy_(2, _order(group), stored).reshape(n, -1))
+        parts.append(torch.empty_like(stored).index_copy_(2, _order(group, packed.device), stored).reshape(n, -1))
     if k % 128:
         parts.append(_unpack6(packed[:, whole:], 64))
     return torch.cat(parts, dim=-1).reshape(n, k) - 32
