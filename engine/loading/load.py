@@ -44,6 +44,7 @@ from engine.loading.materialise import materialise
 from engine.loading.multimodal import config_object, text_config
 from engine.loading.weights import SafetensorsWeights
 from engine.model.assistant_spec import is_assistant_folder
+from engine.model.cache import steady_attention
 from engine.model.causal_lm import CausalLM
 from engine.model.eagle_spec import is_eagle_folder
 from engine.model.family import layer_kinds
@@ -246,6 +247,8 @@ def load_model(
     threads are set to the physical cores first (engine.threads)."""
     if torch.device(device).type == "cpu":
         use_compute_threads()
+    else:
+        steady_attention()
     loaded = _load_model(spec, device, dtype, quant=quant, offload=offload, ram_limit_bytes=ram_limit_bytes,
                          context_length=context_length, reserve_bytes=reserve_bytes, report=report, experts=experts)
     loaded.model.fingerprint = model_fingerprint(loaded.path, quant, dtype, device)

@@ -44,7 +44,7 @@ from transformers.models.llama.modeling_llama import (
 
 from engine import paths
 from engine.errors import Cancelled
-from engine.model.cache import KVCache
+from engine.model.cache import KVCache, steady_attention
 from engine.planning.profile import (
     GPU_TOKENS,
     LAYER_SHAPES,
@@ -261,6 +261,8 @@ def _time_layer(shape: LayerShape, device: str, dtype: torch.dtype, tokens: tupl
                          num_attention_heads=shape.num_attention_heads, num_key_value_heads=shape.num_kv_heads,
                          head_dim=shape.head_dim, num_hidden_layers=1, vocab_size=16, max_position_embeddings=8192)
     config._attn_implementation = "sdpa"
+    if device != "cpu":
+        steady_attention()  # as load_model does: the layer is timed with the kernels the engine runs
     with torch.device("meta"):
         layer = LlamaDecoderLayer(config, layer_idx=0).to(dtype)
     layer = layer.to_empty(device=device).eval()  # allocated once, in its final dtype

@@ -179,6 +179,23 @@ def test_the_copy_stream_keeps_slots_and_layers_in_order(quant: str, slow: str) 
 
 @pytest.mark.gpu
 @cuda
+def test_a_model_on_the_gpu_attends_without_cudnns_per_shape_plans(five_layer_path: Path) -> None:
+    """load_model keeps SDPA off cuDNN's kernel (engine.model.cache.steady_attention): it built a
+    plan for every new key length, ~8 ms a layer, and a conversation's every step has a new one
+    (an H200 answered 13-22 tok/s with it, 71-91 without). Decode steps then run no cuDNN
+    attention op."""
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    loaded = load_model(five_layer_path, "cuda", torch.bfloat16)  # (cuDNN's kernel takes 16-bit only)
+    assert not torch.backends.cuda.cudnn_sdp_enabled()
+    ids = torch.arange(1, 9, device="cuda")[None]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        loaded.model.hf_model(ids)
+        loaded.model.hf_model(ids[:, :5])
+    assert not [e.key for e in prof.key_averages() if "cudnn_attention" in e.key]
+
+
+@pytest.mark.gpu
+@cuda
 def test_a_vram_cap_is_what_the_placement_sees(five_layer_path: Path) -> None:
     """With the caching allocator capped, device_free_bytes reports what is left under the cap
     (mem_get_info does not see it), allocations past it fail, and the loader then streams the
