@@ -1,5 +1,5 @@
 """Resident layers of a packed model on a CPU: each Linear weight whose GGUF blocks are linear
-(gguf_blocks.AFFINE: Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0) stays packed, as codes and
+(gguf_blocks.AFFINE: Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, MXFP4) stays packed, as codes and
 group scales that the packed CPU kernel (engine.kernels) multiplies by directly; every other
 parameter is de-quantised once into the compute dtype. The head, when the file stores it (or
 the tied embedding) in such a type, is packed the same way: on a small model it is the largest
@@ -14,8 +14,11 @@ from a dense product.
 An MoE layer's routed experts (3-D (E, out, in) parameters; the fused gate_up_proj from two
 GGUF tensors) stay packed too, one kernel weight per expert and tensor, and the experts module
 becomes a PackedExperts (engine.kernels.experts) that runs only the experts a pass routes to. A
-projection with a part in a type the kernel does not read (IQ4_XS, MXFP4) is de-quantised whole;
-experts stored transposed (gpt-oss) stay the dense module they were.
+projection with a part in a type the kernel does not read (IQ4_XS) is de-quantised whole.
+gpt-oss's MXFP4 experts stay packed as six-bit codes (the E2M1 values doubled, -12..12) with a
+power-of-two scale per 32 (0.8125 bytes a weight against the file's 0.53, and 4 in fp32); a
+GGUF's are held rows first for that (engine.model.gpt_oss_experts). A safetensors checkpoint's
+(transformers' transposed module) stay the dense module they were.
 
 No kernel (no C compiler, Windows, SPECCHAT_NO_KERNELS=1) leaves everything de-quantised, as
 de-quantising at load did before kernels existed (layer_plan.unpack_at_load).
@@ -168,7 +171,7 @@ def _packed_bytes(qtype: int, numel: int) -> int:
     group = 16 if qtype == gguf_blocks.Q.Q6_K else 32
     bits = gguf_blocks.AFFINE_BITS[qtype]
     code_bytes = numel // 2 if bits <= 4 and group == 32 else numel * 3 // 4 if bits in (5, 6) else numel
-    sides = 2 if qtype not in (gguf_blocks.Q.Q8_0, gguf_blocks.Q.Q6_K) else 1
+    sides = 2 if qtype not in (gguf_blocks.Q.Q8_0, gguf_blocks.Q.Q6_K, gguf_blocks.Q.MXFP4) else 1  # scales and minimums, or scales
     if qtype in gguf_blocks.K_FACTORED:
         return code_bytes + numel // (8 * group) * 10 * sides
     return code_bytes + numel // group * 4 * sides

@@ -67,6 +67,7 @@ from engine import paths
 from engine.errors import UnsupportedModel
 from engine.loading import gguf_families
 from engine.offload import gguf_blocks
+from engine.model.gpt_oss_experts import use_row_experts
 from engine.offload.layout import Entry, LayerLayout, pack_entry
 from engine.store.gguf_header import CorruptGGUF, GGUFHeader, TensorInfo, read_model
 from engine.types import Quant
@@ -188,6 +189,8 @@ class GGUFWeights:
     def bind(self, hf: PreTrainedModel) -> None:
         """Map the file's tensor names onto `hf` (a model built from `config`, meta is fine)."""
         arch = self.header.architecture
+        if arch == "gpt-oss":  # its experts as the file stores them, so they stay packed
+            use_row_experts(hf)
         self._processor = processor = gguf_families.processor_for(self.header, self.config.to_dict())
         names = get_gguf_hf_weights_map(_Names(hf), processor, model_type=arch,
                                         num_layers=self.config.num_hidden_layers)
@@ -203,6 +206,17 @@ class GGUFWeights:
             built.update(recipe.sources)
         shared: dict[tuple[int, ...], tuple[int, ...]] = {}
         parts: dict[str, list[tuple[tuple[int, int], int, TensorInfo]]] = {}
+        for name, sources in gguf_families.gpt_oss_parts(self.header, list(params)).items():
+            for source, rows in sources:
+                t = self.header.tensor(source)
+                if t is None:
+                    raise CorruptGGUF(f"{self.path.name} has no tensor {source} (for {name})")
+                built.add(source)
+                if rows is None:
+                    self._by_name[name] = t
+                    self._orders[name] = None
+                else:
+                    parts.setdefault(name, []).append((rows, int(params[name].shape[-2]), t))
         for t in self.header.tensors:
             hf_name = gguf_families.tensor_name(names, t)
             if hf_name is None or t.name in built:

@@ -14,13 +14,13 @@ is its table of families:
 - tensors: transformers' tensor processors where they describe llama.cpp's converter
   (`processor_for`, and `conversion`, which finds what a processor does by running it on row
   numbers), and recipes where they do not (`recipes`): a parameter built from one or more of
-  the file's tensors by a function of their de-quantised values. gpt-oss's experts are one:
-  llama.cpp stores each expert's gate and up matrices as two tensors (rows of (E, I, H)) in
-  ggml's MXFP4 blocks, where transformers' module holds them transposed and interleaved
-  (E, H, 2I: gate at even columns, up at odd), and the down matrix (E, H, I) where the module
-  holds (E, I, H). Such a parameter cannot stay packed: it is de-quantised at load (gguf-py
-  decodes MXFP4: its block is ggml's, one E8M0 scale and 16 bytes of which byte j holds values
-  j and j + 16, not the checkpoint's pairs, so engine/loading/mxfp4.py does not apply).
+  the file's tensors by a function of their de-quantised values (gpt-oss's expert biases: gate
+  and up biases side by side). gpt-oss's expert matrices are parts (`gpt_oss_parts`): llama.cpp
+  stores gate and up as rows of (E, I, H) each (or one fused tensor) and down as (E, H, I), in
+  ggml's MXFP4 blocks; transformers' module holds them transposed and interleaved, so the loader
+  puts engine.model.gpt_oss_experts.RowExperts in its place, which holds them as stored and so
+  keeps them packed (gguf_blocks reads ggml's MXFP4 block: one E8M0 scale and 16 bytes of which
+  byte j holds values j and j + 16, not the checkpoint's pairs of engine/loading/mxfp4.py).
 
 The hybrid Gated DeltaNet families (qwen3next, qwen35, qwen35moe) have their keys, rules, row
 orders and recipes in gguf_hybrid.py; Gemma 4 (gemma4) its keys, rules and names in
@@ -312,50 +312,53 @@ def recipes(header: GGUFHeader, config: Any, params: Sequence[str]) -> dict[str,
     if header.architecture != "gpt-oss":
         return {}
     out: dict[str, Recipe] = {}
-    for name in params:
+    for name in params:  # the biases; the experts' matrices are parts (gpt_oss_parts)
         prefix, _, leaf = name.rpartition(".mlp.experts.")
         if not prefix.startswith("model.layers."):
             continue
         blk = "blk." + prefix.removeprefix("model.layers.")
-        fused = header.tensor(f"{blk}.ffn_gate_up_exps.weight") is not None  # llama.cpp's --fuse-gate-up-exps
-        if leaf in ("gate_up_proj", "gate_up_proj_bias"):
-            suffix = "weight" if leaf == "gate_up_proj" else "bias"
-            transpose = leaf == "gate_up_proj"
-            if fused:
-                out[name] = Recipe((f"{blk}.ffn_gate_up_exps.{suffix}",), _interleave_halves(transpose))
+        if leaf == "gate_up_proj_bias":
+            if header.tensor(f"{blk}.ffn_gate_up_exps.bias") is not None:  # llama.cpp's --fuse-gate-up-exps
+                out[name] = Recipe((f"{blk}.ffn_gate_up_exps.bias",), lambda v: v[0])
             else:
-                out[name] = Recipe((f"{blk}.ffn_gate_exps.{suffix}", f"{blk}.ffn_up_exps.{suffix}"),
-                                   _interleave(transpose))
-        elif leaf == "down_proj":
-            out[name] = Recipe((f"{blk}.ffn_down_exps.weight",), lambda v: v[0].transpose(-1, -2))
+                out[name] = Recipe((f"{blk}.ffn_gate_exps.bias", f"{blk}.ffn_up_exps.bias"), _halves)
         elif leaf == "down_proj_bias":
             out[name] = Recipe((f"{blk}.ffn_down_exps.bias",), lambda v: v[0])
     return out
 
 
-def _interleave(transpose: bool) -> Callable[[list[torch.Tensor]], torch.Tensor]:
-    """gate (E, I[, H]) and up (E, I[, H]) -> (E, [H,] 2I) with gate at even places, up at odd:
-    gpt-oss's gate_up_proj (transposed) and its bias, as llama.cpp's converter split them."""
+def gpt_oss_parts(header: GGUFHeader, params: Sequence[str]) -> dict[str, list[tuple[str, tuple[int, int] | None]]]:
+    """gpt-oss's expert matrices as the file's tensors fill them, in the model's RowExperts
+    (engine.model.gpt_oss_experts: rows first, gate rows then up rows): parameter -> its tensors
+    with the rows of each expert each fills, None for all of them. Every other file: none."""
+    if header.architecture != "gpt-oss":
+        return {}
+    out: dict[str, list[tuple[str, tuple[int, int] | None]]] = {}
+    for name in params:
+        prefix, _, leaf = name.rpartition(".mlp.experts.")
+        if not prefix.startswith("model.layers."):
+            continue
+        blk = "blk." + prefix.removeprefix("model.layers.")
+        if leaf == "gate_up_proj":
+            fused = header.tensor(f"{blk}.ffn_gate_up_exps.weight")
+            if fused is not None:
+                out[name] = [(fused.name, None)]
+            else:
+                gate = header.tensor(f"{blk}.ffn_gate_exps.weight")
+                rows = gate.shape[-2] if gate is not None else 0
+                out[name] = [(f"{blk}.ffn_gate_exps.weight", (0, rows)),
+                             (f"{blk}.ffn_up_exps.weight", (rows, 2 * rows))]
+        elif leaf == "down_proj":
+            out[name] = [(f"{blk}.ffn_down_exps.weight", None)]
+    return out
 
-    def build(values: list[torch.Tensor]) -> torch.Tensor:
-        gate, up = (v.transpose(-1, -2) if transpose else v for v in values)
-        if gate.shape != up.shape:
-            raise ValueError(f"gate experts {tuple(gate.shape)} and up experts {tuple(up.shape)} differ")
-        return torch.stack((gate, up), dim=-1).flatten(-2)
 
-    return build
-
-
-def _interleave_halves(transpose: bool) -> Callable[[list[torch.Tensor]], torch.Tensor]:
-    """A fused (E, 2I[, H]) tensor, gate rows then up rows -> gpt-oss's interleaved layout."""
-    pair = _interleave(transpose)
-
-    def build(values: list[torch.Tensor]) -> torch.Tensor:
-        (v,) = values
-        half = v.shape[1] // 2
-        return pair([v[:, :half], v[:, half:]])
-
-    return build
+def _halves(values: list[torch.Tensor]) -> torch.Tensor:
+    """Gate and up biases (E, I) each -> (E, 2I), gate then up (RowExperts' order)."""
+    gate, up = values
+    if gate.shape != up.shape:
+        raise ValueError(f"gate expert biases {tuple(gate.shape)} and up expert biases {tuple(up.shape)} differ")
+    return torch.cat((gate, up), dim=-1)
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ from engine.loading.checkpoint import Checkpoint
 from engine.loading.multimodal import is_vision
 from engine.loading.weights import Weights
 from engine.model.causal_lm import CausalLM
+from engine.model.gpt_oss_experts import RowExperts, use_row_experts
 from engine.model.linear_attention import install as install_linear
 from engine.offload.host_store import HostStore
 from engine.offload.layout import LayerLayout, set_parameter
@@ -192,10 +193,13 @@ def layer_template(hf: PreTrainedModel) -> Callable[[int], nn.Module]:
     hybrid model's linear and attention layers, an MoE model's dense first layers): the
     streamer binds their parameters to its ring slots or its dense buffer."""
     cls, cfg = type(hf.model.layers[0]), hf.config
+    rows = any(isinstance(m, RowExperts) for m in hf.model.layers.modules())  # a gpt-oss GGUF's experts
 
     def make_template(index: int = 0) -> nn.Module:
         with torch.device("meta"):
             template = cls(cfg, index)
+        if rows:
+            use_row_experts(template)
         layer_buffers_as_parameters(template)
         install_linear([template])
         assert not list(template.buffers()), "decoder layers with buffers cannot be streamed"

@@ -22,10 +22,12 @@ from gguf import GGMLQuantizationType as Q
 from gguf.constants import GGML_QUANT_SIZES
 
 # ggml types the store keeps packed and this module de-quantises
-PACKED = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS)
+PACKED = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4)
 FLOATS = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
 SUPPORTED = frozenset(int(t) for t in (*PACKED, *FLOATS))
 CHUNK_VALUES = 1 << 22  # values de-quantised per step of dequantize_into (16 MB of fp32; x8 on a GPU)
+# MXFP4's E2M1 values doubled (ggml's kvalues_mxfp4): code c is _MXFP4_DOUBLED[c] * 2^(e - 128)
+_MXFP4_DOUBLED = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 _IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
@@ -177,19 +179,36 @@ def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
     return (dl * q).reshape(n, 256)
 
 
+def _mxfp4_parts(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ggml's MXFP4 block (an E8M0 exponent e, then 16 bytes: byte j holds value j in its low
+    nibble, value j + 16 in its high one) -> (the doubled E2M1 values, int8 (n, 32); the block's
+    scale 2^(e - 128), fp32 (n, 1), ggml's e8m0_to_fp32_half: exact for every e)."""
+    doubled = torch.tensor(_MXFP4_DOUBLED, dtype=torch.int8, device=b.device)
+    e = b[:, 0:1].to(torch.int32)
+    bits = torch.where(e < 2, torch.tensor(0x00200000, dtype=torch.int32, device=b.device) << e, (e - 1) << 23)
+    return doubled[_nibbles(b[:, 1:17], 16).long()], bits.view(torch.float32)
+
+
+def _mxfp4(b: torch.Tensor) -> torch.Tensor:
+    q, d = _mxfp4_parts(b)
+    return q.float() * d
+
+
 _DECODERS: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {
     Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q5_0: _q5_0, Q.Q5_1: _q5_1, Q.Q8_0: _q8_0,
     Q.Q2_K: _q2_k, Q.Q3_K: _q3_k, Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k,
-    Q.IQ4_NL: _iq4_nl, Q.IQ4_XS: _iq4_xs,
+    Q.IQ4_NL: _iq4_nl, Q.IQ4_XS: _iq4_xs, Q.MXFP4: _mxfp4,
 }
 
 
 # ---- the same blocks as codes, scales and minimums ----------------------------------------------
 # Types whose values are scale * code + minimum per group of 16 or 32 (a "linear" block: not the
 # IQ4 tables, not Q2_K/Q3_K's 2-3 bit codes). `affine` gives those parts for a packed CPU kernel
-# (engine.kernels): its matrix products read the codes and apply a group's scale once.
-AFFINE = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
-AFFINE_BITS: dict[int, int] = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q4_K: 4, Q.Q5_0: 5, Q.Q5_1: 5, Q.Q5_K: 5, Q.Q8_0: 8, Q.Q6_K: 6}
+# (engine.kernels): its matrix products read the codes and apply a group's scale once. MXFP4 is
+# one too: its E2M1 values doubled are the integers -12..12 (six-bit codes), its scale a power of two.
+AFFINE = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.MXFP4)
+AFFINE_BITS: dict[int, int] = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q4_K: 4, Q.Q5_0: 5, Q.Q5_1: 5, Q.Q5_K: 5, Q.Q8_0: 8, Q.Q6_K: 6,
+                               Q.MXFP4: 6}
 
 
 def affine(b: torch.Tensor, qtype: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
@@ -220,6 +239,9 @@ def affine(b: torch.Tensor, qtype: int) -> tuple[torch.Tensor, torch.Tensor, tor
         qh = _fields(b[:, 128:192], 32, 2)
         q = (ql | (qh << 4)).to(torch.int8) - 32
         return q.reshape(n, 256), _f16(b, 208) * scales, None, 16
+    if qtype == Q.MXFP4:
+        q, d = _mxfp4_parts(b)
+        return q, d, None, 32
     raise ValueError(f"{type_name(qtype)} is not a linear block type")
 
 

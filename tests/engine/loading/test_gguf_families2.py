@@ -464,10 +464,13 @@ def test_experts_are_built_at_load_and_attention_stays_packed(converted: tuple) 
         kinds = {e.name: e.kind for e in layouts[-1].entries}
         assert kinds["self_attn.q_proj.weight"] == "gguf"  # Q8_0 blocks as the file has them
         expert_kinds = {k for n, k in kinds.items() if "experts." in n}
-        # gpt-oss: MXFP4, transposed and interleaved -> de-quantised at load; the others: Q8_0 parts
+        # Q8_0 parts; gpt-oss: its MXFP4 matrices as stored (RowExperts), its biases side by side at load
         model_type = ref.config.model_type
-        assert expert_kinds == ({"dense"} if model_type == "gpt_oss" else set() if model_type == "qwen3_5_text"
+        assert expert_kinds == (set() if model_type == "qwen3_5_text" else {"gguf", "dense"} if model_type == "gpt_oss"
                                 else {"gguf"})
+        if model_type == "gpt_oss":
+            assert {n: k for n, k in kinds.items() if "experts." in n and n.endswith("_bias")} == {
+                "mlp.experts.gate_up_proj_bias": "dense", "mlp.experts.down_proj_bias": "dense"}
         if model_type in ("qwen3_5_text", "qwen3_5_moe_text"):  # value heads re-tiled by llama.cpp
             linear = {e.name: e for e in layouts[0].entries}
             # row permutations stay packed; out_proj's columns (across blocks) are de-quantised at load
@@ -477,9 +480,18 @@ def test_experts_are_built_at_load_and_attention_stays_packed(converted: tuple) 
             assert linear["linear_attn.out_proj.weight"].kind == "dense"
         for name, p in ref.named_parameters():
             if ".experts." in name or "linear_attn.in_proj" in name or "linear_attn.conv1d" in name:
-                assert torch.equal(weights.load(name, torch.float32), p.detach()), name
+                want = as_rows(name, p.detach()) if model_type == "gpt_oss" else p.detach()
+                assert torch.equal(weights.load(name, torch.float32), want), name
     finally:
         weights.close()
+
+
+def as_rows(name: str, value: torch.Tensor) -> torch.Tensor:
+    """A parameter of transformers' GptOssExperts as RowExperts holds it: matrices rows first,
+    gate_up's gate columns (even) then up columns (odd)."""
+    if name.endswith(("gate_up_proj", "gate_up_proj_bias")):
+        value = torch.cat((value[..., ::2], value[..., 1::2]), dim=-1)
+    return value.transpose(-1, -2) if name.endswith("_proj") else value
 
 
 @pytest.mark.parametrize("offload", ["none", "all"])
@@ -491,8 +503,8 @@ def test_logits_and_greedy_text_equal_transformers(converted: tuple, offload: st
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_experts_on_the_cpu_beside_a_gpu_give_transformers_text(converted: tuple) -> None:
     path, ref, tok = converted
-    if not any(name.endswith(".experts") for name, _ in ref.named_modules()) or ref.config.model_type == "gpt_oss":
-        pytest.skip("no experts the CPU kernel runs (gpt-oss': transposed)")
+    if not any(name.endswith(".experts") for name, _ in ref.named_modules()):
+        pytest.skip("no experts")
     assert_experts_on_cpu_beside_gpu(path, ref, tok, PROMPTS, NEW_TOKENS)
 
 
@@ -503,11 +515,10 @@ def assert_logits_and_greedy_text_equal(converted: tuple, offload: str) -> None:
     path, ref, tok = converted
     m = load_model(path, offload=offload)  # type: ignore[arg-type]
     assert m.model.placement is not None and m.model.placement.quant == "gguf"
-    if offload == "none" and build.kernels() is not None:  # routed experts stay packed (gpt-oss': transposed)
+    if offload == "none" and build.kernels() is not None:  # routed experts stay packed (gpt-oss' too: RowExperts)
         experts = [mod for name, mod in m.model.hf_model.named_modules() if name.endswith(".experts")]
-        packed = ref.config.model_type != "gpt_oss"
         theirs = [name for name, _ in ref.named_modules() if name.endswith(".experts")]
-        assert len(experts) == len(theirs) and all(isinstance(e, PackedExperts) == packed for e in experts)
+        assert len(experts) == len(theirs) and all(isinstance(e, PackedExperts) for e in experts)
     engine = Engine(m.model, m.tokenizer)
     for prompt in PROMPTS:
         ids = tok(prompt)["input_ids"]
@@ -524,6 +535,28 @@ def assert_logits_and_greedy_text_equal(converted: tuple, offload: str) -> None:
         if offload == "all":  # every layer streamed; draft-free trees verify against the same layers
             assert m.model.streamer is not None and m.model.placement.gpu_layers == 0
             assert greedy(engine, prompt, mode="specexec", n=NEW_TOKENS).token_ids == got.token_ids
+
+
+def test_gpt_oss_experts_stay_packed_in_six_bits(vocab: tuple, tmp_path: Path) -> None:
+    """A gpt-oss GGUF's MXFP4 experts, resident on the CPU, stay packed: six-bit codes (the E2M1
+    values doubled) and one fp16 power of two per 32 values, 0.8125 bytes a weight (fp32 would
+    take 4), merged gate and up rows per expert, their biases beside them."""
+    if build.kernels() is None:
+        pytest.skip("no packed CPU kernel here")
+    meta, tok = vocab
+    path = tmp_path / "gpt-oss.gguf"
+    gpt_oss(tok, meta, path)
+    m = load_model(path)
+    experts = [mod for name, mod in m.model.hf_model.named_modules() if name.endswith(".experts")]
+    assert experts and all(isinstance(e, PackedExperts) for e in experts)
+    for e in experts:
+        (gate_up,), (down,) = e.gate_up, e.down
+        assert gate_up.packed is not None and down.packed is not None
+        w = gate_up.packed[0]
+        assert (w.kind, w.group, w.mins, w.scales.dtype) == ("q6", 32, None, torch.float16)
+        assert w.out_features == e.gate_up_rows and e.gate_up_bias is not None and e.down_bias is not None
+        weights = e.num_experts * (e.gate_up_rows * e.hidden + e.hidden * e.width)
+        assert e.packed_nbytes == weights * 13 // 16
 
 
 def test_experts_that_do_not_fit_together_are_refused(vocab: tuple, tmp_path: Path) -> None:

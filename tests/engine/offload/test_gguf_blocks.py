@@ -14,8 +14,9 @@ from engine.offload.gguf_blocks import AFFINE, AFFINE_BITS, PACKED, affine, bloc
 
 # byte offsets of each type's fp16 scale fields (ggml's block structs)
 SCALES = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,), Q.Q2_K: (80, 82),
-          Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.IQ4_NL: (0,), Q.IQ4_XS: (0,)}
-QUANTISABLE = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0)
+          Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.IQ4_NL: (0,), Q.IQ4_XS: (0,),
+          Q.MXFP4: ()}  # MXFP4's scale is one byte, a power of two (random_blocks: 2^-28..2^12)
+QUANTISABLE = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.MXFP4)
 
 
 def random_blocks(qtype: Q, n: int, seed: int = 0) -> np.ndarray:
@@ -26,6 +27,8 @@ def random_blocks(qtype: Q, n: int, seed: int = 0) -> np.ndarray:
     for at in SCALES[qtype]:
         scale = (rng.uniform(1e-4, 1.0, n) * rng.choice([-1, 1], n)).astype(np.float16)
         blocks[:, at:at + 2] = scale.view(np.uint8).reshape(n, 2)
+    if qtype == Q.MXFP4:
+        blocks[:, 0] = rng.integers(100, 141, n)  # finite values: 12 * 2^(e - 128)
     return blocks
 
 
