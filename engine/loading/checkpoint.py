@@ -220,6 +220,23 @@ class Checkpoint:
         for e in range(out.shape[0]):
             out[e].copy_(dequantize_mxfp4(self._read_part(blocks, e), self._read_part(scales, e)))
 
+    def is_mxfp4(self, name: str) -> bool:
+        return name in self._mxfp4
+
+    def mxfp4_as_ggml(self, name: str, out: torch.Tensor) -> None:
+        """An MXFP4 tensor's blocks rewritten as ggml's MXFP4 blocks into `out` (uint8, experts x
+        rows x groups x 17 bytes, any device), one expert at a time: per group of 32 the same
+        exponent byte (2^(e - 127) times an E2M1 value is ggml's 2^(e - 128) times it doubled),
+        then 16 bytes of which byte j holds value j's code in its low nibble and value j + 16's
+        in its high one (the checkpoint's byte j holds values 2j and 2j + 1). No value changes."""
+        blocks, scales = self._mxfp4[name]
+        view = out.view(self.shape(blocks)[0], -1, 17)
+        for e in range(view.shape[0]):
+            b = self._read_part(blocks, e).reshape(-1, 16)
+            codes = torch.stack((b & 0x0F, b >> 4), dim=-1).reshape(-1, 32)  # value order
+            packed = codes[:, :16] | (codes[:, 16:] << 4)
+            view[e].copy_(torch.cat((self._read_part(scales, e).reshape(-1, 1), packed), dim=1))
+
     def _read_part(self, name: str, i: int) -> torch.Tensor:
         return self._shard(name).read_part(self._renamed.get(name, name), i)
 

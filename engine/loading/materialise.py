@@ -193,13 +193,13 @@ def layer_template(hf: PreTrainedModel) -> Callable[[int], nn.Module]:
     hybrid model's linear and attention layers, an MoE model's dense first layers): the
     streamer binds their parameters to its ring slots or its dense buffer."""
     cls, cfg = type(hf.model.layers[0]), hf.config
-    rows = any(isinstance(m, RowExperts) for m in hf.model.layers.modules())  # a gpt-oss GGUF's experts
+    rows = next((m for m in hf.model.layers.modules() if isinstance(m, RowExperts)), None)  # gpt-oss's experts
 
     def make_template(index: int = 0) -> nn.Module:
         with torch.device("meta"):
             template = cls(cfg, index)
-        if rows:
-            use_row_experts(template)
+        if rows is not None:
+            use_row_experts(template, rows.interleaved)
         layer_buffers_as_parameters(template)
         install_linear([template])
         assert not list(template.buffers()), "decoder layers with buffers cannot be streamed"

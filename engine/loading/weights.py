@@ -20,10 +20,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
+from gguf import GGMLQuantizationType
 from torch import nn
 
 from engine.loading.checkpoint import Checkpoint
 from engine.loading.multimodal import add_text_names
+from engine.model.gpt_oss_experts import use_row_experts
 from engine.offload.layout import Entry, LayerLayout, pack_entry, pack_prequantized
 from engine.types import Quant
 
@@ -65,6 +67,7 @@ class SafetensorsWeights:
         method = qc.get("quant_method")
         self.int4: Literal["awq", "gptq"] | None = method if method in ("awq", "gptq") else None
         self.gptq_v2 = qc.get("checkpoint_format") == "gptq_v2"
+        self._rows: set[str] = set()  # parameters held rows first (engine.model.gpt_oss_experts)
 
     def bind(self, hf: PreTrainedModel) -> None:
         """Most checkpoints use transformers' names; MoE checkpoints store each expert apart
@@ -73,12 +76,18 @@ class SafetensorsWeights:
         for name, p in hf.named_parameters():
             if not self.ckpt.has(name) and not self.ckpt.add_mxfp4(name):  # gpt-oss's MXFP4 experts
                 expert_parts(self.ckpt, name, p.shape[0] if p.ndim == 3 else 0)
+        # gpt-oss's MXFP4 experts held rows first, as stored, so they can stay in their blocks
+        self._rows = {name for name, _ in hf.named_parameters() if self.ckpt.is_mxfp4(name)}
+        if self._rows:
+            use_row_experts(hf, interleaved=True)
 
     def has(self, name: str) -> bool:
         return self.ckpt.has(name)
 
     def load(self, name: str, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-        return self.ckpt.load(name, dtype, device)
+        value = self.ckpt.load(name, dtype, device)
+        # transformers' (E, in, out) de-quantised -> RowExperts' (E, out, in)
+        return value.transpose(-1, -2).contiguous() if name in self._rows else value
 
     def layouts(self, hf: PreTrainedModel, dtype: torch.dtype, quant: Quant) -> list[LayerLayout]:
         """Each layer's layout; layers of one kind share theirs (a hybrid or MoE model's
@@ -90,10 +99,25 @@ class SafetensorsWeights:
             if key not in seen:
                 if self.int4 is not None:
                     seen[key] = self._int4_layout(layer, dtype, self.int4)
+                elif self._rows and quant == "none":
+                    seen[key] = self._mxfp4_layout(layer, dtype)
                 else:
                     seen[key] = LayerLayout.of(layer, dtype, "nf4" if self.ckpt.bnb_4bit else quant)
             out.append(seen[key])
         return out
+
+    def _mxfp4_layout(self, layer: nn.Module, dtype: torch.dtype) -> LayerLayout:
+        """gpt-oss's MXFP4 experts kept in blocks (as ggml's MXFP4: the packed CPU kernel and the
+        GPU's de-quantiser read them, engine.offload.gguf_blocks), the rest dense."""
+        esize = torch.empty((), dtype=dtype).element_size()
+        entries = []
+        for name, p in layer.named_parameters():
+            if f"{LAYERS}0.{name}" in self._rows:
+                entries.append(Entry(name, "gguf", tuple(p.shape), torch.uint8, 0, p.numel() // 32 * 17,
+                                     int(GGMLQuantizationType.MXFP4)))
+            else:
+                entries.append(Entry(name, "dense", tuple(p.shape), dtype, 0, p.numel() * esize))
+        return LayerLayout.packed(entries, dtype, "gguf")
 
     def _int4_layout(self, layer: nn.Module, dtype: torch.dtype, int4: Literal["awq", "gptq"]) -> LayerLayout:
         """Linear weights stored as int4 stay packed, with their scales, zeros (and g_idx) as
@@ -129,10 +153,14 @@ class SafetensorsWeights:
                 continue
             elif e.kind == "nf4" and ckpt.is_nf4(full) and (pre := ckpt.nf4(full)) is not None:
                 pack_prequantized(layout, buf, e.name, *pre)
-            elif e.kind == "dense":  # straight from the mapping into the packed buffer
+            elif e.kind == "gguf":  # gpt-oss's MXFP4 experts, rewritten as ggml's blocks
+                ckpt.mxfp4_as_ggml(full, layout.view(buf, e))
+            elif e.kind == "dense" and full not in self._rows:  # straight from the mapping into the packed buffer
                 ckpt.copy_to(full, layout.view(buf, e))
+            elif e.kind == "dense":
+                layout.view(buf, e).copy_(self.load(full, layout.compute_dtype, work))
             else:
-                pack_entry(layout, buf, e.name, ckpt.load(full, layout.compute_dtype, work))
+                pack_entry(layout, buf, e.name, self.load(full, layout.compute_dtype, work))
 
     def mapped(self, layers: Sequence[int], layouts: Sequence[LayerLayout]) -> tuple[Path, list[int]] | None:
         return None

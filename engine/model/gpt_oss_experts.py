@@ -12,11 +12,14 @@ transpose, no interleave at load) and, on a CPU with the packed kernel, its MXFP
 packed (engine.loading.cpu_packed: six-bit codes and a power-of-two scale per 32 values) where
 de-quantising them would take 8 times the file's bytes in fp32.
 
-`use_row_experts(model)` puts one in place of each GptOssExperts (meta tensors: the loader fills
-them); GGUFWeights.bind calls it for a gpt-oss file.
+With `interleaved`, gate_up's rows (and its bias) alternate gate, up, gate, up... as gpt-oss's
+safetensors checkpoint stores them (its MXFP4 blocks are rows first too: (E, 2I, hidden / 32,
+16)): the gate reads the even rows' outputs, transformers' own order.
 
-What this module does not do: read anything, or serve safetensors checkpoints (their MXFP4
-pairs are transformers' layout, engine.loading.mxfp4).
+`use_row_experts(model, interleaved)` puts one in place of each GptOssExperts (meta tensors: the
+loader fills them); GGUFWeights.bind and SafetensorsWeights.bind call it for gpt-oss.
+
+What this module does not do: read anything.
 """
 
 from __future__ import annotations
@@ -35,8 +38,9 @@ class RowExperts(nn.Module):
     has_bias = True
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, alpha: float, limit: float,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, interleaved: bool = False) -> None:
         super().__init__()
+        self.interleaved = interleaved
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden, intermediate
         self.alpha, self.limit = alpha, limit
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden, dtype=dtype))
@@ -46,8 +50,8 @@ class RowExperts(nn.Module):
         self.act_fn = nn.Identity()  # (the gate is _apply_gate's own)
 
     def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """gpt-oss's gate on (..., 2I) gate then up values: as transformers' on its interleaved ones."""
-        gate, up = gate_up.chunk(2, dim=-1)
+        """gpt-oss's gate on (..., 2I) gate then up values (interleaved: alternating), as transformers'."""
+        gate, up = (gate_up[..., ::2], gate_up[..., 1::2]) if self.interleaved else gate_up.chunk(2, dim=-1)
         gate = gate.clamp(min=None, max=self.limit)
         up = up.clamp(min=-self.limit, max=self.limit)
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
@@ -65,7 +69,7 @@ class RowExperts(nn.Module):
         return out
 
 
-def use_row_experts(model: nn.Module) -> int:
+def use_row_experts(model: nn.Module, interleaved: bool = False) -> int:
     """Replace each transformers GptOssExperts in `model` by a RowExperts of its shape and dtype
     (its tensors on the meta device: nothing is copied). Returns how many were replaced."""
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts  # noqa: PLC0415
@@ -74,7 +78,7 @@ def use_row_experts(model: nn.Module) -> int:
     for name, m in found:
         with torch.device("meta"):
             new = RowExperts(m.num_experts, m.hidden_size, m.intermediate_size, float(m.alpha), float(m.limit),
-                             dtype=m.gate_up_proj.dtype)
+                             dtype=m.gate_up_proj.dtype, interleaved=interleaved)
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)
     return len(found)

@@ -11,14 +11,18 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from torch import nn
 from transformers import AutoModelForCausalLM
 from transformers.integrations.mxfp4 import FP4_VALUES, convert_moe_packed_tensors
 from transformers.utils.quantization_config import Mxfp4Config
 
 from engine.errors import UnsupportedModel
+from engine.kernels.build import kernels
+from engine.kernels.experts import PackedExperts
 from engine.loading.load import LoadedModel, load_model
 from engine.loading.materialise import resident_bytes
 from engine.loading.mxfp4 import dequantize_mxfp4
+from engine.model.gpt_oss_experts import RowExperts
 from engine.testing.synthetic import tiny_model
 
 PROMPT = "Speculative decoding lets a small draft model propose tokens that a large target model verifies."
@@ -88,12 +92,28 @@ def logits(m: LoadedModel) -> torch.Tensor:
     return m.model.logits(m.model.forward(ids, torch.arange(len(ids)), cache, None))
 
 
+def expert_values(experts: nn.Module, proj: str) -> torch.Tensor:
+    """An experts module's matrices as transformers' GptOssExperts holds them, (E, in, out) fp32:
+    from the packed kernel's codes (PackedExperts) or RowExperts' rows (no kernel here)."""
+    if isinstance(experts, PackedExperts):
+        parts = experts.gate_up if proj == "gate_up_proj" else experts.down
+        rows = torch.stack([PackedExperts.expert_matrix(parts, e) for e in range(experts.num_experts)])
+    else:
+        assert isinstance(experts, RowExperts) and experts.interleaved
+        rows = getattr(experts, proj).detach().float()
+    return rows.transpose(1, 2)
+
+
 def test_mxfp4_experts_load_as_transformers_dequantises_them(mxfp4_folder: Path) -> None:
+    """Held rows first in their MXFP4 blocks (packed six-bit codes on the CPU with the kernel):
+    every value transformers' de-quantisation gives, and its logits."""
     loaded = load_model(mxfp4_folder)
     ref = AutoModelForCausalLM.from_pretrained(mxfp4_folder, quantization_config=Mxfp4Config(dequantize=True),
                                                dtype=torch.float32).eval()
-    ours = dict(loaded.model.layers[1].named_parameters())
+    mine = loaded.model.layers[1].mlp.experts
+    assert isinstance(mine, PackedExperts) == (kernels() is not None)
     theirs = dict(ref.model.layers[1].named_parameters())
+    ours = {f"mlp.experts.{proj}": expert_values(mine, proj) for proj in EXPERTS}
     for proj in EXPERTS:
         assert torch.equal(ours[f"mlp.experts.{proj}"], theirs[f"mlp.experts.{proj}"]), proj
     ids = loaded.tokenizer(PROMPT)["input_ids"]
@@ -112,7 +132,8 @@ def test_mxfp4_experts_load_as_transformers_dequantises_them(mxfp4_folder: Path)
 def test_streamed_mxfp4_layers_equal_resident_ones(mxfp4_folder: Path) -> None:
     streamed = load_model(mxfp4_folder, offload="all")
     assert streamed.model.streamer is not None and not any(h.module for h in streamed.model.streamer.homes)
-    assert torch.equal(logits(streamed), logits(load_model(mxfp4_folder)))
+    # streamed: the blocks de-quantised each pass; resident: the packed kernel's sums (another order)
+    torch.testing.assert_close(logits(streamed), logits(load_model(mxfp4_folder)), rtol=1e-5, atol=1e-5)
 
 
 def test_resident_bytes_count_the_de_quantised_experts(mxfp4_folder: Path, model_cache: Path) -> None:
