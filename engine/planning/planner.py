@@ -69,6 +69,10 @@ KERNEL_TOKEN_RATIO = 1.4
 # half a byte a code and 10 bytes of scales and 10 of minimums per 256, 0.578; its down Q6_K, six
 # bits a code + 10 bytes per 128 (kind q6), 0.828, on about half the layers and Q4_K on the rest): 0.62.
 KERNEL_EXPERT_BYTES_PER_PARAM = 0.62
+# gpt-oss's MXFP4 experts as the kernel holds them (six-bit codes, an fp16 power of two per 32:
+# engine.loading.cpu_packed), and as its blocks sit in RAM for a GPU (4.25 bits a weight)
+MXFP4_KERNEL_BYTES_PER_PARAM = 13 / 16
+MXFP4_BLOCK_BYTES_PER_PARAM = 17 / 32
 # The head of a GGUF as the kernel holds it: Q6_K in K-quant files (six-bit codes + 10 bytes per
 # 128), 0.83 a weight (a Q8_0 file's 1.06; a one-token step reads all of it, so it is much of a
 # small model's step: the synthetic MoE's 151,936 x 2048 head ~11 ms of a 33 ms step here)
@@ -333,11 +337,17 @@ class PairPrediction:
 
 
 def estimate_placement(profile: HardwareProfile, target: ModelShape, quant: Packing,
-                       draft: ModelShape | None = None, context_length: int = PREDICTED_CONTEXT) -> Placement:
+                       draft: ModelShape | None = None, context_length: int = PREDICTED_CONTEXT,
+                       mxfp4: bool = False) -> Placement:
     """Where the loader would put the target's layers on this machine: plan_placement with the
-    memory a model that is not loaded yet is estimated to need."""
+    memory a model that is not loaded yet is estimated to need. `mxfp4` (quant "gguf"): gpt-oss's
+    experts kept in MXFP4 blocks, the rest of its layers dense (engine.loading.weights)."""
     device = "cpu" if profile.gpu is None else "cuda:0"
     lbytes = layer_bytes(target, quant, device)
+    if mxfp4:
+        dense = target.always_params * (4 if device == "cpu" else 2)
+        expert = MXFP4_KERNEL_BYTES_PER_PARAM if device == "cpu" else MXFP4_BLOCK_BYTES_PER_PARAM
+        lbytes = int(dense + target.routed_params * expert)
     host_free = max(0, profile.ram_available - HOST_MARGIN_BYTES)
     needs = predicted_needs(profile, target, draft, context_length)
     device_free = profile.gpu.vram_free if profile.gpu is not None else host_free
@@ -348,23 +358,26 @@ def estimate_placement(profile: HardwareProfile, target: ModelShape, quant: Pack
     if device == "cpu" and quant == "gguf":  # its Linear weights stay packed for the CPU kernel (cpu_packed)
         placement = replace(placement, resident_form="kernel")
     elif placement.gpu_layers < target.num_layers and quant == "gguf" and target.experts is not None:
-        placement = _experts_on_cpu(target, placement, needs, context_length, device_free, host_free)
+        placement = _experts_on_cpu(target, placement, needs, context_length, device_free, host_free,
+                                    MXFP4_KERNEL_BYTES_PER_PARAM if mxfp4 else KERNEL_EXPERT_BYTES_PER_PARAM,
+                                    cache=not mxfp4)  # gpt-oss's experts have biases: not cached (expert_cache)
     return placement
 
 
 def _experts_on_cpu(target: ModelShape, streamed: Placement, needs: MemoryNeeds, context_length: int,
-                    device_free: int, host_free: int) -> Placement:
+                    device_free: int, host_free: int, expert_bytes: float = KERNEL_EXPERT_BYTES_PER_PARAM,
+                    cache: bool = True) -> Placement:
     """An MoE GGUF too big for the GPU, as the loader's `--experts auto` places it
     (engine.loading.layer_plan.experts_on_cpu): everything but the routed experts on the GPU
     (16-bit), the experts packed in RAM for the CPU kernel, when both fit, and the GPU memory left
     caching experts (their share in `cached_experts`); else `streamed`."""
     gpu_bytes = target.num_layers * target.always_params * 2 + needs.fixed + needs.kv_at(context_length) \
         + needs.activations + GB
-    host_bytes = target.num_layers * target.routed_params * KERNEL_EXPERT_BYTES_PER_PARAM
+    host_bytes = target.num_layers * target.routed_params * expert_bytes
     if gpu_bytes > device_free or host_bytes > host_free:
         return streamed
     every_expert = target.num_layers * target.routed_params * 2  # 16-bit in the cache (engine.kernels.expert_cache)
-    cached = min(1.0, (device_free - gpu_bytes) / every_expert) if every_expert else 0.0
+    cached = min(1.0, (device_free - gpu_bytes) / every_expert) if every_expert and cache else 0.0
     return replace(streamed, gpu_layers=target.num_layers, ram_layers=0, disk_layers=0, resident_form="experts-cpu",
                    cached_experts=cached)
 
@@ -389,6 +402,8 @@ def _quant_options(profile: HardwareProfile, model: CatalogModel, quant: str) ->
     packed = getattr(model, "prequantised", None)
     if packed:
         return ["gguf" if packed == "gguf" else "awq" if packed in ("awq", "gptq") else "nf4"]
+    if _mxfp4(model) and quant in ("auto", "none", "bf16"):
+        return ["gguf"]  # the loader keeps the MXFP4 experts in their blocks (a "gguf" layout)
     if profile.gpu is None:
         return ["none"]  # CPU runs fp32; NF4 kernels are GPU-only
     if quant == "none":
@@ -400,6 +415,11 @@ def _quant_options(profile: HardwareProfile, model: CatalogModel, quant: str) ->
     return ["none", "nf4"]
 
 
+def _mxfp4(model: CatalogModel) -> bool:
+    """A checkpoint whose experts are MXFP4 (gpt-oss as OpenAI ships it)."""
+    return getattr(model, "dtype", "") == "mxfp4" and getattr(model, "experts", None) is not None
+
+
 def predict_pair(profile: HardwareProfile, target: CatalogModel, draft: CatalogModel | None, quant: str = "auto",
                  curve: AcceptanceCurve = AcceptanceCurve()) -> PairPrediction:
     """Predicted tok/s of catalog models `target` (+ `draft`, None = no draft) on `profile`.
@@ -408,7 +428,7 @@ def predict_pair(profile: HardwareProfile, target: CatalogModel, draft: CatalogM
     dshape = draft.shape() if draft is not None else None
     results = []
     for q in _quant_options(profile, target, quant):
-        placement = estimate_placement(profile, tshape, q, dshape)
+        placement = estimate_placement(profile, tshape, q, dshape, mxfp4=_mxfp4(target) and q == "gguf")
         plan = choose_budget(profile, tshape, dshape, placement, curve)
         results.append((placement.disk_layers > 0, -plan.tokens_per_second, q, placement, plan))
     on_disk, _, q, placement, plan = min(results, key=lambda r: (r[0], r[1]))

@@ -200,10 +200,12 @@ def test_measured_routing_is_fitted_and_prices_trees_by_it() -> None:
 
 def test_the_catalogs_moe_entries_are_priced_as_moe() -> None:
     """gpt-oss' catalog shape (its config.json's values) gives the cards' parameter counts and a
-    token's top-4 experts. gpt-oss-20b resident on a 24 GB GPU reads a token's experts, not all
-    of them: predicted faster than a dense model of its size. gpt-oss-120b does not fit: its
-    experts are not kept packed (transposed MXFP4, de-quantised at load), so whole layers stream
-    and it stays under 1 tok/s either way."""
+    token's top-4 experts. Their MXFP4 experts stay in their blocks (engine.loading.weights), so
+    gpt-oss-20b is resident on a 24 GB GPU (12.4 GB of blocks, de-quantised as a layer runs),
+    reading a token's experts, not all of them: predicted faster than a dense model of its size.
+    gpt-oss-120b keeps attention on the GPU and its experts in 128 GB of RAM (six-bit codes for
+    the CPU kernel, none cached on the GPU: they have biases), where 64 GB holds neither: whole
+    layers stream, under 1 tok/s."""
     from engine.store.catalog import load_catalog
 
     catalog = load_catalog()
@@ -211,13 +213,15 @@ def test_the_catalogs_moe_entries_are_priced_as_moe() -> None:
         shape = catalog.find(model_id).shape()  # type: ignore[union-attr]
         assert shape.experts is not None and shape.experts.top_k == 4
         assert shape.params / B == pytest.approx(params, rel=0.002)
-    profile = reference_profile("rtx4090", ram_gb=128)
-    for model_id, fit, faster in (("gpt-oss-20b", "fits", 1.5), ("gpt-oss-120b", "slow", 1.0)):
+    for ram, model_id, fit, form, faster in ((128, "gpt-oss-20b", "fits", "", 1.5),  # "": resident packed
+                                             (128, "gpt-oss-120b", "fits", "experts-cpu", 1.5),
+                                             (64, "gpt-oss-120b", "slow", "", 1.0)):
+        profile = reference_profile("rtx4090", ram_gb=ram)
         entry = catalog.find(model_id)
         assert entry is not None
         moe = planner.predict_pair(profile, entry, None)
         dense = planner.predict_pair(profile, dataclasses.replace(entry, experts=None), None)
-        assert moe.fit == fit
+        assert (moe.fit, moe.placement.resident_form, moe.placement.cached_experts) == (fit, form, 0.0), model_id
         assert moe.tokens_per_second > faster * dense.tokens_per_second
 
 
