@@ -94,14 +94,13 @@ def served(counts: Sequence[Sequence[float]], sets: Sequence[Sequence[int]]) -> 
 def fill(model: nn.Module, budget_bytes: int, device: torch.device | str, dtype: torch.dtype,
          counts: Sequence[Sequence[float]] | None = None) -> CacheState:
     """Cache as many experts as `budget_bytes` holds on `device` (in `dtype`), chosen by
-    `counts` (else spread evenly). Modules with biases are left on the CPU."""
-    every = packed_experts(model)
-    keep = [i for i, m in enumerate(every) if m.cacheable()]
-    modules = [every[i] for i in keep]
+    `counts` (else spread evenly; one row per MoE layer, packed_experts' order). Biases (gpt-oss)
+    are cached beside their experts' matrices."""
+    modules = packed_experts(model)
     if not modules:
         return CacheState(0, 0, 0, float("nan"))
-    if counts is not None:  # one row per MoE layer (packed_experts' order): those of the layers cached
-        counts = [counts[i] for i in keep] if len(counts) == len(every) else None
+    if counts is not None and len(counts) != len(modules):
+        counts = None
     size = torch.empty((), dtype=dtype).element_size()
     per_expert = max(m.expert_nbytes for m in modules) * size // 4
     slots = max(0, budget_bytes) // per_expert
@@ -134,11 +133,10 @@ def rebalance(model: nn.Module, seed: Sequence[Sequence[float]] | None = None,
     (no memory moves between layers: `fill` at the next load spreads them by the saved counts):
     where that serves at least MIN_GAIN more of the routed pairs, the layers whose sets gain most
     take theirs first, as many as `max_copies` experts allow. Returns the experts copied."""
-    modules = [m for m in packed_experts(model) if m.cacheable()]
+    modules = packed_experts(model)
     if not modules or not any(m.hot_ids for m in modules):
         return 0
-    every = packed_experts(model)
-    counts = [row for m, row in zip(every, current_counts(model, seed), strict=True) if m.cacheable()]
+    counts = current_counts(model, seed)
     now = [list(m.hot_ids) for m in modules]
     sets = [sorted(sorted(range(m.num_experts), key=lambda e: (-row[e], e))[: len(ids)])
             for m, row, ids in zip(modules, counts, now, strict=True)]

@@ -18,9 +18,11 @@ differs from a dense product (the kernel's), so greedy text is the file's model'
 A projection may be packed for some parts and dense for others: the fused gate_up of a GGUF is
 two tensors (llama.cpp's ffn_gate_exps and ffn_up_exps) that may differ in type; parts of one
 kernel kind are merged into one matrix per expert (one kernel call), others run one call each.
-Experts stored transposed (gpt-oss' (E, in, out)) or with a norm after each expert are not
-handled here: they stay the dense module they were (`supports`). The bias of a projection is
-added to its whole output, in transformers' order.
+Experts stored transposed (transformers' gpt-oss module, (E, in, out)) or with a norm after each
+expert are not handled here: they stay the dense module they were (`supports`); a gpt-oss GGUF
+or MXFP4 checkpoint is held rows first for this module (engine.model.gpt_oss_experts). The bias
+of a projection is added to its whole output, in transformers' order, and cached experts keep
+theirs beside them.
 
 Each call counts the tokens routed to each expert (`hits`) and the experts a pass woke
 (`last_union`, and over calls of 2+ tokens `union_log`): the routing statistics a placement
@@ -55,6 +57,10 @@ from engine.kernels.build import kernels
 from engine.kernels.governor import governor
 from engine.kernels.expert_parts import Part, merged, on_device, supports
 from engine.kernels.linear import QmLinear, dequantize, qlinear
+
+
+# one expert's (gate_up, down) matrices where they run, and their biases (None: none)
+Matrices = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 
 
 class PackedExperts(nn.Module):
@@ -94,6 +100,7 @@ class PackedExperts(nn.Module):
         # experts cached on the GPU (cache): their gate_up and down stacked by slot, the expert in
         # each slot, each expert's slot (-1: on the CPU), and the routed pairs they ran
         self._hot: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._hot_bias: tuple[torch.Tensor, torch.Tensor] | None = None  # their biases (gpt-oss), by slot
         self.hot_ids: list[int] = []
         self._slot: torch.Tensor | None = None
         self._slot_there: torch.Tensor | None = None  # _slot where the cache is
@@ -144,17 +151,11 @@ class PackedExperts(nn.Module):
         p = self.down[0]
         return p.packed[0].in_features if p.packed is not None else int(cast(torch.Tensor, p.dense).shape[-1])
 
-    def cacheable(self) -> bool:
-        """Whether experts of this module can be cached on the GPU (cache): no biases."""
-        return self.gate_up_bias is None and self.down_bias is None
-
     def cache(self, ids: Iterable[int], device: torch.device | str, dtype: torch.dtype) -> int:
         """Keep experts `ids` de-quantised on `device` in `dtype` (the values transformers holds
         for the file on that device), run there (beside the CPU's experts) for the tokens routed
         to them. Replaces the experts cached before; with as many ids as slots already held,
         only the experts new to the set are de-quantised and copied. Returns how many were."""
-        if not self.cacheable():
-            raise ValueError(f"{self._source} has biases: its experts are not cached on the GPU")
         wanted = sorted(set(int(e) for e in ids))
         if any(not 0 <= e < self.num_experts for e in wanted):
             raise ValueError(f"expert ids must be in [0, {self.num_experts})")
@@ -168,6 +169,9 @@ class PackedExperts(nn.Module):
             gate_up = torch.empty((len(wanted), self.gate_up_rows, self.hidden), dtype=dtype, device=dev)
             down = torch.empty((len(wanted), self.hidden, self.width), dtype=dtype, device=dev)
             self._hot, self.hot_ids = (gate_up, down), [-1] * len(wanted)
+            if self.gate_up_bias is not None or self.down_bias is not None:
+                self._hot_bias = (torch.zeros((len(wanted), self.gate_up_rows), dtype=dtype, device=dev),
+                                  torch.zeros((len(wanted), self.hidden), dtype=dtype, device=dev))
         gate_up, down = cast(tuple[torch.Tensor, torch.Tensor], self._hot)
         keep = {e: j for j, e in enumerate(self.hot_ids) if e in set(wanted)}
         free = iter(j for j in range(len(wanted)) if j not in set(keep.values()))
@@ -182,6 +186,10 @@ class PackedExperts(nn.Module):
                 gu, dn = self.expert_matrix(self.gate_up, e, dev), self.expert_matrix(self.down, e, dev)
                 gate_up[j].copy_(gu)
                 down[j].copy_(dn)
+                if self._hot_bias is not None:
+                    for held_bias, bias in zip(self._hot_bias, (self.gate_up_bias, self.down_bias), strict=True):
+                        if bias is not None:
+                            held_bias[j].copy_(bias[e])
                 self.hot_ids[j] = e
                 copied += 1
         finally:
@@ -194,14 +202,14 @@ class PackedExperts(nn.Module):
 
     def uncache(self) -> None:
         """Drop the experts cached on the GPU: every expert runs on the CPU again."""
-        self._hot, self.hot_ids, self._slot, self._slot_there = None, [], None, None
+        self._hot, self._hot_bias, self.hot_ids, self._slot, self._slot_there = None, None, [], None, None
 
     @property
     def cached_nbytes(self) -> int:
         """Bytes the cached experts take where they are cached."""
         if self._hot is None:
             return 0
-        return sum(t.numel() * t.element_size() for t in self._hot)
+        return sum(t.numel() * t.element_size() for t in (*self._hot, *(self._hot_bias or ())))
 
     @staticmethod
     def expert_matrix(parts: Sequence[Part], e: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -275,9 +283,15 @@ class PackedExperts(nn.Module):
         cached = slots >= 0
         k = slots.shape[0]
         x = x.to(gate_up.dtype).reshape(1, 1, -1).expand(k, 1, -1)
-        h = torch.bmm(x, gate_up.index_select(0, slots.clamp(min=0)).transpose(1, 2))
+        at = slots.clamp(min=0)
+        h = torch.bmm(x, gate_up.index_select(0, at).transpose(1, 2))
+        if self._hot_bias is not None:
+            h = h + self._hot_bias[0].index_select(0, at)[:, None, :]
         h = self._gate(h) if self._gate is not None else self.act_fn(h)
-        y = torch.bmm(h, down.index_select(0, slots.clamp(min=0)).transpose(1, 2)).reshape(k, -1).float()
+        y = torch.bmm(h, down.index_select(0, at).transpose(1, 2))
+        if self._hot_bias is not None:
+            y = y + self._hot_bias[1].index_select(0, at)[:, None, :]
+        y = y.reshape(k, -1).float()
         w = weights.reshape(-1).to(torch.float32)
         return torch.where(cached[:, None], y * w[:, None], 0.0).sum(0, keepdim=True)
 
@@ -290,19 +304,19 @@ class PackedExperts(nn.Module):
         by_expert = _by_expert(flat.tolist(), (~cold).tolist())
         return self._run_on(x, by_expert, weights, k, self._cached, self._hot[0].device, self._hot[0].dtype)
 
-    def _cached(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Expert e's (gate_up, down) in the cache (it is cached)."""
+    def _cached(self, e: int) -> Matrices:
+        """Expert e's (gate_up, down, their biases or None) in the cache (it is cached)."""
         assert self._hot is not None and self._slot is not None
         j = int(self._slot[e])
-        return self._hot[0][j], self._hot[1][j]
+        if self._hot_bias is None:
+            return self._hot[0][j], self._hot[1][j], None, None
+        return self._hot[0][j], self._hot[1][j], self._hot_bias[0][j], self._hot_bias[1][j]
 
     def stream(self, device: torch.device | str, dtype: torch.dtype, from_tokens: int) -> None:
         """Passes of `from_tokens` tokens or more (a prompt's chunks) run all their experts on
         `device`: each expert they wake de-quantised there from its packed bytes (the bytes
         cross the link once a pass, engine.planning.planner.stream_pays_from), in `dtype`; the
         cached ones from the cache. Fewer tokens keep the CPU."""
-        if not self.cacheable():
-            raise ValueError(f"{self._source} has biases: its experts are not run on the GPU")
         self._stream = (torch.empty(0, device=device).device, dtype, max(1, int(from_tokens)))  # cuda -> cuda:0
 
     def _run_streamed(self, x: torch.Tensor, flat: torch.Tensor, weights: torch.Tensor, k: int) -> torch.Tensor:
@@ -311,17 +325,19 @@ class PackedExperts(nn.Module):
         dev, dtype, _ = self._stream
         by_expert = _by_expert(flat.tolist())
 
-        def matrices(e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        def matrices(e: int) -> Matrices:
             if self._slot is not None and int(self._slot[e]) >= 0:
                 return self._cached(e)
-            return (self.expert_matrix(self.gate_up, e, dev).to(dtype), self.expert_matrix(self.down, e, dev).to(dtype))
+            gate_up_bias, down_bias = (None if b is None else b[e].to(dev, dtype)
+                                       for b in (self.gate_up_bias, self.down_bias))
+            return (self.expert_matrix(self.gate_up, e, dev).to(dtype), self.expert_matrix(self.down, e, dev).to(dtype),
+                    gate_up_bias, down_bias)
 
         self.streamed_passes += 1
         return self._run_on(x, by_expert, weights, k, matrices, dev, dtype)
 
     def _run_on(self, x: torch.Tensor, by_expert: dict[int, list[int]], weights: torch.Tensor, k: int,
-                matrices: Callable[[int], tuple[torch.Tensor, torch.Tensor]], dev: torch.device,
-                dtype: torch.dtype) -> torch.Tensor:
+                matrices: Callable[[int], Matrices], dev: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """The weighted sum (fp32, on `dev`) of the experts in `by_expert` (expert -> its routed
         pairs, token * k + j) over x, in ascending expert order, each expert's (gate_up, down) from
         `matrices`, its products in `dtype`."""
@@ -329,17 +345,17 @@ class PackedExperts(nn.Module):
         out = torch.zeros(x.shape, dtype=torch.float32, device=dev)
         for e in sorted(by_expert):
             idx = by_expert[e]
-            gate_up, down = matrices(e)
+            gate_up, down, gate_up_bias, down_bias = matrices(e)
             if x.shape[0] == 1:  # a decode step: no index tensors to send
-                h = F.linear(x, gate_up)
+                h = F.linear(x, gate_up, gate_up_bias)
                 h = self._gate(h) if self._gate is not None else self.act_fn(h)
-                out += F.linear(h, down).float() * float(weights[idx[0]])
+                out += F.linear(h, down, down_bias).float() * float(weights[idx[0]])
                 continue
             tokens = torch.tensor([i // k for i in idx], dtype=torch.int64).to(dev, non_blocking=True)
             w = weights[idx].to(dev, torch.float32, non_blocking=True)
-            h = F.linear(x[tokens], gate_up)
+            h = F.linear(x[tokens], gate_up, gate_up_bias)
             h = self._gate(h) if self._gate is not None else self.act_fn(h)
-            out.index_add_(0, tokens, F.linear(h, down).float() * w[:, None])
+            out.index_add_(0, tokens, F.linear(h, down, down_bias).float() * w[:, None])
         return out
 
     def _loop(self, x: torch.Tensor, flat: torch.Tensor, weights: torch.Tensor, keep: torch.Tensor,

@@ -243,7 +243,7 @@ def stream_experts(model: CausalLM, settings: MaterialiseSettings, from_tokens: 
     if (from_tokens is None or placement is None or placement.resident_form != "experts-cpu"
             or not settings.device.startswith("cuda")):
         return 0
-    modules = [m for m in packed_experts(model.hf_model) if m.cacheable()]
+    modules = packed_experts(model.hf_model)
     for m in modules:
         m.stream(settings.device, settings.dtype, from_tokens)
     if modules:

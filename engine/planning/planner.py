@@ -359,14 +359,12 @@ def estimate_placement(profile: HardwareProfile, target: ModelShape, quant: Pack
         placement = replace(placement, resident_form="kernel")
     elif placement.gpu_layers < target.num_layers and quant == "gguf" and target.experts is not None:
         placement = _experts_on_cpu(target, placement, needs, context_length, device_free, host_free,
-                                    MXFP4_KERNEL_BYTES_PER_PARAM if mxfp4 else KERNEL_EXPERT_BYTES_PER_PARAM,
-                                    cache=not mxfp4)  # gpt-oss's experts have biases: not cached (expert_cache)
+                                    MXFP4_KERNEL_BYTES_PER_PARAM if mxfp4 else KERNEL_EXPERT_BYTES_PER_PARAM)
     return placement
 
 
 def _experts_on_cpu(target: ModelShape, streamed: Placement, needs: MemoryNeeds, context_length: int,
-                    device_free: int, host_free: int, expert_bytes: float = KERNEL_EXPERT_BYTES_PER_PARAM,
-                    cache: bool = True) -> Placement:
+                    device_free: int, host_free: int, expert_bytes: float = KERNEL_EXPERT_BYTES_PER_PARAM) -> Placement:
     """An MoE GGUF too big for the GPU, as the loader's `--experts auto` places it
     (engine.loading.layer_plan.experts_on_cpu): everything but the routed experts on the GPU
     (16-bit), the experts packed in RAM for the CPU kernel, when both fit, and the GPU memory left
@@ -377,7 +375,7 @@ def _experts_on_cpu(target: ModelShape, streamed: Placement, needs: MemoryNeeds,
     if gpu_bytes > device_free or host_bytes > host_free:
         return streamed
     every_expert = target.num_layers * target.routed_params * 2  # 16-bit in the cache (engine.kernels.expert_cache)
-    cached = min(1.0, (device_free - gpu_bytes) / every_expert) if every_expert and cache else 0.0
+    cached = min(1.0, (device_free - gpu_bytes) / every_expert) if every_expert else 0.0
     return replace(streamed, gpu_layers=target.num_layers, ram_layers=0, disk_layers=0, resident_form="experts-cpu",
                    cached_experts=cached)
 

@@ -16,6 +16,7 @@ from engine.kernels import build
 from engine.kernels.expert_cache import (CountsFile, RoutingCounts, choose, current_counts, fill, rebalance,
                                          served, state)
 from engine.kernels.experts import PackedExperts
+from engine.model.gpt_oss_experts import RowExperts
 from tests.engine.kernels.test_experts import E, H, I, experts_module, packed_parts
 
 pytestmark = pytest.mark.skipif(build.kernels() is None, reason="no C compiler here")
@@ -103,13 +104,35 @@ def test_counts_are_kept_per_model_and_a_bad_file_is_ignored(tmp_path: Path) -> 
     assert CountsFile.of("", tmp_path) is None
 
 
-def test_experts_with_biases_stay_on_the_cpu() -> None:
-    model = model_of(1)
-    model[0].down_bias = torch.zeros(E, H)
-    assert not model[0].cacheable()
-    assert fill(model, 10 * model[0].expert_nbytes, "cpu", torch.float32).cached == 0
-    with pytest.raises(ValueError, match="biases"):
-        model[0].cache([0], "cpu", torch.float32)
+def test_experts_with_biases_are_cached_with_them() -> None:
+    """gpt-oss's experts (engine.model.gpt_oss_experts.RowExperts: biases, its clamped gate) are
+    cached with their biases beside their matrices, counted in the bytes: the sum is the module's
+    own, uncached and cached, for a decode step and for a pass of several tokens."""
+    g = torch.Generator().manual_seed(9)
+    module = RowExperts(E, H, I, alpha=1.702, limit=7.0, interleaved=True)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    gu = packed_parts(module.gate_up_proj.data, [(0, 2 * I, "q4")])  # the module takes the packed values
+    down = packed_parts(module.down_proj.data, [(0, H, "q8")])
+    model = torch.nn.Sequential(PackedExperts(module, gu, down))
+    layer = model[0]
+    x = torch.randn(5, H, generator=g)
+    index = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(5)])
+    weights = torch.rand(5, 2, generator=g)
+    with torch.no_grad():
+        want = [module(x[:1], index[:1], weights[:1]), module(x, index, weights)]
+    assert layer.gate_up_bias is not None and layer.down_bias is not None
+    for phase in ("cpu", "cached", "streamed"):  # then passes of 3 tokens or more streamed as well
+        if phase == "cached":
+            state = fill(model, 3 * layer.expert_nbytes, "cpu", torch.float32)
+            assert state.cached == 3 and state.nbytes == 3 * (layer.expert_nbytes + 4 * (2 * I + H))
+        elif phase == "streamed":
+            layer.stream("cpu", torch.float32, 3)
+        got = [layer(x[:1], index[:1], weights[:1]), layer(x, index, weights)]
+        for a, b in zip(got, want, strict=True):
+            assert (a - b).abs().max() <= 1e-5 * b.abs().max(), phase
+    assert layer.hot_hits > 0 and layer.streamed_passes == 1
 
 
 def test_running_out_of_memory_while_moving_experts_keeps_every_slot_whole(tmp_path: Path,

@@ -204,8 +204,8 @@ def test_the_catalogs_moe_entries_are_priced_as_moe() -> None:
     gpt-oss-20b is resident on a 24 GB GPU (12.4 GB of blocks, de-quantised as a layer runs),
     reading a token's experts, not all of them: predicted faster than a dense model of its size.
     gpt-oss-120b keeps attention on the GPU and its experts in 128 GB of RAM (six-bit codes for
-    the CPU kernel, none cached on the GPU: they have biases), where 64 GB holds neither: whole
-    layers stream, under 1 tok/s."""
+    the CPU kernel; the VRAM left caches a few), where 64 GB holds neither: whole layers stream,
+    under 1 tok/s."""
     from engine.store.catalog import load_catalog
 
     catalog = load_catalog()
@@ -221,7 +221,8 @@ def test_the_catalogs_moe_entries_are_priced_as_moe() -> None:
         assert entry is not None
         moe = planner.predict_pair(profile, entry, None)
         dense = planner.predict_pair(profile, dataclasses.replace(entry, experts=None), None)
-        assert (moe.fit, moe.placement.resident_form, moe.placement.cached_experts) == (fit, form, 0.0), model_id
+        assert (moe.fit, moe.placement.resident_form) == (fit, form), model_id
+        assert (moe.placement.cached_experts > 0) == (form == "experts-cpu")
         assert moe.tokens_per_second > faster * dense.tokens_per_second
 
 
