@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -271,7 +272,12 @@ def test_experts_cached_beside_the_cpus_give_transformers_text(family_pair: tupl
     stands in for the GPU: dense products there, the kernel for the rest, as on a GPU machine):
     transformers' logits and greedy text, tokens served by both, passes of three tokens or more
     streaming all their experts; the engine keeps the routing counts per model after each answer."""
-    path, ref, tok = family_pair
+    assert_experts_cached_beside_cpu(*family_pair, tmp_path, monkeypatch)
+
+
+def assert_experts_cached_beside_cpu(path: Path, ref: nn.Module, tok: Any, tmp_path: Path,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """test_experts_cached_beside_the_cpus_give_transformers_text's checks, for any GGUF."""
     if not any(name.endswith(".experts") for name, _ in ref.named_modules()):
         pytest.skip("no experts")
     monkeypatch.setenv("SPECCHAT_DATA_DIR", str(tmp_path))

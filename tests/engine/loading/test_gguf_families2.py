@@ -28,7 +28,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader, GGUFWriter
 from gguf import quants as gq
 from gguf.constants import TokenType
-from test_gguf_families import assert_experts_on_cpu_beside_gpu, greedy, logits
+from test_gguf_families import assert_experts_cached_beside_cpu, assert_experts_on_cpu_beside_gpu, greedy, logits
 from torch import nn
 from transformers import (
     AutoModelForCausalLM,
@@ -497,6 +497,13 @@ def as_rows(name: str, value: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("offload", ["none", "all"])
 def test_logits_and_greedy_text_equal_transformers(converted: tuple, offload: str) -> None:
     assert_logits_and_greedy_text_equal(converted, offload)
+
+
+@pytest.mark.skipif(build.kernels() is None, reason="no C compiler here")
+def test_experts_cached_beside_the_cpus_give_transformers_text(converted: tuple, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """As test_gguf_families' test of that name (gpt-oss's experts cached with their biases)."""
+    assert_experts_cached_beside_cpu(*converted, tmp_path, monkeypatch)
 
 
 @pytest.mark.gpu
