@@ -48,7 +48,12 @@ REFERENCE_GPUS = {
 }
 MEMORY_EFFICIENCY = 0.8  # share of datasheet bandwidth a 16-bit GEMV reaches
 COMPUTE_EFFICIENCY = 0.6  # share of datasheet tensor rate a decoder layer's GEMMs reach
-GPU_LAYER_OVERHEAD_S = 1.5e-4  # ~15 kernel launches per decoder layer
+# what a decoder layer costs beyond its bytes and FLOPs in this engine's eager PyTorch: launches
+# and Python, measured, not a datasheet figure (`specchat bench gpu`'s profile: one tiny layer at
+# one token, 0.86 ms on an H200 host with a 16-core Xeon, PyTorch 2.11, 2026-11-28; the same
+# session's experts-beside-the-GPU decode spent 0.7-1.0 ms a layer outside the CPU's experts).
+# It was 0.15 ms ("~15 kernel launches") before that measurement.
+GPU_LAYER_OVERHEAD_S = 8.6e-4
 
 
 def reference_profile(gpu: str = "rtx4090", pinned_gbps: float = 25.0, ram_gb: float = 128.0,

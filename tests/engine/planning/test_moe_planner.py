@@ -130,7 +130,7 @@ def test_an_moe_gguf_too_big_for_the_gpu_keeps_its_experts_on_the_cpu(gpu: str, 
             QWEN3_30B.num_layers * planner.expert_seconds(profile, QWEN3_30B, 1)
         passes = [planner.target_pass_seconds(profile, QWEN3_30B, replace(placement, cached_experts=c), 1)
                   for c in (0.0, placement.cached_experts, 0.5, 1.0)]
-        assert passes == sorted(passes, reverse=True) and passes[-1] < 0.5 * passes[0]
+        assert passes == sorted(passes, reverse=True) and passes[-1] < 0.65 * passes[0]  # (the layers' GPU overhead stays)
         bigger = planner.estimate_placement(reference_profile("rtx4060ti-16gb", ram_gb=ram_gb), QWEN3_30B, "gguf")
         assert bigger.resident_form == "experts-cpu" and bigger.cached_experts > 2 * placement.cached_experts
 

@@ -103,8 +103,10 @@ def test_packed_layers_resident_on_a_cpu_pay_no_unpacking_each_pass() -> None:
         assert seconds(dequantised, n) == seconds(dense, n)
         assert seconds(per_pass, n) > seconds(kernel, n)
     # the kernel reads its packed bytes (0.6 a weight against the measured layer's 2) at the speed
-    # the measured layer streamed its weights, and each further token costs 1.4 dense products
-    assert seconds(kernel, 1) < 0.4 * seconds(dense, 1)
+    # the measured layer streamed its weights, and each further token costs 1.4 dense products;
+    # both pay the layers' fixed overhead
+    fixed = shape.num_layers * profile.layer_timing.overhead_s
+    assert seconds(kernel, 1) - fixed < 0.4 * (seconds(dense, 1) - fixed)
     grow, dense_grow = seconds(kernel, 64) - seconds(kernel, 1), seconds(dense, 64) - seconds(dense, 1)
     assert grow == pytest.approx(KERNEL_TOKEN_RATIO * dense_grow)
     assert kernel.describe() == "all 80 layers resident in RAM (GGUF blocks, packed CPU kernel)"
