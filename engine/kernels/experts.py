@@ -378,7 +378,10 @@ class PackedExperts(nn.Module):
             h = self._project(self.gate_up, e, x[tokens], self.gate_up_bias)
             h = self._gate(h) if self._gate is not None else self.act_fn(h)
             y = self._project(self.down, e, h, self.down_bias)
-            out.index_add_(0, tokens, (y * w[:, None]).to(out.dtype))
+            if x.shape[0] == 1:  # a decode step: its one row, no index
+                out.add_((y * w[:, None]).to(out.dtype))
+            else:
+                out.index_add_(0, tokens, (y * w[:, None]).to(out.dtype))
         return out
 
     def _one_token(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
