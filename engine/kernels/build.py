@@ -37,7 +37,8 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("qmatmul.c")
 FLAG_SETS = (("-O3", "-march=native", "-fopenmp"), ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"), ("-O3", "-fopenmp"),
              ("-O3",))
-VERSION = 4  # qmatmul.c qm_version(): 2 K-quant scales (QM_KSC), 3 MoE layers in a decode step, 4 six-bit codes
+VERSION = 5  # qmatmul.c qm_version(): 2 K-quant scales (QM_KSC), 3 MoE layers in a decode step, 4 six-bit codes,
+# 5 experts' gates with biases (gpt-oss, qm_gate)
 SIMD_NAMES = {0: "plain C", 2: "AVX2", 3: "AVX-512", 4: "AVX-512 VNNI integer rows", 5: "AVX2, AVX-VNNI integer rows"}
 
 _lock = threading.Lock()
@@ -151,7 +152,7 @@ def _load(target: Path) -> ctypes.CDLL | None:
                                   ctypes.c_int]
         lib.qm_experts_one.restype = ctypes.c_int
         lib.qm_experts_one.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                       ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+                                       ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
         return lib
     except (OSError, AttributeError) as exc:
         log.info("the cached kernel library %s does not load (%s)", target, exc)

@@ -57,6 +57,14 @@ from engine.kernels.build import kernels
 from engine.kernels.governor import governor
 from engine.kernels.expert_parts import Part, merged, on_device, supports
 from engine.kernels.linear import QmLinear, dequantize, qlinear
+from engine.model.gpt_oss_experts import RowExperts
+
+
+class QmGate(ctypes.Structure):
+    """qmatmul.c's qm_gate: gpt-oss's gate and biases for qm_experts_one."""
+
+    _fields_ = [("gate_up_bias", ctypes.c_void_p), ("down_bias", ctypes.c_void_p), ("alpha", ctypes.c_float),
+                ("limit", ctypes.c_float), ("interleaved", ctypes.c_int)]
 
 
 # one expert's (gate_up, down) matrices where they run, and their biases (None: none)
@@ -87,8 +95,12 @@ class PackedExperts(nn.Module):
         self._gate = cast(Callable[[torch.Tensor], torch.Tensor], original._apply_gate) if self.has_gate else None
         self._source = type(original).__name__
         bias = getattr(original, "has_bias", False)
-        self.gate_up_bias = getattr(original, f"{first}_bias", None) if bias else None
-        self.down_bias = getattr(original, "down_proj_bias", None) if bias else None
+
+        def on_cpu(b: torch.Tensor | None) -> torch.Tensor | None:  # where the kernel's sums are (fp32)
+            return None if b is None else b.detach().to("cpu", torch.float32).contiguous()
+
+        self.gate_up_bias = on_cpu(getattr(original, f"{first}_bias", None)) if bias else None
+        self.down_bias = on_cpu(getattr(original, "down_proj_bias", None)) if bias else None
         self._fused = self._one_token_call(original)
         # tokens routed to each expert, all calls (the fused decode step adds to it in place: never replaced)
         self.hits = torch.zeros(self.num_experts, dtype=torch.int64)
@@ -109,22 +121,30 @@ class PackedExperts(nn.Module):
         self._stream: tuple[torch.device, torch.dtype, int] | None = None
         self.streamed_passes = 0
 
-    def _one_token_call(self, original: nn.Module) -> tuple[ctypes.Array, ctypes.Array] | None:
+    def _one_token_call(self, original: nn.Module) -> tuple[ctypes.Array, ctypes.Array, QmGate | None] | None:
         """qmatmul.c's qm_experts_one, for one token at a time, where its arithmetic is this
-        module's: SiLU(gate) * up (the default gate of a SiLU module), no biases, each projection
-        one packed part. Its arguments: each expert's gate_up and down as the C structs."""
+        module's: SiLU(gate) * up (the default gate of a SiLU module) without biases, or gpt-oss's
+        gate with its biases (RowExperts); each projection one packed part. Its arguments: each
+        expert's gate_up and down as the C structs, and the gate (None: SiLU)."""
         lib = kernels()
-        if (lib is None or not self.has_gate or not isinstance(self.act_fn, (SiLUActivation, nn.SiLU))
-                or getattr(type(original), "_apply_gate", None) is not moe_integration._default_apply_gate
-                or self.gate_up_bias is not None or self.down_bias is not None
-                or len(self.gate_up) != 1 or len(self.down) != 1
+        if (lib is None or not self.has_gate or len(self.gate_up) != 1 or len(self.down) != 1
                 or self.gate_up[0].packed is None or self.down[0].packed is None):
+            return None
+        gate = None
+        if isinstance(original, RowExperts):  # (its biases: fp32 on the CPU, kept as long as the module)
+            if self.gate_up_bias is None or self.down_bias is None:
+                return None
+            gate = QmGate(self.gate_up_bias.data_ptr(), self.down_bias.data_ptr(), original.alpha, original.limit,
+                          int(original.interleaved))
+        elif (not isinstance(self.act_fn, (SiLUActivation, nn.SiLU))
+              or getattr(type(original), "_apply_gate", None) is not moe_integration._default_apply_gate
+              or self.gate_up_bias is not None or self.down_bias is not None):
             return None
         gate_up, down = (QmLinear * self.num_experts)(), (QmLinear * self.num_experts)()
         for e in range(self.num_experts):
             gate_up[e].point_at(self.gate_up[0].packed[e])
             down[e].point_at(self.down[0].packed[e])
-        return gate_up, down
+        return gate_up, down, gate
 
     @property
     def nbytes(self) -> int:
@@ -397,8 +417,10 @@ class PackedExperts(nn.Module):
         ids = torch.tensor([e for e, _ in pairs], dtype=torch.int64)
         weights = torch.tensor([w for _, w in pairs], dtype=torch.float32)
         x = x.contiguous()
+        gate = self._fused[2]
         rc = lib.qm_experts_one(ctypes.addressof(self._fused[0]), ctypes.addressof(self._fused[1]), ids.data_ptr(),
-                                weights.data_ptr(), len(pairs), x.data_ptr(), out.data_ptr(), governor().threads())
+                                weights.data_ptr(), len(pairs), x.data_ptr(), out.data_ptr(), governor().threads(),
+                                ctypes.addressof(gate) if gate is not None else None)
         if rc != 0:
             raise torch.OutOfMemoryError("The packed CPU kernel could not allocate its scratch memory.")
         return out

@@ -278,7 +278,7 @@ def _routed_refusal(block: nn.Module, hidden: int) -> str | None:
     """Why an MoE block cannot run in the step (its router and experts as the C code reads them),
     or None."""
     experts, router = getattr(block, "experts", None), getattr(block, "gate", None)
-    if not isinstance(experts, PackedExperts) or experts._fused is None:
+    if not isinstance(experts, PackedExperts) or experts._fused is None or experts._fused[2] is not None:  # (SiLU only)
         return "routed experts the one-call kernel does not run"
     if type(router).__name__ not in ("Qwen3MoeTopKRouter", "MixtralTopKRouter") or \
             set(vars(block).get("_modules", {})) != {"experts", "gate"}:

@@ -116,7 +116,7 @@ static const void *row_params(const void *p, int64_t r, int64_t rows, int64_t gr
 /* Floats of expansion scratch for `rows` rows of `groups` (one where nothing is expanded). */
 #define PARAMS_BUF(fmt, rows, groups) ((fmt) == 2 ? (rows) * (groups) : 1)
 
-int qm_version(void) { return 4; }
+int qm_version(void) { return 5; }
 
 int qm_simd(void) { /* 0 plain C, 2 AVX2, 3 AVX-512, 4 AVX-512 VNNI, 5 AVX2 + AVX-VNNI */
 #if defined(QM_VNNI)
@@ -699,10 +699,20 @@ static void norm_and_rotate(float *x, const float *norm, float eps, const float 
  * Five barriers a layer (after the q/k/v, attention, o, gate/up and down products): whatever
  * lies between two products (a norm, the group sums of a product's input) each thread computes
  * for itself, and each query head rotates its K/V head's new key itself. */
+/* An experts module's gate where it is not SiLU(gate) * up without biases: gpt-oss's (engine.model.
+ * gpt_oss_experts.RowExperts): biases (E x 2I, E x H fp32) added to gate_up's and down's outputs,
+ * gate = min(g, limit), up = clamp(u, -limit, limit), act = (up + 1) * gate * sigmoid(alpha * gate),
+ * gate and up the halves of gate_up's outputs or (interleaved) its even and odd ones. */
+typedef struct {
+    const float *gate_up_bias, *down_bias;
+    float alpha, limit;
+    int interleaved;
+} qm_gate;
+
 static void experts_region(const qm_linear *gate_up, const qm_linear *down, const int64_t *ids, const float *w,
                            int64_t k, const float *x, const float *xs16, const float *xs32, const qm_digits *xd,
                            float *gu, float *act, float *asum, char *dig, size_t dig_bytes, qm_digits *ad,
-                           float *tmp, float *y, int acc_into);
+                           float *tmp, float *y, int acc_into, const qm_gate *gate);
 static void route_one(const qm_layer *L, const float *logits, int64_t *ids, float *w, int64_t *hits);
 
 /* The dense layers' widest MLP (inter) and the MoE layers' most experts, top_k and expert width. */
@@ -806,7 +816,7 @@ int qm_decode_layers(const qm_layer *layers, float *const *keys, float *const *v
 #pragma omp single
                 route_one(L, logits, ids, wts, L->hits);
                 experts_region(L->expert_gate_up, L->expert_down, ids, wts, L->top_k, xn, s16, s32, &dg, gu, eact,
-                               asum, edig, edig_bytes, ad, tmp, x, 1);
+                               asum, edig, edig_bytes, ad, tmp, x, 1, NULL);
                 continue;
             }
 #pragma omp for schedule(static)
@@ -846,11 +856,11 @@ int qm_decode_layers(const qm_layer *layers, float *const *keys, float *const *v
 /* The work of qm_experts_one, called by every thread of a parallel region (three barriers):
  * x's group sums and digits given (xs16/xs32/xd: the calling thread's own or shared copies),
  * scratch gu (k x 2I), act (k x I), asum (k x sums), dig (k digit buffers), ad (k); tmp a row per
- * thread. acc_into: add the sum into y instead of writing it. */
+ * thread. acc_into: add the sum into y instead of writing it. gate: NULL for SiLU(gate) * up. */
 static void experts_region(const qm_linear *gate_up, const qm_linear *down, const int64_t *ids, const float *w,
                            int64_t k, const float *x, const float *xs16, const float *xs32, const qm_digits *xd,
                            float *gu, float *act, float *asum, char *dig, size_t dig_bytes, qm_digits *ad,
-                           float *tmp, float *y, int acc_into) {
+                           float *tmp, float *y, int acc_into, const qm_gate *gate) {
     int64_t H = down[ids[0]].n, I = down[ids[0]].k;
     int64_t sums = I / 16 + I / 32 + 2, bgu = (2 * I + QM_ROWS - 1) / QM_ROWS;
 #pragma omp for schedule(static)
@@ -862,7 +872,18 @@ static void experts_region(const qm_linear *gate_up, const qm_linear *down, cons
     for (int64_t j = 0; j < k; j++) {
         const float *g = gu + j * 2 * I;
         float *a = act + j * I, *s16 = asum + j * sums;
-        for (int64_t i = 0; i < I; i++) a[i] = (g[i] / (1.0f + expf(-g[i]))) * g[I + i];
+        if (gate == NULL) {
+            for (int64_t i = 0; i < I; i++) a[i] = (g[i] / (1.0f + expf(-g[i]))) * g[I + i];
+        } else {
+            const float *b = gate->gate_up_bias + ids[j] * 2 * I;
+            for (int64_t i = 0; i < I; i++) {
+                int64_t gi = gate->interleaved ? 2 * i : i, ui = gate->interleaved ? 2 * i + 1 : I + i;
+                float gt = g[gi] + b[gi], up = g[ui] + b[ui];
+                gt = gt > gate->limit ? gate->limit : gt;
+                up = up > gate->limit ? gate->limit : up < -gate->limit ? -gate->limit : up;
+                a[i] = (up + 1.0f) * (gt / (1.0f + expf(-gate->alpha * gt)));
+            }
+        }
         group_sums(a, I, s16, s16 + I / 16 + 1);
         make_digits(a, I, dig + dig_bytes * (size_t)j, &ad[j]);
     }
@@ -873,14 +894,20 @@ static void experts_region(const qm_linear *gate_up, const qm_linear *down, cons
         for (int64_t j = 0; j < k; j++) {
             const float *s16 = asum + j * sums;
             rows_product(&down[ids[j]], r, rows, act + j * I, s16, s16 + I / 16 + 1, &ad[j], tmp, o);
+            if (gate != NULL) {
+                const float *b = gate->down_bias + ids[j] * H + r;
+                for (int64_t i = 0; i < rows; i++) o[i] += b[i];
+            }
             for (int64_t i = 0; i < rows; i++) acc[i] += w[j] * o[i];
         }
         for (int64_t i = 0; i < rows; i++) y[r + i] = acc_into ? y[r + i] + acc[i] : acc[i];
     }
 }
 
+/* One token through its k experts (ids ascending, w their routing weights): y = the weighted sum.
+ * gate: NULL for SiLU(gate) * up, else gpt-oss's (qm_gate). Returns 0, or -1 without scratch memory. */
 int qm_experts_one(const qm_linear *gate_up, const qm_linear *down, const int64_t *ids, const float *w, int64_t k,
-                   const float *x, float *y, int threads) {
+                   const float *x, float *y, int threads, const qm_gate *gate) {
     int64_t H = down[ids[0]].n, I = down[ids[0]].k, wide = H > I ? H : I;
     int64_t sums = I / 16 + I / 32 + 2;
     if (threads < 1) threads = 1;
@@ -907,7 +934,7 @@ int qm_experts_one(const qm_linear *gate_up, const qm_linear *down, const int64_
         t = omp_get_thread_num();
 #endif
         experts_region(gate_up, down, ids, w, k, x, x16, x32, xd, gu, act, asum, dig, dig_bytes, ad,
-                       tmps + (size_t)t * (size_t)wide, y, 0);
+                       tmps + (size_t)t * (size_t)wide, y, 0, gate);
     }
     free(ad);
     free(dig);

@@ -123,6 +123,7 @@ def test_experts_with_biases_are_cached_with_them() -> None:
     with torch.no_grad():
         want = [module(x[:1], index[:1], weights[:1]), module(x, index, weights)]
     assert layer.gate_up_bias is not None and layer.down_bias is not None
+    assert layer._fused is not None and layer._fused[2] is not None  # a decode step: one C call, gpt-oss's gate
     for phase in ("cpu", "cached", "streamed"):  # then passes of 3 tokens or more streamed as well
         if phase == "cached":
             state = fill(model, 3 * layer.expert_nbytes, "cpu", torch.float32)

@@ -547,7 +547,8 @@ def assert_logits_and_greedy_text_equal(converted: tuple, offload: str) -> None:
 def test_gpt_oss_experts_stay_packed_in_six_bits(vocab: tuple, tmp_path: Path) -> None:
     """A gpt-oss GGUF's MXFP4 experts, resident on the CPU, stay packed: six-bit codes (the E2M1
     values doubled) and one fp16 power of two per 32 values, 0.8125 bytes a weight (fp32 would
-    take 4), merged gate and up rows per expert, their biases beside them."""
+    take 4), merged gate and up rows per expert, their biases beside them; a decode step's experts
+    in one kernel call with gpt-oss's gate (its logits and text: the tests above)."""
     if build.kernels() is None:
         pytest.skip("no packed CPU kernel here")
     meta, tok = vocab
@@ -562,6 +563,7 @@ def test_gpt_oss_experts_stay_packed_in_six_bits(vocab: tuple, tmp_path: Path) -
         w = gate_up.packed[0]
         assert (w.kind, w.group, w.mins, w.scales.dtype) == ("q6", 32, None, torch.float16)
         assert w.out_features == e.gate_up_rows and e.gate_up_bias is not None and e.down_bias is not None
+        assert e._fused is not None and e._fused[2] is not None  # decode steps: one C call with gpt-oss's gate
         weights = e.num_experts * (e.gate_up_rows * e.hidden + e.hidden * e.width)
         assert e.packed_nbytes == weights * 13 // 16
 
