@@ -10,7 +10,8 @@ names an existing build's bin folder instead.
 
 Per GGUF (default: the starter's Q4_1 file and a Q8_0 rewrite of it, engine.testing.gguf_write;
 `--synthetic`: random 1.1B models in Q4_0 and Q8_0, where memory bandwidth sets the pace; `--moe`:
-a random MoE with Qwen3-30B-A3B's layers in Q4_0 and Q4_K_M, engine.testing.random_gguf),
+a random MoE with Qwen3-30B-A3B's layers in Q4_0 and Q4_K_M; `--gpt-oss`: a random gpt-oss with
+gpt-oss-20b's layers, MXFP4 experts; engine.testing.random_gguf),
 in one run and with the same thread count on both sides:
 
 - llama.cpp `llama-bench -p 0 -n N`: decode tok/s over an empty context (its headline figure);
@@ -231,6 +232,12 @@ def run_bench_peer(args: argparse.Namespace) -> int:
             path = synthetic_moe_gguf(root / f"synthetic-moe-{qtype.lower()}.gguf", **SYNTHETIC_MOE, layer_types=(layer,),
                                       embed_type=embed, head_type=head)
             models.append((path, f"synthetic MoE {qtype}"))
+    elif args.gpt_oss:
+        from engine.testing.random_gguf import SYNTHETIC_GPT_OSS, synthetic_gpt_oss_gguf  # noqa: PLC0415
+
+        say("writing a synthetic gpt-oss GGUF (once)")
+        models = [(synthetic_gpt_oss_gguf(root / "synthetic-gpt-oss-mxfp4.gguf", **SYNTHETIC_GPT_OSS),
+                   "synthetic gpt-oss MXFP4")]
     elif args.synthetic:
         from engine.testing.random_gguf import SYNTHETIC_1B, synthetic_gguf  # noqa: PLC0415
 

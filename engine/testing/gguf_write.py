@@ -258,6 +258,8 @@ def write_gguf(path: Path, arch: str, config: dict, tokenizer: dict,
     if scaling.get("rope_type", "default") != "default":
         w.add_rope_scaling_type(RopeScalingType(scaling["rope_type"]))
         w.add_rope_scaling_factor(float(scaling["factor"]))
+        if scaling.get("original_max_position_embeddings"):
+            w.add_rope_scaling_orig_ctx_len(int(scaling["original_max_position_embeddings"]))
     w.add_rope_freq_base(float(config["rope_theta"]))
     w.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
     w.add_vocab_size(len(tokens))

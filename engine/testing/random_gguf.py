@@ -95,6 +95,66 @@ def synthetic_moe_gguf(path: Path, hidden: int, layers: int, vocab: int, heads: 
     return path
 
 
+# gpt-oss-20b's layer (hidden 2880, 64 query and 8 K/V heads of 64, 32 experts of width 2880, 4 a
+# token, MXFP4 experts) in 4 of its 24 layers, a 32,000-token vocabulary (its own has 201,088)
+SYNTHETIC_GPT_OSS: MoEShape = dict(hidden=2880, layers=4, vocab=32000, heads=64, kv_heads=8, head_dim=64, experts=32,
+                                   top_k=4, expert_width=2880)
+
+
+def synthetic_gpt_oss_gguf(path: Path, hidden: int, layers: int, vocab: int, heads: int, kv_heads: int, head_dim: int,
+                           experts: int, top_k: int, expert_width: int, dense_type: str = "Q8_0", seed: int = 0) -> Path:
+    """A random gpt-oss GGUF as llama.cpp converts one: experts in MXFP4 (random codes, exponents
+    near 2^-7), attention, embeddings and head in `dense_type`, biases, sinks and norms F32,
+    128-token windows on even layers, YaRN. One tensor in memory at a time. Idempotent."""
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    q, kv = heads * head_dim, kv_heads * head_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        "input_layernorm.weight": (hidden,), "self_attn.q_proj.weight": (q, hidden), "self_attn.q_proj.bias": (q,),
+        "self_attn.k_proj.weight": (kv, hidden), "self_attn.k_proj.bias": (kv,),
+        "self_attn.v_proj.weight": (kv, hidden), "self_attn.v_proj.bias": (kv,),
+        "self_attn.o_proj.weight": (hidden, q), "self_attn.o_proj.bias": (hidden,), "self_attn.sinks": (heads,),
+        "post_attention_layernorm.weight": (hidden,), "mlp.router.weight": (experts, hidden),
+        "mlp.router.bias": (experts,),
+        "mlp.experts.gate_proj": (experts, expert_width, hidden), "mlp.experts.gate_proj.bias": (experts, expert_width),
+        "mlp.experts.up_proj": (experts, expert_width, hidden), "mlp.experts.up_proj.bias": (experts, expert_width),
+        "mlp.experts.down_proj": (experts, hidden, expert_width), "mlp.experts.down_proj.bias": (experts, hidden)}
+    tensors: list[tuple[str, tuple[int, ...], Q]] = [("model.embed_tokens.weight", (vocab, hidden), Q[dense_type])]
+    for i in range(layers):
+        for name, shape in shapes.items():
+            qtype = (Q.MXFP4 if name.startswith("mlp.experts.") and not name.endswith(".bias")
+                     else Q.F32 if len(shape) == 1 or name.endswith(".bias") or name.startswith("mlp.router")
+                     else Q[dense_type])
+            tensors.append((f"model.layers.{i}.{name}", shape, qtype))
+    tensors += [("model.norm.weight", (hidden,), Q.F32), ("lm_head.weight", (vocab, hidden), Q[dense_type])]
+    kinds = {name: (shape, qtype) for name, shape, qtype in tensors}
+    rng = np.random.default_rng(seed)
+
+    def value(name: str) -> np.ndarray:
+        shape, qtype = kinds[name]
+        if qtype == Q.MXFP4:  # ggml's blocks: an exponent byte, 16 bytes of two codes each
+            blocks = rng.integers(0, 256, (int(np.prod(shape)) // 32, 17), dtype=np.uint8)
+            blocks[:, 0] = rng.integers(118, 123, blocks.shape[0])
+            return blocks.reshape(*shape[:-1], shape[-1] // 32 * 17)
+        if name.endswith(("mlp.router.weight",)):
+            return rng.normal(0.0, 1.0 / np.sqrt(hidden), shape).astype(np.float32)
+        if name.endswith((".bias", "self_attn.sinks")):
+            return rng.normal(0.0, 0.02, shape).astype(np.float32)
+        return random_tensor(qtype, shape, rng)
+
+    config = dict(hidden_size=hidden, intermediate_size=expert_width, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                  max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=150000.0, vocab_size=vocab,
+                  num_local_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=expert_width,
+                  sliding_window=128, rope_scaling={"rope_type": "yarn", "factor": 32.0,
+                                                   "original_max_position_embeddings": 4096})
+    part = path.with_name(path.name + ".part")
+    write_gguf(part, "gpt-oss", config, synthetic_vocab(), tensors, value, name=path.stem)
+    os.replace(part, path)
+    return path
+
+
 # TinyLlama-1.1B's proportions: where memory bandwidth, not the interpreter, sets a CPU's pace (bench peer)
 SYNTHETIC_1B: SyntheticShape = dict(hidden=2048, intermediate=5632, layers=22, vocab=32000, heads=32, kv_heads=4)
 SYNTHETIC_GGUF_BIG: SyntheticShape = dict(hidden=4096, intermediate=11008, layers=12, vocab=32000, heads=32, kv_heads=8)  # ~1.5 GB
