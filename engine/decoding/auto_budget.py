@@ -31,7 +31,7 @@ import torch
 
 from engine.decoding.generation import Engine
 from engine.decoding.memory import free_memory
-from engine.kernels.experts import measured_unions
+from engine.kernels.expert_unions import measured_unions
 from engine.planning.moe import fit_sharing
 from engine.planning.placement import activation_bytes
 from engine.planning.planner import DEFAULT_BUDGETS, plan_for_pair

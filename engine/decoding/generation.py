@@ -63,7 +63,7 @@ from engine.decoding.text import Detokenizer, encode_prompt, eos_ids
 from engine.decoding.verification import Sink, accept, committed_states, prune_to_accepted, read_committed, run_tree
 from engine.errors import ContextTooLong, InvalidRequest, OutOfMemory
 from engine.kernels.expert_cache import RoutingCounts
-from engine.kernels.experts import UnionTotals, union_totals
+from engine.kernels.expert_unions import UnionTotals, union_totals
 from engine.model.cache import KVCache
 from engine.model.cache_files import CacheFiles
 from engine.model.causal_lm import CausalLM

@@ -1,6 +1,6 @@
 """What an engine learned as it decoded, kept between processes: the pass costs (costs.PassCosts)
 and the acceptance models (acceptance.AcceptanceModels) of one model pair on one machine, and for
-an MoE target the experts its passes woke (engine.kernels.experts.union_totals: what the planner
+an MoE target the experts its passes woke (engine.kernels.expert_unions.union_totals: what the planner
 prices its trees by, engine.decoding.auto_budget.routed_shape).
 
 Without it every process starts from priors: a one-shot `specchat generate`, and the first
@@ -38,7 +38,7 @@ from engine.decoding.acceptance import CONTEXT_PRIOR, LOGQ_EDGES, SHARED_PRIOR, 
 from engine.decoding.costs import PassCosts
 from engine.errors import EngineError
 from engine.kernels import build
-from engine.kernels.experts import UnionTotals
+from engine.kernels.expert_unions import UnionTotals
 from engine.model.causal_lm import CausalLM
 from engine.untrusted import read_json_file
 

@@ -27,7 +27,7 @@ theirs beside them.
 Each call counts the tokens routed to each expert (`hits`) and the experts a pass woke
 (`last_union`, and over calls of 2+ tokens `union_log`): the routing statistics a placement
 (hot experts) and the tree's price (the union u(N) of the experts N tokens wake:
-`measured_unions`, engine.planning.moe.fit_sharing) are measured from.
+engine.kernels.expert_unions, engine.planning.moe.fit_sharing) are measured from.
 
 On a GPU machine (`--experts cpu`, engine.loading.layer_plan.experts_on_cpu) the model's other
 parts run on the GPU and call this module with states on the GPU: the states (a few KB a token)
@@ -447,26 +447,3 @@ def _by_expert(experts: list[int], keep: list[bool] | None = None) -> dict[int, 
         if keep is None or keep[i]:
             out.setdefault(e, []).append(i)
     return out
-
-
-UnionTotals = dict[int, tuple[int, int, int]]  # log2 bucket of tokens -> (calls, tokens, experts woken), summed
-
-
-def union_totals(modules: Iterable[nn.Module], seed: UnionTotals | None = None) -> UnionTotals:
-    """The union logs of the PackedExperts among `modules` (a model's), summed over its MoE
-    layers and added to `seed` (what earlier processes measured: engine.decoding.learned)."""
-    totals = {b: list(t) for b, t in (seed or {}).items()}
-    for m in modules:
-        if isinstance(m, PackedExperts):
-            for bucket, (calls, tokens, union) in m.union_log.items():
-                t = totals.setdefault(bucket, [0, 0, 0])
-                t[0], t[1], t[2] = t[0] + calls, t[1] + tokens, t[2] + union
-    return {b: (t[0], t[1], t[2]) for b, t in totals.items()}
-
-
-def measured_unions(modules: Iterable[nn.Module], seed: UnionTotals | None = None) -> dict[int, tuple[int, float]]:
-    """What the PackedExperts among `modules` (and `seed`) measured of passes of 2+ tokens: mean
-    tokens per pass (by powers of two) -> (observations, mean experts woken per MoE layer), the
-    input of engine.planning.moe.fit_sharing; {} before any such pass."""
-    return {round(tokens / calls): (calls, union / calls)
-            for calls, tokens, union in union_totals(modules, seed).values() if calls}

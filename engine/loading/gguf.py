@@ -66,8 +66,8 @@ from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_h
 from engine import paths
 from engine.errors import UnsupportedModel
 from engine.loading import gguf_families
-from engine.offload import gguf_blocks
 from engine.model.gpt_oss_experts import use_row_experts
+from engine.offload import gguf_blocks
 from engine.offload.layout import Entry, LayerLayout, pack_entry
 from engine.store.gguf_header import CorruptGGUF, GGUFHeader, TensorInfo, read_model
 from engine.types import Quant

@@ -181,7 +181,7 @@ def test_only_the_newest_files_are_kept(tmp_path: Path) -> None:
 
 
 def test_an_moe_targets_routing_rows_are_checked(learned: LearnedFile) -> None:
-    """The experts an MoE's passes woke (engine.kernels.experts.union_totals), per power of two
+    """The experts an MoE's passes woke (engine.kernels.expert_unions.union_totals), per power of two
     of tokens: rows that no pass of their size gives make the whole file ignored."""
     state = valid_state(learned)
     learned.path.write_text(json.dumps({**state, "routing": [[3, 2, 9, 10], [7, 1, 100, 40]]}))

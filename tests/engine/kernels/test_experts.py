@@ -146,7 +146,7 @@ def test_passes_of_several_tokens_log_the_experts_they_woke() -> None:
     from types import SimpleNamespace
 
     from engine.decoding.auto_budget import routed_shape
-    from engine.kernels.experts import measured_unions
+    from engine.kernels.expert_unions import measured_unions
     from engine.shapes import ExpertShape, LayerShape, ModelShape
 
     module = experts_module("qwen3_moe")

@@ -237,7 +237,7 @@ def test_the_routing_an_moe_measured_is_kept_for_the_next_process(model_cache: P
     budget planner prices its first trees by the measured routing (auto_budget.routed_shape)."""
     from engine.decoding.auto_budget import routed_shape
     from engine.decoding.learned import learned_file
-    from engine.kernels.experts import measured_unions, union_totals
+    from engine.kernels.expert_unions import measured_unions, union_totals
     from engine.planning.moe import fit_sharing
 
     m = load_model(tiny("qwen3_moe", model_cache), offload="none")
