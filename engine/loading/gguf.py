@@ -66,7 +66,6 @@ from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_h
 from engine import paths
 from engine.errors import UnsupportedModel
 from engine.loading import gguf_families
-from engine.model.gpt_oss_experts import use_row_experts
 from engine.offload import gguf_blocks
 from engine.offload.layout import Entry, LayerLayout, pack_entry
 from engine.store.gguf_header import CorruptGGUF, GGUFHeader, TensorInfo, read_model
@@ -189,8 +188,7 @@ class GGUFWeights:
     def bind(self, hf: PreTrainedModel) -> None:
         """Map the file's tensor names onto `hf` (a model built from `config`, meta is fine)."""
         arch = self.header.architecture
-        if arch == "gpt-oss":  # its experts as the file stores them, so they stay packed
-            use_row_experts(hf)
+        gguf_families.hold_as_stored(self.header, hf)  # gpt-oss's experts, so they stay packed
         self._processor = processor = gguf_families.processor_for(self.header, self.config.to_dict())
         names = get_gguf_hf_weights_map(_Names(hf), processor, model_type=arch,
                                         num_layers=self.config.num_hidden_layers)
@@ -206,17 +204,12 @@ class GGUFWeights:
             built.update(recipe.sources)
         shared: dict[tuple[int, ...], tuple[int, ...]] = {}
         parts: dict[str, list[tuple[tuple[int, int], int, TensorInfo]]] = {}
-        for name, sources in gguf_families.gpt_oss_parts(self.header, list(params)).items():
-            for source, rows in sources:
-                t = self.header.tensor(source)
-                if t is None:
-                    raise CorruptGGUF(f"{self.path.name} has no tensor {source} (for {name})")
-                built.add(source)
-                if rows is None:
-                    self._by_name[name] = t
-                    self._orders[name] = None
-                else:
-                    parts.setdefault(name, []).append((rows, int(params[name].shape[-2]), t))
+        for name, t, rows in gguf_families.gpt_oss_tensors(self.header, params, self.path.name):
+            built.add(t.name)
+            if rows is None:
+                self._by_name[name], self._orders[name] = t, None
+            else:
+                parts.setdefault(name, []).append((rows, int(params[name].shape[-2]), t))
         for t in self.header.tensors:
             hf_name = gguf_families.tensor_name(names, t)
             if hf_name is None or t.name in built:

@@ -35,7 +35,7 @@ What this module does not do: read files or tensor data (gguf.py, gguf_header.py
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 from gguf import MODEL_ARCH_NAMES, GGUFReader, GGUFValueType, GGUFWriter, get_tensor_name_map
+from torch import nn
 from transformers.modeling_gguf_pytorch_utils import (
     TENSOR_PROCESSORS,
     LlamaTensorProcessor,
@@ -52,8 +53,9 @@ from transformers.modeling_gguf_pytorch_utils import (
 
 from engine.errors import UnsupportedModel
 from engine.loading import gguf_gemma4, gguf_hybrid
+from engine.model.gpt_oss_experts import use_row_experts
 from engine.store.gguf_archs import REFUSED, RUNNABLE, RUNS
-from engine.store.gguf_header import GGUFHeader, TensorInfo
+from engine.store.gguf_header import CorruptGGUF, GGUFHeader, TensorInfo
 
 # metadata keys transformers' GGUF reader cannot parse, left out of what its tokenizer reads
 TOKENIZER_DROPS = {"gpt-oss": ("gpt-oss.rope.scaling.",), gguf_gemma4.ARCH: gguf_gemma4.TOKENIZER_DROPS}
@@ -327,6 +329,13 @@ def recipes(header: GGUFHeader, config: Any, params: Sequence[str]) -> dict[str,
     return out
 
 
+def hold_as_stored(header: GGUFHeader, model: nn.Module) -> None:
+    """Put in `model` (meta) the modules that hold this file's tensors as it stores them: a
+    gpt-oss's RowExperts (engine.model.gpt_oss_experts). Other files: nothing."""
+    if header.architecture == "gpt-oss":
+        use_row_experts(model)
+
+
 def gpt_oss_parts(header: GGUFHeader, params: Sequence[str]) -> dict[str, list[tuple[str, tuple[int, int] | None]]]:
     """gpt-oss's expert matrices as the file's tensors fill them, in the model's RowExperts
     (engine.model.gpt_oss_experts: rows first, gate rows then up rows): parameter -> its tensors
@@ -350,6 +359,20 @@ def gpt_oss_parts(header: GGUFHeader, params: Sequence[str]) -> dict[str, list[t
                              (f"{blk}.ffn_up_exps.weight", (rows, 2 * rows))]
         elif leaf == "down_proj":
             out[name] = [(f"{blk}.ffn_down_exps.weight", None)]
+    return out
+
+
+def gpt_oss_tensors(header: GGUFHeader, params: Mapping[str, Any], file: str
+                    ) -> list[tuple[str, TensorInfo, tuple[int, int] | None]]:
+    """gpt_oss_parts with each tensor looked up: (parameter, tensor, rows or None). CorruptGGUF
+    naming the file when one is missing."""
+    out = []
+    for name, sources in gpt_oss_parts(header, list(params)).items():
+        for source, rows in sources:
+            t = header.tensor(source)
+            if t is None:
+                raise CorruptGGUF(f"{file} has no tensor {source} (for {name})")
+            out.append((name, t, rows))
     return out
 
 
