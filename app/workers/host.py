@@ -11,9 +11,22 @@ from __future__ import annotations
 
 import logging
 
-from PySide6.QtCore import QCoreApplication, QObject, QThread
+from PySide6.QtCore import QCoreApplication, QObject, QThread, Signal, Slot
 
 log = logging.getLogger(__name__)
+
+
+class _Quitter(QObject):
+    """Ends its thread's event loop from inside it, so a quit queued behind other requests
+    runs after them (QThread.quit() from another thread drops what the worker's slot-in-progress
+    had queued behind it: Qt delivers events posted during a slot only in the next round, and
+    the loop checks its exit flag first)."""
+
+    @Slot()
+    def quit(self) -> None:
+        thread = QThread.currentThread()
+        if thread is not None:
+            thread.quit()
 
 
 class WorkerHost(QObject):
@@ -23,6 +36,8 @@ class WorkerHost(QObject):
     itself); the engine's host is stopped by the main window, which must know whether the
     thread ended in time."""
 
+    _quit_requested = Signal()
+
     def __init__(self, worker: QObject, name: str, parent: QObject | None = None, join_on_quit: bool = True) -> None:
         super().__init__(parent)
         self.worker = worker
@@ -30,6 +45,10 @@ class WorkerHost(QObject):
         self._thread.setObjectName(name)
         worker.moveToThread(self._thread)
         self._thread.finished.connect(worker.deleteLater)
+        self._quitter = _Quitter()
+        self._quitter.moveToThread(self._thread)
+        self._thread.finished.connect(self._quitter.deleteLater)
+        self._quit_requested.connect(self._quitter.quit)
         if join_on_quit and (app := QCoreApplication.instance()) is not None:
             app.aboutToQuit.connect(self.shutdown)
 
@@ -42,12 +61,13 @@ class WorkerHost(QObject):
 
     def shutdown(self, wait_ms: int | None = None) -> bool:
         """Cancel what runs and end the thread, waiting up to `wait_ms` (None: until it ends).
-        Idempotent. False when the thread still runs after `wait_ms` (a step inside a library
-        that cannot be interrupted): the caller must then not destroy it."""
+        Idempotent. Requests queued before it still run (the app's last "save the caches");
+        False when the thread still runs after `wait_ms` (a step inside a library that cannot be
+        interrupted): the caller must then not destroy it."""
         self._cancel()
         if not self._thread.isRunning():
             return True
-        self._thread.quit()
+        self._quit_requested.emit()  # queued: behind the requests already sent
         if self._thread.wait() if wait_ms is None else self._thread.wait(wait_ms):
             return True
         log.warning("the %s thread did not stop in %d ms", self._thread.objectName(), wait_ms)

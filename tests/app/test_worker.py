@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 from chat_helpers import WorkerEvents
-from PySide6.QtCore import QThread
+from PySide6.QtCore import QObject, QThread, Signal, Slot
 from pytestqt.qtbot import QtBot
 
 from app.workers.engine_worker import EngineHost
+from app.workers.host import WorkerHost
 from app.workers.remote_worker import RemoteHost
 from engine.types import (
     Completion,
@@ -160,3 +161,46 @@ def test_a_remote_error_is_one_warning_line_and_ids_come_from_one_counter(
         assert str(port) in records[0].getMessage() and "\n" not in records[0].getMessage()
     finally:
         remote.shutdown()
+
+
+class _Busy(QObject):
+    """A worker whose first request holds its thread until released; its second records."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.started, self.release, self.ran = threading.Event(), threading.Event(), threading.Event()
+
+    @Slot()
+    def hold(self) -> None:
+        self.started.set()
+        self.release.wait(10)
+
+    @Slot()
+    def record(self) -> None:
+        self.ran.set()
+
+
+class _BusyHost(WorkerHost):
+    _hold = Signal()
+    _record = Signal()
+
+    def __init__(self) -> None:
+        super().__init__(_Busy(), "busy", join_on_quit=False)
+        self._hold.connect(self.worker.hold)
+        self._record.connect(self.worker.record)
+        self._start()
+
+
+def test_a_request_queued_before_shutdown_runs_even_while_the_worker_is_busy(qtbot: QtBot) -> None:
+    """The app queues "save the conversations' caches" and then shuts the engine's thread down,
+    often while the answer's slot is still finishing: the save must still run (a direct
+    QThread.quit() dropped it, since events posted during a slot wait for the loop's next round)."""
+    host = _BusyHost()
+    worker = host.worker
+    assert isinstance(worker, _Busy)
+    host._hold.emit()
+    assert worker.started.wait(10)
+    host._record.emit()
+    threading.Timer(0.3, worker.release.set).start()  # the slot ends while shutdown() waits
+    assert host.shutdown(10_000)
+    assert worker.ran.is_set()
