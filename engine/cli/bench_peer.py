@@ -11,7 +11,9 @@ names an existing build's bin folder instead.
 Per GGUF (default: the starter's Q4_1 file and a Q8_0 rewrite of it, engine.testing.gguf_write;
 `--synthetic`: random 1.1B models in Q4_0 and Q8_0, where memory bandwidth sets the pace; `--moe`:
 a random MoE with Qwen3-30B-A3B's layers in Q4_0 and Q4_K_M; `--gpt-oss`: a random gpt-oss with
-gpt-oss-20b's layers, MXFP4 experts; engine.testing.random_gguf),
+gpt-oss-20b's layers, MXFP4 experts; engine.testing.random_gguf; `--upcycled`: the starter as a
+128-expert MoE that writes the starter's text, engine.testing.upcycle, where speculation on an MoE
+is accepted as on a real model),
 in one run and with the same thread count on both sides:
 
 - llama.cpp `llama-bench -p 0 -n N`: decode tok/s over an empty context (its headline figure);
@@ -238,6 +240,14 @@ def run_bench_peer(args: argparse.Namespace) -> int:
         say("writing a synthetic gpt-oss GGUF (once)")
         models = [(synthetic_gpt_oss_gguf(root / "synthetic-gpt-oss-mxfp4.gguf", **SYNTHETIC_GPT_OSS),
                    "synthetic gpt-oss MXFP4")]
+    elif args.upcycled:
+        from engine.testing.upcycle import moe_from_dense  # noqa: PLC0415
+
+        q41 = starter_gguf(None)
+        q80 = requantize_gguf(q41, root / "starter-q8_0.gguf", GGMLQuantizationType.Q8_0)
+        say("writing the starter as a 128-expert MoE (once)")
+        models = [(moe_from_dense(q41, root / "starter-moe-q4_1.gguf"), "starter as MoE Q4_1"),
+                  (moe_from_dense(q80, root / "starter-moe-q8_0.gguf"), "starter as MoE Q8_0")]
     elif args.synthetic:
         from engine.testing.random_gguf import SYNTHETIC_1B, synthetic_gguf  # noqa: PLC0415
 
