@@ -10,7 +10,9 @@ optionally a minimum per group, w = scale * code (+ minimum):
   16), Q5_0/Q5_1/Q5_K (codes 0..31, with minimums);
 - "q4": codes 0..15 packed two per byte (N x K/2; in each group of 32, byte k holds value k in
   its low nibble and value k + 16 in its high nibble), groups of 32: Q4_0, Q4_1, Q4_K. Q4_0's
-  minimum, -8 scale, is not stored (`offset` 8): 0.5625 bytes a weight, the file's.
+  minimum, -8 scale, is not stored (`offset` 8): 0.5625 bytes a weight, the file's. MXFP4
+  (gpt-oss's experts) is a q4 whose codes index E2M1's values doubled (`e2m1`, -12..12, no
+  minimums; `from_e2m1`): the file's nibbles and an fp16 scale, 0.5625 bytes a weight.
 
 Scales and minimums are kept in fp16 where every one of a weight's is exactly an fp16 value (the
 file's own fp16 scales: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), as K-quants store them where they are
@@ -44,6 +46,8 @@ KIND_CODES = {"q8": 8, "q4": 4, "q6": 6}  # qmatmul.c's kind codes
 HALF = 256  # qmatmul.c's QM_HALF: the scales and minimums are fp16
 KSC = 512  # qmatmul.c's QM_KSC: the scales and minimums as K-quants store them (uint8 tensors)
 OFF8 = 1024  # qmatmul.c's QM_OFF8: q4 codes offset by 8, no minimums stored (QuantWeight.offset)
+E2M1 = 2048  # qmatmul.c's QM_E2M1: q4 codes index E2M1_DOUBLED (QuantWeight.e2m1)
+E2M1_DOUBLED = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # MXFP4's values times 2 (ggml's kvalues_mxfp4)
 
 
 @dataclass(frozen=True)
@@ -56,20 +60,22 @@ class QuantWeight:
     out_features: int
     in_features: int
     offset: int = 0  # q4 without minimums: each value scale * (code - offset); 8 for GGUF's Q4_0
+    e2m1: bool = False  # q4 whose codes index E2M1_DOUBLED: each value scale * E2M1_DOUBLED[code] (MXFP4)
 
     @functools.cached_property
     def args(self) -> tuple[int, int, int, int | None]:
         """The kernel's kind code and the addresses of codes, scales and minimums (the tensors
         live as long as the weight and are never replaced: it is frozen)."""
         half = HALF if self.scales.dtype == torch.float16 else KSC if self.scales.dtype == torch.uint8 else 0
-        return (KIND_CODES[self.kind] | half | (OFF8 if self.offset else 0), self.codes.data_ptr(),
+        return (KIND_CODES[self.kind] | half | (OFF8 if self.offset else 0) | (E2M1 if self.e2m1 else 0), self.codes.data_ptr(),
                 self.scales.data_ptr(), self.mins.data_ptr() if self.mins is not None else None)
 
     def like(self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
              out_features: int) -> QuantWeight:
-        """A weight of this one's kind, group, width and offset over other tensors (rows of it,
-        rows stacked with another's, or a copy on another device)."""
-        return QuantWeight(self.kind, codes, scales, mins, self.group, out_features, self.in_features, self.offset)
+        """A weight of this one's kind, group, width and offset (or table) over other tensors
+        (rows of it, rows stacked with another's, or a copy on another device)."""
+        return QuantWeight(self.kind, codes, scales, mins, self.group, out_features, self.in_features, self.offset,
+                           self.e2m1)
 
     @property
     def nbytes(self) -> int:
@@ -92,6 +98,21 @@ def from_codes(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | N
     if kind == "q4" and mins is not None and torch.equal(mins.float(), -8.0 * scales.float()):
         return QuantWeight(kind, packed, scales, None, group, n, k, offset=8)  # Q4_0: the file's 0.5625 bytes a weight
     return QuantWeight(kind, packed, scales, mins, group, n, k)
+
+
+def from_e2m1(nibbles: torch.Tensor, scales: torch.Tensor) -> QuantWeight:
+    """MXFP4 as the files store it: nibbles (N, K/2) uint8, each group of 32 values in 16 bytes
+    (byte k: value k's code in its low nibble, value k + 16's in its high one, as kind q4 packs
+    them), and each group's scale (N, K/32), the E8M0 scale / 2 (the codes index the values
+    doubled) -> a q4 E2M1 weight, the scales fp16 where all are fp16 values."""
+    n, half_k = nibbles.shape
+    k = half_k * 2
+    if k % 32:
+        raise ValueError(f"{k} columns are not a whole number of groups of 32")
+    scales = scales.float().reshape(n, k // 32).contiguous()
+    if _exact_half(scales):
+        scales = scales.half()
+    return QuantWeight("q4", nibbles.to(torch.uint8).contiguous(), scales, None, 32, n, k, e2m1=True)
 
 
 def _packed_codes(codes: torch.Tensor, group: int, bits: int, has_mins: bool) -> tuple[Kind, torch.Tensor]:
@@ -217,13 +238,19 @@ def from_dense(weight: torch.Tensor, kind: Kind, group: int = 32) -> QuantWeight
 
 
 def codes_of(w: QuantWeight) -> torch.Tensor:
-    """(N, K) codes as ints."""
+    """(N, K) codes as ints (an E2M1 weight's: the doubled values its codes index)."""
     if w.kind == "q8":
         return w.codes.to(torch.int32)
     if w.kind == "q6":
         return unpack6(w.codes, w.in_features, w.group)
     p = w.codes.reshape(w.out_features, -1, 16)
-    return torch.stack([p & 15, p >> 4], dim=2).reshape(w.out_features, w.in_features).to(torch.int32)
+    codes = torch.stack([p & 15, p >> 4], dim=2).reshape(w.out_features, w.in_features)
+    return _e2m1_values(codes) if w.e2m1 else codes.to(torch.int32)
+
+
+def _e2m1_values(codes: torch.Tensor) -> torch.Tensor:
+    """q4 E2M1 codes -> the doubled E2M1 values they index (int32)."""
+    return torch.tensor(E2M1_DOUBLED, dtype=torch.int32, device=codes.device)[codes.long()]
 
 
 def dequantize(w: QuantWeight) -> torch.Tensor:
@@ -252,6 +279,8 @@ def dequantize_rows(w: QuantWeight, rows: torch.Tensor) -> torch.Tensor:
     if w.kind == "q4":
         p = codes.reshape(len(rows), -1, 16)
         codes = torch.stack([p & 15, p >> 4], dim=2)
+        if w.e2m1:
+            codes = _e2m1_values(codes)
     elif w.kind == "q6":
         codes = unpack6(codes, w.in_features, w.group)
     groups = w.in_features // w.group

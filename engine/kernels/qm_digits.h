@@ -181,9 +181,13 @@ QM_INLINE void prefetch_params(const void *sc, const void *mn, int64_t ps, int h
  * token's digits loaded once for all the rows. */
 QM_INLINE void q4_rows_vnni(const qm_digits *d, const float *const *xsum, const int few, const uint8_t *p,
                             int64_t rb, const void *sc, const void *mn, int64_t ps, int half, int64_t K, const int R,
-                            float *out, int64_t os, const int off8) {
-    /* off8 (QM_OFF8, no minimums): each value scale * (code - 8); the offset's share, -8 u (the
-     * group's sum of v), is c32 / 16 */
+                            float *out, int64_t os, const int mode) {
+    /* mode 1 (QM_OFF8, no minimums): each value scale * (code - 8); the offset's share, -8 u (the
+     * group's sum of v), is c32 / 16. Mode 2 (QM_E2M1): each code shuffled to its E2M1 value + 12
+     * (0..24: a lane's 8 products stay under 2^30 after the shifts), the share -12 u (sum of v) */
+    const int off8 = mode != 0;
+    const float share = mode == 2 ? 12.0f / 128.0f : 1.0f / 16.0f;
+    const __m512i lut = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
     __m512i lanes[4];
     for (int c = 0; c < 4; c++) lanes[c] = _mm512_loadu_si512(LANES_Q4[c]);
     const __m512i wide[2] = {_mm512_loadu_si512(LANES_Q4W[0]), _mm512_loadu_si512(LANES_Q4W[1])};
@@ -200,7 +204,7 @@ QM_INLINE void q4_rows_vnni(const qm_digits *d, const float *const *xsum, const 
         __m256 u[QM_FEW], xs[QM_FEW];
         for (int i = 0; i < few; i++) {
             u[i] = _mm256_maskz_loadu_ps(live, d[i].u32 + g), xs[i] = mn ? _mm256_maskz_loadu_ps(live, xsum[i] + g) : u[i];
-            if (off8) xs[i] = _mm256_mul_ps(_mm256_maskz_loadu_ps(live, d[i].c32 + g), _mm256_set1_ps(0.0625f));
+            if (off8) xs[i] = _mm256_mul_ps(_mm256_maskz_loadu_ps(live, d[i].c32 + g), _mm256_set1_ps(share));
         }
         prefetch_params(sc, mn, ps, half, g, R);
         for (int r = 0; r < R; r++) {
@@ -220,6 +224,7 @@ QM_INLINE void q4_rows_vnni(const qm_digits *d, const float *const *xsum, const 
                 _mm_prefetch((const char *)(row + QM_AHEAD * QM_ROWS * rb), QM_HINT);
                 __m512i bytes = _mm512_loadu_si512(row);
                 lo[r] = _mm512_and_si512(bytes, m4w), hi[r] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), m4w);
+                if (mode == 2) lo[r] = _mm512_shuffle_epi8(lut, lo[r]), hi[r] = _mm512_shuffle_epi8(lut, hi[r]);
             }
             for (int i = 0; i < few; i++) {
                 const int8_t *da = d[i].q4[0] + at, *db = d[i].q4[1] + at, *dc = d[i].q4[2] + at;
@@ -244,6 +249,7 @@ QM_INLINE void q4_rows_vnni(const qm_digits *d, const float *const *xsum, const 
                 __m256i bytes = _mm256_loadu_si256((const __m256i *)row);
                 w[r] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(bytes, m4)),
                                           _mm256_and_si256(_mm256_srli_epi16(bytes, 4), m4), 1);
+                if (mode == 2) w[r] = _mm512_shuffle_epi8(lut, w[r]);
             }
             for (int i = 0; i < few; i++) {
                 __m512i da = _mm512_loadu_si512(d[i].q4[0] + at), db = _mm512_loadu_si512(d[i].q4[1] + at),
@@ -423,7 +429,7 @@ static void rows_vnni(const qm_digits *d, const float *const *xsum, int few, int
                       int rows, float *out, int64_t os) {
 #define QM_BLOCK(F)                                                                                              \
     (QM_KIND(kind) == 4 ? q4_rows_vnni(d, xsum, F, (const uint8_t *)codes, rb, sc, mn, ps, half, K, QM_ROWS, out, os, \
-                                       (kind & QM_OFF8) != 0)                                                   \
+                                       QM_Q4_MODE(kind))                                                        \
      : kind == 6 ? q8_rows_vnni(d, xsum, F, (const int8_t *)codes, rb, sc, mn, ps, half, K, group, QM_ROWS, out, os, 1) \
                  : q8_rows_vnni(d, xsum, F, (const int8_t *)codes, rb, sc, mn, ps, half, K, group, QM_ROWS, out, os, 0))
     if (rows == QM_ROWS) { /* the token count a constant: its loops unrolled, its accumulators in registers */
@@ -441,7 +447,7 @@ static void rows_vnni(const qm_digits *d, const float *const *xsum, int few, int
     for (int r = 0; r < rows; r++) {
         const void *c = (const char *)codes + r * rb, *s = row_at(sc, r * ps, half), *m = row_at(mn, r * ps, half);
         if (QM_KIND(kind) == 4)
-            q4_rows_vnni(d, xsum, few, (const uint8_t *)c, rb, s, m, ps, half, K, 1, out + r * os, os, (kind & QM_OFF8) != 0);
+            q4_rows_vnni(d, xsum, few, (const uint8_t *)c, rb, s, m, ps, half, K, 1, out + r * os, os, QM_Q4_MODE(kind));
         else
             q8_rows_vnni(d, xsum, few, (const int8_t *)c, rb, s, m, ps, half, K, group, 1, out + r * os, os, kind == 6);
     }

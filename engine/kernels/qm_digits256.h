@@ -93,8 +93,11 @@ static inline __m256 load_some(const float *p, int64_t n, float *tmp) {
  * 16-31), so the digits keep the activations' order. */
 QM_INLINE void q4_rows_vnni(const qm_digits *d, const float *const *xsum, const int few, const uint8_t *p,
                             int64_t rb, const void *sc, const void *mn, int64_t ps, int half, int64_t K, const int R,
-                            float *out, int64_t os, const int off8) {
+                            float *out, int64_t os, const int mode) {
     const __m128i m4 = _mm_set1_epi8(15);
+    const int off8 = mode != 0; /* as qm_digits.h: mode 1 QM_OFF8, 2 QM_E2M1 */
+    const float share = mode == 2 ? 12.0f / 128.0f : 1.0f / 16.0f;
+    const __m256i lut = _mm256_broadcastsi128_si256(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
     __m256 acc[QM_ROWS][QM_FEW], f[QM_ROWS][QM_FEW], ext[QM_ROWS][QM_FEW];
     float tmp[8];
     for (int r = 0; r < R; r++)
@@ -105,7 +108,7 @@ QM_INLINE void q4_rows_vnni(const qm_digits *d, const float *const *xsum, const 
         __m256 u[QM_FEW], xs[QM_FEW];
         for (int i = 0; i < few; i++) {
             u[i] = load_some(d[i].u32 + g, n, tmp), xs[i] = mn ? load_some(xsum[i] + g, n, tmp) : u[i];
-            if (off8) xs[i] = _mm256_mul_ps(load_some(d[i].c32 + g, n, tmp), _mm256_set1_ps(0.0625f)); /* as qm_digits.h */
+            if (off8) xs[i] = _mm256_mul_ps(load_some(d[i].c32 + g, n, tmp), _mm256_set1_ps(share)); /* as qm_digits.h */
         }
         for (int r = 0; r < R; r++) {
             __m256 s = load_params(row_at(sc, r * ps, half), half, g, n, tmp);
@@ -124,6 +127,7 @@ QM_INLINE void q4_rows_vnni(const qm_digits *d, const float *const *xsum, const 
                 _mm_prefetch((const char *)(row + QM_AHEAD * QM_ROWS * rb), QM_HINT);
                 __m128i bytes = _mm_loadu_si128((const __m128i *)row);
                 w[r] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), m4), _mm_and_si128(bytes, m4));
+                if (mode == 2) w[r] = _mm256_shuffle_epi8(lut, w[r]);
             }
             __m256i idx = _mm256_set1_epi32((int)c);
             for (int i = 0; i < few; i++) {

@@ -53,7 +53,15 @@
 /* In a q4 kind code: no minimums stored, each value scale * (code - 8), GGUF's Q4_0 (its file's
  * 0.5625 bytes a weight, not 0.625 with a minimum of -8 scale kept beside each scale). */
 #define QM_OFF8 1024
+/* In a q4 kind code: each code indexes MXFP4's E2M1 values doubled (QM_E2M1_VALUES, -12..12),
+ * value = scale * that, no minimums: MXFP4 at its file's nibbles (0.5625 bytes a weight with an
+ * fp16 scale; as six-bit codes it took 0.8125). The integer rows read code + 12 (0..24) through a
+ * byte shuffle and take the offset's share back as QM_OFF8's -8 is. */
+#define QM_E2M1 2048
 #define QM_KIND(k) ((k) & 15) /* 4, 6 or 8 */
+static const int8_t QM_E2M1_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+/* a q4 row's offset mode for the integer rows: 0 none, 1 QM_OFF8, 2 QM_E2M1 */
+#define QM_Q4_MODE(k) (((k) & QM_E2M1) ? 2 : ((k) & QM_OFF8) ? 1 : 0)
 
 /* Scales and minimums are fp32, or fp16 where every one of a weight's is exactly an fp16 (GGUF's
  * Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 store them so: a step then reads 0.625 bytes per Q4_1 weight,
@@ -116,7 +124,7 @@ static const void *row_params(const void *p, int64_t r, int64_t rows, int64_t gr
 /* Floats of expansion scratch for `rows` rows of `groups` (one where nothing is expanded). */
 #define PARAMS_BUF(fmt, rows, groups) ((fmt) == 2 ? (rows) * (groups) : 1)
 
-int qm_version(void) { return 5; }
+int qm_version(void) { return 6; }
 
 int qm_simd(void) { /* 0 plain C, 2 AVX2, 3 AVX-512, 4 AVX-512 VNNI, 5 AVX2 + AVX-VNNI */
 #if defined(QM_VNNI)
@@ -239,6 +247,25 @@ static const int8_t *six_row(const void *p, int64_t K, int64_t group) {
     return six_buf;
 }
 
+/* A kind-4 E2M1 row as signed codes (its doubled E2M1 values), in this thread's buffer: the fp32
+ * rows and the decoding read it as a kind-8 row in groups of 32. */
+static _Thread_local int8_t *e2m1_buf = NULL;
+static _Thread_local size_t e2m1_len = 0;
+static const int8_t *e2m1_row(const void *row, int64_t K) {
+    if ((size_t)K > e2m1_len) {
+        int8_t *grown = (int8_t *)realloc(e2m1_buf, (size_t)K);
+        if (!grown) abort(); /* as six_row */
+        e2m1_buf = grown, e2m1_len = (size_t)K;
+    }
+    const uint8_t *p = (const uint8_t *)row;
+    for (int64_t g = 0; g < K / 32; g++)
+        for (int k = 0; k < 16; k++) {
+            e2m1_buf[g * 32 + k] = QM_E2M1_VALUES[p[g * 16 + k] & 15];
+            e2m1_buf[g * 32 + k + 16] = QM_E2M1_VALUES[p[g * 16 + k] >> 4];
+        }
+    return e2m1_buf;
+}
+
 static inline int64_t row_bytes_of(int64_t kind, int64_t K) {
     return QM_KIND(kind) == 4 ? K / 2 : QM_KIND(kind) == 6 ? K / 64 * 48 : K;
 }
@@ -246,7 +273,9 @@ static inline int64_t row_bytes_of(int64_t kind, int64_t K) {
 /* One weight row of any kind -> fp32 values. */
 static void decode_row(int64_t kind, const void *row, const void *sc, const void *mn, int half, int64_t K,
                        int64_t group, float *out) {
-    if (QM_KIND(kind) == 4)
+    if (kind & QM_E2M1)
+        decode_q8(e2m1_row(row, K), sc, NULL, half, K, 32, out);
+    else if (QM_KIND(kind) == 4)
         decode_q4((const uint8_t *)row, sc, mn, half, K, out, (kind & QM_OFF8) != 0);
     else
         decode_q8(QM_KIND(kind) == 6 ? six_row(row, K, group) : (const int8_t *)row, sc, mn, half, K, group, out);
@@ -461,6 +490,7 @@ static float row_q4(const float *x, const uint8_t *p, const void *sc, const void
 /* One row of any kind times x through the fp32 rows. */
 static float row_fp32(int64_t kind, const float *x, const void *row, const void *sc, const void *mn, int half,
                       const float *xsum, int64_t K, int64_t group) {
+    if (kind & QM_E2M1) return ROW_Q8(x, e2m1_row(row, K), sc, NULL, half, xsum, K, 32);
     if ((kind & QM_OFF8) && QM_KIND(kind) == 4) { /* as decode_row: the minimums -8 scale in fp32 */
         float s2[K / 32 + 1], m2[K / 32 + 1];
         for (int64_t g = 0; g < K / 32; g++) s2[g] = scale_at(sc, g, half), m2[g] = -8.0f * s2[g];

@@ -15,8 +15,9 @@ An MoE layer's routed experts (3-D (E, out, in) parameters; the fused gate_up_pr
 GGUF tensors) stay packed too, one kernel weight per expert and tensor, and the experts module
 becomes a PackedExperts (engine.kernels.experts) that runs only the experts a pass routes to. A
 projection with a part in a type the kernel does not read (IQ4_XS) is de-quantised whole.
-gpt-oss's MXFP4 experts stay packed as six-bit codes (the E2M1 values doubled, -12..12) with a
-power-of-two scale per 32 (0.8125 bytes a weight against the file's 0.53, and 4 in fp32); a
+gpt-oss's MXFP4 experts stay packed as the file's nibbles (kind q4 codes of E2M1's values,
+linear.from_e2m1) with a power-of-two scale per 32 in fp16 (0.5625 bytes a weight against the
+file's 0.53, and 4 in fp32); a
 GGUF's are held rows first for that (engine.model.gpt_oss_experts). A safetensors checkpoint's
 (transformers' transposed module) stay the dense module they were.
 
@@ -37,7 +38,7 @@ from torch import nn
 
 from engine.kernels import expert_parts, experts as packed_experts
 from engine.kernels.build import kernels
-from engine.kernels.linear import PackedLinear, QuantWeight, from_codes, from_factors
+from engine.kernels.linear import PackedLinear, QuantWeight, from_codes, from_e2m1, from_factors
 from engine.offload import gguf_blocks
 from engine.offload.layout import Entry, LayerLayout, set_parameter
 from engine.offload.unpack import Unpacker
@@ -133,6 +134,9 @@ def quant_weight(blocks: torch.Tensor, qtype: int, shape: tuple[int, ...],
         stored = stored[row_order]
     _, nbytes = gguf_blocks.block_size(qtype)
     blocks = stored.reshape(-1, nbytes)
+    if qtype == gguf_blocks.Q.MXFP4:  # its nibbles as they are, codes of E2M1's values
+        nibbles, scales = gguf_blocks.mxfp4_nibbles(blocks)
+        return from_e2m1(nibbles.reshape(rows, cols // 2), scales.reshape(rows, -1))
     codes, scales, mins, group = gguf_blocks.affine(blocks, qtype)
     bits = gguf_blocks.AFFINE_BITS[qtype]
     if qtype in gguf_blocks.K_FACTORED:  # kept as the file factors them: 10 bytes per 8 groups

@@ -9,7 +9,7 @@ up rows, down_proj (E, hidden, I), the gate_up bias (E, 2I) in the same order, a
 x W^T + b with gpt-oss's clamped SwiGLU on the two halves: the arithmetic of transformers' module
 on the same values, only its layout differs. So the GGUF's tensors fill it as parts (no
 transpose, no interleave at load) and, on a CPU with the packed kernel, its MXFP4 experts stay
-packed (engine.loading.cpu_packed: six-bit codes and a power-of-two scale per 32 values) where
+packed (engine.loading.cpu_packed: the file's nibbles and a power-of-two scale per 32 values) where
 de-quantising them would take 8 times the file's bytes in fp32.
 
 With `interleaved`, gate_up's rows (and its bias) alternate gate, up, gate, up... as gpt-oss's

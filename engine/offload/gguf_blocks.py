@@ -182,11 +182,22 @@ def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
 def _mxfp4_parts(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """ggml's MXFP4 block (an E8M0 exponent e, then 16 bytes: byte j holds value j in its low
     nibble, value j + 16 in its high one) -> (the doubled E2M1 values, int8 (n, 32); the block's
-    scale 2^(e - 128), fp32 (n, 1), ggml's e8m0_to_fp32_half: exact for every e)."""
+    scale 2^(e - 128), fp32 (n, 1))."""
     doubled = torch.tensor(_MXFP4_DOUBLED, dtype=torch.int8, device=b.device)
-    e = b[:, 0:1].to(torch.int32)
-    bits = torch.where(e < 2, torch.tensor(0x00200000, dtype=torch.int32, device=b.device) << e, (e - 1) << 23)
-    return doubled[_nibbles(b[:, 1:17], 16).long()], bits.view(torch.float32)
+    return doubled[_nibbles(b[:, 1:17], 16).long()], _e8m0_half(b[:, 0:1])
+
+
+def _e8m0_half(e: torch.Tensor) -> torch.Tensor:
+    """E8M0 exponents (uint8) -> 2^(e - 128) in fp32, ggml's e8m0_to_fp32_half: exact for every e."""
+    e = e.to(torch.int32)
+    bits = torch.where(e < 2, torch.tensor(0x00200000, dtype=torch.int32, device=e.device) << e, (e - 1) << 23)
+    return bits.view(torch.float32)
+
+
+def mxfp4_nibbles(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ggml's MXFP4 blocks (n, 17) -> (their 16 code bytes (n, 16) uint8, as they are: kind q4's
+    packing; each block's scale 2^(e - 128) (n, 1) fp32): engine.kernels.linear.from_e2m1's."""
+    return b[:, 1:17].contiguous(), _e8m0_half(b[:, 0:1])
 
 
 def _mxfp4(b: torch.Tensor) -> torch.Tensor:
@@ -205,10 +216,11 @@ _DECODERS: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {
 # Types whose values are scale * code + minimum per group of 16 or 32 (a "linear" block: not the
 # IQ4 tables, not Q2_K/Q3_K's 2-3 bit codes). `affine` gives those parts for a packed CPU kernel
 # (engine.kernels): its matrix products read the codes and apply a group's scale once. MXFP4 is
-# one too: its E2M1 values doubled are the integers -12..12 (six-bit codes), its scale a power of two.
+# one too: its E2M1 values doubled are the integers -12..12, its scale a power of two (the kernel
+# keeps its nibbles, linear.from_e2m1; `affine` gives the values as codes).
 AFFINE = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.MXFP4)
 AFFINE_BITS: dict[int, int] = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q4_K: 4, Q.Q5_0: 5, Q.Q5_1: 5, Q.Q5_K: 5, Q.Q8_0: 8, Q.Q6_K: 6,
-                               Q.MXFP4: 6}
+                               Q.MXFP4: 4}  # the bits the kernel keeps a code in
 
 
 def affine(b: torch.Tensor, qtype: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:

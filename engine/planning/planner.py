@@ -69,9 +69,9 @@ KERNEL_TOKEN_RATIO = 1.4
 # half a byte a code and 10 bytes of scales and 10 of minimums per 256, 0.578; its down Q6_K, six
 # bits a code + 10 bytes per 128 (kind q6), 0.828, on about half the layers and Q4_K on the rest): 0.62.
 KERNEL_EXPERT_BYTES_PER_PARAM = 0.62
-# gpt-oss's MXFP4 experts as the kernel holds them (six-bit codes, an fp16 power of two per 32:
-# engine.loading.cpu_packed), and as its blocks sit in RAM for a GPU (4.25 bits a weight)
-MXFP4_KERNEL_BYTES_PER_PARAM = 13 / 16
+# gpt-oss's MXFP4 experts as the kernel holds them (the file's nibbles, an fp16 power of two per
+# 32: engine.loading.cpu_packed), and as its blocks sit in RAM for a GPU (4.25 bits a weight)
+MXFP4_KERNEL_BYTES_PER_PARAM = 9 / 16
 MXFP4_BLOCK_BYTES_PER_PARAM = 17 / 32
 # The head of a GGUF as the kernel holds it: Q6_K in K-quant files (six-bit codes + 10 bytes per
 # 128), 0.83 a weight (a Q8_0 file's 1.06; a one-token step reads all of it, so it is much of a

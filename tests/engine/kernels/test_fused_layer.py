@@ -21,7 +21,7 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Pret
 from engine.decoding.generation import Engine
 from engine.kernels import build
 from engine.kernels.fused_layer import LINEARS, FusedDecoder
-from engine.kernels.linear import PackedLinear, dequantize, from_codes, from_dense, qlinear
+from engine.kernels.linear import PackedLinear, dequantize, from_codes, from_dense, from_e2m1, qlinear
 from engine.loading.gguf import isolated
 from engine.loading.load import load_model
 from engine.model import causal_lm
@@ -307,9 +307,17 @@ def cpu_flags() -> set[str]:
 VNNI = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= cpu_flags()
 # what a CPU without AVX-512 (or without AVX2) gets; on a VNNI CPU the AVX-512 fp32 rows it skips; on
 # a CPU with AVX-VNNI what an Intel desktop CPU without AVX-512 gets (AVX2 + AVX-VNNI)
+# an AVX-512 VNNI CPU without AVX-VNNI (AMD Zen 4) runs the AVX-VNNI build's rows through the 256-bit
+# EVEX form of the same instruction (AVX-512 VNNI + VL): the build is told it has AVX-VNNI and its one
+# AVX-VNNI instruction is spelled as that form, the rest of it AVX2
+AVXVNNI_THROUGH_AVX512 = ("-O3", "-mavx2", "-mfma", "-mf16c", "-mavx512vnni", "-mavx512vl", "-D__AVXVNNI__=1",
+                          "-D_mm256_dpbusd_avx_epi32=_mm256_dpbusd_epi32", "-fopenmp")
+AVXVNNI = "avx_vnni" in cpu_flags()
 BUILDS = (*build.FLAG_SETS[1:], *([("-O3", "-march=native", "-DQM_NO_VNNI", "-fopenmp")] if VNNI else []),
-          *([("-O3", "-mavx2", "-mfma", "-mf16c", "-mavxvnni", "-fopenmp")] if "avx_vnni" in cpu_flags() else []))
-SIMD = {"-DQM_NO_VNNI": 3, "-mavxvnni": 5, "-mavx2": 2}  # qm_simd() of a build, by its telling flag
+          *([("-O3", "-mavx2", "-mfma", "-mf16c", "-mavxvnni", "-fopenmp")] if AVXVNNI else []),
+          *([AVXVNNI_THROUGH_AVX512] if VNNI and not AVXVNNI else []))
+# qm_simd() of a build, by its telling flag (the first that matches)
+SIMD = {"-D__AVXVNNI__=1": 5, "-DQM_NO_VNNI": 3, "-mavxvnni": 5, "-mavx2": 2}
 
 
 @pytest.mark.skipif(not VNNI, reason="the CPU has no AVX-512 VNNI")
@@ -349,6 +357,13 @@ def test_the_portable_builds_compute_the_same(flags: tuple[str, ...], tmp_path: 
                     for m in (1, 5):
                         x = torch.randn(m, k, generator=g)
                         assert close(qlinear(x, w), x @ dequantize(w).T)
+            # MXFP4's codes of E2M1 values, scales powers of two in fp16 and (2^-30 and less) not
+            w = from_e2m1(torch.randint(0, 256, (23, k // 2), generator=g, dtype=torch.uint8),
+                          2.0 ** torch.randint(-33 if k == 96 else -12, 0, (23, k // 32), generator=g).float())
+            assert w.e2m1 and w.scales.dtype == (torch.float32 if k == 96 else torch.float16)
+            for m in (1, 3, 5):
+                x = torch.randn(m, k, generator=g)
+                assert close(qlinear(x, w), x @ dequantize(w).T)
         fused, plain = pair(packed(config("qwen2"), seed=4), monkeypatch)
         ours, theirs = fused.new_cache(16), plain.new_cache(16)
         for tokens, positions, allowed in ((torch.tensor([3, 9, 27]), torch.arange(3), None),

@@ -544,11 +544,12 @@ def assert_logits_and_greedy_text_equal(converted: tuple, offload: str) -> None:
             assert greedy(engine, prompt, mode="specexec", n=NEW_TOKENS).token_ids == got.token_ids
 
 
-def test_gpt_oss_experts_stay_packed_in_six_bits(vocab: tuple, tmp_path: Path) -> None:
-    """A gpt-oss GGUF's MXFP4 experts, resident on the CPU, stay packed: six-bit codes (the E2M1
-    values doubled) and one fp16 power of two per 32 values, 0.8125 bytes a weight (fp32 would
-    take 4), merged gate and up rows per expert, their biases beside them; a decode step's experts
-    in one kernel call with gpt-oss's gate (its logits and text: the tests above)."""
+def test_gpt_oss_experts_stay_packed_in_their_nibbles(vocab: tuple, tmp_path: Path) -> None:
+    """A gpt-oss GGUF's MXFP4 experts, resident on the CPU, stay packed as the file holds them:
+    four-bit codes of E2M1's values (kind q4, e2m1) and one fp16 power of two per 32 values,
+    0.5625 bytes a weight (fp32 would take 4; six-bit codes took 0.8125), merged gate and up rows
+    per expert, their biases beside them; a decode step's experts in one kernel call with
+    gpt-oss's gate (its logits and text: the tests above)."""
     if build.kernels() is None:
         pytest.skip("no packed CPU kernel here")
     meta, tok = vocab
@@ -561,11 +562,11 @@ def test_gpt_oss_experts_stay_packed_in_six_bits(vocab: tuple, tmp_path: Path) -
         (gate_up,), (down,) = e.gate_up, e.down
         assert gate_up.packed is not None and down.packed is not None
         w = gate_up.packed[0]
-        assert (w.kind, w.group, w.mins, w.scales.dtype) == ("q6", 32, None, torch.float16)
+        assert (w.kind, w.e2m1, w.group, w.mins, w.scales.dtype) == ("q4", True, 32, None, torch.float16)
         assert w.out_features == e.gate_up_rows and e.gate_up_bias is not None and e.down_bias is not None
         assert e._fused is not None and e._fused[2] is not None  # decode steps: one C call with gpt-oss's gate
         weights = e.num_experts * (e.gate_up_rows * e.hidden + e.hidden * e.width)
-        assert e.packed_nbytes == weights * 13 // 16
+        assert e.packed_nbytes == weights * 9 // 16
 
 
 def test_experts_that_do_not_fit_together_are_refused(vocab: tuple, tmp_path: Path) -> None:

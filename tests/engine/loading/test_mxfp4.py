@@ -105,7 +105,7 @@ def expert_values(experts: nn.Module, proj: str) -> torch.Tensor:
 
 
 def test_mxfp4_experts_load_as_transformers_dequantises_them(mxfp4_folder: Path) -> None:
-    """Held rows first in their MXFP4 blocks (packed six-bit codes on the CPU with the kernel):
+    """Held rows first in their MXFP4 blocks (their nibbles, packed, on the CPU with the kernel):
     every value transformers' de-quantisation gives, and its logits."""
     loaded = load_model(mxfp4_folder)
     ref = AutoModelForCausalLM.from_pretrained(mxfp4_folder, quantization_config=Mxfp4Config(dequantize=True),

@@ -10,7 +10,18 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import quants as gq
 
-from engine.offload.gguf_blocks import AFFINE, AFFINE_BITS, PACKED, affine, block_size, dequantize, dequantize_into
+from engine.kernels.linear import dequantize as linear_dequantize
+from engine.kernels.linear import from_e2m1, qlinear
+from engine.offload.gguf_blocks import (
+    AFFINE,
+    AFFINE_BITS,
+    PACKED,
+    affine,
+    block_size,
+    dequantize,
+    dequantize_into,
+    mxfp4_nibbles,
+)
 
 # byte offsets of each type's fp16 scale fields (ggml's block structs)
 SCALES = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,), Q.Q2_K: (80, 82),
@@ -76,13 +87,31 @@ def test_codes_scales_and_minimums_give_the_decoded_values_bit_for_bit(qtype: Q)
     codes, scales, mins, group = affine(blocks, qtype)
     values, _ = block_size(qtype)
     assert codes.dtype == torch.int8 and codes.shape == (256, values) and scales.shape == (256, values // group)
-    bits = AFFINE_BITS[qtype]
-    assert int(codes.min()) >= (-(1 << (bits - 1)) if mins is None else 0)
-    assert int(codes.max()) < (1 << (bits - 1) if mins is None else 1 << bits)
+    if qtype == Q.MXFP4:  # E2M1's values doubled (the kernel keeps the nibbles that index them)
+        assert int(codes.min()) >= -12 and int(codes.max()) <= 12
+    else:
+        bits = AFFINE_BITS[qtype]
+        assert int(codes.min()) >= (-(1 << (bits - 1)) if mins is None else 0)
+        assert int(codes.max()) < (1 << (bits - 1) if mins is None else 1 << bits)
     w = codes.float().reshape(256, -1, group) * scales[..., None]
     if mins is not None:
         w = w + mins[..., None]
     assert torch.equal(w.reshape(-1), dequantize(blocks.reshape(-1), qtype))
+
+
+def test_mxfp4_nibbles_are_the_kernels_codes_bit_for_bit() -> None:
+    """MXFP4 blocks kept as their own nibbles (kind q4 indexing E2M1's values) and their scales:
+    the kernel's weight de-quantises to ggml's values bit for bit (fp16 scales where every one is
+    an fp16 value: a weight's powers of two from 2^-24 up, else fp32), and its product is theirs."""
+    blocks = torch.from_numpy(random_blocks(Q.MXFP4, 8 * 4, seed=5))
+    want = dequantize(blocks.reshape(-1), Q.MXFP4).reshape(8, 128)
+    for rows in (8, 3):
+        nibbles, scales = mxfp4_nibbles(blocks[: rows * 4])
+        w = from_e2m1(nibbles.reshape(rows, 64), scales.reshape(rows, 4))
+        assert (w.kind, w.e2m1, w.codes.dtype, w.codes.shape) == ("q4", True, torch.uint8, (rows, 64))
+        assert torch.equal(linear_dequantize(w), want[:rows])
+        x = torch.randn(3, 128)
+        assert torch.allclose(qlinear(x, w), x @ want[:rows].T, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
 
 
 @pytest.mark.parametrize("chunk", [1, 1 << 22])

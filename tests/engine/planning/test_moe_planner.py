@@ -203,7 +203,7 @@ def test_the_catalogs_moe_entries_are_priced_as_moe() -> None:
     token's top-4 experts. Their MXFP4 experts stay in their blocks (engine.loading.weights), so
     gpt-oss-20b is resident on a 24 GB GPU (12.4 GB of blocks, de-quantised as a layer runs),
     reading a token's experts, not all of them: predicted faster than a dense model of its size.
-    gpt-oss-120b keeps attention on the GPU and its experts in 128 GB of RAM (six-bit codes for
+    gpt-oss-120b keeps attention on the GPU and its experts in 128 GB of RAM (the file's nibbles for
     the CPU kernel; the VRAM left caches a few), where 64 GB holds neither: whole layers stream,
     under 1 tok/s."""
     from engine.store.catalog import load_catalog
