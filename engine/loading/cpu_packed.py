@@ -1,5 +1,5 @@
 """Resident layers of a packed model on a CPU: each Linear weight whose GGUF blocks are linear
-(gguf_blocks.AFFINE: Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, MXFP4) stays packed, as codes and
+(gguf_blocks.AFFINE: Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, MXFP4, IQ4_NL, IQ4_XS) stays packed, as codes and
 group scales that the packed CPU kernel (engine.kernels) multiplies by directly; every other
 parameter is de-quantised once into the compute dtype. The head, when the file stores it (or
 the tied embedding) in such a type, is packed the same way: on a small model it is the largest
@@ -14,7 +14,8 @@ from a dense product.
 An MoE layer's routed experts (3-D (E, out, in) parameters; the fused gate_up_proj from two
 GGUF tensors) stay packed too, one kernel weight per expert and tensor, and the experts module
 becomes a PackedExperts (engine.kernels.experts) that runs only the experts a pass routes to. A
-projection with a part in a type the kernel does not read (IQ4_XS) is de-quantised whole.
+projection with a part in a type the kernel does not read (Q2_K, Q3_K) is de-quantised whole; IQ4_NL and IQ4_XS
+are held as int8 codes of their table's values (1.06 and 1.04 bytes a weight against fp32's 4).
 gpt-oss's MXFP4 experts stay packed as the file's nibbles (kind q4 codes of E2M1's values,
 linear.from_e2m1) with a power-of-two scale per 32 in fp16 (0.5625 bytes a weight against the
 file's 0.53, and 4 in fp32); a
@@ -175,7 +176,8 @@ def _packed_bytes(qtype: int, numel: int) -> int:
     group = 16 if qtype == gguf_blocks.Q.Q6_K else 32
     bits = gguf_blocks.AFFINE_BITS[qtype]
     code_bytes = numel // 2 if bits <= 4 and group == 32 else numel * 3 // 4 if bits in (5, 6) else numel
-    sides = 2 if qtype not in (gguf_blocks.Q.Q8_0, gguf_blocks.Q.Q6_K, gguf_blocks.Q.MXFP4) else 1  # scales and minimums, or scales
+    scales_only = (gguf_blocks.Q.Q8_0, gguf_blocks.Q.Q6_K, gguf_blocks.Q.MXFP4, gguf_blocks.Q.IQ4_NL, gguf_blocks.Q.IQ4_XS)
+    sides = 1 if qtype in scales_only else 2  # scales, or scales and minimums
     if qtype in gguf_blocks.K_FACTORED:
         return code_bytes + numel // (8 * group) * 10 * sides
     return code_bytes + numel // group * 4 * sides

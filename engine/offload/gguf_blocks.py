@@ -169,11 +169,24 @@ def _iq4_nl(b: torch.Tensor) -> torch.Tensor:
     return _f16(b, 0) * _levels(_nibbles(b[:, 2:18], 16))
 
 
-def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
+def _iq4_xs_scales(b: torch.Tensor) -> torch.Tensor:
+    """IQ4_XS blocks -> each group of 32's 6-bit scale less 32 (n, 8) fp32, the integer its
+    block's fp16 d multiplies."""
     n = b.shape[0]
     low = _nibbles(b[:, 4:8], 1)  # sub-block s: nibble s % 2 of byte s // 2
     high = _fields(b[:, 2:4], 2, 2).transpose(1, 2).reshape(n, 8)  # bits 2s..2s+1 of a uint16
-    scale = ((low | (high << 4)).to(torch.int8) - 32).float()
+    return ((low | (high << 4)).to(torch.int8) - 32).float()
+
+
+def _iq4_codes(qs: torch.Tensor, run: int) -> torch.Tensor:
+    """IQ4 code bytes -> their table values as int8 codes."""
+    table = torch.tensor(_IQ4_LEVELS, dtype=torch.int8, device=qs.device)
+    return table[_nibbles(qs, run).long()]
+
+
+def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    scale = _iq4_xs_scales(b)
     dl = (_f16(b, 0) * scale).reshape(n, 8, 1)
     q = _levels(_nibbles(b[:, 8:136], 16)).reshape(n, 8, 32)
     return (dl * q).reshape(n, 256)
@@ -218,9 +231,11 @@ _DECODERS: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {
 # (engine.kernels): its matrix products read the codes and apply a group's scale once. MXFP4 is
 # one too: its E2M1 values doubled are the integers -12..12, its scale a power of two (the kernel
 # keeps its nibbles, linear.from_e2m1; `affine` gives the values as codes).
-AFFINE = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.MXFP4)
+# The IQ4 types are too: a code's table value (-127..113) is an int8 code, times the block's scale
+# (IQ4_XS: an fp16 per 256 values times a 6-bit integer per 32, as K-quants factor theirs).
+AFFINE = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.MXFP4, Q.IQ4_NL, Q.IQ4_XS)
 AFFINE_BITS: dict[int, int] = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q4_K: 4, Q.Q5_0: 5, Q.Q5_1: 5, Q.Q5_K: 5, Q.Q8_0: 8, Q.Q6_K: 6,
-                               Q.MXFP4: 4}  # the bits the kernel keeps a code in
+                               Q.MXFP4: 4, Q.IQ4_NL: 8, Q.IQ4_XS: 8}  # the bits the kernel keeps a code in
 
 
 def affine(b: torch.Tensor, qtype: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
@@ -254,10 +269,14 @@ def affine(b: torch.Tensor, qtype: int) -> tuple[torch.Tensor, torch.Tensor, tor
     if qtype == Q.MXFP4:
         q, d = _mxfp4_parts(b)
         return q, d, None, 32
+    if qtype == Q.IQ4_NL:
+        return _iq4_codes(b[:, 2:18], 16), _f16(b, 0), None, 32
+    if qtype == Q.IQ4_XS:
+        return _iq4_codes(b[:, 8:136], 16), _f16(b, 0) * _iq4_xs_scales(b), None, 32
     raise ValueError(f"{type_name(qtype)} is not a linear block type")
 
 
-K_FACTORED = (Q.Q4_K, Q.Q5_K, Q.Q6_K)  # scales (and minimums) an fp16 times small integers
+K_FACTORED = (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS)  # scales (and minimums) an fp16 times small integers
 
 
 def k_factors(b: torch.Tensor, qtype: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
@@ -271,6 +290,8 @@ def k_factors(b: torch.Tensor, qtype: int) -> tuple[torch.Tensor, torch.Tensor, 
         return _f16(b, 0), sc, -_f16(b, 2), mn
     if qtype == Q.Q6_K:  # 16 groups of 16: the block's one factor serves both halves
         return _f16(b, 208).repeat(1, 2), b[:, 192:208].contiguous().view(torch.int8).float(), None, None
+    if qtype == Q.IQ4_XS:
+        return _f16(b, 0), _iq4_xs_scales(b), None, None
     raise ValueError(f"{type_name(qtype)} is not a K-quant type")
 
 
