@@ -62,7 +62,7 @@ def same_kind(a: QuantWeight, b: QuantWeight) -> bool:
     """Whether two weights' rows can stack into one weight (one kernel call)."""
     return (a.kind == b.kind and a.group == b.group and a.in_features == b.in_features
             and a.scales.dtype == b.scales.dtype and (a.mins is None) == (b.mins is None) and a.offset == b.offset
-            and a.e2m1 == b.e2m1)
+            and a.table == b.table)
 
 
 def _stack(a: QuantWeight, b: QuantWeight) -> QuantWeight:

@@ -10,9 +10,13 @@ optionally a minimum per group, w = scale * code (+ minimum):
   16), Q5_0/Q5_1/Q5_K (codes 0..31, with minimums);
 - "q4": codes 0..15 packed two per byte (N x K/2; in each group of 32, byte k holds value k in
   its low nibble and value k + 16 in its high nibble), groups of 32: Q4_0, Q4_1, Q4_K. Q4_0's
-  minimum, -8 scale, is not stored (`offset` 8): 0.5625 bytes a weight, the file's. MXFP4
-  (gpt-oss's experts) is a q4 whose codes index E2M1's values doubled (`e2m1`, -12..12, no
-  minimums; `from_e2m1`): the file's nibbles and an fp16 scale, 0.5625 bytes a weight.
+  minimum, -8 scale, is not stored (`offset` 8): 0.5625 bytes a weight, the file's.
+
+Codes may also be nibbles (packed as q4's) that index a table of values (`table`, no minimums;
+`from_nibbles`): MXFP4 (gpt-oss's experts) is a q4 whose codes index E2M1's values doubled
+("e2m1", -12..12), IQ4_NL and IQ4_XS a q8 whose codes index IQ4's table ("iq4", -127..113): the
+files' nibbles, 0.5625 bytes a weight with an fp16 scale per 32 (IQ4_XS: 0.54, its scales as
+K-quants factor theirs).
 
 Scales and minimums are kept in fp16 where every one of a weight's is exactly an fp16 value (the
 file's own fp16 scales: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), as K-quants store them where they are
@@ -42,12 +46,18 @@ from engine.kernels.build import kernels
 from engine.kernels.governor import governor
 
 Kind = Literal["q8", "q4", "q6"]
+Table = Literal["e2m1", "iq4"]
 KIND_CODES = {"q8": 8, "q4": 4, "q6": 6}  # qmatmul.c's kind codes
 HALF = 256  # qmatmul.c's QM_HALF: the scales and minimums are fp16
 KSC = 512  # qmatmul.c's QM_KSC: the scales and minimums as K-quants store them (uint8 tensors)
 OFF8 = 1024  # qmatmul.c's QM_OFF8: q4 codes offset by 8, no minimums stored (QuantWeight.offset)
-E2M1 = 2048  # qmatmul.c's QM_E2M1: q4 codes index E2M1_DOUBLED (QuantWeight.e2m1)
-E2M1_DOUBLED = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # MXFP4's values times 2 (ggml's kvalues_mxfp4)
+# a table's values and its flag in qmatmul.c's kind code (QuantWeight.table), and the kind whose
+# integer path reads them: MXFP4's values times 2 (ggml's kvalues_mxfp4, QM_E2M1) as q4 codes,
+# IQ4's (ggml's kvalues_iq4nl, QM_IQ4) as q8 codes
+TABLES: dict[str, tuple[tuple[int, ...], int, Kind]] = {
+    "e2m1": ((0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12), 2048, "q4"),
+    "iq4": ((-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113), 4096, "q8"),
+}
 
 
 @dataclass(frozen=True)
@@ -60,14 +70,15 @@ class QuantWeight:
     out_features: int
     in_features: int
     offset: int = 0  # q4 without minimums: each value scale * (code - offset); 8 for GGUF's Q4_0
-    e2m1: bool = False  # q4 whose codes index E2M1_DOUBLED: each value scale * E2M1_DOUBLED[code] (MXFP4)
+    table: Table | None = None  # codes are nibbles indexing TABLES[table]: each value scale * that (MXFP4, IQ4)
 
     @functools.cached_property
     def args(self) -> tuple[int, int, int, int | None]:
         """The kernel's kind code and the addresses of codes, scales and minimums (the tensors
         live as long as the weight and are never replaced: it is frozen)."""
         half = HALF if self.scales.dtype == torch.float16 else KSC if self.scales.dtype == torch.uint8 else 0
-        return (KIND_CODES[self.kind] | half | (OFF8 if self.offset else 0) | (E2M1 if self.e2m1 else 0), self.codes.data_ptr(),
+        flags = half | (OFF8 if self.offset else 0) | (TABLES[self.table][1] if self.table else 0)
+        return (KIND_CODES[self.kind] | flags, self.codes.data_ptr(),
                 self.scales.data_ptr(), self.mins.data_ptr() if self.mins is not None else None)
 
     def like(self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
@@ -75,7 +86,7 @@ class QuantWeight:
         """A weight of this one's kind, group, width and offset (or table) over other tensors
         (rows of it, rows stacked with another's, or a copy on another device)."""
         return QuantWeight(self.kind, codes, scales, mins, self.group, out_features, self.in_features, self.offset,
-                           self.e2m1)
+                           self.table)
 
     @property
     def nbytes(self) -> int:
@@ -100,19 +111,26 @@ def from_codes(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | N
     return QuantWeight(kind, packed, scales, mins, group, n, k)
 
 
-def from_e2m1(nibbles: torch.Tensor, scales: torch.Tensor) -> QuantWeight:
-    """MXFP4 as the files store it: nibbles (N, K/2) uint8, each group of 32 values in 16 bytes
-    (byte k: value k's code in its low nibble, value k + 16's in its high one, as kind q4 packs
-    them), and each group's scale (N, K/32), the E8M0 scale / 2 (the codes index the values
-    doubled) -> a q4 E2M1 weight, the scales fp16 where all are fp16 values."""
+def from_nibbles(nibbles: torch.Tensor, table: Table, scales: torch.Tensor | None = None,
+                 d: torch.Tensor | None = None, mult: torch.Tensor | None = None) -> QuantWeight:
+    """Codes that index a table, as the files store them: nibbles (N, K/2) uint8, each group of 32
+    values in 16 bytes (byte k: value k's code in its low nibble, value k + 16's in its high one,
+    as kind q4 packs them), and each group's scale: `scales` (N, K/32) (fp16 where all are fp16
+    values), or as K-quants factor them, `d` (N, K/256) fp16 values times `mult` (N, K/32) small
+    integers (IQ4_XS). MXFP4's scale is its E8M0 scale / 2 (table "e2m1" holds its values doubled)."""
     n, half_k = nibbles.shape
     k = half_k * 2
-    if k % 32:
-        raise ValueError(f"{k} columns are not a whole number of groups of 32")
-    scales = scales.float().reshape(n, k // 32).contiguous()
-    if _exact_half(scales):
-        scales = scales.half()
-    return QuantWeight("q4", nibbles.to(torch.uint8).contiguous(), scales, None, 32, n, k, e2m1=True)
+    if k % (256 if d is not None else 32):
+        raise ValueError(f"{k} columns are not a whole number of groups of 32 (blocks of 256 with factored scales)")
+    if d is not None and mult is not None:
+        params = _k_params(d, mult)
+    elif scales is not None:
+        params = scales.float().reshape(n, k // 32).contiguous()
+        if _exact_half(params):
+            params = params.half()
+    else:
+        raise ValueError("from_nibbles needs scales, or d and mult")
+    return QuantWeight(TABLES[table][2], nibbles.to(torch.uint8).contiguous(), params, None, 32, n, k, table=table)
 
 
 def _packed_codes(codes: torch.Tensor, group: int, bits: int, has_mins: bool) -> tuple[Kind, torch.Tensor]:
@@ -238,19 +256,25 @@ def from_dense(weight: torch.Tensor, kind: Kind, group: int = 32) -> QuantWeight
 
 
 def codes_of(w: QuantWeight) -> torch.Tensor:
-    """(N, K) codes as ints (an E2M1 weight's: the doubled values its codes index)."""
+    """(N, K) codes as ints (a table's weight: the values its codes index)."""
+    if w.table is not None:
+        return _table_values(_nibbles(w.codes), w.table).reshape(w.out_features, w.in_features)
     if w.kind == "q8":
         return w.codes.to(torch.int32)
     if w.kind == "q6":
         return unpack6(w.codes, w.in_features, w.group)
-    p = w.codes.reshape(w.out_features, -1, 16)
-    codes = torch.stack([p & 15, p >> 4], dim=2).reshape(w.out_features, w.in_features)
-    return _e2m1_values(codes) if w.e2m1 else codes.to(torch.int32)
+    return _nibbles(w.codes).reshape(w.out_features, w.in_features).to(torch.int32)
 
 
-def _e2m1_values(codes: torch.Tensor) -> torch.Tensor:
-    """q4 E2M1 codes -> the doubled E2M1 values they index (int32)."""
-    return torch.tensor(E2M1_DOUBLED, dtype=torch.int32, device=codes.device)[codes.long()]
+def _nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """q4-packed bytes (rows, K/2) -> (rows, K/32, 2, 16) nibbles: each group's low, then high ones."""
+    p = codes.reshape(codes.shape[0], -1, 16)
+    return torch.stack([p & 15, p >> 4], dim=2)
+
+
+def _table_values(codes: torch.Tensor, table: Table) -> torch.Tensor:
+    """Nibble codes -> the table values they index (int32)."""
+    return torch.tensor(TABLES[table][0], dtype=torch.int32, device=codes.device)[codes.long()]
 
 
 def dequantize(w: QuantWeight) -> torch.Tensor:
@@ -276,11 +300,10 @@ def dequantize_rows(w: QuantWeight, rows: torch.Tensor) -> torch.Tensor:
     an embedding table kept packed)."""
     rows = rows.reshape(-1).to(torch.long)
     codes = w.codes[rows]
-    if w.kind == "q4":
-        p = codes.reshape(len(rows), -1, 16)
-        codes = torch.stack([p & 15, p >> 4], dim=2)
-        if w.e2m1:
-            codes = _e2m1_values(codes)
+    if w.table is not None:
+        codes = _table_values(_nibbles(codes), w.table)
+    elif w.kind == "q4":
+        codes = _nibbles(codes)
     elif w.kind == "q6":
         codes = unpack6(codes, w.in_features, w.group)
     groups = w.in_features // w.group

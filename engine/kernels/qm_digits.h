@@ -272,7 +272,7 @@ QM_INLINE void q4_rows_vnni(const qm_digits *d, const float *const *xsum, const 
  * (128 * the group's sum of v) comes back through c16/c32. */
 QM_INLINE void q8_rows_vnni(const qm_digits *d, const float *const *xsum, const int few, const int8_t *codes,
                             int64_t rb, const void *sc, const void *mn, int64_t ps, int half, int64_t K,
-                            int64_t group, const int R, float *out, int64_t os, const int six) {
+                            int64_t group, const int R, float *out, int64_t os, const int six, const int iq4) {
     /* six: kind-6 codes (see expand_q6), c = code + 32 made in registers: a whole 128 from its 96
      * bytes at once (the low nibbles give values 0-63 and 64-127 in order; the top bits of four
      * values a byte, each 32 shifted to bits 4-5 within their 64-bit lanes and masked), kept for
@@ -288,6 +288,9 @@ QM_INLINE void q8_rows_vnni(const qm_digits *d, const float *const *xsum, const 
     for (int c = 0; c < 4; c++) lanes32[c] = _mm512_loadu_si512(LANES_Q8_32[c]);
     for (int c = 0; c < 2; c++) lanes16[c] = _mm512_loadu_si512(LANES_Q8_16[c]);
     const __m512i flip = _mm512_set1_epi8((char)0x80);
+    /* iq4 (QM_IQ4, groups of 32): each 64 values' 32 bytes of nibbles, shuffled to value + 128 */
+    const __m512i iq4_lut = _mm512_broadcast_i32x4(_mm_setr_epi8(1, 24, 45, 63, 79, 93, 106, 118, (char)129, (char)141,
+                                                                 (char)153, (char)166, (char)181, (char)197, (char)217, (char)241));
     const __m512 k65536 = _mm512_set1_ps(65536.0f);
     int per = (int)(64 / group); /* groups in 64 values */
     __m512 acc[QM_ROWS][QM_FEW], f[QM_ROWS][QM_FEW];
@@ -374,6 +377,15 @@ QM_INLINE void q8_rows_vnni(const qm_digits *d, const float *const *xsum, const 
                     w[r] = _mm512_or_si512(nib, _mm512_slli_epi16(top, 4));
                     continue;
                 }
+                if (iq4) { /* groups g, g+1: (low nibbles, high nibbles) each, in order */
+                    const uint8_t *row = (const uint8_t *)codes + r * rb + at / 2;
+                    _mm_prefetch((const char *)(row + QM_AHEAD * QM_ROWS * rb), QM_HINT);
+                    __m256i bytes = _mm256_loadu_si256((const __m256i *)row);
+                    __m512i nib = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(bytes, m4)),
+                                                     _mm256_and_si256(_mm256_srli_epi16(bytes, 4), m4), 1);
+                    w[r] = _mm512_shuffle_epi8(iq4_lut, _mm512_shuffle_i64x2(nib, nib, 0xD8));
+                    continue;
+                }
                 const int8_t *row = codes + r * rb + at;
                 _mm_prefetch((const char *)(row + QM_AHEAD * QM_ROWS * rb), QM_HINT);
                 w[r] = _mm512_xor_si512(_mm512_loadu_si512(row), flip);
@@ -430,8 +442,9 @@ static void rows_vnni(const qm_digits *d, const float *const *xsum, int few, int
 #define QM_BLOCK(F)                                                                                              \
     (QM_KIND(kind) == 4 ? q4_rows_vnni(d, xsum, F, (const uint8_t *)codes, rb, sc, mn, ps, half, K, QM_ROWS, out, os, \
                                        QM_Q4_MODE(kind))                                                        \
-     : kind == 6 ? q8_rows_vnni(d, xsum, F, (const int8_t *)codes, rb, sc, mn, ps, half, K, group, QM_ROWS, out, os, 1) \
-                 : q8_rows_vnni(d, xsum, F, (const int8_t *)codes, rb, sc, mn, ps, half, K, group, QM_ROWS, out, os, 0))
+     : kind == 6 ? q8_rows_vnni(d, xsum, F, (const int8_t *)codes, rb, sc, mn, ps, half, K, group, QM_ROWS, out, os, 1, 0) \
+                 : q8_rows_vnni(d, xsum, F, (const int8_t *)codes, rb, sc, mn, ps, half, K, group, QM_ROWS, out, os, 0, \
+                                (kind & QM_IQ4) != 0))
     if (rows == QM_ROWS) { /* the token count a constant: its loops unrolled, its accumulators in registers */
         if (few == 1)
             QM_BLOCK(1);
@@ -449,7 +462,8 @@ static void rows_vnni(const qm_digits *d, const float *const *xsum, int few, int
         if (QM_KIND(kind) == 4)
             q4_rows_vnni(d, xsum, few, (const uint8_t *)c, rb, s, m, ps, half, K, 1, out + r * os, os, QM_Q4_MODE(kind));
         else
-            q8_rows_vnni(d, xsum, few, (const int8_t *)c, rb, s, m, ps, half, K, group, 1, out + r * os, os, kind == 6);
+            q8_rows_vnni(d, xsum, few, (const int8_t *)c, rb, s, m, ps, half, K, group, 1, out + r * os, os, kind == 6,
+                         (kind & QM_IQ4) != 0);
     }
 }
 #else

@@ -149,9 +149,12 @@ QM_INLINE void q4_rows_vnni(const qm_digits *d, const float *const *xsum, const 
 
 QM_INLINE void q8_rows_vnni(const qm_digits *d, const float *const *xsum, const int few, const int8_t *codes,
                             int64_t rb, const void *sc, const void *mn, int64_t ps, int half, int64_t K,
-                            int64_t group, const int R, float *out, int64_t os, const int six) {
+                            int64_t group, const int R, float *out, int64_t os, const int six, const int iq4) {
     (void)six; /* kind 6 takes the fp32 rows in this build (takes_digits) */
     const __m256i flip = _mm256_set1_epi8((char)0x80);
+    const __m128i m4 = _mm_set1_epi8(15); /* iq4: as qm_digits.h, a group's 16 bytes to value + 128 */
+    const __m256i iq4_lut = _mm256_broadcastsi128_si256(_mm_setr_epi8(1, 24, 45, 63, 79, 93, 106, 118, (char)129, (char)141,
+                                                                      (char)153, (char)166, (char)181, (char)197, (char)217, (char)241));
     const __m256 k65536 = _mm256_set1_ps(65536.0f);
     int per = (int)(32 / group);
     __m256 acc[QM_ROWS][QM_FEW], f[QM_ROWS][QM_FEW], ext[QM_ROWS][QM_FEW];
@@ -184,6 +187,14 @@ QM_INLINE void q8_rows_vnni(const qm_digits *d, const float *const *xsum, const 
                                                        (int)(2 * c + 1));
             __m256i w[QM_ROWS];
             for (int r = 0; r < R; r++) {
+                if (iq4) {
+                    const uint8_t *row = (const uint8_t *)codes + r * rb + at / 2;
+                    _mm_prefetch((const char *)(row + QM_AHEAD * QM_ROWS * rb), QM_HINT);
+                    __m128i bytes = _mm_loadu_si128((const __m128i *)row);
+                    w[r] = _mm256_shuffle_epi8(iq4_lut, _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), m4),
+                                                                         _mm_and_si128(bytes, m4)));
+                    continue;
+                }
                 const int8_t *row = codes + r * rb + at;
                 _mm_prefetch((const char *)(row + QM_AHEAD * QM_ROWS * rb), QM_HINT);
                 w[r] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)row), flip);

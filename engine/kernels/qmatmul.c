@@ -58,8 +58,14 @@
  * fp16 scale; as six-bit codes it took 0.8125). The integer rows read code + 12 (0..24) through a
  * byte shuffle and take the offset's share back as QM_OFF8's -8 is. */
 #define QM_E2M1 2048
+/* In a q8 kind code: the codes are nibbles packed as q4's (K / 2 bytes a row, groups of 32), each
+ * indexing IQ4_NL's table (QM_IQ4_VALUES, -127..113), the q8 code: GGUF's IQ4_NL and IQ4_XS at
+ * their file's nibbles (0.5625 / 0.54 bytes a weight; as int8 codes 1.06 / 1.04). The integer rows
+ * shuffle each nibble to its value + 128, the offset q8's codes are read at. */
+#define QM_IQ4 4096
 #define QM_KIND(k) ((k) & 15) /* 4, 6 or 8 */
 static const int8_t QM_E2M1_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+static const int8_t QM_IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 /* a q4 row's offset mode for the integer rows: 0 none, 1 QM_OFF8, 2 QM_E2M1 */
 #define QM_Q4_MODE(k) (((k) & QM_E2M1) ? 2 : ((k) & QM_OFF8) ? 1 : 0)
 
@@ -124,7 +130,7 @@ static const void *row_params(const void *p, int64_t r, int64_t rows, int64_t gr
 /* Floats of expansion scratch for `rows` rows of `groups` (one where nothing is expanded). */
 #define PARAMS_BUF(fmt, rows, groups) ((fmt) == 2 ? (rows) * (groups) : 1)
 
-int qm_version(void) { return 6; }
+int qm_version(void) { return 7; }
 
 int qm_simd(void) { /* 0 plain C, 2 AVX2, 3 AVX-512, 4 AVX-512 VNNI, 5 AVX2 + AVX-VNNI */
 #if defined(QM_VNNI)
@@ -247,34 +253,35 @@ static const int8_t *six_row(const void *p, int64_t K, int64_t group) {
     return six_buf;
 }
 
-/* A kind-4 E2M1 row as signed codes (its doubled E2M1 values), in this thread's buffer: the fp32
- * rows and the decoding read it as a kind-8 row in groups of 32. */
-static _Thread_local int8_t *e2m1_buf = NULL;
-static _Thread_local size_t e2m1_len = 0;
-static const int8_t *e2m1_row(const void *row, int64_t K) {
-    if ((size_t)K > e2m1_len) {
-        int8_t *grown = (int8_t *)realloc(e2m1_buf, (size_t)K);
+/* A row of nibbles that index a table (QM_E2M1's, QM_IQ4's) as signed codes, in this thread's
+ * buffer: the fp32 rows and the decoding read it as a kind-8 row in groups of 32. */
+static _Thread_local int8_t *table_buf = NULL;
+static _Thread_local size_t table_len = 0;
+static const int8_t *table_row(const void *row, int64_t K, const int8_t *values) {
+    if ((size_t)K > table_len) {
+        int8_t *grown = (int8_t *)realloc(table_buf, (size_t)K);
         if (!grown) abort(); /* as six_row */
-        e2m1_buf = grown, e2m1_len = (size_t)K;
+        table_buf = grown, table_len = (size_t)K;
     }
     const uint8_t *p = (const uint8_t *)row;
     for (int64_t g = 0; g < K / 32; g++)
         for (int k = 0; k < 16; k++) {
-            e2m1_buf[g * 32 + k] = QM_E2M1_VALUES[p[g * 16 + k] & 15];
-            e2m1_buf[g * 32 + k + 16] = QM_E2M1_VALUES[p[g * 16 + k] >> 4];
+            table_buf[g * 32 + k] = values[p[g * 16 + k] & 15];
+            table_buf[g * 32 + k + 16] = values[p[g * 16 + k] >> 4];
         }
-    return e2m1_buf;
+    return table_buf;
 }
+#define QM_TABLE(k) ((k) & QM_E2M1 ? QM_E2M1_VALUES : (k) & QM_IQ4 ? QM_IQ4_VALUES : NULL)
 
 static inline int64_t row_bytes_of(int64_t kind, int64_t K) {
-    return QM_KIND(kind) == 4 ? K / 2 : QM_KIND(kind) == 6 ? K / 64 * 48 : K;
+    return QM_KIND(kind) == 4 || (kind & QM_IQ4) ? K / 2 : QM_KIND(kind) == 6 ? K / 64 * 48 : K;
 }
 
 /* One weight row of any kind -> fp32 values. */
 static void decode_row(int64_t kind, const void *row, const void *sc, const void *mn, int half, int64_t K,
                        int64_t group, float *out) {
-    if (kind & QM_E2M1)
-        decode_q8(e2m1_row(row, K), sc, NULL, half, K, 32, out);
+    if (QM_TABLE(kind))
+        decode_q8(table_row(row, K, QM_TABLE(kind)), sc, NULL, half, K, 32, out);
     else if (QM_KIND(kind) == 4)
         decode_q4((const uint8_t *)row, sc, mn, half, K, out, (kind & QM_OFF8) != 0);
     else
@@ -490,7 +497,7 @@ static float row_q4(const float *x, const uint8_t *p, const void *sc, const void
 /* One row of any kind times x through the fp32 rows. */
 static float row_fp32(int64_t kind, const float *x, const void *row, const void *sc, const void *mn, int half,
                       const float *xsum, int64_t K, int64_t group) {
-    if (kind & QM_E2M1) return ROW_Q8(x, e2m1_row(row, K), sc, NULL, half, xsum, K, 32);
+    if (QM_TABLE(kind)) return ROW_Q8(x, table_row(row, K, QM_TABLE(kind)), sc, NULL, half, xsum, K, 32);
     if ((kind & QM_OFF8) && QM_KIND(kind) == 4) { /* as decode_row: the minimums -8 scale in fp32 */
         float s2[K / 32 + 1], m2[K / 32 + 1];
         for (int64_t g = 0; g < K / 32; g++) s2[g] = scale_at(sc, g, half), m2[g] = -8.0f * s2[g];

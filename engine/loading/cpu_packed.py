@@ -15,9 +15,9 @@ An MoE layer's routed experts (3-D (E, out, in) parameters; the fused gate_up_pr
 GGUF tensors) stay packed too, one kernel weight per expert and tensor, and the experts module
 becomes a PackedExperts (engine.kernels.experts) that runs only the experts a pass routes to. A
 projection with a part in a type the kernel does not read (Q2_K, Q3_K) is de-quantised whole; IQ4_NL and IQ4_XS
-are held as int8 codes of their table's values (1.06 and 1.04 bytes a weight against fp32's 4).
+stay in their nibbles too (q8 codes of their table's values, 0.5625 and 0.54 bytes a weight).
 gpt-oss's MXFP4 experts stay packed as the file's nibbles (kind q4 codes of E2M1's values,
-linear.from_e2m1) with a power-of-two scale per 32 in fp16 (0.5625 bytes a weight against the
+linear.from_nibbles) with a power-of-two scale per 32 in fp16 (0.5625 bytes a weight against the
 file's 0.53, and 4 in fp32); a
 GGUF's are held rows first for that (engine.model.gpt_oss_experts). A safetensors checkpoint's
 (transformers' transposed module) stay the dense module they were.
@@ -39,7 +39,7 @@ from torch import nn
 
 from engine.kernels import expert_parts, experts as packed_experts
 from engine.kernels.build import kernels
-from engine.kernels.linear import PackedLinear, QuantWeight, from_codes, from_e2m1, from_factors
+from engine.kernels.linear import PackedLinear, QuantWeight, from_codes, from_factors, from_nibbles
 from engine.offload import gguf_blocks
 from engine.offload.layout import Entry, LayerLayout, set_parameter
 from engine.offload.unpack import Unpacker
@@ -135,9 +135,11 @@ def quant_weight(blocks: torch.Tensor, qtype: int, shape: tuple[int, ...],
         stored = stored[row_order]
     _, nbytes = gguf_blocks.block_size(qtype)
     blocks = stored.reshape(-1, nbytes)
-    if qtype == gguf_blocks.Q.MXFP4:  # its nibbles as they are, codes of E2M1's values
-        nibbles, scales = gguf_blocks.mxfp4_nibbles(blocks)
-        return from_e2m1(nibbles.reshape(rows, cols // 2), scales.reshape(rows, -1))
+    if qtype in gguf_blocks.NIBBLE_TABLES:  # their nibbles as they are, codes of a table's values
+        nibbles, scales, d, mult = gguf_blocks.table_nibbles(blocks, qtype)
+        return from_nibbles(nibbles.reshape(rows, cols // 2), gguf_blocks.NIBBLE_TABLES[qtype],
+                            scales.reshape(rows, -1) if scales is not None else None,
+                            d.reshape(rows, -1) if d is not None else None, mult.reshape(rows, -1) if mult is not None else None)
     codes, scales, mins, group = gguf_blocks.affine(blocks, qtype)
     bits = gguf_blocks.AFFINE_BITS[qtype]
     if qtype in gguf_blocks.K_FACTORED:  # kept as the file factors them: 10 bytes per 8 groups
@@ -174,7 +176,7 @@ def _packed_bytes(qtype: int, numel: int) -> int:
     """Bytes of `numel` weights of GGUF type `qtype` as the kernel holds them (K-quants' scales
     and minimums as they factor them, 10 bytes per 8 groups; the others' in fp32 at most)."""
     group = 16 if qtype == gguf_blocks.Q.Q6_K else 32
-    bits = gguf_blocks.AFFINE_BITS[qtype]
+    bits = 4 if qtype in gguf_blocks.NIBBLE_TABLES else gguf_blocks.AFFINE_BITS[qtype]
     code_bytes = numel // 2 if bits <= 4 and group == 32 else numel * 3 // 4 if bits in (5, 6) else numel
     scales_only = (gguf_blocks.Q.Q8_0, gguf_blocks.Q.Q6_K, gguf_blocks.Q.MXFP4, gguf_blocks.Q.IQ4_NL, gguf_blocks.Q.IQ4_XS)
     sides = 1 if qtype in scales_only else 2  # scales, or scales and minimums

@@ -16,6 +16,7 @@ What this module does not do: know tensor names or files (engine.loading.gguf) o
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Literal
 
 import torch
 from gguf import GGMLQuantizationType as Q
@@ -207,10 +208,24 @@ def _e8m0_half(e: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float32)
 
 
-def mxfp4_nibbles(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """ggml's MXFP4 blocks (n, 17) -> (their 16 code bytes (n, 16) uint8, as they are: kind q4's
-    packing; each block's scale 2^(e - 128) (n, 1) fp32): engine.kernels.linear.from_e2m1's."""
-    return b[:, 1:17].contiguous(), _e8m0_half(b[:, 0:1])
+# the types whose nibbles index a table the kernel reads them through (engine.kernels.linear.TABLES)
+NIBBLE_TABLES: dict[int, Literal["e2m1", "iq4"]] = {Q.MXFP4: "e2m1", Q.IQ4_NL: "iq4", Q.IQ4_XS: "iq4"}
+
+
+def table_nibbles(b: torch.Tensor, qtype: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None,
+                                                      torch.Tensor | None]:
+    """(n, block bytes) blocks of a NIBBLE_TABLES type -> their code bytes as they are (n, values / 2)
+    uint8 (each 32 values' 16 bytes: value k in byte k's low nibble, k + 16 in its high one, kind
+    q4's packing) and their scales: (nibbles, scales (n, groups of 32) fp32, None, None), or for
+    IQ4_XS (nibbles, None, d (n, 1), the groups' integers (n, 8)) as K-quants factor theirs.
+    MXFP4's scale is 2^(e - 128): the table holds its values doubled."""
+    if qtype == Q.MXFP4:
+        return b[:, 1:17].contiguous(), _e8m0_half(b[:, 0:1]), None, None
+    if qtype == Q.IQ4_NL:
+        return b[:, 2:18].contiguous(), _f16(b, 0), None, None
+    if qtype == Q.IQ4_XS:
+        return b[:, 8:136].contiguous(), None, _f16(b, 0), _iq4_xs_scales(b)
+    raise ValueError(f"{type_name(qtype)} has no table of values")
 
 
 def _mxfp4(b: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Pret
 from engine.decoding.generation import Engine
 from engine.kernels import build
 from engine.kernels.fused_layer import LINEARS, FusedDecoder
-from engine.kernels.linear import PackedLinear, dequantize, from_codes, from_dense, from_e2m1, qlinear
+from engine.kernels.linear import PackedLinear, dequantize, from_codes, from_dense, from_nibbles, qlinear
 from engine.loading.gguf import isolated
 from engine.loading.load import load_model
 from engine.model import causal_lm
@@ -348,7 +348,7 @@ def test_the_portable_builds_compute_the_same(flags: tuple[str, ...], tmp_path: 
         assert lib is not None
         assert lib.qm_simd() == next((code for flag, code in SIMD.items() if flag in flags), 0)
         g = torch.Generator().manual_seed(5)
-        for k in (96, 128):  # the integer rows take inputs of a multiple of 64
+        for k in (96, 128, 256):  # the integer rows take inputs of a multiple of 64
             codes = torch.randint(0, 16, (23, k), generator=g)  # blocks of 4 rows and a tail of 3
             for scales in (torch.rand(23, k // 32, generator=g), torch.rand(23, k // 32, generator=g).half().float()):
                 for kind, bits in (("q4", 4), ("q6" if k % 64 == 0 else "q8", 5), ("q8", 8)):
@@ -357,13 +357,20 @@ def test_the_portable_builds_compute_the_same(flags: tuple[str, ...], tmp_path: 
                     for m in (1, 5):
                         x = torch.randn(m, k, generator=g)
                         assert close(qlinear(x, w), x @ dequantize(w).T)
-            # MXFP4's codes of E2M1 values, scales powers of two in fp16 and (2^-30 and less) not
-            w = from_e2m1(torch.randint(0, 256, (23, k // 2), generator=g, dtype=torch.uint8),
-                          2.0 ** torch.randint(-33 if k == 96 else -12, 0, (23, k // 32), generator=g).float())
-            assert w.e2m1 and w.scales.dtype == (torch.float32 if k == 96 else torch.float16)
-            for m in (1, 3, 5):
-                x = torch.randn(m, k, generator=g)
-                assert close(qlinear(x, w), x @ dequantize(w).T)
+            # nibbles of a table: MXFP4's (q4 codes of E2M1 values; its scales powers of two, in
+            # fp16 and, 2^-30 and less, not) and IQ4's (q8 codes, fp16 scales or IQ4_XS's factored)
+            nibbles = torch.randint(0, 256, (23, k // 2), generator=g, dtype=torch.uint8)
+            mxfp4 = from_nibbles(nibbles, "e2m1", 2.0 ** torch.randint(-33 if k == 96 else -12, 0, (23, k // 32),
+                                                                          generator=g).float())
+            assert (mxfp4.kind, mxfp4.scales.dtype) == ("q4", torch.float32 if k == 96 else torch.float16)
+            iq4 = [from_nibbles(nibbles, "iq4", torch.rand(23, k // 32, generator=g).half().float())]
+            if k % 256 == 0:
+                iq4.append(from_nibbles(nibbles, "iq4", d=torch.rand(23, k // 256, generator=g).half().float(),
+                                        mult=torch.randint(-32, 32, (23, k // 32), generator=g).float()))
+            for w in (mxfp4, *iq4):
+                for m in (1, 3, 5):
+                    x = torch.randn(m, k, generator=g)
+                    assert close(qlinear(x, w), x @ dequantize(w).T)
         fused, plain = pair(packed(config("qwen2"), seed=4), monkeypatch)
         ours, theirs = fused.new_cache(16), plain.new_cache(16)
         for tokens, positions, allowed in ((torch.tensor([3, 9, 27]), torch.arange(3), None),

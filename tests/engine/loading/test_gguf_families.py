@@ -40,7 +40,7 @@ from engine.types import Completion, GenerationRequest, SpeculationSettings
 
 PROMPTS = ["Paris is the capital of", "Once upon a time there was a little robot who"]
 # every layer's matrices and experts in its own type: Q8_0, a Q4_K_M layer (attn_v and the down
-# experts in Q6_K), Q4_0, IQ4_XS (packed as int8 codes of its table's values)
+# experts in Q6_K), Q4_0, IQ4_XS (packed in its nibbles, q8 codes of its table's values)
 MOE_TYPES = ("Q8_0", "Q4_K/Q6_K", "Q4_0", "IQ4_XS")
 GEMMA_TYPES = ("Q8_0", "Q4_K/Q6_K", "Q5_K")
 PLACES = {"kernel": dict(offload="none"), "dequantised": dict(offload="none"),
@@ -309,7 +309,7 @@ def assert_experts_cached_beside_cpu(path: Path, ref: nn.Module, tok: Any, tmp_p
 def check_experts(m: LoadedModel, place: str) -> None:
     """With the kernel, routed experts in kernel types stay packed (a Q4_K_M layer's Q4_K
     gate/up merged into one q4 weight per expert, its Q6_K down a q6 one: six bits a code;
-    IQ4_XS ones q8 codes of its table's values, scales as K-quants factor theirs); without it
+    IQ4_XS ones q8 codes of its table's values, its nibbles, scales as K-quants factor theirs); without it
     every expert is de-quantised once at load."""
     kinds = []
     for layer in m.model.hf_model.model.layers:
@@ -321,8 +321,9 @@ def check_experts(m: LoadedModel, place: str) -> None:
             assert experts.gate_up_proj.dtype == torch.float32 and experts.gate_up_proj.shape[0] == 4
             kinds.append("dense")
     assert kinds == ([("q8", "q8"), ("q4", "q6"), ("q4", "q4"), ("q8", "q8")] if place == "kernel" else ["dense"] * 4)
-    if place == "kernel":  # IQ4_XS's scales kept as the file factors them (10 bytes per 8 groups)
-        assert m.model.hf_model.model.layers[3].mlp.experts.gate_up[0].packed[0].scales.dtype == torch.uint8
+    if place == "kernel":  # IQ4_XS in its nibbles, its scales as the file factors them (10 bytes per 8 groups)
+        w = m.model.hf_model.model.layers[3].mlp.experts.gate_up[0].packed[0]
+        assert (w.table, w.scales.dtype) == ("iq4", torch.uint8)
 
 
 @pytest.mark.gpu

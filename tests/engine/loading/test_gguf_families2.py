@@ -562,7 +562,7 @@ def test_gpt_oss_experts_stay_packed_in_their_nibbles(vocab: tuple, tmp_path: Pa
         (gate_up,), (down,) = e.gate_up, e.down
         assert gate_up.packed is not None and down.packed is not None
         w = gate_up.packed[0]
-        assert (w.kind, w.e2m1, w.group, w.mins, w.scales.dtype) == ("q4", True, 32, None, torch.float16)
+        assert (w.kind, w.table, w.group, w.mins, w.scales.dtype) == ("q4", "e2m1", 32, None, torch.float16)
         assert w.out_features == e.gate_up_rows and e.gate_up_bias is not None and e.down_bias is not None
         assert e._fused is not None and e._fused[2] is not None  # decode steps: one C call with gpt-oss's gate
         weights = e.num_experts * (e.gate_up_rows * e.hidden + e.hidden * e.width)

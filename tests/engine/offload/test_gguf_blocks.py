@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import quants as gq
 
 from engine.kernels.linear import dequantize as linear_dequantize
-from engine.kernels.linear import from_e2m1, qlinear
+from engine.kernels.linear import from_nibbles, qlinear
 from engine.offload.gguf_blocks import (
     AFFINE,
     AFFINE_BITS,
@@ -20,7 +20,7 @@ from engine.offload.gguf_blocks import (
     block_size,
     dequantize,
     dequantize_into,
-    mxfp4_nibbles,
+    table_nibbles,
 )
 
 # byte offsets of each type's fp16 scale fields (ggml's block structs)
@@ -99,19 +99,25 @@ def test_codes_scales_and_minimums_give_the_decoded_values_bit_for_bit(qtype: Q)
     assert torch.equal(w.reshape(-1), dequantize(blocks.reshape(-1), qtype))
 
 
-def test_mxfp4_nibbles_are_the_kernels_codes_bit_for_bit() -> None:
-    """MXFP4 blocks kept as their own nibbles (kind q4 indexing E2M1's values) and their scales:
-    the kernel's weight de-quantises to ggml's values bit for bit (fp16 scales where every one is
-    an fp16 value: a weight's powers of two from 2^-24 up, else fp32), and its product is theirs."""
-    blocks = torch.from_numpy(random_blocks(Q.MXFP4, 8 * 4, seed=5))
-    want = dequantize(blocks.reshape(-1), Q.MXFP4).reshape(8, 128)
+@pytest.mark.parametrize("qtype", [Q.MXFP4, Q.IQ4_NL, Q.IQ4_XS], ids=lambda q: q.name)
+def test_nibbles_of_a_table_are_the_kernels_codes_bit_for_bit(qtype: Q) -> None:
+    """MXFP4 and IQ4 blocks kept as their own nibbles (codes that index E2M1's or IQ4's values)
+    and their scales (IQ4_XS's factored as the file holds them): the kernel's weight
+    de-quantises to ggml's values bit for bit, and its product is theirs."""
+    values, _ = block_size(qtype)
+    per_row = 256 // values  # 256 values a row
+    blocks = torch.from_numpy(random_blocks(qtype, 8 * per_row, seed=5))
+    want = dequantize(blocks.reshape(-1), qtype).reshape(8, 256)
     for rows in (8, 3):
-        nibbles, scales = mxfp4_nibbles(blocks[: rows * 4])
-        w = from_e2m1(nibbles.reshape(rows, 64), scales.reshape(rows, 4))
-        assert (w.kind, w.e2m1, w.codes.dtype, w.codes.shape) == ("q4", True, torch.uint8, (rows, 64))
+        nibbles, scales, d, mult = table_nibbles(blocks[: rows * per_row], qtype)
+        w = from_nibbles(nibbles.reshape(rows, 128), "e2m1" if qtype == Q.MXFP4 else "iq4",
+                         scales.reshape(rows, -1) if scales is not None else None,
+                         d.reshape(rows, -1) if d is not None else None, mult.reshape(rows, -1) if mult is not None else None)
+        assert (w.kind, w.codes.dtype, w.codes.shape) == ("q4" if qtype == Q.MXFP4 else "q8", torch.uint8, (rows, 128))
         assert torch.equal(linear_dequantize(w), want[:rows])
-        x = torch.randn(3, 128)
-        assert torch.allclose(qlinear(x, w), x @ want[:rows].T, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
+        for m in (1, 3, 9):
+            x = torch.randn(m, 256)
+            assert torch.allclose(qlinear(x, w), x @ want[:rows].T, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
 
 @pytest.mark.parametrize("chunk", [1, 1 << 22])
