@@ -18,8 +18,9 @@ What this module does not do: read GGUF files (engine.loading.gguf) or choose we
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from gguf import MODEL_ARCH_NAMES, GGUFWriter, get_tensor_name_map
@@ -331,29 +332,46 @@ def random_tensor(qtype: Q, shape: tuple[int, ...], rng: np.random.Generator) ->
     return random_blocks(qtype, shape, rng, scale=scale)
 
 
+# llama.cpp's file types (LLAMA_FTYPE_MOSTLY_*) of a file whose quantised tensors are all one type
+FILE_TYPES = {Q.Q4_0: 2, Q.Q4_1: 3, Q.Q8_0: 7, Q.IQ4_NL: 25, Q.IQ4_XS: 30}
+
+
+def rewriter(reader: Any, part: Path, changes: Mapping[str, Any]) -> GGUFWriter:
+    """A GGUFWriter at `part` holding `reader`'s (a gguf.GGUFReader's) metadata, with the keys
+    of `changes` set to their values (added where the source lacks them): a rewritten file's
+    header, before its tensors."""
+    from gguf import GGUFValueType  # noqa: PLC0415
+
+    arch = str(reader.fields["general.architecture"].contents())
+    part.parent.mkdir(parents=True, exist_ok=True)
+    w = GGUFWriter(part, arch)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        main = field.types[0]
+        w.add_key_value(key, changes.get(key, field.contents()), main,
+                        field.types[-1] if main == GGUFValueType.ARRAY else None)
+    for key, value in changes.items():
+        if key in reader.fields:
+            continue
+        if isinstance(value, int):
+            w.add_uint32(key, value)
+        else:
+            w.add_string(key, str(value))
+    return w
+
+
 def requantize_gguf(src: Path, dest: Path, qtype: Q) -> Path:
     """`src` rewritten with every quantised tensor in `qtype` (its de-quantised values re-encoded;
     float tensors, metadata and tensor order as they are): the starter's Q4_1 file as Q8_0, for
     the peer benchmark. Written to `dest` + ".part", then renamed; idempotent."""
     if dest.is_file():
         return dest
-    from gguf import GGUFReader, GGUFValueType  # noqa: PLC0415 (only this writer needs the reader)
+    from gguf import GGUFReader  # noqa: PLC0415 (only the rewriters need the reader)
 
     reader = GGUFReader(src)
-    arch = str(reader.fields["general.architecture"].contents())
     part = dest.with_name(dest.name + ".part")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    w = GGUFWriter(part, arch)
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        value = field.contents()
-        if key == "general.file_type":
-            value = {Q.Q8_0: 7, Q.Q4_0: 2, Q.Q4_1: 3}.get(qtype, value)
-        main = field.types[0]
-        w.add_key_value(key, value, main, field.types[-1] if main == GGUFValueType.ARRAY else None)
-    if "general.file_type" not in reader.fields and qtype in (Q.Q8_0, Q.Q4_0, Q.Q4_1):
-        w.add_file_type({Q.Q8_0: 7, Q.Q4_0: 2, Q.Q4_1: 3}[qtype])
+    w = rewriter(reader, part, {"general.file_type": FILE_TYPES[qtype]} if qtype in FILE_TYPES else {})
     infos = []
     for t in reader.tensors:
         shape = tuple(int(s) for s in reversed(t.shape.tolist()))  # rows first, as numpy reads them

@@ -32,10 +32,10 @@ from pathlib import Path
 
 import numpy as np
 from gguf import GGMLQuantizationType as Q
-from gguf import GGUFReader, GGUFValueType, GGUFWriter
+from gguf import GGUFReader
 from gguf.constants import GGML_QUANT_SIZES
 
-from engine.testing.gguf_write import SCALE_FIELDS
+from engine.testing.gguf_write import SCALE_FIELDS, rewriter
 
 COPIES, SLICES = 16, 8  # 128 experts, top-8
 
@@ -79,20 +79,10 @@ def moe_from_dense(src: Path, dest: Path, copies: int = COPIES, slices: int = SL
             sliced = [data[s * part_width:(s + 1) * part_width] for s in range(slices)]
             writes.append((f"blk.{layer}.{kind}_exps.weight", np.stack(sliced * copies), qtype))
     part = dest.with_name(dest.name + ".part")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    w = GGUFWriter(part, arch)
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        value = field.contents()
-        if key == "llama.feed_forward_length":
-            value = part_width  # llama.cpp's llama takes its experts' width from here
-        elif key == "general.name":
-            value = f"{value} as {experts} experts (top-{slices}, upcycled)"
-        main = field.types[0]
-        w.add_key_value(key, value, main, field.types[-1] if main == GGUFValueType.ARRAY else None)
-    w.add_expert_count(experts)
-    w.add_expert_used_count(slices)
+    name = str(reader.fields["general.name"].contents()) if "general.name" in reader.fields else src.stem
+    w = rewriter(reader, part, {"llama.feed_forward_length": part_width,  # llama.cpp's llama: its experts' width
+                                "general.name": f"{name} as {experts} experts (top-{slices}, upcycled)",
+                                "llama.expert_count": experts, "llama.expert_used_count": slices})
 
     for name, data, raw in writes:
         if raw is None:
