@@ -439,12 +439,13 @@ static inline int takes_digits(const qm_digits *d, int64_t kind, int64_t K, int6
 static void rows_vnni(const qm_digits *d, const float *const *xsum, int few, int64_t kind, const void *codes,
                       int64_t rb, const void *sc, const void *mn, int64_t ps, int half, int64_t K, int64_t group,
                       int rows, float *out, int64_t os) {
+/* (six and iq4 constants in each copy: Q8_0's rows keep no test of them in their loop) */
 #define QM_BLOCK(F)                                                                                              \
     (QM_KIND(kind) == 4 ? q4_rows_vnni(d, xsum, F, (const uint8_t *)codes, rb, sc, mn, ps, half, K, QM_ROWS, out, os, \
                                        QM_Q4_MODE(kind))                                                        \
      : kind == 6 ? q8_rows_vnni(d, xsum, F, (const int8_t *)codes, rb, sc, mn, ps, half, K, group, QM_ROWS, out, os, 1, 0) \
-                 : q8_rows_vnni(d, xsum, F, (const int8_t *)codes, rb, sc, mn, ps, half, K, group, QM_ROWS, out, os, 0, \
-                                (kind & QM_IQ4) != 0))
+     : (kind & QM_IQ4) ? q8_rows_vnni(d, xsum, F, (const int8_t *)codes, rb, sc, mn, ps, half, K, group, QM_ROWS, out, os, 0, 1) \
+                       : q8_rows_vnni(d, xsum, F, (const int8_t *)codes, rb, sc, mn, ps, half, K, group, QM_ROWS, out, os, 0, 0))
     if (rows == QM_ROWS) { /* the token count a constant: its loops unrolled, its accumulators in registers */
         if (few == 1)
             QM_BLOCK(1);
