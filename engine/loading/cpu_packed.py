@@ -1,5 +1,5 @@
 """Resident layers of a packed model on a CPU: each Linear weight whose GGUF blocks are linear
-(gguf_blocks.AFFINE: Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, MXFP4, IQ4_NL, IQ4_XS) stays packed, as codes and
+(gguf_blocks.AFFINE: Q2_K-Q6_K, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4, IQ4_NL, IQ4_XS) stays packed, as codes and
 group scales that the packed CPU kernel (engine.kernels) multiplies by directly; every other
 parameter is de-quantised once into the compute dtype. The head, when the file stores it (or
 the tied embedding) in such a type, is packed the same way: on a small model it is the largest
@@ -14,8 +14,9 @@ from a dense product.
 An MoE layer's routed experts (3-D (E, out, in) parameters; the fused gate_up_proj from two
 GGUF tensors) stay packed too, one kernel weight per expert and tensor, and the experts module
 becomes a PackedExperts (engine.kernels.experts) that runs only the experts a pass routes to. A
-projection with a part in a type the kernel does not read (Q2_K, Q3_K) is de-quantised whole; IQ4_NL and IQ4_XS
-stay in their nibbles too (q8 codes of their table's values, 0.5625 and 0.54 bytes a weight).
+projection with a part in a type the kernel does not read (a float type) is de-quantised whole; IQ4_NL and
+IQ4_XS stay in their nibbles too (q8 codes of their table's values, 0.5625 and 0.54 bytes a weight), Q2_K
+and Q3_K as six-bit codes in groups of 16 (0.91 and 0.83 bytes a weight; fp32 took 4).
 gpt-oss's MXFP4 experts stay packed as the file's nibbles (kind q4 codes of E2M1's values,
 linear.from_nibbles) with a power-of-two scale per 32 in fp16 (0.5625 bytes a weight against the
 file's 0.53, and 4 in fp32); a
@@ -175,10 +176,11 @@ def kernel_bytes(layout: LayerLayout, layer: nn.Module) -> int:
 def _packed_bytes(qtype: int, numel: int) -> int:
     """Bytes of `numel` weights of GGUF type `qtype` as the kernel holds them (K-quants' scales
     and minimums as they factor them, 10 bytes per 8 groups; the others' in fp32 at most)."""
-    group = 16 if qtype == gguf_blocks.Q.Q6_K else 32
+    group = 16 if qtype in gguf_blocks.GROUP16 else 32
     bits = 4 if qtype in gguf_blocks.NIBBLE_TABLES else gguf_blocks.AFFINE_BITS[qtype]
     code_bytes = numel // 2 if bits <= 4 and group == 32 else numel * 3 // 4 if bits in (5, 6) else numel
-    scales_only = (gguf_blocks.Q.Q8_0, gguf_blocks.Q.Q6_K, gguf_blocks.Q.MXFP4, gguf_blocks.Q.IQ4_NL, gguf_blocks.Q.IQ4_XS)
+    scales_only = (gguf_blocks.Q.Q8_0, gguf_blocks.Q.Q6_K, gguf_blocks.Q.MXFP4, gguf_blocks.Q.IQ4_NL, gguf_blocks.Q.IQ4_XS,
+                   gguf_blocks.Q.Q3_K)
     sides = 1 if qtype in scales_only else 2  # scales, or scales and minimums
     if qtype in gguf_blocks.K_FACTORED:
         return code_bytes + numel // (8 * group) * 10 * sides

@@ -123,17 +123,27 @@ def _q2_k(b: torch.Tensor) -> torch.Tensor:
     return (dl * q - ml).reshape(n, 256)
 
 
-def _q3_k(b: torch.Tensor) -> torch.Tensor:
+def _q3_k_scales(b: torch.Tensor) -> torch.Tensor:
+    """Q3_K blocks -> each group of 16's 6-bit scale less 32 (n, 16) fp32, the integer d multiplies."""
     n = b.shape[0]
     s = b[:, 96:108]
     low = _fields(s[:, 0:8], 8, 4).reshape(n, 16)
     high = _fields(s[:, 8:12], 4, 2).reshape(n, 16)
-    scale = ((low | (high << 4)).to(torch.int8) - 32).float()
-    dl = (_f16(b, 108) * scale).reshape(n, 16, 1)
+    return ((low | (high << 4)).to(torch.int8) - 32).float()
+
+
+def _q3_k_codes(b: torch.Tensor) -> torch.Tensor:
+    """Q3_K blocks -> their signed 3-bit codes (n, 256) int8, -4..3."""
+    n = b.shape[0]
     ql = _fields(b[:, 32:96], 32, 2).reshape(n, 16, 16)
     qh = _fields(b[:, 0:32], 32, 1).reshape(n, 16, 16) ^ 1  # a clear mask bit subtracts 4
-    q = (ql.to(torch.int8) - (qh << 2).to(torch.int8)).float()
-    return (dl * q).reshape(n, 256)
+    return (ql.to(torch.int8) - (qh << 2).to(torch.int8)).reshape(n, 256)
+
+
+def _q3_k(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    dl = (_f16(b, 108) * _q3_k_scales(b)).reshape(n, 16, 1)
+    return (dl * _q3_k_codes(b).reshape(n, 16, 16).float()).reshape(n, 256)
 
 
 def _q4_k(b: torch.Tensor) -> torch.Tensor:
@@ -248,9 +258,13 @@ _DECODERS: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {
 # keeps its nibbles, linear.from_e2m1; `affine` gives the values as codes).
 # The IQ4 types are too: a code's table value (-127..113) is an int8 code, times the block's scale
 # (IQ4_XS: an fp16 per 256 values times a 6-bit integer per 32, as K-quants factor theirs).
-AFFINE = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.MXFP4, Q.IQ4_NL, Q.IQ4_XS)
+# Q2_K and Q3_K are linear too, in groups of 16 (2-bit codes with a minimum, 3-bit signed codes):
+# the kernel keeps their codes in six bits (kind q6), their scales as K-quants factor them.
+AFFINE = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.MXFP4, Q.IQ4_NL, Q.IQ4_XS, Q.Q2_K,
+          Q.Q3_K)
 AFFINE_BITS: dict[int, int] = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q4_K: 4, Q.Q5_0: 5, Q.Q5_1: 5, Q.Q5_K: 5, Q.Q8_0: 8, Q.Q6_K: 6,
-                               Q.MXFP4: 4, Q.IQ4_NL: 8, Q.IQ4_XS: 8}  # the bits the kernel keeps a code in
+                               Q.MXFP4: 4, Q.IQ4_NL: 8, Q.IQ4_XS: 8, Q.Q2_K: 6, Q.Q3_K: 6}  # the bits the kernel keeps a code in
+GROUP16 = (Q.Q6_K, Q.Q2_K, Q.Q3_K)  # the AFFINE types whose groups are 16 values
 
 
 def affine(b: torch.Tensor, qtype: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
@@ -284,6 +298,12 @@ def affine(b: torch.Tensor, qtype: int) -> tuple[torch.Tensor, torch.Tensor, tor
     if qtype == Q.MXFP4:
         q, d = _mxfp4_parts(b)
         return q, d, None, 32
+    if qtype == Q.Q2_K:
+        scales = b[:, 0:16]
+        return (_fields(b[:, 16:80], 32, 2).reshape(n, 256).to(torch.int8), _f16(b, 80) * (scales & 15).float(),
+                -(_f16(b, 82) * (scales >> 4).float()), 16)
+    if qtype == Q.Q3_K:
+        return _q3_k_codes(b), _f16(b, 108) * _q3_k_scales(b), None, 16
     if qtype == Q.IQ4_NL:
         return _iq4_codes(b[:, 2:18], 16), _f16(b, 0), None, 32
     if qtype == Q.IQ4_XS:
@@ -291,7 +311,7 @@ def affine(b: torch.Tensor, qtype: int) -> tuple[torch.Tensor, torch.Tensor, tor
     raise ValueError(f"{type_name(qtype)} is not a linear block type")
 
 
-K_FACTORED = (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS)  # scales (and minimums) an fp16 times small integers
+K_FACTORED = (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.Q2_K, Q.Q3_K)  # scales (and minimums) an fp16 times small integers
 
 
 def k_factors(b: torch.Tensor, qtype: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
@@ -307,6 +327,11 @@ def k_factors(b: torch.Tensor, qtype: int) -> tuple[torch.Tensor, torch.Tensor, 
         return _f16(b, 208).repeat(1, 2), b[:, 192:208].contiguous().view(torch.int8).float(), None, None
     if qtype == Q.IQ4_XS:
         return _f16(b, 0), _iq4_xs_scales(b), None, None
+    if qtype == Q.Q2_K:  # 16 groups of 16: each factor serves both halves, as Q6_K's
+        scales = b[:, 0:16]
+        return (_f16(b, 80).repeat(1, 2), (scales & 15).float(), -_f16(b, 82).repeat(1, 2), (scales >> 4).float())
+    if qtype == Q.Q3_K:
+        return _f16(b, 108).repeat(1, 2), _q3_k_scales(b), None, None
     raise ValueError(f"{type_name(qtype)} is not a K-quant type")
 
 

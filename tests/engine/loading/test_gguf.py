@@ -26,8 +26,10 @@ from engine.store.gguf_header import read_header
 from engine.types import Completion, GenerationRequest, SpeculationSettings
 
 PROMPTS = ["Paris is the capital of", "def add(a, b):", "Once upon a time there was"]
-# layer 0 Q8_0, layer 1 Q4_0, layer 2 a Q4_K_M layer (Q6_K attn_v/ffn_down), layer 3 Q5_K
-TYPES = ("Q8_0", "Q4_0", "Q4_K/Q6_K", "Q5_K")
+# layer 0 Q8_0, layer 1 Q4_0, layer 2 a Q4_K_M layer (Q6_K attn_v/ffn_down), layer 3 Q5_K, layer 4 Q3_K
+# with Q2_K attn_v/ffn_down (a 2-3 bit mix's two types)
+TYPES = ("Q8_0", "Q4_0", "Q4_K/Q6_K", "Q5_K", "Q3_K/Q2_K")
+LAYERS = len(TYPES)
 PLACES = {"kernel": dict(offload="none"), "dequantised": dict(offload="none"),
           "resident": dict(offload="none", ram_limit_bytes=0), "RAM": dict(offload="all"),
           "disk": dict(offload="all", ram_limit_bytes=0)}
@@ -41,7 +43,7 @@ def _cache_dir(model_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture(scope="session", params=["llama", "qwen2"])
 def gguf_pair(request: pytest.FixtureRequest, model_cache: Path) -> tuple[Path, AutoModelForCausalLM, object]:
     """A tiny GGUF and transformers' own reading of it (the reference)."""
-    path = tiny_gguf(request.param, layers=4, layer_types=TYPES, cache_dir=model_cache)
+    path = tiny_gguf(request.param, layers=LAYERS, layer_types=TYPES, cache_dir=model_cache)
     with isolated(path) as src:
         tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
         ref = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32).eval()
@@ -102,8 +104,8 @@ def test_logits_and_greedy_text_equal_transformers(gguf_pair: tuple, place: str,
         assert p is not None and p.quant == "gguf" and p.resident_form == place and m.model.streamer is None
         assert p.describe().endswith("(GGUF blocks, packed CPU kernel)" if place == "kernel"
                                      else "(GGUF blocks, de-quantised at load)")
-        # every Linear in a linear block type (all but the IQ/2-3 bit ones; TYPES has none) and the head
-        assert len(packed) == (4 * 7 + 1 if place == "kernel" else 0)
+        # every Linear (every block type TYPES has is one the kernel reads) and the head
+        assert len(packed) == (LAYERS * 7 + 1 if place == "kernel" else 0)
     else:  # no RAM to spare for a resident copy, or streamed: the file's blocks
         assert p is not None and p.quant == "gguf" and not p.resident_form and not packed
         assert p.describe().endswith("(GGUF blocks)")
@@ -135,7 +137,7 @@ def test_layers_stay_in_their_blocks_and_the_disk_tier_reads_the_file(gguf_pair:
     before = set((model_cache / "offload").glob("*")) if (model_cache / "offload").is_dir() else set()
     disk = load_model(path, offload="all", ram_limit_bytes=0)
     store = disk.model.streamer.store  # type: ignore[union-attr]
-    assert store is not None and store.disk_layers == 4 and store.disk_path == path
+    assert store is not None and store.disk_layers == LAYERS and store.disk_path == path
     after = set((model_cache / "offload").glob("*")) if (model_cache / "offload").is_dir() else set()
     assert after == before  # no second copy on disk
 
@@ -145,7 +147,7 @@ def test_a_gguf_draft_pairs_with_a_gguf_target_and_specexec_stays_lossless(gguf_
     path, _, _ = gguf_pair
     arch = "qwen2" if "qwen2" in path.parent.name else "llama"
     target = load_model(path, offload="all")
-    draft = load_model(tiny_gguf(arch, noise=0.05, layers=4, layer_types=TYPES, cache_dir=model_cache))
+    draft = load_model(tiny_gguf(arch, noise=0.05, layers=LAYERS, layer_types=TYPES, cache_dir=model_cache))
     check_pair(target, draft)
     engine = Engine(target.model, target.tokenizer, draft.model)
     for prompt in PROMPTS:
