@@ -251,15 +251,13 @@ _DECODERS: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {
 
 
 # ---- the same blocks as codes, scales and minimums ----------------------------------------------
-# Types whose values are scale * code + minimum per group of 16 or 32 (a "linear" block: not the
-# IQ4 tables, not Q2_K/Q3_K's 2-3 bit codes). `affine` gives those parts for a packed CPU kernel
-# (engine.kernels): its matrix products read the codes and apply a group's scale once. MXFP4 is
-# one too: its E2M1 values doubled are the integers -12..12, its scale a power of two (the kernel
-# keeps its nibbles, linear.from_e2m1; `affine` gives the values as codes).
-# The IQ4 types are too: a code's table value (-127..113) is an int8 code, times the block's scale
-# (IQ4_XS: an fp16 per 256 values times a 6-bit integer per 32, as K-quants factor theirs).
-# Q2_K and Q3_K are linear too, in groups of 16 (2-bit codes with a minimum, 3-bit signed codes):
-# the kernel keeps their codes in six bits (kind q6), their scales as K-quants factor them.
+# Types whose values are scale * code + minimum per group of 16 or 32 ("linear" blocks; every
+# quantised type the store keeps): `affine` gives those parts for the packed CPU kernel
+# (engine.kernels), whose products read the codes and apply a group's scale once. The IQ4 types
+# count, a code being its table value (-127..113), and MXFP4, its E2M1 values doubled being the
+# integers -12..12 and its scale a power of two (the kernel keeps both in the file's nibbles:
+# `table_nibbles`); Q2_K's and Q3_K's 2- and 3-bit codes, groups of 16, sit in the kernel's
+# six-bit kind. K_FACTORED types' scales are an fp16 times small integers (`k_factors`).
 AFFINE = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.MXFP4, Q.IQ4_NL, Q.IQ4_XS, Q.Q2_K,
           Q.Q3_K)
 AFFINE_BITS: dict[int, int] = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q4_K: 4, Q.Q5_0: 5, Q.Q5_1: 5, Q.Q5_K: 5, Q.Q8_0: 8, Q.Q6_K: 6,
