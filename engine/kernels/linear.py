@@ -44,6 +44,7 @@ from torch import nn
 
 from engine.kernels.build import kernels
 from engine.kernels.governor import governor
+from engine.offload import gguf_blocks
 
 Kind = Literal["q8", "q4", "q6"]
 Table = Literal["e2m1", "iq4"]
@@ -55,8 +56,8 @@ OFF8 = 1024  # qmatmul.c's QM_OFF8: q4 codes offset by 8, no minimums stored (Qu
 # integer path reads them: MXFP4's values times 2 (ggml's kvalues_mxfp4, QM_E2M1) as q4 codes,
 # IQ4's (ggml's kvalues_iq4nl, QM_IQ4) as q8 codes
 TABLES: dict[str, tuple[tuple[int, ...], int, Kind]] = {
-    "e2m1": ((0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12), 2048, "q4"),
-    "iq4": ((-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113), 4096, "q8"),
+    "e2m1": (gguf_blocks.MXFP4_DOUBLED, 2048, "q4"),
+    "iq4": (gguf_blocks.IQ4_LEVELS, 4096, "q8"),
 }
 
 

@@ -27,9 +27,9 @@ PACKED = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K
 FLOATS = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
 SUPPORTED = frozenset(int(t) for t in (*PACKED, *FLOATS))
 CHUNK_VALUES = 1 << 22  # values de-quantised per step of dequantize_into (16 MB of fp32; x8 on a GPU)
-# MXFP4's E2M1 values doubled (ggml's kvalues_mxfp4): code c is _MXFP4_DOUBLED[c] * 2^(e - 128)
-_MXFP4_DOUBLED = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
-_IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+# MXFP4's E2M1 values doubled (ggml's kvalues_mxfp4): code c is MXFP4_DOUBLED[c] * 2^(e - 128)
+MXFP4_DOUBLED = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
 def block_size(qtype: int) -> tuple[int, int]:
@@ -84,11 +84,6 @@ def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     sc = torch.cat([d & 63, (md & 15) | ((d >> 2) & 48)], dim=1)
     mn = torch.cat([m & 63, (md >> 4) | ((m >> 2) & 48)], dim=1)
     return sc.float(), mn.float()
-
-
-def _levels(codes: torch.Tensor) -> torch.Tensor:
-    table = torch.tensor(_IQ4_LEVELS, dtype=torch.float32, device=codes.device)
-    return table[codes.long()]
 
 
 # ---- the types ------------------------------------------------------------------------------
@@ -177,7 +172,7 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
 
 
 def _iq4_nl(b: torch.Tensor) -> torch.Tensor:
-    return _f16(b, 0) * _levels(_nibbles(b[:, 2:18], 16))
+    return _f16(b, 0) * _iq4_codes(b[:, 2:18], 16).float()
 
 
 def _iq4_xs_scales(b: torch.Tensor) -> torch.Tensor:
@@ -191,7 +186,7 @@ def _iq4_xs_scales(b: torch.Tensor) -> torch.Tensor:
 
 def _iq4_codes(qs: torch.Tensor, run: int) -> torch.Tensor:
     """IQ4 code bytes -> their table values as int8 codes."""
-    table = torch.tensor(_IQ4_LEVELS, dtype=torch.int8, device=qs.device)
+    table = torch.tensor(IQ4_LEVELS, dtype=torch.int8, device=qs.device)
     return table[_nibbles(qs, run).long()]
 
 
@@ -199,7 +194,7 @@ def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
     scale = _iq4_xs_scales(b)
     dl = (_f16(b, 0) * scale).reshape(n, 8, 1)
-    q = _levels(_nibbles(b[:, 8:136], 16)).reshape(n, 8, 32)
+    q = _iq4_codes(b[:, 8:136], 16).float().reshape(n, 8, 32)
     return (dl * q).reshape(n, 256)
 
 
@@ -207,7 +202,7 @@ def _mxfp4_parts(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """ggml's MXFP4 block (an E8M0 exponent e, then 16 bytes: byte j holds value j in its low
     nibble, value j + 16 in its high one) -> (the doubled E2M1 values, int8 (n, 32); the block's
     scale 2^(e - 128), fp32 (n, 1))."""
-    doubled = torch.tensor(_MXFP4_DOUBLED, dtype=torch.int8, device=b.device)
+    doubled = torch.tensor(MXFP4_DOUBLED, dtype=torch.int8, device=b.device)
     return doubled[_nibbles(b[:, 1:17], 16).long()], _e8m0_half(b[:, 0:1])
 
 
