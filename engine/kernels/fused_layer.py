@@ -9,24 +9,27 @@ step is: the embedding and the rotary cos/sin (the model's own modules), one C c
 norm.
 
 `FusedDecoder.of(model)` says once, at load, whether a model qualifies: dense llama, mistral,
-qwen2 (q/k/v biases) or qwen3 (per-head q/k norms) layers, or Qwen3-MoE and Mixtral layers whose
-routed experts are all packed with the one-token experts kernel (PackedExperts._fused: the step
-and the pass run their router as transformers does, softmax, top-k, renormalised, and each
-token's experts summed in expert order, counting the routed tokens into each PackedExperts.hits;
-a pass reads each woken expert once for all its tokens and logs the union it woke), all resident
-on the CPU in fp32,
-full attention everywhere (no sliding window), SiLU MLP, every Linear of every layer a
-PackedLinear (minimums, where present, in groups of 16 or 32). `takes(cache)` says per step
-whether the cache is a plain KVCache of this shape. SPECCHAT_NO_FUSED=1 in the environment (read
-when a model is loaded) switches the path off.
+qwen2 (q/k/v biases) or qwen3 (per-head q/k norms) layers, or Qwen3-MoE, Mixtral and gpt-oss
+layers whose routed experts are all packed with the one-token experts kernel
+(PackedExperts._fused: the step and the pass run their router as transformers does, softmax,
+top-k, renormalised, or gpt-oss's biased logits, top-k, softmax of those; each token's experts
+summed in expert order, with gpt-oss's gate and biases, counting the routed tokens into each
+PackedExperts.hits; a pass reads each woken expert once for all its tokens and logs the union
+it woke), all resident on the CPU in fp32, attention full or over a sliding window (the layer's
+own, as engine.model.family reads it: a WindowedCache's buffers, each window's layers from
+their own first column) with gpt-oss's sinks where it has them, SiLU MLP, every Linear of every
+layer a PackedLinear (minimums, where present, in groups of 16 or 32). `takes(cache)` says per
+step whether the cache is a plain KVCache, or a WindowedCache of the model's windows, of this
+shape. SPECCHAT_NO_FUSED=1 in the environment (read when a model is loaded) switches the path
+off.
 
 `pass_` runs several tokens the same way (qmatmul.c's `qm_pass_layers`): a tree's nodes under
 their mask, or a chain (a prompt's chunk), each weight tile decoded once for all of them. A
 draft-free tree on the starter then costs a few milliseconds more than a plain step, not the
 general path's ~20 ms of Python and small operations, so trees pay on a CPU again.
 
-What this module does not do: streamed layers, shared experts, windows, hybrids or GPUs
-(CausalLM.forward's general path runs those), or choose which weights are packed.
+What this module does not do: streamed layers, shared experts, hybrids, per-layer shapes or
+GPUs (CausalLM.forward's general path runs those), or choose which weights are packed.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import logging
 import os
 import time
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -47,6 +50,7 @@ from engine.kernels.governor import governor
 from engine.kernels.experts import PackedExperts
 from engine.kernels.linear import PackedLinear, QmLinear
 from engine.model.cache import KVCache
+from engine.model.window_cache import WindowedCache
 
 if TYPE_CHECKING:
     from engine.model.causal_lm import CausalLM
@@ -57,7 +61,7 @@ _keys = itertools.count()
 FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
 # MoE families whose routed layers the step runs too (router: softmax, top-k, renormalised where the
 # config says; no shared expert): model type -> (class prefix, whether the top-k is renormalised)
-MOE_FAMILIES = {"qwen3_moe": "Qwen3Moe", "mixtral": "Mixtral"}
+MOE_FAMILIES = {"qwen3_moe": "Qwen3Moe", "mixtral": "Mixtral", "gpt_oss": "GptOss"}
 LINEARS = (("q", "self_attn.q_proj"), ("k", "self_attn.k_proj"), ("v", "self_attn.v_proj"),
            ("o", "self_attn.o_proj"), ("gate", "mlp.gate_proj"), ("up", "mlp.up_proj"), ("down", "mlp.down_proj"))
 
@@ -71,7 +75,15 @@ class Layer(ctypes.Structure):
                 ("k_eps", ctypes.c_float),
                 ("router", ctypes.c_void_p), ("expert_gate_up", ctypes.c_void_p), ("expert_down", ctypes.c_void_p),
                 ("hits", ctypes.c_void_p), ("experts", ctypes.c_int64), ("top_k", ctypes.c_int64),
-                ("norm_topk", ctypes.c_int64)]
+                ("norm_topk", ctypes.c_int64),
+                ("sinks", ctypes.c_void_p), ("router_bias", ctypes.c_void_p), ("expert_gate", ctypes.c_void_p),
+                ("topk_softmax", ctypes.c_int64)]
+
+
+class View(ctypes.Structure):
+    """qmatmul.c's qm_view: a layer's K/V buffers, their capacity, and which window (-1: none)."""
+    _fields_ = [("keys", ctypes.c_void_p), ("values", ctypes.c_void_p), ("capacity", ctypes.c_int64),
+                ("window", ctypes.c_int64)]
 
 
 def disabled() -> bool:
@@ -100,12 +112,18 @@ class FusedDecoder:
                                     if isinstance(e := getattr(layer.get_submodule("mlp"), "experts", None), PackedExperts)]
         self.moe = bool(moe)
         self._experts = moe
+        # gpt-oss: its cos/sin are half a head wide (each frequency rotates x[i] with x[i + D/2])
+        self.half_rotary = cfg.model_type == "gpt_oss"
+        # sliding windows: each layer's index into the model's window sizes (-1: full attention)
+        self.windows: list[int] = list(model.windows)
+        self.window_of = [self.windows.index(k.window) if k.window is not None else -1 for k in model.kinds]
+        self.layer_windows = tuple(k.window for k in model.kinds)
         for layer, struct in zip(model.layers, self.layers):
             block = getattr(layer.mlp, "experts", None)
             if isinstance(block, PackedExperts):
                 experts = block
                 assert experts._fused is not None
-                router = layer.mlp.gate
+                router = _router(layer.mlp)
                 self._held += [router.weight, experts._fused, experts.hits]
                 struct.router = router.weight.data_ptr()
                 struct.expert_gate_up = ctypes.addressof(experts._fused[0])
@@ -114,9 +132,20 @@ class FusedDecoder:
                 struct.hits = experts.hits.data_ptr()  # incremented in place (the tensor is never replaced)
                 struct.experts, struct.top_k = experts.num_experts, int(router.top_k)
                 struct.norm_topk = int(bool(getattr(router, "norm_topk_prob", True)))
+                if cfg.model_type == "gpt_oss":  # its router: biased logits, top-k, softmax of those
+                    struct.topk_softmax = 1
+                    struct.router_bias = router.bias.data_ptr()
+                    self._held.append(router.bias)
+                gate = experts._fused[2]
+                if gate is not None:
+                    struct.expert_gate = ctypes.addressof(gate)
             for field, path in LINEARS if not isinstance(block, PackedExperts) else LINEARS[:4]:
                 self._held.append(_fill_linear(getattr(struct, field), layer.get_submodule(path)))
             sa: Any = layer.self_attn
+            sinks = getattr(sa, "sinks", None)
+            if sinks is not None:
+                self._held.append(sinks)
+                struct.sinks = sinks.data_ptr()
             norms = {"attn": layer.input_layernorm, "mlp": layer.post_attention_layernorm,
                      "q": getattr(sa, "q_norm", None), "k": getattr(sa, "k_norm", None)}
             for name, norm in norms.items():
@@ -126,13 +155,13 @@ class FusedDecoder:
                     setattr(struct, f"{name}_eps", float(norm.variance_epsilon))
         fn = lib.qm_decode_layers
         fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 7, ctypes.c_float,
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 6, ctypes.c_void_p, ctypes.c_float,
                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
         self._fn = fn
         many = lib.qm_pass_layers
         many.restype = ctypes.c_int
-        many.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 8, ctypes.c_float,
-                         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+        many.argtypes = [ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 7, ctypes.c_void_p, ctypes.c_void_p,
+                         ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
         self._many = many
         # each cache's buffer addresses, read again when its buffers change (reserve() grew it)
         self._buffers: weakref.WeakKeyDictionary[KVCache, _Buffers] = weakref.WeakKeyDictionary()
@@ -153,26 +182,53 @@ class FusedDecoder:
         return cls(model, lib)
 
     def takes(self, cache: KVCache) -> bool:
-        """Whether a step on `cache` can run here: a plain KVCache of this model's shape (and no
-        expert of an MoE cached elsewhere: engine.kernels.expert_cache)."""
+        """Whether a step on `cache` can run here: a plain KVCache of this model's shape, or a
+        WindowedCache of its windows (and no expert of an MoE cached elsewhere:
+        engine.kernels.expert_cache)."""
         return self._addresses(cache) is not None and not any(e.hot_ids for e in self._experts)
 
     def _addresses(self, cache: KVCache) -> _Buffers | None:
-        """`cache`'s buffer addresses (kept per cache, read again when its buffers were
-        replaced), or None when the cache is not a plain KVCache of this model's shape. Nothing
-        shared is rewritten per step, so two caches may run at once."""
-        if type(cache) is not KVCache or cache.layer_shapes is not None:
+        """`cache`'s buffer addresses (kept per cache, read again when a buffer was replaced), or
+        None when the cache is not one of this model's shape. Nothing shared is rewritten per
+        step, so two caches may run at once."""
+        windowed = type(cache) is WindowedCache
+        if not (type(cache) is KVCache and not self.windows or windowed and self.windows) or cache.layer_shapes is not None:
+            return None
+        if windowed and cast(WindowedCache, cache).windows != self.layer_windows:
             return None
         known = self._buffers.get(cache)
         if known is not None and known.holds(cache):
             return known
-        shape = (1, self.kv_heads, cache.capacity, self.head_dim)
         if (len(cache.keys) != len(self.layers) or cache.device.type != "cpu"
-                or any(b.dtype != torch.float32 or tuple(b.shape) != shape or not b.is_contiguous()
-                       for b in cache.keys + cache.values)):
+                or any(b.dtype != torch.float32 or b.dim() != 4 or tuple(b.shape[:2]) != (1, self.kv_heads)
+                       or b.shape[3] != self.head_dim or not b.is_contiguous() for b in cache.keys + cache.values)):
             return None
-        known = self._buffers[cache] = _Buffers(cache)
+        known = self._buffers[cache] = _Buffers(cache, self.window_of)
         return known
+
+    def _room(self, cache: KVCache, n: int) -> _Buffers:
+        """The buffers of `cache` with room for n new entries in every layer (a windowed
+        layer's buffers grow apart from the rest: WindowedCache.make_room)."""
+        if isinstance(cache, WindowedCache):
+            cache.make_room(n)
+        buffers = self._addresses(cache)
+        assert buffers is not None, "call takes(cache) first"
+        return buffers
+
+    def _spans(self, cache: KVCache, first: int | None) -> ctypes.Array | None:
+        """(base, lo) for each window: the entry of its layers' buffer column 0 and the first
+        column a token at position `first` reads (first None: 0, a pass's masks say); None
+        without windows."""
+        if not self.windows:
+            return None
+        assert isinstance(cache, WindowedCache)
+        spans = (ctypes.c_int64 * (2 * len(self.windows)))()
+        for i, w in enumerate(self.windows):
+            base = cache.held_from(w)
+            spans[2 * i] = base
+            if first is not None:  # the held entries at positions the window has left (committed text: a prefix)
+                spans[2 * i + 1] = int((cache.positions[base: cache.length] <= first - w).sum())
+        return spans
 
     def _pieces(self, grab: tuple[int, ...]) -> list[tuple[int, int]]:
         """The runs of layers [a, b) between the layers whose inputs are kept (CausalLM.aux_inputs)."""
@@ -180,11 +236,17 @@ class FusedDecoder:
         cuts = sorted({0, n, *(j for j in grab if 0 < j < n)})
         return list(zip(cuts, cuts[1:]))
 
-    def _at(self, buffers: _Buffers, a: int) -> tuple[int, int, int]:
-        """The addresses of layer a's struct and its K and V buffer pointers (a run from layer a)."""
-        ptr = ctypes.sizeof(ctypes.c_void_p)
-        return (ctypes.addressof(self.layers) + a * ctypes.sizeof(Layer), ctypes.addressof(buffers.keys) + a * ptr,
-                ctypes.addressof(buffers.values) + a * ptr)
+    def _at(self, buffers: _Buffers, a: int) -> tuple[int, int]:
+        """The addresses of layer a's struct and its view (a run from layer a)."""
+        return (ctypes.addressof(self.layers) + a * ctypes.sizeof(Layer),
+                ctypes.addressof(buffers.views) + a * ctypes.sizeof(View))
+
+    def _rope(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (1, n, head_dim) in fp32 for the C rotation (x * cos + rotate_half(x) * sin)."""
+        cos, sin = self.rotary(hidden, position_ids=positions[None])
+        if self.half_rotary:  # gpt-oss's halves rotate by the same frequencies
+            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+        return cos.float().contiguous(), sin.float().contiguous()
 
     def step(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, grab: tuple[int, ...] = (),
              kept: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
@@ -192,28 +254,25 @@ class FusedDecoder:
         appended to `cache` (reserved and positioned by the caller; `takes(cache)` true). The
         final normed hidden state (1, hidden), as CausalLM.forward returns it. `grab`: layers
         whose inputs go into `kept` (by layer; the layers run in pieces between them)."""
-        buffers = self._addresses(cache)
-        assert buffers is not None, "call takes(cache) first"
+        buffers = self._room(cache, 1)
+        spans = self._spans(cache, int(positions[0]) if self.windows else None)
         hidden = self.embed(input_ids.to(self.device)[None]).float().contiguous()  # (1, 1, H)
-        cos, sin = self.rotary(hidden, position_ids=positions[None])  # (1, 1, D) each
-        cos, sin = cos.float().contiguous(), sin.float().contiguous()
+        cos, sin = self._rope(hidden, positions)  # (1, 1, D) each
         chosen = governor()
         threads = chosen.threads()
         start = time.perf_counter()
         for a, b in self._pieces(grab):
             if a in grab and kept is not None:
                 kept[a] = hidden[0].clone()
-            layers, keys, values = self._at(buffers, a)
-            rc = self._fn(layers, keys, values, b - a, self.hidden, self.heads, self.kv_heads, self.head_dim,
-                          cache.capacity, cache.length, self.scale, cos.data_ptr(), sin.data_ptr(), hidden.data_ptr(),
-                          threads)
+            layers, views = self._at(buffers, a)
+            rc = self._fn(layers, views, b - a, self.hidden, self.heads, self.kv_heads, self.head_dim, cache.length,
+                          spans, self.scale, cos.data_ptr(), sin.data_ptr(), hidden.data_ptr(), threads)
             if rc != 0:
                 raise torch.OutOfMemoryError("The fused CPU decoding step could not allocate its scratch memory.")
         chosen.record(self._key, threads, time.perf_counter() - start)
         cache.commit(1)
         out: torch.Tensor = self.norm(hidden[0])  # (1, H)
         return out
-
 
     def pass_(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, allowed: torch.Tensor | None,
               grab: tuple[int, ...] = (), kept: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
@@ -222,24 +281,33 @@ class FusedDecoder:
         allowed: (n, cache.length + n) bool, what each token attends to; None: a causal chain.
         The final normed hidden states (n, hidden), as CausalLM.forward returns them. `grab`,
         `kept`: as in `step`."""
-        buffers = self._addresses(cache)
-        assert buffers is not None, "call takes(cache) first"
-        n = int(input_ids.shape[0])
+        buffers = self._room(cache, int(input_ids.shape[0]))
+        n, past = int(input_ids.shape[0]), cache.length
         mask = None
         if allowed is not None:
-            assert tuple(allowed.shape) == (n, cache.length + n), "allowed: (n, cache.length + n)"
+            assert tuple(allowed.shape) == (n, past + n), "allowed: (n, cache.length + n)"
             mask = allowed.to(device="cpu", dtype=torch.bool).contiguous()
+        spans = self._spans(cache, None)
+        masks, held = None, []
+        if self.windows:  # each window's layers: the mask from their first column, within the window
+            assert isinstance(cache, WindowedCache)
+            base = mask if mask is not None else torch.ones(n, past + n, dtype=torch.bool).tril(past)
+            at = positions.to("cpu")
+            for w in self.windows:
+                first = cache.held_from(w)
+                near = (at[:, None] - cache.positions_through(n)[first:].to("cpu")[None, :]) < w
+                held.append((base[:, first:] & near).contiguous())
+            masks = (ctypes.c_void_p * len(held))(*(m.data_ptr() for m in held))
         hidden = self.embed(input_ids.to(self.device)[None]).float().contiguous()  # (1, n, H)
-        cos, sin = self.rotary(hidden, position_ids=positions[None])  # (1, n, D) each
-        cos, sin = cos.float().contiguous(), sin.float().contiguous()
+        cos, sin = self._rope(hidden, positions)  # (1, n, D) each
         threads = governor().threads()
         before = [e.hits.clone() for e in self._experts]  # the pass counts its routed tokens into hits
         for a, b in self._pieces(grab):
             if a in grab and kept is not None:
                 kept[a] = hidden[0].clone()
-            layers, keys, values = self._at(buffers, a)
-            rc = self._many(layers, keys, values, b - a, self.hidden, self.heads, self.kv_heads, self.head_dim,
-                            cache.capacity, cache.length, n, self.scale, cos.data_ptr(), sin.data_ptr(),
+            layers, views = self._at(buffers, a)
+            rc = self._many(layers, views, b - a, self.hidden, self.heads, self.kv_heads, self.head_dim, past, n,
+                            spans, masks, self.scale, cos.data_ptr(), sin.data_ptr(),
                             mask.data_ptr() if mask is not None else None, hidden.data_ptr(), threads)
             if rc != 0:
                 raise torch.OutOfMemoryError("The fused CPU pass could not allocate its scratch memory.")
@@ -251,20 +319,20 @@ class FusedDecoder:
 
 
 class _Buffers:
-    """The addresses of one cache's K/V buffers, and which buffers they are (weakly: a
-    cache's buffers are replaced when it grows and must be freed then)."""
+    """One cache's K/V buffers as qm_view structs, and which buffers they are (weakly: a
+    cache's buffers are replaced when it grows, a windowed layer's apart from the rest, and
+    must be freed then)."""
 
-    def __init__(self, cache: KVCache) -> None:
+    def __init__(self, cache: KVCache, window_of: list[int]) -> None:
         n = len(cache.keys)
-        self.keys = (ctypes.c_void_p * n)(*(k.data_ptr() for k in cache.keys))
-        self.values = (ctypes.c_void_p * n)(*(v.data_ptr() for v in cache.values))
-        self._first, self._last = weakref.ref(cache.keys[0]), weakref.ref(cache.values[-1])
-        self._capacity = cache.capacity
+        self.views = (View * n)()
+        for view, k, v, w in zip(self.views, cache.keys, cache.values, window_of):
+            view.keys, view.values, view.capacity, view.window = k.data_ptr(), v.data_ptr(), int(k.shape[2]), w
+        self._refs = [weakref.ref(t) for t in (*cache.keys, *cache.values)]
 
     def holds(self, cache: KVCache) -> bool:
-        """Whether these are still `cache`'s buffers (all are replaced together, or none)."""
-        return (self._first() is cache.keys[0] and self._last() is cache.values[-1]
-                and self._capacity == cache.capacity)
+        """Whether these are still `cache`'s buffers."""
+        return all(r() is t for r, t in zip(self._refs, (*cache.keys, *cache.values)))
 
 
 def _fill_linear(struct: QmLinear, module: nn.Module) -> tuple[object, ...]:
@@ -274,19 +342,34 @@ def _fill_linear(struct: QmLinear, module: nn.Module) -> tuple[object, ...]:
     return module.qweight, module.bias
 
 
+def _router(block: nn.Module) -> Any:
+    """An MoE block's router: gpt-oss's `router`, the others' `gate`."""
+    return getattr(block, "router", None) or getattr(block, "gate", None)
+
+
+# router class -> the block's modules beside it, and whether it is gpt-oss's (biased logits, top-k,
+# softmax of those; its experts' own gate and biases)
+ROUTERS = {"Qwen3MoeTopKRouter": ({"experts", "gate"}, False), "MixtralTopKRouter": ({"experts", "gate"}, False),
+           "GptOssTopKRouter": ({"experts", "router"}, True)}
+
+
 def _routed_refusal(block: nn.Module, hidden: int) -> str | None:
     """Why an MoE block cannot run in the step (its router and experts as the C code reads them),
     or None."""
-    experts, router = getattr(block, "experts", None), getattr(block, "gate", None)
-    if not isinstance(experts, PackedExperts) or experts._fused is None or experts._fused[2] is not None:  # (SiLU only)
-        return "routed experts the one-call kernel does not run"
-    if type(router).__name__ not in ("Qwen3MoeTopKRouter", "MixtralTopKRouter") or \
-            set(vars(block).get("_modules", {})) != {"experts", "gate"}:
+    experts, router = getattr(block, "experts", None), _router(block)
+    known = ROUTERS.get(type(router).__name__)
+    if known is None or set(vars(block).get("_modules", {})) != known[0]:
         return "a router or block other than softmax top-k"
+    if not isinstance(experts, PackedExperts) or experts._fused is None or (experts._fused[2] is not None) != known[1]:
+        return "routed experts the one-call kernel does not run"
     weight = getattr(router, "weight", None)
     if (not isinstance(weight, torch.Tensor) or weight.dtype != torch.float32 or not weight.is_contiguous()
             or tuple(weight.shape) != (experts.num_experts, hidden) or weight.device.type != "cpu"):
         return "router weight"
+    bias = getattr(router, "bias", None)
+    if known[1] and (not isinstance(bias, torch.Tensor) or bias.dtype != torch.float32
+                     or tuple(bias.shape) != (experts.num_experts,) or bias.device.type != "cpu"):
+        return "router bias"
     if not 0 < int(getattr(router, "top_k", 0)) <= experts.num_experts:
         return "router top_k"
     return None
@@ -303,30 +386,35 @@ def _refusal(model: CausalLM) -> str | None:
     routed = cfg.model_type in MOE_FAMILIES
     if model.streamer is not None or model.device.type != "cpu" or model.dtype != torch.float32:
         return "not resident on the CPU in fp32"
-    if any(k.mixer != "attention" or k.window is not None or k.sinks or k.gated or k.shared_experts
-           or k.ffn != "dense" and not routed for k in model.kinds) or model.windows or any(s is not None for s in model.linear):
-        return "a layer other than dense full attention"
+    if any(k.mixer != "attention" or k.gated or k.shared_experts or k.ffn != "dense" and not routed
+           for k in model.kinds) or any(s is not None for s in model.linear):
+        return "a layer other than attention (full or windowed) and a dense or routed MLP"
     if model.per_layer_inputs or model.family.layer_inputs or model.family.rotary_per_type or model.kv_shapes:
         return "per-layer inputs or shapes"
     if not model.layers:
         return "no decoder layers"
-    if getattr(cfg, "hidden_act", None) != "silu":
+    if cfg.model_type != "gpt_oss" and getattr(cfg, "hidden_act", None) != "silu":
         return f"activation {getattr(cfg, 'hidden_act', None)}"
     heads, kv_heads = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
     layer: Any
-    for layer in model.layers:
+    for layer, kind in zip(model.layers, model.kinds):
         attn: Any = getattr(layer, "self_attn", None)
         mlp = type(getattr(layer, "mlp", None)).__name__
         if type(layer).__name__ != f"{prefix}DecoderLayer" or type(attn).__name__ != f"{prefix}Attention" \
                 or mlp not in (f"{prefix}MLP", f"{prefix}SparseMoeBlock"):
             return f"layer modules {type(layer).__name__}"
-        moe = mlp.endswith("SparseMoeBlock")
+        moe = mlp.endswith("SparseMoeBlock") or cfg.model_type == "gpt_oss"
         if moe:
             why = _routed_refusal(layer.mlp, cfg.hidden_size)
             if why is not None:
                 return why
-        if getattr(attn, "sliding_window", None) is not None or not isinstance(getattr(attn, "head_dim", None), int):
-            return "a sliding window or an unknown head size"
+        if (getattr(attn, "sliding_window", None) or None) != kind.window \
+                or not isinstance(getattr(attn, "head_dim", None), int):
+            return "a sliding window other than the layer's, or an unknown head size"
+        sinks = getattr(attn, "sinks", None)
+        if kind.sinks != (sinks is not None) or sinks is not None and (
+                sinks.dtype != torch.float32 or tuple(sinks.shape) != (heads,) or not sinks.is_contiguous()):
+            return "attention sinks"
         d = attn.head_dim
         if d % 2 or heads % kv_heads:
             return "head sizes"
@@ -352,6 +440,7 @@ def _refusal(model: CausalLM) -> str | None:
                 return f"{path} bias dtype"
     probe = torch.zeros(1, 1, cfg.hidden_size)
     cos, sin = model.rotary(probe, position_ids=torch.zeros(1, 1, dtype=torch.long))
-    if cos.shape[-1] != attn.head_dim or sin.shape != cos.shape:
+    width = attn.head_dim // 2 if cfg.model_type == "gpt_oss" else attn.head_dim  # (gpt-oss's: a half, see __init__)
+    if cos.shape[-1] != width or sin.shape != cos.shape:
         return "a partial rotary embedding"
     return None

@@ -143,14 +143,16 @@ static void weighted_rows(const float *w, const float *rows, int64_t count, int6
 }
 
 /* Attention of one query head q (rotated) over a cache's `length` entries of its K/V head
- * and the new entry (k, v), which the cache does not need to hold yet. scores: length + 1. */
+ * and the new entry (k, v), which the cache does not need to hold yet. scores: length + 1.
+ * sink: NULL, or the head's sink logit (gpt-oss): a score in the softmax whose value is zero. */
 static void attend(const float *q, const float *keys, const float *values, const float *k, const float *v,
-                   int64_t length, int64_t d, float scale, float *scores, float *out) {
+                   int64_t length, int64_t d, float scale, const float *sink, float *scores, float *out) {
     scores_of(q, keys, length, d, scale, scores);
     scores[length] = dot(q, k, d) * scale;
-    float top = -INFINITY, sum = 0.0f;
+    float top = sink ? *sink : -INFINITY, sum = 0.0f;
     for (int64_t j = 0; j <= length; j++) top = scores[j] > top ? scores[j] : top;
     exp_shifted(scores, length + 1, top);
+    if (sink) sum = expf(*sink - top);
     for (int64_t j = 0; j <= length; j++) sum += scores[j];
     weighted_rows(scores, values, length, d, out);
     float inv = 1.0f / sum, last = scores[length];
@@ -158,15 +160,16 @@ static void attend(const float *q, const float *keys, const float *values, const
 }
 
 /* Attention of one query head q over `total` entries of its K/V head, those allowed: allow[j]
- * where allow is given, else j <= limit. scores: total. */
+ * where allow is given, else j <= limit. scores: total. sink: as in attend. */
 static void attend_masked(const float *q, const float *keys, const float *values, int64_t total, const uint8_t *allow,
-                          int64_t limit, int64_t d, float scale, float *scores, float *out) {
+                          int64_t limit, int64_t d, float scale, const float *sink, float *scores, float *out) {
     int64_t count = allow ? total : (limit + 1 < total ? limit + 1 : total);
     scores_of(q, keys, count, d, scale, scores); /* a masked entry's score is computed and not used */
-    float top = -INFINITY, sum = 0.0f;
+    float top = sink ? *sink : -INFINITY, sum = 0.0f;
     for (int64_t j = 0; j < count; j++)
         if (!allow || allow[j]) top = scores[j] > top ? scores[j] : top;
     exp_shifted(scores, count, top);
+    if (sink) sum = expf(*sink - top);
     for (int64_t j = 0; j < count; j++) {
         if (allow && !allow[j]) scores[j] = 0.0f; /* skipped by weighted_rows */
         sum += scores[j];

@@ -130,7 +130,7 @@ static const void *row_params(const void *p, int64_t r, int64_t rows, int64_t gr
 /* Floats of expansion scratch for `rows` rows of `groups` (one where nothing is expanded). */
 #define PARAMS_BUF(fmt, rows, groups) ((fmt) == 2 ? (rows) * (groups) : 1)
 
-int qm_version(void) { return 7; }
+int qm_version(void) { return 8; }
 
 int qm_simd(void) { /* 0 plain C, 2 AVX2, 3 AVX-512, 4 AVX-512 VNNI, 5 AVX2 + AVX-VNNI */
 #if defined(QM_VNNI)
@@ -619,10 +619,11 @@ int qm_matmul(int kind, const float *x, int64_t M, int64_t K, const void *codes,
  *
  * One token through `count` layers, each: RMSNorm, q/k/v products (+ biases), per-head q/k
  * RMSNorm (Qwen3, optional), rotary embedding from the model's own cos/sin, K/V written into
- * the cache at `length`, attention of the token over the length + 1 entries (grouped heads,
- * fp32 softmax), o product, residual; RMSNorm, SiLU(gate) * up, down product, residual. The
- * arithmetic is transformers' (LlamaDecoderLayer and its modules) in fp32; only the order of
- * the sums differs. One parallel region for the whole step: the products split their output
+ * the cache at `length`, attention of the token over the length + 1 entries or a sliding
+ * window's (grouped heads, fp32 softmax, gpt-oss's sinks), o product (+ bias), residual;
+ * RMSNorm, SiLU(gate) * up, down product, residual (or an MoE layer's router and routed
+ * experts). The arithmetic is transformers' (LlamaDecoderLayer and its modules) in fp32; only
+ * the order of the sums differs. One parallel region for the whole step: the products split their output
  * rows over the threads, attention its heads, and every thread computes the small parts between
  * them (norms, group sums) for itself, so a step starts the threads once and waits at five
  * barriers a layer (the general path starts them for each of ~210 products). */
@@ -634,6 +635,16 @@ typedef struct {
     const float *bias;    /* (n) or NULL */
     int64_t kind, n, k, group;  /* kind 8, 6 or 4 (+ QM_HALF or QM_KSC); group 16 or 32 where there are minimums */
 } qm_linear;
+
+/* An experts module's gate where it is not SiLU(gate) * up without biases: gpt-oss's (engine.model.
+ * gpt_oss_experts.RowExperts): biases (E x 2I, E x H fp32) added to gate_up's and down's outputs,
+ * gate = min(g, limit), up = clamp(u, -limit, limit), act = (up + 1) * gate * sigmoid(alpha * gate),
+ * gate and up the halves of gate_up's outputs or (interleaved) its even and odd ones. */
+typedef struct {
+    const float *gate_up_bias, *down_bias;
+    float alpha, limit;
+    int interleaved;
+} qm_gate;
 
 typedef struct {
     qm_linear q, k, v, o, gate, up, down;
@@ -647,7 +658,28 @@ typedef struct {
     const qm_linear *expert_gate_up, *expert_down;
     int64_t *hits;
     int64_t experts, top_k, norm_topk;
+    /* gpt-oss: attention sinks (heads: a logit per head that takes its share of the softmax and
+     * adds nothing), the router's bias (experts), its order (topk_softmax: the top_k logits, then a
+     * softmax over them), the experts' gate (NULL: SiLU(gate) * up) */
+    const float *sinks, *router_bias;
+    const qm_gate *expert_gate;
+    int64_t topk_softmax;
 } qm_layer;
+
+/* Where a layer's K/V live: buffers (kv_heads, capacity, head_dim), and window: -1 for a layer
+ * that holds every entry (buffer column j is entry j), else which of the call's windows (spans)
+ * its layers hold from: their column 0 is entry base, and a query reads the columns from lo on
+ * (engine.model.window_cache). */
+typedef struct {
+    float *keys, *values;
+    int64_t capacity, window;
+} qm_view;
+
+/* Layer l's columns: base (the entry of column 0) and lo (the first a decode step reads). */
+static inline void span_of(const qm_view *v, const int64_t *spans, int64_t *base, int64_t *lo) {
+    *base = v->window < 0 ? 0 : spans[2 * v->window];
+    *lo = v->window < 0 ? 0 : spans[2 * v->window + 1];
+}
 
 /* out = x * rsqrt(mean(x^2) + eps) * weight, as LlamaRMSNorm computes it in fp32. */
 static void rms_norm(const float *x, const float *weight, float eps, int64_t n, float *out) {
@@ -729,22 +761,30 @@ static void norm_and_rotate(float *x, const float *norm, float eps, const float 
 }
 
 /* x: the token's hidden state (hidden), updated in place through every layer. cos, sin:
- * (head_dim) for the token's position. keys[l], values[l]: layer l's cache buffers,
- * (kv_heads, capacity, head_dim), the new entry going to index `length`. Returns 0, or -1
- * when scratch memory could not be had.
+ * (head_dim) for the token's position. views[l]: layer l's cache buffers, the new entry (entry
+ * `length`) going to column length - base, the token reading its columns from lo on; spans:
+ * (base, lo) for each window (NULL where no layer has one). Returns 0, or -1 when scratch memory
+ * could not be had.
  *
  * Five barriers a layer (after the q/k/v, attention, o, gate/up and down products): whatever
  * lies between two products (a norm, the group sums of a product's input) each thread computes
  * for itself, and each query head rotates its K/V head's new key itself. */
-/* An experts module's gate where it is not SiLU(gate) * up without biases: gpt-oss's (engine.model.
- * gpt_oss_experts.RowExperts): biases (E x 2I, E x H fp32) added to gate_up's and down's outputs,
- * gate = min(g, limit), up = clamp(u, -limit, limit), act = (up + 1) * gate * sigmoid(alpha * gate),
- * gate and up the halves of gate_up's outputs or (interleaved) its even and odd ones. */
-typedef struct {
-    const float *gate_up_bias, *down_bias;
-    float alpha, limit;
-    int interleaved;
-} qm_gate;
+/* An expert's activation a (I) from its gate/up outputs g (2I): SiLU(gate) * up where gate is
+ * NULL, else gpt-oss's gate on them plus expert e's gate_up bias. */
+static void activate(const float *g, int64_t I, const qm_gate *gate, int64_t e, float *a) {
+    if (gate == NULL) {
+        for (int64_t i = 0; i < I; i++) a[i] = (g[i] / (1.0f + expf(-g[i]))) * g[I + i];
+        return;
+    }
+    const float *b = gate->gate_up_bias + e * 2 * I;
+    for (int64_t i = 0; i < I; i++) {
+        int64_t gi = gate->interleaved ? 2 * i : i, ui = gate->interleaved ? 2 * i + 1 : I + i;
+        float gt = g[gi] + b[gi], up = g[ui] + b[ui];
+        gt = gt > gate->limit ? gate->limit : gt;
+        up = up > gate->limit ? gate->limit : up < -gate->limit ? -gate->limit : up;
+        a[i] = (up + 1.0f) * (gt / (1.0f + expf(-gate->alpha * gt)));
+    }
+}
 
 static void experts_region(const qm_linear *gate_up, const qm_linear *down, const int64_t *ids, const float *w,
                            int64_t k, const float *x, const float *xs16, const float *xs32, const qm_digits *xd,
@@ -765,9 +805,9 @@ static void widths(const qm_layer *layers, int64_t count, int64_t *inter, int64_
     }
 }
 
-int qm_decode_layers(const qm_layer *layers, float *const *keys, float *const *values, int64_t count, int64_t hidden,
-                     int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t capacity, int64_t length,
-                     float scale, const float *cos, const float *sin, float *x, int threads) {
+int qm_decode_layers(const qm_layer *layers, const qm_view *views, int64_t count, int64_t hidden, int64_t heads,
+                     int64_t kv_heads, int64_t head_dim, int64_t length, const int64_t *spans, float scale,
+                     const float *cos, const float *sin, float *x, int threads) {
     int64_t D = head_dim, nq = heads * D, nkv = kv_heads * D, group_size = heads / kv_heads;
     int64_t bq = (nq + QM_ROWS - 1) / QM_ROWS, bkv = (nkv + QM_ROWS - 1) / QM_ROWS; /* blocks of rows */
     int64_t inter = 0, widest = hidden > nq ? hidden : nq;
@@ -811,7 +851,11 @@ int qm_decode_layers(const qm_layer *layers, float *const *keys, float *const *v
         qm_digits dg;
         for (int64_t l = 0; l < count; l++) {
             const qm_layer *L = layers + l;
-            float *lk = keys[l], *lv = values[l];
+            const qm_view *V = views + l;
+            int64_t base, lo, capacity = V->capacity;
+            span_of(V, spans, &base, &lo);
+            int64_t at = length - base; /* the new entry's column */
+            float *lk = V->keys, *lv = V->values;
             rms_norm(x, L->attn_norm, L->attn_eps, hidden, xn);
             group_sums(xn, hidden, s16, s32);
             make_digits(xn, hidden, mine, &dg);
@@ -829,12 +873,12 @@ int qm_decode_layers(const qm_layer *layers, float *const *keys, float *const *v
                 memcpy(kh, k + g * D, sizeof(float) * (size_t)D);
                 norm_and_rotate(kh, L->k_norm, L->k_eps, cos, sin, D, tmp);
                 if (h % group_size == 0) {  /* the K/V head's first query head stores its entry */
-                    memcpy(lk + (g * capacity + length) * D, kh, sizeof(float) * (size_t)D);
-                    memcpy(lv + (g * capacity + length) * D, vh, sizeof(float) * (size_t)D);
+                    memcpy(lk + (g * capacity + at) * D, kh, sizeof(float) * (size_t)D);
+                    memcpy(lv + (g * capacity + at) * D, vh, sizeof(float) * (size_t)D);
                 }
                 norm_and_rotate(q + h * D, L->q_norm, L->q_eps, cos, sin, D, tmp);
-                attend(q + h * D, lk + g * capacity * D, lv + g * capacity * D, kh, vh, length, D, scale,
-                       scores, attn + h * D);
+                attend(q + h * D, lk + (g * capacity + lo) * D, lv + (g * capacity + lo) * D, kh, vh, at - lo, D,
+                       scale, L->sinks ? L->sinks + h : NULL, scores, attn + h * D);
             }
             group_sums(attn, nq, s16, s32);
             make_digits(attn, nq, mine, &dg);
@@ -849,11 +893,12 @@ int qm_decode_layers(const qm_layer *layers, float *const *keys, float *const *v
             make_digits(xn, hidden, mine, &dg);
             if (L->experts > 0) { /* routed experts: the router, one thread routing, the experts' rows */
 #pragma omp for schedule(static)
-                for (int64_t e = 0; e < L->experts; e++) logits[e] = dot(L->router + e * hidden, xn, hidden);
+                for (int64_t e = 0; e < L->experts; e++)
+                    logits[e] = dot(L->router + e * hidden, xn, hidden) + (L->router_bias ? L->router_bias[e] : 0.0f);
 #pragma omp single
                 route_one(L, logits, ids, wts, L->hits);
                 experts_region(L->expert_gate_up, L->expert_down, ids, wts, L->top_k, xn, s16, s32, &dg, gu, eact,
-                               asum, edig, edig_bytes, ad, tmp, x, 1, NULL);
+                               asum, edig, edig_bytes, ad, tmp, x, 1, L->expert_gate);
                 continue;
             }
 #pragma omp for schedule(static)
@@ -907,20 +952,8 @@ static void experts_region(const qm_linear *gate_up, const qm_linear *down, cons
     }
 #pragma omp for schedule(static)
     for (int64_t j = 0; j < k; j++) {
-        const float *g = gu + j * 2 * I;
         float *a = act + j * I, *s16 = asum + j * sums;
-        if (gate == NULL) {
-            for (int64_t i = 0; i < I; i++) a[i] = (g[i] / (1.0f + expf(-g[i]))) * g[I + i];
-        } else {
-            const float *b = gate->gate_up_bias + ids[j] * 2 * I;
-            for (int64_t i = 0; i < I; i++) {
-                int64_t gi = gate->interleaved ? 2 * i : i, ui = gate->interleaved ? 2 * i + 1 : I + i;
-                float gt = g[gi] + b[gi], up = g[ui] + b[ui];
-                gt = gt > gate->limit ? gate->limit : gt;
-                up = up > gate->limit ? gate->limit : up < -gate->limit ? -gate->limit : up;
-                a[i] = (up + 1.0f) * (gt / (1.0f + expf(-gate->alpha * gt)));
-            }
-        }
+        activate(gu + j * 2 * I, I, gate, ids[j], a);
         group_sums(a, I, s16, s16 + I / 16 + 1);
         make_digits(a, I, dig + dig_bytes * (size_t)j, &ad[j]);
     }
@@ -979,17 +1012,22 @@ int qm_experts_one(const qm_linear *gate_up, const qm_linear *down, const int64_
     return 0;
 }
 
-/* A token's routing from its normed state xn (one thread): the router's logits, softmax in fp32,
- * the top_k largest (the lower expert on ties), renormalised where norm_topk, then sorted by
- * expert (the order the experts' sums are taken in); counted into hits (unless NULL). w: top_k
- * weights, then E floats of scratch. */
+/* A token's routing from the router's logits (one thread): softmax in fp32, the top_k largest
+ * (the lower expert on ties), renormalised where norm_topk; or, where topk_softmax (gpt-oss), the
+ * top_k largest logits and a softmax over them. Then sorted by expert (the order the experts'
+ * sums are taken in); counted into hits (unless NULL). w: top_k weights, then E floats of
+ * scratch. */
 static void route_one(const qm_layer *L, const float *logits, int64_t *ids, float *w, int64_t *hits) {
     int64_t E = L->experts, K = L->top_k;
     float mx = -INFINITY, total = 0.0f;
-    for (int64_t e = 0; e < E; e++) mx = logits[e] > mx ? logits[e] : mx;
     float *p = (float *)w + K; /* E floats of scratch after the K weights */
-    for (int64_t e = 0; e < E; e++) total += (p[e] = expf(logits[e] - mx));
-    for (int64_t e = 0; e < E; e++) p[e] /= total;
+    if (L->topk_softmax) { /* gpt-oss: the top_k logits, then the softmax of those */
+        memcpy(p, logits, sizeof(float) * (size_t)E);
+    } else {
+        for (int64_t e = 0; e < E; e++) mx = logits[e] > mx ? logits[e] : mx;
+        for (int64_t e = 0; e < E; e++) total += (p[e] = expf(logits[e] - mx));
+        for (int64_t e = 0; e < E; e++) p[e] /= total;
+    }
     float picked = 0.0f;
     for (int64_t j = 0; j < K; j++) {
         int64_t best = -1;
@@ -1000,8 +1038,14 @@ static void route_one(const qm_layer *L, const float *logits, int64_t *ids, floa
         }
         ids[j] = best, w[j] = p[best], picked += p[best];
     }
-    if (L->norm_topk)
+    if (L->topk_softmax) { /* the first picked is the largest */
+        float top = w[0];
+        picked = 0.0f;
+        for (int64_t j = 0; j < K; j++) picked += (w[j] = expf(w[j] - top));
         for (int64_t j = 0; j < K; j++) w[j] /= picked;
+    } else if (L->norm_topk) {
+        for (int64_t j = 0; j < K; j++) w[j] /= picked;
+    }
     for (int64_t j = 1; j < K; j++) /* insertion sort by expert */
         for (int64_t i = j; i > 0 && ids[i - 1] > ids[i]; i--) {
             int64_t ti = ids[i]; ids[i] = ids[i - 1]; ids[i - 1] = ti;
@@ -1204,7 +1248,8 @@ static void routed_pass(const qm_layer *L, int64_t n, int64_t H, const float *xn
     int64_t E = L->experts, K = L->top_k, P = n * K;
     int64_t I = L->expert_down[0].k, sums = I / 16 + I / 32 + 2, bgu = (2 * I + QM_ROWS - 1) / QM_ROWS;
 #pragma omp for schedule(static)
-    for (int64_t s = 0; s < n * E; s++) logits[s] = dot(L->router + (s % E) * H, xn + (s / E) * H, H);
+    for (int64_t s = 0; s < n * E; s++)
+        logits[s] = dot(L->router + (s % E) * H, xn + (s / E) * H, H) + (L->router_bias ? L->router_bias[s % E] : 0.0f);
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < n; i++) {
         float *w = route + i * (K + E);
@@ -1245,7 +1290,7 @@ static void routed_pass(const qm_layer *L, int64_t n, int64_t H, const float *xn
     for (int64_t q = 0; q < P; q++) {
         const float *g = R->gu + q * 2 * I;
         float *a = R->act + q * I, *a16 = R->asum + q * sums;
-        for (int64_t i = 0; i < I; i++) a[i] = (g[i] / (1.0f + expf(-g[i]))) * g[I + i];
+        activate(g, I, L->expert_gate, R->ids[R->order[q]], a);
         group_sums(a, I, a16, a16 + I / 16 + 1);
         make_digits(a, I, R->dig + R->dig_bytes * (size_t)q, &R->ad[q]);
     }
@@ -1261,9 +1306,11 @@ static void routed_pass(const qm_layer *L, int64_t n, int64_t H, const float *xn
                 xin[q] = R->act + (first + q) * I, s16[q] = a16, s32[q] = a16 + I / 16 + 1, dg[q] = R->ad + first + q;
             }
             rows_for(&L->expert_down[e], r, rows, c, xin, s16, s32, dg, tmp, mine);
+            const float *db = L->expert_gate ? L->expert_gate->down_bias + e * H + r : NULL;
             for (int64_t q = 0; q < c; q++) {
                 int64_t p = R->order[first + q], i = p / K;
-                for (int64_t j = 0; j < rows; j++) acc[i * QM_ROWS + j] += R->wts[p] * mine[q * QM_ROWS + j];
+                for (int64_t j = 0; j < rows; j++)
+                    acc[i * QM_ROWS + j] += R->wts[p] * (db ? mine[q * QM_ROWS + j] + db[j] : mine[q * QM_ROWS + j]);
             }
         }
         for (int64_t i = 0; i < n; i++)
@@ -1271,12 +1318,15 @@ static void routed_pass(const qm_layer *L, int64_t n, int64_t H, const float *xn
     }
 }
 
-/* x: (n, hidden), updated in place. cos, sin: (n, head_dim), each token's own. keys[l],
- * values[l]: (kv_heads, capacity, head_dim) with room for length + n entries. Returns 0, or -1
- * when scratch memory could not be had. */
-int qm_pass_layers(const qm_layer *layers, float *const *keys, float *const *values, int64_t count, int64_t hidden,
-                   int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t capacity, int64_t length, int64_t n,
-                   float scale, const float *cos, const float *sin, const uint8_t *allowed, float *x, int threads) {
+/* x: (n, hidden), updated in place. cos, sin: (n, head_dim), each token's own. views[l]: layer
+ * l's buffers with room for the pass's n entries after its columns; spans: (base, lo) for each
+ * window (NULL where no layer has one). allowed: (n, length + n), what a full layer's token
+ * reads (NULL: a chain); masks[w]: the same for the layers of window w over their own columns,
+ * (n, length - base + n). Returns 0, or -1 when scratch memory could not be had. */
+int qm_pass_layers(const qm_layer *layers, const qm_view *views, int64_t count, int64_t hidden, int64_t heads,
+                   int64_t kv_heads, int64_t head_dim, int64_t length, int64_t n, const int64_t *spans,
+                   const uint8_t *const *masks, float scale, const float *cos, const float *sin,
+                   const uint8_t *allowed, float *x, int threads) {
     int64_t D = head_dim, H = hidden, nq = heads * D, nkv = kv_heads * D, group_size = heads / kv_heads;
     int64_t inter = 0, total = length + n;
     int64_t E = 0, K = 0, I = 0; /* the MoE layers' most experts, top_k and expert width */
@@ -1343,7 +1393,13 @@ int qm_pass_layers(const qm_layer *layers, float *const *keys, float *const *val
         qm_few few;
         for (int64_t l = 0; l < count; l++) {
             const qm_layer *L = layers + l;
-            float *lk = keys[l], *lv = values[l];
+            const qm_view *V = views + l;
+            int64_t base, lo, capacity = V->capacity;
+            span_of(V, spans, &base, &lo);
+            int64_t at = length - base, seen = at + n; /* the pass's first column; the columns it reads */
+            (void)lo; /* a windowed layer's mask says what each token reads */
+            const uint8_t *allow = V->window < 0 ? allowed : masks[V->window]; /* (n, seen) */
+            float *lk = V->keys, *lv = V->values;
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < n; i++) rms_norm(x + i * H, L->attn_norm, L->attn_eps, H, xn + i * H);
             make_few(xn, n, H, mine, &few);
@@ -1364,15 +1420,15 @@ int qm_pass_layers(const qm_layer *layers, float *const *keys, float *const *val
                 int64_t i = s / kv_heads, g = s % kv_heads;
                 float *kh = k + i * nkv + g * D;
                 norm_and_rotate(kh, L->k_norm, L->k_eps, cos + i * D, sin + i * D, D, tmp);
-                memcpy(lk + (g * capacity + length + i) * D, kh, sizeof(float) * (size_t)D);
-                memcpy(lv + (g * capacity + length + i) * D, v + i * nkv + g * D, sizeof(float) * (size_t)D);
+                memcpy(lk + (g * capacity + at + i) * D, kh, sizeof(float) * (size_t)D);
+                memcpy(lv + (g * capacity + at + i) * D, v + i * nkv + g * D, sizeof(float) * (size_t)D);
             }
 #pragma omp for schedule(static)
             for (int64_t s = 0; s < n * heads; s++) {
                 int64_t i = s / heads, h = s % heads, g = h / group_size;
-                attend_masked(q + i * nq + h * D, lk + g * capacity * D, lv + g * capacity * D, total,
-                              allowed ? allowed + i * total : NULL, length + i, D, scale, scores,
-                              attn + i * nq + h * D);
+                attend_masked(q + i * nq + h * D, lk + g * capacity * D, lv + g * capacity * D, seen,
+                              allow ? allow + i * seen : NULL, at + i, D, scale, L->sinks ? L->sinks + h : NULL,
+                              scores, attn + i * nq + h * D);
             }
             make_few(attn, n, nq, mine, &few);
 #pragma omp for schedule(static)

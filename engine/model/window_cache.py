@@ -107,6 +107,14 @@ class WindowedCache(KVCache):
             v[:, :, : old_v.shape[2]] = old_v
             self.keys[i], self.values[i] = k, v
 
+    def make_room(self, n: int) -> None:
+        """Room for n more entries in every windowed layer's buffers (a pass that writes them
+        itself, not through `update`: engine.kernels.fused_layer)."""
+        for w in self.sizes:
+            need = self.length - self.start[w] + n
+            if any(need > self.keys[i].shape[2] for i, lw in enumerate(self.windows) if lw == w):
+                self._grow_window(w, need)
+
     def held_from(self, window: int) -> int:
         return self.start[window]
 

@@ -102,10 +102,12 @@ SYNTHETIC_GPT_OSS: MoEShape = dict(hidden=2880, layers=4, vocab=32000, heads=64,
 
 
 def synthetic_gpt_oss_gguf(path: Path, hidden: int, layers: int, vocab: int, heads: int, kv_heads: int, head_dim: int,
-                           experts: int, top_k: int, expert_width: int, dense_type: str = "Q8_0", seed: int = 0) -> Path:
+                           experts: int, top_k: int, expert_width: int, dense_type: str = "Q8_0", seed: int = 0,
+                           window: int = 128) -> Path:
     """A random gpt-oss GGUF as llama.cpp converts one: experts in MXFP4 (random codes, exponents
     near 2^-7), attention, embeddings and head in `dense_type`, biases, sinks and norms F32,
-    128-token windows on even layers, YaRN. One tensor in memory at a time. Idempotent."""
+    `window`-token windows on even layers (gpt-oss's 128), YaRN. One tensor in memory at a time.
+    Idempotent."""
     if path.is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -147,7 +149,7 @@ def synthetic_gpt_oss_gguf(path: Path, hidden: int, layers: int, vocab: int, hea
                   num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
                   max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=150000.0, vocab_size=vocab,
                   num_local_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=expert_width,
-                  sliding_window=128, rope_scaling={"rope_type": "yarn", "factor": 32.0,
+                  sliding_window=window, rope_scaling={"rope_type": "yarn", "factor": 32.0,
                                                    "original_max_position_embeddings": 4096})
     part = path.with_name(path.name + ".part")
     write_gguf(part, "gpt-oss", config, synthetic_vocab(), tensors, value, name=path.stem)

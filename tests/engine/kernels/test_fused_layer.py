@@ -1,11 +1,12 @@
 """The fused decoding step and pass (engine/kernels/fused_layer.py, qmatmul.c's qm_decode_layers
-and qm_pass_layers): for packed llama, qwen2 (q/k/v biases) and qwen3 (per-head q/k norms) models
-they compute the hidden states and the K/V transformers' own layer modules compute on the same
-packed weights (fp32 rounding apart), step after step while the cache grows and rolls back, and
-for chains and tree passes under any mask; greedy text, plain and speculative, is the text
-without them and transformers' on the de-quantised GGUF; everything else (windows, unpacked
-Linears, other caches, passes past FUSED_PASS_TOKENS, SPECCHAT_NO_FUSED=1) keeps the general
-path."""
+and qm_pass_layers): for packed llama, qwen2 (q/k/v biases) and qwen3 (per-head q/k norms) models,
+with sliding windows or without, and packed MoEs (Qwen3-MoE, Mixtral, gpt-oss) they compute the
+hidden states and the K/V transformers' own layer modules compute on the same packed weights
+(fp32 rounding apart), step after step while the cache grows, rolls back and drops what its
+windows left behind, and for chains and tree passes under any mask; greedy text, plain and
+speculative, is the text without them and transformers' on the de-quantised GGUF; everything else
+(unpacked Linears, other caches, passes past FUSED_PASS_TOKENS, SPECCHAT_NO_FUSED=1) keeps the
+general path."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from engine.loading.load import load_model
 from engine.model import causal_lm
 from engine.model.causal_lm import CausalLM
 from engine.model.window_cache import WindowedCache
+from engine.testing.random_gguf import synthetic_gpt_oss_gguf
 from engine.testing.synthetic import tiny_gguf, tiny_model
 from engine.types import Completion, DecodeMode, GenerationRequest, SpeculationSettings
 
@@ -102,6 +104,8 @@ def config(family: str) -> PretrainedConfig:
         return LlamaConfig(**common)
     if family == "qwen2":
         return Qwen2Config(**common, use_sliding_window=False)
+    if family == "qwen3-window":  # layers 1 and 2 slide over 4 positions (shorter than the tests' passes)
+        return Qwen3Config(**common, use_sliding_window=True, sliding_window=4, max_window_layers=1, head_dim=48)
     return Qwen3Config(**common, use_sliding_window=False, head_dim=48)  # wider heads than hidden / heads
 
 
@@ -122,7 +126,7 @@ def close(got: torch.Tensor, want: torch.Tensor) -> bool:
     return bool((got - want).abs().max() <= 3e-5 * want.abs().max())
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3-window"])
 def test_fused_steps_equal_the_layer_modules(family: str, monkeypatch: pytest.MonkeyPatch,
                                              fused_steps: list[int], fused_passes: list[int]) -> None:
     hf = packed(config(family))
@@ -165,7 +169,7 @@ def tree_mask(parents: list[int], past: torch.Tensor) -> torch.Tensor:
     return torch.cat([past[None].expand(n, -1), own], dim=1)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3-window"])
 def test_fused_passes_equal_the_layer_modules(family: str, monkeypatch: pytest.MonkeyPatch,
                                               fused_passes: list[int], fused_steps: list[int]) -> None:
     """Chains and trees: the hidden state of every node and every K/V entry, across a tree,
@@ -249,7 +253,7 @@ def test_greedy_text_equals_the_general_path_and_transformers(arch: str, model_c
 
 def test_other_models_and_passes_keep_the_general_path(model_cache: Path, monkeypatch: pytest.MonkeyPatch,
                                                        fused_steps: list[int], fused_passes: list[int]) -> None:
-    # sliding-window layers (the tiny qwen3 family has one), packed or not
+    # Linears not packed (the tiny qwen3 family, with a sliding window)
     windowed = AutoModelForCausalLM.from_pretrained(tiny_model("qwen3", cache_dir=model_cache), dtype=torch.float32)
     assert CausalLM(windowed).fused is None
     # a Linear left unpacked
@@ -382,20 +386,27 @@ def test_the_portable_builds_compute_the_same(flags: tuple[str, ...], tmp_path: 
         build.reset()
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "gpt_oss"])
 def test_moe_steps_route_in_the_fused_step(arch: str, model_cache: Path, monkeypatch: pytest.MonkeyPatch,
                                            fused_steps: list[int], fused_passes: list[int]) -> None:
-    """An MoE whose routed experts are all packed (Qwen3-MoE, Mixtral) takes its decode steps and
-    its passes of several tokens (a prompt's chain, a tree) in one C call too: the router
-    (softmax, top-k, renormalised), each token's routed experts summed in expert order, counted
-    into each layer's PackedExperts.hits; a pass reads each woken expert once for all its tokens
-    and logs the union it woke (what trees are priced by). Every hidden state and K/V entry is
-    the general path's (which tests/engine/loading/test_gguf_families.py holds to transformers'),
-    the routing counts and unions the same, and greedy text, plain and with draft-free trees,
-    the same."""
+    """An MoE whose routed experts are all packed (Qwen3-MoE, Mixtral, gpt-oss) takes its decode
+    steps and its passes of several tokens (a prompt's chain, a tree) in one C call too: the
+    router (softmax, top-k, renormalised; gpt-oss's: biased logits, top-k, softmax of those),
+    each token's routed experts summed in expert order (gpt-oss's gate and biases), counted into
+    each layer's PackedExperts.hits; a pass reads each woken expert once for all its tokens and
+    logs the union it woke (what trees are priced by). gpt-oss's attention too: sinks, q/k/v/o
+    biases, its half-width rotary tables, and windows of 6 on even layers (a WindowedCache that
+    drops what they left behind). Every hidden state and K/V entry is the general path's (which
+    tests/engine/loading/test_gguf_families.py and test_gguf_families2.py hold to
+    transformers'), the routing counts and unions the same, and greedy text, plain and with
+    draft-free trees, the same."""
     from engine.kernels.experts import PackedExperts
 
-    path = tiny_gguf(arch, layers=3, layer_types=("Q8_0", "Q4_K/Q6_K", "Q4_0"), cache_dir=model_cache)
+    if arch == "gpt_oss":  # MXFP4 experts, Q8_0 attention
+        path = synthetic_gpt_oss_gguf(model_cache / "fused-gpt-oss" / "model.gguf", hidden=128, layers=3, vocab=384,
+                                      heads=4, kv_heads=2, head_dim=32, experts=4, top_k=2, expert_width=128, window=6)
+    else:
+        path = tiny_gguf(arch, layers=3, layer_types=("Q8_0", "Q4_K/Q6_K", "Q4_0"), cache_dir=model_cache)
     fused = load_model(path, offload="none")
     monkeypatch.setenv("SPECCHAT_NO_FUSED", "1")
     plain = load_model(path, offload="none")
