@@ -10,7 +10,11 @@ optionally a minimum per group, w = scale * code (+ minimum):
   16), Q5_0/Q5_1/Q5_K (codes 0..31, with minimums);
 - "q4": codes 0..15 packed two per byte (N x K/2; in each group of 32, byte k holds value k in
   its low nibble and value k + 16 in its high nibble), groups of 32: Q4_0, Q4_1, Q4_K. Q4_0's
-  minimum, -8 scale, is not stored (`offset` 8): 0.5625 bytes a weight, the file's.
+  minimum, -8 scale, is not stored (`offset` 8): 0.5625 bytes a weight, the file's;
+- "q2": codes 0..3 in two bits, with minimums (N x K/4), and "q3": codes -4..3 in three bits
+  (N x K/128*48, `pack_low`), groups of 16, rows of whole 128s: Q2_K and Q3_K at 0.41 / 0.45
+  bytes a weight with their scales as the file factors them (the files' 0.33 / 0.43; in kind
+  q6 they took 0.91 / 0.83).
 
 Codes may also be nibbles (packed as q4's) that index a table of values (`table`, no minimums;
 `from_nibbles`): MXFP4 (gpt-oss's experts) is a q4 whose codes index E2M1's values doubled
@@ -46,9 +50,9 @@ from engine.kernels.build import kernels
 from engine.kernels.governor import governor
 from engine.offload import gguf_blocks
 
-Kind = Literal["q8", "q4", "q6"]
+Kind = Literal["q8", "q4", "q6", "q2", "q3"]
 Table = Literal["e2m1", "iq4"]
-KIND_CODES = {"q8": 8, "q4": 4, "q6": 6}  # qmatmul.c's kind codes
+KIND_CODES = {"q8": 8, "q4": 4, "q6": 6, "q2": 2, "q3": 3}  # qmatmul.c's kind codes
 HALF = 256  # qmatmul.c's QM_HALF: the scales and minimums are fp16
 KSC = 512  # qmatmul.c's QM_KSC: the scales and minimums as K-quants store them (uint8 tensors)
 OFF8 = 1024  # qmatmul.c's QM_OFF8: q4 codes offset by 8, no minimums stored (QuantWeight.offset)
@@ -139,7 +143,13 @@ def _packed_codes(codes: torch.Tensor, group: int, bits: int, has_mins: bool) ->
     if bits <= 4 and group == 32 and has_mins:
         q = codes.to(torch.uint8).reshape(n, k // 32, 2, 16)
         return "q4", (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
-    if bits in (5, 6) and group in (16, 32) and k % 64 == 0 and int(codes.min()) >= -32 and int(codes.max()) <= 31:
+    if bits in (2, 3) and group == 16 and k % 128 == 0:
+        lo, hi = int(codes.min()), int(codes.max())
+        if bits == 2 and has_mins and lo >= 0 and hi <= 3:
+            return "q2", pack_low(codes, 2)
+        if bits == 3 and not has_mins and lo >= -4 and hi <= 3:
+            return "q3", pack_low(codes, 3)
+    if bits in (2, 3, 5, 6) and group in (16, 32) and k % 64 == 0 and int(codes.min()) >= -32 and int(codes.max()) <= 31:
         return "q6", pack6(codes, group)
     return "q8", codes.to(torch.int8).contiguous()
 
@@ -160,6 +170,35 @@ def pack6(codes: torch.Tensor, group: int = 32) -> torch.Tensor:
     if k % 128:
         parts.append(_pack6(c[:, whole:].reshape(n, 1, 64), 64))
     return torch.cat(parts, dim=-1).contiguous()
+
+
+def pack_low(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """(N, K) codes, K a multiple of 128, groups of 16 -> kind q2's bytes (bits 2: codes 0..3,
+    N x K/4) or q3's (bits 3: codes -4..3, c = code + 4, N x K/128*48). Each 128 values in
+    pack6's order for groups of 16 (`_order`): 32 bytes of two-bit fields as pack6 lays out its
+    top bits (byte j, bits 2i and 2i + 1: the value at place j + 32 i), then for q3 16 bytes of
+    third bits (bit m, little-endian: the value at place m). qmatmul.c's expand_low reads both."""
+    n, k = codes.shape
+    c = (codes.to(torch.int16) + (4 if bits == 3 else 0)).to(torch.uint8).reshape(n, k // 128, 128)
+    c = c[..., _order(16, codes.device)]
+    t = (c & 3).reshape(n, k // 128, 4, 32)
+    parts = [t[:, :, 0] | (t[:, :, 1] << 2) | (t[:, :, 2] << 4) | (t[:, :, 3] << 6)]
+    if bits == 3:
+        third = ((c >> 2) & 1).reshape(n, k // 128, 16, 8)
+        parts.append((third << torch.arange(8, dtype=torch.uint8, device=codes.device)).sum(-1, dtype=torch.uint8))
+    return torch.cat(parts, dim=-1).reshape(n, -1).contiguous()
+
+
+def unpack_low(packed: torch.Tensor, k: int, bits: int) -> torch.Tensor:
+    """pack_low's inverse: -> (N, K) int32 codes."""
+    n = packed.shape[0]
+    b = packed.reshape(n, k // 128, 32 if bits == 2 else 48).to(torch.int32)
+    stored = torch.cat([(b[..., :32] >> (2 * i)) & 3 for i in range(4)], dim=-1)  # (n, blocks, 128) in order
+    if bits == 3:
+        third = (b[..., 32:, None] >> torch.arange(8, device=packed.device)) & 1  # (n, blocks, 16, 8)
+        stored = stored + 4 * third.reshape(n, -1, 128) - 4
+    out = torch.empty_like(stored).index_copy_(2, _order(16, packed.device), stored)
+    return out.reshape(n, k)
 
 
 def _order(group: int, device: torch.device) -> torch.Tensor:
@@ -264,6 +303,8 @@ def codes_of(w: QuantWeight) -> torch.Tensor:
         return w.codes.to(torch.int32)
     if w.kind == "q6":
         return unpack6(w.codes, w.in_features, w.group)
+    if w.kind in ("q2", "q3"):
+        return unpack_low(w.codes, w.in_features, KIND_CODES[w.kind])
     return _nibbles(w.codes).reshape(w.out_features, w.in_features).to(torch.int32)
 
 
@@ -307,6 +348,8 @@ def dequantize_rows(w: QuantWeight, rows: torch.Tensor) -> torch.Tensor:
         codes = _nibbles(codes)
     elif w.kind == "q6":
         codes = unpack6(codes, w.in_features, w.group)
+    elif w.kind in ("q2", "q3"):
+        codes = unpack_low(codes, w.in_features, KIND_CODES[w.kind])
     groups = w.in_features // w.group
     scales = params_fp32(w.scales[rows], groups)
     v = codes.reshape(len(rows), -1, w.group).float() * scales[..., None]

@@ -272,7 +272,8 @@ QM_INLINE void q4_rows_vnni(const qm_digits *d, const float *const *xsum, const 
  * (128 * the group's sum of v) comes back through c16/c32. */
 QM_INLINE void q8_rows_vnni(const qm_digits *d, const float *const *xsum, const int few, const int8_t *codes,
                             int64_t rb, const void *sc, const void *mn, int64_t ps, int half, int64_t K,
-                            int64_t group, const int R, float *out, int64_t os, const int six, const int iq4) {
+                            int64_t group, const int R, float *out, int64_t os, const int six, const int iq4,
+                            const int low) {
     /* six: kind-6 codes (see expand_q6), c = code + 32 made in registers: a whole 128 from its 96
      * bytes at once (the low nibbles give values 0-63 and 64-127 in order; the top bits of four
      * values a byte, each 32 shifted to bits 4-5 within their 64-bit lanes and masked), kept for
@@ -288,6 +289,12 @@ QM_INLINE void q8_rows_vnni(const qm_digits *d, const float *const *xsum, const 
     for (int c = 0; c < 4; c++) lanes32[c] = _mm512_loadu_si512(LANES_Q8_32[c]);
     for (int c = 0; c < 2; c++) lanes16[c] = _mm512_loadu_si512(LANES_Q8_16[c]);
     const __m512i flip = _mm512_set1_epi8((char)0x80);
+    /* low (kinds 2 and 3, groups of 16, whole 128s): the two-bit fields of 32 bytes, broadcast to
+     * both halves, shifted per 64-bit lane to bits 0-1 (lo: fields 0 and 1, hi: 2 and 3); kind 3's
+     * third bits from two 64-bit masks, adding 4 (c = code + 4: the share is 4/128 of q8's) */
+    const __m512i low_lo = _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2), low_hi = _mm512_setr_epi64(4, 4, 4, 4, 6, 6, 6, 6);
+    const __m512i four = _mm512_set1_epi8(4);
+    const int64_t low_bytes = low == 2 ? 32 : 48; /* a 128's bytes */
     /* iq4 (QM_IQ4, groups of 32): each 64 values' 32 bytes of nibbles, shuffled to value + 128 */
     const __m512i iq4_lut = _mm512_broadcast_i32x4(_mm_setr_epi8(1, 24, 45, 63, 79, 93, 106, 118, (char)129, (char)141,
                                                                  (char)153, (char)166, (char)181, (char)197, (char)217, (char)241));
@@ -305,7 +312,7 @@ QM_INLINE void q8_rows_vnni(const qm_digits *d, const float *const *xsum, const 
         for (int i = 0; i < few; i++) {
             u[i] = _mm256_maskz_loadu_ps(live, (group == 16 ? d[i].u16 : d[i].u32) + g);
             bk[i] = _mm256_maskz_loadu_ps(live, (group == 16 ? d[i].c16 : d[i].c32) + g);
-            if (six) bk[i] = _mm256_mul_ps(bk[i], _mm256_set1_ps(0.25f));
+            if (six || low) bk[i] = _mm256_mul_ps(bk[i], _mm256_set1_ps(six ? 0.25f : low == 3 ? 1.0f / 32.0f : 0.0f));
             xs[i] = mn ? _mm256_maskz_loadu_ps(live, xsum[i] + g) : u[i];
         }
         prefetch_params(sc, mn, ps, half, g, R);
@@ -318,10 +325,24 @@ QM_INLINE void q8_rows_vnni(const qm_digits *d, const float *const *xsum, const 
                 f[r][i] = _mm512_castps256_ps512(_mm256_mul_ps(s, u[i]));
             }
         }
-        if (six && group == 16 && n == 8) { /* a whole 128 of groups of 16: both halves' dots in one lane */
+        if ((six || low) && group == 16 && n == 8) { /* a whole 128 of groups of 16: both halves' dots in one lane */
             int64_t at = g * 16;
             __m512i lo[QM_ROWS], hi[QM_ROWS];
             for (int r = 0; r < R; r++) {
+                if (low) {
+                    const uint8_t *row = (const uint8_t *)codes + r * rb + at / 128 * low_bytes;
+                    _mm_prefetch((const char *)(row + QM_AHEAD * QM_ROWS * rb), QM_HINT);
+                    __m512i top = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)row));
+                    lo[r] = _mm512_and_si512(_mm512_srlv_epi64(top, low_lo), three);
+                    hi[r] = _mm512_and_si512(_mm512_srlv_epi64(top, low_hi), three);
+                    if (low == 3) {
+                        uint64_t m[2];
+                        memcpy(m, row + 32, sizeof m);
+                        lo[r] = _mm512_mask_add_epi8(lo[r], (__mmask64)m[0], lo[r], four);
+                        hi[r] = _mm512_mask_add_epi8(hi[r], (__mmask64)m[1], hi[r], four);
+                    }
+                    continue;
+                }
                 const uint8_t *row = (const uint8_t *)codes + r * rb + at / 128 * 96;
                 _mm_prefetch((const char *)(row + QM_AHEAD * QM_ROWS * rb), QM_HINT);
                 _mm_prefetch((const char *)(row + 64 + QM_AHEAD * QM_ROWS * rb), QM_HINT);
@@ -430,7 +451,9 @@ static inline int takes_digits(const qm_digits *d, int64_t kind, int64_t K, int6
     const int six = 0; /* the AVX-VNNI build reads kind 6 through the fp32 rows */
 #endif
     kind = QM_KIND(kind);
-    return d->ok && K % 64 == 0 && (kind == 4 || group == 16 || group == 32) && (kind != 6 || six);
+    int low = kind == 2 || kind == 3; /* whole 128s of groups of 16 only (the fp32 rows read the rest) */
+    return d->ok && K % 64 == 0 && (kind == 4 || group == 16 || group == 32) && (kind != 6 || six)
+           && (!low || (six && group == 16 && K % 128 == 0));
 }
 
 /* Rows 0 .. rows - 1 (rows <= QM_ROWS) of a kind-4 or kind-8 weight times the digits of tokens
@@ -443,9 +466,11 @@ static void rows_vnni(const qm_digits *d, const float *const *xsum, int few, int
 #define QM_BLOCK(F)                                                                                              \
     (QM_KIND(kind) == 4 ? q4_rows_vnni(d, xsum, F, (const uint8_t *)codes, rb, sc, mn, ps, half, K, QM_ROWS, out, os, \
                                        QM_Q4_MODE(kind))                                                        \
-     : kind == 6 ? q8_rows_vnni(d, xsum, F, (const int8_t *)codes, rb, sc, mn, ps, half, K, group, QM_ROWS, out, os, 1, 0) \
-     : (kind & QM_IQ4) ? q8_rows_vnni(d, xsum, F, (const int8_t *)codes, rb, sc, mn, ps, half, K, group, QM_ROWS, out, os, 0, 1) \
-                       : q8_rows_vnni(d, xsum, F, (const int8_t *)codes, rb, sc, mn, ps, half, K, group, QM_ROWS, out, os, 0, 0))
+     : kind == 6 ? q8_rows_vnni(d, xsum, F, (const int8_t *)codes, rb, sc, mn, ps, half, K, group, QM_ROWS, out, os, 1, 0, 0) \
+     : kind == 2 ? q8_rows_vnni(d, xsum, F, (const int8_t *)codes, rb, sc, mn, ps, half, K, group, QM_ROWS, out, os, 0, 0, 2) \
+     : kind == 3 ? q8_rows_vnni(d, xsum, F, (const int8_t *)codes, rb, sc, mn, ps, half, K, group, QM_ROWS, out, os, 0, 0, 3) \
+     : (kind & QM_IQ4) ? q8_rows_vnni(d, xsum, F, (const int8_t *)codes, rb, sc, mn, ps, half, K, group, QM_ROWS, out, os, 0, 1, 0) \
+                       : q8_rows_vnni(d, xsum, F, (const int8_t *)codes, rb, sc, mn, ps, half, K, group, QM_ROWS, out, os, 0, 0, 0))
     if (rows == QM_ROWS) { /* the token count a constant: its loops unrolled, its accumulators in registers */
         if (few == 1)
             QM_BLOCK(1);
@@ -464,7 +489,7 @@ static void rows_vnni(const qm_digits *d, const float *const *xsum, int few, int
             q4_rows_vnni(d, xsum, few, (const uint8_t *)c, rb, s, m, ps, half, K, 1, out + r * os, os, QM_Q4_MODE(kind));
         else
             q8_rows_vnni(d, xsum, few, (const int8_t *)c, rb, s, m, ps, half, K, group, 1, out + r * os, os, kind == 6,
-                         (kind & QM_IQ4) != 0);
+                         (kind & QM_IQ4) != 0, kind == 2 || kind == 3 ? (int)kind : 0);
     }
 }
 #else

@@ -149,8 +149,9 @@ QM_INLINE void q4_rows_vnni(const qm_digits *d, const float *const *xsum, const 
 
 QM_INLINE void q8_rows_vnni(const qm_digits *d, const float *const *xsum, const int few, const int8_t *codes,
                             int64_t rb, const void *sc, const void *mn, int64_t ps, int half, int64_t K,
-                            int64_t group, const int R, float *out, int64_t os, const int six, const int iq4) {
-    (void)six; /* kind 6 takes the fp32 rows in this build (takes_digits) */
+                            int64_t group, const int R, float *out, int64_t os, const int six, const int iq4,
+                            const int low) {
+    (void)six, (void)low; /* kinds 6, 2 and 3 take the fp32 rows in this build (takes_digits) */
     const __m256i flip = _mm256_set1_epi8((char)0x80);
     const __m128i m4 = _mm_set1_epi8(15); /* iq4: as qm_digits.h, a group's 16 bytes to value + 128 */
     const __m256i iq4_lut = _mm256_broadcastsi128_si256(_mm_setr_epi8(1, 24, 45, 63, 79, 93, 106, 118, (char)129, (char)141,

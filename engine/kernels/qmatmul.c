@@ -63,7 +63,7 @@
  * their file's nibbles (0.5625 / 0.54 bytes a weight; as int8 codes 1.06 / 1.04). The integer rows
  * shuffle each nibble to its value + 128, the offset q8's codes are read at. */
 #define QM_IQ4 4096
-#define QM_KIND(k) ((k) & 15) /* 4, 6 or 8 */
+#define QM_KIND(k) ((k) & 15) /* 2, 3, 4, 6 or 8 */
 static const int8_t QM_E2M1_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 static const int8_t QM_IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 /* a q4 row's offset mode for the integer rows: 0 none, 1 QM_OFF8, 2 QM_E2M1 */
@@ -240,16 +240,39 @@ static void expand_q6(const uint8_t *p, int64_t K, int64_t group, int8_t *out) {
         }
 }
 
-/* A kind-6 row as signed codes, in this thread's buffer (kept between calls, grown as needed). */
+/* The signed codes of a row that is not kept as bytes (codes_row), in this thread's buffer. */
 static _Thread_local int8_t *six_buf = NULL;
 static _Thread_local size_t six_len = 0;
-static const int8_t *six_row(const void *p, int64_t K, int64_t group) {
+
+/* Kinds 2 and 3 (groups of 16, K a multiple of 128): per 128 values, 32 bytes of two-bit fields
+ * in kind 6's top-bit layout (byte j, bits 2i and 2i + 1: the value at place j + 32 i of its
+ * order, lo(0..63) then hi(0..63), lo(j) the first 8 values of group j / 8, hi(j) its last 8);
+ * kind 3 then 16 bytes of third bits (bit m of the 128: the value at place m). Kind 2's codes are
+ * the fields (0..3, with minimums: Q2_K), kind 3's the three bits less 4 (-4..3: Q3_K). */
+static void expand_low(const uint8_t *p, int64_t K, int bits, int8_t *out) {
+    int64_t per = bits == 2 ? 32 : 48;
+    for (int64_t at = 0; at + 128 <= K; at += 128, p += per, out += 128)
+        for (int m = 0; m < 128; m++) {
+            int j = m & 63, v = 16 * (j >> 3) + (j & 7) + (m >= 64 ? 8 : 0);
+            int c = (p[m & 31] >> (2 * (m >> 5))) & 3;
+            out[v] = (int8_t)(bits == 2 ? c : c + (((p[32 + (m >> 3)] >> (m & 7)) & 1) << 2) - 4);
+        }
+}
+
+/* A kind-6, kind-2 or kind-3 row as signed codes, in this thread's buffer (kept between calls,
+ * grown as needed); a kind-8 row as it is. */
+static const int8_t *codes_row(int64_t kind, const void *p, int64_t K, int64_t group) {
+    int k = QM_KIND(kind);
+    if (k == 8) return (const int8_t *)p;
     if ((size_t)K > six_len) {
         int8_t *grown = (int8_t *)realloc(six_buf, (size_t)K);
         if (!grown) abort(); /* K bytes: a machine without them cannot have loaded the model */
         six_buf = grown, six_len = (size_t)K;
     }
-    expand_q6((const uint8_t *)p, K, group, six_buf);
+    if (k == 6)
+        expand_q6((const uint8_t *)p, K, group, six_buf);
+    else
+        expand_low((const uint8_t *)p, K, k, six_buf);
     return six_buf;
 }
 
@@ -260,7 +283,7 @@ static _Thread_local size_t table_len = 0;
 static const int8_t *table_row(const void *row, int64_t K, const int8_t *values) {
     if ((size_t)K > table_len) {
         int8_t *grown = (int8_t *)realloc(table_buf, (size_t)K);
-        if (!grown) abort(); /* as six_row */
+        if (!grown) abort(); /* as codes_row */
         table_buf = grown, table_len = (size_t)K;
     }
     const uint8_t *p = (const uint8_t *)row;
@@ -274,7 +297,8 @@ static const int8_t *table_row(const void *row, int64_t K, const int8_t *values)
 #define QM_TABLE(k) ((k) & QM_E2M1 ? QM_E2M1_VALUES : (k) & QM_IQ4 ? QM_IQ4_VALUES : NULL)
 
 static inline int64_t row_bytes_of(int64_t kind, int64_t K) {
-    return QM_KIND(kind) == 4 || (kind & QM_IQ4) ? K / 2 : QM_KIND(kind) == 6 ? K / 64 * 48 : K;
+    return QM_KIND(kind) == 4 || (kind & QM_IQ4) ? K / 2 : QM_KIND(kind) == 6 ? K / 64 * 48
+           : QM_KIND(kind) == 2 ? K / 4 : QM_KIND(kind) == 3 ? K / 8 * 3 : K;
 }
 
 /* One weight row of any kind -> fp32 values. */
@@ -285,7 +309,7 @@ static void decode_row(int64_t kind, const void *row, const void *sc, const void
     else if (QM_KIND(kind) == 4)
         decode_q4((const uint8_t *)row, sc, mn, half, K, out, (kind & QM_OFF8) != 0);
     else
-        decode_q8(QM_KIND(kind) == 6 ? six_row(row, K, group) : (const int8_t *)row, sc, mn, half, K, group, out);
+        decode_q8(codes_row(kind, row, K, group), sc, mn, half, K, group, out);
 }
 
 #include "qm_attend.h" /* hsum, dot, attend, attend_masked */
@@ -504,7 +528,7 @@ static float row_fp32(int64_t kind, const float *x, const void *row, const void 
         return ROW_Q4(x, (const uint8_t *)row, s2, m2, 0, xsum, K);
     }
     if (QM_KIND(kind) == 4) return ROW_Q4(x, (const uint8_t *)row, sc, mn, half, xsum, K);
-    return ROW_Q8(x, QM_KIND(kind) == 6 ? six_row(row, K, group) : (const int8_t *)row, sc, mn, half, xsum, K, group);
+    return ROW_Q8(x, codes_row(kind, row, K, group), sc, mn, half, xsum, K, group);
 }
 #endif
 #include "qm_digits.h"

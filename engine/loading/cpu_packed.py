@@ -16,7 +16,8 @@ GGUF tensors) stay packed too, one kernel weight per expert and tensor, and the 
 becomes a PackedExperts (engine.kernels.experts) that runs only the experts a pass routes to. A
 projection with a part in a type the kernel does not read (a float type) is de-quantised whole; IQ4_NL and
 IQ4_XS stay in their nibbles too (q8 codes of their table's values, 0.5625 and 0.54 bytes a weight), Q2_K
-and Q3_K as six-bit codes in groups of 16 (0.91 and 0.83 bytes a weight; fp32 took 4).
+and Q3_K in two- and three-bit codes in groups of 16 (0.41 and 0.45 bytes a weight, the files' 0.33 and 0.43;
+six-bit codes took 0.91 and 0.83, fp32 4).
 gpt-oss's MXFP4 experts stay packed as the file's nibbles (kind q4 codes of E2M1's values,
 linear.from_nibbles) with a power-of-two scale per 32 in fp16 (0.5625 bytes a weight against the
 file's 0.53, and 4 in fp32); a
@@ -178,7 +179,8 @@ def _packed_bytes(qtype: int, numel: int) -> int:
     and minimums as they factor them, 10 bytes per 8 groups; the others' in fp32 at most)."""
     group = 16 if qtype in gguf_blocks.GROUP16 else 32
     bits = 4 if qtype in gguf_blocks.NIBBLE_TABLES else gguf_blocks.AFFINE_BITS[qtype]
-    code_bytes = numel // 2 if bits <= 4 and group == 32 else numel * 3 // 4 if bits in (5, 6) else numel
+    code_bytes = (numel // 2 if bits <= 4 and group == 32 else numel * 3 // 4 if bits in (5, 6)
+                  else numel // 4 if bits == 2 else numel * 3 // 8 if bits == 3 else numel)
     scales_only = (gguf_blocks.Q.Q8_0, gguf_blocks.Q.Q6_K, gguf_blocks.Q.MXFP4, gguf_blocks.Q.IQ4_NL, gguf_blocks.Q.IQ4_XS,
                    gguf_blocks.Q.Q3_K)
     sides = 1 if qtype in scales_only else 2  # scales, or scales and minimums

@@ -251,12 +251,12 @@ _DECODERS: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {
 # (engine.kernels), whose products read the codes and apply a group's scale once. The IQ4 types
 # count, a code being its table value (-127..113), and MXFP4, its E2M1 values doubled being the
 # integers -12..12 and its scale a power of two (the kernel keeps both in the file's nibbles:
-# `table_nibbles`); Q2_K's and Q3_K's 2- and 3-bit codes, groups of 16, sit in the kernel's
-# six-bit kind. K_FACTORED types' scales are an fp16 times small integers (`k_factors`).
+# `table_nibbles`); Q2_K's and Q3_K's 2- and 3-bit codes, groups of 16, in the kernel's two- and
+# three-bit kinds. K_FACTORED types' scales are an fp16 times small integers (`k_factors`).
 AFFINE = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.MXFP4, Q.IQ4_NL, Q.IQ4_XS, Q.Q2_K,
           Q.Q3_K)
 AFFINE_BITS: dict[int, int] = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q4_K: 4, Q.Q5_0: 5, Q.Q5_1: 5, Q.Q5_K: 5, Q.Q8_0: 8, Q.Q6_K: 6,
-                               Q.MXFP4: 4, Q.IQ4_NL: 8, Q.IQ4_XS: 8, Q.Q2_K: 6, Q.Q3_K: 6}  # the bits the kernel keeps a code in
+                               Q.MXFP4: 4, Q.IQ4_NL: 8, Q.IQ4_XS: 8, Q.Q2_K: 2, Q.Q3_K: 3}  # the bits the kernel keeps a code in
 GROUP16 = (Q.Q6_K, Q.Q2_K, Q.Q3_K)  # the AFFINE types whose groups are 16 values
 
 

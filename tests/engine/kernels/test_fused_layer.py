@@ -375,6 +375,15 @@ def test_the_portable_builds_compute_the_same(flags: tuple[str, ...], tmp_path: 
                 for m in (1, 3, 5):
                     x = torch.randn(m, k, generator=g)
                     assert close(qlinear(x, w), x @ dequantize(w).T)
+            if k % 128 == 0:  # two and three bits in groups of 16 (Q2_K's, with minimums; Q3_K's, signed)
+                s16 = torch.rand(23, k // 16, generator=g)
+                low = [from_codes(torch.randint(0, 4, (23, k), generator=g), s16, -s16 / 3, 16, 2),
+                       from_codes(torch.randint(-4, 4, (23, k), generator=g), s16, None, 16, 3)]
+                assert [w.kind for w in low] == ["q2", "q3"]
+                for w in low:
+                    for m in (1, 3, 5):
+                        x = torch.randn(m, k, generator=g)
+                        assert close(qlinear(x, w), x @ dequantize(w).T)
         fused, plain = pair(packed(config("qwen2"), seed=4), monkeypatch)
         ours, theirs = fused.new_cache(16), plain.new_cache(16)
         for tokens, positions, allowed in ((torch.tensor([3, 9, 27]), torch.arange(3), None),

@@ -47,8 +47,8 @@ def matmul(lib: ctypes.CDLL, w: QuantWeight, x: torch.Tensor) -> torch.Tensor:
 
 def weights(kind: str, n: int = 40, k: int = 512, seed: int = 0) -> tuple[QuantWeight, QuantWeight]:
     """A weight of K-quant factors (Q4_K: q4 codes with minimums; Q5_K: 5-bit codes in q6;
-    Q6_K: signed 6-bit codes in q6, groups of 16, no minimums; Q3_K: signed 3-bit codes in q6,
-    groups of 16; Q2_K: 2-bit codes with minimums in q6, groups of 16) and the same values with
+    Q6_K: signed 6-bit codes in q6, groups of 16, no minimums; Q3_K: signed 3-bit codes in q3,
+    groups of 16; Q2_K: 2-bit codes with minimums in q2, groups of 16) and the same values with
     scale products in fp32."""
     g = torch.Generator().manual_seed(seed)
     group = 16 if kind in ("Q6_K", "Q3_K", "Q2_K") else 32
@@ -68,7 +68,7 @@ def weights(kind: str, n: int = 40, k: int = 512, seed: int = 0) -> tuple[QuantW
         mult = torch.randint(0, 64, (n, groups), generator=g)
         dmin = -(torch.rand(n, groups // 8, generator=g) * 0.01).half().float()
         mmult = torch.randint(0, 64, (n, groups), generator=g)
-    bits = {"Q4_K": 4, "Q5_K": 5, "Q6_K": 6, "Q3_K": 6, "Q2_K": 6}[kind]
+    bits = {"Q4_K": 4, "Q5_K": 5, "Q6_K": 6, "Q3_K": 3, "Q2_K": 2}[kind]
     factored = from_factors(codes, d, mult, dmin, mmult, group, bits)
     scales = d.repeat_interleave(8, dim=1) * mult.float()
     mins = dmin.repeat_interleave(8, dim=1) * mmult.float() if dmin is not None and mmult is not None else None
@@ -93,19 +93,20 @@ def test_a_k_quant_file_tensor_is_held_at_the_files_bytes() -> None:
     """cpu_packed.quant_weight on K-quant blocks (the project's GGUF writer's random blocks):
     the values are gguf_blocks' de-quantisation bit for bit, held in the kernel's codes (half a
     byte for 4 bits, six bits for 5 and 6: kind q6) plus 10 bytes per 8 groups of scales (and
-    minimums): Q6_K at 0.83 bytes a weight, its file's 0.82; Q3_K and Q2_K in six bits too (groups
-    of 16), IQ4_XS in its nibbles (q8 codes of its table's values)."""
+    minimums): Q6_K at 0.83 bytes a weight, its file's 0.82; Q3_K and Q2_K in three and two bits
+    (kinds q3 and q2, groups of 16), IQ4_XS in its nibbles (q8 codes of its table's values)."""
     import numpy as np
 
     from engine.testing.gguf_write import Q, random_tensor
 
     rows, cols = 16, 512
-    for qtype, held in ((Q.Q4_K, 0.5 + 20 / 256), (Q.Q5_K, 0.75 + 20 / 256), (Q.Q6_K, 0.75 + 10 / 128),
-                        (Q.Q3_K, 0.75 + 10 / 128), (Q.Q2_K, 0.75 + 20 / 128), (Q.IQ4_XS, 0.5 + 10 / 256)):
+    for qtype, held, kind in ((Q.Q4_K, 0.5 + 20 / 256, "q4"), (Q.Q5_K, 0.75 + 20 / 256, "q6"),
+                              (Q.Q6_K, 0.75 + 10 / 128, "q6"), (Q.Q3_K, 0.375 + 10 / 128, "q3"),
+                              (Q.Q2_K, 0.25 + 20 / 128, "q2"), (Q.IQ4_XS, 0.5 + 10 / 256, "q8")):
         stored = random_tensor(qtype, (rows, cols), np.random.default_rng(int(qtype)))
         blocks = torch.from_numpy(np.ascontiguousarray(stored).view(np.uint8).reshape(-1))
         w = quant_weight(blocks, int(qtype), (rows, cols), None)
-        assert w.scales.dtype == torch.uint8
+        assert w.scales.dtype == torch.uint8 and w.kind == kind
         assert torch.equal(dequantize(w), gguf_blocks.dequantize(blocks, int(qtype)).reshape(rows, cols))
         assert w.nbytes == held * rows * cols, qtype
 

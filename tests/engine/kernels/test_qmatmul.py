@@ -31,26 +31,27 @@ def close(got: torch.Tensor, want: torch.Tensor) -> bool:
 @pytest.mark.parametrize("kind,group,mins,half", [("q8", 32, False, False), ("q8", 16, False, True),
                                                   ("q8", 32, True, True), ("q4", 32, True, False),
                                                   ("q4", 32, True, True), ("q6", 16, False, False),
-                                                  ("q6", 32, True, True)])
+                                                  ("q6", 32, True, True), ("q2", 16, True, False),
+                                                  ("q3", 16, False, True)])
 def test_products_equal_the_dense_product_of_the_values(lib: object, kind: str, group: int, mins: bool,
                                                         half: bool) -> None:
     """half: scales and minimums that are all fp16 values (as GGUF's Q4_1/Q8_0 store them) are
     kept and read as fp16; others as fp32."""
     g = torch.Generator().manual_seed(0)
     for n, k in ((1, 32), (7, 96), (64, 576), (13, 1536)):
-        if kind == "q6" and k % 64:
-            continue  # six-bit codes take whole chunks of 64 (else q8 holds them)
+        if kind == "q6" and k % 64 or kind in ("q2", "q3") and k % 128:
+            continue  # six-bit codes take whole chunks of 64, two- and three-bit ones 128 (else q8 or q6 holds them)
         if kind == "q4" and not half:
             w = from_dense(torch.randn(n, k, generator=g), "q4")
         else:
-            lo, hi = ((-32, 32) if kind == "q6" else (-128, 128)) if not mins else (0, 32 if kind != "q4" else 16)
+            lo, hi = {"q6": (-32, 32), "q3": (-4, 4), "q2": (0, 4)}.get(kind, (-128, 128) if not mins else (0, 32 if kind != "q4" else 16))
             codes = torch.randint(lo, hi, (n, k), generator=g, dtype=torch.int8)
             scales = torch.rand(n, k // group, generator=g) * 0.1
             lows = torch.randn(n, k // group, generator=g) * 0.1 if mins else None
             if half:
                 scales[0, 0] = 6e-8  # an fp16 subnormal (the plain C build converts it by hand)
                 scales, lows = scales.half().float(), lows.half().float() if lows is not None else None
-            w = from_codes(codes, scales, lows, group, {"q4": 4, "q6": 6, "q8": 8}[kind])
+            w = from_codes(codes, scales, lows, group, {"q4": 4, "q6": 6, "q8": 8, "q2": 2, "q3": 3}[kind])
         assert w.kind == kind
         assert (w.scales.dtype == torch.float16) == half
         ref_w = dequantize(w)
@@ -144,6 +145,20 @@ def test_six_bit_codes_round_trip_through_their_packing() -> None:
             assert packed.shape == (3, k // 64 * 48)
             assert torch.equal(unpack6(packed, k, group), codes.int()), (group, k)
     assert not torch.equal(pack6(codes, 16), pack6(codes, 32))
+
+
+def test_two_and_three_bit_codes_round_trip_through_their_packing() -> None:
+    """pack_low keeps a quarter of a byte a code (q2, 0..3) or three eighths (q3, -4..3), whole
+    128s; unpack_low reads them back."""
+    from engine.kernels.linear import pack_low, unpack_low
+
+    g = torch.Generator().manual_seed(8)
+    for bits, lo, hi in ((2, 0, 4), (3, -4, 4)):
+        for k in (128, 256, 1536):
+            codes = torch.randint(lo, hi, (3, k), generator=g, dtype=torch.int8)
+            packed = pack_low(codes, bits)
+            assert packed.dtype == torch.uint8 and packed.shape == (3, k // 128 * (32 if bits == 2 else 48))
+            assert torch.equal(unpack_low(packed, k, bits), codes.int()), (bits, k)
 
 
 def test_four_bit_codes_pack_as_gguf_blocks_hold_them(lib: object) -> None:
