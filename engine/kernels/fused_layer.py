@@ -58,7 +58,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _keys = itertools.count()
-FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma3_text": "Gemma3"}
+# the MLP gates the step runs (qm_layer.act), by the config's activation name
+ACTS = {"silu": 0, "gelu_pytorch_tanh": 1}
 # MoE families whose routed layers the step runs too (router: softmax, top-k, renormalised where the
 # config says; no shared expert): model type -> (class prefix, whether the top-k is renormalised)
 MOE_FAMILIES = {"qwen3_moe": "Qwen3Moe", "mixtral": "Mixtral", "gpt_oss": "GptOss"}
@@ -77,13 +79,15 @@ class Layer(ctypes.Structure):
                 ("hits", ctypes.c_void_p), ("experts", ctypes.c_int64), ("top_k", ctypes.c_int64),
                 ("norm_topk", ctypes.c_int64),
                 ("sinks", ctypes.c_void_p), ("router_bias", ctypes.c_void_p), ("expert_gate", ctypes.c_void_p),
-                ("topk_softmax", ctypes.c_int64)]
+                ("topk_softmax", ctypes.c_int64),
+                ("post_attn_norm", ctypes.c_void_p), ("post_mlp_norm", ctypes.c_void_p), ("post_attn_eps", ctypes.c_float),
+                ("post_mlp_eps", ctypes.c_float), ("act", ctypes.c_int64)]
 
 
 class View(ctypes.Structure):
     """qmatmul.c's qm_view: a layer's K/V buffers, their capacity, and which window (-1: none)."""
     _fields_ = [("keys", ctypes.c_void_p), ("values", ctypes.c_void_p), ("capacity", ctypes.c_int64),
-                ("window", ctypes.c_int64)]
+                ("window", ctypes.c_int64), ("rope", ctypes.c_int64)]
 
 
 def disabled() -> bool:
@@ -118,6 +122,9 @@ class FusedDecoder:
         self.windows: list[int] = list(model.windows)
         self.window_of = [self.windows.index(k.window) if k.window is not None else -1 for k in model.kinds]
         self.layer_windows = tuple(k.window for k in model.kinds)
+        # rotary tables: one per layer type where the family has several (Gemma 3: local and global)
+        self.rope_types: list[str] | None = sorted(set(model.layer_types)) if model.family.rotary_per_type else None
+        self.rope_of = [self.rope_types.index(t) for t in model.layer_types] if self.rope_types else [0] * len(model.layers)
         for layer, struct in zip(model.layers, self.layers):
             block = getattr(layer.mlp, "experts", None)
             if isinstance(block, PackedExperts):
@@ -146,13 +153,13 @@ class FusedDecoder:
             if sinks is not None:
                 self._held.append(sinks)
                 struct.sinks = sinks.data_ptr()
-            norms = {"attn": layer.input_layernorm, "mlp": layer.post_attention_layernorm,
-                     "q": getattr(sa, "q_norm", None), "k": getattr(sa, "k_norm", None)}
-            for name, norm in norms.items():
+            for name, norm in _norms(layer).items():
                 if norm is not None:
-                    self._held.append(norm.weight)
-                    setattr(struct, f"{name}_norm", norm.weight.data_ptr())
-                    setattr(struct, f"{name}_eps", float(norm.variance_epsilon))
+                    weight = _norm_weight(norm)
+                    self._held.append(weight)
+                    setattr(struct, f"{name}_norm", weight.data_ptr())
+                    setattr(struct, f"{name}_eps", _eps(norm))
+            struct.act = ACTS[_activation(cfg)]
         fn = lib.qm_decode_layers
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 6, ctypes.c_void_p, ctypes.c_float,
@@ -203,7 +210,7 @@ class FusedDecoder:
                 or any(b.dtype != torch.float32 or b.dim() != 4 or tuple(b.shape[:2]) != (1, self.kv_heads)
                        or b.shape[3] != self.head_dim or not b.is_contiguous() for b in cache.keys + cache.values)):
             return None
-        known = self._buffers[cache] = _Buffers(cache, self.window_of)
+        known = self._buffers[cache] = _Buffers(cache, self.window_of, self.rope_of)
         return known
 
     def _room(self, cache: KVCache, n: int) -> _Buffers:
@@ -242,8 +249,13 @@ class FusedDecoder:
                 ctypes.addressof(buffers.views) + a * ctypes.sizeof(View))
 
     def _rope(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin (1, n, head_dim) in fp32 for the C rotation (x * cos + rotate_half(x) * sin)."""
-        cos, sin = self.rotary(hidden, position_ids=positions[None])
+        """cos, sin (tables, n, head_dim) in fp32 for the C rotation (x * cos + rotate_half(x) *
+        sin): one table, or one per layer type (a view's `rope` picks it)."""
+        if self.rope_types:
+            pairs = [self.rotary(hidden, positions[None], t) for t in self.rope_types]
+            cos, sin = torch.cat([c for c, _ in pairs]), torch.cat([s for _, s in pairs])
+        else:
+            cos, sin = self.rotary(hidden, position_ids=positions[None])
         if self.half_rotary:  # gpt-oss's halves rotate by the same frequencies
             cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
         return cos.float().contiguous(), sin.float().contiguous()
@@ -323,16 +335,50 @@ class _Buffers:
     cache's buffers are replaced when it grows, a windowed layer's apart from the rest, and
     must be freed then)."""
 
-    def __init__(self, cache: KVCache, window_of: list[int]) -> None:
+    def __init__(self, cache: KVCache, window_of: list[int], rope_of: list[int]) -> None:
         n = len(cache.keys)
         self.views = (View * n)()
-        for view, k, v, w in zip(self.views, cache.keys, cache.values, window_of):
+        for view, k, v, w, rope in zip(self.views, cache.keys, cache.values, window_of, rope_of):
             view.keys, view.values, view.capacity, view.window = k.data_ptr(), v.data_ptr(), int(k.shape[2]), w
+            view.rope = rope
         self._refs = [weakref.ref(t) for t in (*cache.keys, *cache.values)]
 
     def holds(self, cache: KVCache) -> bool:
         """Whether these are still `cache`'s buffers."""
         return all(r() is t for r, t in zip(self._refs, (*cache.keys, *cache.values)))
+
+
+def _norms(layer: nn.Module) -> dict[str, nn.Module | None]:
+    """A decoder layer's RMSNorms by qm_layer's names: attn before attention, mlp before the MLP,
+    Gemma 3's post_attn / post_mlp on their outputs (None where the layer has none)."""
+    sa = getattr(layer, "self_attn", None)
+    gemma = hasattr(layer, "pre_feedforward_layernorm")
+    return {"attn": getattr(layer, "input_layernorm", None),
+            "mlp": getattr(layer, "pre_feedforward_layernorm" if gemma else "post_attention_layernorm", None),
+            "post_attn": getattr(layer, "post_attention_layernorm", None) if gemma else None,
+            "post_mlp": getattr(layer, "post_feedforward_layernorm", None) if gemma else None,
+            "q": getattr(sa, "q_norm", None), "k": getattr(sa, "k_norm", None)}
+
+
+def _plus_one(norm: nn.Module) -> bool:
+    """Whether an RMSNorm scales by 1 + weight (Gemma's) rather than by weight."""
+    return type(norm).__name__.startswith("Gemma")
+
+
+def _norm_weight(norm: nn.Module) -> torch.Tensor:
+    """The fp32 factor the C norm multiplies by: the weight, or 1 + weight for Gemma's (computed
+    in fp32 as Gemma3RMSNorm computes it)."""
+    weight = cast(torch.Tensor, norm.weight).detach()
+    return (1.0 + weight.float()).contiguous() if _plus_one(norm) else weight
+
+
+def _eps(norm: nn.Module) -> float:
+    return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 0.0)))
+
+
+def _activation(cfg: Any) -> str:
+    """The MLP's activation name (Gemma's config says hidden_activation)."""
+    return str(getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None))
 
 
 def _fill_linear(struct: QmLinear, module: nn.Module) -> tuple[object, ...]:
@@ -389,12 +435,14 @@ def _refusal(model: CausalLM) -> str | None:
     if any(k.mixer != "attention" or k.gated or k.shared_experts or k.ffn != "dense" and not routed
            for k in model.kinds) or any(s is not None for s in model.linear):
         return "a layer other than attention (full or windowed) and a dense or routed MLP"
-    if model.per_layer_inputs or model.family.layer_inputs or model.family.rotary_per_type or model.kv_shapes:
+    if model.per_layer_inputs or model.family.layer_inputs or model.kv_shapes:
         return "per-layer inputs or shapes"
     if not model.layers:
         return "no decoder layers"
-    if cfg.model_type != "gpt_oss" and getattr(cfg, "hidden_act", None) != "silu":
-        return f"activation {getattr(cfg, 'hidden_act', None)}"
+    if cfg.model_type != "gpt_oss" and _activation(cfg) not in ACTS:
+        return f"activation {_activation(cfg)}"
+    if getattr(cfg, "attn_logit_softcapping", None) is not None:
+        return "attention logits soft-capped"
     heads, kv_heads = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
     layer: Any
     for layer, kind in zip(model.layers, model.kinds):
@@ -418,11 +466,14 @@ def _refusal(model: CausalLM) -> str | None:
         d = attn.head_dim
         if d % 2 or heads % kv_heads:
             return "head sizes"
-        norms = [layer.input_layernorm, layer.post_attention_layernorm]
-        norms += [n for n in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)) if n is not None]
-        if any(not type(n).__name__.endswith("RMSNorm") or not hasattr(n, "variance_epsilon")
-               or n.weight.dtype != torch.float32 for n in norms):
+        named = _norms(layer)
+        norms = [n for n in named.values() if n is not None]
+        if named["attn"] is None or named["mlp"] is None or any(
+                not type(n).__name__.endswith("RMSNorm") or not (hasattr(n, "variance_epsilon") or hasattr(n, "eps"))
+                or n.weight.dtype != torch.float32 or _plus_one(n) != (cfg.model_type == "gemma3_text") for n in norms):
             return "norm modules"
+        if moe and (named["post_attn"] is not None or named["post_mlp"] is not None):
+            return "post-norms around routed experts"
         want = {"q": (heads * d, cfg.hidden_size), "k": (kv_heads * d, cfg.hidden_size),
                 "v": (kv_heads * d, cfg.hidden_size), "o": (cfg.hidden_size, heads * d),
                 "gate": (cfg.intermediate_size, cfg.hidden_size), "up": (cfg.intermediate_size, cfg.hidden_size),
@@ -439,8 +490,10 @@ def _refusal(model: CausalLM) -> str | None:
             if lin.bias is not None and lin.bias.dtype != torch.float32:
                 return f"{path} bias dtype"
     probe = torch.zeros(1, 1, cfg.hidden_size)
-    cos, sin = model.rotary(probe, position_ids=torch.zeros(1, 1, dtype=torch.long))
+    at = torch.zeros(1, 1, dtype=torch.long)
     width = attn.head_dim // 2 if cfg.model_type == "gpt_oss" else attn.head_dim  # (gpt-oss's: a half, see __init__)
-    if cos.shape[-1] != width or sin.shape != cos.shape:
-        return "a partial rotary embedding"
+    for t in (sorted(set(model.layer_types)) if model.family.rotary_per_type else [None]):
+        cos, sin = model.rotary(probe, at, t) if t is not None else model.rotary(probe, position_ids=at)
+        if cos.shape[-1] != width or sin.shape != cos.shape:
+            return "a partial rotary embedding"
     return None

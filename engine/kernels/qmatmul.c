@@ -688,6 +688,11 @@ typedef struct {
     const float *sinks, *router_bias;
     const qm_gate *expert_gate;
     int64_t topk_softmax;
+    /* Gemma 3: the norms of the attention's and the MLP's outputs before each residual add (NULL:
+     * none; mlp_norm is then its pre-feedforward norm), and the MLP's gate: 0 SiLU, 1 GELU (tanh) */
+    const float *post_attn_norm, *post_mlp_norm;
+    float post_attn_eps, post_mlp_eps;
+    int64_t act;
 } qm_layer;
 
 /* Where a layer's K/V live: buffers (kv_heads, capacity, head_dim), and window: -1 for a layer
@@ -697,6 +702,7 @@ typedef struct {
 typedef struct {
     float *keys, *values;
     int64_t capacity, window;
+    int64_t rope; /* which of the call's rotary tables the layer reads (Gemma 3: local or global) */
 } qm_view;
 
 /* Layer l's columns: base (the entry of column 0) and lo (the first a decode step reads). */
@@ -711,6 +717,28 @@ static void rms_norm(const float *x, const float *weight, float eps, int64_t n, 
     for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
     float r = 1.0f / sqrtf(ss / (float)n + eps);
     for (int64_t i = 0; i < n; i++) out[i] = (x[i] * r) * weight[i];
+}
+
+/* 1 / rms(y) as rms_norm takes it. */
+static float rms_scale(const float *y, float eps, int64_t n) {
+    float ss = 0.0f;
+    for (int64_t i = 0; i < n; i++) ss += y[i] * y[i];
+    return 1.0f / sqrtf(ss / (float)n + eps);
+}
+
+/* x[i] += y[i] for i in [a, b), or, with a norm (Gemma 3's post-norms), its rms_norm of all of
+ * y (r = rms_scale(y)): x[i] += (y[i] * r) * norm[i]. */
+static inline void add_out(float *x, const float *y, const float *norm, float r, int64_t a, int64_t b) {
+    if (norm)
+        for (int64_t i = a; i < b; i++) x[i] += (y[i] * r) * norm[i];
+    else
+        for (int64_t i = a; i < b; i++) x[i] += y[i];
+}
+
+/* The MLP's gate of g times up: SiLU (act 0) or GELU with tanh (act 1, gelu_pytorch_tanh). */
+static inline float gated(float g, float up, int64_t act) {
+    if (act == 1) return 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g))) * up;
+    return (g / (1.0f + expf(-g))) * up;
 }
 
 /* Sums of x over each group of 16 and of 32 (the minimums' share of a row's product). */
@@ -846,12 +874,13 @@ int qm_decode_layers(const qm_layer *layers, const qm_view *views, int64_t count
     int64_t sums = I / 16 + I / 32 + 2;
     size_t moe = (size_t)(E + K + E + K * 3 * I + K * sums);
     size_t per_thread = (size_t)(length + 1) + 4 * (size_t)widest;
-    size_t total = (size_t)(2 * nq + 2 * nkv + inter) + moe + (size_t)threads * per_thread;
+    size_t total = (size_t)(2 * nq + 2 * nkv + inter + hidden + QM_ROWS) + moe + (size_t)threads * per_thread;
     float *buf = (float *)malloc(sizeof(float) * total);
     if (!buf) return -1;
     float *q = buf, *k = q + nq, *v = k + nkv, *attn = v + nkv, *act = attn + nq, *logits = act + inter;
     float *wts = logits + E, *gu = wts + K + E, *eact = gu + K * 2 * I, *asum = eact + K * I;
-    float *own = asum + K * sums;
+    float *out = asum + K * sums; /* a product's whole output, where a post-norm reads it (hidden + a block) */
+    float *own = out + hidden + QM_ROWS;
     size_t dig_bytes = digits_bytes(widest), edig_bytes = digits_bytes(I > 0 ? I : 1);
     char *dig = (char *)malloc(dig_bytes * (size_t)threads + edig_bytes * (size_t)K + 1); /* each thread's digits
                                                         * of a product's input, then each routed expert's */
@@ -895,22 +924,32 @@ int qm_decode_layers(const qm_layer *layers, const qm_view *views, int64_t count
                 int64_t g = h / group_size;
                 float *kh = xn, *vh = v + g * D;  /* xn is free until the next norm */
                 memcpy(kh, k + g * D, sizeof(float) * (size_t)D);
-                norm_and_rotate(kh, L->k_norm, L->k_eps, cos, sin, D, tmp);
+                norm_and_rotate(kh, L->k_norm, L->k_eps, cos + V->rope * D, sin + V->rope * D, D, tmp);
                 if (h % group_size == 0) {  /* the K/V head's first query head stores its entry */
                     memcpy(lk + (g * capacity + at) * D, kh, sizeof(float) * (size_t)D);
                     memcpy(lv + (g * capacity + at) * D, vh, sizeof(float) * (size_t)D);
                 }
-                norm_and_rotate(q + h * D, L->q_norm, L->q_eps, cos, sin, D, tmp);
+                norm_and_rotate(q + h * D, L->q_norm, L->q_eps, cos + V->rope * D, sin + V->rope * D, D, tmp);
                 attend(q + h * D, lk + (g * capacity + lo) * D, lv + (g * capacity + lo) * D, kh, vh, at - lo, D,
                        scale, L->sinks ? L->sinks + h : NULL, scores, attn + h * D);
             }
             group_sums(attn, nq, s16, s32);
             make_digits(attn, nq, mine, &dg);
+            if (L->post_attn_norm) { /* the whole output first: its norm reads all of it */
 #pragma omp for schedule(static)
-            for (int64_t r = 0; r < hidden; r += QM_ROWS) {
-                float o[QM_ROWS];
-                rows_product(&L->o, r, hidden - r, attn, s16, s32, &dg, tmp, o);
-                for (int64_t i = 0; i < QM_ROWS && r + i < hidden; i++) x[r + i] += o[i];
+                for (int64_t r = 0; r < hidden; r += QM_ROWS)
+                    rows_product(&L->o, r, hidden - r, attn, s16, s32, &dg, tmp, out + r);
+                float rs = rms_scale(out, L->post_attn_eps, hidden);
+#pragma omp for schedule(static)
+                for (int64_t r = 0; r < hidden; r += QM_ROWS)
+                    add_out(x, out, L->post_attn_norm, rs, r, r + QM_ROWS < hidden ? r + QM_ROWS : hidden);
+            } else {
+#pragma omp for schedule(static)
+                for (int64_t r = 0; r < hidden; r += QM_ROWS) {
+                    float o[QM_ROWS];
+                    rows_product(&L->o, r, hidden - r, attn, s16, s32, &dg, tmp, o);
+                    for (int64_t i = 0; i < QM_ROWS && r + i < hidden; i++) x[r + i] += o[i];
+                }
             }
             rms_norm(x, L->mlp_norm, L->mlp_eps, hidden, xn);
             group_sums(xn, hidden, s16, s32);
@@ -930,11 +969,20 @@ int qm_decode_layers(const qm_layer *layers, const qm_view *views, int64_t count
                 float gate[QM_ROWS], up[QM_ROWS];
                 rows_product(&L->gate, r, L->gate.n - r, xn, s16, s32, &dg, tmp, gate);
                 rows_product(&L->up, r, L->gate.n - r, xn, s16, s32, &dg, tmp, up);
-                for (int64_t i = 0; i < QM_ROWS && r + i < L->gate.n; i++)
-                    act[r + i] = (gate[i] / (1.0f + expf(-gate[i]))) * up[i];
+                for (int64_t i = 0; i < QM_ROWS && r + i < L->gate.n; i++) act[r + i] = gated(gate[i], up[i], L->act);
             }
             group_sums(act, L->gate.n, s16, s32);
             make_digits(act, L->gate.n, mine, &dg);
+            if (L->post_mlp_norm) {
+#pragma omp for schedule(static)
+                for (int64_t r = 0; r < hidden; r += QM_ROWS)
+                    rows_product(&L->down, r, hidden - r, act, s16, s32, &dg, tmp, out + r);
+                float rs = rms_scale(out, L->post_mlp_eps, hidden);
+#pragma omp for schedule(static)
+                for (int64_t r = 0; r < hidden; r += QM_ROWS)
+                    add_out(x, out, L->post_mlp_norm, rs, r, r + QM_ROWS < hidden ? r + QM_ROWS : hidden);
+                continue;
+            }
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < hidden; r += QM_ROWS) {
                 float o[QM_ROWS];
@@ -1437,13 +1485,15 @@ int qm_pass_layers(const qm_layer *layers, const qm_view *views, int64_t count, 
 #pragma omp for schedule(static) nowait
             for (int64_t s = 0; s < n * heads; s++) {
                 int64_t i = s / heads;
-                norm_and_rotate(q + i * nq + (s % heads) * D, L->q_norm, L->q_eps, cos + i * D, sin + i * D, D, tmp);
+                norm_and_rotate(q + i * nq + (s % heads) * D, L->q_norm, L->q_eps, cos + (V->rope * n + i) * D,
+                                sin + (V->rope * n + i) * D, D, tmp);
             }
 #pragma omp for schedule(static)
             for (int64_t s = 0; s < n * kv_heads; s++) {
                 int64_t i = s / kv_heads, g = s % kv_heads;
                 float *kh = k + i * nkv + g * D;
-                norm_and_rotate(kh, L->k_norm, L->k_eps, cos + i * D, sin + i * D, D, tmp);
+                norm_and_rotate(kh, L->k_norm, L->k_eps, cos + (V->rope * n + i) * D, sin + (V->rope * n + i) * D, D,
+                                tmp);
                 memcpy(lk + (g * capacity + at + i) * D, kh, sizeof(float) * (size_t)D);
                 memcpy(lv + (g * capacity + at + i) * D, v + i * nkv + g * D, sizeof(float) * (size_t)D);
             }
@@ -1458,8 +1508,14 @@ int qm_pass_layers(const qm_layer *layers, const qm_view *views, int64_t count, 
 #pragma omp for schedule(static)
             for (int64_t s = 0; s < tiles_of(&L->o); s++) {
                 product(&L->o, s, attn, n, out, wbuf, &few);
+                if (!L->post_attn_norm)
+                    for (int64_t i = 0; i < n; i++)
+                        for (int64_t r = s * NB; r < H && r < (s + 1) * NB; r++) x[i * H + r] += out[i * H + r];
+            }
+            if (L->post_attn_norm) { /* each token's whole output normed, then added */
+#pragma omp for schedule(static)
                 for (int64_t i = 0; i < n; i++)
-                    for (int64_t r = s * NB; r < H && r < (s + 1) * NB; r++) x[i * H + r] += out[i * H + r];
+                    add_out(x + i * H, out + i * H, L->post_attn_norm, rms_scale(out + i * H, L->post_attn_eps, H), 0, H);
             }
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < n; i++) rms_norm(x + i * H, L->mlp_norm, L->mlp_eps, H, xn + i * H);
@@ -1481,17 +1537,21 @@ int qm_pass_layers(const qm_layer *layers, const qm_view *views, int64_t count, 
                 product(&L->gate, s, xn, n, gate, wbuf, &few);
                 product(&L->up, s, xn, n, up, wbuf, &few);
                 for (int64_t i = 0; i < n; i++)
-                    for (int64_t r = s * NB; r < I && r < (s + 1) * NB; r++) {
-                        float g = gate[i * I + r];
-                        gate[i * I + r] = (g / (1.0f + expf(-g))) * up[i * I + r];
-                    }
+                    for (int64_t r = s * NB; r < I && r < (s + 1) * NB; r++)
+                        gate[i * I + r] = gated(gate[i * I + r], up[i * I + r], L->act);
             }
             make_few(gate, n, I, mine, &few);
 #pragma omp for schedule(static)
             for (int64_t s = 0; s < tiles_of(&L->down); s++) {
                 product(&L->down, s, gate, n, out, wbuf, &few);
+                if (!L->post_mlp_norm)
+                    for (int64_t i = 0; i < n; i++)
+                        for (int64_t r = s * NB; r < H && r < (s + 1) * NB; r++) x[i * H + r] += out[i * H + r];
+            }
+            if (L->post_mlp_norm) {
+#pragma omp for schedule(static)
                 for (int64_t i = 0; i < n; i++)
-                    for (int64_t r = s * NB; r < H && r < (s + 1) * NB; r++) x[i * H + r] += out[i * H + r];
+                    add_out(x + i * H, out + i * H, L->post_mlp_norm, rms_scale(out + i * H, L->post_mlp_eps, H), 0, H);
             }
         }
     }

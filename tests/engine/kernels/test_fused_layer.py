@@ -16,14 +16,15 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PretrainedConfig, PreTrainedModel,
-                          Qwen2Config, Qwen3Config)
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Gemma3TextConfig, LlamaConfig, PretrainedConfig,
+                          PreTrainedModel, Qwen2Config, Qwen3Config)
 
 from engine.decoding.generation import Engine
 from engine.kernels import build
 from engine.kernels.fused_layer import LINEARS, FusedDecoder
 from engine.kernels.linear import PackedLinear, dequantize, from_codes, from_dense, from_nibbles, qlinear
 from engine.loading.gguf import isolated
+from engine.store.gguf_header import read_header
 from engine.loading.load import load_model
 from engine.model import causal_lm
 from engine.model.causal_lm import CausalLM
@@ -104,6 +105,9 @@ def config(family: str) -> PretrainedConfig:
         return LlamaConfig(**common)
     if family == "qwen2":
         return Qwen2Config(**common, use_sliding_window=False)
+    if family == "gemma3":  # windows of 4 on layers 0 and 2, a local and a global rotary table, four norms a layer
+        return Gemma3TextConfig(**common, head_dim=32, sliding_window=4, layer_types=None, sliding_window_pattern=2,
+                                query_pre_attn_scalar=24, final_logit_softcapping=30.0)
     if family == "qwen3-window":  # layers 1 and 2 slide over 4 positions (shorter than the tests' passes)
         return Qwen3Config(**common, use_sliding_window=True, sliding_window=4, max_window_layers=1, head_dim=48)
     return Qwen3Config(**common, use_sliding_window=False, head_dim=48)  # wider heads than hidden / heads
@@ -126,7 +130,7 @@ def close(got: torch.Tensor, want: torch.Tensor) -> bool:
     return bool((got - want).abs().max() <= 3e-5 * want.abs().max())
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3-window"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3-window", "gemma3"])
 def test_fused_steps_equal_the_layer_modules(family: str, monkeypatch: pytest.MonkeyPatch,
                                              fused_steps: list[int], fused_passes: list[int]) -> None:
     hf = packed(config(family))
@@ -169,7 +173,7 @@ def tree_mask(parents: list[int], past: torch.Tensor) -> torch.Tensor:
     return torch.cat([past[None].expand(n, -1), own], dim=1)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3-window"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3-window", "gemma3"])
 def test_fused_passes_equal_the_layer_modules(family: str, monkeypatch: pytest.MonkeyPatch,
                                               fused_passes: list[int], fused_steps: list[int]) -> None:
     """Chains and trees: the hidden state of every node and every K/V entry, across a tree,
@@ -221,7 +225,7 @@ def greedy(engine: Engine, prompt: str, n: int, mode: DecodeMode = "autoregressi
     return list(final.token_ids)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3_text"])
 def test_greedy_text_equals_the_general_path_and_transformers(arch: str, model_cache: Path,
                                                                 monkeypatch: pytest.MonkeyPatch,
                                                                 fused_steps: list[int],
@@ -230,7 +234,11 @@ def test_greedy_text_equals_the_general_path_and_transformers(arch: str, model_c
                      head_type="Q8_0", cache_dir=model_cache)
     with isolated(path) as src:
         tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
-        ref = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32).eval()
+        config = AutoConfig.from_pretrained(src.parent, gguf_file=src.name)
+        if arch == "gemma3_text":  # llama.cpp's attention scale, 1/sqrt(head_dim) (test_gguf_families.py)
+            config.query_pre_attn_scalar = read_header(path).metadata["gemma3.attention.key_length"]
+        ref = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, config=config,
+                                                   dtype=torch.float32).eval()
     fused = load_model(path, offload="none")
     assert fused.model.fused is not None
     monkeypatch.setenv("SPECCHAT_NO_FUSED", "1")
