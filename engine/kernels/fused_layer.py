@@ -456,8 +456,10 @@ def _refusal(model: CausalLM) -> str | None:
             why = _routed_refusal(layer.mlp, cfg.hidden_size)
             if why is not None:
                 return why
-        if (getattr(attn, "sliding_window", None) or None) != kind.window \
-                or not isinstance(getattr(attn, "head_dim", None), int):
+        # the window the module applies: its own, or (Mistral's) its config's for every layer
+        own = getattr(attn, "sliding_window", None) if hasattr(attn, "sliding_window") \
+            else getattr(getattr(attn, "config", None), "sliding_window", None)
+        if (own or None) != kind.window or not isinstance(getattr(attn, "head_dim", None), int):
             return "a sliding window other than the layer's, or an unknown head size"
         sinks = getattr(attn, "sinks", None)
         if kind.sinks != (sinks is not None) or sinks is not None and (

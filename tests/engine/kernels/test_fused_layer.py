@@ -16,19 +16,19 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Gemma3TextConfig, LlamaConfig, PretrainedConfig,
-                          PreTrainedModel, Qwen2Config, Qwen3Config)
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Gemma3TextConfig, LlamaConfig,
+                          MistralConfig, PretrainedConfig, PreTrainedModel, Qwen2Config, Qwen3Config)
 
 from engine.decoding.generation import Engine
 from engine.kernels import build
 from engine.kernels.fused_layer import LINEARS, FusedDecoder
 from engine.kernels.linear import PackedLinear, dequantize, from_codes, from_dense, from_nibbles, qlinear
 from engine.loading.gguf import isolated
-from engine.store.gguf_header import read_header
 from engine.loading.load import load_model
 from engine.model import causal_lm
 from engine.model.causal_lm import CausalLM
 from engine.model.window_cache import WindowedCache
+from engine.store.gguf_header import read_header
 from engine.testing.random_gguf import synthetic_gpt_oss_gguf
 from engine.testing.synthetic import tiny_gguf, tiny_model
 from engine.types import Completion, DecodeMode, GenerationRequest, SpeculationSettings
@@ -108,6 +108,8 @@ def config(family: str) -> PretrainedConfig:
     if family == "gemma3":  # windows of 4 on layers 0 and 2, a local and a global rotary table, four norms a layer
         return Gemma3TextConfig(**common, head_dim=32, sliding_window=4, layer_types=None, sliding_window_pattern=2,
                                 query_pre_attn_scalar=24, final_logit_softcapping=30.0)
+    if family == "mistral":  # every layer slides over 4 positions (the config's window, not the module's)
+        return MistralConfig(**common, sliding_window=4)
     if family == "qwen3-window":  # layers 1 and 2 slide over 4 positions (shorter than the tests' passes)
         return Qwen3Config(**common, use_sliding_window=True, sliding_window=4, max_window_layers=1, head_dim=48)
     return Qwen3Config(**common, use_sliding_window=False, head_dim=48)  # wider heads than hidden / heads
@@ -130,7 +132,7 @@ def close(got: torch.Tensor, want: torch.Tensor) -> bool:
     return bool((got - want).abs().max() <= 3e-5 * want.abs().max())
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3-window", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3-window", "mistral", "gemma3"])
 def test_fused_steps_equal_the_layer_modules(family: str, monkeypatch: pytest.MonkeyPatch,
                                              fused_steps: list[int], fused_passes: list[int]) -> None:
     hf = packed(config(family))
@@ -173,7 +175,7 @@ def tree_mask(parents: list[int], past: torch.Tensor) -> torch.Tensor:
     return torch.cat([past[None].expand(n, -1), own], dim=1)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3-window", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3-window", "mistral", "gemma3"])
 def test_fused_passes_equal_the_layer_modules(family: str, monkeypatch: pytest.MonkeyPatch,
                                               fused_passes: list[int], fused_steps: list[int]) -> None:
     """Chains and trees: the hidden state of every node and every K/V entry, across a tree,
