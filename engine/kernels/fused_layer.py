@@ -9,7 +9,9 @@ step is: the embedding and the rotary cos/sin (the model's own modules), one C c
 norm.
 
 `FusedDecoder.of(model)` says once, at load, whether a model qualifies: dense llama, mistral,
-qwen2 (q/k/v biases) or qwen3 (per-head q/k norms) layers, or Qwen3-MoE, Mixtral and gpt-oss
+qwen2 (q/k/v biases), qwen3 (per-head q/k norms) or Gemma 3 layers (norms by 1 + w, the
+attention's and MLP's outputs normed before each residual, a GELU gate, a local and a global
+rotary table), or Qwen3-MoE, Mixtral and gpt-oss
 layers whose routed experts are all packed with the one-token experts kernel
 (PackedExperts._fused: the step and the pass run their router as transformers does, softmax,
 top-k, renormalised, or gpt-oss's biased logits, top-k, softmax of those; each token's experts
@@ -17,10 +19,10 @@ summed in expert order, with gpt-oss's gate and biases, counting the routed toke
 PackedExperts.hits; a pass reads each woken expert once for all its tokens and logs the union
 it woke), all resident on the CPU in fp32, attention full or over a sliding window (the layer's
 own, as engine.model.family reads it: a WindowedCache's buffers, each window's layers from
-their own first column) with gpt-oss's sinks where it has them, SiLU MLP, every Linear of every
-layer a PackedLinear (minimums, where present, in groups of 16 or 32). `takes(cache)` says per
-step whether the cache is a plain KVCache, or a WindowedCache of the model's windows, of this
-shape. SPECCHAT_NO_FUSED=1 in the environment (read when a model is loaded) switches the path
+their own first column) with gpt-oss's sinks where it has them, SiLU or GELU (tanh) MLPs,
+every Linear of every layer a PackedLinear (minimums, where present, in groups of 16 or 32).
+`takes(cache)` says per step whether the cache is a plain KVCache, or a WindowedCache of the
+model's windows, of this shape. SPECCHAT_NO_FUSED=1 in the environment (read when a model is loaded) switches the path
 off.
 
 `pass_` runs several tokens the same way (qmatmul.c's `qm_pass_layers`): a tree's nodes under
