@@ -65,7 +65,10 @@ FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "
 ACTS = {"silu": 0, "gelu_pytorch_tanh": 1}
 # MoE families whose routed layers the step runs too (router: softmax, top-k, renormalised where the
 # config says; no shared expert): model type -> (class prefix, whether the top-k is renormalised)
-MOE_FAMILIES = {"qwen3_moe": "Qwen3Moe", "mixtral": "Mixtral", "gpt_oss": "GptOss"}
+MOE_FAMILIES = {"qwen3_moe": "Qwen3Moe", "mixtral": "Mixtral", "gpt_oss": "GptOss", "glm4_moe": "Glm4Moe"}
+# an MoE layer's shared expert (GLM-4.5), a dense MLP beside the routed experts: qm_layer's gate/up/down
+SHARED = (("gate", "mlp.shared_experts.gate_proj"), ("up", "mlp.shared_experts.up_proj"),
+          ("down", "mlp.shared_experts.down_proj"))
 LINEARS = (("q", "self_attn.q_proj"), ("k", "self_attn.k_proj"), ("v", "self_attn.v_proj"),
            ("o", "self_attn.o_proj"), ("gate", "mlp.gate_proj"), ("up", "mlp.up_proj"), ("down", "mlp.down_proj"))
 
@@ -83,7 +86,9 @@ class Layer(ctypes.Structure):
                 ("sinks", ctypes.c_void_p), ("router_bias", ctypes.c_void_p), ("expert_gate", ctypes.c_void_p),
                 ("topk_softmax", ctypes.c_int64),
                 ("post_attn_norm", ctypes.c_void_p), ("post_mlp_norm", ctypes.c_void_p), ("post_attn_eps", ctypes.c_float),
-                ("post_mlp_eps", ctypes.c_float), ("act", ctypes.c_int64)]
+                ("post_mlp_eps", ctypes.c_float), ("act", ctypes.c_int64),
+                ("rotary_dim", ctypes.c_int64), ("sigmoid_router", ctypes.c_int64), ("score_bias", ctypes.c_void_p),
+                ("routed_scale", ctypes.c_float)]
 
 
 class View(ctypes.Structure):
@@ -120,6 +125,8 @@ class FusedDecoder:
         self._experts = moe
         # gpt-oss: its cos/sin are half a head wide (each frequency rotates x[i] with x[i + D/2])
         self.half_rotary = cfg.model_type == "gpt_oss"
+        # the values of a head its rotary tables rotate (GLM-4.5: the first half; the rest pass)
+        self.rotary_dim = _rotary_width(model) * (2 if self.half_rotary else 1)
         # sliding windows: each layer's index into the model's window sizes (-1: full attention)
         self.windows: list[int] = list(model.windows)
         self.window_of = [self.windows.index(k.window) if k.window is not None else -1 for k in model.kinds]
@@ -145,10 +152,15 @@ class FusedDecoder:
                     struct.topk_softmax = 1
                     struct.router_bias = router.bias.data_ptr()
                     self._held.append(router.bias)
+                if ROUTERS[type(router).__name__][1] == "sigmoid":  # GLM-4.5's: sigmoid scores, biased choice
+                    struct.sigmoid_router = 1
+                    struct.score_bias = router.e_score_correction_bias.data_ptr()
+                    struct.routed_scale = float(router.routed_scaling_factor)
+                    self._held.append(router.e_score_correction_bias)
                 gate = experts._fused[2]
                 if gate is not None:
                     struct.expert_gate = ctypes.addressof(gate)
-            for field, path in LINEARS if not isinstance(block, PackedExperts) else LINEARS[:4]:
+            for field, path in _linears(layer):
                 self._held.append(_fill_linear(getattr(struct, field), layer.get_submodule(path)))
             sa: Any = layer.self_attn
             sinks = getattr(sa, "sinks", None)
@@ -162,6 +174,7 @@ class FusedDecoder:
                     setattr(struct, f"{name}_norm", weight.data_ptr())
                     setattr(struct, f"{name}_eps", _eps(norm))
             struct.act = ACTS[_activation(cfg)]
+            struct.rotary_dim = self.rotary_dim if self.rotary_dim != self.head_dim else 0
         fn = lib.qm_decode_layers
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 6, ctypes.c_void_p, ctypes.c_float,
@@ -397,8 +410,9 @@ def _router(block: nn.Module) -> Any:
 
 # router class -> the block's modules beside it, and whether it is gpt-oss's (biased logits, top-k,
 # softmax of those; its experts' own gate and biases)
-ROUTERS = {"Qwen3MoeTopKRouter": ({"experts", "gate"}, False), "MixtralTopKRouter": ({"experts", "gate"}, False),
-           "GptOssTopKRouter": ({"experts", "router"}, True)}
+ROUTERS = {"Qwen3MoeTopKRouter": ({"experts", "gate"}, "softmax"), "MixtralTopKRouter": ({"experts", "gate"}, "softmax"),
+           "GptOssTopKRouter": ({"experts", "router"}, "gpt_oss"),
+           "Glm4MoeTopkRouter": ({"experts", "gate", "shared_experts"}, "sigmoid")}
 
 
 def _routed_refusal(block: nn.Module, hidden: int) -> str | None:
@@ -408,16 +422,19 @@ def _routed_refusal(block: nn.Module, hidden: int) -> str | None:
     known = ROUTERS.get(type(router).__name__)
     if known is None or set(vars(block).get("_modules", {})) != known[0]:
         return "a router or block other than softmax top-k"
-    if not isinstance(experts, PackedExperts) or experts._fused is None or (experts._fused[2] is not None) != known[1]:
+    if (not isinstance(experts, PackedExperts) or experts._fused is None
+            or (experts._fused[2] is not None) != (known[1] == "gpt_oss")):
         return "routed experts the one-call kernel does not run"
     weight = getattr(router, "weight", None)
     if (not isinstance(weight, torch.Tensor) or weight.dtype != torch.float32 or not weight.is_contiguous()
             or tuple(weight.shape) != (experts.num_experts, hidden) or weight.device.type != "cpu"):
         return "router weight"
     bias = getattr(router, "bias", None)
-    if known[1] and (not isinstance(bias, torch.Tensor) or bias.dtype != torch.float32
-                     or tuple(bias.shape) != (experts.num_experts,) or bias.device.type != "cpu"):
+    if known[1] == "gpt_oss" and not _vector(bias, experts.num_experts):
         return "router bias"
+    if known[1] == "sigmoid" and (not _vector(getattr(router, "e_score_correction_bias", None), experts.num_experts)
+                                  or int(getattr(router, "num_group", 0)) != int(getattr(router, "topk_group", -1))):
+        return "router score bias, or expert groups left out"  # (groups all kept: the choice is over every expert)
     if not 0 < int(getattr(router, "top_k", 0)) <= experts.num_experts:
         return "router top_k"
     return None
@@ -434,8 +451,8 @@ def _refusal(model: CausalLM) -> str | None:
     routed = cfg.model_type in MOE_FAMILIES
     if model.streamer is not None or model.device.type != "cpu" or model.dtype != torch.float32:
         return "not resident on the CPU in fp32"
-    if any(k.mixer != "attention" or k.gated or k.shared_experts or k.ffn != "dense" and not routed
-           for k in model.kinds) or any(s is not None for s in model.linear):
+    if any(k.mixer != "attention" or k.gated or k.shared_experts and cfg.model_type != "glm4_moe"
+           or k.ffn != "dense" and not routed for k in model.kinds) or any(s is not None for s in model.linear):
         return "a layer other than attention (full or windowed) and a dense or routed MLP"
     if model.per_layer_inputs or model.family.layer_inputs or model.kv_shapes:
         return "per-layer inputs or shapes"
@@ -451,9 +468,9 @@ def _refusal(model: CausalLM) -> str | None:
         attn: Any = getattr(layer, "self_attn", None)
         mlp = type(getattr(layer, "mlp", None)).__name__
         if type(layer).__name__ != f"{prefix}DecoderLayer" or type(attn).__name__ != f"{prefix}Attention" \
-                or mlp not in (f"{prefix}MLP", f"{prefix}SparseMoeBlock"):
+                or mlp not in (f"{prefix}MLP", f"{prefix}SparseMoeBlock", f"{prefix}MoE"):
             return f"layer modules {type(layer).__name__}"
-        moe = mlp.endswith("SparseMoeBlock") or cfg.model_type == "gpt_oss"
+        moe = mlp.endswith(("SparseMoeBlock", "MoE")) or cfg.model_type == "gpt_oss"
         if moe:
             why = _routed_refusal(layer.mlp, cfg.hidden_size)
             if why is not None:
@@ -482,7 +499,11 @@ def _refusal(model: CausalLM) -> str | None:
                 "v": (kv_heads * d, cfg.hidden_size), "o": (cfg.hidden_size, heads * d),
                 "gate": (cfg.intermediate_size, cfg.hidden_size), "up": (cfg.intermediate_size, cfg.hidden_size),
                 "down": (cfg.hidden_size, cfg.intermediate_size)}
-        for field, path in LINEARS if not moe else LINEARS[:4]:
+        shared = getattr(layer.mlp, "shared_experts", None)
+        if shared is not None:
+            width = int(getattr(shared, "intermediate_size", 0))
+            want.update(gate=(width, cfg.hidden_size), up=(width, cfg.hidden_size), down=(cfg.hidden_size, width))
+        for field, path in _linears(layer):
             lin = layer.get_submodule(path)
             if not isinstance(lin, PackedLinear):
                 return f"{path} is not packed"
@@ -495,9 +516,38 @@ def _refusal(model: CausalLM) -> str | None:
                 return f"{path} bias dtype"
     probe = torch.zeros(1, 1, cfg.hidden_size)
     at = torch.zeros(1, 1, dtype=torch.long)
-    width = attn.head_dim // 2 if cfg.model_type == "gpt_oss" else attn.head_dim  # (gpt-oss's: a half, see __init__)
+    # the tables' width: a head's (gpt-oss's: half, see __init__), or GLM-4.5's partial rotary
+    widths = {attn.head_dim // 2} if cfg.model_type == "gpt_oss" else \
+        set(range(2, attn.head_dim + 1, 2)) if cfg.model_type == "glm4_moe" else {attn.head_dim}
+    seen = set()
     for t in (sorted(set(model.layer_types)) if model.family.rotary_per_type else [None]):
         cos, sin = model.rotary(probe, at, t) if t is not None else model.rotary(probe, position_ids=at)
-        if cos.shape[-1] != width or sin.shape != cos.shape:
+        seen.add(cos.shape[-1])
+        if cos.shape[-1] not in widths or sin.shape != cos.shape:
             return "a partial rotary embedding"
+    if len(seen) != 1:
+        return "rotary tables of different widths"
     return None
+
+
+def _rotary_width(model: CausalLM) -> int:
+    """The width of the model's rotary tables (one for all layer types: _refusal)."""
+    t = sorted(set(model.layer_types))[0] if model.family.rotary_per_type else None
+    probe, at = torch.zeros(1, 1, int(model.config.hidden_size)), torch.zeros(1, 1, dtype=torch.long)
+    cos, _ = model.rotary(probe, at, t) if t is not None else model.rotary(probe, position_ids=at)
+    return int(cos.shape[-1])
+
+
+def _linears(layer: nn.Module) -> tuple[tuple[str, str], ...]:
+    """A layer's packed Linears by qm_layer's fields: attention's, then the dense MLP's, an MoE
+    layer's shared expert's (GLM-4.5), or none beside routed experts."""
+    mlp = getattr(layer, "mlp", None)
+    if isinstance(getattr(mlp, "experts", None), PackedExperts) or type(getattr(mlp, "router", None)).__name__ in ROUTERS:
+        return LINEARS[:4] + (SHARED if getattr(mlp, "shared_experts", None) is not None else ())
+    return LINEARS
+
+
+def _vector(t: object, n: int) -> bool:
+    """Whether t is an fp32 (n,) tensor on the CPU, laid out plainly."""
+    return (isinstance(t, torch.Tensor) and t.dtype == torch.float32 and tuple(t.shape) == (n,)
+            and t.is_contiguous() and t.device.type == "cpu")

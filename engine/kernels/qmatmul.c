@@ -693,6 +693,12 @@ typedef struct {
     const float *post_attn_norm, *post_mlp_norm;
     float post_attn_eps, post_mlp_eps;
     int64_t act;
+    /* GLM-4.5: rotary on a head's first rotary_dim values (0: all); its router (sigmoid_router):
+     * sigmoid scores, the top_k of scores + score_bias, weighted by their scores (renormalised
+     * where norm_topk) times routed_scale; a shared expert in gate/up/down beside the routed ones */
+    int64_t rotary_dim, sigmoid_router;
+    const float *score_bias;
+    float routed_scale;
 } qm_layer;
 
 /* Where a layer's K/V live: buffers (kv_heads, capacity, head_dim), and window: -1 for a layer
@@ -801,15 +807,16 @@ static void rows_product(const qm_linear *w, int64_t r, int64_t rows, const floa
     for (int64_t i = 0; i < rows; i++) out[i] = row_product(w, r + i, x, s16, s32, tmp);
 }
 
-/* One head in place: the optional per-head RMSNorm, then the rotary embedding
- * x * cos + rotate_half(x) * sin, rotate_half(x) = (-x[D/2:], x[:D/2]). */
+/* One head in place: the optional per-head RMSNorm, then the rotary embedding of its first rd
+ * values (the rest pass: GLM-4.5's partial rotary), x * cos + rotate_half(x) * sin,
+ * rotate_half(x) = (-x[rd/2:rd], x[:rd/2]); cos, sin: rd wide. */
 static void norm_and_rotate(float *x, const float *norm, float eps, const float *cos, const float *sin, int64_t d,
-                            float *tmp) {
+                            int64_t rd, float *tmp) {
     if (norm) rms_norm(x, norm, eps, d, x);
-    int64_t h = d / 2;
-    memcpy(tmp, x, sizeof(float) * (size_t)d);
+    int64_t h = rd / 2;
+    memcpy(tmp, x, sizeof(float) * (size_t)rd);
     for (int64_t i = 0; i < h; i++) x[i] = tmp[i] * cos[i] + (-tmp[i + h]) * sin[i];
-    for (int64_t i = h; i < d; i++) x[i] = tmp[i] * cos[i] + tmp[i - h] * sin[i];
+    for (int64_t i = h; i < rd; i++) x[i] = tmp[i] * cos[i] + tmp[i - h] * sin[i];
 }
 
 /* x: the token's hidden state (hidden), updated in place through every layer. cos, sin:
@@ -851,9 +858,8 @@ static void widths(const qm_layer *layers, int64_t count, int64_t *inter, int64_
         if (L->experts > 0) {
             *E = L->experts > *E ? L->experts : *E, *K = L->top_k > *K ? L->top_k : *K;
             *I = L->expert_down[0].k > *I ? L->expert_down[0].k : *I;
-        } else {
-            *inter = L->gate.n > *inter ? L->gate.n : *inter;
         }
+        *inter = L->gate.n > *inter ? L->gate.n : *inter; /* a dense MLP, or an MoE layer's shared expert */
     }
 }
 
@@ -908,6 +914,7 @@ int qm_decode_layers(const qm_layer *layers, const qm_view *views, int64_t count
             int64_t base, lo, capacity = V->capacity;
             span_of(V, spans, &base, &lo);
             int64_t at = length - base; /* the new entry's column */
+            int64_t RD = L->rotary_dim ? L->rotary_dim : D; /* the rotated values of a head */
             float *lk = V->keys, *lv = V->values;
             rms_norm(x, L->attn_norm, L->attn_eps, hidden, xn);
             group_sums(xn, hidden, s16, s32);
@@ -924,12 +931,12 @@ int qm_decode_layers(const qm_layer *layers, const qm_view *views, int64_t count
                 int64_t g = h / group_size;
                 float *kh = xn, *vh = v + g * D;  /* xn is free until the next norm */
                 memcpy(kh, k + g * D, sizeof(float) * (size_t)D);
-                norm_and_rotate(kh, L->k_norm, L->k_eps, cos + V->rope * D, sin + V->rope * D, D, tmp);
+                norm_and_rotate(kh, L->k_norm, L->k_eps, cos + V->rope * RD, sin + V->rope * RD, D, RD, tmp);
                 if (h % group_size == 0) {  /* the K/V head's first query head stores its entry */
                     memcpy(lk + (g * capacity + at) * D, kh, sizeof(float) * (size_t)D);
                     memcpy(lv + (g * capacity + at) * D, vh, sizeof(float) * (size_t)D);
                 }
-                norm_and_rotate(q + h * D, L->q_norm, L->q_eps, cos + V->rope * D, sin + V->rope * D, D, tmp);
+                norm_and_rotate(q + h * D, L->q_norm, L->q_eps, cos + V->rope * RD, sin + V->rope * RD, D, RD, tmp);
                 attend(q + h * D, lk + (g * capacity + lo) * D, lv + (g * capacity + lo) * D, kh, vh, at - lo, D,
                        scale, L->sinks ? L->sinks + h : NULL, scores, attn + h * D);
             }
@@ -962,7 +969,7 @@ int qm_decode_layers(const qm_layer *layers, const qm_view *views, int64_t count
                 route_one(L, logits, ids, wts, L->hits);
                 experts_region(L->expert_gate_up, L->expert_down, ids, wts, L->top_k, xn, s16, s32, &dg, gu, eact,
                                asum, edig, edig_bytes, ad, tmp, x, 1, L->expert_gate);
-                continue;
+                if (!L->gate.n) continue; /* else its shared expert, as a dense MLP of the same input */
             }
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < L->gate.n; r += QM_ROWS) {
@@ -1095,6 +1102,8 @@ static void route_one(const qm_layer *L, const float *logits, int64_t *ids, floa
     float *p = (float *)w + K; /* E floats of scratch after the K weights */
     if (L->topk_softmax) { /* gpt-oss: the top_k logits, then the softmax of those */
         memcpy(p, logits, sizeof(float) * (size_t)E);
+    } else if (L->sigmoid_router) { /* GLM-4.5: chosen by score + bias, weighted by the score */
+        for (int64_t e = 0; e < E; e++) p[e] = 1.0f / (1.0f + expf(-logits[e])) + L->score_bias[e];
     } else {
         for (int64_t e = 0; e < E; e++) mx = logits[e] > mx ? logits[e] : mx;
         for (int64_t e = 0; e < E; e++) total += (p[e] = expf(logits[e] - mx));
@@ -1110,7 +1119,11 @@ static void route_one(const qm_layer *L, const float *logits, int64_t *ids, floa
         }
         ids[j] = best, w[j] = p[best], picked += p[best];
     }
-    if (L->topk_softmax) { /* the first picked is the largest */
+    if (L->sigmoid_router) { /* the chosen experts' scores, without the bias */
+        picked = 0.0f;
+        for (int64_t j = 0; j < K; j++) picked += (w[j] = 1.0f / (1.0f + expf(-logits[ids[j]])));
+        for (int64_t j = 0; j < K; j++) w[j] = (L->norm_topk ? w[j] / (picked + 1e-20f) : w[j]) * L->routed_scale;
+    } else if (L->topk_softmax) { /* the first picked is the largest */
         float top = w[0];
         picked = 0.0f;
         for (int64_t j = 0; j < K; j++) picked += (w[j] = expf(w[j] - top));
@@ -1470,6 +1483,7 @@ int qm_pass_layers(const qm_layer *layers, const qm_view *views, int64_t count, 
             span_of(V, spans, &base, &lo);
             int64_t at = length - base, seen = at + n; /* the pass's first column; the columns it reads */
             (void)lo; /* a windowed layer's mask says what each token reads */
+            int64_t RD = L->rotary_dim ? L->rotary_dim : D; /* the rotated values of a head */
             const uint8_t *allow = V->window < 0 ? allowed : masks[V->window]; /* (n, seen) */
             float *lk = V->keys, *lv = V->values;
 #pragma omp for schedule(static)
@@ -1485,15 +1499,15 @@ int qm_pass_layers(const qm_layer *layers, const qm_view *views, int64_t count, 
 #pragma omp for schedule(static) nowait
             for (int64_t s = 0; s < n * heads; s++) {
                 int64_t i = s / heads;
-                norm_and_rotate(q + i * nq + (s % heads) * D, L->q_norm, L->q_eps, cos + (V->rope * n + i) * D,
-                                sin + (V->rope * n + i) * D, D, tmp);
+                norm_and_rotate(q + i * nq + (s % heads) * D, L->q_norm, L->q_eps, cos + (V->rope * n + i) * RD,
+                                sin + (V->rope * n + i) * RD, D, RD, tmp);
             }
 #pragma omp for schedule(static)
             for (int64_t s = 0; s < n * kv_heads; s++) {
                 int64_t i = s / kv_heads, g = s % kv_heads;
                 float *kh = k + i * nkv + g * D;
-                norm_and_rotate(kh, L->k_norm, L->k_eps, cos + (V->rope * n + i) * D, sin + (V->rope * n + i) * D, D,
-                                tmp);
+                norm_and_rotate(kh, L->k_norm, L->k_eps, cos + (V->rope * n + i) * RD, sin + (V->rope * n + i) * RD, D,
+                                RD, tmp);
                 memcpy(lk + (g * capacity + at + i) * D, kh, sizeof(float) * (size_t)D);
                 memcpy(lv + (g * capacity + at + i) * D, v + i * nkv + g * D, sizeof(float) * (size_t)D);
             }
@@ -1528,7 +1542,7 @@ int qm_pass_layers(const qm_layer *layers, const qm_view *views, int64_t count, 
                 }
                 routed_pass(L, n, H, xn, tok16, tok32, tsum, tokd, logits, route, &R,
                             ptrs + (size_t)t * (size_t)(4 * P), mines + (size_t)t * (size_t)(2 * P * QM_ROWS), wbuf, x);
-                continue;
+                if (!L->gate.n) continue; /* else its shared expert, as a dense MLP of the same input */
             }
             int64_t I = L->gate.n;
             make_few(xn, n, H, mine, &few);
