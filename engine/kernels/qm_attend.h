@@ -164,6 +164,12 @@ static void attend(const float *q, const float *keys, const float *values, const
 static void attend_masked(const float *q, const float *keys, const float *values, int64_t total, const uint8_t *allow,
                           int64_t limit, int64_t d, float scale, const float *sink, float *scores, float *out) {
     int64_t count = allow ? total : (limit + 1 < total ? limit + 1 : total);
+    if (allow) { /* only the span from the first allowed entry to the last (a window's, a chain's) */
+        int64_t first = 0;
+        while (count > 0 && !allow[count - 1]) count--;
+        while (first < count && !allow[first]) first++;
+        keys += first * d, values += first * d, allow += first, count -= first;
+    }
     scores_of(q, keys, count, d, scale, scores); /* a masked entry's score is computed and not used */
     float top = sink ? *sink : -INFINITY, sum = 0.0f;
     for (int64_t j = 0; j < count; j++)
