@@ -39,7 +39,6 @@ from __future__ import annotations
 import ctypes
 import itertools
 import logging
-import os
 import time
 import weakref
 from typing import TYPE_CHECKING, Any, cast
@@ -50,6 +49,8 @@ from torch import nn
 from engine.kernels.build import kernels
 from engine.kernels.governor import governor
 from engine.kernels.experts import PackedExperts
+from engine.kernels.fused_rules import (ACTS, LINEARS, ROUTERS, activation, linears_of, norm_eps,
+                                       norm_weight, norms_of, refusal, router_of, rotary_width)
 from engine.kernels.linear import PackedLinear, QmLinear
 from engine.model.cache import KVCache
 from engine.model.window_cache import WindowedCache
@@ -60,19 +61,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _keys = itertools.count()
-FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma3_text": "Gemma3"}
-# the MLP gates the step runs (qm_layer.act), by the config's activation name
-ACTS = {"silu": 0, "gelu_pytorch_tanh": 1}
-# MoE families whose routed layers the step runs too (router: softmax, top-k, renormalised where the
-# config says; no shared expert): model type -> (class prefix, whether the top-k is renormalised)
-MOE_FAMILIES = {"qwen3_moe": "Qwen3Moe", "mixtral": "Mixtral", "gpt_oss": "GptOss", "glm4_moe": "Glm4Moe"}
-# an MoE layer's shared expert (GLM-4.5), a dense MLP beside the routed experts: qm_layer's gate/up/down
-SHARED = (("gate", "mlp.shared_experts.gate_proj"), ("up", "mlp.shared_experts.up_proj"),
-          ("down", "mlp.shared_experts.down_proj"))
-LINEARS = (("q", "self_attn.q_proj"), ("k", "self_attn.k_proj"), ("v", "self_attn.v_proj"),
-           ("o", "self_attn.o_proj"), ("gate", "mlp.gate_proj"), ("up", "mlp.up_proj"), ("down", "mlp.down_proj"))
-
-
 class Layer(ctypes.Structure):
     """qmatmul.c's qm_layer."""
     _fields_ = [*((name, QmLinear) for name, _ in LINEARS),
@@ -95,11 +83,6 @@ class View(ctypes.Structure):
     """qmatmul.c's qm_view: a layer's K/V buffers, their capacity, and which window (-1: none)."""
     _fields_ = [("keys", ctypes.c_void_p), ("values", ctypes.c_void_p), ("capacity", ctypes.c_int64),
                 ("window", ctypes.c_int64), ("rope", ctypes.c_int64)]
-
-
-def disabled() -> bool:
-    """SPECCHAT_NO_FUSED=1 (anything but empty or 0): every model keeps the general path."""
-    return os.environ.get("SPECCHAT_NO_FUSED", "").strip() not in ("", "0")
 
 
 class FusedDecoder:
@@ -126,7 +109,7 @@ class FusedDecoder:
         # gpt-oss: its cos/sin are half a head wide (each frequency rotates x[i] with x[i + D/2])
         self.half_rotary = cfg.model_type == "gpt_oss"
         # the values of a head its rotary tables rotate (GLM-4.5: the first half; the rest pass)
-        self.rotary_dim = _rotary_width(model) * (2 if self.half_rotary else 1)
+        self.rotary_dim = rotary_width(model) * (2 if self.half_rotary else 1)
         # sliding windows: each layer's index into the model's window sizes (-1: full attention)
         self.windows: list[int] = list(model.windows)
         self.window_of = [self.windows.index(k.window) if k.window is not None else -1 for k in model.kinds]
@@ -139,7 +122,7 @@ class FusedDecoder:
             if isinstance(block, PackedExperts):
                 experts = block
                 assert experts._fused is not None
-                router = _router(layer.mlp)
+                router = router_of(layer.mlp)
                 self._held += [router.weight, experts._fused, experts.hits]
                 struct.router = router.weight.data_ptr()
                 struct.expert_gate_up = ctypes.addressof(experts._fused[0])
@@ -160,20 +143,20 @@ class FusedDecoder:
                 gate = experts._fused[2]
                 if gate is not None:
                     struct.expert_gate = ctypes.addressof(gate)
-            for field, path in _linears(layer):
+            for field, path in linears_of(layer):
                 self._held.append(_fill_linear(getattr(struct, field), layer.get_submodule(path)))
             sa: Any = layer.self_attn
             sinks = getattr(sa, "sinks", None)
             if sinks is not None:
                 self._held.append(sinks)
                 struct.sinks = sinks.data_ptr()
-            for name, norm in _norms(layer).items():
+            for name, norm in norms_of(layer).items():
                 if norm is not None:
-                    weight = _norm_weight(norm)
+                    weight = norm_weight(norm)
                     self._held.append(weight)
                     setattr(struct, f"{name}_norm", weight.data_ptr())
-                    setattr(struct, f"{name}_eps", _eps(norm))
-            struct.act = ACTS[_activation(cfg)]
+                    setattr(struct, f"{name}_eps", norm_eps(norm))
+            struct.act = ACTS[activation(cfg)]
             struct.rotary_dim = self.rotary_dim if self.rotary_dim != self.head_dim else 0
         fn = lib.qm_decode_layers
         fn.restype = ctypes.c_int
@@ -192,7 +175,7 @@ class FusedDecoder:
     @classmethod
     def of(cls, model: CausalLM) -> FusedDecoder | None:
         """The fused path for `model`, or None where it does not qualify (logged at DEBUG)."""
-        why = _refusal(model)
+        why = refusal(model)
         if why is None:
             lib = kernels()
             why = ("no packed kernel library" if lib is None or not hasattr(lib, "qm_decode_layers")
@@ -363,191 +346,8 @@ class _Buffers:
         return all(r() is t for r, t in zip(self._refs, (*cache.keys, *cache.values)))
 
 
-def _norms(layer: nn.Module) -> dict[str, nn.Module | None]:
-    """A decoder layer's RMSNorms by qm_layer's names: attn before attention, mlp before the MLP,
-    Gemma 3's post_attn / post_mlp on their outputs (None where the layer has none)."""
-    sa = getattr(layer, "self_attn", None)
-    gemma = hasattr(layer, "pre_feedforward_layernorm")
-    return {"attn": getattr(layer, "input_layernorm", None),
-            "mlp": getattr(layer, "pre_feedforward_layernorm" if gemma else "post_attention_layernorm", None),
-            "post_attn": getattr(layer, "post_attention_layernorm", None) if gemma else None,
-            "post_mlp": getattr(layer, "post_feedforward_layernorm", None) if gemma else None,
-            "q": getattr(sa, "q_norm", None), "k": getattr(sa, "k_norm", None)}
-
-
-def _plus_one(norm: nn.Module) -> bool:
-    """Whether an RMSNorm scales by 1 + weight (Gemma's) rather than by weight."""
-    return type(norm).__name__.startswith("Gemma")
-
-
-def _norm_weight(norm: nn.Module) -> torch.Tensor:
-    """The fp32 factor the C norm multiplies by: the weight, or 1 + weight for Gemma's (computed
-    in fp32 as Gemma3RMSNorm computes it)."""
-    weight = cast(torch.Tensor, norm.weight).detach()
-    return (1.0 + weight.float()).contiguous() if _plus_one(norm) else weight
-
-
-def _eps(norm: nn.Module) -> float:
-    return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 0.0)))
-
-
-def _activation(cfg: Any) -> str:
-    """The MLP's activation name (Gemma's config says hidden_activation)."""
-    return str(getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None))
-
-
 def _fill_linear(struct: QmLinear, module: nn.Module) -> tuple[object, ...]:
     """Point `struct` at a PackedLinear's weight and bias; returns what it points into."""
     assert isinstance(module, PackedLinear)
     struct.point_at(module.qweight, module.bias)
     return module.qweight, module.bias
-
-
-def _router(block: nn.Module) -> Any:
-    """An MoE block's router: gpt-oss's `router`, the others' `gate`."""
-    return getattr(block, "router", None) or getattr(block, "gate", None)
-
-
-# router class -> the block's modules beside it, and whether it is gpt-oss's (biased logits, top-k,
-# softmax of those; its experts' own gate and biases)
-ROUTERS = {"Qwen3MoeTopKRouter": ({"experts", "gate"}, "softmax"), "MixtralTopKRouter": ({"experts", "gate"}, "softmax"),
-           "GptOssTopKRouter": ({"experts", "router"}, "gpt_oss"),
-           "Glm4MoeTopkRouter": ({"experts", "gate", "shared_experts"}, "sigmoid")}
-
-
-def _routed_refusal(block: nn.Module, hidden: int) -> str | None:
-    """Why an MoE block cannot run in the step (its router and experts as the C code reads them),
-    or None."""
-    experts, router = getattr(block, "experts", None), _router(block)
-    known = ROUTERS.get(type(router).__name__)
-    if known is None or set(vars(block).get("_modules", {})) != known[0]:
-        return "a router or block other than softmax top-k"
-    if (not isinstance(experts, PackedExperts) or experts._fused is None
-            or (experts._fused[2] is not None) != (known[1] == "gpt_oss")):
-        return "routed experts the one-call kernel does not run"
-    weight = getattr(router, "weight", None)
-    if (not isinstance(weight, torch.Tensor) or weight.dtype != torch.float32 or not weight.is_contiguous()
-            or tuple(weight.shape) != (experts.num_experts, hidden) or weight.device.type != "cpu"):
-        return "router weight"
-    bias = getattr(router, "bias", None)
-    if known[1] == "gpt_oss" and not _vector(bias, experts.num_experts):
-        return "router bias"
-    if known[1] == "sigmoid" and (not _vector(getattr(router, "e_score_correction_bias", None), experts.num_experts)
-                                  or int(getattr(router, "num_group", 0)) != int(getattr(router, "topk_group", -1))):
-        return "router score bias, or expert groups left out"  # (groups all kept: the choice is over every expert)
-    if not 0 < int(getattr(router, "top_k", 0)) <= experts.num_experts:
-        return "router top_k"
-    return None
-
-
-def _refusal(model: CausalLM) -> str | None:
-    """Why `model` cannot take the fused step, or None when it can."""
-    if disabled():
-        return "SPECCHAT_NO_FUSED"
-    cfg = model.config
-    prefix = FAMILIES.get(cfg.model_type) or MOE_FAMILIES.get(cfg.model_type)
-    if prefix is None:
-        return f"model type {cfg.model_type}"
-    routed = cfg.model_type in MOE_FAMILIES
-    if model.streamer is not None or model.device.type != "cpu" or model.dtype != torch.float32:
-        return "not resident on the CPU in fp32"
-    if any(k.mixer != "attention" or k.gated or k.shared_experts and cfg.model_type != "glm4_moe"
-           or k.ffn != "dense" and not routed for k in model.kinds) or any(s is not None for s in model.linear):
-        return "a layer other than attention (full or windowed) and a dense or routed MLP"
-    if model.per_layer_inputs or model.family.layer_inputs or model.kv_shapes:
-        return "per-layer inputs or shapes"
-    if not model.layers:
-        return "no decoder layers"
-    if cfg.model_type != "gpt_oss" and _activation(cfg) not in ACTS:
-        return f"activation {_activation(cfg)}"
-    if getattr(cfg, "attn_logit_softcapping", None) is not None:
-        return "attention logits soft-capped"
-    heads, kv_heads = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
-    layer: Any
-    for layer, kind in zip(model.layers, model.kinds):
-        attn: Any = getattr(layer, "self_attn", None)
-        mlp = type(getattr(layer, "mlp", None)).__name__
-        if type(layer).__name__ != f"{prefix}DecoderLayer" or type(attn).__name__ != f"{prefix}Attention" \
-                or mlp not in (f"{prefix}MLP", f"{prefix}SparseMoeBlock", f"{prefix}MoE"):
-            return f"layer modules {type(layer).__name__}"
-        moe = mlp.endswith(("SparseMoeBlock", "MoE")) or cfg.model_type == "gpt_oss"
-        if moe:
-            why = _routed_refusal(layer.mlp, cfg.hidden_size)
-            if why is not None:
-                return why
-        # the window the module applies: its own, or (Mistral's) its config's for every layer
-        own = getattr(attn, "sliding_window", None) if hasattr(attn, "sliding_window") \
-            else getattr(getattr(attn, "config", None), "sliding_window", None)
-        if (own or None) != kind.window or not isinstance(getattr(attn, "head_dim", None), int):
-            return "a sliding window other than the layer's, or an unknown head size"
-        sinks = getattr(attn, "sinks", None)
-        if kind.sinks != (sinks is not None) or sinks is not None and (
-                sinks.dtype != torch.float32 or tuple(sinks.shape) != (heads,) or not sinks.is_contiguous()):
-            return "attention sinks"
-        d = attn.head_dim
-        if d % 2 or heads % kv_heads:
-            return "head sizes"
-        named = _norms(layer)
-        norms = [n for n in named.values() if n is not None]
-        if named["attn"] is None or named["mlp"] is None or any(
-                not type(n).__name__.endswith("RMSNorm") or not (hasattr(n, "variance_epsilon") or hasattr(n, "eps"))
-                or n.weight.dtype != torch.float32 or _plus_one(n) != (cfg.model_type == "gemma3_text") for n in norms):
-            return "norm modules"
-        if moe and (named["post_attn"] is not None or named["post_mlp"] is not None):
-            return "post-norms around routed experts"
-        want = {"q": (heads * d, cfg.hidden_size), "k": (kv_heads * d, cfg.hidden_size),
-                "v": (kv_heads * d, cfg.hidden_size), "o": (cfg.hidden_size, heads * d),
-                "gate": (cfg.intermediate_size, cfg.hidden_size), "up": (cfg.intermediate_size, cfg.hidden_size),
-                "down": (cfg.hidden_size, cfg.intermediate_size)}
-        shared = getattr(layer.mlp, "shared_experts", None)
-        if shared is not None:
-            width = int(getattr(shared, "intermediate_size", 0))
-            want.update(gate=(width, cfg.hidden_size), up=(width, cfg.hidden_size), down=(cfg.hidden_size, width))
-        for field, path in _linears(layer):
-            lin = layer.get_submodule(path)
-            if not isinstance(lin, PackedLinear):
-                return f"{path} is not packed"
-            w = lin.qweight
-            if (w.out_features, w.in_features) != want[field]:
-                return f"{path} shape"
-            if w.mins is not None and w.group not in (16, 32) or w.group % 8:
-                return f"{path} groups of {w.group}"
-            if lin.bias is not None and lin.bias.dtype != torch.float32:
-                return f"{path} bias dtype"
-    probe = torch.zeros(1, 1, cfg.hidden_size)
-    at = torch.zeros(1, 1, dtype=torch.long)
-    # the tables' width: a head's (gpt-oss's: half, see __init__), or GLM-4.5's partial rotary
-    widths = {attn.head_dim // 2} if cfg.model_type == "gpt_oss" else \
-        set(range(2, attn.head_dim + 1, 2)) if cfg.model_type == "glm4_moe" else {attn.head_dim}
-    seen = set()
-    for t in (sorted(set(model.layer_types)) if model.family.rotary_per_type else [None]):
-        cos, sin = model.rotary(probe, at, t) if t is not None else model.rotary(probe, position_ids=at)
-        seen.add(cos.shape[-1])
-        if cos.shape[-1] not in widths or sin.shape != cos.shape:
-            return "a partial rotary embedding"
-    if len(seen) != 1:
-        return "rotary tables of different widths"
-    return None
-
-
-def _rotary_width(model: CausalLM) -> int:
-    """The width of the model's rotary tables (one for all layer types: _refusal)."""
-    t = sorted(set(model.layer_types))[0] if model.family.rotary_per_type else None
-    probe, at = torch.zeros(1, 1, int(model.config.hidden_size)), torch.zeros(1, 1, dtype=torch.long)
-    cos, _ = model.rotary(probe, at, t) if t is not None else model.rotary(probe, position_ids=at)
-    return int(cos.shape[-1])
-
-
-def _linears(layer: nn.Module) -> tuple[tuple[str, str], ...]:
-    """A layer's packed Linears by qm_layer's fields: attention's, then the dense MLP's, an MoE
-    layer's shared expert's (GLM-4.5), or none beside routed experts."""
-    mlp = getattr(layer, "mlp", None)
-    if isinstance(getattr(mlp, "experts", None), PackedExperts) or type(getattr(mlp, "router", None)).__name__ in ROUTERS:
-        return LINEARS[:4] + (SHARED if getattr(mlp, "shared_experts", None) is not None else ())
-    return LINEARS
-
-
-def _vector(t: object, n: int) -> bool:
-    """Whether t is an fp32 (n,) tensor on the CPU, laid out plainly."""
-    return (isinstance(t, torch.Tensor) and t.dtype == torch.float32 and tuple(t.shape) == (n,)
-            and t.is_contiguous() and t.device.type == "cpu")

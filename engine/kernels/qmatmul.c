@@ -741,6 +741,13 @@ static inline void add_out(float *x, const float *y, const float *norm, float r,
         for (int64_t i = a; i < b; i++) x[i] += y[i];
 }
 
+/* x += w times `in` (its group sums s16/s32 and digits dg), or, with a norm (Gemma 3's
+ * post-norms), x += that product rms-normed: the whole product first into `out` (w->n + a
+ * block), its scale taken by every thread alike, then added. Called by every thread of a
+ * parallel region (orphaned loops: two barriers, three with a norm). */
+static void residual_product(const qm_linear *w, const float *in, const float *s16, const float *s32,
+                             const qm_digits *dg, float *tmp, const float *norm, float eps, float *out, float *x);
+
 /* The MLP's gate of g times up: SiLU (act 0) or GELU with tanh (act 1, gelu_pytorch_tanh). */
 static inline float gated(float g, float up, int64_t act) {
     if (act == 1) return 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g))) * up;
@@ -805,6 +812,25 @@ static void rows_product(const qm_linear *w, int64_t r, int64_t rows, const floa
     (void)dg;
 #endif
     for (int64_t i = 0; i < rows; i++) out[i] = row_product(w, r + i, x, s16, s32, tmp);
+}
+
+static void residual_product(const qm_linear *w, const float *in, const float *s16, const float *s32,
+                             const qm_digits *dg, float *tmp, const float *norm, float eps, float *out, float *x) {
+    int64_t n = w->n;
+    if (norm) {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < n; r += QM_ROWS) rows_product(w, r, n - r, in, s16, s32, dg, tmp, out + r);
+        float rs = rms_scale(out, eps, n);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < n; r += QM_ROWS) add_out(x, out, norm, rs, r, r + QM_ROWS < n ? r + QM_ROWS : n);
+        return;
+    }
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < n; r += QM_ROWS) {
+        float o[QM_ROWS];
+        rows_product(w, r, n - r, in, s16, s32, dg, tmp, o);
+        for (int64_t i = 0; i < QM_ROWS && r + i < n; i++) x[r + i] += o[i];
+    }
 }
 
 /* One head in place: the optional per-head RMSNorm, then the rotary embedding of its first rd
@@ -942,22 +968,7 @@ int qm_decode_layers(const qm_layer *layers, const qm_view *views, int64_t count
             }
             group_sums(attn, nq, s16, s32);
             make_digits(attn, nq, mine, &dg);
-            if (L->post_attn_norm) { /* the whole output first: its norm reads all of it */
-#pragma omp for schedule(static)
-                for (int64_t r = 0; r < hidden; r += QM_ROWS)
-                    rows_product(&L->o, r, hidden - r, attn, s16, s32, &dg, tmp, out + r);
-                float rs = rms_scale(out, L->post_attn_eps, hidden);
-#pragma omp for schedule(static)
-                for (int64_t r = 0; r < hidden; r += QM_ROWS)
-                    add_out(x, out, L->post_attn_norm, rs, r, r + QM_ROWS < hidden ? r + QM_ROWS : hidden);
-            } else {
-#pragma omp for schedule(static)
-                for (int64_t r = 0; r < hidden; r += QM_ROWS) {
-                    float o[QM_ROWS];
-                    rows_product(&L->o, r, hidden - r, attn, s16, s32, &dg, tmp, o);
-                    for (int64_t i = 0; i < QM_ROWS && r + i < hidden; i++) x[r + i] += o[i];
-                }
-            }
+            residual_product(&L->o, attn, s16, s32, &dg, tmp, L->post_attn_norm, L->post_attn_eps, out, x);
             rms_norm(x, L->mlp_norm, L->mlp_eps, hidden, xn);
             group_sums(xn, hidden, s16, s32);
             make_digits(xn, hidden, mine, &dg);
@@ -980,22 +991,7 @@ int qm_decode_layers(const qm_layer *layers, const qm_view *views, int64_t count
             }
             group_sums(act, L->gate.n, s16, s32);
             make_digits(act, L->gate.n, mine, &dg);
-            if (L->post_mlp_norm) {
-#pragma omp for schedule(static)
-                for (int64_t r = 0; r < hidden; r += QM_ROWS)
-                    rows_product(&L->down, r, hidden - r, act, s16, s32, &dg, tmp, out + r);
-                float rs = rms_scale(out, L->post_mlp_eps, hidden);
-#pragma omp for schedule(static)
-                for (int64_t r = 0; r < hidden; r += QM_ROWS)
-                    add_out(x, out, L->post_mlp_norm, rs, r, r + QM_ROWS < hidden ? r + QM_ROWS : hidden);
-                continue;
-            }
-#pragma omp for schedule(static)
-            for (int64_t r = 0; r < hidden; r += QM_ROWS) {
-                float o[QM_ROWS];
-                rows_product(&L->down, r, hidden - r, act, s16, s32, &dg, tmp, o);
-                for (int64_t i = 0; i < QM_ROWS && r + i < hidden; i++) x[r + i] += o[i];
-            }
+            residual_product(&L->down, act, s16, s32, &dg, tmp, L->post_mlp_norm, L->post_mlp_eps, out, x);
         }
     }
     free(ids);

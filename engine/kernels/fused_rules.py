@@ -1,0 +1,221 @@
+"""Which models the fused CPU decoding step takes (engine/kernels/fused_layer.py), and how their
+modules read as qmatmul.c's qm_layer: the families and their class names, routers, norms
+(Gemma's 1 + w), activations, rotary widths and which Linears a layer hands over.
+
+`refusal(model)` is the one question fused_layer asks at load: why a model cannot take the step,
+or None. Everything here reads modules and configs; nothing runs a pass.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+from torch import nn
+
+from engine.kernels.experts import PackedExperts
+from engine.kernels.linear import PackedLinear
+
+if TYPE_CHECKING:
+    from engine.model.causal_lm import CausalLM
+
+# dense families: model type -> the class name prefix of their modules
+FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma3_text": "Gemma3"}
+# the MLP gates the step runs (qm_layer.act), by the config's activation name
+ACTS = {"silu": 0, "gelu_pytorch_tanh": 1}
+# MoE families whose routed layers the step runs too (their routers: ROUTERS): model type -> class prefix
+MOE_FAMILIES = {"qwen3_moe": "Qwen3Moe", "mixtral": "Mixtral", "gpt_oss": "GptOss", "glm4_moe": "Glm4Moe"}
+# an MoE layer's shared expert (GLM-4.5), a dense MLP beside the routed experts: qm_layer's gate/up/down
+SHARED = (("gate", "mlp.shared_experts.gate_proj"), ("up", "mlp.shared_experts.up_proj"),
+          ("down", "mlp.shared_experts.down_proj"))
+LINEARS = (("q", "self_attn.q_proj"), ("k", "self_attn.k_proj"), ("v", "self_attn.v_proj"),
+           ("o", "self_attn.o_proj"), ("gate", "mlp.gate_proj"), ("up", "mlp.up_proj"), ("down", "mlp.down_proj"))
+
+
+def disabled() -> bool:
+    """SPECCHAT_NO_FUSED=1 (anything but empty or 0): every model keeps the general path."""
+    return os.environ.get("SPECCHAT_NO_FUSED", "").strip() not in ("", "0")
+
+
+def norms_of(layer: nn.Module) -> dict[str, nn.Module | None]:
+    """A decoder layer's RMSNorms by qm_layer's names: attn before attention, mlp before the MLP,
+    Gemma 3's post_attn / post_mlp on their outputs (None where the layer has none)."""
+    sa = getattr(layer, "self_attn", None)
+    gemma = hasattr(layer, "pre_feedforward_layernorm")
+    return {"attn": getattr(layer, "input_layernorm", None),
+            "mlp": getattr(layer, "pre_feedforward_layernorm" if gemma else "post_attention_layernorm", None),
+            "post_attn": getattr(layer, "post_attention_layernorm", None) if gemma else None,
+            "post_mlp": getattr(layer, "post_feedforward_layernorm", None) if gemma else None,
+            "q": getattr(sa, "q_norm", None), "k": getattr(sa, "k_norm", None)}
+
+
+def plus_one(norm: nn.Module) -> bool:
+    """Whether an RMSNorm scales by 1 + weight (Gemma's) rather than by weight."""
+    return type(norm).__name__.startswith("Gemma")
+
+
+def norm_weight(norm: nn.Module) -> torch.Tensor:
+    """The fp32 factor the C norm multiplies by: the weight, or 1 + weight for Gemma's (computed
+    in fp32 as Gemma3RMSNorm computes it)."""
+    weight = cast(torch.Tensor, norm.weight).detach()
+    return (1.0 + weight.float()).contiguous() if plus_one(norm) else weight
+
+
+def norm_eps(norm: nn.Module) -> float:
+    return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 0.0)))
+
+
+def activation(cfg: Any) -> str:
+    """The MLP's activation name (Gemma's config says hidden_activation)."""
+    return str(getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None))
+
+
+def router_of(block: nn.Module) -> Any:
+    """An MoE block's router: gpt-oss's `router`, the others' `gate`."""
+    return getattr(block, "router", None) or getattr(block, "gate", None)
+
+
+# router class -> the block's modules beside it, and whether it is gpt-oss's (biased logits, top-k,
+# softmax of those; its experts' own gate and biases)
+ROUTERS = {"Qwen3MoeTopKRouter": ({"experts", "gate"}, "softmax"), "MixtralTopKRouter": ({"experts", "gate"}, "softmax"),
+           "GptOssTopKRouter": ({"experts", "router"}, "gpt_oss"),
+           "Glm4MoeTopkRouter": ({"experts", "gate", "shared_experts"}, "sigmoid")}
+
+
+def routed_refusal(block: nn.Module, hidden: int) -> str | None:
+    """Why an MoE block cannot run in the step (its router and experts as the C code reads them),
+    or None."""
+    experts, router = getattr(block, "experts", None), router_of(block)
+    known = ROUTERS.get(type(router).__name__)
+    if known is None or set(vars(block).get("_modules", {})) != known[0]:
+        return "a router or block other than softmax top-k"
+    if (not isinstance(experts, PackedExperts) or experts._fused is None
+            or (experts._fused[2] is not None) != (known[1] == "gpt_oss")):
+        return "routed experts the one-call kernel does not run"
+    weight = getattr(router, "weight", None)
+    if (not isinstance(weight, torch.Tensor) or weight.dtype != torch.float32 or not weight.is_contiguous()
+            or tuple(weight.shape) != (experts.num_experts, hidden) or weight.device.type != "cpu"):
+        return "router weight"
+    bias = getattr(router, "bias", None)
+    if known[1] == "gpt_oss" and not is_vector(bias, experts.num_experts):
+        return "router bias"
+    if known[1] == "sigmoid" and (not is_vector(getattr(router, "e_score_correction_bias", None), experts.num_experts)
+                                  or int(getattr(router, "num_group", 0)) != int(getattr(router, "topk_group", -1))):
+        return "router score bias, or expert groups left out"  # (groups all kept: the choice is over every expert)
+    if not 0 < int(getattr(router, "top_k", 0)) <= experts.num_experts:
+        return "router top_k"
+    return None
+
+
+def refusal(model: CausalLM) -> str | None:
+    """Why `model` cannot take the fused step, or None when it can."""
+    if disabled():
+        return "SPECCHAT_NO_FUSED"
+    cfg = model.config
+    prefix = FAMILIES.get(cfg.model_type) or MOE_FAMILIES.get(cfg.model_type)
+    if prefix is None:
+        return f"model type {cfg.model_type}"
+    routed = cfg.model_type in MOE_FAMILIES
+    if model.streamer is not None or model.device.type != "cpu" or model.dtype != torch.float32:
+        return "not resident on the CPU in fp32"
+    if any(k.mixer != "attention" or k.gated or k.shared_experts and cfg.model_type != "glm4_moe"
+           or k.ffn != "dense" and not routed for k in model.kinds) or any(s is not None for s in model.linear):
+        return "a layer other than attention (full or windowed) and a dense or routed MLP"
+    if model.per_layer_inputs or model.family.layer_inputs or model.kv_shapes:
+        return "per-layer inputs or shapes"
+    if not model.layers:
+        return "no decoder layers"
+    if cfg.model_type != "gpt_oss" and activation(cfg) not in ACTS:
+        return f"activation {activation(cfg)}"
+    if getattr(cfg, "attn_logit_softcapping", None) is not None:
+        return "attention logits soft-capped"
+    heads, kv_heads = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
+    layer: Any
+    for layer, kind in zip(model.layers, model.kinds):
+        attn: Any = getattr(layer, "self_attn", None)
+        mlp = type(getattr(layer, "mlp", None)).__name__
+        if type(layer).__name__ != f"{prefix}DecoderLayer" or type(attn).__name__ != f"{prefix}Attention" \
+                or mlp not in (f"{prefix}MLP", f"{prefix}SparseMoeBlock", f"{prefix}MoE"):
+            return f"layer modules {type(layer).__name__}"
+        moe = mlp.endswith(("SparseMoeBlock", "MoE")) or cfg.model_type == "gpt_oss"
+        if moe:
+            why = routed_refusal(layer.mlp, cfg.hidden_size)
+            if why is not None:
+                return why
+        # the window the module applies: its own, or (Mistral's) its config's for every layer
+        own = getattr(attn, "sliding_window", None) if hasattr(attn, "sliding_window") \
+            else getattr(getattr(attn, "config", None), "sliding_window", None)
+        if (own or None) != kind.window or not isinstance(getattr(attn, "head_dim", None), int):
+            return "a sliding window other than the layer's, or an unknown head size"
+        sinks = getattr(attn, "sinks", None)
+        if kind.sinks != (sinks is not None) or sinks is not None and (
+                sinks.dtype != torch.float32 or tuple(sinks.shape) != (heads,) or not sinks.is_contiguous()):
+            return "attention sinks"
+        d = attn.head_dim
+        if d % 2 or heads % kv_heads:
+            return "head sizes"
+        named = norms_of(layer)
+        norms = [n for n in named.values() if n is not None]
+        if named["attn"] is None or named["mlp"] is None or any(
+                not type(n).__name__.endswith("RMSNorm") or not (hasattr(n, "variance_epsilon") or hasattr(n, "eps"))
+                or n.weight.dtype != torch.float32 or plus_one(n) != (cfg.model_type == "gemma3_text") for n in norms):
+            return "norm modules"
+        if moe and (named["post_attn"] is not None or named["post_mlp"] is not None):
+            return "post-norms around routed experts"
+        want = {"q": (heads * d, cfg.hidden_size), "k": (kv_heads * d, cfg.hidden_size),
+                "v": (kv_heads * d, cfg.hidden_size), "o": (cfg.hidden_size, heads * d),
+                "gate": (cfg.intermediate_size, cfg.hidden_size), "up": (cfg.intermediate_size, cfg.hidden_size),
+                "down": (cfg.hidden_size, cfg.intermediate_size)}
+        shared = getattr(layer.mlp, "shared_experts", None)
+        if shared is not None:
+            width = int(getattr(shared, "intermediate_size", 0))
+            want.update(gate=(width, cfg.hidden_size), up=(width, cfg.hidden_size), down=(cfg.hidden_size, width))
+        for field, path in linears_of(layer):
+            lin = layer.get_submodule(path)
+            if not isinstance(lin, PackedLinear):
+                return f"{path} is not packed"
+            w = lin.qweight
+            if (w.out_features, w.in_features) != want[field]:
+                return f"{path} shape"
+            if w.mins is not None and w.group not in (16, 32) or w.group % 8:
+                return f"{path} groups of {w.group}"
+            if lin.bias is not None and lin.bias.dtype != torch.float32:
+                return f"{path} bias dtype"
+    probe = torch.zeros(1, 1, cfg.hidden_size)
+    at = torch.zeros(1, 1, dtype=torch.long)
+    # the tables' width: a head's (gpt-oss's: half, see __init__), or GLM-4.5's partial rotary
+    widths = {attn.head_dim // 2} if cfg.model_type == "gpt_oss" else \
+        set(range(2, attn.head_dim + 1, 2)) if cfg.model_type == "glm4_moe" else {attn.head_dim}
+    seen = set()
+    for t in (sorted(set(model.layer_types)) if model.family.rotary_per_type else [None]):
+        cos, sin = model.rotary(probe, at, t) if t is not None else model.rotary(probe, position_ids=at)
+        seen.add(cos.shape[-1])
+        if cos.shape[-1] not in widths or sin.shape != cos.shape:
+            return "a partial rotary embedding"
+    if len(seen) != 1:
+        return "rotary tables of different widths"
+    return None
+
+
+def rotary_width(model: CausalLM) -> int:
+    """The width of the model's rotary tables (one for all layer types: refusal)."""
+    t = sorted(set(model.layer_types))[0] if model.family.rotary_per_type else None
+    probe, at = torch.zeros(1, 1, int(model.config.hidden_size)), torch.zeros(1, 1, dtype=torch.long)
+    cos, _ = model.rotary(probe, at, t) if t is not None else model.rotary(probe, position_ids=at)
+    return int(cos.shape[-1])
+
+
+def linears_of(layer: nn.Module) -> tuple[tuple[str, str], ...]:
+    """A layer's packed Linears by qm_layer's fields: attention's, then the dense MLP's, an MoE
+    layer's shared expert's (GLM-4.5), or none beside routed experts."""
+    mlp = getattr(layer, "mlp", None)
+    if isinstance(getattr(mlp, "experts", None), PackedExperts) or type(getattr(mlp, "router", None)).__name__ in ROUTERS:
+        return LINEARS[:4] + (SHARED if getattr(mlp, "shared_experts", None) is not None else ())
+    return LINEARS
+
+
+def is_vector(t: object, n: int) -> bool:
+    """Whether t is an fp32 (n,) tensor on the CPU, laid out plainly."""
+    return (isinstance(t, torch.Tensor) and t.dtype == torch.float32 and tuple(t.shape) == (n,)
+            and t.is_contiguous() and t.device.type == "cpu")
