@@ -11,26 +11,26 @@ norm.
 `FusedDecoder.of(model)` says once, at load, whether a model qualifies: dense llama, mistral,
 qwen2 (q/k/v biases), qwen3 (per-head q/k norms) or Gemma 3 layers (norms by 1 + w, the
 attention's and MLP's outputs normed before each residual, a GELU gate, a local and a global
-rotary table), or Qwen3-MoE, Mixtral and gpt-oss
-layers whose routed experts are all packed with the one-token experts kernel
-(PackedExperts._fused: the step and the pass run their router as transformers does, softmax,
-top-k, renormalised, or gpt-oss's biased logits, top-k, softmax of those; each token's experts
-summed in expert order, with gpt-oss's gate and biases, counting the routed tokens into each
-PackedExperts.hits; a pass reads each woken expert once for all its tokens and logs the union
-it woke), all resident on the CPU in fp32, attention full or over a sliding window (the layer's
+rotary table), or Qwen3-MoE, Mixtral, gpt-oss and GLM-4.5 layers whose routed experts are all
+packed with the one-token experts kernel (PackedExperts._fused: the step and the pass run their
+router as transformers does, softmax, top-k, renormalised, gpt-oss's biased logits, top-k,
+softmax of those, or GLM-4.5's sigmoid scores chosen with their bias; each token's experts
+summed in expert order, with gpt-oss's gate and biases, GLM-4.5's shared expert after them,
+counting the routed tokens into each PackedExperts.hits; a pass reads each woken expert once
+for all its tokens and logs the union it woke), all resident on the CPU in fp32, attention full or over a sliding window (the layer's
 own, as engine.model.family reads it: a WindowedCache's buffers, each window's layers from
 their own first column) with gpt-oss's sinks where it has them, SiLU or GELU (tanh) MLPs,
 every Linear of every layer a PackedLinear (minimums, where present, in groups of 16 or 32).
 `takes(cache)` says per step whether the cache is a plain KVCache, or a WindowedCache of the
-model's windows, of this shape. SPECCHAT_NO_FUSED=1 in the environment (read when a model is loaded) switches the path
-off.
+model's windows, of this shape. engine.kernels.fused_rules says which models qualify.
+SPECCHAT_NO_FUSED=1 in the environment (read when a model is loaded) switches the path off.
 
 `pass_` runs several tokens the same way (qmatmul.c's `qm_pass_layers`): a tree's nodes under
 their mask, or a chain (a prompt's chunk), each weight tile decoded once for all of them. A
 draft-free tree on the starter then costs a few milliseconds more than a plain step, not the
 general path's ~20 ms of Python and small operations, so trees pay on a CPU again.
 
-What this module does not do: streamed layers, shared experts, hybrids, per-layer shapes or
+What this module does not do: streamed layers, hybrids, per-layer inputs or shapes, or
 GPUs (CausalLM.forward's general path runs those), or choose which weights are packed.
 """
 
@@ -131,11 +131,12 @@ class FusedDecoder:
                 struct.hits = experts.hits.data_ptr()  # incremented in place (the tensor is never replaced)
                 struct.experts, struct.top_k = experts.num_experts, int(router.top_k)
                 struct.norm_topk = int(bool(getattr(router, "norm_topk_prob", True)))
-                if cfg.model_type == "gpt_oss":  # its router: biased logits, top-k, softmax of those
+                mode = ROUTERS[type(router).__name__][1]
+                if mode == "gpt_oss":  # its router: biased logits, top-k, softmax of those
                     struct.topk_softmax = 1
                     struct.router_bias = router.bias.data_ptr()
                     self._held.append(router.bias)
-                if ROUTERS[type(router).__name__][1] == "sigmoid":  # GLM-4.5's: sigmoid scores, biased choice
+                elif mode == "sigmoid":  # GLM-4.5's: sigmoid scores, biased choice
                     struct.sigmoid_router = 1
                     struct.score_bias = router.e_score_correction_bias.data_ptr()
                     struct.routed_scale = float(router.routed_scaling_factor)

@@ -181,8 +181,7 @@ def pack_low(codes: torch.Tensor, bits: int) -> torch.Tensor:
     n, k = codes.shape
     c = (codes.to(torch.int16) + (4 if bits == 3 else 0)).to(torch.uint8).reshape(n, k // 128, 128)
     c = c[..., _order(16, codes.device)]
-    t = (c & 3).reshape(n, k // 128, 4, 32)
-    parts = [t[:, :, 0] | (t[:, :, 1] << 2) | (t[:, :, 2] << 4) | (t[:, :, 3] << 6)]
+    parts = [_fields(c & 3)]
     if bits == 3:
         third = ((c >> 2) & 1).reshape(n, k // 128, 16, 8)
         parts.append((third << torch.arange(8, dtype=torch.uint8, device=codes.device)).sum(-1, dtype=torch.uint8))
@@ -193,7 +192,7 @@ def unpack_low(packed: torch.Tensor, k: int, bits: int) -> torch.Tensor:
     """pack_low's inverse: -> (N, K) int32 codes."""
     n = packed.shape[0]
     b = packed.reshape(n, k // 128, 32 if bits == 2 else 48).to(torch.int32)
-    stored = torch.cat([(b[..., :32] >> (2 * i)) & 3 for i in range(4)], dim=-1)  # (n, blocks, 128) in order
+    stored = _unfields(b[..., :32])  # (n, blocks, 128) in order
     if bits == 3:
         third = (b[..., 32:, None] >> torch.arange(8, device=packed.device)) & 1  # (n, blocks, 16, 8)
         stored = stored + 4 * third.reshape(n, -1, 128) - 4
@@ -215,9 +214,19 @@ def _pack6(c: torch.Tensor, width: int) -> torch.Tensor:
     n, blocks, _ = c.shape
     low, top = c & 15, c >> 4
     nibbles = low[..., : width // 2] | (low[..., width // 2 :] << 4)
-    t = top.reshape(n, blocks, 4, width // 4)
-    tops = t[:, :, 0] | (t[:, :, 1] << 2) | (t[:, :, 2] << 4) | (t[:, :, 3] << 6)
-    return torch.cat([nibbles, tops], dim=-1).reshape(n, -1)
+    return torch.cat([nibbles, _fields(top)], dim=-1).reshape(n, -1)
+
+
+def _fields(v: torch.Tensor) -> torch.Tensor:
+    """(..., width) values 0..3 -> (..., width / 4) bytes: byte j, bits 2i and 2i + 1, holding
+    value j + width/4 i (pack6's top bits, pack_low's codes)."""
+    t = v.reshape(*v.shape[:-1], 4, v.shape[-1] // 4)
+    return t[..., 0, :] | (t[..., 1, :] << 2) | (t[..., 2, :] << 4) | (t[..., 3, :] << 6)
+
+
+def _unfields(b: torch.Tensor) -> torch.Tensor:
+    """_fields' inverse on int32 bytes: (..., m) -> (..., 4m) values."""
+    return torch.cat([(b >> (2 * i)) & 3 for i in range(4)], dim=-1)
 
 
 def unpack6(packed: torch.Tensor, k: int, group: int = 32) -> torch.Tensor:
@@ -238,8 +247,7 @@ def _unpack6(b: torch.Tensor, width: int) -> torch.Tensor:
     b = b.reshape(n, -1, width * 3 // 4).to(torch.int32)
     half = width // 2
     low = torch.cat([b[..., :half] & 15, b[..., :half] >> 4], dim=-1)  # (n, blocks, width)
-    tops = b[..., half:]
-    top = torch.cat([(tops >> (2 * i)) & 3 for i in range(4)], dim=-1)  # value j + width/4 i at that index
+    top = _unfields(b[..., half:])  # value j + width/4 i at that index
     return (low | (top << 4)).reshape(n, -1)
 
 
