@@ -49,10 +49,12 @@ from torch import nn
 from engine.kernels.build import kernels
 from engine.kernels.governor import governor
 from engine.kernels.experts import PackedExperts
-from engine.kernels.fused_rules import (ACTS, LINEARS, ROUTERS, activation, linears_of, norm_eps,
+from engine.kernels.fused_rules import (ACTS, LINEARS, ROUTERS, activation, dense_rows, linears_of, norm_eps,
                                        norm_weight, norms_of, refusal, router_of, rotary_width)
 from engine.kernels.linear import PackedLinear, QmLinear
 from engine.model.cache import KVCache
+from engine.model.hybrid_cache import HybridCache
+from engine.model.linear_state import LinearLayerState
 from engine.model.window_cache import WindowedCache
 
 if TYPE_CHECKING:
@@ -76,13 +78,19 @@ class Layer(ctypes.Structure):
                 ("post_attn_norm", ctypes.c_void_p), ("post_mlp_norm", ctypes.c_void_p), ("post_attn_eps", ctypes.c_float),
                 ("post_mlp_eps", ctypes.c_float), ("act", ctypes.c_int64),
                 ("rotary_dim", ctypes.c_int64), ("sigmoid_router", ctypes.c_int64), ("score_bias", ctypes.c_void_p),
-                ("routed_scale", ctypes.c_float)]
+                ("routed_scale", ctypes.c_float),
+                ("attn_gate", ctypes.c_int64), ("shared_gate", ctypes.c_void_p),
+                ("lin_qkv", QmLinear), ("lin_z", QmLinear),
+                *((name, ctypes.c_void_p) for name in ("lin_ba", "conv_w", "conv_b", "neg_a", "dt_bias", "gnorm")),
+                ("gnorm_eps", ctypes.c_float),
+                *((name, ctypes.c_int64) for name in ("lin_kh", "lin_vh", "lin_dk", "lin_dv", "kernel", "lin_tiled"))]
 
 
 class View(ctypes.Structure):
-    """qmatmul.c's qm_view: a layer's K/V buffers, their capacity, and which window (-1: none)."""
+    """qmatmul.c's qm_view: a layer's K/V buffers, their capacity, and which window (-1: none);
+    a Gated DeltaNet layer's conv and recurrent states."""
     _fields_ = [("keys", ctypes.c_void_p), ("values", ctypes.c_void_p), ("capacity", ctypes.c_int64),
-                ("window", ctypes.c_int64), ("rope", ctypes.c_int64)]
+                ("window", ctypes.c_int64), ("rope", ctypes.c_int64), ("conv", ctypes.c_void_p), ("rec", ctypes.c_void_p)]
 
 
 class FusedDecoder:
@@ -91,7 +99,7 @@ class FusedDecoder:
     def __init__(self, model: CausalLM, lib: ctypes.CDLL) -> None:
         # the model's outer modules, not the model (which holds this object: no reference cycle)
         self.embed, self.rotary, self.norm, self.device = model.embed, model.rotary, model.norm, model.device
-        attn: Any = model.layers[0].self_attn
+        attn: Any = next(layer.self_attn for layer in model.layers if hasattr(layer, "self_attn"))
         cfg = model.config
         self.heads = int(cfg.num_attention_heads)
         self.kv_heads = int(cfg.num_key_value_heads)
@@ -117,7 +125,10 @@ class FusedDecoder:
         # rotary tables: one per layer type where the family has several (Gemma 3: local and global)
         self.rope_types: list[str] | None = sorted(set(model.layer_types)) if model.family.rotary_per_type else None
         self.rope_of = [self.rope_types.index(t) for t in model.layer_types] if self.rope_types else [0] * len(model.layers)
-        for layer, struct in zip(model.layers, self.layers):
+        # hybrids: each layer's Gated DeltaNet state shape (None: attention); their steps only
+        self.linear = list(model.linear)
+        self.hybrid = any(s is not None for s in self.linear)
+        for layer, struct, kind in zip(model.layers, self.layers, model.kinds):
             block = getattr(layer.mlp, "experts", None)
             if isinstance(block, PackedExperts):
                 experts = block
@@ -146,7 +157,16 @@ class FusedDecoder:
                     struct.expert_gate = ctypes.addressof(gate)
             for field, path in linears_of(layer):
                 self._held.append(_fill_linear(getattr(struct, field), layer.get_submodule(path)))
-            sa: Any = layer.self_attn
+            shared_gate = getattr(layer.mlp, "shared_expert_gate", None)
+            if shared_gate is not None:  # Qwen3.5-MoE's shared expert, scaled by sigmoid(gate . x)
+                rows = dense_rows(shared_gate)
+                assert rows is not None
+                self._held.append(rows)
+                struct.shared_gate = rows.data_ptr()
+            struct.attn_gate = int(kind.gated)
+            if kind.mixer == "linear":
+                self._fill_delta(struct, layer.linear_attn, cfg.hidden_size)
+            sa: Any = getattr(layer, "self_attn", None)
             sinks = getattr(sa, "sinks", None)
             if sinks is not None:
                 self._held.append(sinks)
@@ -173,6 +193,24 @@ class FusedDecoder:
         self._buffers: weakref.WeakKeyDictionary[KVCache, _Buffers] = weakref.WeakKeyDictionary()
         self._key = next(_keys)  # this model's steps, to the thread governor
 
+    def _fill_delta(self, struct: Layer, la: Any, hidden: int) -> None:
+        """A Gated DeltaNet layer's fields (fused_rules.linear_refusal said it qualifies)."""
+        b, a = dense_rows(la.in_proj_b), dense_rows(la.in_proj_a)
+        assert b is not None and a is not None
+        parts = {"lin_ba": torch.cat([b, a]).contiguous(),  # (2 H_v, hidden): b's rows, then a's
+                 "conv_w": la.conv1d.weight.detach().reshape(la.conv_dim, la.kernel).contiguous(),
+                 "conv_b": la.conv1d.bias.detach() if la.conv1d.bias is not None else None,
+                 "neg_a": -la.A_log.detach().float().exp(),  # as transformers' g: -exp(A_log) * softplus(...)
+                 "dt_bias": la.dt_bias.detach(), "gnorm": la.norm.weight.detach()}
+        for name, t in parts.items():
+            if t is not None:
+                self._held.append(t)
+                setattr(struct, name, t.data_ptr())
+        struct.gnorm_eps = norm_eps(la.norm)
+        struct.lin_kh, struct.lin_vh = la.num_k_heads, la.num_v_heads
+        struct.lin_dk, struct.lin_dv, struct.kernel = la.head_k_dim, la.head_v_dim, la.kernel
+        struct.lin_tiled = int(la.tiled)
+
     @classmethod
     def of(cls, model: CausalLM) -> FusedDecoder | None:
         """The fused path for `model`, or None where it does not qualify (logged at DEBUG)."""
@@ -187,10 +225,14 @@ class FusedDecoder:
         assert lib is not None
         return cls(model, lib)
 
-    def takes(self, cache: KVCache) -> bool:
-        """Whether a step on `cache` can run here: a plain KVCache of this model's shape, or a
-        WindowedCache of its windows (and no expert of an MoE cached elsewhere:
-        engine.kernels.expert_cache)."""
+    def takes(self, cache: KVCache, fold: bool = False) -> bool:
+        """Whether a step or pass on `cache` can run here: a plain KVCache of this model's shape,
+        or a WindowedCache of its windows (and no expert of an MoE cached elsewhere:
+        engine.kernels.expert_cache). A hybrid's only where `fold`, one token of committed text
+        (a plain decoding step: no mask), goes on a HybridCache with nothing pending: its tree
+        passes keep the general path (engine.model.linear_attention)."""
+        if self.hybrid and not (fold and isinstance(cache, HybridCache) and cache.complete):
+            return False
         return self._addresses(cache) is not None and not any(e.hot_ids for e in self._experts)
 
     def _addresses(self, cache: KVCache) -> _Buffers | None:
@@ -198,16 +240,22 @@ class FusedDecoder:
         None when the cache is not one of this model's shape. Nothing shared is rewritten per
         step, so two caches may run at once."""
         windowed = type(cache) is WindowedCache
-        if not (type(cache) is KVCache and not self.windows or windowed and self.windows) or cache.layer_shapes is not None:
+        plain = type(cache) is (HybridCache if self.hybrid else KVCache)
+        if not (plain and not self.windows or windowed and self.windows) or cache.layer_shapes is not None:
             return None
         if windowed and cast(WindowedCache, cache).windows != self.layer_windows:
             return None
         known = self._buffers.get(cache)
         if known is not None and known.holds(cache):
             return known
+        attention = [i for i, s in enumerate(self.linear) if s is None]  # (a hybrid's linear layers hold no K/V)
         if (len(cache.keys) != len(self.layers) or cache.device.type != "cpu"
                 or any(b.dtype != torch.float32 or b.dim() != 4 or tuple(b.shape[:2]) != (1, self.kv_heads)
-                       or b.shape[3] != self.head_dim or not b.is_contiguous() for b in cache.keys + cache.values)):
+                       or b.shape[3] != self.head_dim or not b.is_contiguous()
+                       for i in attention for b in (cache.keys[i], cache.values[i]))):
+            return None
+        if self.hybrid and any(not _state_fits(cast(HybridCache, cache).states.get(i), s)
+                               for i, s in enumerate(self.linear) if s is not None):
             return None
         known = self._buffers[cache] = _Buffers(cache, self.window_of, self.rope_of)
         return known
@@ -281,7 +329,10 @@ class FusedDecoder:
             if rc != 0:
                 raise torch.OutOfMemoryError("The fused CPU decoding step could not allocate its scratch memory.")
         chosen.record(self._key, threads, time.perf_counter() - start)
-        cache.commit(1)
+        if isinstance(cache, HybridCache):
+            cache.folded(1)  # the C step folded the token into each Gated DeltaNet layer's state
+        else:
+            cache.commit(1)
         out: torch.Tensor = self.norm(hidden[0])  # (1, H)
         return out
 
@@ -292,6 +343,7 @@ class FusedDecoder:
         allowed: (n, cache.length + n) bool, what each token attends to; None: a causal chain.
         The final normed hidden states (n, hidden), as CausalLM.forward returns them. `grab`,
         `kept`: as in `step`."""
+        assert not self.hybrid, "a hybrid's passes keep the general path"
         buffers = self._room(cache, int(input_ids.shape[0]))
         n, past = int(input_ids.shape[0]), cache.length
         mask = None
@@ -340,11 +392,31 @@ class _Buffers:
         for view, k, v, w, rope in zip(self.views, cache.keys, cache.values, window_of, rope_of):
             view.keys, view.values, view.capacity, view.window = k.data_ptr(), v.data_ptr(), int(k.shape[2]), w
             view.rope = rope
-        self._refs = [weakref.ref(t) for t in (*cache.keys, *cache.values)]
+        for i, state in _states(cache).items():  # a hybrid's Gated DeltaNet states, updated in place by a step
+            self.views[i].conv, self.views[i].rec = state.conv.data_ptr(), state.recurrent.data_ptr()
+        self._refs = [weakref.ref(t) for t in _tensors(cache)]
 
     def holds(self, cache: KVCache) -> bool:
-        """Whether these are still `cache`'s buffers."""
-        return all(r() is t for r, t in zip(self._refs, (*cache.keys, *cache.values)))
+        """Whether these are still `cache`'s buffers (and states: a HybridCache replaces them
+        when it goes back to a snapshot)."""
+        now = _tensors(cache)
+        return len(now) == len(self._refs) and all(r() is t for r, t in zip(self._refs, now))
+
+
+def _states(cache: KVCache) -> dict[int, LinearLayerState]:
+    return cache.states if isinstance(cache, HybridCache) else {}
+
+
+def _tensors(cache: KVCache) -> list[torch.Tensor]:
+    return [*cache.keys, *cache.values, *(t for _, s in sorted(_states(cache).items()) for t in s.tensors())]
+
+
+def _state_fits(state: LinearLayerState | None, spec: Any) -> bool:
+    """Whether a Gated DeltaNet layer's state is fp32 and contiguous, of its spec's shape."""
+    return state is not None and all(
+        t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu" and tuple(t.shape) == shape
+        for t, shape in ((state.conv, (1, spec.conv_dim, spec.kernel - 1)),
+                         (state.recurrent, (1, spec.num_v_heads, spec.head_k_dim, spec.head_v_dim))))
 
 
 def _fill_linear(struct: QmLinear, module: nn.Module) -> tuple[object, ...]:

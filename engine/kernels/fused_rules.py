@@ -1,6 +1,7 @@
 """Which models the fused CPU decoding step takes (engine/kernels/fused_layer.py), and how their
 modules read as qmatmul.c's qm_layer: the families and their class names, routers, norms
-(Gemma's 1 + w), activations, rotary widths and which Linears a layer hands over.
+(Gemma's and Qwen3.5's 1 + w), activations, rotary widths, which Linears a layer hands over, and
+Qwen3.5's Gated DeltaNet layers (`linear_refusal`).
 
 `refusal(model)` is the one question fused_layer asks at load: why a model cannot take the step,
 or None. Everything here reads modules and configs; nothing runs a pass.
@@ -15,20 +16,30 @@ import torch
 from torch import nn
 
 from engine.kernels.experts import PackedExperts
-from engine.kernels.linear import PackedLinear
+from engine.kernels.linear import PackedLinear, dequantize
 
 if TYPE_CHECKING:
     from engine.model.causal_lm import CausalLM
 
 # dense families: model type -> the class name prefix of their modules
-FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma3_text": "Gemma3"}
+FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma3_text": "Gemma3",
+            "qwen3_5_text": "Qwen3_5"}
 # the MLP gates the step runs (qm_layer.act), by the config's activation name
 ACTS = {"silu": 0, "gelu_pytorch_tanh": 1}
 # MoE families whose routed layers the step runs too (their routers: ROUTERS): model type -> class prefix
-MOE_FAMILIES = {"qwen3_moe": "Qwen3Moe", "mixtral": "Mixtral", "gpt_oss": "GptOss", "glm4_moe": "Glm4Moe"}
+MOE_FAMILIES = {"qwen3_moe": "Qwen3Moe", "mixtral": "Mixtral", "gpt_oss": "GptOss", "glm4_moe": "Glm4Moe",
+                "qwen3_5_moe_text": "Qwen3_5Moe"}
+# hybrids (the step only: a tree pass keeps the general path): Gated DeltaNet layers (TreeGatedDeltaNet,
+# qwen3_5's layout) beside gated attention; the MoE's shared expert scaled by its own sigmoid gate
+HYBRIDS = frozenset({"qwen3_5_text", "qwen3_5_moe_text"})
+# families whose RMSNorms scale by 1 + weight
+PLUS_ONE = frozenset({"gemma3_text", *HYBRIDS})
 # an MoE layer's shared expert (GLM-4.5), a dense MLP beside the routed experts: qm_layer's gate/up/down
 SHARED = (("gate", "mlp.shared_experts.gate_proj"), ("up", "mlp.shared_experts.up_proj"),
           ("down", "mlp.shared_experts.down_proj"))
+SHARED_GATED = tuple((f, p.replace("shared_experts", "shared_expert")) for f, p in SHARED)  # Qwen3.5-MoE's
+# a Gated DeltaNet layer's packed Linears (b's and a's rows are read as fp32: qm_layer.lin_ba)
+LINEAR_ATTN = (("lin_qkv", "linear_attn.in_proj_qkv"), ("lin_z", "linear_attn.in_proj_z"), ("o", "linear_attn.out_proj"))
 LINEARS = (("q", "self_attn.q_proj"), ("k", "self_attn.k_proj"), ("v", "self_attn.v_proj"),
            ("o", "self_attn.o_proj"), ("gate", "mlp.gate_proj"), ("up", "mlp.up_proj"), ("down", "mlp.down_proj"))
 
@@ -51,13 +62,14 @@ def norms_of(layer: nn.Module) -> dict[str, nn.Module | None]:
 
 
 def plus_one(norm: nn.Module) -> bool:
-    """Whether an RMSNorm scales by 1 + weight (Gemma's) rather than by weight."""
-    return type(norm).__name__.startswith("Gemma")
+    """Whether an RMSNorm scales by 1 + weight (Gemma's, Qwen3.5's but its gated one) rather than by weight."""
+    name = type(norm).__name__
+    return name.startswith("Gemma") or name.startswith("Qwen3_5") and name.endswith("RMSNorm")
 
 
 def norm_weight(norm: nn.Module) -> torch.Tensor:
-    """The fp32 factor the C norm multiplies by: the weight, or 1 + weight for Gemma's (computed
-    in fp32 as Gemma3RMSNorm computes it)."""
+    """The fp32 factor the C norm multiplies by: the weight, or 1 + weight for Gemma's and
+    Qwen3.5's (computed in fp32 as their RMSNorms compute it)."""
     weight = cast(torch.Tensor, norm.weight).detach()
     return (1.0 + weight.float()).contiguous() if plus_one(norm) else weight
 
@@ -80,7 +92,8 @@ def router_of(block: nn.Module) -> Any:
 # softmax of those; its experts' own gate and biases)
 ROUTERS = {"Qwen3MoeTopKRouter": ({"experts", "gate"}, "softmax"), "MixtralTopKRouter": ({"experts", "gate"}, "softmax"),
            "GptOssTopKRouter": ({"experts", "router"}, "gpt_oss"),
-           "Glm4MoeTopkRouter": ({"experts", "gate", "shared_experts"}, "sigmoid")}
+           "Glm4MoeTopkRouter": ({"experts", "gate", "shared_experts"}, "sigmoid"),
+           "Qwen3_5MoeTopKRouter": ({"experts", "gate", "shared_expert", "shared_expert_gate"}, "softmax")}
 
 
 def routed_refusal(block: nn.Module, hidden: int) -> str | None:
@@ -116,11 +129,13 @@ def refusal(model: CausalLM) -> str | None:
     prefix = FAMILIES.get(cfg.model_type) or MOE_FAMILIES.get(cfg.model_type)
     if prefix is None:
         return f"model type {cfg.model_type}"
-    routed = cfg.model_type in MOE_FAMILIES
+    routed, hybrid = cfg.model_type in MOE_FAMILIES, cfg.model_type in HYBRIDS
     if model.streamer is not None or model.device.type != "cpu" or model.dtype != torch.float32:
         return "not resident on the CPU in fp32"
-    if any(k.mixer != "attention" or k.gated or k.shared_experts and cfg.model_type != "glm4_moe"
-           or k.ffn != "dense" and not routed for k in model.kinds) or any(s is not None for s in model.linear):
+    if any(k.mixer != "attention" and not (hybrid and k.mixer == "linear") or k.gated and not hybrid
+           or k.shared_experts and cfg.model_type not in ("glm4_moe", "qwen3_5_moe_text")
+           or k.ffn != "dense" and not routed for k in model.kinds) \
+            or any(s is not None for s in model.linear) and not hybrid:
         return "a layer other than attention (full or windowed) and a dense or routed MLP"
     if model.per_layer_inputs or model.family.layer_inputs or model.kv_shapes:
         return "per-layer inputs or shapes"
@@ -135,7 +150,10 @@ def refusal(model: CausalLM) -> str | None:
     for layer, kind in zip(model.layers, model.kinds):
         attn: Any = getattr(layer, "self_attn", None)
         mlp = type(getattr(layer, "mlp", None)).__name__
-        if type(layer).__name__ != f"{prefix}DecoderLayer" or type(attn).__name__ != f"{prefix}Attention" \
+        linear = kind.mixer == "linear"
+        mixer = "TreeGatedDeltaNet" if linear else f"{prefix}Attention"
+        if type(layer).__name__ != f"{prefix}DecoderLayer" or \
+                type(getattr(layer, "linear_attn" if linear else "self_attn", None)).__name__ != mixer \
                 or mlp not in (f"{prefix}MLP", f"{prefix}SparseMoeBlock", f"{prefix}MoE"):
             return f"layer modules {type(layer).__name__}"
         moe = mlp.endswith(("SparseMoeBlock", "MoE")) or cfg.model_type == "gpt_oss"
@@ -143,34 +161,39 @@ def refusal(model: CausalLM) -> str | None:
             why = routed_refusal(layer.mlp, cfg.hidden_size)
             if why is not None:
                 return why
-        # the window the module applies: its own, or (Mistral's) its config's for every layer
-        own = getattr(attn, "sliding_window", None) if hasattr(attn, "sliding_window") \
-            else getattr(getattr(attn, "config", None), "sliding_window", None)
-        if (own or None) != kind.window or not isinstance(getattr(attn, "head_dim", None), int):
-            return "a sliding window other than the layer's, or an unknown head size"
-        sinks = getattr(attn, "sinks", None)
-        if kind.sinks != (sinks is not None) or sinks is not None and (
-                sinks.dtype != torch.float32 or tuple(sinks.shape) != (heads,) or not sinks.is_contiguous()):
-            return "attention sinks"
-        d = attn.head_dim
-        if d % 2 or heads % kv_heads:
-            return "head sizes"
+        want: dict[str, tuple[int, int]] = {}
+        if linear:
+            why = linear_refusal(layer.linear_attn, cfg.hidden_size)
+            if why is not None:
+                return why
+            la = layer.linear_attn
+            want.update(lin_qkv=(la.conv_dim, cfg.hidden_size), lin_z=(la.value_dim, cfg.hidden_size),
+                        o=(cfg.hidden_size, la.value_dim))
+        else:
+            why = attention_refusal(layer, kind, heads, kv_heads)
+            if why is not None:
+                return why
+            d = attn.head_dim
+            want.update(q=(heads * d * (2 if kind.gated else 1), cfg.hidden_size), k=(kv_heads * d, cfg.hidden_size),
+                        v=(kv_heads * d, cfg.hidden_size), o=(cfg.hidden_size, heads * d))
         named = norms_of(layer)
         norms = [n for n in named.values() if n is not None]
         if named["attn"] is None or named["mlp"] is None or any(
                 not type(n).__name__.endswith("RMSNorm") or not (hasattr(n, "variance_epsilon") or hasattr(n, "eps"))
-                or n.weight.dtype != torch.float32 or plus_one(n) != (cfg.model_type == "gemma3_text") for n in norms):
+                or n.weight.dtype != torch.float32 or plus_one(n) != (cfg.model_type in PLUS_ONE) for n in norms):
             return "norm modules"
         if moe and (named["post_attn"] is not None or named["post_mlp"] is not None):
             return "post-norms around routed experts"
-        want = {"q": (heads * d, cfg.hidden_size), "k": (kv_heads * d, cfg.hidden_size),
-                "v": (kv_heads * d, cfg.hidden_size), "o": (cfg.hidden_size, heads * d),
-                "gate": (cfg.intermediate_size, cfg.hidden_size), "up": (cfg.intermediate_size, cfg.hidden_size),
-                "down": (cfg.hidden_size, cfg.intermediate_size)}
-        shared = getattr(layer.mlp, "shared_experts", None)
+        inter = int(getattr(cfg, "intermediate_size", 0) or 0)  # (an MoE's config may name none)
+        want.update(gate=(inter, cfg.hidden_size), up=(inter, cfg.hidden_size), down=(cfg.hidden_size, inter))
+        shared = getattr(layer.mlp, "shared_experts", None) or getattr(layer.mlp, "shared_expert", None)
         if shared is not None:
             width = int(getattr(shared, "intermediate_size", 0))
             want.update(gate=(width, cfg.hidden_size), up=(width, cfg.hidden_size), down=(cfg.hidden_size, width))
+        gate = getattr(layer.mlp, "shared_expert_gate", None)
+        rows = dense_rows(gate) if gate is not None else None
+        if gate is not None and (rows is None or tuple(rows.shape) != (1, cfg.hidden_size)):
+            return "shared expert gate"
         for field, path in linears_of(layer):
             lin = layer.get_submodule(path)
             if not isinstance(lin, PackedLinear):
@@ -184,9 +207,10 @@ def refusal(model: CausalLM) -> str | None:
                 return f"{path} bias dtype"
     probe = torch.zeros(1, 1, cfg.hidden_size)
     at = torch.zeros(1, 1, dtype=torch.long)
-    # the tables' width: a head's (gpt-oss's: half, see __init__), or GLM-4.5's partial rotary
-    widths = {attn.head_dim // 2} if cfg.model_type == "gpt_oss" else \
-        set(range(2, attn.head_dim + 1, 2)) if cfg.model_type == "glm4_moe" else {attn.head_dim}
+    d = int(getattr(next(layer.self_attn for layer in model.layers if hasattr(layer, "self_attn")), "head_dim"))
+    # the tables' width: a head's (gpt-oss's: half, see __init__), or GLM-4.5's and Qwen3.5's partial rotary
+    widths = {d // 2} if cfg.model_type == "gpt_oss" else \
+        set(range(2, d + 1, 2)) if cfg.model_type == "glm4_moe" or hybrid else {d}
     seen = set()
     for t in (sorted(set(model.layer_types)) if model.family.rotary_per_type else [None]):
         cos, sin = model.rotary(probe, at, t) if t is not None else model.rotary(probe, position_ids=at)
@@ -195,6 +219,59 @@ def refusal(model: CausalLM) -> str | None:
             return "a partial rotary embedding"
     if len(seen) != 1:
         return "rotary tables of different widths"
+    return None
+
+
+def attention_refusal(layer: nn.Module, kind: Any, heads: int, kv_heads: int) -> str | None:
+    """Why an attention layer's module cannot run in the step (its window, sinks, head sizes), or None."""
+    attn: Any = getattr(layer, "self_attn")
+    # the window the module applies: its own, or (Mistral's) its config's for every layer
+    own = getattr(attn, "sliding_window", None) if hasattr(attn, "sliding_window") \
+        else getattr(getattr(attn, "config", None), "sliding_window", None)
+    if (own or None) != kind.window or not isinstance(getattr(attn, "head_dim", None), int):
+        return "a sliding window other than the layer's, or an unknown head size"
+    sinks = getattr(attn, "sinks", None)
+    if kind.sinks != (sinks is not None) or sinks is not None and (
+            sinks.dtype != torch.float32 or tuple(sinks.shape) != (heads,) or not sinks.is_contiguous()):
+        return "attention sinks"
+    if attn.head_dim % 2 or heads % kv_heads:
+        return "head sizes"
+    return None
+
+
+def linear_refusal(la: Any, hidden: int) -> str | None:
+    """Why a Gated DeltaNet layer (TreeGatedDeltaNet) cannot run in the step, or None: Qwen3.5's
+    layout (one projection each), SiLU conv, fp32 parameters of their shapes, b's and a's rows
+    readable as fp32 (dense_rows), a gated SiLU RMSNorm."""
+    if la.fused or la.activation != "silu" or la.kernel < 2 or la.num_v_heads % la.num_k_heads:
+        return "a Gated DeltaNet layer other than Qwen3.5's"
+    if la.conv_dim != 2 * la.key_dim + la.value_dim or la.key_dim != la.num_k_heads * la.head_k_dim \
+            or la.value_dim != la.num_v_heads * la.head_v_dim:
+        return "Gated DeltaNet widths"
+    conv = la.conv1d
+    if conv.weight.dtype != torch.float32 or tuple(conv.weight.shape) != (la.conv_dim, 1, la.kernel) \
+            or conv.bias is not None and not is_vector(conv.bias, la.conv_dim):
+        return "Gated DeltaNet conv"
+    if not is_vector(la.A_log, la.num_v_heads) or not is_vector(la.dt_bias, la.num_v_heads):
+        return "Gated DeltaNet decay parameters"
+    norm = la.norm
+    if not type(norm).__name__.endswith("RMSNormGated") or getattr(norm, "activation", "silu") != "silu" \
+            or not is_vector(norm.weight, la.head_v_dim):
+        return "Gated DeltaNet norm"
+    for proj in (la.in_proj_b, la.in_proj_a):
+        rows = dense_rows(proj)
+        if rows is None or tuple(rows.shape) != (la.num_v_heads, hidden):
+            return "Gated DeltaNet b and a projections"
+    return None
+
+
+def dense_rows(module: nn.Module) -> torch.Tensor | None:
+    """A bias-free Linear's weight as fp32 rows (a PackedLinear's de-quantised), or None for
+    anything else."""
+    if isinstance(module, PackedLinear) and module.bias is None:
+        return dequantize(module.qweight).float().contiguous()
+    if type(module) is nn.Linear and module.bias is None and module.weight.device.type == "cpu":
+        return module.weight.detach().float().contiguous()
     return None
 
 
@@ -207,12 +284,16 @@ def rotary_width(model: CausalLM) -> int:
 
 
 def linears_of(layer: nn.Module) -> tuple[tuple[str, str], ...]:
-    """A layer's packed Linears by qm_layer's fields: attention's, then the dense MLP's, an MoE
-    layer's shared expert's (GLM-4.5), or none beside routed experts."""
+    """A layer's packed Linears by qm_layer's fields: attention's (or a Gated DeltaNet's), then the
+    dense MLP's, an MoE layer's shared expert's (GLM-4.5's, Qwen3.5's), or none beside routed
+    experts."""
     mlp = getattr(layer, "mlp", None)
+    mixer = LINEAR_ATTN if hasattr(layer, "linear_attn") else LINEARS[:4]
     if isinstance(getattr(mlp, "experts", None), PackedExperts) or type(getattr(mlp, "router", None)).__name__ in ROUTERS:
-        return LINEARS[:4] + (SHARED if getattr(mlp, "shared_experts", None) is not None else ())
-    return LINEARS
+        shared = SHARED if getattr(mlp, "shared_experts", None) is not None else \
+            SHARED_GATED if getattr(mlp, "shared_expert", None) is not None else ()
+        return mixer + shared
+    return mixer + LINEARS[4:]
 
 
 def is_vector(t: object, n: int) -> bool:

@@ -130,7 +130,7 @@ static const void *row_params(const void *p, int64_t r, int64_t rows, int64_t gr
 /* Floats of expansion scratch for `rows` rows of `groups` (one where nothing is expanded). */
 #define PARAMS_BUF(fmt, rows, groups) ((fmt) == 2 ? (rows) * (groups) : 1)
 
-int qm_version(void) { return 8; }
+int qm_version(void) { return 9; }
 
 int qm_simd(void) { /* 0 plain C, 2 AVX2, 3 AVX-512, 4 AVX-512 VNNI, 5 AVX2 + AVX-VNNI */
 #if defined(QM_VNNI)
@@ -699,6 +699,21 @@ typedef struct {
     int64_t rotary_dim, sigmoid_router;
     const float *score_bias;
     float routed_scale;
+    /* Qwen3.5: gated attention (attn_gate: q's rows are, per head, its query then its gate; the
+     * head's output is multiplied by sigmoid(gate)); an MoE layer's shared expert (gate/up/down)
+     * scaled by sigmoid(shared_gate . x) (NULL: unscaled) */
+    int64_t attn_gate;
+    const float *shared_gate;
+    /* A Gated DeltaNet layer (Qwen3.5: lin_vh > 0; q/k/v unused, o its out_proj): in_proj_qkv
+     * (conv_dim rows: the q, k and v channels) and in_proj_z (lin_vh x lin_dv rows) packed; b's
+     * and a's fp32 rows (2 lin_vh x hidden: b's, then a's); the depthwise causal conv (conv_dim x
+     * kernel, and its bias or NULL); -exp(A_log) and dt_bias (lin_vh); the gated norm's weight
+     * (lin_dv) and eps. Value head h reads key head h / (lin_vh / lin_kh), or, where lin_tiled (the
+     * heads in llama.cpp's order), h % lin_kh. */
+    qm_linear lin_qkv, lin_z;
+    const float *lin_ba, *conv_w, *conv_b, *neg_a, *dt_bias, *gnorm;
+    float gnorm_eps;
+    int64_t lin_kh, lin_vh, lin_dk, lin_dv, kernel, lin_tiled;
 } qm_layer;
 
 /* Where a layer's K/V live: buffers (kv_heads, capacity, head_dim), and window: -1 for a layer
@@ -709,6 +724,10 @@ typedef struct {
     float *keys, *values;
     int64_t capacity, window;
     int64_t rope; /* which of the call's rotary tables the layer reads (Gemma 3: local or global) */
+    /* a Gated DeltaNet layer's state, updated in place by a step: the conv's last kernel - 1
+     * inputs per channel (conv_dim x (kernel - 1), oldest first) and the recurrent state
+     * (lin_vh x lin_dk x lin_dv) */
+    float *conv, *rec;
 } qm_view;
 
 /* Layer l's columns: base (the entry of column 0) and lo (the first a decode step reads). */
@@ -741,12 +760,14 @@ static inline void add_out(float *x, const float *y, const float *norm, float r,
         for (int64_t i = a; i < b; i++) x[i] += y[i];
 }
 
-/* x += w times `in` (its group sums s16/s32 and digits dg), or, with a norm (Gemma 3's
+/* x += w times `in` (its group sums s16/s32 and digits dg) times mul (1, or Qwen3.5's shared
+ * expert's gate), or, with a norm (Gemma 3's
  * post-norms), x += that product rms-normed: the whole product first into `out` (w->n + a
  * block), its scale taken by every thread alike, then added. Called by every thread of a
  * parallel region (orphaned loops: two barriers, three with a norm). */
 static void residual_product(const qm_linear *w, const float *in, const float *s16, const float *s32,
-                             const qm_digits *dg, float *tmp, const float *norm, float eps, float *out, float *x);
+                             const qm_digits *dg, float *tmp, const float *norm, float eps, float *out, float *x,
+                             float mul);
 
 /* The MLP's gate of g times up: SiLU (act 0) or GELU with tanh (act 1, gelu_pytorch_tanh). */
 static inline float gated(float g, float up, int64_t act) {
@@ -815,7 +836,8 @@ static void rows_product(const qm_linear *w, int64_t r, int64_t rows, const floa
 }
 
 static void residual_product(const qm_linear *w, const float *in, const float *s16, const float *s32,
-                             const qm_digits *dg, float *tmp, const float *norm, float eps, float *out, float *x) {
+                             const qm_digits *dg, float *tmp, const float *norm, float eps, float *out, float *x,
+                             float mul) {
     int64_t n = w->n;
     if (norm) {
 #pragma omp for schedule(static)
@@ -829,7 +851,10 @@ static void residual_product(const qm_linear *w, const float *in, const float *s
     for (int64_t r = 0; r < n; r += QM_ROWS) {
         float o[QM_ROWS];
         rows_product(w, r, n - r, in, s16, s32, dg, tmp, o);
-        for (int64_t i = 0; i < QM_ROWS && r + i < n; i++) x[r + i] += o[i];
+        if (mul == 1.0f)
+            for (int64_t i = 0; i < QM_ROWS && r + i < n; i++) x[r + i] += o[i];
+        else
+            for (int64_t i = 0; i < QM_ROWS && r + i < n; i++) x[r + i] += mul * o[i];
     }
 }
 
@@ -889,16 +914,110 @@ static void widths(const qm_layer *layers, int64_t count, int64_t *inter, int64_
     }
 }
 
+/* The widest Gated DeltaNet layer: its conv channels, value width and value heads. */
+static void linear_widths(const qm_layer *layers, int64_t count, int64_t *C, int64_t *VD, int64_t *VH) {
+    for (int64_t l = 0; l < count; l++) {
+        const qm_layer *L = layers + l;
+        if (L->lin_vh > 0) {
+            *C = L->lin_qkv.n > *C ? L->lin_qkv.n : *C, *VD = L->lin_z.n > *VD ? L->lin_z.n : *VD;
+            *VH = L->lin_vh > *VH ? L->lin_vh : *VH;
+        }
+    }
+}
+
+static inline float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+/* x * rsqrt(sum(x^2) + 1e-6) in place: the Gated DeltaNet's q/k norm (transformers' l2norm). */
+static void l2_normalise(float *x, int64_t n, float mul) {
+    float ss = 0.0f;
+    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
+    float r = 1.0f / sqrtf(ss + 1e-6f);
+    for (int64_t i = 0; i < n; i++) x[i] = (x[i] * r) * mul;
+}
+
+/* One token through a Gated DeltaNet layer's mixer (engine/model/linear_attention.py computes
+ * the same for trees), called by every thread of a parallel region (three barriers): xn's
+ * products (qkv into raw, z, and b's and a's rows into ba); the causal conv of each channel over
+ * its state and the new input, then SiLU (raw becomes the conv's output; the state shifts); per
+ * value head h, with its key head's q and k l2-normalised (q times dk^-1/2), g = -exp(A_log) *
+ * softplus(a + dt_bias), beta = sigmoid(b): S = exp(g) S, delta = beta (v - S^T k), S += k
+ * delta^T, o = S^T q, then the gated RMSNorm o * rms * weight * SiLU(z) into core (lin_vh x
+ * lin_dv). tmp: 2 lin_dk + lin_dv floats of the thread's own. */
+static void delta_mix(const qm_layer *L, const qm_view *V, const float *xn, int64_t hidden, const float *s16,
+                      const float *s32, const qm_digits *dg, float *tmp, float *raw, float *z, float *ba,
+                      float *core) {
+    const qm_linear *qkv = &L->lin_qkv, *zl = &L->lin_z;
+    int64_t C = qkv->n, VD = zl->n, vh = L->lin_vh, dk = L->lin_dk, dv = L->lin_dv, kd = L->lin_kh * dk;
+    int64_t b1 = (C + QM_ROWS - 1) / QM_ROWS, b2 = (VD + QM_ROWS - 1) / QM_ROWS, K = L->kernel;
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < b1 + b2 + 2 * vh; b++) {
+        if (b < b1)
+            rows_product(qkv, b * QM_ROWS, C - b * QM_ROWS, xn, s16, s32, dg, tmp, raw + b * QM_ROWS);
+        else if (b < b1 + b2)
+            rows_product(zl, (b - b1) * QM_ROWS, VD - (b - b1) * QM_ROWS, xn, s16, s32, dg, tmp, z + (b - b1) * QM_ROWS);
+        else
+            ba[b - b1 - b2] = dot(L->lin_ba + (b - b1 - b2) * hidden, xn, hidden);
+    }
+#pragma omp for schedule(static)
+    for (int64_t c = 0; c < C; c++) {
+        float *st = V->conv + c * (K - 1);
+        const float *w = L->conv_w + c * K;
+        float y = L->conv_b ? L->conv_b[c] : 0.0f;
+        for (int64_t j = 0; j < K - 1; j++) y += w[j] * st[j];
+        y += w[K - 1] * raw[c];
+        for (int64_t j = 0; j + 1 < K - 1; j++) st[j] = st[j + 1];
+        if (K > 1) st[K - 2] = raw[c];
+        raw[c] = y * sigmoidf(y);
+    }
+#pragma omp for schedule(static)
+    for (int64_t h = 0; h < vh; h++) {
+        int64_t kh = L->lin_tiled ? h % L->lin_kh : h / (vh / L->lin_kh);
+        float *q = tmp, *k = tmp + dk, *u = tmp + 2 * dk, *o = core + h * dv;
+        const float *v = raw + 2 * kd + h * dv, *zh = z + h * dv;
+        memcpy(q, raw + kh * dk, sizeof(float) * (size_t)dk);
+        memcpy(k, raw + kd + kh * dk, sizeof(float) * (size_t)dk);
+        l2_normalise(q, dk, 1.0f / sqrtf((float)dk));
+        l2_normalise(k, dk, 1.0f);
+        float a = ba[vh + h] + L->dt_bias[h];
+        float softplus = a > 20.0f ? a : log1pf(expf(a));
+        float decay = expf(L->neg_a[h] * softplus), beta = sigmoidf(ba[h]);
+        float *S = V->rec + h * dk * dv;
+        for (int64_t j = 0; j < dv; j++) u[j] = 0.0f;
+        for (int64_t i = 0; i < dk; i++) {
+            const float *row = S + i * dv;
+            float ki = k[i];
+            for (int64_t j = 0; j < dv; j++) u[j] += row[j] * ki;
+        }
+        for (int64_t j = 0; j < dv; j++) u[j] = (v[j] - u[j] * decay) * beta, o[j] = 0.0f;
+        for (int64_t i = 0; i < dk; i++) {
+            float *row = S + i * dv;
+            float ki = k[i], qi = q[i];
+            for (int64_t j = 0; j < dv; j++) {
+                row[j] = row[j] * decay + ki * u[j];
+                o[j] += row[j] * qi;
+            }
+        }
+        float r = rms_scale(o, L->gnorm_eps, dv);
+        for (int64_t j = 0; j < dv; j++) o[j] = ((o[j] * r) * L->gnorm[j]) * (zh[j] * sigmoidf(zh[j]));
+    }
+}
+
 int qm_decode_layers(const qm_layer *layers, const qm_view *views, int64_t count, int64_t hidden, int64_t heads,
                      int64_t kv_heads, int64_t head_dim, int64_t length, const int64_t *spans, float scale,
                      const float *cos, const float *sin, float *x, int threads) {
     int64_t D = head_dim, nq = heads * D, nkv = kv_heads * D, group_size = heads / kv_heads;
-    int64_t bq = (nq + QM_ROWS - 1) / QM_ROWS, bkv = (nkv + QM_ROWS - 1) / QM_ROWS; /* blocks of rows */
+    int64_t bkv = (nkv + QM_ROWS - 1) / QM_ROWS; /* blocks of rows */
     int64_t inter = 0, widest = hidden > nq ? hidden : nq;
     int64_t E = 0, K = 0, I = 0; /* the MoE layers' most experts, top_k and expert width */
+    int64_t LC = 0, LV = 0, LH = 0; /* the Gated DeltaNet layers' widest conv, values and value heads */
     widths(layers, count, &inter, &E, &K, &I);
+    linear_widths(layers, count, &LC, &LV, &LH);
     widest = inter > widest ? inter : widest;
     widest = I > widest ? I : widest;
+    widest = LV > widest ? LV : widest;
+    for (int64_t l = 0; l < count; l++) /* a Gated DeltaNet head's scratch (2 dk + dv) */
+        if (layers[l].lin_vh > 0 && 2 * layers[l].lin_dk + layers[l].lin_dv > widest)
+            widest = 2 * layers[l].lin_dk + layers[l].lin_dv;
     if (threads < 1) threads = 1;
     /* shared: q, k, v | attention output | SiLU(gate) * up | an MoE layer's router logits, routed
      * weights (+ E of scratch), gate/up outputs, activations and their group sums; per thread:
@@ -906,13 +1025,16 @@ int qm_decode_layers(const qm_layer *layers, const qm_view *views, int64_t count
     int64_t sums = I / 16 + I / 32 + 2;
     size_t moe = (size_t)(E + K + E + K * 3 * I + K * sums);
     size_t per_thread = (size_t)(length + 1) + 4 * (size_t)widest;
-    size_t total = (size_t)(2 * nq + 2 * nkv + inter + hidden + QM_ROWS) + moe + (size_t)threads * per_thread;
+    size_t lin = (size_t)(LC + 2 * LV + 2 * LH); /* a Gated DeltaNet layer's raw/conv outputs, z, b and a, core */
+    size_t total = (size_t)(3 * nq + 2 * nkv + inter + hidden + QM_ROWS) + moe + lin + (size_t)threads * per_thread;
     float *buf = (float *)malloc(sizeof(float) * total);
     if (!buf) return -1;
-    float *q = buf, *k = q + nq, *v = k + nkv, *attn = v + nkv, *act = attn + nq, *logits = act + inter;
+    /* q: 2 nq (a gated attention's queries and gates) */
+    float *q = buf, *k = q + 2 * nq, *v = k + nkv, *attn = v + nkv, *act = attn + nq, *logits = act + inter;
     float *wts = logits + E, *gu = wts + K + E, *eact = gu + K * 2 * I, *asum = eact + K * I;
     float *out = asum + K * sums; /* a product's whole output, where a post-norm reads it (hidden + a block) */
-    float *own = out + hidden + QM_ROWS;
+    float *lraw = out + hidden + QM_ROWS, *lz = lraw + LC, *lba = lz + LV, *core = lba + 2 * LH;
+    float *own = core + LV;
     size_t dig_bytes = digits_bytes(widest), edig_bytes = digits_bytes(I > 0 ? I : 1);
     char *dig = (char *)malloc(dig_bytes * (size_t)threads + edig_bytes * (size_t)K + 1); /* each thread's digits
                                                         * of a product's input, then each routed expert's */
@@ -941,37 +1063,49 @@ int qm_decode_layers(const qm_layer *layers, const qm_view *views, int64_t count
             span_of(V, spans, &base, &lo);
             int64_t at = length - base; /* the new entry's column */
             int64_t RD = L->rotary_dim ? L->rotary_dim : D; /* the rotated values of a head */
+            int64_t QS = L->attn_gate ? 2 * D : D, bq = (L->q.n + QM_ROWS - 1) / QM_ROWS; /* a head's q rows */
             float *lk = V->keys, *lv = V->values;
             rms_norm(x, L->attn_norm, L->attn_eps, hidden, xn);
             group_sums(xn, hidden, s16, s32);
             make_digits(xn, hidden, mine, &dg);
+            if (L->lin_vh > 0) { /* a Gated DeltaNet layer: its mixer, then out_proj */
+                delta_mix(L, V, xn, hidden, s16, s32, &dg, tmp, lraw, lz, lba, core);
+                group_sums(core, L->lin_z.n, s16, s32);
+                make_digits(core, L->lin_z.n, mine, &dg);
+                residual_product(&L->o, core, s16, s32, &dg, tmp, L->post_attn_norm, L->post_attn_eps, out, x, 1.0f);
+            } else { /* attention */
 #pragma omp for schedule(static)
-            for (int64_t b = 0; b < bq + 2 * bkv; b++) { /* blocks of QM_ROWS rows of q, k and v */
-                const qm_linear *w = b < bq ? &L->q : b < bq + bkv ? &L->k : &L->v;
-                float *dst = b < bq ? q : b < bq + bkv ? k : v;
-                int64_t r = (b < bq ? b : b < bq + bkv ? b - bq : b - bq - bkv) * QM_ROWS;
-                rows_product(w, r, w->n - r, xn, s16, s32, &dg, tmp, dst + r);
-            }
-#pragma omp for schedule(static)
-            for (int64_t h = 0; h < heads; h++) {
-                int64_t g = h / group_size;
-                float *kh = xn, *vh = v + g * D;  /* xn is free until the next norm */
-                memcpy(kh, k + g * D, sizeof(float) * (size_t)D);
-                norm_and_rotate(kh, L->k_norm, L->k_eps, cos + V->rope * RD, sin + V->rope * RD, D, RD, tmp);
-                if (h % group_size == 0) {  /* the K/V head's first query head stores its entry */
-                    memcpy(lk + (g * capacity + at) * D, kh, sizeof(float) * (size_t)D);
-                    memcpy(lv + (g * capacity + at) * D, vh, sizeof(float) * (size_t)D);
+                for (int64_t b = 0; b < bq + 2 * bkv; b++) { /* blocks of QM_ROWS rows of q, k and v */
+                    const qm_linear *w = b < bq ? &L->q : b < bq + bkv ? &L->k : &L->v;
+                    float *dst = b < bq ? q : b < bq + bkv ? k : v;
+                    int64_t r = (b < bq ? b : b < bq + bkv ? b - bq : b - bq - bkv) * QM_ROWS;
+                    rows_product(w, r, w->n - r, xn, s16, s32, &dg, tmp, dst + r);
                 }
-                norm_and_rotate(q + h * D, L->q_norm, L->q_eps, cos + V->rope * RD, sin + V->rope * RD, D, RD, tmp);
-                attend(q + h * D, lk + (g * capacity + lo) * D, lv + (g * capacity + lo) * D, kh, vh, at - lo, D,
-                       scale, L->sinks ? L->sinks + h : NULL, scores, attn + h * D);
+#pragma omp for schedule(static)
+                for (int64_t h = 0; h < heads; h++) {
+                    int64_t g = h / group_size;
+                    float *kh = xn, *vh = v + g * D;  /* xn is free until the next norm */
+                    memcpy(kh, k + g * D, sizeof(float) * (size_t)D);
+                    norm_and_rotate(kh, L->k_norm, L->k_eps, cos + V->rope * RD, sin + V->rope * RD, D, RD, tmp);
+                    if (h % group_size == 0) {  /* the K/V head's first query head stores its entry */
+                        memcpy(lk + (g * capacity + at) * D, kh, sizeof(float) * (size_t)D);
+                        memcpy(lv + (g * capacity + at) * D, vh, sizeof(float) * (size_t)D);
+                    }
+                    norm_and_rotate(q + h * QS, L->q_norm, L->q_eps, cos + V->rope * RD, sin + V->rope * RD, D, RD, tmp);
+                    attend(q + h * QS, lk + (g * capacity + lo) * D, lv + (g * capacity + lo) * D, kh, vh, at - lo, D,
+                           scale, L->sinks ? L->sinks + h : NULL, scores, attn + h * D);
+                    if (L->attn_gate)
+                        for (int64_t i = 0; i < D; i++) attn[h * D + i] *= sigmoidf(q[h * QS + D + i]);
+                }
+                group_sums(attn, nq, s16, s32);
+                make_digits(attn, nq, mine, &dg);
+                residual_product(&L->o, attn, s16, s32, &dg, tmp, L->post_attn_norm, L->post_attn_eps, out, x, 1.0f);
             }
-            group_sums(attn, nq, s16, s32);
-            make_digits(attn, nq, mine, &dg);
-            residual_product(&L->o, attn, s16, s32, &dg, tmp, L->post_attn_norm, L->post_attn_eps, out, x);
             rms_norm(x, L->mlp_norm, L->mlp_eps, hidden, xn);
             group_sums(xn, hidden, s16, s32);
             make_digits(xn, hidden, mine, &dg);
+            /* Qwen3.5's shared expert: scaled by the sigmoid of its gate on the normed input */
+            float shared = L->shared_gate ? sigmoidf(dot(L->shared_gate, xn, hidden)) : 1.0f;
             if (L->experts > 0) { /* routed experts: the router, one thread routing, the experts' rows */
 #pragma omp for schedule(static)
                 for (int64_t e = 0; e < L->experts; e++)
@@ -991,7 +1125,7 @@ int qm_decode_layers(const qm_layer *layers, const qm_view *views, int64_t count
             }
             group_sums(act, L->gate.n, s16, s32);
             make_digits(act, L->gate.n, mine, &dg);
-            residual_product(&L->down, act, s16, s32, &dg, tmp, L->post_mlp_norm, L->post_mlp_eps, out, x);
+            residual_product(&L->down, act, s16, s32, &dg, tmp, L->post_mlp_norm, L->post_mlp_eps, out, x, shared);
         }
     }
     free(ids);
@@ -1410,6 +1544,8 @@ int qm_pass_layers(const qm_layer *layers, const qm_view *views, int64_t count, 
                    const uint8_t *allowed, float *x, int threads) {
     int64_t D = head_dim, H = hidden, nq = heads * D, nkv = kv_heads * D, group_size = heads / kv_heads;
     int64_t inter = 0, total = length + n;
+    for (int64_t l = 0; l < count; l++) /* Qwen3.5's layers take the step only (fused_layer.py) */
+        if (layers[l].lin_vh > 0 || layers[l].attn_gate || layers[l].shared_gate) return -2;
     int64_t E = 0, K = 0, I = 0; /* the MoE layers' most experts, top_k and expert width */
     widths(layers, count, &inter, &E, &K, &I);
     int64_t widest = H > nq ? H : nq;

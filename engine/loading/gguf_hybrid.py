@@ -14,9 +14,12 @@ subclass of it) changes these tensors; each is undone here:
   its V heads tiled ([K0, K1, .., K0, K1, ..]) where the model groups them by key head
   ([K0 v0, K0 v1, .., K1 v0, ..]): the rows of in_proj_qkv's value block, in_proj_z, in_proj_a,
   in_proj_b and the convolution's value channels, the entries of A_log and dt_bias, and the
-  columns of out_proj. Row permutations stay packed (the rows are re-ordered after
-  de-quantisation, as Llama's q/k are); out_proj's columns cross quantisation blocks, so it is
-  de-quantised at load, as are the small 1-D and convolution tensors.
+  columns of out_proj. This one is not undone: a layer's value heads are independent, so the
+  file's order serves as well once each value head reads its own key head (head h reads key
+  head h % key heads, not h // (value heads / key heads)). `rules` sets the config's
+  `linear_value_heads_tiled` (engine.model.linear_attention.TILED) and the layers read that;
+  out_proj, whose columns would cross quantisation blocks, stays packed as stored (re-ordered,
+  it was de-quantised to fp32 at load: 1 GB of Qwen3.6-35B-A3B's RAM, read every token).
 
 MTP (multi-token prediction) layers llama.cpp appends after the decoder's (`nextn_predict_layers`
 more blocks) are not read: block_count less those is the decoder.
@@ -29,9 +32,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
+from engine.model.linear_attention import TILED
 from engine.store.gguf_header import GGUFHeader
 
 ARCHS = {"qwen3next": "qwen3_next", "qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text"}
@@ -65,6 +68,8 @@ def rules(header: GGUFHeader, config: dict[str, Any]) -> None:
     arch = header.architecture or ""
     meta = header.metadata
     inner, heads = meta.get(f"{arch}.ssm.inner_size"), config.get("linear_num_value_heads")
+    if arch != "qwen3next" and heads != config.get("linear_num_key_heads"):  # (only Qwen3.5's converter tiles)
+        config[TILED] = True
     if isinstance(heads, int) and heads > 0 and inner is not None:
         config["linear_value_head_dim"] = int(inner) // heads
     nextn = meta.get(f"{arch}.nextn_predict_layers")
@@ -81,49 +86,14 @@ def rules(header: GGUFHeader, config: dict[str, Any]) -> None:
     config["rope_parameters"] = rope
 
 
-def _order(k_heads: int, per_k: int, width: int) -> np.ndarray:
-    """The stored index of each of the model's (k_heads * per_k * width) value entries: the model
-    groups V heads by key head (k, j), llama.cpp tiles them (j, k)."""
-    return np.arange(k_heads * per_k * width).reshape(per_k, k_heads, width).transpose(1, 0, 2).reshape(-1)
-
-
-class _Heads:
-    """The value-head layout of a config, and the reorder llama.cpp applied (None: none)."""
-
-    def __init__(self, header: GGUFHeader, config: Any) -> None:
-        self.k = int(config.linear_num_key_heads)
-        self.v = int(config.linear_num_value_heads)
-        self.hk = int(config.linear_key_head_dim)
-        self.hv = int(config.linear_value_head_dim)
-        # only the Qwen3.5 converter re-tiles, and only where key and value heads differ
-        self.tiled = header.architecture != "qwen3next" and self.v != self.k
-
-    def rows(self, width: int, offset: int = 0) -> np.ndarray | None:
-        if not self.tiled:
-            return None
-        head = _order(self.k, self.v // self.k, width)
-        return np.concatenate([np.arange(offset), offset + head])
-
-
 def orders(header: GGUFHeader, config: Any) -> dict[str, tuple[int, ...]]:
-    """Row orders (stored row order[j] becomes the model's row j) of packed tensors."""
-    heads = _Heads(header, config)
-    out: dict[str, tuple[int, ...]] = {}
-    for i in range(int(config.num_hidden_layers)):
-        blk = f"blk.{i}"
-        if header.tensor(f"{blk}.ssm_a") is None:
-            continue  # a full-attention layer
-        for name, order in ((f"{blk}.attn_qkv.weight", heads.rows(heads.hv, 2 * heads.k * heads.hk)),
-                            (f"{blk}.attn_gate.weight", heads.rows(heads.hv)),
-                            (f"{blk}.ssm_alpha.weight", heads.rows(1)), (f"{blk}.ssm_beta.weight", heads.rows(1))):
-            if order is not None and header.tensor(name) is not None:
-                out[name] = tuple(int(x) for x in order)
-    return out
+    """Row orders of packed tensors: none (the value heads stay in the file's order)."""
+    return {}
 
 
 def recipes(header: GGUFHeader, config: Any, params: Sequence[str]) -> dict[str, tuple[tuple[str, ...], Build]]:
     """The parameters built from the file's tensors at load: (sources, build)."""
-    heads = _Heads(header, config)
+    heads = _Heads(config)
     out: dict[str, tuple[tuple[str, ...], Build]] = {}
     for name in params:
         if name == "model.norm.weight":
@@ -138,14 +108,11 @@ def recipes(header: GGUFHeader, config: Any, params: Sequence[str]) -> dict[str,
                       "self_attn.q_norm.weight": "attn_q_norm", "self_attn.k_norm.weight": "attn_k_norm"}[leaf]
             out[name] = ((f"{blk}.{stored}.weight",), _minus_one)
         elif leaf == "linear_attn.A_log":
-            out[name] = ((f"{blk}.ssm_a",), _reordered(heads.rows(1), lambda v: torch.log(-v)))
+            out[name] = ((f"{blk}.ssm_a",), lambda v: torch.log(-v[0]))
         elif leaf == "linear_attn.dt_bias":
-            out[name] = ((f"{blk}.ssm_dt.bias",), _reordered(heads.rows(1)))
+            out[name] = ((f"{blk}.ssm_dt.bias",), lambda v: v[0])
         elif leaf == "linear_attn.conv1d.weight":
-            out[name] = ((f"{blk}.ssm_conv1d.weight",),
-                         _reordered(heads.rows(heads.hv, 2 * heads.k * heads.hk), lambda v: v.unsqueeze(1)))
-        elif leaf == "linear_attn.out_proj.weight" and heads.tiled:
-            out[name] = ((f"{blk}.ssm_out.weight",), _columns(heads.rows(heads.hv)))
+            out[name] = ((f"{blk}.ssm_conv1d.weight",), lambda v: v[0].unsqueeze(1))
         elif leaf == "linear_attn.in_proj_qkvz.weight":
             out[name] = ((f"{blk}.attn_qkv.weight", f"{blk}.attn_gate.weight"), _qkvz(heads))
         elif leaf == "mlp.shared_expert_gate.weight":  # (1, H), which some files store as (H,)
@@ -166,25 +133,14 @@ def _minus_one(values: list[torch.Tensor]) -> torch.Tensor:
     return values[0] - 1
 
 
-def _reordered(rows: np.ndarray | None, then: Callable[[torch.Tensor], torch.Tensor] = lambda v: v) -> Build:
-    """The stored tensor's rows in the model's order (when re-tiled), then `then`."""
-    index = None if rows is None else torch.from_numpy(rows)
+class _Heads:
+    """The linear layers' head counts and widths of a config."""
 
-    def build(values: list[torch.Tensor]) -> torch.Tensor:
-        v = values[0] if index is None else values[0][index]
-        return then(v)
-
-    return build
-
-
-def _columns(cols: np.ndarray | None) -> Build:
-    """out_proj's columns (its input: the value heads) in the model's order."""
-    index = None if cols is None else torch.from_numpy(cols)
-
-    def build(values: list[torch.Tensor]) -> torch.Tensor:
-        return values[0] if index is None else values[0][:, index]
-
-    return build
+    def __init__(self, config: Any) -> None:
+        self.k = int(config.linear_num_key_heads)
+        self.v = int(config.linear_num_value_heads)
+        self.hk = int(config.linear_key_head_dim)
+        self.hv = int(config.linear_value_head_dim)
 
 
 def _qkvz(heads: _Heads) -> Build:

@@ -201,7 +201,7 @@ def layer_template(hf: PreTrainedModel) -> Callable[[int], nn.Module]:
         if rows is not None:
             use_row_experts(template, rows.interleaved)
         layer_buffers_as_parameters(template)
-        install_linear([template])
+        install_linear([template], cfg)
         assert not list(template.buffers()), "decoder layers with buffers cannot be streamed"
         return template.eval()
 

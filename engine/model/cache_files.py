@@ -52,7 +52,9 @@ from engine.untrusted import read_bytes
 
 log = logging.getLogger(__name__)
 
-FORMAT = "specchat-kv-1"
+# 2: a Qwen3.5 GGUF's Gated DeltaNet states are in the file's value-head order (gguf_hybrid), which
+# a version-1 file of the same pair holds grouped: those are not read
+FORMAT = "specchat-kv-2"
 KEY_BYTES = 32
 MAX_TOKENS = 1 << 24  # no model reads 16M tokens: a longer token list is not one of ours
 SUFFIX = ".safetensors"

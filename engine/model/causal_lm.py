@@ -91,7 +91,7 @@ class CausalLM:
         # between those layers (an index, a window, whether K/V are stored or reused) is set on
         # it before each call
         self._layer_attrs = _varying_attributes(self.layers)
-        install_linear(layer for layer in self.layers if not _on_meta(layer))
+        install_linear((layer for layer in self.layers if not _on_meta(layer)), cfg)
         softcap = getattr(cfg, "final_logit_softcapping", None)
         self.softcap: float | None = float(softcap) if softcap else None
         # the head's rows, not config.vocab_size: some checkpoints pad the embedding matrix
@@ -165,7 +165,7 @@ class CausalLM:
         cache.set_positions(positions)
         grab = self.aux_inputs
         kept: dict[int, torch.Tensor] = {}
-        if self.fused is not None and n <= FUSED_PASS_TOKENS and self.fused.takes(cache):
+        if self.fused is not None and n <= FUSED_PASS_TOKENS and self.fused.takes(cache, n == 1 and allowed is None):
             one = n == 1 and (allowed is None or bool(allowed.all()))  # a token that sees the whole cache
             if one:
                 out = self.fused.step(input_ids, positions, cache, grab, kept)

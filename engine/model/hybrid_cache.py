@@ -32,7 +32,7 @@ import torch
 from engine.model.cache import KVCache
 
 SNAPSHOTS = 2  # per cache: this turn's prompt end and the previous one
-from engine.model.linear_attention import advance
+from engine.model.linear_attention import TILED, advance
 from engine.model.linear_state import LinearLayerState, LinearPending, NodeInputs, PassTree
 
 
@@ -45,6 +45,7 @@ class LinearSpec:
     num_v_heads: int
     head_k_dim: int
     head_v_dim: int
+    tiled: bool = False  # value heads in llama.cpp's order (engine.model.linear_attention.TILED)
 
     @classmethod
     def of_config(cls, config: object) -> LinearSpec:
@@ -54,7 +55,7 @@ class LinearSpec:
         key_dim = get("linear_num_key_heads") * get("linear_key_head_dim")
         value_dim = get("linear_num_value_heads") * get("linear_value_head_dim")
         return cls(2 * key_dim + value_dim, get("linear_conv_kernel_dim"), get("linear_num_value_heads"),
-                   get("linear_key_head_dim"), get("linear_value_head_dim"))
+                   get("linear_key_head_dim"), get("linear_value_head_dim"), bool(getattr(config, TILED, False)))
 
 
 def _cat_nodes(a: NodeInputs | None, b: NodeInputs) -> NodeInputs:
@@ -174,6 +175,17 @@ class HybridCache(KVCache):
             self.committed = self.length
             self._snapshot_if_marked()
         self._pass_pending, self._pass_tree = {}, None
+
+    def folded(self, n: int) -> None:
+        """Commit n new entries, committed text the caller has already folded into every linear
+        layer's state (engine/kernels/fused_layer.py's step, on a cache with nothing pending),
+        instead of begin_pass ... commit."""
+        assert self.complete and not self._pass_pending, "entries are pending"
+        past = self.length
+        self.parents[past : past + n] = torch.arange(past - 1, past + n - 1)
+        super().commit(n)
+        self.committed = self.length
+        self._snapshot_if_marked()
 
     @torch.inference_mode()
     def share_states(self, other: KVCache) -> None:
@@ -303,7 +315,9 @@ class HybridCache(KVCache):
                 nodes = self.prior[i]
                 if b > a:
                     assert nodes is not None
-                    advance(state, LinearPending(int(nodes.x.shape[0]), nodes, None), path[a:b])
+                    spec = self.linear[i]
+                    assert spec is not None
+                    advance(state, LinearPending(int(nodes.x.shape[0]), nodes, None), path[a:b], spec.tiled)
             self.committed = base + b
             self._snapshot_if_marked()
         self.prior = {i: None for i in self.states}

@@ -45,6 +45,10 @@ from engine.errors import UnsupportedModel
 from engine.model.linear_state import LinearCache, LinearLayerState, LinearPending, NodeInputs, PassTree
 
 CHUNK = 64  # chain block length: transformers' chunk_size
+# a config key (set by engine.loading.gguf_hybrid): the value heads are in llama.cpp's tiled order
+# ([K0 v0, K1 v0, .., K0 v1, ..]: value head h reads key head h % key heads) rather than grouped by
+# key head as transformers' checkpoints have them (h reads key head h // (value heads / key heads))
+TILED = "linear_value_heads_tiled"
 BLOCK_ELEMENTS = 1 << 25  # (heads, n, n) fp32 elements per tree block: heads go in groups under it
 T = TypeVar("T")
 
@@ -110,21 +114,28 @@ def _tree_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Te
     return torch.cat(outs, 0)
 
 
-def _head_major(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor
+def _per_value_head(x: torch.Tensor, value_heads: int, tiled: bool) -> torch.Tensor:
+    """(n, H_k, d) -> (n, H_v, d): each value head's key head, grouped or tiled (TILED)."""
+    r = value_heads // x.shape[1]
+    return x.repeat(1, r, 1) if tiled else x.repeat_interleave(r, dim=1)
+
+
+def _head_major(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, tiled: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Node-major model-dtype k (n, H_k, dk), v (n, H_v, dv), beta, g (n, H_v) -> fp32 (H_v, n, .)
-    with k repeated over its value heads and normalised, as transformers' rule does."""
-    k = k.repeat_interleave(v.shape[1] // k.shape[1], dim=1)
+    with k repeated over its value heads (tiled: see TILED) and normalised, as transformers'
+    rule does."""
+    k = _per_value_head(k, v.shape[1], tiled)
     k = _l2norm(k.transpose(0, 1).float())
     return k, v.transpose(0, 1).float(), beta.transpose(0, 1).float(), g.transpose(0, 1).float()
 
 
 @torch.inference_mode()
 def advance(state: LinearLayerState, pending: LinearPending,
-            path: torch.Tensor | Sequence[int] | None = None) -> None:
+            path: torch.Tensor | Sequence[int] | None = None, tiled: bool = False) -> None:
     """Update `state` in place to the state after the pass's nodes at `path` (a chain of
     indices from a child of the committed state downward, possibly empty); None keeps the whole
-    pass, which must be a chain."""
+    pass, which must be a chain. `tiled`: the layer's value heads (TILED)."""
     if path is None or (pending.end is not None and len(path) == pending.n):
         assert pending.end is not None, "only a chain is kept whole"
         state.conv.copy_(pending.end.conv)
@@ -137,7 +148,7 @@ def advance(state: LinearLayerState, pending: LinearPending,
     idx = torch.as_tensor(path, dtype=torch.long, device=nodes.x.device)
     km1 = state.conv.shape[-1]
     ext = torch.cat([state.conv[0].to(nodes.x), nodes.x[idx].T], -1)  # (C, km1 + L)
-    k, v, beta, g = _head_major(nodes.k[idx], nodes.v[idx], nodes.beta[idx], nodes.g[idx])
+    k, v, beta, g = _head_major(nodes.k[idx], nodes.v[idx], nodes.beta[idx], nodes.g[idx], tiled)
     _, end = _chain_rule(None, k, v, beta, g, state.recurrent[0].to(k))
     state.conv.copy_(ext[None, :, ext.shape[-1] - km1:])
     state.recurrent.copy_(end[None])
@@ -163,8 +174,9 @@ class TreeGatedDeltaNet(nn.Module):
     norm: nn.Module  # gated RMSNorm over dv
     out_proj: nn.Module
 
-    def __init__(self, original: nn.Module) -> None:
+    def __init__(self, original: nn.Module, tiled: bool = False) -> None:
         super().__init__()
+        self.tiled = tiled  # value heads in llama.cpp's tiled order (TILED)
         if hasattr(original, "in_proj_qkvz") and hasattr(original, "in_proj_ba"):
             self.fused = True  # qwen3_next: q, k, v, z (and b, a) interleaved per key head
         elif all(hasattr(original, n) for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")):
@@ -251,12 +263,12 @@ class TreeGatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # (n, H_v) fp32, <= 0
 
         if prior is None:
-            k, v, beta_h, g_h = _head_major(k_raw, v_raw, beta, g)  # (H_v, n, .) fp32
+            k, v, beta_h, g_h = _head_major(k_raw, v_raw, beta, g, self.tiled)  # (H_v, n, .) fp32
         else:  # the earlier tokens' corrections come first (their outputs are not needed)
             k, v, beta_h, g_h = _head_major(torch.cat([prior.k.to(k_raw), k_raw]), torch.cat([prior.v.to(v_raw), v_raw]),
-                                            torch.cat([prior.beta.to(beta), beta]), torch.cat([prior.g.to(g), g]))
-        r = self.num_v_heads // self.num_k_heads
-        q = _l2norm(q_raw.repeat_interleave(r, dim=1).transpose(0, 1).float()) * self.head_k_dim ** -0.5
+                                            torch.cat([prior.beta.to(beta), beta]), torch.cat([prior.g.to(g), g]),
+                                            self.tiled)
+        q = _l2norm(_per_value_head(q_raw, self.num_v_heads, self.tiled).transpose(0, 1).float()) * self.head_k_dim ** -0.5
         s0 = state.recurrent[0].to(device=device, dtype=torch.float32)  # (H_v, dk, dv)
         end: LinearLayerState | None = None
         if tree.chain:
@@ -289,13 +301,15 @@ def _attr(module: nn.Module, name: str, kind: type[T]) -> T:
     return value
 
 
-def install(layers: Iterable[nn.Module]) -> list[TreeGatedDeltaNet]:
-    """Replace each decoder layer's `linear_attn` by a TreeGatedDeltaNet; return the new ones."""
+def install(layers: Iterable[nn.Module], config: object = None) -> list[TreeGatedDeltaNet]:
+    """Replace each decoder layer's `linear_attn` by a TreeGatedDeltaNet (value heads tiled
+    where `config` says TILED); return the new ones."""
     out = []
+    tiled = bool(getattr(config, TILED, False))
     for layer in layers:
         original = getattr(layer, "linear_attn", None)
         if original is not None and not isinstance(original, TreeGatedDeltaNet):
-            wrapped = TreeGatedDeltaNet(original)
+            wrapped = TreeGatedDeltaNet(original, tiled)
             layer.linear_attn = wrapped
             out.append(wrapped)
     return out

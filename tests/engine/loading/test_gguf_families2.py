@@ -300,6 +300,15 @@ def tiled(k_heads: int, per_k: int, width: int, offset: int = 0) -> np.ndarray:
     return np.concatenate([np.arange(offset), offset + head])
 
 
+def file_rows(name: str, config: Any) -> torch.Tensor:
+    """The rows of a Gated DeltaNet parameter in llama.cpp's tiled value-head order."""
+    k, v, hk, hv = (config.linear_num_key_heads, config.linear_num_value_heads, config.linear_key_head_dim,
+                    config.linear_value_head_dim)
+    if name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+        return torch.from_numpy(tiled(k, v // k, hv, 2 * k * hk))
+    return torch.from_numpy(tiled(k, v // k, hv if name.endswith("in_proj_z.weight") else 1))
+
+
 def plus_one(p: torch.Tensor) -> tuple[np.ndarray, Q]:
     """A zero-centred norm as llama.cpp stores it."""
     return p.detach().numpy() + 1, Q.F32
@@ -381,9 +390,12 @@ def hybrid(tok: PreTrainedTokenizerBase, vocab: dict, path: Path, kind: str) -> 
             tensors[f"{blk}.ssm_a"] = (rows(-np.exp(lin.A_log.detach().numpy()), heads), Q.F32)
             tensors[f"{blk}.ssm_dt.bias"] = (rows(lin.dt_bias.detach().numpy(), heads), Q.F32)
             tensors[f"{blk}.ssm_norm.weight"] = as_stored(lin.norm.weight, Q.F32)
-            out_proj = lin.out_proj.weight.detach().numpy()
-            tensors[f"{blk}.ssm_out.weight"] = ((out_proj[:, values], Q.F32) if values is not None
-                                                else as_stored(lin.out_proj.weight, Q.Q8_0))
+            if values is not None:  # Q8_0 blocks along the file's (re-tiled) columns, set back in the model's
+                filed = lin.out_proj.weight.detach()[:, values].clone()
+                tensors[f"{blk}.ssm_out.weight"] = as_stored(filed, Q.Q8_0)
+                lin.out_proj.weight.data[:, values] = filed
+            else:
+                tensors[f"{blk}.ssm_out.weight"] = as_stored(lin.out_proj.weight, Q.Q8_0)
         if kind == "qwen35":
             for ours in ("gate", "up", "down"):
                 tensors[f"{blk}.ffn_{ours}.weight"] = as_stored(getattr(layer.mlp, f"{ours}_proj").weight, Q.Q8_0)
@@ -471,16 +483,18 @@ def test_experts_are_built_at_load_and_attention_stays_packed(converted: tuple) 
         if model_type == "gpt_oss":
             assert {n: k for n, k in kinds.items() if "experts." in n and n.endswith("_bias")} == {
                 "mlp.experts.gate_up_proj_bias": "dense", "mlp.experts.down_proj_bias": "dense"}
-        if model_type in ("qwen3_5_text", "qwen3_5_moe_text"):  # value heads re-tiled by llama.cpp
+        tiled = model_type in ("qwen3_5_text", "qwen3_5_moe_text")  # value heads re-tiled by llama.cpp
+        if tiled:  # kept in the file's order (the layers read it: TILED), every projection packed as stored
+            assert weights.config.linear_value_heads_tiled
             linear = {e.name: e for e in layouts[0].entries}
-            # row permutations stay packed; out_proj's columns (across blocks) are de-quantised at load
-            assert linear["linear_attn.in_proj_qkv.weight"].kind == "gguf"
-            assert linear["linear_attn.in_proj_qkv.weight"].row_order is not None
-            assert linear["linear_attn.in_proj_z.weight"].row_order is not None
-            assert linear["linear_attn.out_proj.weight"].kind == "dense"
+            for proj in ("in_proj_qkv", "in_proj_z", "out_proj"):
+                entry = linear[f"linear_attn.{proj}.weight"]
+                assert entry.kind == "gguf" and entry.row_order is None, proj
         for name, p in ref.named_parameters():
             if ".experts." in name or "linear_attn.in_proj" in name or "linear_attn.conv1d" in name:
                 want = as_rows(name, p.detach()) if model_type == "gpt_oss" else p.detach()
+                if tiled and "linear_attn" in name:  # the file's value-head order
+                    want = want[file_rows(name, ref.config)]
                 assert torch.equal(weights.load(name, torch.float32), want), name
     finally:
         weights.close()
@@ -526,8 +540,8 @@ def assert_logits_and_greedy_text_equal(converted: tuple, offload: str) -> None:
         experts = [mod for name, mod in m.model.hf_model.named_modules() if name.endswith(".experts")]
         theirs = [name for name, _ in ref.named_modules() if name.endswith(".experts")]
         assert len(experts) == len(theirs) and all(isinstance(e, PackedExperts) for e in experts)
-        # gpt-oss and GLM-4.5 decode in the fused C step and pass (engine/kernels/fused_layer.py)
-        fused = m.model.hf_model.config.model_type in ("gpt_oss", "glm4_moe")
+        # gpt-oss, GLM-4.5 and Qwen3.5 decode in the fused C step (engine/kernels/fused_layer.py)
+        fused = m.model.hf_model.config.model_type in ("gpt_oss", "glm4_moe", "qwen3_5_text", "qwen3_5_moe_text")
         assert (m.model.fused is not None) == fused
     engine = Engine(m.model, m.tokenizer)
     for prompt in PROMPTS:

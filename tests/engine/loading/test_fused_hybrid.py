@@ -1,0 +1,146 @@
+"""Qwen3.5's decode steps in the fused C step (engine/kernels/fused_layer.py, qmatmul.c's
+delta_mix): Gated DeltaNet layers (projections, the causal conv over its state, the delta rule
+on the recurrent state, the gated norm) beside gated full attention, dense or routed MLPs (the
+MoE's shared expert under its sigmoid gate), on tiny GGUFs written as llama.cpp's converter
+writes them (value heads tiled: the layers read them in the file's order). Every step's hidden
+state, the attention layers' K/V and the linear layers' conv and recurrent states equal the
+general path's (TreeGatedDeltaNet, which test_gguf_families2 holds to transformers, as it holds
+the fused greedy text), across tree passes the general path runs, kept paths, a snapshot and a
+cut back to it; a tree pass or a step on pending entries never takes the C step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_gguf_families2 import hybrid, vocab  # noqa: F401  (vocab: a session fixture)
+
+from engine.decoding.generation import Engine
+from engine.kernels import build
+from engine.kernels.fused_layer import FusedDecoder
+from engine.loading.load import LoadedModel, load_model
+from engine.model.hybrid_cache import HybridCache
+from engine.types import GenerationRequest, SpeculationSettings
+
+pytestmark = pytest.mark.skipif(build.kernels() is None, reason="no C compiler here")
+
+
+@pytest.fixture(autouse=True)
+def _cache_dir(model_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPECCHAT_CACHE_DIR", str(model_cache))
+    monkeypatch.delenv("SPECCHAT_NO_FUSED", raising=False)
+
+
+@pytest.fixture(scope="module", params=["qwen35", "qwen35moe"])
+def pair(request: pytest.FixtureRequest, vocab: tuple, tmp_path_factory: pytest.TempPathFactory  # noqa: F811
+         ) -> tuple[LoadedModel, LoadedModel]:
+    """The tiny GGUF loaded with the fused step and without it (SPECCHAT_NO_FUSED=1)."""
+    path = tmp_path_factory.mktemp(request.param) / "model.gguf"
+    hybrid(vocab[1], vocab[0], path, request.param)
+    fused = load_model(path, offload="none")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPECCHAT_NO_FUSED", "1")
+        plain = load_model(path, offload="none")
+    assert fused.model.fused is not None and fused.model.fused.hybrid and plain.model.fused is None
+    assert all(la.tiled for la in (getattr(layer, "linear_attn", None) for layer in fused.model.layers) if la)
+    return fused, plain
+
+
+def close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """As test_fused_layer's: within 3e-5 of the largest value."""
+    return bool((got - want).abs().max() <= 3e-5 * want.abs().max().clamp_min(1e-6))
+
+
+def assert_same(ours: HybridCache, theirs: HybridCache) -> None:
+    assert ours.length == theirs.length and ours.committed == theirs.committed
+    for i, spec in enumerate(ours.linear):
+        if spec is None:
+            k1, v1 = ours.keys[i][:, :, : ours.length], ours.values[i][:, :, : ours.length]
+            assert close(k1, theirs.keys[i][:, :, : ours.length]) and close(v1, theirs.values[i][:, :, : ours.length])
+        else:
+            assert close(ours.states[i].conv, theirs.states[i].conv), i
+            assert close(ours.states[i].recurrent, theirs.states[i].recurrent), i
+    assert sorted(ours.snapshots) == sorted(theirs.snapshots)
+
+
+def tree_mask(parents: list[int], past: int) -> torch.Tensor:
+    n = len(parents)
+    allowed = torch.zeros(n, past + n, dtype=torch.bool)
+    allowed[:, :past] = True
+    for i, p in enumerate(parents):
+        allowed[i, past + i] = True
+        if p >= 0:
+            allowed[i, past:] |= allowed[p, past:]
+    return allowed
+
+
+def test_steps_equal_the_general_path(pair: tuple[LoadedModel, LoadedModel], monkeypatch: pytest.MonkeyPatch) -> None:
+    fused, plain = pair
+    steps: list[int] = []
+    real = FusedDecoder.step
+
+    def counted(self: FusedDecoder, *args: Any) -> torch.Tensor:
+        steps.append(1)
+        return real(self, *args)
+
+    monkeypatch.setattr(FusedDecoder, "step", counted)
+    models = (fused.model, plain.model)
+    caches = [m.new_cache(8) for m in models]
+    assert all(type(c) is HybridCache for c in caches)
+
+    def both(tokens: list[int], positions: list[int], allowed: torch.Tensor | None) -> torch.Tensor:
+        got, want = (m.forward(torch.tensor(tokens), torch.tensor(positions), c, allowed) for m, c in zip(models, caches))
+        assert close(got, want)
+        assert_same(*caches)
+        return got
+
+    g = torch.Generator().manual_seed(3)
+
+    def token() -> int:
+        return int(torch.randint(3, 300, (1,), generator=g))
+
+    prompt = [token() for _ in range(7)]
+    both(prompt, list(range(7)), None)  # a prompt: the general path's chain, folded
+    assert steps == []
+    for c in caches:
+        c.mark(10)  # a snapshot after the third step (the engine marks each prompt's end)
+    for s in range(5):  # steps across a reserve() growth (capacity 8)
+        both([token()], [7 + s], None)
+    assert len(steps) == 5 and all(10 in c.snapshots for c in caches)
+    past = caches[0].length
+    parents = [-1, 0, 0, 1]  # a tree pass: the general path (pending inputs), then its kept path
+    both([token() for _ in parents], [past, past + 1, past + 1, past + 2], tree_mask(parents, past))
+    assert len(steps) == 5 and not caches[0].complete
+    both([token()], [past + 3], tree_mask([-1], past + 4)[:, : past + 5] & torch.tensor(
+        [True] * past + [True, True, False, True, True]))  # one node on pending entries: not the C step
+    assert len(steps) == 5
+    for c in caches:
+        c.keep(torch.tensor([*range(past), past, past + 1, past + 3, past + 4]))
+    assert_same(*caches)
+    for s in range(4):  # the kept path folded into the states: the C step again
+        both([token()], [past + 4 + s], None)
+    assert len(steps) == 9
+    for c in caches:  # back below the committed tokens: the snapshot's states (new tensors)
+        c.truncate(11)
+    assert caches[0].length == 10
+    assert_same(*caches)
+    for s in range(3):
+        both([token()], [10 + s], None)
+    assert len(steps) == 12
+
+
+def test_greedy_text_plain_and_with_trees(pair: tuple[LoadedModel, LoadedModel]) -> None:
+    """Greedy text through the fused steps equals the general path's, plain decoding and
+    draft-free trees (whose passes the general path runs between fused steps)."""
+    fused, plain = pair
+
+    def text(m: LoadedModel, mode: str) -> list[int]:
+        req = GenerationRequest(raw_prompt="def add(a, b):", max_new_tokens=20,
+                                speculation=SpeculationSettings(mode=mode))  # type: ignore[arg-type]
+        return list(list(Engine(m.model, m.tokenizer).generate(req))[-1].token_ids)
+
+    want = text(plain, "autoregressive")
+    assert text(fused, "autoregressive") == want
+    assert text(fused, "specexec") == want
