@@ -196,7 +196,10 @@ def llama_permute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def gguf_name(arch: str, hf_name: str, num_layers: int) -> str:
-    """A Hugging Face tensor name -> its GGUF name (gguf-py's own table)."""
+    """A Hugging Face tensor name -> its GGUF name (gguf-py's own table); a name already in
+    GGUF's form ("blk.0.ssm_a") is kept."""
+    if hf_name.startswith("blk."):
+        return hf_name
     arch_id = next(k for k, v in MODEL_ARCH_NAMES.items() if v == arch)
     table = get_tensor_name_map(arch_id, num_layers)
     whole = table.get_name(hf_name)  # an MoE layer's experts: "mlp.experts.down_proj", no suffix
@@ -211,13 +214,14 @@ def gguf_name(arch: str, hf_name: str, num_layers: int) -> str:
 
 def write_gguf(path: Path, arch: str, config: dict, tokenizer: dict,
                tensors: Sequence[tuple[str, tuple[int, ...], Q]], value: Callable[[str], np.ndarray],
-               name: str = "synthetic", parts: int = 1) -> Path:
+               name: str = "synthetic", parts: int = 1, keys: Mapping[str, Any] | None = None) -> Path:
     """Write a GGUF of architecture `arch` ("llama", "qwen2", ...).
 
     `config`: hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
     num_key_value_heads, max_position_embeddings, rms_norm_eps, rope_theta, vocab_size; and
     where the model has them head_dim, num_experts (or num_local_experts), num_experts_per_tok,
-    moe_intermediate_size, sliding_window, rope_scaling ({"rope_type": "linear", "factor": 8.0}).
+    moe_intermediate_size, sliding_window, rope_scaling ({"rope_type": "linear", "factor": 8.0}),
+    rotary_dim (where the rotary embedding turns fewer values than a head's).
     An MoE layer's experts are given as llama.cpp stores them: (E, out, in)
     "mlp.experts.gate_proj", "mlp.experts.up_proj" (transformers' fused gate_up_proj split in
     its halves) and "mlp.experts.down_proj". Gemma's norms are stored plus one, as llama.cpp's
@@ -229,7 +233,9 @@ def write_gguf(path: Path, arch: str, config: dict, tokenizer: dict,
     order; `value(name)` gives each one when it is written: float values (quantised here), or
     its GGUF bytes already (uint8, rows x row bytes: random_blocks). With `parts` > 1 the model
     is split as llama.cpp's gguf-split does it (gguf-py's writer: `<stem>-00001-of-0000N.gguf`,
-    whole tensors per part, the metadata in the first); the first part's path is returned."""
+    whole tensors per part, the metadata in the first); the first part's path is returned.
+    `keys`: more of the architecture's metadata, by name after "<arch>." (ints as uint32, floats
+    as float32, bools, lists of ints as arrays), written after the common ones."""
     layers = config["num_hidden_layers"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     tokens = list(tokenizer["tokens"])
@@ -243,7 +249,7 @@ def write_gguf(path: Path, arch: str, config: dict, tokenizer: dict,
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    w.add_rope_dimension_count(head_dim)
+    w.add_rope_dimension_count(config.get("rotary_dim") or head_dim)  # (a partial rotary: fewer)
     if config.get("head_dim"):  # a config that names it (Gemma's differs from hidden / heads)
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
@@ -255,6 +261,16 @@ def write_gguf(path: Path, arch: str, config: dict, tokenizer: dict,
             w.add_expert_feed_forward_length(config["moe_intermediate_size"])
     if config.get("sliding_window"):
         w.add_sliding_window(config["sliding_window"])
+    for key, v in (keys or {}).items():
+        full = f"{arch}.{key}"
+        if isinstance(v, bool):
+            w.add_bool(full, v)
+        elif isinstance(v, int):
+            w.add_uint32(full, v)
+        elif isinstance(v, float):
+            w.add_float32(full, v)
+        else:
+            w.add_array(full, list(v))
     scaling = config.get("rope_scaling") or {}
     if scaling.get("rope_type", "default") != "default":
         w.add_rope_scaling_type(RopeScalingType(scaling["rope_type"]))

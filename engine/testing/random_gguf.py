@@ -1,6 +1,7 @@
 """Random GGUF files of chosen sizes, where the bytes and their layout, not the values, set the
 pace (the benchmarks' synthetic models): a Llama (`synthetic_gguf`, TinyLlama's proportions or
-others) and a Qwen3-MoE as llama.cpp's qwen3moe stores it (`synthetic_moe_gguf`). Tensors are
+others), a Qwen3-MoE as llama.cpp's qwen3moe stores it (`synthetic_moe_gguf`), a gpt-oss and a
+Qwen3.5-MoE hybrid (`synthetic_gpt_oss_gguf`, `synthetic_qwen35_gguf`). Tensors are
 random blocks (gguf_write.random_tensor: random codes, fp16 scales setting weights of about
 0.02), written one at a time; the tokenizer is the tiny one of engine.testing.synthetic.
 
@@ -153,6 +154,96 @@ def synthetic_gpt_oss_gguf(path: Path, hidden: int, layers: int, vocab: int, hea
                                                    "original_max_position_embeddings": 4096})
     part = path.with_name(path.name + ".part")
     write_gguf(part, "gpt-oss", config, synthetic_vocab(), tensors, value, name=path.stem)
+    os.replace(part, path)
+    return path
+
+
+class HybridShape(TypedDict):
+    hidden: int
+    layers: int
+    vocab: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    linear_k_heads: int
+    linear_v_heads: int
+    linear_head_dim: int
+    experts: int
+    top_k: int
+    expert_width: int
+
+
+# Qwen3.6-35B-A3B's layers (hidden 2048; Gated DeltaNet with 16 key and 32 value heads of 128, a
+# conv of 4; every fourth layer gated attention, 16 query and 2 K/V heads of 256, a quarter of each
+# rotated; 256 experts of width 512, 8 routed, a shared expert of 512 under its gate) in 4 of its 40
+# layers (three Gated DeltaNet, one attention, as the model alternates them), a 32,000-token
+# vocabulary (its own has 248,320)
+SYNTHETIC_QWEN35: HybridShape = dict(hidden=2048, layers=4, vocab=32000, heads=16, kv_heads=2, head_dim=256,
+                                     linear_k_heads=16, linear_v_heads=32, linear_head_dim=128, experts=256, top_k=8,
+                                     expert_width=512)
+
+
+def synthetic_qwen35_gguf(path: Path, hidden: int, layers: int, vocab: int, heads: int, kv_heads: int, head_dim: int,
+                          linear_k_heads: int, linear_v_heads: int, linear_head_dim: int, experts: int, top_k: int,
+                          expert_width: int, layer_types: tuple[str, ...] = ("Q4_K/Q6_K",), seed: int = 0) -> Path:
+    """A random Qwen3.5-MoE GGUF as llama.cpp stores one (qwen35moe): every fourth layer gated
+    full attention, the rest Gated DeltaNet (its conv squeezed, A as -exp(A_log), the b and a
+    rows, the conv, norms, router and shared expert's gate F32), routed and shared experts and
+    the other matrices in `layer_types` (as synthetic_moe_gguf's). One tensor in memory at a
+    time. Idempotent."""
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    kd, vd = linear_k_heads * linear_head_dim, linear_v_heads * linear_head_dim
+    conv = 2 * kd + vd
+    attention: dict[str, tuple[int, ...]] = {
+        "self_attn.q_proj.weight": (2 * heads * head_dim, hidden), "self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
+        "self_attn.v_proj.weight": (kv_heads * head_dim, hidden), "self_attn.o_proj.weight": (hidden, heads * head_dim),
+        "self_attn.q_norm.weight": (head_dim,), "self_attn.k_norm.weight": (head_dim,)}
+    linear: dict[str, tuple[int, ...]] = {  # GGUF's own names where gguf-py's table has none
+        "linear_attn.in_proj_qkv.weight": (conv, hidden), "linear_attn.in_proj_z.weight": (vd, hidden),
+        "ssm_beta.weight": (linear_v_heads, hidden), "ssm_alpha.weight": (linear_v_heads, hidden),
+        "ssm_conv1d.weight": (conv, 4), "ssm_a": (linear_v_heads,), "ssm_dt.bias": (linear_v_heads,),
+        "ssm_norm.weight": (linear_head_dim,), "linear_attn.out_proj.weight": (hidden, vd)}
+    ffn: dict[str, tuple[int, ...]] = {
+        "post_attention_layernorm.weight": (hidden,), "mlp.gate.weight": (experts, hidden),
+        "mlp.experts.gate_proj": (experts, expert_width, hidden), "mlp.experts.up_proj": (experts, expert_width, hidden),
+        "mlp.experts.down_proj": (experts, hidden, expert_width), "mlp.shared_expert.gate_proj.weight": (expert_width, hidden),
+        "mlp.shared_expert.up_proj.weight": (expert_width, hidden),
+        "mlp.shared_expert.down_proj.weight": (hidden, expert_width), "mlp.shared_expert_gate.weight": (1, hidden)}
+    tensors: list[tuple[str, tuple[int, ...], Q]] = [("model.embed_tokens.weight", (vocab, hidden), Q.Q4_K)]
+    for i in range(layers):
+        main, _, side = layer_types[i % len(layer_types)].partition("/")
+        mixer = attention if i % 4 == 3 else {(f"blk.{i}.{k}" if k.startswith("ssm") else k): v for k, v in linear.items()}
+        for name, shape in {"input_layernorm.weight": (hidden,), **mixer, **ffn}.items():
+            full = name if name.startswith("blk.") else f"model.layers.{i}.{name}"
+            small = len(shape) == 1 or name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")) or "ssm_" in name
+            qtype = Q.F32 if small else Q[side] if side and name.endswith(("v_proj.weight", "down_proj")) else Q[main]
+            tensors.append((full, shape, qtype))
+    tensors += [("model.norm.weight", (hidden,), Q.F32), ("lm_head.weight", (vocab, hidden), Q.Q6_K)]
+    kinds = {name: (shape, qtype) for name, shape, qtype in tensors}
+    rng = np.random.default_rng(seed)
+
+    def value(name: str) -> np.ndarray:
+        shape, qtype = kinds[name]
+        if name.endswith(".ssm_a"):  # -exp(A_log): negative, as every checkpoint's
+            return -rng.uniform(0.5, 8.0, shape).astype(np.float32)
+        if qtype == Q.F32 and (len(shape) == 1 and "norm" in name):
+            return (1.0 + rng.normal(0.0, 0.02, shape)).astype(np.float32)
+        if qtype == Q.F32:
+            return rng.normal(0.0, 1.0 / np.sqrt(shape[-1]), shape).astype(np.float32)
+        return random_tensor(qtype, shape, rng)
+
+    config = dict(hidden_size=hidden, intermediate_size=expert_width, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, rotary_dim=head_dim // 4,
+                  max_position_embeddings=262144, rms_norm_eps=1e-6, rope_theta=10_000_000.0, vocab_size=vocab,
+                  num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=expert_width)
+    keys = {"ssm.conv_kernel": 4, "ssm.state_size": linear_head_dim, "ssm.group_count": linear_k_heads,
+            "ssm.time_step_rank": linear_v_heads, "ssm.inner_size": vd, "full_attention_interval": 4,
+            "rope.dimension_sections": [11, 11, 10, 0], "expert_shared_feed_forward_length": expert_width}
+    part = path.with_name(path.name + ".part")
+    write_gguf(part, "qwen35moe", config, {**synthetic_vocab(), "pre": "qwen35"}, tensors, value, name=path.stem,
+               keys=keys)
     os.replace(part, path)
     return path
 
