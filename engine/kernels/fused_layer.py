@@ -54,7 +54,7 @@ from engine.kernels.fused_rules import (ACTS, LINEARS, ROUTERS, activation, dens
 from engine.kernels.linear import PackedLinear, QmLinear
 from engine.model.cache import KVCache
 from engine.model.hybrid_cache import HybridCache
-from engine.model.linear_state import LinearLayerState
+from engine.model.linear_state import LinearLayerState, LinearPending, NodeInputs
 from engine.model.window_cache import WindowedCache
 
 if TYPE_CHECKING:
@@ -63,6 +63,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _keys = itertools.count()
+# a hybrid's tree passes up to this many tokens take the C pass: it keeps every node's recurrent
+# state (dk x dv a value head) while it runs, where the general path's block form keeps none
+HYBRID_PASS_TOKENS = 64
 class Layer(ctypes.Structure):
     """qmatmul.c's qm_layer."""
     _fields_ = [*((name, QmLinear) for name, _ in LINEARS),
@@ -90,7 +93,8 @@ class View(ctypes.Structure):
     """qmatmul.c's qm_view: a layer's K/V buffers, their capacity, and which window (-1: none);
     a Gated DeltaNet layer's conv and recurrent states."""
     _fields_ = [("keys", ctypes.c_void_p), ("values", ctypes.c_void_p), ("capacity", ctypes.c_int64),
-                ("window", ctypes.c_int64), ("rope", ctypes.c_int64), ("conv", ctypes.c_void_p), ("rec", ctypes.c_void_p)]
+                ("window", ctypes.c_int64), ("rope", ctypes.c_int64), ("conv", ctypes.c_void_p), ("rec", ctypes.c_void_p),
+                ("pend_x", ctypes.c_void_p), ("pend_mix", ctypes.c_void_p), ("pend_bg", ctypes.c_void_p)]
 
 
 class FusedDecoder:
@@ -187,7 +191,8 @@ class FusedDecoder:
         many = lib.qm_pass_layers
         many.restype = ctypes.c_int
         many.argtypes = [ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 7, ctypes.c_void_p, ctypes.c_void_p,
-                         ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+                         ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                         ctypes.c_void_p, ctypes.c_int]
         self._many = many
         # each cache's buffer addresses, read again when its buffers change (reserve() grew it)
         self._buffers: weakref.WeakKeyDictionary[KVCache, _Buffers] = weakref.WeakKeyDictionary()
@@ -225,13 +230,16 @@ class FusedDecoder:
         assert lib is not None
         return cls(model, lib)
 
-    def takes(self, cache: KVCache, fold: bool = False) -> bool:
-        """Whether a step or pass on `cache` can run here: a plain KVCache of this model's shape,
-        or a WindowedCache of its windows (and no expert of an MoE cached elsewhere:
-        engine.kernels.expert_cache). A hybrid's only where `fold`, one token of committed text
-        (a plain decoding step: no mask), goes on a HybridCache with nothing pending: its tree
-        passes keep the general path (engine.model.linear_attention)."""
-        if self.hybrid and not (fold and isinstance(cache, HybridCache) and cache.complete):
+    def takes(self, cache: KVCache, n: int = 1, allowed: torch.Tensor | None = None) -> bool:
+        """Whether a step or pass of n tokens under `allowed` can run on `cache` here: a plain
+        KVCache of this model's shape, or a WindowedCache of its windows (and no expert of an
+        MoE cached elsewhere: engine.kernels.expert_cache). A hybrid's on a HybridCache with
+        nothing pending: one token of committed text (no mask: a plain decoding step, folded
+        into the states), or a tree of up to HYBRID_PASS_TOKENS (its nodes' inputs handed back
+        to the cache); a prompt's chain keeps the general path's blocks
+        (engine.model.linear_attention)."""
+        if self.hybrid and not (isinstance(cache, HybridCache) and cache.complete and (
+                n == 1 and allowed is None or allowed is not None and n <= HYBRID_PASS_TOKENS)):
             return False
         return self._addresses(cache) is not None and not any(e.hot_ids for e in self._experts)
 
@@ -307,6 +315,27 @@ class FusedDecoder:
             cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
         return cos.float().contiguous(), sin.float().contiguous()
 
+    def _pending(self, buffers: _Buffers, n: int) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Per Gated DeltaNet layer, the tensors its C pass writes each node's inputs into
+        (qm_view's pend_*): pre-conv inputs, conv outputs, beta and g."""
+        out = {}
+        for i, spec in enumerate(self.linear):
+            if spec is not None:
+                out[i] = (torch.empty(n, spec.conv_dim), torch.empty(n, spec.conv_dim), torch.empty(n, 2 * spec.num_v_heads))
+                view = buffers.views[i]
+                view.pend_x, view.pend_mix, view.pend_bg = (t.data_ptr() for t in out[i])
+        return out
+
+    def _nodes(self, i: int, x: torch.Tensor, mix: torch.Tensor, bg: torch.Tensor) -> NodeInputs:
+        """Layer i's pass outputs as the general path hands them to the cache (TreeGatedDeltaNet)."""
+        spec = self.linear[i]
+        assert spec is not None
+        n, h = int(x.shape[0]), spec.num_v_heads
+        kd = (spec.conv_dim - h * spec.head_v_dim) // 2
+        return NodeInputs(x, mix[:, kd : 2 * kd].reshape(n, -1, spec.head_k_dim).contiguous(),
+                          mix[:, 2 * kd :].reshape(n, h, spec.head_v_dim).contiguous(), bg[:, :h].contiguous(),
+                          bg[:, h:].contiguous())
+
     def step(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, grab: tuple[int, ...] = (),
              kept: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
         """One token (input_ids and positions of shape (1,)) through every layer; its K/V
@@ -343,9 +372,14 @@ class FusedDecoder:
         allowed: (n, cache.length + n) bool, what each token attends to; None: a causal chain.
         The final normed hidden states (n, hidden), as CausalLM.forward returns them. `grab`,
         `kept`: as in `step`."""
-        assert not self.hybrid, "a hybrid's passes keep the general path"
         buffers = self._room(cache, int(input_ids.shape[0]))
         n, past = int(input_ids.shape[0]), cache.length
+        parents, pending = None, {}
+        if self.hybrid:  # each node's parent (-1: the committed state), and where its inputs go
+            assert isinstance(cache, HybridCache) and allowed is not None
+            cache.begin_pass(allowed, n)
+            parents = (cache.parents[past : past + n] - past).contiguous()
+            pending = self._pending(buffers, n)
         mask = None
         if allowed is not None:
             assert tuple(allowed.shape) == (n, past + n), "allowed: (n, cache.length + n)"
@@ -371,11 +405,15 @@ class FusedDecoder:
             layers, views = self._at(buffers, a)
             rc = self._many(layers, views, b - a, self.hidden, self.heads, self.kv_heads, self.head_dim, past, n,
                             spans, masks, self.scale, cos.data_ptr(), sin.data_ptr(),
-                            mask.data_ptr() if mask is not None else None, hidden.data_ptr(), threads)
+                            mask.data_ptr() if mask is not None else None,
+                            parents.data_ptr() if parents is not None else None, hidden.data_ptr(), threads)
             if rc != 0:
                 raise torch.OutOfMemoryError("The fused CPU pass could not allocate its scratch memory.")
         for e, seen in zip(self._experts, before):  # the union each layer woke, for the tree's price
             e.logged(e.hits - seen, n)
+        for i, outputs in pending.items():  # kept by the cache until the accepted path is known
+            assert isinstance(cache, HybridCache)
+            cache.linear_pending(i, LinearPending(n, self._nodes(i, *outputs), None))
         cache.commit(n)
         out: torch.Tensor = self.norm(hidden[0])  # (n, H)
         return out

@@ -726,8 +726,12 @@ typedef struct {
     int64_t rope; /* which of the call's rotary tables the layer reads (Gemma 3: local or global) */
     /* a Gated DeltaNet layer's state, updated in place by a step: the conv's last kernel - 1
      * inputs per channel (conv_dim x (kernel - 1), oldest first) and the recurrent state
-     * (lin_vh x lin_dk x lin_dv) */
+     * (lin_vh x lin_dk x lin_dv); and where a pass reads a tree, what it hands back per node for
+     * the cache to keep until the accepted path is known (engine.model.linear_state.NodeInputs),
+     * the state left as it was: pend_x the pre-conv inputs (n x conv_dim), pend_mix the conv's
+     * outputs (n x conv_dim), pend_bg each value head's beta, then g (n x 2 lin_vh) */
     float *conv, *rec;
+    float *pend_x, *pend_mix, *pend_bg;
 } qm_view;
 
 /* Layer l's columns: base (the entry of column 0) and lo (the first a decode step reads). */
@@ -999,6 +1003,69 @@ static void delta_mix(const qm_layer *L, const qm_view *V, const float *xn, int6
         }
         float r = rms_scale(o, L->gnorm_eps, dv);
         for (int64_t j = 0; j < dv; j++) o[j] = ((o[j] * r) * L->gnorm[j]) * (zh[j] * sigmoidf(zh[j]));
+    }
+}
+
+/* A tree pass through a Gated DeltaNet layer's mixer (called by every thread; the products
+ * done: V->pend_x holds each node's pre-conv inputs, z and ba its z and b/a rows): each node's
+ * conv over its path (chains[i]: the nodes before it, oldest first, kernel - 1 of them, -1 - j
+ * the committed state's j-th newest input), then per value head the delta rule from its parent's
+ * state (the committed one for a root) into states (n x dk x dv per thread: `st`), the output
+ * gated-normed into core. The committed state is left as it was. */
+static void delta_tree(const qm_layer *L, const qm_view *V, int64_t n, const int64_t *parents, const int64_t *chains,
+                       int64_t chain_len, const float *z, const float *ba, float *st, float *tmp, float *core) {
+    int64_t C = L->lin_qkv.n, VD = L->lin_z.n, vh = L->lin_vh, dk = L->lin_dk, dv = L->lin_dv, kd = L->lin_kh * dk;
+    int64_t K = L->kernel;
+    const float *raw = V->pend_x;
+    float *mix = V->pend_mix, *bg = V->pend_bg;
+#pragma omp for schedule(static)
+    for (int64_t c = 0; c < C; c++) {
+        const float *w = L->conv_w + c * K, *state = V->conv + c * (K - 1);
+        for (int64_t i = 0; i < n; i++) {
+            const int64_t *before = chains + i * chain_len + chain_len - (K - 1);
+            float y = L->conv_b ? L->conv_b[c] : 0.0f;
+            for (int64_t j = 0; j < K - 1; j++)
+                y += w[j] * (before[j] >= 0 ? raw[before[j] * C + c] : state[K - 1 + before[j]]);
+            y += w[K - 1] * raw[i * C + c];
+            mix[i * C + c] = y * sigmoidf(y);
+        }
+    }
+#pragma omp for schedule(static)
+    for (int64_t h = 0; h < vh; h++) {
+        int64_t kh = L->lin_tiled ? h % L->lin_kh : h / (vh / L->lin_kh);
+        float *q = tmp, *k = tmp + dk, *u = tmp + 2 * dk;
+        for (int64_t i = 0; i < n; i++) {
+            const float *m = mix + i * C, *v = m + 2 * kd + h * dv, *zh = z + i * VD + h * dv;
+            float *o = core + i * VD + h * dv;
+            memcpy(q, m + kh * dk, sizeof(float) * (size_t)dk);
+            memcpy(k, m + kd + kh * dk, sizeof(float) * (size_t)dk);
+            l2_normalise(q, dk, 1.0f / sqrtf((float)dk));
+            l2_normalise(k, dk, 1.0f);
+            float a = ba[i * 2 * vh + vh + h] + L->dt_bias[h];
+            float g = L->neg_a[h] * (a > 20.0f ? a : log1pf(expf(a))), beta = sigmoidf(ba[i * 2 * vh + h]);
+            float decay = expf(g);
+            bg[i * 2 * vh + h] = beta, bg[i * 2 * vh + vh + h] = g;
+            const float *S = parents[i] < 0 ? V->rec + h * dk * dv : st + parents[i] * dk * dv;
+            float *T = st + i * dk * dv;
+            for (int64_t j = 0; j < dv; j++) u[j] = 0.0f;
+            for (int64_t r = 0; r < dk; r++) {
+                const float *row = S + r * dv;
+                float kr = k[r];
+                for (int64_t j = 0; j < dv; j++) u[j] += row[j] * kr;
+            }
+            for (int64_t j = 0; j < dv; j++) u[j] = (v[j] - u[j] * decay) * beta, o[j] = 0.0f;
+            for (int64_t r = 0; r < dk; r++) {
+                const float *row = S + r * dv;
+                float *out = T + r * dv;
+                float kr = k[r], qr = q[r];
+                for (int64_t j = 0; j < dv; j++) {
+                    out[j] = row[j] * decay + kr * u[j];
+                    o[j] += out[j] * qr;
+                }
+            }
+            float rs = rms_scale(o, L->gnorm_eps, dv);
+            for (int64_t j = 0; j < dv; j++) o[j] = ((o[j] * rs) * L->gnorm[j]) * (zh[j] * sigmoidf(zh[j]));
+        }
     }
 }
 
@@ -1541,16 +1608,25 @@ static void routed_pass(const qm_layer *L, int64_t n, int64_t H, const float *xn
 int qm_pass_layers(const qm_layer *layers, const qm_view *views, int64_t count, int64_t hidden, int64_t heads,
                    int64_t kv_heads, int64_t head_dim, int64_t length, int64_t n, const int64_t *spans,
                    const uint8_t *const *masks, float scale, const float *cos, const float *sin,
-                   const uint8_t *allowed, float *x, int threads) {
+                   const uint8_t *allowed, const int64_t *parents, float *x, int threads) {
     int64_t D = head_dim, H = hidden, nq = heads * D, nkv = kv_heads * D, group_size = heads / kv_heads;
     int64_t inter = 0, total = length + n;
-    for (int64_t l = 0; l < count; l++) /* Qwen3.5's layers take the step only (fused_layer.py) */
-        if (layers[l].lin_vh > 0 || layers[l].attn_gate || layers[l].shared_gate) return -2;
     int64_t E = 0, K = 0, I = 0; /* the MoE layers' most experts, top_k and expert width */
+    int64_t LC = 0, LV = 0, LH = 0, LS = 0, KM = 1; /* Gated DeltaNet: widest conv, values, heads; a head's state */
     widths(layers, count, &inter, &E, &K, &I);
+    linear_widths(layers, count, &LC, &LV, &LH);
+    for (int64_t l = 0; l < count; l++)
+        if (layers[l].lin_vh > 0) {
+            const qm_layer *L = layers + l;
+            LS = L->lin_dk * L->lin_dv > LS ? L->lin_dk * L->lin_dv : LS;
+            KM = L->kernel > KM ? L->kernel : KM;
+            if (2 * L->lin_dk + L->lin_dv > LS) LS = 2 * L->lin_dk + L->lin_dv; /* (a head's scratch, too) */
+        }
+    if (LH && !parents) return -2;
     int64_t widest = H > nq ? H : nq;
     widest = inter > widest ? inter : widest;
     widest = I > widest ? I : widest;
+    widest = LV > widest ? LV : widest;
     if (threads < 1) threads = 1;
     /* the routed experts' scratch (routed_pass), where a layer has them */
     int64_t P = n * K, sums = I / 16 + I / 32 + 2;
@@ -1581,17 +1657,28 @@ int qm_pass_layers(const qm_layer *layers, const qm_view *views, int64_t count, 
         tokd = (qm_digits *)m, R.ad = tokd + n, m = (char *)(R.ad + P);
         ptrs = (const void **)m;
     }
-    /* shared: xn | q | k | v | attn | gate (then the activation) | up | a product's output;
-     * per thread: a decoded tile, scores, a head */
-    size_t shared = (size_t)n * (size_t)(H + nq + 2 * nkv + nq + 2 * inter + H);
-    size_t per_thread = (size_t)NB * (size_t)widest + (size_t)total + (size_t)D;
+    /* shared: xn | q (a gated attention's queries and gates) | k | v | attn | gate (then the activation) |
+     * up | a product's output | Gated DeltaNet: z, b and a, core | shared experts' gates | each node's
+     * path (KM - 1 entries); per thread: a decoded tile, scores, a head, a Gated DeltaNet head's states */
+    size_t shared = (size_t)n * (size_t)(H + 2 * nq + 2 * nkv + nq + 2 * inter + H + 2 * LV + 2 * LH + 1 + 2 * KM);
+    size_t per_thread = (size_t)NB * (size_t)widest + (size_t)total + (size_t)D + (size_t)(n + 1) * (size_t)LS;
     float *buf = (float *)malloc(sizeof(float) * (shared + (size_t)threads * per_thread));
     if (!buf) {
         free(routed_mem);
         return -1;
     }
-    float *xn = buf, *q = xn + n * H, *k = q + n * nq, *v = k + n * nkv, *attn = v + n * nkv;
-    float *gate = attn + n * nq, *up = gate + n * inter, *out = up + n * inter, *own = out + n * H;
+    float *xn = buf, *q = xn + n * H, *k = q + 2 * n * nq, *v = k + n * nkv, *attn = v + n * nkv;
+    float *gate = attn + n * nq, *up = gate + n * inter, *out = up + n * inter, *lz = out + n * H;
+    float *lba = lz + n * LV, *core = lba + 2 * n * LH, *sgate = core + n * LV;
+    int64_t *chains = (int64_t *)(sgate + n); /* (n, KM - 1): int64 in the room of 2 n KM floats */
+    float *own = sgate + n + 2 * n * KM;
+    for (int64_t i = 0; LH && i < n; i++) { /* each node's inputs before it along its path, oldest first */
+        int64_t a = parents[i], back = 0;
+        for (int64_t j = KM - 2; j >= 0; j--) {
+            if (a >= 0) chains[i * (KM - 1) + j] = a, a = parents[a];
+            else chains[i * (KM - 1) + j] = -1 - back++;
+        }
+    }
     size_t few_per = n <= QM_FEW ? (size_t)n * few_bytes(widest) : 0; /* each thread's digits of a product's input */
     char *fewmem = (char *)malloc(few_per * (size_t)threads + 64);
     if (!fewmem) {
@@ -1606,6 +1693,7 @@ int qm_pass_layers(const qm_layer *layers, const qm_view *views, int64_t count, 
         t = omp_get_thread_num();
 #endif
         float *wbuf = own + (size_t)t * per_thread, *scores = wbuf + (size_t)NB * (size_t)widest, *tmp = scores + total;
+        float *states = tmp + D; /* (n + 1) x LS: a Gated DeltaNet head's scratch, then its nodes' states */
         char *mine = fewmem + few_per * (size_t)t;
         qm_few few;
         for (int64_t l = 0; l < count; l++) {
@@ -1618,53 +1706,79 @@ int qm_pass_layers(const qm_layer *layers, const qm_view *views, int64_t count, 
             int64_t RD = L->rotary_dim ? L->rotary_dim : D; /* the rotated values of a head */
             const uint8_t *allow = V->window < 0 ? allowed : masks[V->window]; /* (n, seen) */
             float *lk = V->keys, *lv = V->values;
+            int64_t QS = L->attn_gate ? 2 * D : D, qn = L->q.n; /* a head's and a token's q rows */
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < n; i++) rms_norm(x + i * H, L->attn_norm, L->attn_eps, H, xn + i * H);
             make_few(xn, n, H, mine, &few);
+            if (L->lin_vh > 0) { /* a Gated DeltaNet layer: its products, its tree, out_proj */
+                int64_t VD = L->lin_z.n, vh = L->lin_vh;
 #pragma omp for schedule(static) nowait
-            for (int64_t s = 0; s < tiles_of(&L->q); s++) product(&L->q, s, xn, n, q, wbuf, &few);
+                for (int64_t s = 0; s < tiles_of(&L->lin_qkv); s++) product(&L->lin_qkv, s, xn, n, V->pend_x, wbuf, &few);
 #pragma omp for schedule(static) nowait
-            for (int64_t s = 0; s < tiles_of(&L->k); s++) product(&L->k, s, xn, n, k, wbuf, &few);
+                for (int64_t s = 0; s < tiles_of(&L->lin_z); s++) product(&L->lin_z, s, xn, n, lz, wbuf, &few);
 #pragma omp for schedule(static)
-            for (int64_t s = 0; s < tiles_of(&L->v); s++) product(&L->v, s, xn, n, v, wbuf, &few);
-            /* rotate every query head; rotate each token's K/V heads into the cache */
-#pragma omp for schedule(static) nowait
-            for (int64_t s = 0; s < n * heads; s++) {
-                int64_t i = s / heads;
-                norm_and_rotate(q + i * nq + (s % heads) * D, L->q_norm, L->q_eps, cos + (V->rope * n + i) * RD,
-                                sin + (V->rope * n + i) * RD, D, RD, tmp);
-            }
+                for (int64_t s = 0; s < n * 2 * vh; s++)
+                    lba[s] = dot(L->lin_ba + (s % (2 * vh)) * H, xn + (s / (2 * vh)) * H, H);
+                delta_tree(L, V, n, parents, chains, KM - 1, lz, lba, states + LS, states, core);
+                make_few(core, n, VD, mine, &few);
 #pragma omp for schedule(static)
-            for (int64_t s = 0; s < n * kv_heads; s++) {
-                int64_t i = s / kv_heads, g = s % kv_heads;
-                float *kh = k + i * nkv + g * D;
-                norm_and_rotate(kh, L->k_norm, L->k_eps, cos + (V->rope * n + i) * RD, sin + (V->rope * n + i) * RD, D,
-                                RD, tmp);
-                memcpy(lk + (g * capacity + at + i) * D, kh, sizeof(float) * (size_t)D);
-                memcpy(lv + (g * capacity + at + i) * D, v + i * nkv + g * D, sizeof(float) * (size_t)D);
-            }
-#pragma omp for schedule(static)
-            for (int64_t s = 0; s < n * heads; s++) {
-                int64_t i = s / heads, h = s % heads, g = h / group_size;
-                attend_masked(q + i * nq + h * D, lk + g * capacity * D, lv + g * capacity * D, seen,
-                              allow ? allow + i * seen : NULL, at + i, D, scale, L->sinks ? L->sinks + h : NULL,
-                              scores, attn + i * nq + h * D);
-            }
-            make_few(attn, n, nq, mine, &few);
-#pragma omp for schedule(static)
-            for (int64_t s = 0; s < tiles_of(&L->o); s++) {
-                product(&L->o, s, attn, n, out, wbuf, &few);
-                if (!L->post_attn_norm)
+                for (int64_t s = 0; s < tiles_of(&L->o); s++) {
+                    product(&L->o, s, core, n, out, wbuf, &few);
                     for (int64_t i = 0; i < n; i++)
                         for (int64_t r = s * NB; r < H && r < (s + 1) * NB; r++) x[i * H + r] += out[i * H + r];
-            }
-            if (L->post_attn_norm) { /* each token's whole output normed, then added */
+                }
+            } else { /* attention */
+#pragma omp for schedule(static) nowait
+                for (int64_t s = 0; s < tiles_of(&L->q); s++) product(&L->q, s, xn, n, q, wbuf, &few);
+#pragma omp for schedule(static) nowait
+                for (int64_t s = 0; s < tiles_of(&L->k); s++) product(&L->k, s, xn, n, k, wbuf, &few);
 #pragma omp for schedule(static)
-                for (int64_t i = 0; i < n; i++)
-                    add_out(x + i * H, out + i * H, L->post_attn_norm, rms_scale(out + i * H, L->post_attn_eps, H), 0, H);
+                for (int64_t s = 0; s < tiles_of(&L->v); s++) product(&L->v, s, xn, n, v, wbuf, &few);
+                /* rotate every query head; rotate each token's K/V heads into the cache */
+#pragma omp for schedule(static) nowait
+                for (int64_t s = 0; s < n * heads; s++) {
+                    int64_t i = s / heads;
+                    norm_and_rotate(q + i * qn + (s % heads) * QS, L->q_norm, L->q_eps, cos + (V->rope * n + i) * RD,
+                                    sin + (V->rope * n + i) * RD, D, RD, tmp);
+                }
+#pragma omp for schedule(static)
+                for (int64_t s = 0; s < n * kv_heads; s++) {
+                    int64_t i = s / kv_heads, g = s % kv_heads;
+                    float *kh = k + i * nkv + g * D;
+                    norm_and_rotate(kh, L->k_norm, L->k_eps, cos + (V->rope * n + i) * RD, sin + (V->rope * n + i) * RD, D,
+                                    RD, tmp);
+                    memcpy(lk + (g * capacity + at + i) * D, kh, sizeof(float) * (size_t)D);
+                    memcpy(lv + (g * capacity + at + i) * D, v + i * nkv + g * D, sizeof(float) * (size_t)D);
+                }
+#pragma omp for schedule(static)
+                for (int64_t s = 0; s < n * heads; s++) {
+                    int64_t i = s / heads, h = s % heads, g = h / group_size;
+                    attend_masked(q + i * qn + h * QS, lk + g * capacity * D, lv + g * capacity * D, seen,
+                                  allow ? allow + i * seen : NULL, at + i, D, scale, L->sinks ? L->sinks + h : NULL,
+                                  scores, attn + i * nq + h * D);
+                    if (L->attn_gate)
+                        for (int64_t j = 0; j < D; j++) attn[i * nq + h * D + j] *= sigmoidf(q[i * qn + h * QS + D + j]);
+                }
+                make_few(attn, n, nq, mine, &few);
+#pragma omp for schedule(static)
+                for (int64_t s = 0; s < tiles_of(&L->o); s++) {
+                    product(&L->o, s, attn, n, out, wbuf, &few);
+                    if (!L->post_attn_norm)
+                        for (int64_t i = 0; i < n; i++)
+                            for (int64_t r = s * NB; r < H && r < (s + 1) * NB; r++) x[i * H + r] += out[i * H + r];
+                }
+                if (L->post_attn_norm) { /* each token's whole output normed, then added */
+#pragma omp for schedule(static)
+                    for (int64_t i = 0; i < n; i++)
+                        add_out(x + i * H, out + i * H, L->post_attn_norm, rms_scale(out + i * H, L->post_attn_eps, H), 0, H);
+                }
             }
 #pragma omp for schedule(static)
-            for (int64_t i = 0; i < n; i++) rms_norm(x + i * H, L->mlp_norm, L->mlp_eps, H, xn + i * H);
+            for (int64_t i = 0; i < n; i++) {
+                rms_norm(x + i * H, L->mlp_norm, L->mlp_eps, H, xn + i * H);
+                /* Qwen3.5's shared expert: scaled by the sigmoid of its gate on the token's normed input */
+                sgate[i] = L->shared_gate ? sigmoidf(dot(L->shared_gate, xn + i * H, H)) : 1.0f;
+            }
             if (L->experts > 0) { /* routed experts: each token's sums and digits, then routed_pass */
 #pragma omp for schedule(static)
                 for (int64_t i = 0; i < n; i++) {
@@ -1692,7 +1806,7 @@ int qm_pass_layers(const qm_layer *layers, const qm_view *views, int64_t count, 
                 product(&L->down, s, gate, n, out, wbuf, &few);
                 if (!L->post_mlp_norm)
                     for (int64_t i = 0; i < n; i++)
-                        for (int64_t r = s * NB; r < H && r < (s + 1) * NB; r++) x[i * H + r] += out[i * H + r];
+                        for (int64_t r = s * NB; r < H && r < (s + 1) * NB; r++) x[i * H + r] += sgate[i] * out[i * H + r];
             }
             if (L->post_mlp_norm) {
 #pragma omp for schedule(static)

@@ -165,8 +165,9 @@ class CausalLM:
         cache.set_positions(positions)
         grab = self.aux_inputs
         kept: dict[int, torch.Tensor] = {}
-        if self.fused is not None and n <= FUSED_PASS_TOKENS and self.fused.takes(cache, n == 1 and allowed is None):
-            one = n == 1 and (allowed is None or bool(allowed.all()))  # a token that sees the whole cache
+        if self.fused is not None and n <= FUSED_PASS_TOKENS and self.fused.takes(cache, n, allowed):
+            # a token that sees the whole cache (a hybrid's: committed text, folded into its states)
+            one = n == 1 and (allowed is None or not self.fused.hybrid and bool(allowed.all()))
             if one:
                 out = self.fused.step(input_ids, positions, cache, grab, kept)
             else:

@@ -1,12 +1,14 @@
-"""Qwen3.5's decode steps in the fused C step (engine/kernels/fused_layer.py, qmatmul.c's
-delta_mix): Gated DeltaNet layers (projections, the causal conv over its state, the delta rule
-on the recurrent state, the gated norm) beside gated full attention, dense or routed MLPs (the
-MoE's shared expert under its sigmoid gate), on tiny GGUFs written as llama.cpp's converter
-writes them (value heads tiled: the layers read them in the file's order). Every step's hidden
-state, the attention layers' K/V and the linear layers' conv and recurrent states equal the
-general path's (TreeGatedDeltaNet, which test_gguf_families2 holds to transformers, as it holds
-the fused greedy text), across tree passes the general path runs, kept paths, a snapshot and a
-cut back to it; a tree pass or a step on pending entries never takes the C step."""
+"""Qwen3.5's decode steps and tree passes in the fused C step and pass (engine/kernels/
+fused_layer.py, qmatmul.c's delta_mix and delta_tree): Gated DeltaNet layers (projections, the
+causal conv over its state or its node's path, the delta rule from the committed state or the
+node's parent, the gated norm) beside gated full attention, dense or routed MLPs (the MoE's
+shared expert under its sigmoid gate), on tiny GGUFs written as llama.cpp's converter writes them
+(value heads tiled: the layers read them in the file's order). Every step's and pass's hidden
+states, the attention layers' K/V, the linear layers' conv and recurrent states and the inputs
+a tree pass hands the cache for its nodes equal the general path's (TreeGatedDeltaNet, which
+test_gguf_families2 holds to transformers, as it holds the fused greedy text), across kept
+paths, a snapshot and a cut back to it; a prompt's chain and a pass on pending entries keep the
+general path."""
 
 from __future__ import annotations
 
@@ -79,13 +81,19 @@ def tree_mask(parents: list[int], past: int) -> torch.Tensor:
 def test_steps_equal_the_general_path(pair: tuple[LoadedModel, LoadedModel], monkeypatch: pytest.MonkeyPatch) -> None:
     fused, plain = pair
     steps: list[int] = []
-    real = FusedDecoder.step
+    passes: list[int] = []
+    real_step, real_pass = FusedDecoder.step, FusedDecoder.pass_
 
-    def counted(self: FusedDecoder, *args: Any) -> torch.Tensor:
+    def step(self: FusedDecoder, *args: Any) -> torch.Tensor:
         steps.append(1)
-        return real(self, *args)
+        return real_step(self, *args)
 
-    monkeypatch.setattr(FusedDecoder, "step", counted)
+    def pass_(self: FusedDecoder, ids: torch.Tensor, *args: Any) -> torch.Tensor:
+        passes.append(int(ids.shape[0]))
+        return real_pass(self, ids, *args)
+
+    monkeypatch.setattr(FusedDecoder, "step", step)
+    monkeypatch.setattr(FusedDecoder, "pass_", pass_)
     models = (fused.model, plain.model)
     caches = [m.new_cache(8) for m in models]
     assert all(type(c) is HybridCache for c in caches)
@@ -94,6 +102,13 @@ def test_steps_equal_the_general_path(pair: tuple[LoadedModel, LoadedModel], mon
         got, want = (m.forward(torch.tensor(tokens), torch.tensor(positions), c, allowed) for m, c in zip(models, caches))
         assert close(got, want)
         assert_same(*caches)
+        for i, mine in caches[0].prior.items():  # what a tree pass handed the cache for its nodes
+            theirs = caches[1].prior[i]
+            assert (mine is None) == (theirs is None)
+            if mine is not None and theirs is not None:
+                for a, b in zip((mine.x, mine.k, mine.v, mine.beta, mine.g),
+                                (theirs.x, theirs.k, theirs.v, theirs.beta, theirs.g)):
+                    assert a.shape == b.shape and close(a, b)
         return got
 
     g = torch.Generator().manual_seed(3)
@@ -103,25 +118,30 @@ def test_steps_equal_the_general_path(pair: tuple[LoadedModel, LoadedModel], mon
 
     prompt = [token() for _ in range(7)]
     both(prompt, list(range(7)), None)  # a prompt: the general path's chain, folded
-    assert steps == []
+    assert steps == [] and passes == []
     for c in caches:
         c.mark(10)  # a snapshot after the third step (the engine marks each prompt's end)
     for s in range(5):  # steps across a reserve() growth (capacity 8)
         both([token()], [7 + s], None)
     assert len(steps) == 5 and all(10 in c.snapshots for c in caches)
     past = caches[0].length
-    parents = [-1, 0, 0, 1]  # a tree pass: the general path (pending inputs), then its kept path
-    both([token() for _ in parents], [past, past + 1, past + 1, past + 2], tree_mask(parents, past))
-    assert len(steps) == 5 and not caches[0].complete
-    both([token()], [past + 3], tree_mask([-1], past + 4)[:, : past + 5] & torch.tensor(
-        [True] * past + [True, True, False, True, True]))  # one node on pending entries: not the C step
-    assert len(steps) == 5
+    parents = [-1, 0, 0, 1, 3, 4, 2]  # a tree pass (deeper than the conv): its nodes' inputs pending
+    both([token() for _ in parents], [past + d for d in (0, 1, 1, 2, 3, 4, 2)], tree_mask(parents, past))
+    assert len(steps) == 5 and passes == [7] and not caches[0].complete
+    both([token()], [past + 3], tree_mask([-1], past + 7)[:, : past + 8] & torch.tensor(
+        [True] * past + [True, True, False, True, False, False, False, True]))  # on pending entries: general path
+    assert len(steps) == 5 and passes == [7]
     for c in caches:
-        c.keep(torch.tensor([*range(past), past, past + 1, past + 3, past + 4]))
+        c.keep(torch.tensor([*range(past), past, past + 1, past + 3, past + 7]))
     assert_same(*caches)
     for s in range(4):  # the kept path folded into the states: the C step again
         both([token()], [past + 4 + s], None)
     assert len(steps) == 9
+    past = caches[0].length
+    both([token()], [past], tree_mask([-1], past))  # a tree of one node: the C pass
+    for c in caches:
+        c.keep(torch.arange(past + 1))
+    assert passes == [7, 1] and caches[0].complete
     for c in caches:  # back below the committed tokens: the snapshot's states (new tensors)
         c.truncate(11)
     assert caches[0].length == 10
@@ -129,6 +149,10 @@ def test_steps_equal_the_general_path(pair: tuple[LoadedModel, LoadedModel], mon
     for s in range(3):
         both([token()], [10 + s], None)
     assert len(steps) == 12
+    for c in caches:  # a chain under a mask from a fresh state (all pass nodes before the conv's reach)
+        c.truncate(0)
+    both([token() for _ in range(3)], [0, 1, 2], tree_mask([-1, 0, 1], 0))
+    assert passes == [7, 1, 3]
 
 
 def test_greedy_text_plain_and_with_trees(pair: tuple[LoadedModel, LoadedModel]) -> None:
