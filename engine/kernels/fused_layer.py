@@ -17,7 +17,9 @@ router as transformers does, softmax, top-k, renormalised, gpt-oss's biased logi
 softmax of those, or GLM-4.5's sigmoid scores chosen with their bias; each token's experts
 summed in expert order, with gpt-oss's gate and biases, GLM-4.5's shared expert after them,
 counting the routed tokens into each PackedExperts.hits; a pass reads each woken expert once
-for all its tokens and logs the union it woke), all resident on the CPU in fp32, attention full or over a sliding window (the layer's
+for all its tokens and logs the union it woke), or Qwen3.5 / Qwen3.6 hybrids (qwen3_5_text,
+qwen3_5_moe_text: Gated DeltaNet layers whose conv and recurrent states live in a HybridCache,
+gated attention, the MoE's shared expert under its sigmoid gate), all resident on the CPU in fp32, attention full or over a sliding window (the layer's
 own, as engine.model.family reads it: a WindowedCache's buffers, each window's layers from
 their own first column) with gpt-oss's sinks where it has them, SiLU or GELU (tanh) MLPs,
 every Linear of every layer a PackedLinear (minimums, where present, in groups of 16 or 32).
@@ -30,8 +32,15 @@ their mask, or a chain (a prompt's chunk), each weight tile decoded once for all
 draft-free tree on the starter then costs a few milliseconds more than a plain step, not the
 general path's ~20 ms of Python and small operations, so trees pay on a CPU again.
 
-What this module does not do: streamed layers, hybrids, per-layer inputs or shapes, or
-GPUs (CausalLM.forward's general path runs those), or choose which weights are packed.
+A hybrid's step folds its token into each Gated DeltaNet layer's state in place (committed text,
+on a cache with nothing pending: HybridCache.folded); its tree pass (up to HYBRID_PASS_TOKENS)
+runs each node's delta rule from its parent's state, leaves the committed states as they were
+and hands the cache each node's inputs as TreeGatedDeltaNet would (HybridCache.keep replays the
+accepted path); a prompt's chain, and a pass on pending entries, keep the general path's blocks.
+
+What this module does not do: streamed layers, Qwen3-Next's fused projections, Gemma 4's
+per-layer inputs or shapes, or GPUs (CausalLM.forward's general path runs those), or choose
+which weights are packed.
 """
 
 from __future__ import annotations

@@ -939,6 +939,44 @@ static void l2_normalise(float *x, int64_t n, float mul) {
     for (int64_t i = 0; i < n; i++) x[i] = (x[i] * r) * mul;
 }
 
+/* One token through value head h of a Gated DeltaNet layer: its key head's q and k from the
+ * conv's outputs `mix` l2-normalised (q times dk^-1/2), g = -exp(A_log) * softplus(a + dt_bias)
+ * and beta = sigmoid(b) from `ba` (b's, then a's, per value head), S_out = exp(g) S_in + k u^T
+ * with u = beta (v - exp(g) S_in^T k) (S_out may be S_in: the step updates in place), o =
+ * S_out^T q gated-normed with z (RMSNorm * weight * SiLU(z)). bg (or NULL): beta and g kept
+ * at h and lin_vh + h. tmp: 2 dk + dv floats. */
+static void delta_head(const qm_layer *L, int64_t h, const float *mix, const float *ba, const float *z,
+                       const float *S_in, float *S_out, float *tmp, float *o, float *bg) {
+    int64_t vh = L->lin_vh, dk = L->lin_dk, dv = L->lin_dv, kd = L->lin_kh * dk;
+    int64_t kh = L->lin_tiled ? h % L->lin_kh : h / (vh / L->lin_kh);
+    float *q = tmp, *k = tmp + dk, *u = tmp + 2 * dk;
+    const float *v = mix + 2 * kd + h * dv, *zh = z + h * dv;
+    memcpy(q, mix + kh * dk, sizeof(float) * (size_t)dk);
+    memcpy(k, mix + kd + kh * dk, sizeof(float) * (size_t)dk);
+    l2_normalise(q, dk, 1.0f / sqrtf((float)dk));
+    l2_normalise(k, dk, 1.0f);
+    float a = ba[vh + h] + L->dt_bias[h];
+    float g = L->neg_a[h] * (a > 20.0f ? a : log1pf(expf(a))), beta = sigmoidf(ba[h]), decay = expf(g);
+    if (bg) bg[h] = beta, bg[vh + h] = g;
+    for (int64_t j = 0; j < dv; j++) u[j] = 0.0f;
+    for (int64_t r = 0; r < dk; r++) {
+        const float *row = S_in + r * dv;
+        float kr = k[r];
+        for (int64_t j = 0; j < dv; j++) u[j] += row[j] * kr;
+    }
+    for (int64_t j = 0; j < dv; j++) u[j] = (v[j] - u[j] * decay) * beta, o[j] = 0.0f;
+    for (int64_t r = 0; r < dk; r++) {
+        const float *row = S_in + r * dv;
+        float *out = S_out + r * dv, kr = k[r], qr = q[r];
+        for (int64_t j = 0; j < dv; j++) {
+            out[j] = row[j] * decay + kr * u[j];
+            o[j] += out[j] * qr;
+        }
+    }
+    float rs = rms_scale(o, L->gnorm_eps, dv);
+    for (int64_t j = 0; j < dv; j++) o[j] = ((o[j] * rs) * L->gnorm[j]) * (zh[j] * sigmoidf(zh[j]));
+}
+
 /* One token through a Gated DeltaNet layer's mixer (engine/model/linear_attention.py computes
  * the same for trees), called by every thread of a parallel region (three barriers): xn's
  * products (qkv into raw, z, and b's and a's rows into ba); the causal conv of each channel over
@@ -951,7 +989,7 @@ static void delta_mix(const qm_layer *L, const qm_view *V, const float *xn, int6
                       const float *s32, const qm_digits *dg, float *tmp, float *raw, float *z, float *ba,
                       float *core) {
     const qm_linear *qkv = &L->lin_qkv, *zl = &L->lin_z;
-    int64_t C = qkv->n, VD = zl->n, vh = L->lin_vh, dk = L->lin_dk, dv = L->lin_dv, kd = L->lin_kh * dk;
+    int64_t C = qkv->n, VD = zl->n, vh = L->lin_vh, dk = L->lin_dk, dv = L->lin_dv;
     int64_t b1 = (C + QM_ROWS - 1) / QM_ROWS, b2 = (VD + QM_ROWS - 1) / QM_ROWS, K = L->kernel;
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < b1 + b2 + 2 * vh; b++) {
@@ -975,34 +1013,8 @@ static void delta_mix(const qm_layer *L, const qm_view *V, const float *xn, int6
     }
 #pragma omp for schedule(static)
     for (int64_t h = 0; h < vh; h++) {
-        int64_t kh = L->lin_tiled ? h % L->lin_kh : h / (vh / L->lin_kh);
-        float *q = tmp, *k = tmp + dk, *u = tmp + 2 * dk, *o = core + h * dv;
-        const float *v = raw + 2 * kd + h * dv, *zh = z + h * dv;
-        memcpy(q, raw + kh * dk, sizeof(float) * (size_t)dk);
-        memcpy(k, raw + kd + kh * dk, sizeof(float) * (size_t)dk);
-        l2_normalise(q, dk, 1.0f / sqrtf((float)dk));
-        l2_normalise(k, dk, 1.0f);
-        float a = ba[vh + h] + L->dt_bias[h];
-        float softplus = a > 20.0f ? a : log1pf(expf(a));
-        float decay = expf(L->neg_a[h] * softplus), beta = sigmoidf(ba[h]);
         float *S = V->rec + h * dk * dv;
-        for (int64_t j = 0; j < dv; j++) u[j] = 0.0f;
-        for (int64_t i = 0; i < dk; i++) {
-            const float *row = S + i * dv;
-            float ki = k[i];
-            for (int64_t j = 0; j < dv; j++) u[j] += row[j] * ki;
-        }
-        for (int64_t j = 0; j < dv; j++) u[j] = (v[j] - u[j] * decay) * beta, o[j] = 0.0f;
-        for (int64_t i = 0; i < dk; i++) {
-            float *row = S + i * dv;
-            float ki = k[i], qi = q[i];
-            for (int64_t j = 0; j < dv; j++) {
-                row[j] = row[j] * decay + ki * u[j];
-                o[j] += row[j] * qi;
-            }
-        }
-        float r = rms_scale(o, L->gnorm_eps, dv);
-        for (int64_t j = 0; j < dv; j++) o[j] = ((o[j] * r) * L->gnorm[j]) * (zh[j] * sigmoidf(zh[j]));
+        delta_head(L, h, raw, ba, z, S, S, tmp, core + h * dv, NULL);
     }
 }
 
@@ -1014,7 +1026,7 @@ static void delta_mix(const qm_layer *L, const qm_view *V, const float *xn, int6
  * gated-normed into core. The committed state is left as it was. */
 static void delta_tree(const qm_layer *L, const qm_view *V, int64_t n, const int64_t *parents, const int64_t *chains,
                        int64_t chain_len, const float *z, const float *ba, float *st, float *tmp, float *core) {
-    int64_t C = L->lin_qkv.n, VD = L->lin_z.n, vh = L->lin_vh, dk = L->lin_dk, dv = L->lin_dv, kd = L->lin_kh * dk;
+    int64_t C = L->lin_qkv.n, VD = L->lin_z.n, vh = L->lin_vh, dk = L->lin_dk, dv = L->lin_dv;
     int64_t K = L->kernel;
     const float *raw = V->pend_x;
     float *mix = V->pend_mix, *bg = V->pend_bg;
@@ -1031,42 +1043,12 @@ static void delta_tree(const qm_layer *L, const qm_view *V, int64_t n, const int
         }
     }
 #pragma omp for schedule(static)
-    for (int64_t h = 0; h < vh; h++) {
-        int64_t kh = L->lin_tiled ? h % L->lin_kh : h / (vh / L->lin_kh);
-        float *q = tmp, *k = tmp + dk, *u = tmp + 2 * dk;
+    for (int64_t h = 0; h < vh; h++)
         for (int64_t i = 0; i < n; i++) {
-            const float *m = mix + i * C, *v = m + 2 * kd + h * dv, *zh = z + i * VD + h * dv;
-            float *o = core + i * VD + h * dv;
-            memcpy(q, m + kh * dk, sizeof(float) * (size_t)dk);
-            memcpy(k, m + kd + kh * dk, sizeof(float) * (size_t)dk);
-            l2_normalise(q, dk, 1.0f / sqrtf((float)dk));
-            l2_normalise(k, dk, 1.0f);
-            float a = ba[i * 2 * vh + vh + h] + L->dt_bias[h];
-            float g = L->neg_a[h] * (a > 20.0f ? a : log1pf(expf(a))), beta = sigmoidf(ba[i * 2 * vh + h]);
-            float decay = expf(g);
-            bg[i * 2 * vh + h] = beta, bg[i * 2 * vh + vh + h] = g;
             const float *S = parents[i] < 0 ? V->rec + h * dk * dv : st + parents[i] * dk * dv;
-            float *T = st + i * dk * dv;
-            for (int64_t j = 0; j < dv; j++) u[j] = 0.0f;
-            for (int64_t r = 0; r < dk; r++) {
-                const float *row = S + r * dv;
-                float kr = k[r];
-                for (int64_t j = 0; j < dv; j++) u[j] += row[j] * kr;
-            }
-            for (int64_t j = 0; j < dv; j++) u[j] = (v[j] - u[j] * decay) * beta, o[j] = 0.0f;
-            for (int64_t r = 0; r < dk; r++) {
-                const float *row = S + r * dv;
-                float *out = T + r * dv;
-                float kr = k[r], qr = q[r];
-                for (int64_t j = 0; j < dv; j++) {
-                    out[j] = row[j] * decay + kr * u[j];
-                    o[j] += out[j] * qr;
-                }
-            }
-            float rs = rms_scale(o, L->gnorm_eps, dv);
-            for (int64_t j = 0; j < dv; j++) o[j] = ((o[j] * rs) * L->gnorm[j]) * (zh[j] * sigmoidf(zh[j]));
+            delta_head(L, h, mix + i * C, ba + i * 2 * vh, z + i * VD, S, st + i * dk * dv, tmp, core + i * VD + h * dv,
+                       bg + i * 2 * vh);
         }
-    }
 }
 
 int qm_decode_layers(const qm_layer *layers, const qm_view *views, int64_t count, int64_t hidden, int64_t heads,

@@ -212,6 +212,23 @@ def gguf_name(arch: str, hf_name: str, num_layers: int) -> str:
     return f"{name}.{suffix}"
 
 
+def add_keys(w: GGUFWriter, arch: str, keys: Mapping[str, Any]) -> None:
+    """Metadata under "<arch>.": ints as uint32, floats as float32, bools, lists as arrays,
+    anything else as a string."""
+    for key, value in keys.items():
+        full = f"{arch}.{key}"
+        if isinstance(value, bool):
+            w.add_bool(full, value)
+        elif isinstance(value, int):
+            w.add_uint32(full, value)
+        elif isinstance(value, float):
+            w.add_float32(full, value)
+        elif isinstance(value, (list, tuple)):
+            w.add_array(full, list(value))
+        else:
+            w.add_string(full, str(value))
+
+
 def write_gguf(path: Path, arch: str, config: dict, tokenizer: dict,
                tensors: Sequence[tuple[str, tuple[int, ...], Q]], value: Callable[[str], np.ndarray],
                name: str = "synthetic", parts: int = 1, keys: Mapping[str, Any] | None = None) -> Path:
@@ -234,8 +251,8 @@ def write_gguf(path: Path, arch: str, config: dict, tokenizer: dict,
     its GGUF bytes already (uint8, rows x row bytes: random_blocks). With `parts` > 1 the model
     is split as llama.cpp's gguf-split does it (gguf-py's writer: `<stem>-00001-of-0000N.gguf`,
     whole tensors per part, the metadata in the first); the first part's path is returned.
-    `keys`: more of the architecture's metadata, by name after "<arch>." (ints as uint32, floats
-    as float32, bools, lists of ints as arrays), written after the common ones."""
+    `keys`: more of the architecture's metadata, by name after "<arch>." (add_keys), written
+    after the common ones."""
     layers = config["num_hidden_layers"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     tokens = list(tokenizer["tokens"])
@@ -261,16 +278,7 @@ def write_gguf(path: Path, arch: str, config: dict, tokenizer: dict,
             w.add_expert_feed_forward_length(config["moe_intermediate_size"])
     if config.get("sliding_window"):
         w.add_sliding_window(config["sliding_window"])
-    for key, v in (keys or {}).items():
-        full = f"{arch}.{key}"
-        if isinstance(v, bool):
-            w.add_bool(full, v)
-        elif isinstance(v, int):
-            w.add_uint32(full, v)
-        elif isinstance(v, float):
-            w.add_float32(full, v)
-        else:
-            w.add_array(full, list(v))
+    add_keys(w, arch, keys or {})
     scaling = config.get("rope_scaling") or {}
     if scaling.get("rope_type", "default") != "default":
         w.add_rope_scaling_type(RopeScalingType(scaling["rope_type"]))

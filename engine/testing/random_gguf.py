@@ -158,19 +158,10 @@ def synthetic_gpt_oss_gguf(path: Path, hidden: int, layers: int, vocab: int, hea
     return path
 
 
-class HybridShape(TypedDict):
-    hidden: int
-    layers: int
-    vocab: int
-    heads: int
-    kv_heads: int
-    head_dim: int
+class HybridShape(MoEShape):
     linear_k_heads: int
     linear_v_heads: int
     linear_head_dim: int
-    experts: int
-    top_k: int
-    expert_width: int
 
 
 # Qwen3.6-35B-A3B's layers (hidden 2048; Gated DeltaNet with 16 key and 32 value heads of 128, a

@@ -51,6 +51,7 @@ from engine.loading.materialise import layer_buffers_as_parameters
 from engine.loading.mxfp4 import dequantize_mxfp4
 from engine.store import gguf_archs
 from engine.store.gguf_header import read_header
+from engine.testing.gguf_write import add_keys
 from engine.testing.synthetic import _gguf_vocab, tiny_tokenizer_files
 
 PROMPTS = ["Paris is the capital of the country where people", "def add(a, b):\n    return a + b\nfor i in"]
@@ -81,18 +82,7 @@ def write_gguf(path: Path, arch: str, keys: dict[str, Any], vocab: dict, tensors
     tensors (Q8_0 quantised here by gguf-py; MXFP4 given as ggml's blocks)."""
     w = GGUFWriter(path, arch)
     w.add_name("tiny")
-    for key, value in keys.items():
-        full = f"{arch}.{key}"
-        if isinstance(value, bool):
-            w.add_bool(full, value)
-        elif isinstance(value, int):
-            w.add_uint32(full, value)
-        elif isinstance(value, float):
-            w.add_float32(full, value)
-        elif isinstance(value, list):
-            w.add_array(full, value)
-        else:
-            w.add_string(full, value)
+    add_keys(w, arch, keys)
     tokens = vocab["tokens"]
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(vocab.get("pre", "default"))
