@@ -17,10 +17,10 @@ Everything that differs by architecture lives in gguf_families.py. What a transf
   (E, H, I) and the router `ffn_gate_inp` (E, H) are the parameters as they are;
 - a change of a 1-D tensor's values (Gemma's norms, which llama.cpp stores plus one): the
   processor itself is run on the de-quantised values at load (norms are small and dense);
-- a recipe (gpt-oss's experts, transposed and interleaved; the hybrids' norms, A_log,
-  convolution and column-permuted out_proj, gguf_hybrid.py): a parameter built from the
-  de-quantised values of its tensors at load, kept dense;
-- a row permutation a family names itself (the hybrids' re-tiled value heads): as Llama's q/k.
+- a recipe (gpt-oss's experts, transposed and interleaved; the hybrids' norms, A_log and
+  convolution, gguf_hybrid.py): a parameter built from its tensors' values at load, dense;
+- a row permutation a family names itself: as Llama's q/k (the hybrids' tiled value heads need
+  none: their layers read the file's order, gguf_hybrid.py).
 
 Decoder layers keep their bytes as the file stores them: one layout per layer (layout.py, kind
 "gguf") whose offsets are the tensors' offsets in the file, so a layer is one span of the file:
