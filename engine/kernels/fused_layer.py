@@ -138,7 +138,7 @@ class FusedDecoder:
         # rotary tables: one per layer type where the family has several (Gemma 3: local and global)
         self.rope_types: list[str] | None = sorted(set(model.layer_types)) if model.family.rotary_per_type else None
         self.rope_of = [self.rope_types.index(t) for t in model.layer_types] if self.rope_types else [0] * len(model.layers)
-        # hybrids: each layer's Gated DeltaNet state shape (None: attention); their steps only
+        # hybrids: each layer's Gated DeltaNet state shape (None: attention); see takes()
         self.linear = list(model.linear)
         self.hybrid = any(s is not None for s in self.linear)
         for layer, struct, kind in zip(model.layers, self.layers, model.kinds):
@@ -178,7 +178,7 @@ class FusedDecoder:
                 struct.shared_gate = rows.data_ptr()
             struct.attn_gate = int(kind.gated)
             if kind.mixer == "linear":
-                self._fill_delta(struct, layer.linear_attn, cfg.hidden_size)
+                self._fill_delta(struct, layer.linear_attn)
             sa: Any = getattr(layer, "self_attn", None)
             sinks = getattr(sa, "sinks", None)
             if sinks is not None:
@@ -207,7 +207,7 @@ class FusedDecoder:
         self._buffers: weakref.WeakKeyDictionary[KVCache, _Buffers] = weakref.WeakKeyDictionary()
         self._key = next(_keys)  # this model's steps, to the thread governor
 
-    def _fill_delta(self, struct: Layer, la: Any, hidden: int) -> None:
+    def _fill_delta(self, struct: Layer, la: Any) -> None:
         """A Gated DeltaNet layer's fields (fused_rules.linear_refusal said it qualifies)."""
         b, a = dense_rows(la.in_proj_b), dense_rows(la.in_proj_a)
         assert b is not None and a is not None
