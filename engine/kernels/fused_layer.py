@@ -61,9 +61,10 @@ from engine.kernels.experts import PackedExperts
 from engine.kernels.fused_rules import (ACTS, LINEARS, ROUTERS, activation, dense_rows, linears_of, norm_eps,
                                        norm_weight, norms_of, refusal, router_of, rotary_width)
 from engine.kernels.linear import PackedLinear, QmLinear
+from engine.kernels.fused_views import Buffers, View, state_fits
 from engine.model.cache import KVCache
 from engine.model.hybrid_cache import HybridCache
-from engine.model.linear_state import LinearLayerState, LinearPending, NodeInputs
+from engine.model.linear_state import LinearPending, NodeInputs
 from engine.model.window_cache import WindowedCache
 
 if TYPE_CHECKING:
@@ -96,14 +97,6 @@ class Layer(ctypes.Structure):
                 *((name, ctypes.c_void_p) for name in ("lin_ba", "conv_w", "conv_b", "neg_a", "dt_bias", "gnorm")),
                 ("gnorm_eps", ctypes.c_float),
                 *((name, ctypes.c_int64) for name in ("lin_kh", "lin_vh", "lin_dk", "lin_dv", "kernel", "lin_tiled"))]
-
-
-class View(ctypes.Structure):
-    """qmatmul.c's qm_view: a layer's K/V buffers, their capacity, and which window (-1: none);
-    a Gated DeltaNet layer's conv and recurrent states."""
-    _fields_ = [("keys", ctypes.c_void_p), ("values", ctypes.c_void_p), ("capacity", ctypes.c_int64),
-                ("window", ctypes.c_int64), ("rope", ctypes.c_int64), ("conv", ctypes.c_void_p), ("rec", ctypes.c_void_p),
-                ("pend_x", ctypes.c_void_p), ("pend_mix", ctypes.c_void_p), ("pend_bg", ctypes.c_void_p)]
 
 
 class FusedDecoder:
@@ -204,7 +197,7 @@ class FusedDecoder:
                          ctypes.c_void_p, ctypes.c_int]
         self._many = many
         # each cache's buffer addresses, read again when its buffers change (reserve() grew it)
-        self._buffers: weakref.WeakKeyDictionary[KVCache, _Buffers] = weakref.WeakKeyDictionary()
+        self._buffers: weakref.WeakKeyDictionary[KVCache, Buffers] = weakref.WeakKeyDictionary()
         self._key = next(_keys)  # this model's steps, to the thread governor
 
     def _fill_delta(self, struct: Layer, la: Any) -> None:
@@ -252,7 +245,7 @@ class FusedDecoder:
             return False
         return self._addresses(cache) is not None and not any(e.hot_ids for e in self._experts)
 
-    def _addresses(self, cache: KVCache) -> _Buffers | None:
+    def _addresses(self, cache: KVCache) -> Buffers | None:
         """`cache`'s buffer addresses (kept per cache, read again when a buffer was replaced), or
         None when the cache is not one of this model's shape. Nothing shared is rewritten per
         step, so two caches may run at once."""
@@ -271,13 +264,13 @@ class FusedDecoder:
                        or b.shape[3] != self.head_dim or not b.is_contiguous()
                        for i in attention for b in (cache.keys[i], cache.values[i]))):
             return None
-        if self.hybrid and any(not _state_fits(cast(HybridCache, cache).states.get(i), s)
+        if self.hybrid and any(not state_fits(cast(HybridCache, cache).states.get(i), s)
                                for i, s in enumerate(self.linear) if s is not None):
             return None
-        known = self._buffers[cache] = _Buffers(cache, self.window_of, self.rope_of)
+        known = self._buffers[cache] = Buffers(cache, self.window_of, self.rope_of)
         return known
 
-    def _room(self, cache: KVCache, n: int) -> _Buffers:
+    def _room(self, cache: KVCache, n: int) -> Buffers:
         """The buffers of `cache` with room for n new entries in every layer (a windowed
         layer's buffers grow apart from the rest: WindowedCache.make_room)."""
         if isinstance(cache, WindowedCache):
@@ -307,7 +300,7 @@ class FusedDecoder:
         cuts = sorted({0, n, *(j for j in grab if 0 < j < n)})
         return list(zip(cuts, cuts[1:]))
 
-    def _at(self, buffers: _Buffers, a: int) -> tuple[int, int]:
+    def _at(self, buffers: Buffers, a: int) -> tuple[int, int]:
         """The addresses of layer a's struct and its view (a run from layer a)."""
         return (ctypes.addressof(self.layers) + a * ctypes.sizeof(Layer),
                 ctypes.addressof(buffers.views) + a * ctypes.sizeof(View))
@@ -324,7 +317,7 @@ class FusedDecoder:
             cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
         return cos.float().contiguous(), sin.float().contiguous()
 
-    def _pending(self, buffers: _Buffers, n: int) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    def _pending(self, buffers: Buffers, n: int) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Per Gated DeltaNet layer, the tensors its C pass writes each node's inputs into
         (qm_view's pend_*): pre-conv inputs, conv outputs, beta and g."""
         out = {}
@@ -426,44 +419,6 @@ class FusedDecoder:
         cache.commit(n)
         out: torch.Tensor = self.norm(hidden[0])  # (n, H)
         return out
-
-
-class _Buffers:
-    """One cache's K/V buffers as qm_view structs, and which buffers they are (weakly: a
-    cache's buffers are replaced when it grows, a windowed layer's apart from the rest, and
-    must be freed then)."""
-
-    def __init__(self, cache: KVCache, window_of: list[int], rope_of: list[int]) -> None:
-        n = len(cache.keys)
-        self.views = (View * n)()
-        for view, k, v, w, rope in zip(self.views, cache.keys, cache.values, window_of, rope_of):
-            view.keys, view.values, view.capacity, view.window = k.data_ptr(), v.data_ptr(), int(k.shape[2]), w
-            view.rope = rope
-        for i, state in _states(cache).items():  # a hybrid's Gated DeltaNet states, updated in place by a step
-            self.views[i].conv, self.views[i].rec = state.conv.data_ptr(), state.recurrent.data_ptr()
-        self._refs = [weakref.ref(t) for t in _tensors(cache)]
-
-    def holds(self, cache: KVCache) -> bool:
-        """Whether these are still `cache`'s buffers (and states: a HybridCache replaces them
-        when it goes back to a snapshot)."""
-        now = _tensors(cache)
-        return len(now) == len(self._refs) and all(r() is t for r, t in zip(self._refs, now))
-
-
-def _states(cache: KVCache) -> dict[int, LinearLayerState]:
-    return cache.states if isinstance(cache, HybridCache) else {}
-
-
-def _tensors(cache: KVCache) -> list[torch.Tensor]:
-    return [*cache.keys, *cache.values, *(t for _, s in sorted(_states(cache).items()) for t in s.tensors())]
-
-
-def _state_fits(state: LinearLayerState | None, spec: Any) -> bool:
-    """Whether a Gated DeltaNet layer's state is fp32 and contiguous, of its spec's shape."""
-    return state is not None and all(
-        t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu" and tuple(t.shape) == shape
-        for t, shape in ((state.conv, (1, spec.conv_dim, spec.kernel - 1)),
-                         (state.recurrent, (1, spec.num_v_heads, spec.head_k_dim, spec.head_v_dim))))
 
 
 def _fill_linear(struct: QmLinear, module: nn.Module) -> tuple[object, ...]:
