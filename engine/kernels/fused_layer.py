@@ -379,7 +379,7 @@ class FusedDecoder:
         parents, pending = None, {}
         if self.hybrid:  # each node's parent (-1: the committed state), and where its inputs go
             assert isinstance(cache, HybridCache) and allowed is not None
-            cache.begin_pass(allowed, n)
+            cache.begin_pass(allowed, n, tables=False)
             parents = (cache.parents[past : past + n] - past).contiguous()
             pending = self._pending(buffers, n)
         mask = None

@@ -18,9 +18,7 @@ Everything that differs by architecture lives in gguf_families.py. What a transf
 - a change of a 1-D tensor's values (Gemma's norms, which llama.cpp stores plus one): the
   processor itself is run on the de-quantised values at load (norms are small and dense);
 - a recipe (gpt-oss's experts, transposed and interleaved; the hybrids' norms, A_log and
-  convolution, gguf_hybrid.py): a parameter built from its tensors' values at load, dense;
-- a row permutation a family names itself: as Llama's q/k (the hybrids' tiled value heads need
-  none: their layers read the file's order, gguf_hybrid.py).
+  convolution, gguf_hybrid.py): a parameter built from its tensors' values at load, dense.
 
 Decoder layers keep their bytes as the file stores them: one layout per layer (layout.py, kind
 "gguf") whose offsets are the tensors' offsets in the file, so a layer is one span of the file:
@@ -195,7 +193,6 @@ class GGUFWeights:
         params = dict(hf.named_parameters())
         gguf_families.add_names(self.header, self.config.num_hidden_layers, list(params), names)
         self._recipes = gguf_families.recipes(self.header, self.config, list(params))
-        family_orders = gguf_families.row_orders(self.header, self.config)
         built: set[str] = set()  # tensors a recipe reads
         for name, recipe in self._recipes.items():
             for source in recipe.sources:
@@ -221,8 +218,7 @@ class GGUFWeights:
             self._by_name[hf_name] = t
             if conv.valued:
                 self._valued.add(hf_name)
-            order = family_orders.get(t.name, conv.order)
-            self._orders[hf_name] = None if order is None else shared.setdefault(order, order)
+            self._orders[hf_name] = None if conv.order is None else shared.setdefault(conv.order, conv.order)
         for hf_name, found in parts.items():
             self._bind_parts(hf_name, found, params.get(hf_name))
         for name, p in params.items():

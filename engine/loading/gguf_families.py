@@ -22,8 +22,8 @@ is its table of families:
   keeps them packed (gguf_blocks reads ggml's MXFP4 block: one E8M0 scale and 16 bytes of which
   byte j holds values j and j + 16, not the checkpoint's pairs of engine/loading/mxfp4.py).
 
-The hybrid Gated DeltaNet families (qwen3next, qwen35, qwen35moe) have their keys, rules, row
-orders and recipes in gguf_hybrid.py; Gemma 4 (gemma4) its keys, rules and names in
+The hybrid Gated DeltaNet families (qwen3next, qwen35, qwen35moe) have their keys, rules and
+recipes in gguf_hybrid.py; Gemma 4 (gemma4) its keys, rules and names in
 gguf_gemma4.py. Architectures gguf-py names that SpecChat runs from safetensors but not yet
 from GGUF are refused by name with what is missing (REFUSED).
 transformers' GGUF tokenizer conversion is reached through `tokenizer_source` for files whose
@@ -295,15 +295,6 @@ class Recipe:
 
     sources: tuple[str, ...]
     build: Callable[[list[torch.Tensor]], torch.Tensor]
-
-
-def row_orders(header: GGUFHeader, config: Any) -> dict[str, tuple[int, ...]]:
-    """Row permutations llama.cpp's converter applied that no transformers processor names (by
-    GGUF tensor name; stored row order[j] becomes row j): kept packed, re-ordered once
-    de-quantised."""
-    if header.architecture in gguf_hybrid.ARCHS:
-        return gguf_hybrid.orders(header, config)
-    return {}
 
 
 def recipes(header: GGUFHeader, config: Any, params: Sequence[str]) -> dict[str, Recipe]:

@@ -86,11 +86,6 @@ def rules(header: GGUFHeader, config: dict[str, Any]) -> None:
     config["rope_parameters"] = rope
 
 
-def orders(header: GGUFHeader, config: Any) -> dict[str, tuple[int, ...]]:
-    """Row orders of packed tensors: none (the value heads stay in the file's order)."""
-    return {}
-
-
 def recipes(header: GGUFHeader, config: Any, params: Sequence[str]) -> dict[str, tuple[tuple[str, ...], Build]]:
     """The parameters built from the file's tensors at load: (sources, build)."""
     heads = _Heads(config)

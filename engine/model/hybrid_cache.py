@@ -121,8 +121,10 @@ class HybridCache(KVCache):
         self.committed = 0
 
     # ---- one pass (causal_lm calls begin_pass after reserve, commit at its end) ----------------
-    def begin_pass(self, allowed: torch.Tensor | None, n: int) -> None:
-        """Work out this pass's tree over the pending entries and its n new ones."""
+    def begin_pass(self, allowed: torch.Tensor | None, n: int, tables: bool = True) -> None:
+        """Work out this pass's tree over the pending entries and its n new ones. `tables`
+        False: only each entry's parent (a caller that runs the layers itself: the fused CPU
+        pass, on a cache with nothing pending), not the PassTree the layers read."""
         past = self.length
         self._pass_pending = {}
         if allowed is None:
@@ -140,7 +142,12 @@ class HybridCache(KVCache):
         m0 = past - base
         rel = self.parents[base : past + n] - base  # -1: the committed state
         self._pass_fold = allowed is None and m0 == 0
-        if self._pass_fold:
+        if not tables:
+            assert m0 == 0 and not self._pass_fold, "the fused pass reads a tree on committed text"
+            if bool((rel >= torch.arange(n)).any()):
+                raise ValueError("a token of this pass comes before its parent")
+            self._pass_tree = None
+        elif self._pass_fold:
             self._pass_tree = PassTree.of_chain(n, self.device, kept_whole=True)
         elif m0 == 0 and bool((rel == torch.arange(-1, n - 1)).all()):
             self._pass_tree = PassTree.of_chain(n, self.device)
