@@ -1,10 +1,17 @@
 """What passes cost on this machine, measured by the engine as it decodes: the time of a target
 pass as a function of the tokens it reads, and the time of a draft pass within a step. A pass
-over one token is priced on its own (a decaying mean), passes over more by t(n) = a + b n (a
-decaying least-squares fit over those alone): one token runs matrix-vector products, more run
-matrix-matrix ones, and on a CPU the first two-token pass costs ~1.5x a one-token pass while
-17 tokens cost ~2x. A single line through both kinds read that step as a gentle slope and let
-draft-free trees verify candidates that did not pay for the dearer pass.
+over one token is priced on its own (a decaying mean); passes over more by a curve through the
+decaying mean (tokens, seconds) of the passes in each size bucket (2, 3-4, 5-8, ... tokens),
+straight between neighbouring buckets and continued past the outermost by their slope.
+
+Why a curve of buckets and not one line: passes come in two kinds of size. Trees are a few to a
+few hundred tokens; an answer's first pass also reads the prompt's tail (often 100-2000). A
+line through both (the model until 2026-11-28) took its slope from the prompt passes and priced
+small trees from it: on a CPU MoE the learned line said a 2-token pass costs 2.8 one-token passes
+where it measured 1.6, and draft-free trees on text that repeated 85-90 % of the time were never
+verified. A CPU also prices one token apart (matrix-vector products, more run matrix-matrix: the
+first two-token pass ~1.5x a one-token pass, 17 tokens ~2x on the starter), and an MoE's passes
+are concave in their size (the union of the experts its tokens wake); a curve follows both.
 
 Tree growth stops when a draft pass is worth less than it costs (drafting.grow_tree's
 stop_ratio), a draft-free tree is cut to the size that gives the most tokens per second
@@ -20,42 +27,44 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-DECAY = 0.97  # per observation: the fit follows the machine's current load
+DECAY = 0.97  # per observation of a kind (one token, a bucket): the means follow the machine's current load
+BUCKETS = 18  # passes of 2, 3-4, 5-8, .. tokens (bucket()); the last takes every larger pass (65,537+)
 STOP_RATIO_START = 0.02  # a draft pass's share of a step before anything is measured
 
 
 class PassCosts:
-    """Decaying fits of target-pass and draft-pass times."""
+    """Decaying means of one-token passes, of the passes in each size bucket, and of draft passes."""
 
     def __init__(self) -> None:
-        self._w = self._n = self._t = self._nn = self._nt = 0.0  # weighted sums for t = a + b n (n >= 2)
         self._w1 = self._t1 = 0.0  # weighted sums of one-token passes
+        self._buckets = [[0.0, 0.0, 0.0] for _ in range(BUCKETS)]  # of 2+ tokens (bucket()): weight, tokens, seconds
         self._draft_pass = 0.0  # EMA seconds per draft pass
         self._step = 0.0  # EMA seconds per speculation step (draft + target)
 
-    FIELDS = ("_w", "_n", "_t", "_nn", "_nt", "_w1", "_t1", "_draft_pass", "_step")
+    SCALARS = ("w1", "t1", "draft_pass", "step")
+    FIELDS = (*SCALARS, *(f"b{b}{kind}" for b in range(1, BUCKETS) for kind in "wnt"))
 
     def state(self) -> dict[str, float]:
         """What has been learned, as numbers (engine.decoding.learned saves it)."""
-        return {name.lstrip("_"): float(getattr(self, name)) for name in self.FIELDS}
+        out = {name: float(getattr(self, "_" + name)) for name in self.SCALARS}
+        for b in range(1, BUCKETS):
+            out.update({f"b{b}{kind}": float(v) for kind, v in zip("wnt", self._buckets[b])})
+        return out
 
     def restore(self, state: dict[str, float]) -> None:
         """Take back a `state()`; the caller has checked it (every field, finite, not negative)."""
-        for name in self.FIELDS:
-            setattr(self, name, float(state[name.lstrip("_")]))
+        for name in self.SCALARS:
+            setattr(self, "_" + name, float(state[name]))
+        for b in range(1, BUCKETS):
+            self._buckets[b] = [float(state[f"b{b}{kind}"]) for kind in "wnt"]
 
     def observe_target(self, tokens: int, seconds: float) -> None:
         if tokens <= 1:
             self._w1 = self._w1 * DECAY + 1.0
             self._t1 = self._t1 * DECAY + seconds
             return
-        for name in ("_w", "_n", "_t", "_nn", "_nt"):
-            setattr(self, name, getattr(self, name) * DECAY)
-        self._w += 1.0
-        self._n += tokens
-        self._t += seconds
-        self._nn += tokens * tokens
-        self._nt += tokens * seconds
+        w, n, t = self._buckets[bucket(tokens)]
+        self._buckets[bucket(tokens)] = [w * DECAY + 1.0, n * DECAY + tokens, t * DECAY + seconds]
 
     def observe_step(self, draft_seconds: float, draft_passes: int, target_seconds: float) -> None:
         if draft_passes:
@@ -65,32 +74,25 @@ class PassCosts:
         self._step = step if not self._step else 0.8 * self._step + 0.2 * step
 
     def target(self, tokens: int) -> float:
-        """Predicted seconds of a target pass over `tokens` tokens. Before passes of a kind are
-        measured, a pass over 1 + k tokens costs (1 + k/64) one-token passes: optimistic, so
+        """Predicted seconds of a target pass over `tokens` tokens. Before passes of 2+ tokens
+        are measured, a pass over 1 + k tokens costs (1 + k/64) one-token passes: optimistic, so
         that trees are tried and measured; relative figures before any measurement at all."""
         single = self._t1 / self._w1 if self._w1 > 1e-9 else None
         if tokens <= 1 and single is not None:
             return single
-        if self._w < 1e-9:
+        points = self._points()
+        if not points:
             return (single or 1.0 + 1.0 / 64) * (1.0 + (max(tokens, 1) - 1) / 64)
-        a, b = self._line()
-        return max(a + b * tokens, single or 0.0)  # a line fitted further out may dip below one token's cost
+        if single is not None:
+            points.insert(0, (1.0, single))
+        elif tokens < points[0][0]:  # only larger passes so far: scaled by the prior's shape
+            n0, t0 = points[0]
+            return t0 * (1.0 + (tokens - 1) / 64) / (1.0 + (n0 - 1) / 64)
+        return max(_along(points, float(tokens)), single or 0.0)  # never below one token's cost
 
-    def _line(self) -> tuple[float, float]:
-        """(a, b) of t(n) = a + b n over the passes of 2+ tokens. Passes of one size alone (often
-        a single first pass that also read the prompt's tail: 79 tokens) give no slope: the line
-        then runs from the one-token cost to them, not flat at their cost (which priced every
-        tree like the prompt's pass and so never grew one)."""
-        mean_n, mean_t = self._n / self._w, self._t / self._w
-        var = self._nn / self._w - mean_n**2
-        if var > 1e-9:
-            slope = (self._nt / self._w - mean_n * mean_t) / var
-        elif self._w1 > 1e-9 and mean_n > 1.0:
-            slope = (mean_t - self._t1 / self._w1) / (mean_n - 1.0)
-        else:
-            slope = mean_t / 64 / max(mean_n, 1.0)
-        slope = max(slope, 0.0)
-        return max(mean_t - slope * mean_n, 1e-6), slope
+    def _points(self) -> list[tuple[float, float]]:
+        """(mean tokens, mean seconds) of each measured bucket, by size."""
+        return [(n / w, t / w) for w, n, t in self._buckets[1:] if w > 1e-9]
 
     def stop_ratio(self) -> float:
         """A draft pass's share of a speculation step's time."""
@@ -109,6 +111,28 @@ class PassCosts:
             if rate > best_rate and math.isfinite(rate):
                 best, best_rate = b, rate
         return best
+
+
+def bucket(tokens: int) -> int:
+    """The size bucket of a pass over `tokens` >= 2 tokens: ceil(log2(tokens)), at most BUCKETS - 1."""
+    return min(max(1, (tokens - 1).bit_length()), BUCKETS - 1)
+
+
+def _along(points: list[tuple[float, float]], n: float) -> float:
+    """The piecewise-linear curve through `points` (by size, the first at or below n) at n:
+    straight between the two around it; past the last continued by the last segment's slope
+    (not below zero: a noisy pair of buckets never prices a larger pass cheaper), or flat
+    through a single point."""
+    if len(points) == 1:
+        return points[0][1]
+    i = 1
+    while i < len(points) - 1 and points[i][0] < n:
+        i += 1
+    (n0, t0), (n1, t1) = points[i - 1], points[i]
+    slope = (t1 - t0) / (n1 - n0) if n1 > n0 else 0.0
+    if n > n1:
+        slope = max(slope, 0.0)
+    return t0 + slope * (n - n0)
 
 
 @dataclass(frozen=True)

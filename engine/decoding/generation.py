@@ -297,10 +297,14 @@ class Engine:
             hidden = run_tree(self.target, tcache, trace.tree, unread_t, with_pending=True)
         nodes = hidden[past - start :] if sink is not None else hidden
         result = accept(trace.tree, nodes, self.target.logits, run.choose, limit, self.eos_ids)
-        seconds = time.perf_counter() - t0
+        t1 = time.perf_counter()
         if sink is not None:  # what the head reads of this pass (an EAGLE-3 head: the target's layer inputs)
             sink(start, committed_states(self.target.head_states(hidden), past - start, result.path))
+        t2 = time.perf_counter()
         prune_to_accepted(tcache, past, dcache if drafting else None, trace.slots, result.path, not self.head)
+        # the pass's price includes cutting the caches to the path: a hybrid's linear layers replay it
+        # (HybridCache.keep), which a plain step never pays
+        seconds = (t1 - t0) + (time.perf_counter() - t2)
         if drafting and run.draft.share:  # between steps a copied draft's cache is the target's
             assert dcache is not None
             run.draft.synced = share_context(dcache, tcache, run.draft.synced)

@@ -44,7 +44,7 @@ from engine.untrusted import read_json_file
 
 log = logging.getLogger(__name__)
 
-VERSION = 1
+VERSION = 2  # 2: pass costs per size bucket (costs.PassCosts), not one line
 KEEP = 32  # files kept (the newest): one per model pair and thread count
 MAX_BYTES = 256 * 1024
 REGIMES = ("greedy", "t<=0.5", "t<=1", "t>1")
@@ -134,7 +134,7 @@ def _checked(data: object, key: str) -> dict:
     costs = data.get("costs")
     if not isinstance(costs, dict):
         raise ValueError("costs: not an object")
-    fields = [f.lstrip("_") for f in PassCosts.FIELDS]
+    fields = list(PassCosts.FIELDS)
     values = _numbers([costs.get(f) for f in fields], len(fields), "costs")
     acceptance = data.get("acceptance")
     if not isinstance(acceptance, dict) or not set(acceptance) <= set(REGIMES):

@@ -130,7 +130,7 @@ static const void *row_params(const void *p, int64_t r, int64_t rows, int64_t gr
 /* Floats of expansion scratch for `rows` rows of `groups` (one where nothing is expanded). */
 #define PARAMS_BUF(fmt, rows, groups) ((fmt) == 2 ? (rows) * (groups) : 1)
 
-int qm_version(void) { return 9; }
+int qm_version(void) { return 10; }
 
 int qm_simd(void) { /* 0 plain C, 2 AVX2, 3 AVX-512, 4 AVX-512 VNNI, 5 AVX2 + AVX-VNNI */
 #if defined(QM_VNNI)
@@ -939,16 +939,48 @@ static void l2_normalise(float *x, int64_t n, float mul) {
     for (int64_t i = 0; i < n; i++) x[i] = (x[i] * r) * mul;
 }
 
+/* The delta rule for one value head and one token: S_out = d S_in + k u^T with u = beta (v -
+ * d S_in^T k), d = exp(g) (S_out may be S_in: updated in place), and, with q, o = S_out^T q.
+ * k normalised; u: dv floats of scratch. The step, the tree pass and the replay of an accepted
+ * path (qm_delta_replay) all run it, so a path replayed gives the states the pass gave. */
+static void delta_rule(const float *S_in, float *S_out, const float *k, const float *v, float decay, float beta,
+                       const float *q, float *o, float *u, int64_t dk, int64_t dv) {
+    for (int64_t j = 0; j < dv; j++) u[j] = 0.0f;
+    for (int64_t r = 0; r < dk; r++) {
+        const float *row = S_in + r * dv;
+        float kr = k[r];
+        for (int64_t j = 0; j < dv; j++) u[j] += row[j] * kr;
+    }
+    for (int64_t j = 0; j < dv; j++) u[j] = (v[j] - u[j] * decay) * beta;
+    if (q)
+        for (int64_t j = 0; j < dv; j++) o[j] = 0.0f;
+    for (int64_t r = 0; r < dk; r++) {
+        const float *row = S_in + r * dv;
+        float *out = S_out + r * dv, kr = k[r];
+        if (!q) {
+            for (int64_t j = 0; j < dv; j++) out[j] = row[j] * decay + kr * u[j];
+            continue;
+        }
+        float qr = q[r];
+        for (int64_t j = 0; j < dv; j++) {
+            out[j] = row[j] * decay + kr * u[j];
+            o[j] += out[j] * qr;
+        }
+    }
+}
+
+/* Value head h's key head: grouped (transformers' order) or tiled (llama.cpp's). */
+static inline int64_t key_head_of(int64_t h, int64_t vh, int64_t kh, int tiled) { return tiled ? h % kh : h / (vh / kh); }
+
 /* One token through value head h of a Gated DeltaNet layer: its key head's q and k from the
  * conv's outputs `mix` l2-normalised (q times dk^-1/2), g = -exp(A_log) * softplus(a + dt_bias)
- * and beta = sigmoid(b) from `ba` (b's, then a's, per value head), S_out = exp(g) S_in + k u^T
- * with u = beta (v - exp(g) S_in^T k) (S_out may be S_in: the step updates in place), o =
- * S_out^T q gated-normed with z (RMSNorm * weight * SiLU(z)). bg (or NULL): beta and g kept
- * at h and lin_vh + h. tmp: 2 dk + dv floats. */
+ * and beta = sigmoid(b) from `ba` (b's, then a's, per value head), the delta rule from S_in to
+ * S_out, o = S_out^T q gated-normed with z (RMSNorm * weight * SiLU(z)). bg (or NULL): beta
+ * and g kept at h and lin_vh + h. tmp: 2 dk + dv floats. */
 static void delta_head(const qm_layer *L, int64_t h, const float *mix, const float *ba, const float *z,
                        const float *S_in, float *S_out, float *tmp, float *o, float *bg) {
     int64_t vh = L->lin_vh, dk = L->lin_dk, dv = L->lin_dv, kd = L->lin_kh * dk;
-    int64_t kh = L->lin_tiled ? h % L->lin_kh : h / (vh / L->lin_kh);
+    int64_t kh = key_head_of(h, vh, L->lin_kh, L->lin_tiled);
     float *q = tmp, *k = tmp + dk, *u = tmp + 2 * dk;
     const float *v = mix + 2 * kd + h * dv, *zh = z + h * dv;
     memcpy(q, mix + kh * dk, sizeof(float) * (size_t)dk);
@@ -956,25 +988,41 @@ static void delta_head(const qm_layer *L, int64_t h, const float *mix, const flo
     l2_normalise(q, dk, 1.0f / sqrtf((float)dk));
     l2_normalise(k, dk, 1.0f);
     float a = ba[vh + h] + L->dt_bias[h];
-    float g = L->neg_a[h] * (a > 20.0f ? a : log1pf(expf(a))), beta = sigmoidf(ba[h]), decay = expf(g);
+    float g = L->neg_a[h] * (a > 20.0f ? a : log1pf(expf(a))), beta = sigmoidf(ba[h]);
     if (bg) bg[h] = beta, bg[vh + h] = g;
-    for (int64_t j = 0; j < dv; j++) u[j] = 0.0f;
-    for (int64_t r = 0; r < dk; r++) {
-        const float *row = S_in + r * dv;
-        float kr = k[r];
-        for (int64_t j = 0; j < dv; j++) u[j] += row[j] * kr;
-    }
-    for (int64_t j = 0; j < dv; j++) u[j] = (v[j] - u[j] * decay) * beta, o[j] = 0.0f;
-    for (int64_t r = 0; r < dk; r++) {
-        const float *row = S_in + r * dv;
-        float *out = S_out + r * dv, kr = k[r], qr = q[r];
-        for (int64_t j = 0; j < dv; j++) {
-            out[j] = row[j] * decay + kr * u[j];
-            o[j] += out[j] * qr;
-        }
-    }
+    delta_rule(S_in, S_out, k, v, expf(g), beta, q, o, u, dk, dv);
     float rs = rms_scale(o, L->gnorm_eps, dv);
     for (int64_t j = 0; j < dv; j++) o[j] = ((o[j] * rs) * L->gnorm[j]) * (zh[j] * sigmoidf(zh[j]));
+}
+
+/* A Gated DeltaNet layer's recurrent state `rec` (vh, dk, dv) advanced in place along an
+ * accepted path of L nodes, one at a time, from the inputs a pass kept for them (HybridCache.keep,
+ * through engine/model/linear_attention.advance): k (L, kh, dk) post-conv, not normalised, v
+ * (L, vh, dv), beta and g (L, vh). The same delta rule as the pass, so the states are the ones it
+ * computed for those nodes; the block form in PyTorch costs ~1 ms a layer for a path of a few
+ * tokens on 2 cores (its solves and per-operation overhead), this ~0.05 ms. Returns 0, or -1
+ * without scratch memory. */
+int qm_delta_replay(float *rec, int64_t vh, int64_t kh, int64_t dk, int64_t dv, int tiled, int64_t L,
+                    const float *k, const float *v, const float *beta, const float *g, int threads) {
+    if (threads < 1) threads = 1;
+    float *scratch = (float *)malloc(sizeof(float) * (size_t)(threads * (dk + dv)));
+    if (!scratch) return -1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t h = 0; h < vh; h++) {
+        int t = 0;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+#endif
+        float *kn = scratch + (size_t)t * (size_t)(dk + dv), *u = kn + dk, *S = rec + h * dk * dv;
+        int64_t key = key_head_of(h, vh, kh, tiled);
+        for (int64_t j = 0; j < L; j++) {
+            memcpy(kn, k + (j * kh + key) * dk, sizeof(float) * (size_t)dk);
+            l2_normalise(kn, dk, 1.0f);
+            delta_rule(S, S, kn, v + (j * vh + h) * dv, expf(g[j * vh + h]), beta[j * vh + h], NULL, NULL, u, dk, dv);
+        }
+    }
+    free(scratch);
+    return 0;
 }
 
 /* One token through a Gated DeltaNet layer's mixer (engine/model/linear_attention.py computes

@@ -16,7 +16,8 @@ the corrections u solve a unit-lower-triangular system over ancestor pairs. So a
 block of transformers' chunked form with the ancestor mask in place of the causal one (a node's
 u depends only on its ancestors), and a chain is that form in chunks of 64, as transformers does.
 No per-node state is ever built; a pass hands back per-node inputs (`LinearPending`), and
-`advance` replays the accepted path from the committed state.
+`advance` replays the accepted path from the committed state (on the CPU one token at a time in
+C: engine/kernels/delta_replay.py).
 
 Contract: the cache passed as `cache_params` satisfies `LinearCache`; the pass's shape is a
 `PassTree` the cache builds once per pass (parents before children, -1 = the committed state).
@@ -42,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.errors import UnsupportedModel
+from engine.kernels import delta_replay
 from engine.model.linear_state import LinearCache, LinearLayerState, LinearPending, NodeInputs, PassTree
 
 CHUNK = 64  # chain block length: transformers' chunk_size
@@ -148,9 +150,12 @@ def advance(state: LinearLayerState, pending: LinearPending,
     idx = torch.as_tensor(path, dtype=torch.long, device=nodes.x.device)
     km1 = state.conv.shape[-1]
     ext = torch.cat([state.conv[0].to(nodes.x), nodes.x[idx].T], -1)  # (C, km1 + L)
-    k, v, beta, g = _head_major(nodes.k[idx], nodes.v[idx], nodes.beta[idx], nodes.g[idx], tiled)
-    _, end = _chain_rule(None, k, v, beta, g, state.recurrent[0].to(k))
     state.conv.copy_(ext[None, :, ext.shape[-1] - km1:])
+    rows = nodes.k[idx], nodes.v[idx], nodes.beta[idx], nodes.g[idx]
+    if delta_replay.replay(state.recurrent, *rows, tiled):  # the CPU: one token at a time, in C
+        return
+    k, v, beta, g = _head_major(*rows, tiled)
+    _, end = _chain_rule(None, k, v, beta, g, state.recurrent[0].to(k))
     state.recurrent.copy_(end[None])
 
 

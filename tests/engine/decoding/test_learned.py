@@ -114,8 +114,8 @@ def broken(state: dict) -> list[object]:
     greedy = state["acceptance"]["greedy"]
     cases: list[object] = [None, [], "text", {}, {**state, "version": 99}, {**state, "key": "another pair"},
                            {**state, "costs": {**state["costs"], "t1": -1.0}},
-                           {**state, "costs": {k: v for k, v in state["costs"].items() if k != "w"}},
-                           {**state, "costs": {**state["costs"], "w": True}},
+                           {**state, "costs": {k: v for k, v in state["costs"].items() if k != "b4w"}},
+                           {**state, "costs": {**state["costs"], "b4w": True}},
                            {**state, "acceptance": {"greedy": {**greedy, "tau_ll": greedy["tau_ll"][:-1]}}},
                            {**state, "acceptance": {"nonsense": greedy}},
                            {**state, "acceptance": {"greedy": {**greedy, "backed": {"hits": [2.0] * 11,
