@@ -145,6 +145,8 @@ def is_mixtral(header: GGUFHeader) -> bool:
 def model_type(header: GGUFHeader) -> str:
     """transformers' model type of a GGUF that check_runnable accepted."""
     arch = hf_arch(header.architecture or "")
+    if gguf_hybrid.as_qwen35(header):  # Qwen3-Next-80B-A3B: Qwen3.5-MoE's computation (gguf_hybrid)
+        return "qwen3_5_moe_text"
     return "mixtral" if is_mixtral(header) else HF_MODEL_TYPE.get(arch, arch)
 
 

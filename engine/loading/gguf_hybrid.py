@@ -9,7 +9,14 @@ subclass of it) changes these tensors; each is undone here:
 - `A_log` is stored as `ssm_a` = -exp(A_log); `dt_bias` as `ssm_dt.bias`;
 - the depthwise convolution (C, 1, K) is stored squeezed, (C, K);
 - Qwen3-Next's fused `in_proj_qkvz`, per key head [q, k, v, z], is stored as `attn_qkv` (all q
-  heads, all k heads, all v heads) and `attn_gate` (all z heads): rebuilt at load;
+  heads, all k heads, all v heads) and `attn_gate` (all z heads): exactly Qwen3.5's in_proj_qkv
+  and in_proj_z. So a Qwen3-Next file whose every layer is MoE with a shared expert and
+  normalised top-k weights (Qwen3-Next-80B-A3B) loads as a Qwen3.5-MoE (`as_qwen35`), the same
+  computation under Qwen3.5's names: both projections stay packed as stored and the fused CPU
+  step and pass take it (until 2026-11-28 in_proj_qkvz was rebuilt de-quantised: 3.6 GB of
+  fp32 for Qwen3-Next-80B-A3B, and every step took the general path). Its `ssm_ba`, per key
+  head [b, a], is split into in_proj_b and in_proj_a. Other Qwen3-Next files (dense layers)
+  keep Qwen3-Next's modules, in_proj_qkvz rebuilt at load;
 - Qwen3.5 (with fewer key heads than value heads) stores every value-indexed dimension with
   its V heads tiled ([K0, K1, .., K0, K1, ..]) where the model groups them by key head
   ([K0 v0, K0 v1, .., K1 v0, ..]): the rows of in_proj_qkv's value block, in_proj_z, in_proj_a,
@@ -58,6 +65,19 @@ OFFSET_NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight", "se
                 "self_attn.k_norm.weight")
 
 Build = Callable[[list[torch.Tensor]], torch.Tensor]
+
+
+def as_qwen35(header: GGUFHeader) -> bool:
+    """Whether a qwen3next file loads as a Qwen3.5-MoE (module docstring): every decoder layer
+    routes experts beside a shared expert, and the top-k weights are normalised (Qwen3.5-MoE's
+    router always normalises them)."""
+    meta = header.metadata
+    blocks, nextn, norm = (meta.get(f"qwen3next.{key}") for key in ("block_count", "nextn_predict_layers",
+                                                                        "expert_weights_norm"))
+    if header.architecture != "qwen3next" or blocks is None or norm is not None and not bool(norm):
+        return False
+    return all(header.tensor(f"blk.{i}.{t}.weight") is not None and header.tensor(f"blk.{i}.ffn_gate.weight") is None
+               for i in range(int(blocks) - int(nextn or 0)) for t in ("ffn_gate_inp", "ffn_up_shexp"))
 
 
 def rules(header: GGUFHeader, config: dict[str, Any]) -> None:
@@ -110,6 +130,8 @@ def recipes(header: GGUFHeader, config: Any, params: Sequence[str]) -> dict[str,
             out[name] = ((f"{blk}.ssm_conv1d.weight",), lambda v: v[0].unsqueeze(1))
         elif leaf == "linear_attn.in_proj_qkvz.weight":
             out[name] = ((f"{blk}.attn_qkv.weight", f"{blk}.attn_gate.weight"), _qkvz(heads))
+        elif leaf in ("linear_attn.in_proj_b.weight", "linear_attn.in_proj_a.weight") and header.architecture == "qwen3next":
+            out[name] = ((f"{blk}.ssm_ba.weight",), _half_of_ba(heads, leaf.endswith("in_proj_a.weight")))
         elif leaf == "mlp.shared_expert_gate.weight":  # (1, H), which some files store as (H,)
             out[name] = ((f"{blk}.ffn_gate_inp_shexp.weight",), lambda v: v[0].reshape(1, -1))
     return out
@@ -117,8 +139,12 @@ def recipes(header: GGUFHeader, config: Any, params: Sequence[str]) -> dict[str,
 
 def add_names(header: GGUFHeader, names: dict[str, str], num_layers: int) -> None:
     """Separate gate and up experts (llama.cpp's default) as the two parts of gate_up_proj,
-    which gguf-py's table maps only to a fused `ffn_gate_up_exps`."""
+    which gguf-py's table maps only to a fused `ffn_gate_up_exps`; a Qwen3-Next file read as a
+    Qwen3.5-MoE: its attn_qkv and attn_gate as in_proj_qkv and in_proj_z."""
     for i in range(num_layers):
+        if header.architecture == "qwen3next" and header.tensor(f"blk.{i}.attn_qkv.weight") is not None:
+            names.setdefault(f"blk.{i}.attn_qkv", f"model.layers.{i}.linear_attn.in_proj_qkv")
+            names.setdefault(f"blk.{i}.attn_gate", f"model.layers.{i}.linear_attn.in_proj_z")
         fused = names.get(f"blk.{i}.ffn_gate_up_exps")
         if fused is not None and header.tensor(f"blk.{i}.ffn_gate_exps.weight") is not None:
             names[f"blk.{i}.ffn_gate_exps"] = names[f"blk.{i}.ffn_up_exps"] = fused
@@ -149,5 +175,17 @@ def _qkvz(heads: _Heads) -> Build:
         per_head = torch.cat((q.reshape(heads.k, q_rows, -1), k.reshape(heads.k, q_rows, -1),
                               v.reshape(heads.k, v_rows, -1), z.reshape(heads.k, v_rows, -1)), dim=1)
         return per_head.reshape(-1, qkv.shape[-1])
+
+    return build
+
+
+def _half_of_ba(heads: _Heads, second: bool) -> Build:
+    """in_proj_b's rows (or in_proj_a's: `second`) of Qwen3-Next's in_proj_ba, per key head [b of
+    its value heads, a of them]."""
+    per = heads.v // heads.k
+
+    def build(values: list[torch.Tensor]) -> torch.Tensor:
+        grouped = values[0].reshape(heads.k, 2 * per, -1)
+        return grouped[:, per:].reshape(heads.v, -1) if second else grouped[:, :per].reshape(heads.v, -1)
 
     return build

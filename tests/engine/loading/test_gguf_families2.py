@@ -318,10 +318,10 @@ def moe_ffn(blk: str, mlp: Any) -> Stored:
     return out
 
 
-def hybrid(tok: PreTrainedTokenizerBase, vocab: dict, path: Path, kind: str) -> nn.Module:
-    """A tiny Qwen3.5 ("qwen35"), Qwen3.5-MoE ("qwen35moe") or Qwen3-Next ("qwen3next"): 4 layers,
-    Gated DeltaNet then gated full attention, twice; 2 key heads, 4 value heads; MoE kinds with
-    4 routed experts (top 2) and a shared expert. Converted as llama.cpp's converter does it
+def hybrid(tok: PreTrainedTokenizerBase, vocab: dict, path: Path, kind: str, normalised: bool = True) -> nn.Module:
+    """A tiny Qwen3.5 ("qwen35"), Qwen3.5-MoE ("qwen35moe") or Qwen3-Next ("qwen3next", read as a
+    Qwen3.5-MoE): 4 layers, Gated DeltaNet then gated full attention, twice; 2 key heads, 4 value
+    heads; MoE kinds with 4 routed experts (top 2) and a shared expert. Converted as llama.cpp's converter does it
     (module docstring of engine/loading/gguf_hybrid.py); Qwen3.5 with one MTP layer after the
     decoder's."""
     common: dict[str, Any] = dict(
@@ -333,8 +333,10 @@ def hybrid(tok: PreTrainedTokenizerBase, vocab: dict, path: Path, kind: str) -> 
     experts: dict[str, Any] = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                    shared_expert_intermediate_size=32)
     rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
-    if kind == "qwen3next":
-        config: Any = Qwen3NextConfig(**common, **experts, intermediate_size=128, rope_parameters=rope)
+    next_ = kind == "qwen3next"
+    if next_:
+        config: Any = Qwen3NextConfig(**common, **experts, intermediate_size=128, rope_parameters=rope,
+                                      norm_topk_prob=normalised)
     else:
         rope.update(mrope_section=[2, 1, 1], mrope_interleaved=True)
         config = (Qwen3_5MoeTextConfig(**common, **experts, rope_parameters=rope) if kind == "qwen35moe" else
@@ -342,7 +344,7 @@ def hybrid(tok: PreTrainedTokenizerBase, vocab: dict, path: Path, kind: str) -> 
     model: Any = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     randomise(model, seed=7)
     k, v, hk, hv = 2, 4, 16, 16
-    reorder = kind != "qwen3next"  # only Qwen3.5's converter re-tiles the V heads
+    reorder = not next_  # only Qwen3.5's converter re-tiles the V heads
     heads = tiled(k, v // k, 1) if reorder else None
     values = tiled(k, v // k, hv) if reorder else None
     channels = tiled(k, v // k, hv, 2 * k * hk) if reorder else None
@@ -362,7 +364,7 @@ def hybrid(tok: PreTrainedTokenizerBase, vocab: dict, path: Path, kind: str) -> 
             tensors[f"{blk}.attn_k_norm.weight"] = plus_one(layer.self_attn.k_norm.weight)
         else:
             lin = layer.linear_attn
-            if kind == "qwen3next":  # [q, k, v, z] per key head -> all q, all k, all v; all z
+            if next_:  # [q, k, v, z] per key head -> all q, all k, all v; all z
                 qkvz, _ = as_stored(lin.in_proj_qkvz.weight, Q.Q8_0)
                 grouped = qkvz.reshape(k, 2 * hk + 2 * (v // k) * hv, -1)
                 q, kk, vv, z = np.split(grouped, np.cumsum([hk, hk, (v // k) * hv])[:3], axis=1)
@@ -398,15 +400,17 @@ def hybrid(tok: PreTrainedTokenizerBase, vocab: dict, path: Path, kind: str) -> 
     keys = {**common_keys(config, 4 + mtp), "ssm.conv_kernel": 4, "ssm.state_size": hk, "ssm.group_count": k,
             "ssm.time_step_rank": v, "ssm.inner_size": v * hv, "full_attention_interval": 2,
             "rope.dimension_count": 8}
-    if kind != "qwen3next":
+    if not next_:
         keys["rope.dimension_sections"] = [2, 1, 1, 0]
+    else:
+        keys["expert_weights_norm"] = normalised
     if mtp:
         keys["nextn_predict_layers"] = 1
     if kind != "qwen35":
         keys.update({"expert_count": 4, "expert_used_count": 2, "expert_feed_forward_length": 32,
                      "expert_shared_feed_forward_length": 32})
     # llama.cpp names Qwen3.5's pre-tokenizer, which transformers' Qwen3.5 tokenizer also applies
-    write_gguf(path, kind, keys, {**vocab, "pre": "qwen35"} if kind != "qwen3next" else vocab, tensors)
+    write_gguf(path, "qwen3next" if next_ else kind, keys, vocab if next_ else {**vocab, "pre": "qwen35"}, tensors)
     return model
 
 
@@ -441,6 +445,12 @@ def test_config_is_the_converted_models(converted: tuple) -> None:
     path, ref, _ = converted
     ours = gguf_config(read_header(path)).to_dict()
     theirs = ref.config.to_dict()
+    if ref.config.model_type == "qwen3_next":  # the same computation under Qwen3.5-MoE's names (engine/loading/gguf_hybrid.py)
+        assert ours["model_type"] == "qwen3_5_moe_text" and theirs["norm_topk_prob"]
+        theirs = {**theirs, "model_type": "qwen3_5_moe_text"}
+        for key in ("intermediate_size", "decoder_sparse_step", "mlp_only_layers", "norm_topk_prob"):  # (always, in Qwen3.5)
+            theirs.pop(key)
+            ours.pop(key, None)
     for key in ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_parameters", "vocab_size",
                 "tie_word_embeddings", "sliding_window", "layer_types", "num_local_experts", "n_routed_experts",
@@ -480,7 +490,20 @@ def test_experts_are_built_at_load_and_attention_stays_packed(converted: tuple) 
             for proj in ("in_proj_qkv", "in_proj_z", "out_proj"):
                 entry = linear[f"linear_attn.{proj}.weight"]
                 assert entry.kind == "gguf" and entry.row_order is None, proj
+        if weights.config.model_type != ref.config.model_type:  # Qwen3-Next read as Qwen3.5-MoE: packed as stored
+            linear = {e.name: e.kind for e in layouts[0].entries}
+            assert linear["linear_attn.in_proj_qkv.weight"] == linear["linear_attn.in_proj_z.weight"] == "gguf"
+            lin, k, per, width = ref.model.layers[0].linear_attn, 2, 2, 16
+            qkvz = lin.in_proj_qkvz.weight.detach().reshape(k, 2 * width + 2 * per * width, -1)
+            q, kk, v, z = torch.split(qkvz, [width, width, per * width, per * width], dim=1)
+            ba = lin.in_proj_ba.weight.detach().reshape(k, 2 * per, -1)
+            for ours, want in (("in_proj_qkv", torch.cat([x.reshape(-1, 64) for x in (q, kk, v)])),
+                               ("in_proj_z", z.reshape(-1, 64)), ("in_proj_b", ba[:, :per].reshape(-1, 64)),
+                               ("in_proj_a", ba[:, per:].reshape(-1, 64))):
+                assert torch.equal(weights.load(f"model.layers.0.linear_attn.{ours}.weight", torch.float32), want)
         for name, p in ref.named_parameters():
+            if weights.config.model_type != ref.config.model_type and "linear_attn.in_proj" in name:
+                continue  # (above)
             if ".experts." in name or "linear_attn.in_proj" in name or "linear_attn.conv1d" in name:
                 want = as_rows(name, p.detach()) if model_type == "gpt_oss" else p.detach()
                 if tiled and "linear_attn" in name:  # the file's value-head order
@@ -488,6 +511,17 @@ def test_experts_are_built_at_load_and_attention_stays_packed(converted: tuple) 
                 assert torch.equal(weights.load(name, torch.float32), want), name
     finally:
         weights.close()
+
+
+def test_a_qwen3next_file_qwen35_cannot_run_keeps_qwen3_next_s_modules(vocab: tuple, tmp_path: Path) -> None:
+    """A Qwen3-Next file whose top-k weights are not normalised (Qwen3.5-MoE's router always
+    normalises them) is read as Qwen3-Next: in_proj_qkvz rebuilt at load, transformers' text."""
+    meta, tok = vocab
+    path = tmp_path / "model.gguf"
+    model = hybrid(tok, meta, path, kind="qwen3next", normalised=False)
+    config = gguf_config(read_header(path))
+    assert config.model_type == "qwen3_next" and not config.norm_topk_prob
+    assert_logits_and_greedy_text_equal((path, model, tok), "none")
 
 
 def as_rows(name: str, value: torch.Tensor) -> torch.Tensor:
