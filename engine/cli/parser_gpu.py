@@ -80,6 +80,9 @@ def add_bench_gpu(kinds: argparse._SubParsersAction) -> None:
     peer.add_argument("--qwen35", action="store_true", help="a random Qwen3.5-MoE hybrid with Qwen3.6-35B-A3B's layers "
                       "(three Gated DeltaNet and one gated attention layer of its 40; 256 experts, 8 routed, a shared "
                       "expert) in Q4_K_M (engine.testing.random_gguf)")
+    peer.add_argument("--qwen3next", action="store_true", help="a random Qwen3-Next with Qwen3-Next-80B-A3B's layers "
+                      "(three Gated DeltaNet and one gated attention layer of its 48; 512 experts, 10 routed, a shared "
+                      "expert) in Q4_K_M, as llama.cpp's qwen3next writes it")
     peer.add_argument("--upcycled", action="store_true", help="the starter as an MoE that writes its text: 128 experts "
                       "(16 copies of 8 slices of its MLP), 8 routed, Q4_1 and Q8_0 (engine.testing.upcycle); where "
                       "speculation on an MoE can be measured without a downloaded checkpoint")

@@ -176,12 +176,14 @@ SYNTHETIC_QWEN35: HybridShape = dict(hidden=2048, layers=4, vocab=32000, heads=1
 
 def synthetic_qwen35_gguf(path: Path, hidden: int, layers: int, vocab: int, heads: int, kv_heads: int, head_dim: int,
                           linear_k_heads: int, linear_v_heads: int, linear_head_dim: int, experts: int, top_k: int,
-                          expert_width: int, layer_types: tuple[str, ...] = ("Q4_K/Q6_K",), seed: int = 0) -> Path:
+                          expert_width: int, layer_types: tuple[str, ...] = ("Q4_K/Q6_K",), seed: int = 0,
+                          arch: str = "qwen35moe") -> Path:
     """A random Qwen3.5-MoE GGUF as llama.cpp stores one (qwen35moe): every fourth layer gated
     full attention, the rest Gated DeltaNet (its conv squeezed, A as -exp(A_log), the b and a
     rows, the conv, norms, router and shared expert's gate F32), routed and shared experts and
-    the other matrices in `layer_types` (as synthetic_moe_gguf's). One tensor in memory at a
-    time. Idempotent."""
+    the other matrices in `layer_types` (as synthetic_moe_gguf's). `arch` "qwen3next": a
+    Qwen3-Next file instead (the same layers; b and a in one `ssm_ba`, per key head [b, a]; no
+    mrope sections). One tensor in memory at a time. Idempotent."""
     if path.is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -196,6 +198,11 @@ def synthetic_qwen35_gguf(path: Path, hidden: int, layers: int, vocab: int, head
         "ssm_beta.weight": (linear_v_heads, hidden), "ssm_alpha.weight": (linear_v_heads, hidden),
         "ssm_conv1d.weight": (conv, 4), "ssm_a": (linear_v_heads,), "ssm_dt.bias": (linear_v_heads,),
         "ssm_norm.weight": (linear_head_dim,), "linear_attn.out_proj.weight": (hidden, vd)}
+    if arch == "qwen3next":  # (all by their GGUF names: gguf-py's qwen3next table names them otherwise)
+        linear = {"attn_qkv.weight": (conv, hidden), "attn_gate.weight": (vd, hidden),
+                  "ssm_ba.weight": (2 * linear_v_heads, hidden),
+                  **{k: v for k, v in linear.items() if k.startswith("ssm") and k not in ("ssm_beta.weight", "ssm_alpha.weight")},
+                  "ssm_out.weight": (hidden, vd)}
     ffn: dict[str, tuple[int, ...]] = {
         "post_attention_layernorm.weight": (hidden,), "mlp.gate.weight": (experts, hidden),
         "mlp.experts.gate_proj": (experts, expert_width, hidden), "mlp.experts.up_proj": (experts, expert_width, hidden),
@@ -205,10 +212,12 @@ def synthetic_qwen35_gguf(path: Path, hidden: int, layers: int, vocab: int, head
     tensors: list[tuple[str, tuple[int, ...], Q]] = [("model.embed_tokens.weight", (vocab, hidden), Q.Q4_K)]
     for i in range(layers):
         main, _, side = layer_types[i % len(layer_types)].partition("/")
-        mixer = attention if i % 4 == 3 else {(f"blk.{i}.{k}" if k.startswith("ssm") else k): v for k, v in linear.items()}
+        mixer = attention if i % 4 == 3 else {(f"blk.{i}.{k}" if k.startswith(("ssm", "attn_")) else k): v
+                                               for k, v in linear.items()}
         for name, shape in {"input_layernorm.weight": (hidden,), **mixer, **ffn}.items():
             full = name if name.startswith("blk.") else f"model.layers.{i}.{name}"
-            small = len(shape) == 1 or name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")) or "ssm_" in name
+            small = (len(shape) == 1 or name.endswith(("mlp.gate.weight", "shared_expert_gate.weight"))
+                     or "ssm_" in name and not name.endswith("ssm_out.weight"))
             qtype = Q.F32 if small else Q[side] if side and name.endswith(("v_proj.weight", "down_proj")) else Q[main]
             tensors.append((full, shape, qtype))
     tensors += [("model.norm.weight", (hidden,), Q.F32), ("lm_head.weight", (vocab, hidden), Q.Q6_K)]
@@ -229,14 +238,22 @@ def synthetic_qwen35_gguf(path: Path, hidden: int, layers: int, vocab: int, head
                   num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, rotary_dim=head_dim // 4,
                   max_position_embeddings=262144, rms_norm_eps=1e-6, rope_theta=10_000_000.0, vocab_size=vocab,
                   num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=expert_width)
-    keys = {"ssm.conv_kernel": 4, "ssm.state_size": linear_head_dim, "ssm.group_count": linear_k_heads,
-            "ssm.time_step_rank": linear_v_heads, "ssm.inner_size": vd, "full_attention_interval": 4,
-            "rope.dimension_sections": [11, 11, 10, 0], "expert_shared_feed_forward_length": expert_width}
+    keys: dict[str, object] = {
+        "ssm.conv_kernel": 4, "ssm.state_size": linear_head_dim, "ssm.group_count": linear_k_heads,
+        "ssm.time_step_rank": linear_v_heads, "ssm.inner_size": vd, "full_attention_interval": 4,
+        "expert_shared_feed_forward_length": expert_width}
+    if arch != "qwen3next":
+        keys["rope.dimension_sections"] = [11, 11, 10, 0]
     part = path.with_name(path.name + ".part")
-    write_gguf(part, "qwen35moe", config, {**synthetic_vocab(), "pre": "qwen35"}, tensors, value, name=path.stem,
-               keys=keys)
+    write_gguf(part, arch, config, synthetic_vocab() if arch == "qwen3next" else {**synthetic_vocab(), "pre": "qwen35"},
+               tensors, value, name=path.stem, keys=keys)
     os.replace(part, path)
     return path
+
+
+# Qwen3-Next-80B-A3B's layers in 4 of its 48 (as SYNTHETIC_QWEN35's: the same mixers, 512 experts, 10 routed;
+# its vocabulary has 151,936 tokens): synthetic_qwen35_gguf(..., arch="qwen3next")
+SYNTHETIC_QWEN3NEXT: HybridShape = {**SYNTHETIC_QWEN35, "experts": 512, "top_k": 10}
 
 
 # TinyLlama-1.1B's proportions: where memory bandwidth, not the interpreter, sets a CPU's pace (bench peer)

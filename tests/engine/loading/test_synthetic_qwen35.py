@@ -20,11 +20,13 @@ SMALL: HybridShape = dict(hidden=256, layers=4, vocab=4096, heads=4, kv_heads=2,
 
 
 @pytest.mark.skipif(build.kernels() is None, reason="no C compiler here")
-def test_the_synthetic_qwen35_decodes_fused_as_it_runs_streamed(tmp_path: Path) -> None:
-    path = synthetic_qwen35_gguf(tmp_path / "qwen35.gguf", **SMALL)
-    assert synthetic_qwen35_gguf(path, **SMALL) == path  # idempotent
+@pytest.mark.parametrize("arch", ["qwen35moe", "qwen3next"])
+def test_the_synthetic_qwen35_decodes_fused_as_it_runs_streamed(tmp_path: Path, arch: str) -> None:
+    path = synthetic_qwen35_gguf(tmp_path / "qwen35.gguf", **SMALL, arch=arch)
+    assert synthetic_qwen35_gguf(path, **SMALL, arch=arch) == path  # idempotent
     resident, streamed = load_model(path), load_model(path, offload="all")
-    assert resident.model.hf_model.config.model_type == "qwen3_5_moe_text"
+    config = resident.model.hf_model.config
+    assert config.model_type == "qwen3_5_moe_text" and getattr(config, "linear_value_heads_tiled", False) == (arch == "qwen35moe")
     assert [k.mixer for k in resident.model.kinds] == ["linear", "linear", "linear", "attention"]
     assert resident.model.fused is not None and resident.model.fused.hybrid and streamed.model.fused is None
     ids = torch.arange(3, 30)
