@@ -154,6 +154,54 @@ def quant_weight(blocks: torch.Tensor, qtype: int, shape: tuple[int, ...],
                       mins.reshape(rows, -1) if mins is not None else None, group, bits)
 
 
+CHUNK_WEIGHTS = 1 << 25  # weights converted at once (expert_weights): ~32 MB of int8 codes in flight
+
+
+def expert_weights(parts: list[tuple[int, int, torch.Tensor, int]], experts: int, cols: int
+                   ) -> list[tuple[int, int, QuantWeight]]:
+    """The routed experts' parts of one parameter ((a, b, GGUF bytes, type): rows a..b of every
+    expert, (experts x (b - a), cols)) as the kernel's weights; adjacent parts of one type (a
+    GGUF's gate and up experts) in one weight whose expert e holds its rows of each in turn (one
+    kernel call an expert). Converted a few experts at a time (CHUNK_WEIGHTS) straight into
+    that weight's tensors: whole, the transients (a byte per code, the bit fields, index
+    tensors) and then the gate/up concatenation cost several times the packed result, and a
+    Qwen3-Next-sized layer (512 experts of 3 x 512 x 2048) took a 4.4 GB file's load to a 12.8 GB
+    peak for a 4.9 GB footprint. Chunks of experts, not single ones: 512 small conversions
+    fragmented the heap (+0.9 GB)."""
+    groups: list[list[tuple[int, int, torch.Tensor, int]]] = []
+    for part in sorted(parts, key=lambda p: p[0]):
+        if groups and groups[-1][-1][1] == part[0] and groups[-1][-1][3] == part[3]:
+            groups[-1].append(part)
+        else:
+            groups.append([part])
+    out: list[tuple[int, int, QuantWeight]] = []
+    for group in groups:
+        width = sum(b - a for a, b, _, _ in group)
+        first: QuantWeight | None = None
+        dest: list[torch.Tensor | None] = []
+        at = 0
+        for a, b, blocks, qtype in group:
+            rows = b - a
+            stored = blocks.reshape(experts * rows, -1)
+            step = max(1, CHUNK_WEIGHTS // max(rows * cols, 1))
+            for e0 in range(0, experts, step):
+                e1 = min(experts, e0 + step)
+                w = quant_weight(stored[e0 * rows : e1 * rows], qtype, ((e1 - e0) * rows, cols), None)
+                if first is None:
+                    first = w
+                    dest = [None if t is None else t.new_empty((experts, width, t.shape[-1]))
+                            for t in (w.codes, w.scales, w.mins)]
+                for t, room in zip((w.codes, w.scales, w.mins), dest):
+                    if t is not None and room is not None:
+                        room[e0:e1, at : at + rows] = t.reshape(e1 - e0, rows, -1)
+            at += rows
+        assert first is not None and dest[0] is not None and dest[1] is not None
+        codes, scales, mins = (None if t is None else t.reshape(experts * width, -1) for t in dest)
+        assert codes is not None and scales is not None
+        out.append((group[0][0], group[-1][1], first.like(codes, scales, mins, experts * width)))
+    return out
+
+
 def kernel_bytes(layout: LayerLayout, layer: nn.Module) -> int:
     """RAM one layer takes placed by `place_layer` (kernels on)."""
     total = 0
@@ -201,14 +249,15 @@ def place_layer(layer: nn.Module, layout: LayerLayout, packed: torch.Tensor, unp
     dense: dict[str, torch.Tensor] = {}
     experts = _expert_params(layer, layout) if use_kernels else set()
     on_cpu = device.type == "cpu"
-    expert_parts: dict[str, list[tuple[int, int, QuantWeight]]] = {}
+    raw_parts: dict[str, list[tuple[int, int, torch.Tensor, int]]] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
     for e in layout.entries:
         if e.side:
             continue
-        if e.param in experts:  # the whole tensor at once: per-expert conversions fragmented the heap (+0.9 GB)
+        if e.param in experts:  # converted below, a few experts at a time (expert_weights)
             a, b = e.part if e.part is not None else (0, e.shape[1])
-            weight = quant_weight(layout.view(packed, e), e.qtype, (e.shape[0] * (b - a), e.shape[2]), None)
-            expert_parts.setdefault(e.param, []).append((a, b, weight))
+            raw_parts.setdefault(e.param, []).append((a, b, layout.view(packed, e), e.qtype))
+            shapes[e.param] = e.shape
         elif use_kernels and on_cpu and eligible(layer, e):
             order = unpacker.row_order(e)
             weight = quant_weight(layout.view(packed, e), e.qtype, e.shape, order)
@@ -223,6 +272,7 @@ def place_layer(layer: nn.Module, layout: LayerLayout, packed: torch.Tensor, unp
         unpacker(layout, packed if device_packed is None else device_packed, dense, only=set(dense))
     for name, value in dense.items():  # biases land on the PackedLinear that replaced their Linear
         set_parameter(layer, name, value)
+    expert_parts = {name: expert_weights(found, shapes[name][0], shapes[name][2]) for name, found in raw_parts.items()}
     for owner in sorted({name.rpartition(".")[0] for name in expert_parts}):
         packed_count += _pack_experts(layer, owner, expert_parts)
     return packed_count
