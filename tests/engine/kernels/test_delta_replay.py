@@ -14,14 +14,7 @@ from engine.model.linear_attention import advance
 from engine.model.linear_state import LinearLayerState, LinearPending, NodeInputs
 
 KH, VH, DK, DV = 2, 6, 16, 8
-
-
-@pytest.fixture(scope="module", autouse=True)
-def lib() -> object:
-    found = build.kernels()
-    if found is None:
-        pytest.skip("no C compiler here")
-    return found
+pytestmark = pytest.mark.skipif(build.kernels() is None, reason="no C compiler here")
 
 
 def reference(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor,
