@@ -164,10 +164,11 @@ def expert_weights(parts: list[tuple[int, int, torch.Tensor, int]], experts: int
     GGUF's gate and up experts) in one weight whose expert e holds its rows of each in turn (one
     kernel call an expert). Converted a few experts at a time (CHUNK_WEIGHTS) straight into
     that weight's tensors: whole, the transients (a byte per code, the bit fields, index
-    tensors) and then the gate/up concatenation cost several times the packed result, and a
-    Qwen3-Next-sized layer (512 experts of 3 x 512 x 2048) took a 4.4 GB file's load to a 12.8 GB
-    peak for a 4.9 GB footprint. Chunks of experts, not single ones: 512 small conversions
-    fragmented the heap (+0.9 GB)."""
+    tensors) and then the gate/up concatenation cost several times the packed result: a
+    Qwen3-Next-sized layer (512 experts of 3 x 512 x 2048) took a 4.4 GB file's load to 8.6 GB of
+    anonymous memory for a 4.6 GB footprint (now 5.8). Chunks of experts, not single ones: 512
+    small conversions fragmented the heap (+0.9 GB). (_pack_experts' _merged still joins
+    adjacent parts of different types that the kernel holds alike.)"""
     groups: list[list[tuple[int, int, torch.Tensor, int]]] = []
     for part in sorted(parts, key=lambda p: p[0]):
         if groups and groups[-1][-1][1] == part[0] and groups[-1][-1][3] == part[3]:
