@@ -15,6 +15,7 @@ tensors, or dtypes other than fp32 states (those take the block form).
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 import torch
 
@@ -24,6 +25,16 @@ from engine.kernels.governor import governor
 _ARGS = [ctypes.c_void_p, *[ctypes.c_int64] * 4, ctypes.c_int, ctypes.c_int64, *[ctypes.c_void_p] * 4, ctypes.c_int]
 
 
+def _function() -> Any:
+    """qm_delta_replay with its argument types, declared once per loaded library (keep runs this
+    once a linear layer on every tree pass); None without a library that has it."""
+    lib = kernels()
+    fn = getattr(lib, "qm_delta_replay", None) if lib is not None else None
+    if fn is not None and fn.argtypes is None:
+        fn.restype, fn.argtypes = ctypes.c_int, _ARGS
+    return fn
+
+
 @torch.inference_mode()
 def replay(recurrent: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor,
            tiled: bool) -> bool:
@@ -31,8 +42,7 @@ def replay(recurrent: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torc
     post-conv keys (not normalised), v (L, H_v, dv), beta and g (L, H_v); `tiled`: value head h
     reads key head h % H_k (else h // (H_v / H_k)). False, and nothing changed, where the C
     kernel cannot take it (no kernel library, not the CPU, not an fp32 contiguous state)."""
-    lib = kernels()
-    fn = getattr(lib, "qm_delta_replay", None) if lib is not None else None
+    fn = _function()
     if (fn is None or recurrent.device.type != "cpu" or recurrent.dtype != torch.float32
             or not recurrent.is_contiguous() or recurrent.dim() != 4):
         return False
@@ -42,7 +52,6 @@ def replay(recurrent: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torc
             or tuple(g.shape) != (steps, vh) or kh < 1 or vh % kh):
         return False
     k, v, beta, g = (t.to(torch.float32).contiguous() for t in (k, v, beta, g))
-    fn.restype, fn.argtypes = ctypes.c_int, _ARGS
     if fn(recurrent.data_ptr(), vh, kh, dk, dv, int(tiled), steps, k.data_ptr(), v.data_ptr(), beta.data_ptr(),
           g.data_ptr(), governor().threads()) != 0:
         raise MemoryError("no memory for a Gated DeltaNet replay's scratch")
