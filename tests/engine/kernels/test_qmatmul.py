@@ -56,14 +56,17 @@ def test_products_equal_the_dense_product_of_the_values(lib: object, kind: str, 
         assert (w.scales.dtype == torch.float16) == half
         ref_w = dequantize(w)
         bias = torch.randn(n, generator=g)
-        for m in (1, 2, 3, 4, 5, 16, 64):
+        # 1-4 tokens: the integer rows (VNNI CPUs); 5-15 the fp32 tiles; 16+ the panels (AVX-512):
+        # one vector of tokens, two, three, and blocks of 48 with a partial one after
+        for m in (1, 2, 3, 4, 5, 16, 33, 64, 113):
             x = torch.randn(m, k, generator=g)
             assert close(qlinear(x, w), x @ ref_w.T), (n, k, m)
             assert close(qlinear(x, w, bias), x @ ref_w.T + bias), (n, k, m)
         x3 = torch.randn(2, 3, k, generator=g)
         assert close(qlinear(x3, w), x3 @ ref_w.T)
-        x = torch.randn(4, k, generator=g)
-        assert torch.equal(qlinear(x, w, threads=1), qlinear(x, w, threads=2))
+        for m in (4, 40):
+            x = torch.randn(m, k, generator=g)
+            assert torch.equal(qlinear(x, w, threads=1), qlinear(x, w, threads=2))
 
 
 @pytest.mark.parametrize("kind,group", [("q4", 32), ("q8", 32), ("q8", 16)])
