@@ -23,7 +23,10 @@ in one run and with the same thread count on both sides:
   after the first);
 - a fresh `specchat generate` process per prompt, greedy, plain decoding and the CLI's default
   (draft-free trees, budget auto): decode tok/s = the tokens after the first over the time
-  after the first (the same definition), and tokens per pass.
+  after the first (the same definition), and tokens per pass;
+- prompt tok/s: llama.cpp `llama-bench -p P -n 0` (P the prompts' mean length in tokens, its
+  default batches), SpecChat the prompt's tokens over the time to the first token of its plain
+  runs (which also pays the first token's pass). What a user waits for before an answer starts.
 
 Each prompt is rendered once with the GGUF's own chat template (a user turn and the generation
 prompt, as `specchat generate --prompt` renders it) and the same text is fed raw to both. It
@@ -128,6 +131,7 @@ class Row:
     decode_tps: float  # mean over prompts of each prompt's decode tok/s
     tokens_per_pass: float | None = None
     note: str = ""
+    prompt_tps: float | None = None  # mean over prompts of prompt tokens / seconds to the first token
 
 
 def llama_bench(bin_dir: Path, gguf: Path, threads: int, new_tokens: int) -> float:
@@ -135,6 +139,17 @@ def llama_bench(bin_dir: Path, gguf: Path, threads: int, new_tokens: int) -> flo
                            "-t", str(threads), "-r", "3", "-o", "json"], capture_output=True, text=True, errors="replace")
     if proc.returncode != 0:
         raise PeerFailed(f"llama-bench failed on {gguf.name}: {proc.stderr.strip().splitlines()[-1:]}")
+    return float(json.loads(proc.stdout)[0]["avg_ts"])
+
+
+def llama_bench_prompt(bin_dir: Path, gguf: Path, threads: int, tokens: int) -> float | None:
+    """llama.cpp's prompt tok/s for a prompt of `tokens` tokens (None if llama-bench fails: a
+    native build's batched AMX kernels stop in VMs that do not grant AMX)."""
+    proc = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(gguf), "-p", str(max(tokens, 1)), "-n", "0",
+                           "-t", str(threads), "-r", "3", "-o", "json"], capture_output=True, text=True, errors="replace")
+    if proc.returncode != 0:
+        log.warning("llama-bench -p failed on %s: %s", gguf.name, proc.stderr.strip().splitlines()[-1:])
+        return None
     return float(json.loads(proc.stdout)[0]["avg_ts"])
 
 
@@ -152,8 +167,10 @@ def llama_completion(bin_dir: Path, gguf: Path, threads: int, prompt: str, new_t
     return runs / (ms / 1000) if ms > 0 else 0.0
 
 
-def specchat_generate(gguf: Path, threads: int, prompt: str, new_tokens: int, mode: str | None) -> tuple[float, float]:
-    """(decode tok/s, tokens per pass) of one fresh `specchat generate` process."""
+def specchat_generate(gguf: Path, threads: int, prompt: str, new_tokens: int,
+                      mode: str | None) -> tuple[float, float, float, int]:
+    """(decode tok/s, tokens per pass, prompt tok/s, prompt tokens) of one fresh `specchat
+    generate` process."""
     cmd = [sys.executable, "-m", "engine", "generate", "--target", str(gguf), "--device", "cpu", "--raw-prompt",
            prompt, "--max-new-tokens", str(new_tokens), "--json"]
     if mode is not None:
@@ -165,7 +182,8 @@ def specchat_generate(gguf: Path, threads: int, prompt: str, new_tokens: int, mo
     stats = json.loads(proc.stdout.splitlines()[0])["stats"]
     after_first = stats["seconds"] - stats["ttft_seconds"]
     tps = (stats["new_tokens"] - 1) / after_first if after_first > 0 else 0.0
-    return tps, float(stats["tokens_per_pass"])
+    prompt_tps = stats["prompt_tokens"] / stats["ttft_seconds"] if stats["ttft_seconds"] > 0 else 0.0
+    return tps, float(stats["tokens_per_pass"]), prompt_tps, int(stats["prompt_tokens"])
 
 
 def rendered(gguf: Path, prompts: Sequence[str]) -> list[str]:
@@ -188,22 +206,38 @@ def bench_model(bin_dir: Path | None, gguf: Path, label: str, prompts: Sequence[
         say(f"{label}: llama-completion x {len(prompts)}")
         rows.append(Row(label, "llama.cpp on the prompts", statistics.mean(
             llama_completion(bin_dir, gguf, threads, p, new_tokens) for p in prompts)))
+    lengths: list[int] = []
     for mode, name in (("autoregressive", "SpecChat plain decoding"), (None, "SpecChat default (draft-free trees)")):
         say(f"{label}: {name} x {len(prompts)}")
         runs = [specchat_generate(gguf, threads, p, new_tokens, mode) for p in prompts]
-        rows.append(Row(label, name, statistics.mean(r[0] for r in runs), statistics.mean(r[1] for r in runs)))
+        plain = mode == "autoregressive"
+        rows.append(Row(label, name, statistics.mean(r[0] for r in runs), statistics.mean(r[1] for r in runs),
+                        prompt_tps=statistics.mean(r[2] for r in runs) if plain else None))
+        lengths = lengths or [r[3] for r in runs]
+    if bin_dir is not None and lengths:
+        tokens = round(statistics.mean(lengths))
+        say(f"{label}: llama-bench -p {tokens}")
+        rows[0].prompt_tps = llama_bench_prompt(bin_dir, gguf, threads, tokens)
     return rows
 
 
 def format_rows(rows: Sequence[Row], threads: int, new_tokens: int, prompts_name: str, n_prompts: int) -> str:
     lines = [f"decode tok/s, greedy, {threads} threads, {new_tokens} new tokens, prompts: {prompts_name} "
-             f"({n_prompts}, in the chat template, one fresh process each)", ""]
-    lines.append(f"{'model':<32} {'runner':<40} {'tok/s':>8} {'tok/pass':>9} {'vs llama.cpp':>13}")
+             f"({n_prompts}, in the chat template, one fresh process each); prompt tok/s: llama-bench -p "
+             "(the prompts' mean length) beside SpecChat's prompt tokens / time to first token", ""]
+    lines.append(f"{'model':<32} {'runner':<40} {'tok/s':>8} {'tok/pass':>9} {'vs llama.cpp':>13} "
+                 f"{'prompt tok/s':>13} {'vs llama.cpp':>13}")
     for r in rows:
         peer = next((p.decode_tps for p in rows if p.model == r.model and p.runner == "llama.cpp on the prompts"), None)
         ratio = f"{r.decode_tps / peer:.2f}x" if peer and not r.runner.startswith("llama.cpp") else ""
         tpp = f"{r.tokens_per_pass:.2f}" if r.tokens_per_pass is not None else ""
-        lines.append(f"{r.model:<32} {r.runner:<40} {r.decode_tps:>8.1f} {tpp:>9} {ratio:>13}")
+        prompt_peer = next((p.prompt_tps for p in rows if p.model == r.model and p.runner.startswith("llama.cpp")
+                            and p.prompt_tps), None)
+        prompt = f"{r.prompt_tps:.1f}" if r.prompt_tps else ""
+        prompt_ratio = f"{r.prompt_tps / prompt_peer:.2f}x" if r.prompt_tps and prompt_peer and \
+            not r.runner.startswith("llama.cpp") else ""
+        lines.append(f"{r.model:<32} {r.runner:<40} {r.decode_tps:>8.1f} {tpp:>9} {ratio:>13} {prompt:>13} "
+                     f"{prompt_ratio:>13}".rstrip())
     return "\n".join(lines)
 
 

@@ -34,6 +34,16 @@ def test_ratios_are_against_llama_cpp_on_the_same_prompts_and_model() -> None:
     assert not table[-3].rstrip().endswith("x") and not table[-4].rstrip().endswith("x")
 
 
+def test_prompt_speed_is_against_llama_bench_on_the_same_model() -> None:
+    rows = [Row("a", "llama.cpp llama-bench (empty context)", 120.0, prompt_tps=200.0),
+            Row("a", "llama.cpp on the prompts", 100.0), Row("a", "SpecChat plain decoding", 90.0, 1.0, prompt_tps=150.0),
+            Row("b", "SpecChat plain decoding", 10.0, 1.0, prompt_tps=50.0)]
+    table = format_rows(rows, 2, 64, "edit.txt", 8).splitlines()
+    assert table[-2].split()[-3:] == ["0.90x", "150.0", "0.75x"]
+    assert table[-1].split()[-1] == "50.0"  # no llama.cpp figure for model b: no ratio
+    assert table[-4].split()[-1] == "200.0"  # llama.cpp's own row: its figure, no ratio
+
+
 def test_a_gguf_rewritten_as_q8_0_keeps_its_metadata_and_loads(model_cache: Path, tmp_path: Path) -> None:
     src = tiny_gguf("llama", layers=2, layer_types=("Q4_0",), cache_dir=model_cache)
     dest = requantize_gguf(src, tmp_path / "out" / "m-q8_0.gguf", Q.Q8_0)
