@@ -8,7 +8,7 @@ transformers' order (value heads grouped by key head). Every step's and pass's h
 states, the attention layers' K/V, the linear layers' conv and recurrent states and the inputs
 a tree pass hands the cache for its nodes equal the general path's (TreeGatedDeltaNet, which
 test_gguf_families2 holds to transformers, as it holds the fused greedy text), across kept
-paths, a snapshot and a cut back to it; a prompt's chain and a pass on pending entries keep the
+paths, a snapshot and a cut back to it, and a 20-node tree (its products in panels); a prompt's chain and a pass on pending entries keep the
 general path."""
 
 from __future__ import annotations
@@ -190,6 +190,16 @@ def test_steps_equal_the_general_path(pair: tuple[LoadedModel, LoadedModel], mon
         c.truncate(0)
     both([token() for _ in range(3)], [0, 1, 2], tree_mask([-1, 0, 1], 0))
     assert passes == [7, 1, 3]
+    parents = [-1, *range(10), 0, *range(11, 19)]  # 20 nodes, two branches: the products in panels (16+ tokens)
+    depth: list[int] = []
+    for p in parents:
+        depth.append(0 if p < 0 else depth[p] + 1)
+    for c in caches:  # the chain kept: the next pass reads committed states only
+        c.keep(torch.arange(3))
+    both([token()], [3], None)
+    past = caches[0].length
+    both([token() for _ in parents], [past + d for d in depth], tree_mask(parents, past))
+    assert passes == [7, 1, 3, 20]
 
 
 def test_greedy_text_plain_and_with_trees(pair: tuple[LoadedModel, LoadedModel]) -> None:
