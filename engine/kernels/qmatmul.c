@@ -10,7 +10,8 @@
  * the speed at which weights are read: 1 or 0.5 bytes each here against 4 for fp32. The work is
  * split over output rows (OpenMP). Each thread decodes NB weight rows at a time into fp32
  * scratch (the exact values: scale * code + minimum, in fp32) and multiplies every activation
- * row by them, so a tree pass over M tokens decodes each weight once, not M times. Activations
+ * row by them, so a tree pass over M tokens decodes each weight once, not M times; with AVX-512,
+ * from 5 tokens, 16 rows at a time against the tokens transposed (the panels, below). Activations
  * stay fp32; only the order of the sums differs from a dense product.
  *
  * AVX2 + FMA where the compiler targets it, plain C otherwise (same results up to rounding).
@@ -409,7 +410,7 @@ static void multiply(const float *x, int64_t M, int64_t K, const float *w, int r
     }
 }
 
-/* ---- Products over many tokens: panels (AVX-512) ----
+/* ---- Products over several tokens: panels (AVX-512) ----
  *
  * From QM_PANEL_MIN tokens, a product takes QM_PANEL weight rows at a time, decoded to fp32 as the
  * tiles decode them, and holds the tokens transposed: per block of QM_TB tokens, k-major, 16 tokens
@@ -419,13 +420,18 @@ static void multiply(const float *x, int64_t M, int64_t K, const float *w, int r
  * is the sum of its products in k order, in fp32. Measured, a 2048 x 2048 q4 weight, 2 threads
  * (AMD EPYC, Zen 4), GMAC/s for 16 / 64 / 128 / 256 tokens: tiles 54 / 58 / 58 / 58, panels in a C
  * harness over the same decoding 61 / 81 / 86 / 92 (torch's fp32 GEMM on the de-quantised weight
- * 41 / 71 / 84 / 92). Below 16 tokens a vector of 16 would hold too few of them: the tiles stay. */
+ * 41 / 71 / 84 / 92). A block of up to 8 tokens (a pass of 5-8, or a product's last block) takes
+ * 256-bit vectors, all 16 rows at once: 5 / 8 / 12 / 15 tokens 38 / 63 / 64 / 77 GMAC/s against the
+ * tiles' 37 / 39 / 48 / 47 (same weight). 1-4 tokens keep the integer rows where the CPU has them. */
 #ifdef QM_AVX512
 #define QM_PANEL 16     /* weight rows decoded together */
-#define QM_PANEL_MIN 16 /* tokens from which a product takes the panels */
+#define QM_PANEL_MIN 5  /* tokens from which a product takes the panels (below: the integer rows, or the tiles) */
 #define QM_KR 8         /* rows a kernel call multiplies */
 #define QM_TB 48        /* tokens a block holds (three vectors) */
 #define QM_PAD 16       /* a decoded row's stride is K + QM_PAD floats: rows 2^k floats apart share L1 sets */
+
+/* A block of cnt tokens' row width in xt: 8 (one 256-bit vector) up to 8 tokens, else 16 a vector. */
+static inline int64_t panel_width(int64_t cnt) { return cnt <= 8 ? 8 : (cnt + 15) / 16 * 16; }
 
 /* Floats of transposed blocks for n tokens of k values. */
 static size_t panel_input_floats(int64_t n, int64_t k) { return (size_t)((n + QM_TB - 1) / QM_TB) * QM_TB * (size_t)k; }
@@ -438,7 +444,7 @@ static void transpose_tokens(const float *x, int64_t n, int64_t k, float *xt) {
 #pragma omp for schedule(static)
     for (int64_t s = 0; s < blocks * slices; s++) {
         int64_t b = s / slices, k0 = (s % slices) * 256, k1 = k0 + 256 < k ? k0 + 256 : k;
-        int64_t t0 = b * QM_TB, cnt = n - t0 < QM_TB ? n - t0 : QM_TB, width = (cnt + 15) / 16 * 16;
+        int64_t t0 = b * QM_TB, cnt = n - t0 < QM_TB ? n - t0 : QM_TB, width = panel_width(cnt);
         float *d = xt + b * QM_TB * k;
         for (int64_t j = k0; j < k1; j++)
             for (int64_t i = cnt; i < width; i++) d[j * width + i] = 0.0f;
@@ -472,12 +478,33 @@ static inline __attribute__((always_inline)) void panel_kernel(const float *xt, 
         }
 }
 
+/* panel_kernel for a block of up to 8 tokens (xt rows 8 wide): 256-bit vectors, all QM_PANEL rows
+ * at once (16 accumulators). */
+static void panel_kernel8(const float *xt, int64_t K, const float *w, int64_t ws, float *y, int64_t N, int64_t tokens,
+                          int rows) {
+    __m256 a[QM_PANEL];
+    for (int r = 0; r < QM_PANEL; r++) a[r] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        __m256 u = _mm256_loadu_ps(xt + k * 8);
+        for (int r = 0; r < QM_PANEL; r++) a[r] = _mm256_fmadd_ps(u, _mm256_set1_ps(w[r * ws + k]), a[r]);
+    }
+    float lanes[8];
+    for (int r = 0; r < rows; r++) {
+        _mm256_storeu_ps(lanes, a[r]);
+        for (int64_t j = 0; j < tokens; j++) y[j * N + r] = lanes[j];
+    }
+}
+
 /* y[i * N + r] (i < n, r < rows <= QM_PANEL) from decoded rows w (stride ws) and the tokens'
  * transposed blocks xt (transpose_tokens). */
 static void panel_rows(const float *xt, int64_t n, int64_t K, const float *w, int64_t ws, int rows, float *y, int64_t N) {
     for (int64_t t0 = 0; t0 < n; t0 += QM_TB) {
         int64_t cnt = n - t0 < QM_TB ? n - t0 : QM_TB;
         const float *xb = xt + t0 * K;
+        if (cnt <= 8) { /* a block of up to 8 tokens (a small pass, or a last block) */
+            panel_kernel8(xb, K, w, ws, y + t0 * N, N, cnt, rows);
+            continue;
+        }
         for (int h = 0; h < rows; h += QM_KR) {
             int r = rows - h < QM_KR ? rows - h : QM_KR;
             float *yy = y + t0 * N + h;

@@ -56,9 +56,10 @@ def test_products_equal_the_dense_product_of_the_values(lib: object, kind: str, 
         assert (w.scales.dtype == torch.float16) == half
         ref_w = dequantize(w)
         bias = torch.randn(n, generator=g)
-        # 1-4 tokens: the integer rows (VNNI CPUs); 5-15 the fp32 tiles; 16+ the panels (AVX-512):
-        # one vector of tokens, two, three, and blocks of 48 with a partial one after
-        for m in (1, 2, 3, 4, 5, 16, 33, 64, 113):
+        # 1-4 tokens: the integer rows (VNNI CPUs); 5+ the panels (AVX-512; else the fp32 tiles): a
+        # block of 8 lanes, one vector of 16 tokens, two, three, and blocks of 48 with a last one
+        # of 8 lanes or more
+        for m in (1, 2, 3, 4, 5, 8, 16, 33, 53, 64, 113):
             x = torch.randn(m, k, generator=g)
             assert close(qlinear(x, w), x @ ref_w.T), (n, k, m)
             assert close(qlinear(x, w, bias), x @ ref_w.T + bias), (n, k, m)
