@@ -456,9 +456,11 @@ static void transpose_tokens(const float *x, int64_t n, int64_t k, float *xt) {
 }
 
 /* y[t * N + r] (t < tokens, r < rows) = the sum over k of xt's token t times w[r * ws + k]; xt one
- * block, (K, Z * 16). w holds QM_KR rows (those past `rows` are read, not written out). */
-static inline __attribute__((always_inline)) void panel_kernel(const float *xt, int64_t K, const float *w, int64_t ws, float *y, int64_t N, int64_t tokens,
-                                                                   int rows, const int Z) {
+ * block, (K, Z * 16). w holds QM_KR rows (those past `rows` are read, not written out). Always
+ * inlined: each Z gets its own code, its accumulators in registers. */
+static inline __attribute__((always_inline)) void panel_kernel(const float *xt, int64_t K, const float *w, int64_t ws,
+                                                               float *y, int64_t N, int64_t tokens, int rows,
+                                                               const int Z) {
     __m512 a[QM_KR][3];
     for (int r = 0; r < QM_KR; r++)
         for (int z = 0; z < Z; z++) a[r][z] = _mm512_setzero_ps();
@@ -497,7 +499,8 @@ static void panel_kernel8(const float *xt, int64_t K, const float *w, int64_t ws
 
 /* y[i * N + r] (i < n, r < rows <= QM_PANEL) from decoded rows w (stride ws) and the tokens'
  * transposed blocks xt (transpose_tokens). */
-static void panel_rows(const float *xt, int64_t n, int64_t K, const float *w, int64_t ws, int rows, float *y, int64_t N) {
+static void panel_rows(const float *xt, int64_t n, int64_t K, const float *w, int64_t ws, int rows, float *y,
+                       int64_t N) {
     for (int64_t t0 = 0; t0 < n; t0 += QM_TB) {
         int64_t cnt = n - t0 < QM_TB ? n - t0 : QM_TB;
         const float *xb = xt + t0 * K;
@@ -526,7 +529,8 @@ static void decode_panel(int64_t kind, int fmt, const char *codes, const void *s
     int half = fmt == 1;
     for (int r = 0; r < rows; r++) {
         float sb[PARAMS_BUF(fmt, 1, groups)], mb[PARAMS_BUF(fmt, 1, groups)];
-        const void *sc = row_params(scales, n0 + r, 1, groups, fmt, sb), *mn = row_params(mins, n0 + r, 1, groups, fmt, mb);
+        const void *sc = row_params(scales, n0 + r, 1, groups, fmt, sb);
+        const void *mn = row_params(mins, n0 + r, 1, groups, fmt, mb);
         decode_row(kind, codes + (n0 + r) * rb, sc, mn, half, K, group, w + r * ws);
     }
     for (int r = rows; r < QM_PANEL; r++) memset(w + r * ws, 0, sizeof(float) * (size_t)K);
@@ -1921,6 +1925,7 @@ int qm_pass_layers(const qm_layer *layers, const qm_view *views, int64_t count, 
         float *states = tmp + D; /* (n + 1) x LS: a Gated DeltaNet head's scratch, then its nodes' states */
         char *mine = fewmem + few_per * (size_t)t;
         qm_few few;
+        const int64_t U = xt ? QM_PANEL : NB; /* the rows of a product's unit: a panel or a tile (unit_rows) */
         for (int64_t l = 0; l < count; l++) {
             const qm_layer *L = layers + l;
             const qm_view *V = views + l;
@@ -1938,7 +1943,8 @@ int qm_pass_layers(const qm_layer *layers, const qm_view *views, int64_t count, 
             if (L->lin_vh > 0) { /* a Gated DeltaNet layer: its products, its tree, out_proj */
                 int64_t VD = L->lin_z.n, vh = L->lin_vh;
 #pragma omp for schedule(static) nowait
-                for (int64_t s = 0; s < units_of(&L->lin_qkv, &few); s++) product(&L->lin_qkv, s, xn, n, V->pend_x, wbuf, &few);
+                for (int64_t s = 0; s < units_of(&L->lin_qkv, &few); s++)
+                    product(&L->lin_qkv, s, xn, n, V->pend_x, wbuf, &few);
 #pragma omp for schedule(static) nowait
                 for (int64_t s = 0; s < units_of(&L->lin_z, &few); s++) product(&L->lin_z, s, xn, n, lz, wbuf, &few);
 #pragma omp for schedule(static)
@@ -1950,7 +1956,7 @@ int qm_pass_layers(const qm_layer *layers, const qm_view *views, int64_t count, 
                 for (int64_t s = 0; s < units_of(&L->o, &few); s++) {
                     product(&L->o, s, core, n, out, wbuf, &few);
                     for (int64_t i = 0; i < n; i++)
-                        for (int64_t r = s * unit_rows(&few); r < H && r < (s + 1) * unit_rows(&few); r++) x[i * H + r] += out[i * H + r];
+                        for (int64_t r = s * U; r < H && r < (s + 1) * U; r++) x[i * H + r] += out[i * H + r];
                 }
             } else { /* attention */
 #pragma omp for schedule(static) nowait
@@ -1990,7 +1996,7 @@ int qm_pass_layers(const qm_layer *layers, const qm_view *views, int64_t count, 
                     product(&L->o, s, attn, n, out, wbuf, &few);
                     if (!L->post_attn_norm)
                         for (int64_t i = 0; i < n; i++)
-                            for (int64_t r = s * unit_rows(&few); r < H && r < (s + 1) * unit_rows(&few); r++) x[i * H + r] += out[i * H + r];
+                            for (int64_t r = s * U; r < H && r < (s + 1) * U; r++) x[i * H + r] += out[i * H + r];
                 }
                 if (L->post_attn_norm) { /* each token's whole output normed, then added */
 #pragma omp for schedule(static)
@@ -2022,7 +2028,7 @@ int qm_pass_layers(const qm_layer *layers, const qm_view *views, int64_t count, 
                 product(&L->gate, s, xn, n, gate, wbuf, &few);
                 product(&L->up, s, xn, n, up, wbuf, &few);
                 for (int64_t i = 0; i < n; i++)
-                    for (int64_t r = s * unit_rows(&few); r < I && r < (s + 1) * unit_rows(&few); r++)
+                    for (int64_t r = s * U; r < I && r < (s + 1) * U; r++)
                         gate[i * I + r] = gated(gate[i * I + r], up[i * I + r], L->act);
             }
             make_inputs(gate, n, I, mine, xt, &few);
@@ -2031,7 +2037,8 @@ int qm_pass_layers(const qm_layer *layers, const qm_view *views, int64_t count, 
                 product(&L->down, s, gate, n, out, wbuf, &few);
                 if (!L->post_mlp_norm)
                     for (int64_t i = 0; i < n; i++)
-                        for (int64_t r = s * unit_rows(&few); r < H && r < (s + 1) * unit_rows(&few); r++) x[i * H + r] += sgate[i] * out[i * H + r];
+                        for (int64_t r = s * U; r < H && r < (s + 1) * U; r++)
+                            x[i * H + r] += sgate[i] * out[i * H + r];
             }
             if (L->post_mlp_norm) {
 #pragma omp for schedule(static)

@@ -62,9 +62,8 @@ NF4_BYTES_PER_PARAM = 0.5625  # 4-bit codes + one fp16 scale per 64 weights, as 
 # figure replaces it once answers are measured there (measured.py).
 CPU_UNPACK_S_PER_PARAM = {"nf4": 1.0e-9, "gguf": 5.0e-9, "awq": 5.0e-9, "gptq": 5.0e-9}
 PACKED_BYTES_PER_PARAM = {"nf4": NF4_BYTES_PER_PARAM, "gguf": 0.6, "awq": 0.53, "gptq": 0.53}  # Q4_K_M ~4.8 bits
-# The packed CPU kernel's time per token beyond the first against an fp32 product's, once its
-# weights are read (`python scripts/bench_qmatmul.py`, 2 threads, AVX-512: 0.47-0.92 at 16-64 rows
-# since products of 16+ tokens take the panels, qmatmul.c kernel v11; 1.4 with the tiles before).
+# The packed CPU kernel's time per token beyond the first against an fp32 product's, once its weights are read
+# (`python scripts/bench_qmatmul.py`, 2 threads, AVX-512 panels: 0.47-0.92 at 16-64 rows; 1.4 with the tiles).
 KERNEL_TOKEN_RATIO = 0.7
 # What the packed CPU kernel holds per weight of a GGUF's routed experts (Q4_K_M: Q4_K gate and up,
 # half a byte a code and 10 bytes of scales and 10 of minimums per 256, 0.578; its down Q6_K, six
