@@ -134,9 +134,14 @@ class Row:
     prompt_tps: float | None = None  # mean over prompts of prompt tokens / seconds to the first token
 
 
-def llama_bench(bin_dir: Path, gguf: Path, threads: int, new_tokens: int) -> float:
-    proc = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(gguf), "-p", "0", "-n", str(new_tokens),
+def _llama_bench(bin_dir: Path, gguf: Path, threads: int, prompt: int,
+                 new_tokens: int) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(bin_dir / "llama-bench"), "-m", str(gguf), "-p", str(prompt), "-n", str(new_tokens),
                            "-t", str(threads), "-r", "3", "-o", "json"], capture_output=True, text=True, errors="replace")
+
+
+def llama_bench(bin_dir: Path, gguf: Path, threads: int, new_tokens: int) -> float:
+    proc = _llama_bench(bin_dir, gguf, threads, 0, new_tokens)
     if proc.returncode != 0:
         raise PeerFailed(f"llama-bench failed on {gguf.name}: {proc.stderr.strip().splitlines()[-1:]}")
     return float(json.loads(proc.stdout)[0]["avg_ts"])
@@ -145,8 +150,7 @@ def llama_bench(bin_dir: Path, gguf: Path, threads: int, new_tokens: int) -> flo
 def llama_bench_prompt(bin_dir: Path, gguf: Path, threads: int, tokens: int) -> float | None:
     """llama.cpp's prompt tok/s for a prompt of `tokens` tokens (None if llama-bench fails: a
     native build's batched AMX kernels stop in VMs that do not grant AMX)."""
-    proc = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(gguf), "-p", str(max(tokens, 1)), "-n", "0",
-                           "-t", str(threads), "-r", "3", "-o", "json"], capture_output=True, text=True, errors="replace")
+    proc = _llama_bench(bin_dir, gguf, threads, max(tokens, 1), 0)
     if proc.returncode != 0:
         log.warning("llama-bench -p failed on %s: %s", gguf.name, proc.stderr.strip().splitlines()[-1:])
         return None
