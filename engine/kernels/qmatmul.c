@@ -131,7 +131,7 @@ static const void *row_params(const void *p, int64_t r, int64_t rows, int64_t gr
 /* Floats of expansion scratch for `rows` rows of `groups` (one where nothing is expanded). */
 #define PARAMS_BUF(fmt, rows, groups) ((fmt) == 2 ? (rows) * (groups) : 1)
 
-int qm_version(void) { return 11; }
+int qm_version(void) { return 12; }
 
 int qm_simd(void) { /* 0 plain C, 2 AVX2, 3 AVX-512, 4 AVX-512 VNNI, 5 AVX2 + AVX-VNNI */
 #if defined(QM_VNNI)
@@ -226,6 +226,27 @@ static void decode_q4(const uint8_t *packed, const void *scales, const void *min
  * j + 16 i's). */
 static void expand_q6(const uint8_t *p, int64_t K, int64_t group, int8_t *out) {
     int64_t at = 0;
+#ifdef QM_AVX512 /* a whole 128 at once (the scalar loop below made a panel of six-bit rows 4x slower than the
+                    integer rows over 8 tokens): the top bits broadcast to both halves, each half's fields shifted
+                    down per 64-bit lane; groups of 16 interleave lo's and hi's 8-byte runs */
+    const __m512i m4 = _mm512_set1_epi8(15), three = _mm512_set1_epi8(3), off = _mm512_set1_epi8(32);
+    const __m512i sh_lo = _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2), sh_hi = _mm512_setr_epi64(4, 4, 4, 4, 6, 6, 6, 6);
+    const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11), second = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+    for (; at + 128 <= K; at += 128, p += 96, out += 128) {
+        __m512i b = _mm512_loadu_si512(p), t = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(p + 64)));
+        __m512i flo = _mm512_and_si512(_mm512_srlv_epi64(t, sh_lo), three);
+        __m512i fhi = _mm512_and_si512(_mm512_srlv_epi64(t, sh_hi), three);
+        __m512i lo = _mm512_sub_epi8(_mm512_or_si512(_mm512_and_si512(b, m4), _mm512_slli_epi16(flo, 4)), off);
+        __m512i hi = _mm512_sub_epi8(
+            _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(b, 4), m4), _mm512_slli_epi16(fhi, 4)), off);
+        if (group == 16) {
+            __m512i a = _mm512_unpacklo_epi64(lo, hi), c = _mm512_unpackhi_epi64(lo, hi);
+            lo = _mm512_permutex2var_epi64(a, first, c), hi = _mm512_permutex2var_epi64(a, second, c);
+        }
+        _mm512_storeu_si512(out, lo);
+        _mm512_storeu_si512(out + 64, hi);
+    }
+#endif
     for (; at + 128 <= K; at += 128, p += 96, out += 128)
         for (int j = 0; j < 64; j++) {
             int top = p[64 + (j & 31)], lo = group == 16 ? 16 * (j >> 3) + (j & 7) : j;
@@ -288,6 +309,17 @@ static const int8_t *table_row(const void *row, int64_t K, const int8_t *values)
         table_buf = grown, table_len = (size_t)K;
     }
     const uint8_t *p = (const uint8_t *)row;
+#ifdef QM_AVX2 /* a group's 16 bytes at once, the table looked up by byte shuffles (the loop below made a panel
+                  of MXFP4 rows slower than the integer rows) */
+    const __m128i lut = _mm_loadu_si128((const __m128i *)values), m4 = _mm_set1_epi8(15);
+    for (int64_t g = 0; g < K / 32; g++) {
+        __m128i b = _mm_loadu_si128((const __m128i *)(p + g * 16));
+        _mm_storeu_si128((__m128i *)(table_buf + g * 32), _mm_shuffle_epi8(lut, _mm_and_si128(b, m4)));
+        _mm_storeu_si128((__m128i *)(table_buf + g * 32 + 16),
+                         _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(b, 4), m4)));
+    }
+    return table_buf;
+#endif
     for (int64_t g = 0; g < K / 32; g++)
         for (int k = 0; k < 16; k++) {
             table_buf[g * 32 + k] = values[p[g * 16 + k] & 15];
@@ -426,6 +458,11 @@ static void multiply(const float *x, int64_t M, int64_t K, const float *w, int r
 #ifdef QM_AVX512
 #define QM_PANEL 16     /* weight rows decoded together */
 #define QM_PANEL_MIN 5  /* tokens from which a product takes the panels (below: the integer rows, or the tiles) */
+/* The same for a routed expert's tokens in a pass (routed_pass). Below it the integer rows, ceil(c / 4) calls over
+ * the expert's rows, measured faster: an expert of 1536 x 2048 (Q4_K, Q4_0), panels / integer rows time at
+ * 5 / 8 / 9 / 12 / 16 tokens 1.3 / 0.85 / 1.1 / 0.85 / 0.65; whole prefills of the synthetic MoEs at 32-192
+ * tokens fastest from 9-17 (the routing is uneven: most pairs are in experts of 9+ tokens at 32). */
+#define QM_EXPERT_PANEL_MIN 13
 #define QM_KR 8         /* rows a kernel call multiplies */
 #define QM_TB 48        /* tokens a block holds (three vectors) */
 #define QM_PAD 16       /* a decoded row's stride is K + QM_PAD floats: rows 2^k floats apart share L1 sets */
@@ -436,6 +473,25 @@ static inline int64_t panel_width(int64_t cnt) { return cnt <= 8 ? 8 : (cnt + 15
 /* Floats of transposed blocks for n tokens of k values. */
 static size_t panel_input_floats(int64_t n, int64_t k) { return (size_t)((n + QM_TB - 1) / QM_TB) * QM_TB * (size_t)k; }
 
+/* Floats of c tokens of k values in blocks (transpose_tokens), the last block only as wide as its
+ * tokens need: an expert's share of a routed pass's transposed inputs. */
+static size_t panel_floats(int64_t c, int64_t k) {
+    int64_t full = (c - 1) / QM_TB;
+    return (size_t)(full * QM_TB + panel_width(c - full * QM_TB)) * (size_t)k;
+}
+
+/* Columns k0 .. k1 - 1 of one block of cnt tokens (rows[i]) into d, the block (k, width): the
+ * lanes past its tokens zero. */
+static void transpose_slice(const float *const *rows, int64_t cnt, int64_t k0, int64_t k1, float *d) {
+    int64_t width = panel_width(cnt);
+    for (int64_t j = k0; j < k1; j++)
+        for (int64_t i = cnt; i < width; i++) d[j * width + i] = 0.0f;
+    for (int64_t i = 0; i < cnt; i++) {
+        const float *xi = rows[i];
+        for (int64_t j = k0; j < k1; j++) d[j * width + i] = xi[j];
+    }
+}
+
 /* x (n, k) -> xt: block b (tokens b * QM_TB ..) at xt + b * QM_TB * k as (k, Z * 16), Z its vectors
  * (its tokens / 16 rounded up), the lanes past its tokens zero. Called by every thread of a
  * region: a worksharing loop, so every thread waits for the whole of xt. */
@@ -444,14 +500,10 @@ static void transpose_tokens(const float *x, int64_t n, int64_t k, float *xt) {
 #pragma omp for schedule(static)
     for (int64_t s = 0; s < blocks * slices; s++) {
         int64_t b = s / slices, k0 = (s % slices) * 256, k1 = k0 + 256 < k ? k0 + 256 : k;
-        int64_t t0 = b * QM_TB, cnt = n - t0 < QM_TB ? n - t0 : QM_TB, width = panel_width(cnt);
-        float *d = xt + b * QM_TB * k;
-        for (int64_t j = k0; j < k1; j++)
-            for (int64_t i = cnt; i < width; i++) d[j * width + i] = 0.0f;
-        for (int64_t i = 0; i < cnt; i++) {
-            const float *xi = x + (t0 + i) * k;
-            for (int64_t j = k0; j < k1; j++) d[j * width + i] = xi[j];
-        }
+        int64_t t0 = b * QM_TB, cnt = n - t0 < QM_TB ? n - t0 : QM_TB;
+        const float *rows[QM_TB];
+        for (int64_t i = 0; i < cnt; i++) rows[i] = x + (t0 + i) * k;
+        transpose_slice(rows, cnt, k0, k1, xt + b * QM_TB * k);
     }
 }
 
@@ -1605,18 +1657,26 @@ static void make_inputs(const float *x, int64_t n, int64_t k, char *mem, float *
 static int64_t unit_rows(const qm_few *f) { return f->xt ? QM_PANEL : NB; }
 static int64_t units_of(const qm_linear *w, const qm_few *f) { return (w->n + unit_rows(f) - 1) / unit_rows(f); }
 
+#ifdef QM_AVX512
+/* Rows r .. r + rows - 1 (rows <= QM_PANEL) of w times cnt tokens transposed in xt (blocks of
+ * transpose_tokens) into y[i * N + j] (+ bias), through a panel decoded in wbuf. */
+static void panel_for(const qm_linear *w, int64_t r, int64_t rows, int64_t cnt, const float *xt, float *wbuf, float *y,
+                      int64_t N) {
+    decode_panel(w->kind & ~QM_FLAGS, params_fmt(w->kind), (const char *)w->codes, w->scales, w->mins, r, (int)rows,
+                 w->k, w->group, wbuf);
+    panel_rows(xt, cnt, w->k, wbuf, w->k + QM_PAD, (int)rows, y, N);
+    if (w->bias)
+        for (int64_t i = 0; i < cnt; i++)
+            for (int64_t j = 0; j < rows; j++) y[i * N + j] += w->bias[r + j];
+}
+#endif
+
 /* tile_product, through the integer rows where the pass's inputs were made digits. */
 static void product(const qm_linear *w, int64_t t, const float *x, int64_t n, float *y, float *wbuf, const qm_few *f) {
 #ifdef QM_AVX512
     if (f->xt) { /* panel t: its rows decoded, times every token (bias added) */
-        int64_t n0 = t * QM_PANEL, kind = w->kind & ~QM_FLAGS;
-        int rows = (int)(w->n - n0 < QM_PANEL ? w->n - n0 : QM_PANEL);
-        decode_panel(kind, params_fmt(w->kind), (const char *)w->codes, w->scales, w->mins, n0, rows, w->k, w->group,
-                     wbuf);
-        panel_rows(f->xt, n, w->k, wbuf, w->k + QM_PAD, rows, y + n0, w->n);
-        if (w->bias)
-            for (int64_t i = 0; i < n; i++)
-                for (int r = 0; r < rows; r++) y[i * w->n + n0 + r] += w->bias[n0 + r];
+        int64_t n0 = t * QM_PANEL;
+        panel_for(w, n0, w->n - n0 < QM_PANEL ? w->n - n0 : QM_PANEL, n, f->xt, wbuf, y + n0, w->n);
         return;
     }
 #endif
@@ -1688,11 +1748,13 @@ static int matmul_few(int kind, const float *x, int64_t M, int64_t K, const void
 /* ---- An MoE layer's routed experts in a pass of n tokens (qm_pass_layers) ----
  *
  * Every token routed as a decode step routes it (route_one); the pairs (token, expert) grouped by
- * expert, experts in ascending order; each woken expert's rows read once for all its tokens
- * (the integer rows take up to QM_FEW tokens a call, each token's bits those it gets alone), so a
- * token's sum is the step's: its experts' weighted outputs added in expert order. Three
- * barriers after the routing: gate/up rows of all woken experts, the pairs' activations, the
- * output rows. */
+ * expert, experts in ascending order; each woken expert's rows read once for all its tokens: the
+ * integer rows, up to QM_FEW tokens a call, each token's bits those it gets alone, for an expert of
+ * fewer than QM_EXPERT_PANEL_MIN tokens; else the panels, its rows decoded to fp32 once for all
+ * its tokens (its tokens' outputs then differ from a step's in the last bits, as a dense product's
+ * of 5+ tokens does). A token's sum adds its experts' weighted outputs in expert order, as a
+ * step does. Barriers after the routing: the panel experts' inputs transposed, gate/up rows of
+ * all woken experts, the pairs' activations, those transposed, the output rows. */
 typedef struct {
     int64_t *ids;    /* (n, top_k) each token's experts, ascending */
     float *wts;      /* (n, top_k) their weights */
@@ -1703,6 +1765,10 @@ typedef struct {
     char *dig;              /* per pair: digits of its activation (dig_bytes each) */
     qm_digits *ad;
     size_t dig_bytes;
+    float *pxt;            /* the panel experts' inputs transposed (their tokens', then their activations) */
+    size_t pxt_cap;        /* its floats (grown as a layer needs, kept for the next; freed by the caller) */
+    int64_t *poff, *panel; /* each woken expert's offset in pxt in tokens (-1: the integer rows); the panel experts */
+    int64_t panels;
 } qm_routed;
 
 /* Rows r .. r + rows - 1 of w times `cnt` inputs (x[i], their sums s16[i]/s32[i] and digits
@@ -1739,15 +1805,51 @@ static void rows_for(const qm_linear *w, int64_t r, int64_t rows, int64_t cnt, c
     for (int64_t i = 0; i < cnt; i++) rows_product(w, r, rows, x[i], s16[i], s32[i], dg[i], tmp, out + i * QM_ROWS);
 }
 
+/* rows_for over rows r .. r + rows - 1 (rows <= U), QM_ROWS at a time, into out[i * U + j];
+ * piece: cnt * QM_ROWS floats of scratch. */
+static void unit_for(const qm_linear *w, int64_t r, int64_t rows, int64_t U, int64_t cnt, const float *const *x,
+                     const float *const *s16, const float *const *s32, const qm_digits *const *dg, float *tmp,
+                     float *piece, float *out) {
+    for (int64_t h = 0; h < rows; h += QM_ROWS) {
+        int64_t m = rows - h < QM_ROWS ? rows - h : QM_ROWS;
+        rows_for(w, r + h, m, cnt, x, s16, s32, dg, tmp, piece);
+        for (int64_t i = 0; i < cnt; i++)
+            for (int64_t j = 0; j < m; j++) out[i * U + h + j] = piece[i * QM_ROWS + j];
+    }
+}
+
+#ifdef QM_AVX512
+/* The panel experts' inputs transposed into R->pxt (expert e's at poff[e] * k): for its q-th pair,
+ * the row of k values at base of its token (by_token) or of the pair itself (its activation). A
+ * worksharing loop over (expert, 256 columns). */
+static void transpose_experts(const qm_routed *R, int64_t k, const float *base, int64_t by_token, int64_t top_k) {
+    int64_t slices = (k + 255) / 256;
+#pragma omp for schedule(static)
+    for (int64_t s = 0; s < R->panels * slices; s++) {
+        int64_t e = R->panel[s / slices], k0 = (s % slices) * 256, k1 = k0 + 256 < k ? k0 + 256 : k;
+        int64_t c = R->count[e], first = R->start[e];
+        const float *rows[QM_TB];
+        for (int64_t b0 = 0; b0 < c; b0 += QM_TB) {
+            int64_t cnt = c - b0 < QM_TB ? c - b0 : QM_TB;
+            for (int64_t i = 0; i < cnt; i++) /* the token's input, or the pair's own (its activation) */
+                rows[i] = base + (by_token ? R->order[first + b0 + i] / top_k : first + b0 + i) * k;
+            transpose_slice(rows, cnt, k0, k1, R->pxt + (R->poff[e] + b0) * k);
+        }
+    }
+}
+#endif
+
 /* Called by every thread of qm_pass_layers' region. xn: (n, H) the tokens' normed states, their
  * sums and digits tok16/tok32 (stride tsum) and tokd; x: (n, H) += the experts' sums. logits: n x E
  * scratch; route: n x (top_k + E) scratch; ptrs: per thread 4 x n * top_k pointers; mine: per
- * thread 2 * n * top_k * QM_ROWS floats; tmp: a row. */
+ * thread n * (2 * QM_PANEL + QM_ROWS) floats; tmp: a decoded panel (QM_PANEL rows, stride
+ * widest + QM_PAD). An expert with QM_EXPERT_PANEL_MIN tokens or more (where R->pxt is given) takes
+ * the panels, as a dense product of as many tokens does; the others the integer rows. */
 static void routed_pass(const qm_layer *L, int64_t n, int64_t H, const float *xn, const float *tok16,
                         const float *tok32, int64_t tsum, const qm_digits *tokd, float *logits, float *route,
                         qm_routed *R, const void **ptrs, float *mine, float *tmp, float *x) {
     int64_t E = L->experts, K = L->top_k, P = n * K;
-    int64_t I = L->expert_down[0].k, sums = I / 16 + I / 32 + 2, bgu = (2 * I + QM_ROWS - 1) / QM_ROWS;
+    int64_t I = L->expert_down[0].k, sums = I / 16 + I / 32 + 2;
 #pragma omp for schedule(static)
     for (int64_t s = 0; s < n * E; s++)
         logits[s] = dot(L->router + (s % E) * H, xn + (s / E) * H, H) + (L->router_bias ? L->router_bias[s % E] : 0.0f);
@@ -1764,58 +1866,98 @@ static void routed_pass(const qm_layer *L, int64_t n, int64_t H, const float *xn
         if (L->hits)
             for (int64_t e = 0; e < E; e++) L->hits[e] += R->count[e];
         int64_t at = 0;
-        R->used = 0;
+        R->used = R->panels = 0;
         for (int64_t e = 0; e < E; e++) {
-            R->start[e] = at, at += R->count[e];
+            R->start[e] = at, at += R->count[e], R->poff[e] = -1;
             if (R->count[e]) R->woken[R->used++] = e;
         }
+#ifdef QM_AVX512
+        int64_t pt = 0; /* the panel experts' room in pxt, in tokens */
+        for (int64_t u = 0; u < R->used; u++)
+            if (R->count[R->woken[u]] >= QM_EXPERT_PANEL_MIN) pt += (int64_t)panel_floats(R->count[R->woken[u]], 1);
+        size_t need = (size_t)pt * (size_t)(H > I ? H : I);
+        if (need > R->pxt_cap) { /* grown for this layer; none to be had: its experts take the integer rows */
+            free(R->pxt);
+            R->pxt = (float *)malloc(sizeof(float) * need);
+            R->pxt_cap = R->pxt ? need : 0;
+        }
+        pt = 0;
+        for (int64_t u = 0; R->pxt && u < R->used; u++) {
+            int64_t e = R->woken[u];
+            if (R->count[e] >= QM_EXPERT_PANEL_MIN)
+                R->poff[e] = pt, pt += (int64_t)panel_floats(R->count[e], 1), R->panel[R->panels++] = e;
+        }
+#endif
         int64_t *next = R->woken + E; /* E more: each expert's next free slot */
         memcpy(next, R->start, sizeof(int64_t) * (size_t)E);
         for (int64_t p = 0; p < P; p++) R->order[next[R->ids[p]]++] = p;
     }
     const float **xin = (const float **)ptrs, **s16 = xin + P, **s32 = s16 + P;
     const qm_digits **dg = (const qm_digits **)(s32 + P);
+    int64_t U = R->panels ? QM_PANEL : QM_ROWS, bgu = (2 * I + U - 1) / U; /* U: the rows of a unit of work */
+    float *out = mine, *acc = mine + n * U, *piece = acc + n * U;
+#ifdef QM_AVX512
+    if (R->panels) transpose_experts(R, H, xn, 1, K); /* (every thread sees the same R->panels) */
+#endif
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < R->used * bgu; b++) {
-        int64_t e = R->woken[b / bgu], r = (b % bgu) * QM_ROWS, c = R->count[e], first = R->start[e];
-        int64_t rows = 2 * I - r < QM_ROWS ? 2 * I - r : QM_ROWS;
+        int64_t e = R->woken[b / bgu], r = (b % bgu) * U, c = R->count[e], first = R->start[e];
+        int64_t rows = 2 * I - r < U ? 2 * I - r : U;
+#ifdef QM_AVX512
+        if (R->poff[e] >= 0) {
+            panel_for(&L->expert_gate_up[e], r, rows, c, R->pxt + R->poff[e] * H, tmp, R->gu + first * 2 * I + r, 2 * I);
+            continue;
+        }
+#endif
         for (int64_t q = 0; q < c; q++) {
             int64_t i = R->order[first + q] / K;
             xin[q] = xn + i * H, s16[q] = tok16 + i * tsum, s32[q] = tok32 + i * tsum, dg[q] = tokd + i;
         }
-        rows_for(&L->expert_gate_up[e], r, rows, c, xin, s16, s32, dg, tmp, mine);
+        unit_for(&L->expert_gate_up[e], r, rows, U, c, xin, s16, s32, dg, tmp, piece, out);
         for (int64_t q = 0; q < c; q++)
-            for (int64_t j = 0; j < rows; j++) R->gu[(first + q) * 2 * I + r + j] = mine[q * QM_ROWS + j];
+            for (int64_t j = 0; j < rows; j++) R->gu[(first + q) * 2 * I + r + j] = out[q * U + j];
     }
 #pragma omp for schedule(static)
     for (int64_t q = 0; q < P; q++) {
         const float *g = R->gu + q * 2 * I;
         float *a = R->act + q * I, *a16 = R->asum + q * sums;
-        activate(g, I, L->expert_gate, R->ids[R->order[q]], a);
-        group_sums(a, I, a16, a16 + I / 16 + 1);
-        make_digits(a, I, R->dig + R->dig_bytes * (size_t)q, &R->ad[q]);
+        int64_t e = R->ids[R->order[q]];
+        activate(g, I, L->expert_gate, e, a);
+        if (R->poff[e] < 0) { /* the integer rows' inputs (a panel expert's are transposed below) */
+            group_sums(a, I, a16, a16 + I / 16 + 1);
+            make_digits(a, I, R->dig + R->dig_bytes * (size_t)q, &R->ad[q]);
+        }
     }
-    float *acc = mine + P * QM_ROWS;
+#ifdef QM_AVX512
+    if (R->panels) transpose_experts(R, I, R->act, 0, K);
+#endif
 #pragma omp for schedule(static)
-    for (int64_t r = 0; r < H; r += QM_ROWS) {
-        int64_t rows = H - r < QM_ROWS ? H - r : QM_ROWS;
-        memset(acc, 0, sizeof(float) * (size_t)(n * QM_ROWS));
+    for (int64_t r = 0; r < H; r += U) {
+        int64_t rows = H - r < U ? H - r : U;
+        memset(acc, 0, sizeof(float) * (size_t)(n * U));
         for (int64_t u = 0; u < R->used; u++) { /* experts ascending: each token's sum in the step's order */
             int64_t e = R->woken[u], c = R->count[e], first = R->start[e];
-            for (int64_t q = 0; q < c; q++) {
-                const float *a16 = R->asum + (first + q) * sums;
-                xin[q] = R->act + (first + q) * I, s16[q] = a16, s32[q] = a16 + I / 16 + 1, dg[q] = R->ad + first + q;
+#ifdef QM_AVX512
+            if (R->poff[e] >= 0)
+                panel_for(&L->expert_down[e], r, rows, c, R->pxt + R->poff[e] * I, tmp, out, U);
+            else
+#endif
+            {
+                for (int64_t q = 0; q < c; q++) {
+                    const float *a16 = R->asum + (first + q) * sums;
+                    xin[q] = R->act + (first + q) * I, s16[q] = a16, s32[q] = a16 + I / 16 + 1, dg[q] = R->ad + first + q;
+                }
+                unit_for(&L->expert_down[e], r, rows, U, c, xin, s16, s32, dg, tmp, piece, out);
             }
-            rows_for(&L->expert_down[e], r, rows, c, xin, s16, s32, dg, tmp, mine);
             const float *db = L->expert_gate ? L->expert_gate->down_bias + e * H + r : NULL;
             for (int64_t q = 0; q < c; q++) {
                 int64_t p = R->order[first + q], i = p / K;
                 for (int64_t j = 0; j < rows; j++)
-                    acc[i * QM_ROWS + j] += R->wts[p] * (db ? mine[q * QM_ROWS + j] + db[j] : mine[q * QM_ROWS + j]);
+                    acc[i * U + j] += R->wts[p] * (db ? out[q * U + j] + db[j] : out[q * U + j]);
             }
         }
         for (int64_t i = 0; i < n; i++)
-            for (int64_t j = 0; j < rows; j++) x[i * H + r + j] = x[i * H + r + j] + acc[i * QM_ROWS + j];
+            for (int64_t j = 0; j < rows; j++) x[i * H + r + j] = x[i * H + r + j] + acc[i * U + j];
     }
 }
 
@@ -1850,9 +1992,9 @@ int qm_pass_layers(const qm_layer *layers, const qm_view *views, int64_t count, 
     /* the routed experts' scratch (routed_pass), where a layer has them */
     int64_t P = n * K, sums = I / 16 + I / 32 + 2;
     size_t tok_bytes = few_bytes(H), edig = digits_bytes(I > 0 ? I : 1);
-    size_t routed_floats = (size_t)(n * E + n * (K + E) + P + P * 3 * I + P * sums) +
-                           (size_t)threads * (size_t)(2 * P * QM_ROWS);
-    size_t routed_bytes = E ? sizeof(float) * routed_floats + sizeof(int64_t) * (size_t)(2 * P + 4 * E) +
+    size_t mine_floats = (size_t)(n * (2 * QM_PANEL + QM_ROWS)); /* routed_pass's `mine` */
+    size_t routed_floats = (size_t)(n * E + n * (K + E) + P + P * 3 * I + P * sums) + (size_t)threads * mine_floats;
+    size_t routed_bytes = E ? sizeof(float) * routed_floats + sizeof(int64_t) * (size_t)(2 * P + 6 * E) +
                                   tok_bytes * (size_t)n + edig * (size_t)P + sizeof(qm_digits) * (size_t)(n + P) +
                                   sizeof(void *) * (size_t)(4 * P) * (size_t)threads + 64
                             : 1;
@@ -1870,9 +2012,10 @@ int qm_pass_layers(const qm_layer *layers, const qm_view *views, int64_t count, 
         R.dig = m, R.dig_bytes = edig, m += edig * (size_t)P;
         logits = (float *)m, route = logits + n * E, R.wts = route + n * (K + E), R.gu = R.wts + P;
         R.act = R.gu + P * 2 * I, R.asum = R.act + P * I, mines = R.asum + P * sums;
-        m = (char *)(mines + (size_t)threads * (size_t)(2 * P * QM_ROWS));
+        m = (char *)(mines + (size_t)threads * mine_floats);
+        m = (char *)(((uintptr_t)m + 7) & ~(uintptr_t)7); /* int64 after floats: kept aligned */
         R.ids = (int64_t *)m, R.order = R.ids + P, R.woken = R.order + P, R.start = R.woken + 2 * E;
-        R.count = R.start + E, m = (char *)(R.count + E);
+        R.count = R.start + E, R.poff = R.count + E, R.panel = R.poff + E, m = (char *)(R.panel + E);
         tokd = (qm_digits *)m, R.ad = tokd + n, m = (char *)(R.ad + P);
         ptrs = (const void **)m;
     }
@@ -2018,7 +2161,7 @@ int qm_pass_layers(const qm_layer *layers, const qm_view *views, int64_t count, 
                     make_digits(xn + i * H, H, (char *)(t32 + H / 32 + 1), &tokd[i]);
                 }
                 routed_pass(L, n, H, xn, tok16, tok32, tsum, tokd, logits, route, &R,
-                            ptrs + (size_t)t * (size_t)(4 * P), mines + (size_t)t * (size_t)(2 * P * QM_ROWS), wbuf, x);
+                            ptrs + (size_t)t * (size_t)(4 * P), mines + (size_t)t * mine_floats, wbuf, x);
                 if (!L->gate.n) continue; /* else its shared expert, as a dense MLP of the same input */
             }
             int64_t I = L->gate.n;
@@ -2047,6 +2190,7 @@ int qm_pass_layers(const qm_layer *layers, const qm_view *views, int64_t count, 
             }
         }
     }
+    free(R.pxt);
     free(xt);
     free(fewmem);
     free(buf);

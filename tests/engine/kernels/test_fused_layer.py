@@ -473,3 +473,44 @@ def test_moe_steps_route_in_the_fused_step(arch: str, model_cache: Path, monkeyp
     passes = len(fused_passes)
     assert greedy(Engine(fused.model, fused.tokenizer), PROMPTS[1], 24, "specexec") == ours
     assert len(fused_passes) > passes  # the prompt's pass at least
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_a_long_pass_reads_its_busy_experts_in_panels(arch: str, model_cache: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pass of many tokens (a prompt's chunk, a big tree) hands an expert routed 13 tokens or
+    more (QM_EXPERT_PANEL_MIN) to the panels: its rows decoded to fp32 once (Q4_K's K-scales,
+    Q6_K's six-bit codes, MXFP4's table) for all its tokens, its activations transposed; the
+    others keep the integer rows. Hidden states and K/V match the general path's over a 48-token
+    chain and a 24-node tree after it, as the routing counts do."""
+    from engine.kernels.experts import PackedExperts
+
+    if arch == "gpt_oss":
+        path = synthetic_gpt_oss_gguf(model_cache / "fused-gpt-oss" / "model.gguf", hidden=128, layers=3, vocab=384,
+                                      heads=4, kv_heads=2, head_dim=32, experts=4, top_k=2, expert_width=128, window=6)
+    else:
+        path = tiny_gguf(arch, layers=3, layer_types=("Q8_0", "Q4_K/Q6_K", "Q4_0"), cache_dir=model_cache)
+    fused = load_model(path, offload="none")
+    monkeypatch.setenv("SPECCHAT_NO_FUSED", "1")
+    plain = load_model(path, offload="none")
+    monkeypatch.delenv("SPECCHAT_NO_FUSED")
+    experts = [[m for m in model.model.hf_model.modules() if isinstance(m, PackedExperts)] for model in (fused, plain)]
+    caches = [m.model.new_cache(96) for m in (fused, plain)]
+    g = torch.Generator().manual_seed(11)
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, 24)]
+    depth = [0] * len(parents)
+    for i, p in enumerate(parents[1:], 1):
+        depth[i] = depth[p] + 1
+    passes = ((torch.randint(0, 300, (48,), generator=g), torch.arange(48), None),
+              (torch.randint(0, 300, (24,), generator=g), 48 + torch.tensor(depth),
+               tree_mask(parents, torch.ones(48, dtype=torch.bool))))
+    for tokens, positions, allowed in passes:
+        before = [m.hits.clone() for m in experts[0]]
+        got, want = (m.model.forward(tokens, positions, c, allowed) for m, c in zip((fused, plain), caches))
+        assert close(got, want)
+        for k1, k2 in zip(caches[0].tensors(), caches[1].tensors()):
+            assert close(k1[0], k2[0]) and close(k1[1], k2[1])
+        for mine, theirs in zip(*experts):
+            assert torch.equal(mine.hits, theirs.hits)
+        # 2 of 4 experts a token: 96 and 48 pairs, so an expert of every layer is at least 24 and 12
+        # tokens busy; the panels' share is what this test is for
+        assert all(int((m.hits - b).max()) >= 13 for m, b in zip(experts[0], before))
