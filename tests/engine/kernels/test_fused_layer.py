@@ -405,6 +405,27 @@ def test_the_portable_builds_compute_the_same(flags: tuple[str, ...], tmp_path: 
         build.reset()
 
 
+def moe_pair(arch: str, model_cache: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any, list[list[Any]]]:
+    """A tiny MoE GGUF of `arch` (3 layers, 4 experts, top 2; gpt-oss: MXFP4 experts, Q8_0 attention,
+    windows of 6 on even layers; else Q8_0, Q4_K/Q6_K and Q4_0 layers) loaded fused and not, with
+    each one's PackedExperts."""
+    from engine.kernels.experts import PackedExperts
+
+    if arch == "gpt_oss":
+        path = synthetic_gpt_oss_gguf(model_cache / "fused-gpt-oss" / "model.gguf", hidden=128, layers=3, vocab=384,
+                                      heads=4, kv_heads=2, head_dim=32, experts=4, top_k=2, expert_width=128, window=6)
+    else:
+        path = tiny_gguf(arch, layers=3, layer_types=("Q8_0", "Q4_K/Q6_K", "Q4_0"), cache_dir=model_cache)
+    fused = load_model(path, offload="none")
+    monkeypatch.setenv("SPECCHAT_NO_FUSED", "1")
+    plain = load_model(path, offload="none")
+    monkeypatch.delenv("SPECCHAT_NO_FUSED")
+    assert fused.model.fused is not None and fused.model.fused.moe and plain.model.fused is None
+    experts = [[m for m in model.model.hf_model.modules() if isinstance(m, PackedExperts)] for model in (fused, plain)]
+    assert len(experts[0]) == 3
+    return fused, plain, experts
+
+
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "gpt_oss"])
 def test_moe_steps_route_in_the_fused_step(arch: str, model_cache: Path, monkeypatch: pytest.MonkeyPatch,
                                            fused_steps: list[int], fused_passes: list[int]) -> None:
@@ -419,20 +440,7 @@ def test_moe_steps_route_in_the_fused_step(arch: str, model_cache: Path, monkeyp
     tests/engine/loading/test_gguf_families.py and test_gguf_families2.py hold to
     transformers'), the routing counts and unions the same, and greedy text, plain and with
     draft-free trees, the same."""
-    from engine.kernels.experts import PackedExperts
-
-    if arch == "gpt_oss":  # MXFP4 experts, Q8_0 attention
-        path = synthetic_gpt_oss_gguf(model_cache / "fused-gpt-oss" / "model.gguf", hidden=128, layers=3, vocab=384,
-                                      heads=4, kv_heads=2, head_dim=32, experts=4, top_k=2, expert_width=128, window=6)
-    else:
-        path = tiny_gguf(arch, layers=3, layer_types=("Q8_0", "Q4_K/Q6_K", "Q4_0"), cache_dir=model_cache)
-    fused = load_model(path, offload="none")
-    monkeypatch.setenv("SPECCHAT_NO_FUSED", "1")
-    plain = load_model(path, offload="none")
-    monkeypatch.delenv("SPECCHAT_NO_FUSED")
-    assert fused.model.fused is not None and fused.model.fused.moe and plain.model.fused is None
-    experts = [[m for m in model.model.hf_model.modules() if isinstance(m, PackedExperts)] for model in (fused, plain)]
-    assert len(experts[0]) == 3
+    fused, plain, experts = moe_pair(arch, model_cache, monkeypatch)
     caches = [m.model.new_cache(64) for m in (fused, plain)]
 
     def both(tokens: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
@@ -482,18 +490,7 @@ def test_a_long_pass_reads_its_busy_experts_in_panels(arch: str, model_cache: Pa
     Q6_K's six-bit codes, MXFP4's table) for all its tokens, its activations transposed; the
     others keep the integer rows. Hidden states and K/V match the general path's over a 48-token
     chain and a 40-node tree after it, as the routing counts do."""
-    from engine.kernels.experts import PackedExperts
-
-    if arch == "gpt_oss":
-        path = synthetic_gpt_oss_gguf(model_cache / "fused-gpt-oss" / "model.gguf", hidden=128, layers=3, vocab=384,
-                                      heads=4, kv_heads=2, head_dim=32, experts=4, top_k=2, expert_width=128, window=6)
-    else:
-        path = tiny_gguf(arch, layers=3, layer_types=("Q8_0", "Q4_K/Q6_K", "Q4_0"), cache_dir=model_cache)
-    fused = load_model(path, offload="none")
-    monkeypatch.setenv("SPECCHAT_NO_FUSED", "1")
-    plain = load_model(path, offload="none")
-    monkeypatch.delenv("SPECCHAT_NO_FUSED")
-    experts = [[m for m in model.model.hf_model.modules() if isinstance(m, PackedExperts)] for model in (fused, plain)]
+    fused, plain, experts = moe_pair(arch, model_cache, monkeypatch)
     caches = [m.model.new_cache(96) for m in (fused, plain)]
     g = torch.Generator().manual_seed(11)
     parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, 40)]
