@@ -48,6 +48,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 import logging
+import threading
 import time
 import weakref
 from typing import TYPE_CHECKING, Any, cast
@@ -99,6 +100,14 @@ class Layer(ctypes.Structure):
                 *((name, ctypes.c_int64) for name in ("lin_kh", "lin_vh", "lin_dk", "lin_dv", "kernel", "lin_tiled"))]
 
 
+INTERRUPT_RUNS = 8  # an interruptible pass's runs of layers: a Stop waits for one (CausalLM.interruptible)
+
+
+class PassInterrupted(Exception):
+    """A pass stopped between its runs of layers (FusedDecoder.interrupt set): nothing of it was
+    committed to the cache."""
+
+
 class FusedDecoder:
     """The fused plain decoding step of one CausalLM (see the module docstring)."""
 
@@ -133,6 +142,8 @@ class FusedDecoder:
         self.rope_of = [self.rope_types.index(t) for t in model.layer_types] if self.rope_types else [0] * len(model.layers)
         # hybrids: each layer's Gated DeltaNet state shape (None: attention); see takes()
         self.linear = list(model.linear)
+        # set by CausalLM.interruptible: a pass checks it between runs of layers (pass_)
+        self.interrupt: threading.Event | None = None
         self.hybrid = any(s is not None for s in self.linear)
         for layer, struct, kind in zip(model.layers, self.layers, model.kinds):
             block = getattr(layer.mlp, "experts", None)
@@ -294,11 +305,17 @@ class FusedDecoder:
                 spans[2 * i + 1] = int((cache.positions[base: cache.length] <= first - w).sum())
         return spans
 
-    def _pieces(self, grab: tuple[int, ...]) -> list[tuple[int, int]]:
-        """The runs of layers [a, b) between the layers whose inputs are kept (CausalLM.aux_inputs)."""
+    def _pieces(self, grab: tuple[int, ...], every: int = 0) -> list[tuple[int, int]]:
+        """The runs of layers [a, b) between the layers whose inputs are kept (CausalLM.aux_inputs),
+        and with `every`, cut at least every that many layers."""
         n = len(self.layers)
-        cuts = sorted({0, n, *(j for j in grab if 0 < j < n)})
+        cuts = sorted({0, n, *(j for j in grab if 0 < j < n), *(range(every, n, every) if every else ())})
         return list(zip(cuts, cuts[1:]))
+
+    def interruptible(self) -> bool:
+        """Whether a pass can stop between its runs of layers when `interrupt` is set: not on a
+        hybrid (its Gated DeltaNet layers' pending states are made for the whole pass)."""
+        return not self.hybrid
 
     def _at(self, buffers: Buffers, a: int) -> tuple[int, int]:
         """The addresses of layer a's struct and its view (a run from layer a)."""
@@ -401,7 +418,13 @@ class FusedDecoder:
         cos, sin = self._rope(hidden, positions)  # (1, n, D) each
         threads = governor().threads()
         before = [e.hits.clone() for e in self._experts]  # the pass counts its routed tokens into hits
-        for a, b in self._pieces(grab):
+        stop = self.interrupt if self.interruptible() else None
+        every = -(-len(self.layers) // INTERRUPT_RUNS) if stop is not None else 0
+        for a, b in self._pieces(grab, every):
+            if stop is not None and a > 0 and stop.is_set():  # nothing committed: the cache is as it was
+                for e, seen in zip(self._experts, before):
+                    e.hits.copy_(seen)
+                raise PassInterrupted(f"stopped before layer {a}")
             if a in grab and kept is not None:
                 kept[a] = hidden[0].clone()
             layers, views = self._at(buffers, a)

@@ -20,6 +20,9 @@ things to the two.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -115,6 +118,25 @@ class CausalLM:
             free = torch.cuda.mem_get_info(self.device)[0]
             return max(0, free - FREE_MARGIN_BYTES)
         return max(0, psutil.virtual_memory().available - HOST_FREE_MARGIN_BYTES)
+
+    def can_interrupt(self) -> bool:
+        """Whether a pass of several tokens stops between runs of its layers inside
+        `interruptible` (the fused CPU pass, not a hybrid's): a CPU prefill may then read larger
+        chunks, as a Stop no longer waits for a whole one."""
+        return self.fused is not None and self.fused.interruptible()
+
+    @contextmanager
+    def interruptible(self, stop: threading.Event | None) -> Iterator[None]:
+        """Within it, a fused pass checks `stop` between runs of its layers and raises
+        PassInterrupted, committing nothing, once it is set (engine.decoding.prefill)."""
+        if self.fused is None or stop is None:
+            yield
+            return
+        self.fused.interrupt = stop
+        try:
+            yield
+        finally:
+            self.fused.interrupt = None
 
     def read_layer_inputs(self, layers: tuple[int, ...]) -> None:
         """Keep the inputs of `layers` on every pass from now on (see `aux_inputs`)."""

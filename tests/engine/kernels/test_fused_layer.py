@@ -10,6 +10,7 @@ general path."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -511,3 +512,42 @@ def test_a_long_pass_reads_its_busy_experts_in_panels(arch: str, model_cache: Pa
         # 2 of 4 experts a token: 96 and 80 pairs, so an expert of every layer is at least 24 and 20
         # tokens busy; the panels' share is what this test is for
         assert all(int((m.hits - b).max()) >= 17 for m, b in zip(experts[0], before))
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_a_stop_mid_pass_commits_nothing_and_the_prompt_reads_on(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside `interruptible`, a fused pass checks the Stop between runs of its layers: set after
+    the first run, the pass raises PassInterrupted and the cache (a windowed one too) is as it was.
+    A CPU prefill with that Stop ends there, holding the chunks before it, and reading the prompt
+    on afterwards gives the hidden states of the model that was never stopped."""
+    from engine.decoding.prefill import prefill
+    from engine.kernels.fused_layer import PassInterrupted
+
+    fused, plain = pair(packed(config(family), seed=3), monkeypatch)
+    assert fused.can_interrupt() and fused.fused is not None
+    stop, runs = threading.Event(), []
+    real = fused.fused._many
+
+    def run_then_stop(*args: Any) -> int:
+        runs.append(args[2])  # the run's layers
+        if len(runs) == stop_after:
+            stop.set()
+        return int(real(*args))
+
+    fused.fused._many = run_then_stop
+    ids = torch.randint(0, 300, (120,), generator=torch.Generator().manual_seed(2)).tolist()
+    ours, theirs = fused.new_cache(16), plain.new_cache(16)
+    stop_after = 1
+    with fused.interruptible(stop), pytest.raises(PassInterrupted):
+        fused.forward(torch.tensor(ids[:40]), torch.arange(40), ours, None)
+    assert runs == [1] and ours.length == 0 and fused.fused.interrupt is None
+    stop.clear()
+    runs.clear()
+    stop_after = 3 + 2  # the second chunk's second run (three layers, a run each)
+    prefill(fused, ours, ids, cancel=stop)
+    assert ours.length == 32 and len(runs) == 5  # the first chunk (PREFILL_FIRST_CHUNK) and no more
+    prefill(fused, ours, ids)
+    got = fused.forward(torch.tensor(ids[-1:]), torch.tensor([len(ids)]), ours, None)
+    plain.forward(torch.tensor(ids), torch.arange(len(ids)), theirs, None)
+    want = plain.forward(torch.tensor(ids[-1:]), torch.tensor([len(ids)]), theirs, None)
+    assert close(got, want) and ours.length == theirs.length == len(ids) + 1
