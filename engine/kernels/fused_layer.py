@@ -312,11 +312,6 @@ class FusedDecoder:
         cuts = sorted({0, n, *(j for j in grab if 0 < j < n), *(range(every, n, every) if every else ())})
         return list(zip(cuts, cuts[1:]))
 
-    def interruptible(self) -> bool:
-        """Whether a pass can stop between its runs of layers when `interrupt` is set: not on a
-        hybrid (its Gated DeltaNet layers' pending states are made for the whole pass)."""
-        return not self.hybrid
-
     def _at(self, buffers: Buffers, a: int) -> tuple[int, int]:
         """The addresses of layer a's struct and its view (a run from layer a)."""
         return (ctypes.addressof(self.layers) + a * ctypes.sizeof(Layer),
@@ -418,7 +413,7 @@ class FusedDecoder:
         cos, sin = self._rope(hidden, positions)  # (1, n, D) each
         threads = governor().threads()
         before = [e.hits.clone() for e in self._experts]  # the pass counts its routed tokens into hits
-        stop = self.interrupt if self.interruptible() else None
+        stop = self.interrupt if not self.hybrid else None  # (a hybrid's pending states are the whole pass's)
         every = -(-len(self.layers) // INTERRUPT_RUNS) if stop is not None else 0
         for a, b in self._pieces(grab, every):
             if stop is not None and a > 0 and stop.is_set():  # nothing committed: the cache is as it was

@@ -1774,9 +1774,9 @@ typedef struct {
 
 /* Rows r .. r + rows - 1 of w times `cnt` inputs (x[i], their sums s16[i]/s32[i] and digits
  * dg[i]) into out[i * QM_ROWS + row]: the integer rows QM_FEW inputs at a time where they take
- * digits, else each input's rows (rows_product). tmp: a row of scratch. (fp32 tiles decoded once
- * for an expert's 9 or more tokens, as the dense pass takes them, measured no faster for a pass
- * of 128-256 tokens and 1.2x slower for 16: not taken.) */
+ * digits, else each input's rows (rows_product). tmp: a row of scratch. (fp32 tiles for an
+ * expert's 9 or more tokens measured no faster for a pass of 128-256 tokens and 1.2x slower for
+ * 16; the panels are faster from QM_EXPERT_PANEL_MIN tokens: routed_pass takes them there.) */
 static void rows_for(const qm_linear *w, int64_t r, int64_t rows, int64_t cnt, const float *const *x,
                      const float *const *s16, const float *const *s32, const qm_digits *const *dg, float *tmp,
                      float *out) {

@@ -123,7 +123,7 @@ class CausalLM:
         """Whether a pass of several tokens stops between runs of its layers inside
         `interruptible` (the fused CPU pass, not a hybrid's): a CPU prefill may then read larger
         chunks, as a Stop no longer waits for a whole one."""
-        return self.fused is not None and self.fused.interruptible()
+        return self.fused is not None and not self.fused.hybrid  # a hybrid's pending states are the whole pass's
 
     @contextmanager
     def interruptible(self, stop: threading.Event | None) -> Iterator[None]:
