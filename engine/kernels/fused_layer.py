@@ -413,7 +413,7 @@ class FusedDecoder:
         cos, sin = self._rope(hidden, positions)  # (1, n, D) each
         threads = governor().threads()
         before = [e.hits.clone() for e in self._experts]  # the pass counts its routed tokens into hits
-        stop = self.interrupt if not self.hybrid else None  # (a hybrid's pending states are the whole pass's)
+        stop = self.interrupt  # (None on a hybrid: CausalLM.can_interrupt)
         every = -(-len(self.layers) // INTERRUPT_RUNS) if stop is not None else 0
         for a, b in self._pieces(grab, every):
             if stop is not None and a > 0 and stop.is_set():  # nothing committed: the cache is as it was

@@ -30,7 +30,7 @@ import psutil
 import torch
 from torch import nn
 
-from engine.kernels.fused_layer import FusedDecoder
+from engine.kernels.fused_layer import INTERRUPT_RUNS, FusedDecoder, PassInterrupted
 from engine.model.cache import KVCache
 from engine.model.family import family_of, layer_kinds, supported_types
 from engine.model.hybrid_cache import HybridCache, LinearSpec
@@ -110,6 +110,7 @@ class CausalLM:
         self.placement = placement
         # plain decoding steps of a packed llama-family model on the CPU: one C call (None: not eligible)
         self.fused = FusedDecoder.of(self)
+        self.interrupt: threading.Event | None = None  # a Stop checked between runs of layers (interruptible)
 
     def free_memory(self) -> int:
         """Bytes the next pass's activations may take on this model's device now: free GPU
@@ -121,22 +122,25 @@ class CausalLM:
 
     def can_interrupt(self) -> bool:
         """Whether a pass of several tokens stops between runs of its layers inside
-        `interruptible` (the fused CPU pass, not a hybrid's): a CPU prefill may then read larger
-        chunks, as a Stop no longer waits for a whole one."""
-        return self.fused is not None and not self.fused.hybrid  # a hybrid's pending states are the whole pass's
+        `interruptible` (not a hybrid's: its Gated DeltaNet states fold or pend the whole pass;
+        not a streamed one): a CPU prefill may then read larger chunks, as a Stop no longer waits
+        for a whole one."""
+        return self.streamer is None and all(spec is None for spec in self.linear)
 
     @contextmanager
     def interruptible(self, stop: threading.Event | None) -> Iterator[None]:
-        """Within it, a fused pass checks `stop` between runs of its layers and raises
-        PassInterrupted, committing nothing, once it is set (engine.decoding.prefill)."""
-        if self.fused is None or stop is None:
-            yield
-            return
-        self.fused.interrupt = stop
+        """Within it, a pass checks `stop` between runs of its layers (the fused CPU pass's C
+        calls, or the layer modules) and raises PassInterrupted, committing nothing, once it is
+        set (engine.decoding.prefill)."""
+        self.interrupt = stop if self.can_interrupt() else None
+        if self.fused is not None:
+            self.fused.interrupt = self.interrupt
         try:
             yield
         finally:
-            self.fused.interrupt = None
+            self.interrupt = None
+            if self.fused is not None:
+                self.fused.interrupt = None
 
     def read_layer_inputs(self, layers: tuple[int, ...]) -> None:
         """Keep the inputs of `layers` on every pass from now on (see `aux_inputs`)."""
@@ -240,7 +244,10 @@ class CausalLM:
             rope = self.rotary(hidden, position_ids=pos)
             rope_of = [rope] * len(self.kinds)
         if self.streamer is None:
+            every = -(-len(self.layers) // INTERRUPT_RUNS)
             for i, layer in enumerate(self.layers):
+                if self.interrupt is not None and i and i % every == 0 and self.interrupt.is_set():
+                    raise PassInterrupted(f"stopped before layer {i}")  # nothing committed (a routed layer's counts stay)
                 if i in grab:
                     kept[i] = hidden[0]
                 hidden = layer(hidden, attention_mask=masks[i], position_ids=pos, past_key_values=cache,

@@ -516,8 +516,9 @@ def test_a_long_pass_reads_its_busy_experts_in_panels(arch: str, model_cache: Pa
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_a_stop_mid_pass_commits_nothing_and_the_prompt_reads_on(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Inside `interruptible`, a fused pass checks the Stop between runs of its layers: set after
-    the first run, the pass raises PassInterrupted and the cache (a windowed one too) is as it was.
+    """Inside `interruptible`, a pass checks the Stop between runs of its layers (the fused C
+    calls, and the layer modules): set after the first run, the pass raises PassInterrupted and
+    the cache (a windowed one too) is as it was.
     A CPU prefill with that Stop ends there, holding the chunks before it, and reading the prompt
     on afterwards gives the hidden states of the model that was never stopped."""
     from engine.decoding.prefill import prefill
@@ -547,6 +548,12 @@ def test_a_stop_mid_pass_commits_nothing_and_the_prompt_reads_on(family: str, mo
     prefill(fused, ours, ids, cancel=stop)
     assert ours.length == 32 and len(runs) == 5  # the first chunk (PREFILL_FIRST_CHUNK) and no more
     prefill(fused, ours, ids)
+    hook = plain.layers[0].register_forward_hook(lambda *_: stop.set())  # the layer modules' path stops too
+    stop.clear()
+    with plain.interruptible(stop), pytest.raises(PassInterrupted):
+        plain.forward(torch.tensor(ids[:40]), torch.arange(40), theirs, None)
+    hook.remove()
+    assert theirs.length == 0 and plain.interrupt is None
     got = fused.forward(torch.tensor(ids[-1:]), torch.tensor([len(ids)]), ours, None)
     plain.forward(torch.tensor(ids), torch.arange(len(ids)), theirs, None)
     want = plain.forward(torch.tensor(ids[-1:]), torch.tensor([len(ids)]), theirs, None)
