@@ -358,8 +358,8 @@ class Engine:
                grammar: Grammar | None = None) -> Decoding:
         """Caches holding as much of the prompt as was cached, plus what does not fit the first
         decoding pass (prefilled in chunks as large as the device's memory allows). A `cancel`
-        set meanwhile stops the prefill between chunks, or between runs of a fused CPU pass's
-        layers (prefill.py; the decode loop then ends at once).
+        set meanwhile stops the prefill between chunks, or between runs of a CPU pass's layers
+        (prefill.py; the decode loop then ends at once).
         Under a `grammar`, `choose` sees only the tokens it allows after the step's tokens so
         far (grammar.py: the constrained target's distribution)."""
         sampling, spec = request.sampling, request.speculation

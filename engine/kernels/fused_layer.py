@@ -103,9 +103,14 @@ class Layer(ctypes.Structure):
 INTERRUPT_RUNS = 8  # an interruptible pass's runs of layers: a Stop waits for one (CausalLM.interruptible)
 
 
+def interrupt_every(layers: int) -> int:
+    """An interruptible pass over `layers` layers checks its Stop before every this many."""
+    return -(-layers // INTERRUPT_RUNS)
+
+
 class PassInterrupted(Exception):
-    """A pass stopped between its runs of layers (FusedDecoder.interrupt set): nothing of it was
-    committed to the cache."""
+    """A pass stopped between its runs of layers (its `stop` set): nothing of it was committed to
+    the cache."""
 
 
 class FusedDecoder:
@@ -142,8 +147,6 @@ class FusedDecoder:
         self.rope_of = [self.rope_types.index(t) for t in model.layer_types] if self.rope_types else [0] * len(model.layers)
         # hybrids: each layer's Gated DeltaNet state shape (None: attention); see takes()
         self.linear = list(model.linear)
-        # set by CausalLM.interruptible: a pass checks it between runs of layers (pass_)
-        self.interrupt: threading.Event | None = None
         self.hybrid = any(s is not None for s in self.linear)
         for layer, struct, kind in zip(model.layers, self.layers, model.kinds):
             block = getattr(layer.mlp, "experts", None)
@@ -380,8 +383,10 @@ class FusedDecoder:
         return out
 
     def pass_(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, allowed: torch.Tensor | None,
-              grab: tuple[int, ...] = (), kept: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
-        """n tokens (a tree's nodes, or a chain) through every layer in one C call; their K/V
+              grab: tuple[int, ...] = (), kept: dict[int, torch.Tensor] | None = None,
+              stop: threading.Event | None = None) -> torch.Tensor:
+        """n tokens (a tree's nodes, or a chain) through every layer in one C call (with `stop`,
+        a C call a run of layers, PassInterrupted raised between runs once it is set); their K/V
         appended to `cache` (reserved and positioned by the caller; `takes(cache)` true).
         allowed: (n, cache.length + n) bool, what each token attends to; None: a causal chain.
         The final normed hidden states (n, hidden), as CausalLM.forward returns them. `grab`,
@@ -413,9 +418,7 @@ class FusedDecoder:
         cos, sin = self._rope(hidden, positions)  # (1, n, D) each
         threads = governor().threads()
         before = [e.hits.clone() for e in self._experts]  # the pass counts its routed tokens into hits
-        stop = self.interrupt  # (None on a hybrid: CausalLM.can_interrupt)
-        every = -(-len(self.layers) // INTERRUPT_RUNS) if stop is not None else 0
-        for a, b in self._pieces(grab, every):
+        for a, b in self._pieces(grab, interrupt_every(len(self.layers)) if stop is not None else 0):
             if stop is not None and a > 0 and stop.is_set():  # nothing committed: the cache is as it was
                 for e, seen in zip(self._experts, before):
                     e.hits.copy_(seen)

@@ -30,7 +30,7 @@ import psutil
 import torch
 from torch import nn
 
-from engine.kernels.fused_layer import INTERRUPT_RUNS, FusedDecoder, PassInterrupted
+from engine.kernels.fused_layer import FusedDecoder, PassInterrupted, interrupt_every
 from engine.model.cache import KVCache
 from engine.model.family import family_of, layer_kinds, supported_types
 from engine.model.hybrid_cache import HybridCache, LinearSpec
@@ -133,14 +133,10 @@ class CausalLM:
         calls, or the layer modules) and raises PassInterrupted, committing nothing, once it is
         set (engine.decoding.prefill)."""
         self.interrupt = stop if self.can_interrupt() else None
-        if self.fused is not None:
-            self.fused.interrupt = self.interrupt
         try:
             yield
         finally:
             self.interrupt = None
-            if self.fused is not None:
-                self.fused.interrupt = None
 
     def read_layer_inputs(self, layers: tuple[int, ...]) -> None:
         """Keep the inputs of `layers` on every pass from now on (see `aux_inputs`)."""
@@ -197,7 +193,7 @@ class CausalLM:
             if one:
                 out = self.fused.step(input_ids, positions, cache, grab, kept)
             else:
-                out = self.fused.pass_(input_ids, positions, cache, allowed, grab, kept)
+                out = self.fused.pass_(input_ids, positions, cache, allowed, grab, kept, self.interrupt)
             self._keep(kept)
             return out
         if isinstance(cache, HybridCache):
@@ -244,10 +240,11 @@ class CausalLM:
             rope = self.rotary(hidden, position_ids=pos)
             rope_of = [rope] * len(self.kinds)
         if self.streamer is None:
-            every = -(-len(self.layers) // INTERRUPT_RUNS)
+            every = interrupt_every(len(self.layers))
             for i, layer in enumerate(self.layers):
                 if self.interrupt is not None and i and i % every == 0 and self.interrupt.is_set():
-                    raise PassInterrupted(f"stopped before layer {i}")  # nothing committed (a routed layer's counts stay)
+                    # nothing committed (a routed layer run before keeps its counts: statistics)
+                    raise PassInterrupted(f"stopped before layer {i}")
                 if i in grab:
                     kept[i] = hidden[0]
                 hidden = layer(hidden, attention_mask=masks[i], position_ids=pos, past_key_values=cache,

@@ -541,7 +541,7 @@ def test_a_stop_mid_pass_commits_nothing_and_the_prompt_reads_on(family: str, mo
     stop_after = 1
     with fused.interruptible(stop), pytest.raises(PassInterrupted):
         fused.forward(torch.tensor(ids[:40]), torch.arange(40), ours, None)
-    assert runs == [1] and ours.length == 0 and fused.fused.interrupt is None
+    assert runs == [1] and ours.length == 0 and fused.interrupt is None
     stop.clear()
     runs.clear()
     stop_after = 3 + 2  # the second chunk's second run (three layers, a run each)
