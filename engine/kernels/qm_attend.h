@@ -1,4 +1,4 @@
-/* Attention of one query head over its K/V head's cache entries (included by qmatmul.c).
+/* Attention of the query heads that share a K/V head over its cache entries (included by qmatmul.c).
  *
  * transformers' eager attention in fp32: scores q.k * scale, softmax (the largest score taken
  * off before exp), the values weighted by it. Only the order of the sums differs, and exp is a
@@ -108,14 +108,21 @@ static void exp_shifted(float *scores, int64_t count, float top) {
 #endif
 }
 
-/* out (d) = the sum over j < count of w[j] * rows[j * d .. + d]; rows with a zero weight (masked
+/* out (d) = the sum over j < count of w[j] * rows[j * d .. + d] (added to what out holds where
+ * `more`: a later tile of the same sum, in the same order); rows with a zero weight (masked
  * entries) are skipped. Eight registers of sums per 64 columns: out is not read and written
  * again for every row. */
-static void weighted_rows(const float *w, const float *rows, int64_t count, int64_t d, float *out) {
+static void weighted_rows(const float *w, const float *rows, int64_t count, int64_t d, int more, float *out) {
     int64_t c = 0;
 #ifdef QM_AVX2
     for (; c + 64 <= d; c += 64) {
+        float *o = out + c;
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+        if (more) {
+            a0 = _mm256_loadu_ps(o), a1 = _mm256_loadu_ps(o + 8), a2 = _mm256_loadu_ps(o + 16);
+            a3 = _mm256_loadu_ps(o + 24), a4 = _mm256_loadu_ps(o + 32), a5 = _mm256_loadu_ps(o + 40);
+            a6 = _mm256_loadu_ps(o + 48), a7 = _mm256_loadu_ps(o + 56);
+        }
         for (int64_t j = 0; j < count; j++) {
             if (w[j] == 0.0f) continue;
             __m256 b = _mm256_set1_ps(w[j]);
@@ -129,40 +136,43 @@ static void weighted_rows(const float *w, const float *rows, int64_t count, int6
             a6 = _mm256_fmadd_ps(b, _mm256_loadu_ps(r + 48), a6);
             a7 = _mm256_fmadd_ps(b, _mm256_loadu_ps(r + 56), a7);
         }
-        float *o = out + c;
         _mm256_storeu_ps(o, a0), _mm256_storeu_ps(o + 8, a1), _mm256_storeu_ps(o + 16, a2);
         _mm256_storeu_ps(o + 24, a3), _mm256_storeu_ps(o + 32, a4), _mm256_storeu_ps(o + 40, a5);
         _mm256_storeu_ps(o + 48, a6), _mm256_storeu_ps(o + 56, a7);
     }
 #endif
-    for (int64_t i = c; i < d; i++) out[i] = 0.0f;
+    if (!more)
+        for (int64_t i = c; i < d; i++) out[i] = 0.0f;
     for (int64_t j = 0; j < count && c < d; j++) {
         if (w[j] == 0.0f) continue;
         for (int64_t i = c; i < d; i++) out[i] += w[j] * rows[j * d + i];
     }
 }
 
-/* Attention of one query head q (rotated) over a cache's `length` entries of its K/V head
- * and the new entry (k, v), which the cache does not need to hold yet. scores: length + 1.
- * sink: NULL, or the head's sink logit (gpt-oss): a score in the softmax whose value is zero. */
-static void attend(const float *q, const float *keys, const float *values, const float *k, const float *v,
-                   int64_t length, int64_t d, float scale, const float *sink, float *scores, float *out) {
-    scores_of(q, keys, length, d, scale, scores);
-    scores[length] = dot(q, k, d) * scale;
-    float top = sink ? *sink : -INFINITY, sum = 0.0f;
-    for (int64_t j = 0; j <= length; j++) top = scores[j] > top ? scores[j] : top;
-    exp_shifted(scores, length + 1, top);
-    if (sink) sum = expf(*sink - top);
-    for (int64_t j = 0; j <= length; j++) sum += scores[j];
-    weighted_rows(scores, values, length, d, out);
-    float inv = 1.0f / sum, last = scores[length];
-    for (int64_t i = 0; i < d; i++) out[i] = (out[i] + last * v[i]) * inv;
+/* Query heads of a K/V head taken together: all of them, or fewer where that leaves threads idle
+ * (kv_heads K/V heads for `tokens` tokens; a decoding step's few). */
+static int64_t heads_together(int64_t group, int64_t units, int threads) {
+    int64_t per = group;
+    while (per > 1 && units * ((group + per - 1) / per) < threads) per = (per + 1) / 2;
+    return per;
 }
 
-/* Attention of one query head q over `total` entries of its K/V head, those allowed: allow[j]
- * where allow is given, else j <= limit. scores: total. sink: as in attend. */
-static void attend_masked(const float *q, const float *keys, const float *values, int64_t total, const uint8_t *allow,
-                          int64_t limit, int64_t d, float scale, const float *sink, float *scores, float *out) {
+/* Keys (and values) a tile: 64 rows of a head of 128 are 32 KB, read from L1/L2 by every query
+ * of the group once one query has brought them from L3 or memory. */
+#define QM_KEYS 64
+
+/* Attention of G query heads (head i: q + i * qs, rotated) that share one K/V head, over its
+ * `total` cache entries, those allowed: allow[j] where allow is given, else j <= limit; and,
+ * where nk is given, the new entry (nk, nv), which the cache does not need to hold yet (every
+ * entry before it allowed). scores: G * (total + 2). sinks: NULL, or the G heads' sink logits
+ * (gpt-oss): a score in the softmax whose value is zero. Head i's output: out + i * os.
+ *
+ * Per head the same sums in the same order as one head alone (bit for bit); the keys and values
+ * are read a tile of QM_KEYS entries at a time for all G heads. With a long cache one head's K
+ * and V outgrow L2: eight heads each reading them whole crossed from L3 or memory eight times. */
+static void attend_group(const float *q, int64_t qs, int64_t G, const float *keys, const float *values,
+                         int64_t total, const uint8_t *allow, int64_t limit, const float *nk, const float *nv,
+                         int64_t d, float scale, const float *sinks, float *scores, float *out, int64_t os) {
     int64_t count = allow ? total : (limit + 1 < total ? limit + 1 : total);
     if (allow) { /* only the span from the first allowed entry to the last (a window's, a chain's) */
         int64_t first = 0;
@@ -170,17 +180,34 @@ static void attend_masked(const float *q, const float *keys, const float *values
         while (first < count && !allow[first]) first++;
         keys += first * d, values += first * d, allow += first, count -= first;
     }
-    scores_of(q, keys, count, d, scale, scores); /* a masked entry's score is computed and not used */
-    float top = sink ? *sink : -INFINITY, sum = 0.0f;
-    for (int64_t j = 0; j < count; j++)
-        if (!allow || allow[j]) top = scores[j] > top ? scores[j] : top;
-    exp_shifted(scores, count, top);
-    if (sink) sum = expf(*sink - top);
-    for (int64_t j = 0; j < count; j++) {
-        if (allow && !allow[j]) scores[j] = 0.0f; /* skipped by weighted_rows */
-        sum += scores[j];
+    int64_t stride = count + 2, all = count + (nk != NULL); /* a head's scores (then 1 / their sum); the entries */
+    for (int64_t j0 = 0; j0 < count; j0 += QM_KEYS) /* a masked entry's score is computed and not used */
+        for (int64_t i = 0; i < G; i++)
+            scores_of(q + i * qs, keys + j0 * d, count - j0 < QM_KEYS ? count - j0 : QM_KEYS, d, scale,
+                      scores + i * stride + j0);
+    for (int64_t i = 0; i < G; i++) {
+        float *s = scores + i * stride, top = sinks ? sinks[i] : -INFINITY, sum = 0.0f;
+        if (nk) s[count] = dot(q + i * qs, nk, d) * scale;
+        for (int64_t j = 0; j < all; j++)
+            if (!allow || j == count || allow[j]) top = s[j] > top ? s[j] : top;
+        exp_shifted(s, all, top);
+        if (sinks) sum = expf(sinks[i] - top);
+        for (int64_t j = 0; j < all; j++) {
+            if (allow && j < count && !allow[j]) s[j] = 0.0f; /* skipped by weighted_rows */
+            sum += s[j];
+        }
+        s[count + 1] = 1.0f / sum; /* s[count]: the new entry's weight, where there is one */
     }
-    weighted_rows(scores, values, count, d, out);
-    float inv = 1.0f / sum;
-    for (int64_t i = 0; i < d; i++) out[i] *= inv;
+    for (int64_t j0 = 0; j0 < count || j0 == 0; j0 += QM_KEYS)
+        for (int64_t i = 0; i < G; i++)
+            weighted_rows(scores + i * stride + j0, values + j0 * d, count - j0 < QM_KEYS ? count - j0 : QM_KEYS, d,
+                          j0 > 0, out + i * os);
+    for (int64_t i = 0; i < G; i++) {
+        const float *s = scores + i * stride;
+        float inv = s[count + 1], last = nk ? s[count] : 0.0f, *o = out + i * os;
+        if (nk)
+            for (int64_t k = 0; k < d; k++) o[k] = (o[k] + last * nv[k]) * inv;
+        else
+            for (int64_t k = 0; k < d; k++) o[k] *= inv;
+    }
 }

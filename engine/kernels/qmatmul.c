@@ -131,7 +131,7 @@ static const void *row_params(const void *p, int64_t r, int64_t rows, int64_t gr
 /* Floats of expansion scratch for `rows` rows of `groups` (one where nothing is expanded). */
 #define PARAMS_BUF(fmt, rows, groups) ((fmt) == 2 ? (rows) * (groups) : 1)
 
-int qm_version(void) { return 12; }
+int qm_version(void) { return 13; }
 
 int qm_simd(void) { /* 0 plain C, 2 AVX2, 3 AVX-512, 4 AVX-512 VNNI, 5 AVX2 + AVX-VNNI */
 #if defined(QM_VNNI)
@@ -345,7 +345,7 @@ static void decode_row(int64_t kind, const void *row, const void *sc, const void
         decode_q8(codes_row(kind, row, K, group), sc, mn, half, K, group, out);
 }
 
-#include "qm_attend.h" /* hsum, dot, attend, attend_masked */
+#include "qm_attend.h" /* hsum, dot, attend_group, heads_together */
 
 /* y[i, n0 + r] for r < rows (<= NB), from decoded weight rows w[r * K ..]: two activation
  * rows by four weight rows at a time (8 accumulators: 6 loads feed 8 FMAs). */
@@ -1331,7 +1331,8 @@ int qm_decode_layers(const qm_layer *layers, const qm_view *views, int64_t count
      * scores, the normed input, group sums of 16 and of 32, a decoded row or a head */
     int64_t sums = I / 16 + I / 32 + 2;
     size_t moe = (size_t)(E + K + E + K * 3 * I + K * sums);
-    size_t per_thread = (size_t)(length + 1) + 4 * (size_t)widest;
+    size_t per_thread = (size_t)group_size * (size_t)(length + 2) + 4 * (size_t)widest;
+    int64_t per = heads_together(group_size, kv_heads, threads), parts = (group_size + per - 1) / per;
     size_t lin = (size_t)(LC + 2 * LV + 2 * LH); /* a Gated DeltaNet layer's raw/conv outputs, z, b and a, core */
     size_t total = (size_t)(3 * nq + 2 * nkv + inter + hidden + QM_ROWS) + moe + lin + (size_t)threads * per_thread;
     float *buf = (float *)malloc(sizeof(float) * total);
@@ -1359,7 +1360,7 @@ int qm_decode_layers(const qm_layer *layers, const qm_view *views, int64_t count
 #ifdef _OPENMP
         t = omp_get_thread_num();
 #endif
-        float *scores = own + (size_t)t * per_thread, *xn = scores + length + 1, *s16 = xn + widest;
+        float *scores = own + (size_t)t * per_thread, *xn = scores + group_size * (length + 2), *s16 = xn + widest;
         float *s32 = s16 + widest / 16 + 1, *tmp = s16 + widest;
         char *mine = dig + dig_bytes * (size_t)t;
         qm_digits dg;
@@ -1389,19 +1390,23 @@ int qm_decode_layers(const qm_layer *layers, const qm_view *views, int64_t count
                     rows_product(w, r, w->n - r, xn, s16, s32, &dg, tmp, dst + r);
                 }
 #pragma omp for schedule(static)
-                for (int64_t h = 0; h < heads; h++) {
-                    int64_t g = h / group_size;
+                for (int64_t u = 0; u < kv_heads * parts; u++) { /* a K/V head's query heads, or a part of them */
+                    int64_t g = u / parts, h0 = g * group_size + u % parts * per;
+                    int64_t G = group_size - u % parts * per < per ? group_size - u % parts * per : per;
                     float *kh = xn, *vh = v + g * D;  /* xn is free until the next norm */
                     memcpy(kh, k + g * D, sizeof(float) * (size_t)D);
                     norm_and_rotate(kh, L->k_norm, L->k_eps, cos + V->rope * RD, sin + V->rope * RD, D, RD, tmp);
-                    if (h % group_size == 0) {  /* the K/V head's first query head stores its entry */
+                    if (u % parts == 0) {  /* the K/V head's first part stores its entry */
                         memcpy(lk + (g * capacity + at) * D, kh, sizeof(float) * (size_t)D);
                         memcpy(lv + (g * capacity + at) * D, vh, sizeof(float) * (size_t)D);
                     }
-                    norm_and_rotate(q + h * QS, L->q_norm, L->q_eps, cos + V->rope * RD, sin + V->rope * RD, D, RD, tmp);
-                    attend(q + h * QS, lk + (g * capacity + lo) * D, lv + (g * capacity + lo) * D, kh, vh, at - lo, D,
-                           scale, L->sinks ? L->sinks + h : NULL, scores, attn + h * D);
-                    if (L->attn_gate)
+                    for (int64_t h = h0; h < h0 + G; h++)
+                        norm_and_rotate(q + h * QS, L->q_norm, L->q_eps, cos + V->rope * RD, sin + V->rope * RD, D, RD,
+                                        tmp);
+                    attend_group(q + h0 * QS, QS, G, lk + (g * capacity + lo) * D, lv + (g * capacity + lo) * D,
+                                 at - lo, NULL, at - lo - 1, kh, vh, D, scale, L->sinks ? L->sinks + h0 : NULL, scores,
+                                 attn + h0 * D, D);
+                    for (int64_t h = h0; L->attn_gate && h < h0 + G; h++)
                         for (int64_t i = 0; i < D; i++) attn[h * D + i] *= sigmoidf(q[h * QS + D + i]);
                 }
                 group_sums(attn, nq, s16, s32);
@@ -2026,7 +2031,8 @@ int qm_pass_layers(const qm_layer *layers, const qm_view *views, int64_t count, 
     size_t shared = (size_t)n * (size_t)(H + 2 * nq + 2 * nkv + nq + 2 * inter + H + 2 * LV + 2 * LH + 1 + 2 * KM);
     size_t tile = (size_t)NB * (size_t)widest, panel = (size_t)QM_PANEL * (size_t)(widest + QM_PAD);
     if (panel > tile) tile = panel; /* a decoded tile, or panel */
-    size_t per_thread = tile + (size_t)total + (size_t)D + (size_t)(n + 1) * (size_t)LS;
+    size_t per_thread = tile + (size_t)group_size * (size_t)(total + 2) + (size_t)D + (size_t)(n + 1) * (size_t)LS;
+    int64_t per = heads_together(group_size, n * kv_heads, threads), parts = (group_size + per - 1) / per;
     float *buf = (float *)malloc(sizeof(float) * (shared + (size_t)threads * per_thread));
     if (!buf) {
         free(routed_mem);
@@ -2065,7 +2071,7 @@ int qm_pass_layers(const qm_layer *layers, const qm_view *views, int64_t count, 
 #ifdef _OPENMP
         t = omp_get_thread_num();
 #endif
-        float *wbuf = own + (size_t)t * per_thread, *scores = wbuf + tile, *tmp = scores + total;
+        float *wbuf = own + (size_t)t * per_thread, *scores = wbuf + tile, *tmp = scores + group_size * (total + 2);
         float *states = tmp + D; /* (n + 1) x LS: a Gated DeltaNet head's scratch, then its nodes' states */
         char *mine = fewmem + few_per * (size_t)t;
         qm_few few;
@@ -2126,12 +2132,13 @@ int qm_pass_layers(const qm_layer *layers, const qm_view *views, int64_t count, 
                     memcpy(lv + (g * capacity + at + i) * D, v + i * nkv + g * D, sizeof(float) * (size_t)D);
                 }
 #pragma omp for schedule(static)
-                for (int64_t s = 0; s < n * heads; s++) {
-                    int64_t i = s / heads, h = s % heads, g = h / group_size;
-                    attend_masked(q + i * qn + h * QS, lk + g * capacity * D, lv + g * capacity * D, seen,
-                                  allow ? allow + i * seen : NULL, at + i, D, scale, L->sinks ? L->sinks + h : NULL,
-                                  scores, attn + i * nq + h * D);
-                    if (L->attn_gate)
+                for (int64_t s = 0; s < n * kv_heads * parts; s++) { /* a token's K/V head's query heads, or a part */
+                    int64_t i = s / (kv_heads * parts), g = s / parts % kv_heads, h0 = g * group_size + s % parts * per;
+                    int64_t G = group_size - s % parts * per < per ? group_size - s % parts * per : per;
+                    attend_group(q + i * qn + h0 * QS, QS, G, lk + g * capacity * D, lv + g * capacity * D, seen,
+                                 allow ? allow + i * seen : NULL, at + i, NULL, NULL, D, scale,
+                                 L->sinks ? L->sinks + h0 : NULL, scores, attn + i * nq + h0 * D, D);
+                    for (int64_t h = h0; L->attn_gate && h < h0 + G; h++)
                         for (int64_t j = 0; j < D; j++) attn[i * nq + h * D + j] *= sigmoidf(q[i * qn + h * QS + D + j]);
                 }
                 make_inputs(attn, n, nq, mine, xt, &few);

@@ -291,6 +291,37 @@ def test_other_models_and_passes_keep_the_general_path(model_cache: Path, monkey
     assert fused_steps == [3]
 
 
+def test_a_long_cache_is_read_a_tile_at_a_time_by_each_group_of_heads(monkeypatch: pytest.MonkeyPatch,
+                                                                      fused_steps: list[int],
+                                                                      fused_passes: list[int]) -> None:
+    """Four query heads a K/V head read the keys and values 64 entries at a time (attend_group):
+    a 150-token prompt, steps over 2 tiles and a part, and a tree whose mask hides entries on both
+    sides of a tile's edge give what the layer modules give, and the same bits at 1 and 3 threads
+    (3 threads split a step's two K/V heads' query heads in halves)."""
+    cfg = LlamaConfig(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
+                      tie_word_embeddings=False, rms_norm_eps=1e-5)
+    fused, plain = pair(packed(cfg, seed=5), monkeypatch)
+    ids = torch.randint(0, 300, (160,), generator=torch.Generator().manual_seed(2))
+    past = torch.ones(153, dtype=torch.bool)
+    past[[0, 63, 64, 128, 150]] = False
+    before, runs = torch.get_num_threads(), []
+    try:
+        for model, threads in ((fused, 1), (fused, 3), (plain, 1)):
+            torch.set_num_threads(threads)
+            cache = model.new_cache(8)
+            outs = [model.forward(ids[:150], torch.arange(150), cache, None)]
+            outs += [model.forward(ids[p : p + 1], torch.tensor([p]), cache, None) for p in range(150, 153)]
+            outs.append(model.forward(ids[153:158], torch.tensor([153, 154, 154, 155, 155]), cache,
+                                      tree_mask([-1, 0, 0, 1, 2], past)))
+            runs.append(torch.cat(outs))
+    finally:
+        torch.set_num_threads(before)
+    assert fused_passes == [150, 5] * 2 and fused_steps == [150, 151, 152] * 2
+    assert torch.equal(runs[0], runs[1])
+    assert close(runs[0], runs[2])
+
+
 def test_thread_counts_give_the_same_step_and_pass() -> None:
     """Rows, tiles, heads and norms are computed whole by one thread each: the split does not
     change a bit of a step or of a tree pass."""
