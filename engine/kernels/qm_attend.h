@@ -157,6 +157,11 @@ static int64_t heads_together(int64_t group, int64_t units, int threads) {
     return per;
 }
 
+/* The query heads in part `part` of a group, `per` a part (the last part may hold fewer). */
+static inline int64_t heads_in_part(int64_t group, int64_t per, int64_t part) {
+    return group - part * per < per ? group - part * per : per;
+}
+
 /* Keys (and values) a tile: 64 rows of a head of 128 are 32 KB, read from L1/L2 by every query
  * of the group once one query has brought them from L3 or memory. */
 #define QM_KEYS 64
@@ -181,10 +186,10 @@ static void attend_group(const float *q, int64_t qs, int64_t G, const float *key
         keys += first * d, values += first * d, allow += first, count -= first;
     }
     int64_t stride = count + 2, all = count + (nk != NULL); /* a head's scores (then 1 / their sum); the entries */
-    for (int64_t j0 = 0; j0 < count; j0 += QM_KEYS) /* a masked entry's score is computed and not used */
-        for (int64_t i = 0; i < G; i++)
-            scores_of(q + i * qs, keys + j0 * d, count - j0 < QM_KEYS ? count - j0 : QM_KEYS, d, scale,
-                      scores + i * stride + j0);
+    for (int64_t j0 = 0; j0 < count; j0 += QM_KEYS) { /* a masked entry's score is computed and not used */
+        int64_t c = count - j0 < QM_KEYS ? count - j0 : QM_KEYS;
+        for (int64_t i = 0; i < G; i++) scores_of(q + i * qs, keys + j0 * d, c, d, scale, scores + i * stride + j0);
+    }
     for (int64_t i = 0; i < G; i++) {
         float *s = scores + i * stride, top = sinks ? sinks[i] : -INFINITY, sum = 0.0f;
         if (nk) s[count] = dot(q + i * qs, nk, d) * scale;
@@ -198,10 +203,11 @@ static void attend_group(const float *q, int64_t qs, int64_t G, const float *key
         }
         s[count + 1] = 1.0f / sum; /* s[count]: the new entry's weight, where there is one */
     }
-    for (int64_t j0 = 0; j0 < count || j0 == 0; j0 += QM_KEYS)
+    for (int64_t j0 = 0; j0 < count || j0 == 0; j0 += QM_KEYS) { /* an empty span still zeroes out */
+        int64_t c = count - j0 < QM_KEYS ? count - j0 : QM_KEYS;
         for (int64_t i = 0; i < G; i++)
-            weighted_rows(scores + i * stride + j0, values + j0 * d, count - j0 < QM_KEYS ? count - j0 : QM_KEYS, d,
-                          j0 > 0, out + i * os);
+            weighted_rows(scores + i * stride + j0, values + j0 * d, c, d, j0 > 0, out + i * os);
+    }
     for (int64_t i = 0; i < G; i++) {
         const float *s = scores + i * stride;
         float inv = s[count + 1], last = nk ? s[count] : 0.0f, *o = out + i * os;

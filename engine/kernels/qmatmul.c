@@ -345,7 +345,7 @@ static void decode_row(int64_t kind, const void *row, const void *sc, const void
         decode_q8(codes_row(kind, row, K, group), sc, mn, half, K, group, out);
 }
 
-#include "qm_attend.h" /* hsum, dot, attend_group, heads_together */
+#include "qm_attend.h" /* hsum, dot, attend_group, heads_together, heads_in_part */
 
 /* y[i, n0 + r] for r < rows (<= NB), from decoded weight rows w[r * K ..]: two activation
  * rows by four weight rows at a time (8 accumulators: 6 loads feed 8 FMAs). */
@@ -1392,7 +1392,7 @@ int qm_decode_layers(const qm_layer *layers, const qm_view *views, int64_t count
 #pragma omp for schedule(static)
                 for (int64_t u = 0; u < kv_heads * parts; u++) { /* a K/V head's query heads, or a part of them */
                     int64_t g = u / parts, h0 = g * group_size + u % parts * per;
-                    int64_t G = group_size - u % parts * per < per ? group_size - u % parts * per : per;
+                    int64_t G = heads_in_part(group_size, per, u % parts);
                     float *kh = xn, *vh = v + g * D;  /* xn is free until the next norm */
                     memcpy(kh, k + g * D, sizeof(float) * (size_t)D);
                     norm_and_rotate(kh, L->k_norm, L->k_eps, cos + V->rope * RD, sin + V->rope * RD, D, RD, tmp);
@@ -2134,7 +2134,7 @@ int qm_pass_layers(const qm_layer *layers, const qm_view *views, int64_t count, 
 #pragma omp for schedule(static)
                 for (int64_t s = 0; s < n * kv_heads * parts; s++) { /* a token's K/V head's query heads, or a part */
                     int64_t i = s / (kv_heads * parts), g = s / parts % kv_heads, h0 = g * group_size + s % parts * per;
-                    int64_t G = group_size - s % parts * per < per ? group_size - s % parts * per : per;
+                    int64_t G = heads_in_part(group_size, per, s % parts);
                     attend_group(q + i * qn + h0 * QS, QS, G, lk + g * capacity * D, lv + g * capacity * D, seen,
                                  allow ? allow + i * seen : NULL, at + i, NULL, NULL, D, scale,
                                  L->sinks ? L->sinks + h0 : NULL, scores, attn + i * nq + h0 * D, D);
