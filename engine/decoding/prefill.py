@@ -50,7 +50,7 @@ def prefill(model: CausalLM, cache: KVCache, ids: list[int], leave_room: int | N
     a Stop waits for one chunk at most. On a CPU, where a pass costs mostly its tokens' compute
     (~20 s for 512 tokens of the starter on 2 cores), chunks are therefore sized to take about
     PREFILL_STEP_S; where the pass also stops between runs of its layers (CausalLM.interruptible:
-    not a hybrid) about PREFILL_STEP_INTERRUPTIBLE_S, a Stop then dropping the chunk under way.
+    not a streamed one) about PREFILL_STEP_INTERRUPTIBLE_S, a Stop then dropping the chunk under way.
     The first decoding pass reads at most PREFILL_ROOM_CPU; on a GPU, where
     an offloaded pass costs mostly reading the weights, they stay as large as memory allows,
     since a smaller one would only read the weights more often.

@@ -36,7 +36,9 @@ A hybrid's step folds its token into each Gated DeltaNet layer's state in place 
 on a cache with nothing pending: HybridCache.folded); its tree pass (up to HYBRID_PASS_TOKENS)
 runs each node's delta rule from its parent's state, leaves the committed states as they were
 and hands the cache each node's inputs as TreeGatedDeltaNet would (HybridCache.keep replays the
-accepted path); a prompt's chain, and a pass on pending entries, keep the general path's blocks.
+accepted path); a prompt's chunk (committed text, no mask) is folded into the states in place
+as that many steps would (a Stop between runs of layers puts back the states it advanced); a pass
+on pending entries keeps the general path's blocks.
 
 What this module does not do: streamed layers, Qwen3-Next's fused projections, Gemma 4's
 per-layer inputs or shapes, or GPUs (CausalLM.forward's general path runs those), or choose
@@ -250,12 +252,11 @@ class FusedDecoder:
         """Whether a step or pass of n tokens under `allowed` can run on `cache` here: a plain
         KVCache of this model's shape, or a WindowedCache of its windows (and no expert of an
         MoE cached elsewhere: engine.kernels.expert_cache). A hybrid's on a HybridCache with
-        nothing pending: one token of committed text (no mask: a plain decoding step, folded
-        into the states), or a tree of up to HYBRID_PASS_TOKENS (its nodes' inputs handed back
-        to the cache); a prompt's chain keeps the general path's blocks
-        (engine.model.linear_attention)."""
+        nothing pending: committed text (no mask: a plain decoding step, or a prompt's chunk,
+        folded into the states), or a tree of up to HYBRID_PASS_TOKENS (its nodes' inputs handed
+        back to the cache)."""
         if self.hybrid and not (isinstance(cache, HybridCache) and cache.complete and (
-                n == 1 and allowed is None or allowed is not None and n <= HYBRID_PASS_TOKENS)):
+                allowed is None or n <= HYBRID_PASS_TOKENS)):
             return False
         return self._addresses(cache) is not None and not any(e.hot_ids for e in self._experts)
 
@@ -393,12 +394,16 @@ class FusedDecoder:
         `kept`: as in `step`."""
         buffers = self._room(cache, int(input_ids.shape[0]))
         n, past = int(input_ids.shape[0]), cache.length
-        parents, pending = None, {}
+        parents, pending, saved = None, {}, {}
+        fold = self.hybrid and allowed is None  # committed text: folded into the Gated DeltaNet states in place
         if self.hybrid:  # each node's parent (-1: the committed state), and where its inputs go
-            assert isinstance(cache, HybridCache) and allowed is not None
-            cache.begin_pass(allowed, n, tables=False)
-            parents = (cache.parents[past : past + n] - past).contiguous()
+            assert isinstance(cache, HybridCache)
             pending = self._pending(buffers, n)
+            if fold:  # a Stop between runs puts back the states the runs before it advanced
+                saved = {i: cache.states[i].clone() for i in pending} if stop is not None else {}
+            else:
+                cache.begin_pass(allowed, n, tables=False)
+                parents = (cache.parents[past : past + n] - past).contiguous()
         mask = None
         if allowed is not None:
             assert tuple(allowed.shape) == (n, past + n), "allowed: (n, cache.length + n)"
@@ -422,6 +427,10 @@ class FusedDecoder:
             if stop is not None and a > 0 and stop.is_set():  # nothing committed: the cache is as it was
                 for e, seen in zip(self._experts, before):
                     e.hits.copy_(seen)
+                for i, state in saved.items():  # in place: the C views point at these tensors
+                    held = cast(HybridCache, cache).states[i]
+                    held.conv.copy_(state.conv)
+                    held.recurrent.copy_(state.recurrent)
                 raise PassInterrupted(f"stopped before layer {a}")
             if a in grab and kept is not None:
                 kept[a] = hidden[0].clone()
@@ -434,10 +443,13 @@ class FusedDecoder:
                 raise torch.OutOfMemoryError("The fused CPU pass could not allocate its scratch memory.")
         for e, seen in zip(self._experts, before):  # the union each layer woke, for the tree's price
             e.logged(e.hits - seen, n)
-        for i, outputs in pending.items():  # kept by the cache until the accepted path is known
-            assert isinstance(cache, HybridCache)
-            cache.linear_pending(i, LinearPending(n, self._nodes(i, *outputs), None))
-        cache.commit(n)
+        if fold:
+            cast(HybridCache, cache).folded(n)
+        else:
+            for i, outputs in pending.items():  # kept by the cache until the accepted path is known
+                assert isinstance(cache, HybridCache)
+                cache.linear_pending(i, LinearPending(n, self._nodes(i, *outputs), None))
+            cache.commit(n)
         out: torch.Tensor = self.norm(hidden[0])  # (n, H)
         return out
 

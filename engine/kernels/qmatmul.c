@@ -131,7 +131,7 @@ static const void *row_params(const void *p, int64_t r, int64_t rows, int64_t gr
 /* Floats of expansion scratch for `rows` rows of `groups` (one where nothing is expanded). */
 #define PARAMS_BUF(fmt, rows, groups) ((fmt) == 2 ? (rows) * (groups) : 1)
 
-int qm_version(void) { return 13; }
+int qm_version(void) { return 14; }
 
 int qm_simd(void) { /* 0 plain C, 2 AVX2, 3 AVX-512, 4 AVX-512 VNNI, 5 AVX2 + AVX-VNNI */
 #if defined(QM_VNNI)
@@ -1309,6 +1309,44 @@ static void delta_tree(const qm_layer *L, const qm_view *V, int64_t n, const int
         }
 }
 
+/* A chain of committed text through a Gated DeltaNet layer's mixer (a prompt's chunk; called by
+ * every thread; the products done: V->pend_x holds each token's pre-conv inputs, z and ba its z
+ * and b/a rows): each channel's causal conv over its state and the chunk, the state then holding
+ * the chunk's last kernel - 1 inputs; per value head the delta rule token after token on the
+ * committed state, in place, each output gated-normed into core. The sums run in the order of n
+ * steps (delta_mix), so the states and outputs are those n steps give from the same products.
+ * tmp: 2 lin_dk + lin_dv floats of the thread's own. */
+static void delta_chain(const qm_layer *L, const qm_view *V, int64_t n, const float *z, const float *ba, float *tmp,
+                        float *core) {
+    int64_t C = L->lin_qkv.n, VD = L->lin_z.n, vh = L->lin_vh, dk = L->lin_dk, dv = L->lin_dv, K = L->kernel;
+    const float *raw = V->pend_x;
+    float *mix = V->pend_mix;
+#pragma omp for schedule(static)
+    for (int64_t c = 0; c < C; c++) {
+        float *st = V->conv + c * (K - 1);
+        const float *w = L->conv_w + c * K;
+        for (int64_t i = 0; i < n; i++) {
+            float y = L->conv_b ? L->conv_b[c] : 0.0f;
+            for (int64_t j = 0; j < K - 1; j++) { /* the input K - 1 - j places back: the chunk's, or the state's */
+                int64_t at = i - (K - 1) + j;
+                y += w[j] * (at >= 0 ? raw[at * C + c] : st[K - 1 + at]);
+            }
+            y += w[K - 1] * raw[i * C + c];
+            mix[i * C + c] = y * sigmoidf(y);
+        }
+        for (int64_t j = 0; j < K - 1; j++) { /* oldest first; a kept entry is read from a later slot */
+            int64_t at = n - (K - 1) + j;
+            st[j] = at >= 0 ? raw[at * C + c] : st[K - 1 + at];
+        }
+    }
+#pragma omp for schedule(static)
+    for (int64_t h = 0; h < vh; h++) {
+        float *S = V->rec + h * dk * dv;
+        for (int64_t i = 0; i < n; i++)
+            delta_head(L, h, mix + i * C, ba + i * 2 * vh, z + i * VD, S, S, tmp, core + i * VD + h * dv, NULL);
+    }
+}
+
 int qm_decode_layers(const qm_layer *layers, const qm_view *views, int64_t count, int64_t hidden, int64_t heads,
                      int64_t kv_heads, int64_t head_dim, int64_t length, const int64_t *spans, float scale,
                      const float *cos, const float *sin, float *x, int threads) {
@@ -1971,7 +2009,9 @@ static void routed_pass(const qm_layer *L, int64_t n, int64_t H, const float *xn
  * l's buffers with room for the pass's n entries after its columns; spans: (base, lo) for each
  * window (NULL where no layer has one). allowed: (n, length + n), what a full layer's token
  * reads (NULL: a chain); masks[w]: the same for the layers of window w over their own columns,
- * (n, length - base + n). Returns 0, or -1 when scratch memory could not be had. */
+ * (n, length - base + n). parents (n; -1: the committed state): each node's parent, for the
+ * Gated DeltaNet layers' tree (delta_tree); NULL: a chain of committed text, folded into their
+ * states in place (delta_chain). Returns 0, or -1 when scratch memory could not be had. */
 int qm_pass_layers(const qm_layer *layers, const qm_view *views, int64_t count, int64_t hidden, int64_t heads,
                    int64_t kv_heads, int64_t head_dim, int64_t length, int64_t n, const int64_t *spans,
                    const uint8_t *const *masks, float scale, const float *cos, const float *sin,
@@ -1989,7 +2029,7 @@ int qm_pass_layers(const qm_layer *layers, const qm_view *views, int64_t count, 
             KM = L->kernel > KM ? L->kernel : KM;
             if (2 * L->lin_dk + L->lin_dv > LS) LS = 2 * L->lin_dk + L->lin_dv; /* (a head's scratch, too) */
         }
-    if (LH && !parents) return -2;
+    int fold = LH && !parents; /* no parents: a chain of committed text, folded into the states (delta_chain) */
     int64_t widest = H > nq ? H : nq;
     widest = inter > widest ? inter : widest;
     widest = I > widest ? I : widest;
@@ -2031,7 +2071,7 @@ int qm_pass_layers(const qm_layer *layers, const qm_view *views, int64_t count, 
     size_t shared = (size_t)n * (size_t)(H + 2 * nq + 2 * nkv + nq + 2 * inter + H + 2 * LV + 2 * LH + 1 + 2 * KM);
     size_t tile = (size_t)NB * (size_t)widest, panel = (size_t)QM_PANEL * (size_t)(widest + QM_PAD);
     if (panel > tile) tile = panel; /* a decoded tile, or panel */
-    size_t per_thread = tile + (size_t)group_size * (size_t)(total + 2) + (size_t)D + (size_t)(n + 1) * (size_t)LS;
+    size_t per_thread = tile + (size_t)group_size * (size_t)(total + 2) + (size_t)D + (size_t)(fold ? 1 : n + 1) * (size_t)LS;
     int64_t per = heads_together(group_size, n * kv_heads, threads), parts = (group_size + per - 1) / per;
     float *buf = (float *)malloc(sizeof(float) * (shared + (size_t)threads * per_thread));
     if (!buf) {
@@ -2043,7 +2083,7 @@ int qm_pass_layers(const qm_layer *layers, const qm_view *views, int64_t count, 
     float *lba = lz + n * LV, *core = lba + 2 * n * LH, *sgate = core + n * LV;
     int64_t *chains = (int64_t *)(sgate + n); /* (n, KM - 1): int64 in the room of 2 n KM floats */
     float *own = sgate + n + 2 * n * KM;
-    for (int64_t i = 0; LH && i < n; i++) { /* each node's inputs before it along its path, oldest first */
+    for (int64_t i = 0; LH && !fold && i < n; i++) { /* each node's inputs before it along its path, oldest first */
         int64_t a = parents[i], back = 0;
         for (int64_t j = KM - 2; j >= 0; j--) {
             if (a >= 0) chains[i * (KM - 1) + j] = a, a = parents[a];
@@ -2100,7 +2140,10 @@ int qm_pass_layers(const qm_layer *layers, const qm_view *views, int64_t count, 
 #pragma omp for schedule(static)
                 for (int64_t s = 0; s < n * 2 * vh; s++)
                     lba[s] = dot(L->lin_ba + (s % (2 * vh)) * H, xn + (s / (2 * vh)) * H, H);
-                delta_tree(L, V, n, parents, chains, KM - 1, lz, lba, states + LS, states, core);
+                if (fold)
+                    delta_chain(L, V, n, lz, lba, states, core);
+                else
+                    delta_tree(L, V, n, parents, chains, KM - 1, lz, lba, states + LS, states, core);
                 make_inputs(core, n, VD, mine, xt, &few);
 #pragma omp for schedule(static)
                 for (int64_t s = 0; s < units_of(&L->o, &few); s++) {

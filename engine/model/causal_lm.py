@@ -122,10 +122,12 @@ class CausalLM:
 
     def can_interrupt(self) -> bool:
         """Whether a pass of several tokens stops between runs of its layers inside
-        `interruptible` (not a hybrid's: its Gated DeltaNet states fold or pend the whole pass;
-        not a streamed one): a CPU prefill may then read larger chunks, as a Stop no longer waits
-        for a whole one."""
-        return self.streamer is None and all(spec is None for spec in self.linear)
+        `interruptible` (not a streamed one): a CPU prefill may then read larger chunks, as a Stop
+        no longer waits for a whole one. A hybrid's Gated DeltaNet states are as they were after
+        a stopped pass: the general path changes them only when the pass commits
+        (HybridCache.abandon_pass drops what it left pending), the fused pass puts back those its
+        runs advanced."""
+        return self.streamer is None
 
     @contextmanager
     def interruptible(self, stop: threading.Event | None) -> Iterator[None]:
@@ -244,6 +246,8 @@ class CausalLM:
             for i, layer in enumerate(self.layers):
                 if self.interrupt is not None and i and i % every == 0 and self.interrupt.is_set():
                     # nothing committed (a routed layer run before keeps its counts: statistics)
+                    if isinstance(cache, HybridCache):
+                        cache.abandon_pass()
                     raise PassInterrupted(f"stopped before layer {i}")
                 if i in grab:
                     kept[i] = hidden[0]

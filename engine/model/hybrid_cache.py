@@ -183,6 +183,11 @@ class HybridCache(KVCache):
             self._snapshot_if_marked()
         self._pass_pending, self._pass_tree = {}, None
 
+    def abandon_pass(self) -> None:
+        """A pass stopped before its commit (CausalLM.interruptible): what its layers left
+        pending goes; the states, which only a commit changes, are as they were."""
+        self._pass_pending, self._pass_tree, self._pass_fold = {}, None, False
+
     def folded(self, n: int) -> None:
         """Commit n new entries, committed text the caller has already folded into every linear
         layer's state (engine/kernels/fused_layer.py's step, on a cache with nothing pending),

@@ -8,11 +8,13 @@ transformers' order (value heads grouped by key head). Every step's and pass's h
 states, the attention layers' K/V, the linear layers' conv and recurrent states and the inputs
 a tree pass hands the cache for its nodes equal the general path's (TreeGatedDeltaNet, which
 test_gguf_families2 holds to transformers, as it holds the fused greedy text), across kept
-paths, a snapshot and a cut back to it, and a 20-node tree (its products in panels); a prompt's chain and a pass on pending entries keep the
-general path."""
+paths, a snapshot and a cut back to it, prompt chunks (folded into the states as steps would,
+delta_chain; one in panels) and a 20-node tree (its products in panels); a pass on pending entries
+keeps the general path. A Stop mid-chunk leaves the states as they were, on both paths."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -25,7 +27,7 @@ from test_gguf_families2 import hybrid, vocab  # noqa: F401  (vocab: a session f
 
 from engine.decoding.generation import Engine
 from engine.kernels import build
-from engine.kernels.fused_layer import FusedDecoder
+from engine.kernels.fused_layer import FusedDecoder, PassInterrupted
 from engine.kernels.linear import PackedLinear, from_dense
 from engine.model.causal_lm import CausalLM
 from engine.loading.load import LoadedModel, load_model
@@ -154,8 +156,8 @@ def test_steps_equal_the_general_path(pair: tuple[LoadedModel, LoadedModel], mon
         return int(torch.randint(3, 300, (1,), generator=g))
 
     prompt = [token() for _ in range(7)]
-    both(prompt, list(range(7)), None)  # a prompt: the general path's chain, folded
-    assert steps == [] and passes == []
+    both(prompt, list(range(7)), None)  # a prompt's chunk: the C pass, folded into the states
+    assert steps == [] and passes == [7]
     for c in caches:
         c.mark(10)  # a snapshot after the third step (the engine marks each prompt's end)
     for s in range(5):  # steps across a reserve() growth (capacity 8)
@@ -164,10 +166,10 @@ def test_steps_equal_the_general_path(pair: tuple[LoadedModel, LoadedModel], mon
     past = caches[0].length
     parents = [-1, 0, 0, 1, 3, 4, 2]  # a tree pass (deeper than the conv): its nodes' inputs pending
     both([token() for _ in parents], [past + d for d in (0, 1, 1, 2, 3, 4, 2)], tree_mask(parents, past))
-    assert len(steps) == 5 and passes == [7] and not caches[0].complete
+    assert len(steps) == 5 and passes == [7, 7] and not caches[0].complete
     both([token()], [past + 3], tree_mask([-1], past + 7)[:, : past + 8] & torch.tensor(
         [True] * past + [True, True, False, True, False, False, False, True]))  # on pending entries: general path
-    assert len(steps) == 5 and passes == [7]
+    assert len(steps) == 5 and passes == [7, 7]
     for c in caches:
         c.keep(torch.tensor([*range(past), past, past + 1, past + 3, past + 7]))
     assert_same(*caches)
@@ -178,7 +180,7 @@ def test_steps_equal_the_general_path(pair: tuple[LoadedModel, LoadedModel], mon
     both([token()], [past], tree_mask([-1], past))  # a tree of one node: the C pass
     for c in caches:
         c.keep(torch.arange(past + 1))
-    assert passes == [7, 1] and caches[0].complete
+    assert passes == [7, 7, 1] and caches[0].complete
     for c in caches:  # back below the committed tokens: the snapshot's states (new tensors)
         c.truncate(11)
     assert caches[0].length == 10
@@ -189,7 +191,7 @@ def test_steps_equal_the_general_path(pair: tuple[LoadedModel, LoadedModel], mon
     for c in caches:  # a chain under a mask from a fresh state (all pass nodes before the conv's reach)
         c.truncate(0)
     both([token() for _ in range(3)], [0, 1, 2], tree_mask([-1, 0, 1], 0))
-    assert passes == [7, 1, 3]
+    assert passes == [7, 7, 1, 3]
     parents = [-1, *range(10), 0, *range(11, 19)]  # 20 nodes, two branches: the products in panels (16+ tokens)
     depth: list[int] = []
     for p in parents:
@@ -197,9 +199,40 @@ def test_steps_equal_the_general_path(pair: tuple[LoadedModel, LoadedModel], mon
     for c in caches:  # the chain kept: the next pass reads committed states only
         c.keep(torch.arange(3))
     both([token()], [3], None)
+    both([token(), token()], [4, 5], None)  # a chunk shorter than the conv's state: part of that stays
+    both([token() for _ in range(20)], list(range(6, 26)), None)  # a chunk in panels (16+ tokens)
     past = caches[0].length
     both([token() for _ in parents], [past + d for d in depth], tree_mask(parents, past))
-    assert passes == [7, 1, 3, 20]
+    assert passes == [7, 7, 1, 3, 2, 20, 20]
+
+
+def test_a_stop_mid_chunk_leaves_the_states_as_they_were(pair: tuple[LoadedModel, LoadedModel]) -> None:
+    """A prompt's chunk stopped between runs of layers (CausalLM.interruptible, as the prefill
+    does on a Stop): the fused pass has folded it into its first layer's Gated DeltaNet state by
+    then and puts that back; the general path changes no state before its commit and drops what
+    it left pending. The cache is as it was, and the chunk read again gives the general path's
+    result."""
+    fused, plain = pair
+    models = (fused.model, plain.model)
+    assert all(m.can_interrupt() for m in models)
+    assert models[0].linear[0] is not None  # the first run of layers folds a state
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(3, 300, (12,), generator=g)
+    chunk = torch.randint(3, 300, (9,), generator=g)
+    caches = [m.new_cache(8) for m in models]
+    stop = threading.Event()
+    stop.set()
+    for m, c in zip(models, caches):
+        m.forward(prompt, torch.arange(12), c, None)
+        before = {i: s.clone() for i, s in c.states.items()}
+        with m.interruptible(stop), pytest.raises(PassInterrupted):
+            m.forward(chunk, torch.arange(12, 21), c, None)
+        assert c.length == c.committed == 12 and not c._pass_pending
+        for i, s in before.items():
+            assert torch.equal(c.states[i].conv, s.conv) and torch.equal(c.states[i].recurrent, s.recurrent), i
+    got, want = (m.forward(chunk, torch.arange(12, 21), c, None) for m, c in zip(models, caches))
+    assert close(got, want)
+    assert_same(*caches)
 
 
 def test_greedy_text_plain_and_with_trees(pair: tuple[LoadedModel, LoadedModel]) -> None:
