@@ -111,7 +111,8 @@ def test_an_entry_is_marked_unrunnable_exactly_when_the_engine_refuses_it(model:
 
 def test_a_target_is_offered_in_a_pair_exactly_when_specchat_runs_it() -> None:
     """The app lists pairs: every target it runs is in one (draft-free when no small model of
-    its tokenizer was confirmed), and none it cannot run is."""
+    its tokenizer was confirmed: none with its rows and chat template; Qwen3's 151936 rows are
+    Qwen2.5's, but not its template and thinking tokens), and none it cannot run is."""
     for model in CATALOG.models:
         offered = any(model.id in (p.target, p.draft) for p in CATALOG.pairs)
         assert offered == model.runnable if model.role == "target" else model.runnable or not offered, model.id
@@ -119,7 +120,8 @@ def test_a_target_is_offered_in_a_pair_exactly_when_specchat_runs_it() -> None:
         if pair.draft_free:
             target = CATALOG.find(pair.target)
             assert target is not None
-            assert not any(m.role == "draft" and m.vocab_rows == target.vocab_rows for m in CATALOG.models)
+            assert not any(m.role == "draft" and m.vocab_rows == target.vocab_rows and m.template == target.template
+                           for m in CATALOG.models)
 
 
 @pytest.mark.parametrize(("model_id", "repo_id", "model_type", "label", "pair_id"), [
@@ -139,6 +141,29 @@ def test_the_current_models_are_there_as_published(model_id: str, repo_id: str, 
     assert RAW[model_id]["checked"]["on"] == "2026-11-26"
     pair = CATALOG.pair(pair_id)
     assert pair is not None and pair.target == model_id and pair.draft_free
+
+
+@pytest.mark.parametrize(("model_id", "repo_id", "model_type", "file", "size"), [
+    ("qwen3-30b-a3b-q4_k_m", "Qwen/Qwen3-30B-A3B-GGUF", "qwen3moe", "Qwen3-30B-A3B-Q4_K_M.gguf", 18_556_685_824),
+    ("qwen3.6-35b-a3b-q4_k_m", "unsloth/Qwen3.6-35B-A3B-GGUF", "qwen35moe", "Qwen3.6-35B-A3B-UD-Q4_K_M.gguf",
+     22_134_528_992),
+])
+def test_the_moe_ggufs_are_there_priced_by_their_experts(model_id: str, repo_id: str, model_type: str, file: str,
+                                                        size: int) -> None:
+    """The MoE GGUFs users run on one GPU (issue 31's two models) are offered, draft-free; their
+    shape carries the experts, so the planner prices a token at its active size: about a tenth of
+    the stored weights read per token, not all of them."""
+    entry = CATALOG.find(repo_id)
+    assert entry is not None and entry.id == model_id and entry.runnable
+    assert (entry.model_type, entry.gguf_file, entry.download_bytes) == (model_type, file, size)
+    assert entry.format_label.startswith("GGUF") and entry.license == "apache-2.0" and not entry.gated
+    shape = entry.shape()
+    assert shape.experts is not None and shape.experts.top_k == 8
+    assert shape.params == pytest.approx(entry.parameters, rel=0.03)
+    active = shape.num_layers * shape.active_params + 2 * shape.head_params  # the "A3B": ~3B a token
+    assert 2.5e9 < active < 4e9 and active / shape.params < 0.12
+    pair = next(p for p in CATALOG.pairs if p.target == model_id)
+    assert pair.draft_free
 
 
 def test_each_head_is_offered_with_the_targets_it_was_trained_for() -> None:
