@@ -64,10 +64,10 @@ from engine.kernels.experts import PackedExperts
 from engine.kernels.fused_rules import (ACTS, LINEARS, ROUTERS, activation, dense_rows, linears_of, norm_eps,
                                        norm_weight, norms_of, refusal, router_of, rotary_width)
 from engine.kernels.linear import PackedLinear, QmLinear
-from engine.kernels.fused_views import Buffers, View, state_fits
+from engine.kernels.fused_views import Buffers, View, node_inputs, pending_outputs, state_fits
 from engine.model.cache import KVCache
 from engine.model.hybrid_cache import HybridCache
-from engine.model.linear_state import LinearPending, NodeInputs
+from engine.model.linear_state import LinearLayerState, LinearPending
 from engine.model.window_cache import WindowedCache
 
 if TYPE_CHECKING:
@@ -333,27 +333,6 @@ class FusedDecoder:
             cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
         return cos.float().contiguous(), sin.float().contiguous()
 
-    def _pending(self, buffers: Buffers, n: int) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Per Gated DeltaNet layer, the tensors its C pass writes each node's inputs into
-        (qm_view's pend_*): pre-conv inputs, conv outputs, beta and g."""
-        out = {}
-        for i, spec in enumerate(self.linear):
-            if spec is not None:
-                out[i] = (torch.empty(n, spec.conv_dim), torch.empty(n, spec.conv_dim), torch.empty(n, 2 * spec.num_v_heads))
-                view = buffers.views[i]
-                view.pend_x, view.pend_mix, view.pend_bg = (t.data_ptr() for t in out[i])
-        return out
-
-    def _nodes(self, i: int, x: torch.Tensor, mix: torch.Tensor, bg: torch.Tensor) -> NodeInputs:
-        """Layer i's pass outputs as the general path hands them to the cache (TreeGatedDeltaNet)."""
-        spec = self.linear[i]
-        assert spec is not None
-        n, h = int(x.shape[0]), spec.num_v_heads
-        kd = (spec.conv_dim - h * spec.head_v_dim) // 2
-        return NodeInputs(x, mix[:, kd : 2 * kd].reshape(n, -1, spec.head_k_dim).contiguous(),
-                          mix[:, 2 * kd :].reshape(n, h, spec.head_v_dim).contiguous(), bg[:, :h].contiguous(),
-                          bg[:, h:].contiguous())
-
     def step(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, grab: tuple[int, ...] = (),
              kept: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
         """One token (input_ids and positions of shape (1,)) through every layer; its K/V
@@ -394,11 +373,12 @@ class FusedDecoder:
         `kept`: as in `step`."""
         buffers = self._room(cache, int(input_ids.shape[0]))
         n, past = int(input_ids.shape[0]), cache.length
-        parents, pending, saved = None, {}, {}
+        parents, pending = None, {}
+        saved: dict[int, LinearLayerState] = {}
         fold = self.hybrid and allowed is None  # committed text: folded into the Gated DeltaNet states in place
         if self.hybrid:  # each node's parent (-1: the committed state), and where its inputs go
             assert isinstance(cache, HybridCache)
-            pending = self._pending(buffers, n)
+            pending = pending_outputs(self.linear, buffers, n)
             if fold:  # a Stop between runs puts back the states the runs before it advanced
                 saved = {i: cache.states[i].clone() for i in pending} if stop is not None else {}
             else:
@@ -427,10 +407,10 @@ class FusedDecoder:
             if stop is not None and a > 0 and stop.is_set():  # nothing committed: the cache is as it was
                 for e, seen in zip(self._experts, before):
                     e.hits.copy_(seen)
-                for i, state in saved.items():  # in place: the C views point at these tensors
-                    held = cast(HybridCache, cache).states[i]
-                    held.conv.copy_(state.conv)
-                    held.recurrent.copy_(state.recurrent)
+                for i, before_pass in saved.items():  # in place: the C views point at these tensors
+                    now = cast(HybridCache, cache).states[i]
+                    now.conv.copy_(before_pass.conv)
+                    now.recurrent.copy_(before_pass.recurrent)
                 raise PassInterrupted(f"stopped before layer {a}")
             if a in grab and kept is not None:
                 kept[a] = hidden[0].clone()
@@ -448,7 +428,7 @@ class FusedDecoder:
         else:
             for i, outputs in pending.items():  # kept by the cache until the accepted path is known
                 assert isinstance(cache, HybridCache)
-                cache.linear_pending(i, LinearPending(n, self._nodes(i, *outputs), None))
+                cache.linear_pending(i, LinearPending(n, node_inputs(self.linear[i], *outputs), None))
             cache.commit(n)
         out: torch.Tensor = self.norm(hidden[0])  # (n, H)
         return out

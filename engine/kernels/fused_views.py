@@ -11,8 +11,8 @@ from typing import Any
 import torch
 
 from engine.model.cache import KVCache
-from engine.model.hybrid_cache import HybridCache
-from engine.model.linear_state import LinearLayerState
+from engine.model.hybrid_cache import HybridCache, LinearSpec
+from engine.model.linear_state import LinearLayerState, NodeInputs
 
 
 class View(ctypes.Structure):
@@ -59,3 +59,28 @@ def state_fits(state: LinearLayerState | None, spec: Any) -> bool:
         t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu" and tuple(t.shape) == shape
         for t, shape in ((state.conv, (1, spec.conv_dim, spec.kernel - 1)),
                          (state.recurrent, (1, spec.num_v_heads, spec.head_k_dim, spec.head_v_dim))))
+
+
+def pending_outputs(linear: list[LinearSpec | None], buffers: Buffers,
+                    n: int) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per Gated DeltaNet layer (`linear`: each layer's state shape, None for attention), the
+    tensors its C pass writes each token's inputs into (qm_view's pend_*): pre-conv inputs, conv
+    outputs, beta and g."""
+    out = {}
+    for i, spec in enumerate(linear):
+        if spec is not None:
+            out[i] = (torch.empty(n, spec.conv_dim), torch.empty(n, spec.conv_dim), torch.empty(n, 2 * spec.num_v_heads))
+            view = buffers.views[i]
+            view.pend_x, view.pend_mix, view.pend_bg = (t.data_ptr() for t in out[i])
+    return out
+
+
+def node_inputs(spec: LinearSpec | None, x: torch.Tensor, mix: torch.Tensor, bg: torch.Tensor) -> NodeInputs:
+    """A Gated DeltaNet layer's tree-pass outputs as the general path hands them to the cache
+    (TreeGatedDeltaNet)."""
+    assert spec is not None
+    n, h = int(x.shape[0]), spec.num_v_heads
+    kd = (spec.conv_dim - h * spec.head_v_dim) // 2
+    return NodeInputs(x, mix[:, kd : 2 * kd].reshape(n, -1, spec.head_k_dim).contiguous(),
+                      mix[:, 2 * kd :].reshape(n, h, spec.head_v_dim).contiguous(), bg[:, :h].contiguous(),
+                      bg[:, h:].contiguous())

@@ -30,7 +30,7 @@ import psutil
 import torch
 from torch import nn
 
-from engine.kernels.fused_layer import FusedDecoder, PassInterrupted, interrupt_every
+from engine.kernels.fused_layer import HYBRID_PASS_TOKENS, FusedDecoder, PassInterrupted, interrupt_every
 from engine.model.cache import KVCache
 from engine.model.family import family_of, layer_kinds, supported_types
 from engine.model.hybrid_cache import HybridCache, LinearSpec
@@ -128,6 +128,12 @@ class CausalLM:
         (HybridCache.abandon_pass drops what it left pending), the fused pass puts back those its
         runs advanced."""
         return self.streamer is None
+
+    def tree_room(self) -> int | None:
+        """The most tokens a tree pass runs in the fused C pass where that is bounded (a
+        hybrid's: each node keeps its Gated DeltaNet states there; fused_layer.HYBRID_PASS_TOKENS),
+        else None: the prefill then leaves a tree's pass no prompt tokens beyond it."""
+        return HYBRID_PASS_TOKENS if self.fused is not None and self.fused.hybrid else None
 
     @contextmanager
     def interruptible(self, stop: threading.Event | None) -> Iterator[None]:

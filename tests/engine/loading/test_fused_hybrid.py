@@ -27,7 +27,7 @@ from test_gguf_families2 import hybrid, vocab  # noqa: F401  (vocab: a session f
 
 from engine.decoding.generation import Engine
 from engine.kernels import build
-from engine.kernels.fused_layer import FusedDecoder, PassInterrupted
+from engine.kernels.fused_layer import HYBRID_PASS_TOKENS, FusedDecoder, PassInterrupted
 from engine.kernels.linear import PackedLinear, from_dense
 from engine.model.causal_lm import CausalLM
 from engine.loading.load import LoadedModel, load_model
@@ -233,6 +233,39 @@ def test_a_stop_mid_chunk_leaves_the_states_as_they_were(pair: tuple[LoadedModel
     got, want = (m.forward(chunk, torch.arange(12, 21), c, None) for m, c in zip(models, caches))
     assert close(got, want)
     assert_same(*caches)
+
+
+def test_a_short_prompt_is_read_as_one_chain_before_a_tree(pair: tuple[LoadedModel, LoadedModel],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before draft-free trees the prefill reads a short prompt's tail as well (one chain, folded
+    in the C pass), so the first decoding pass is the tree alone, which the C tree pass takes
+    (CausalLM.tree_room); plain decoding still reads the whole prompt in its first step."""
+    fused, _ = pair
+    if fused.tokenizer is None:
+        pytest.skip("no tokenizer")
+    model = fused.model
+    assert model.tree_room() == HYBRID_PASS_TOKENS
+    calls: list[tuple[int, bool]] = []  # (tokens, chain) of each target pass
+    forward = model.forward
+
+    def counted(tokens: torch.Tensor, positions: torch.Tensor, cache: Any, allowed: Any) -> torch.Tensor:
+        calls.append((int(tokens.shape[0]), allowed is None))
+        return forward(tokens, positions, cache, allowed)
+
+    monkeypatch.setattr(model, "forward", counted)
+    prompt = "def add(a, b):\n    return a + b\n\n" * 9
+    for mode in ("specexec", "autoregressive"):
+        calls.clear()
+        req = GenerationRequest(raw_prompt=prompt, max_new_tokens=4, speculation=SpeculationSettings(mode=mode))  # type: ignore[arg-type]
+        engine = Engine(model, fused.tokenizer)
+        n = len(engine.encode(req))
+        assert 2 * HYBRID_PASS_TOKENS < n <= 192
+        list(engine.generate(req))
+        if mode == "specexec":
+            assert calls[0] == (n - 1, True)  # the prompt but its last token, one chain
+            assert all(k <= HYBRID_PASS_TOKENS for k, _ in calls[1:])
+        else:
+            assert calls[0] == (n, True)  # the first step reads it all
 
 
 def test_greedy_text_plain_and_with_trees(pair: tuple[LoadedModel, LoadedModel]) -> None:
