@@ -49,6 +49,7 @@ STARTER_PAIR_ID = "starter"
 FIT_LABELS = {"fits": "Fits", "slow": "Slow", "too big": "Too big", "unknown": "Benchmark needed",
               "no prediction": "No prediction"}
 LARGE_DOWNLOAD_BYTES = 10 * GB  # a download this big is confirmed first, fit or not
+READING_TOK_S = 5.0  # a CPU-only machine is offered a large model it runs at least this fast (reading speed)
 PRIOR_NOTE = "predicted from the benchmark; not measured here yet"
 Locate = Callable[[str], "Path | None"]  # a catalog id -> the local file or folder the app would load
 
@@ -260,11 +261,21 @@ def _free_bytes(folder: Path) -> int | None:
 
 
 def recommend(options: list[PairOption], profile: HardwareProfile | None) -> list[PairOption]:
-    """What the wizard offers, best first: on a CPU-only machine (or with no profile) the starter;
-    with a GPU, the pairs that fit (fastest first), then those that are slow, then the starter."""
+    """What the wizard offers, best first: with no profile (or a quick one's rough figures on a
+    CPU-only machine) the starter; on a CPU-only machine the starter, then the targets without a
+    draft model that fit and run at reading speed or faster there (READING_TOK_S: the MoE models,
+    whose tokens read ~3B of their weights: Qwen3-30B-A3B predicted at ~10 tok/s on 2 cores),
+    fastest first; with a GPU, the pairs that fit (fastest first), then those that are slow, then
+    the starter."""
     starter = [o for o in options if o.pair_id == STARTER_PAIR_ID]
-    if profile is None or not profile_has_gpu(profile):
+    if profile is None:
         return starter
+    if not profile_has_gpu(profile):
+        if profile.quick:
+            return starter
+        readable = (o for o in options if o.pair_id != STARTER_PAIR_ID and not o.draft and o.fit == "fits"
+                    and (o.speed or 0.0) >= READING_TOK_S)
+        return starter + sorted(readable, key=lambda o: -(o.speed or 0.0))
     fits = sorted((o for o in options if o.fit == "fits" and o.pair_id != STARTER_PAIR_ID),
                   key=lambda o: -(o.speed or 0.0))
     slow = sorted((o for o in options if o.fit == "slow" and o.pair_id != STARTER_PAIR_ID),

@@ -120,17 +120,23 @@ class RecommendPage(QWizardPage):
         profile = load_profile() if self._wizard.benchmark_page.state == "done" else None
         everything = pair_options(self._wizard.catalog, profile, locate=self._wizard.local_path)
         chosen = self.selected()
-        self.options = recommend(everything, profile)
+        recommended = recommend(everything, profile)
+        self.options = list(recommended)
         if self.show_all.isChecked():  # the rest after the recommendation, fastest first
             offered = {o.pair_id for o in self.options}
             self.options += sorted((o for o in everything if o.pair_id not in offered),
                                    key=lambda o: -(o.speed or 0.0))
         if profile is None:
             intro = "Without a benchmark SpecChat recommends the small starter model, which runs anywhere."
+        elif not profile_has_gpu(profile) and len(recommended) > 1:
+            intro = ("No CUDA GPU was found. The <b>starter</b> is a small download that runs anywhere; the "
+                     "models after it are mixtures of experts, which read only a few billion of their weights a "
+                     "token, so this CPU runs them at reading speed (a large download, and most of this "
+                     "computer's RAM).")
         elif not profile_has_gpu(profile):
             intro = ("No CUDA GPU was found, so the <b>starter</b> runs alone: on a CPU a draft model costs as "
                      "much as it saves. Large pairs need a GPU.")
-        elif len(recommend(everything, profile)) == 1:
+        elif len(recommended) == 1:
             intro = "No catalog pair fits this computer's GPU and RAM; the small starter runs anywhere."
         else:
             intro = "These pairs fit this computer; the first is the fastest."

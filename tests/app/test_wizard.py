@@ -14,14 +14,14 @@ from pages_hub import FakeRepo, HubServer
 from PySide6.QtWidgets import QWizard
 from pytestqt.qtbot import QtBot
 
-from app.models.recommend import STARTER_PAIR_ID, pair_options, recommend
+from app.models.recommend import READING_TOK_S, STARTER_PAIR_ID, pair_options, recommend
 from app.state.preferences_store import PreferencesStore
 from app.wizard.first_run import FirstRunWizard
 from engine.planning.measure import measure_hardware
 from engine.planning.measured import measured_speed
 from engine.planning.planner import predict_pair
 from engine.planning.reference import reference_profile
-from engine.planning.profile import LAYER_SHAPES, GpuProfile, LayerTiming, load_profile
+from engine.planning.profile import LAYER_SHAPES, GpuProfile, LayerTiming, load_profile, read_profile
 from engine.store import find_local_model, load_catalog
 from engine.store.pypi import STARTER_GGUF_NAME
 from engine.store.transfer import DownloadSettings
@@ -257,6 +257,25 @@ def test_with_a_gpu_fitting_pairs_are_ranked_by_predicted_speed(app_env: Path) -
     fits = [o.tokens_per_second for o in pairs if o.fit == "fits"]
     assert fits == sorted(fits, reverse=True)
     assert {o.pair_id for o in options if o.fit == "too big"}.isdisjoint(o.pair_id for o in ranked)
+
+
+def test_without_a_gpu_the_moe_models_that_run_at_reading_speed_follow_the_starter(app_env: Path) -> None:
+    """A CPU-only machine with a full benchmark is offered the starter, then the targets without a
+    draft model that fit and are predicted at reading speed there: the MoE GGUFs (a token reads ~3B
+    weights), fastest first; with too little RAM for them, the starter alone, and a quick
+    benchmark's rough figures never recommend a large download."""
+    measured = read_profile(Path(__file__).parent / "data" / "cpu_profile.json")  # this 2-core machine's
+    assert measured.gpu is None and not measured.quick
+    ranked = recommend(pair_options(load_catalog(), measured), measured)
+    assert ranked[0].pair_id == STARTER_PAIR_ID
+    rest = ranked[1:]
+    assert {"qwen3-30b-a3b-q4_k_m-draft-free", "qwen3.6-35b-a3b-q4_k_m-draft-free"} <= {o.pair_id for o in rest}
+    assert all(not o.draft and o.fit == "fits" and (o.speed or 0) >= READING_TOK_S for o in rest)
+    assert [o.speed for o in rest] == sorted((o.speed for o in rest), reverse=True)
+    small = replace(measured, ram_total=16 * 10**9, ram_available=15 * 10**9)
+    assert [o.pair_id for o in recommend(pair_options(load_catalog(), small), small)] == [STARTER_PAIR_ID]
+    rough = replace(measured, quick=True)
+    assert [o.pair_id for o in recommend(pair_options(load_catalog(), rough), rough)] == [STARTER_PAIR_ID]
 
 
 def test_the_starter_is_priced_as_the_gguf_it_runs(app_env: Path) -> None:
