@@ -37,14 +37,15 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("qmatmul.c")
 FLAG_SETS = (("-O3", "-march=native", "-fopenmp"), ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"), ("-O3", "-fopenmp"),
              ("-O3",))
-VERSION = 14  # qmatmul.c qm_version(): 2 K-quant scales (QM_KSC), 3 MoE layers in a decode step, 4 six-bit codes,
+VERSION = 15  # qmatmul.c qm_version(): 2 K-quant scales (QM_KSC), 3 MoE layers in a decode step, 4 six-bit codes,
 # 5 experts' gates with biases (gpt-oss, qm_gate), 6 MXFP4 as q4 codes of E2M1 values (QM_E2M1), 7 IQ4's nibbles
 # as q8 codes (QM_IQ4), 8 gpt-oss layers in the fused step and pass (sinks, windows: qm_view, its router and gate),
 # 9 Qwen3.5's Gated DeltaNet layers, gated attention and gated shared experts in the step, 10 an accepted path
 # replayed through a Gated DeltaNet layer's state (qm_delta_replay), 11 products over 16+ tokens in panels
 # (transposed tokens, 16 decoded rows), 12 a pass's routed experts of 17+ tokens in panels, 13 a K/V head's
 # query heads attend together (attend_group: keys and values a tile at a time), 14 a hybrid's prompt chunk
-# folded into its Gated DeltaNet states in the pass (delta_chain)
+# folded into its Gated DeltaNet states in the pass (delta_chain), 15 Gemma 4's layers (per-layer head widths,
+# keys as values, value norms, its MoE block beside the MLP, layer scales; experts' GELU gate: qm_gate.gelu)
 SIMD_NAMES = {0: "plain C", 2: "AVX2", 3: "AVX-512", 4: "AVX-512 VNNI integer rows", 5: "AVX2, AVX-VNNI integer rows"}
 
 _lock = threading.Lock()

@@ -41,8 +41,8 @@ as that many steps would (a Stop between runs of layers puts back the states it 
 on pending entries keeps the general path's blocks.
 
 What this module does not do: streamed layers, Qwen3-Next's fused projections, Gemma 4's
-per-layer inputs or shapes, or GPUs (CausalLM.forward's general path runs those), or choose
-which weights are packed.
+per-layer inputs (its E2B / E4B; its 26B-A4B and 31B run here: fused_gemma4.py), or GPUs
+(CausalLM.forward's general path runs those), or choose which weights are packed.
 """
 
 from __future__ import annotations
@@ -58,10 +58,11 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
+from engine.kernels import fused_gemma4 as gemma4
 from engine.kernels.build import kernels
 from engine.kernels.governor import governor
 from engine.kernels.experts import PackedExperts
-from engine.kernels.fused_rules import (ACTS, LINEARS, ROUTERS, activation, dense_rows, linears_of, norm_eps,
+from engine.kernels.fused_rules import (ACTS, LINEARS, ROUTERS, activation, dense_rows, fill_delta, linears_of, norm_eps,
                                        norm_weight, norms_of, refusal, router_of, rotary_width)
 from engine.kernels.linear import PackedLinear, QmLinear
 from engine.kernels.fused_views import Buffers, View, node_inputs, pending_outputs, state_fits
@@ -99,7 +100,12 @@ class Layer(ctypes.Structure):
                 ("lin_qkv", QmLinear), ("lin_z", QmLinear),
                 *((name, ctypes.c_void_p) for name in ("lin_ba", "conv_w", "conv_b", "neg_a", "dt_bias", "gnorm")),
                 ("gnorm_eps", ctypes.c_float),
-                *((name, ctypes.c_int64) for name in ("lin_kh", "lin_vh", "lin_dk", "lin_dv", "kernel", "lin_tiled"))]
+                *((name, ctypes.c_int64) for name in ("lin_kh", "lin_vh", "lin_dk", "lin_dv", "kernel", "lin_tiled")),
+                *((name, ctypes.c_int64) for name in ("layer_head_dim", "layer_kv_heads", "kv_same", "v_norm", "rope_width")),
+                *((name, ctypes.c_float) for name in ("v_eps", "layer_scale", "router_root", "router_eps", "pre_experts_eps",
+                                                      "post_experts_eps", "post_mlp1_eps")),
+                *((name, ctypes.c_void_p) for name in ("router_scale", "expert_scale", "pre_experts_norm",
+                                                       "post_experts_norm", "post_mlp1_norm"))]
 
 
 INTERRUPT_RUNS = 8  # an interruptible pass's runs of layers: a Stop waits for one (CausalLM.interruptible)
@@ -124,16 +130,17 @@ class FusedDecoder:
         attn: Any = next(layer.self_attn for layer in model.layers if hasattr(layer, "self_attn"))
         cfg = model.config
         self.heads = int(cfg.num_attention_heads)
-        self.kv_heads = int(cfg.num_key_value_heads)
-        self.head_dim = int(attn.head_dim)
+        # Gemma 4: each layer's (K/V heads, head width), the call's being the first layer's
+        self.gemma4 = cfg.model_type == "gemma4_text"
+        self.shapes = gemma4.shapes(model) if self.gemma4 else None
+        self.kv_heads, self.head_dim = self.shapes[0] if self.shapes else (int(cfg.num_key_value_heads), int(attn.head_dim))
         self.hidden = int(cfg.hidden_size)
         self.scale = float(attn.scaling)
         self.layers = (Layer * len(model.layers))()
         self._held: list[object] = []  # what the structs point into, alive as long as they are
         layer: Any
         # an MoE's routed layers (the step counts their routed tokens into each PackedExperts.hits)
-        moe: list[PackedExperts] = [e for layer in model.layers
-                                    if isinstance(e := getattr(layer.get_submodule("mlp"), "experts", None), PackedExperts)]
+        moe: list[PackedExperts] = [e for layer in model.layers if isinstance(e := _experts(layer), PackedExperts)]
         self.moe = bool(moe)
         self._experts = moe
         # gpt-oss: its cos/sin are half a head wide (each frequency rotates x[i] with x[i + D/2])
@@ -147,22 +154,29 @@ class FusedDecoder:
         # rotary tables: one per layer type where the family has several (Gemma 3: local and global)
         self.rope_types: list[str] | None = sorted(set(model.layer_types)) if model.family.rotary_per_type else None
         self.rope_of = [self.rope_types.index(t) for t in model.layer_types] if self.rope_types else [0] * len(model.layers)
+        self.rope_width = max(d for _, d in self.shapes) if self.shapes else 0  # Gemma 4's tables padded to the widest
         # hybrids: each layer's Gated DeltaNet state shape (None: attention); see takes()
         self.linear = list(model.linear)
         self.hybrid = any(s is not None for s in self.linear)
         for layer, struct, kind in zip(model.layers, self.layers, model.kinds):
-            block = getattr(layer.mlp, "experts", None)
-            if isinstance(block, PackedExperts):
-                experts = block
+            experts = _experts(layer)
+            if isinstance(experts, PackedExperts):
                 assert experts._fused is not None
-                router = router_of(layer.mlp)
-                self._held += [router.weight, experts._fused, experts.hits]
-                struct.router = router.weight.data_ptr()
+                self._held += [experts._fused, experts.hits]
                 struct.expert_gate_up = ctypes.addressof(experts._fused[0])
                 struct.expert_down = ctypes.addressof(experts._fused[1])
                 assert experts.hits.dtype == torch.int64 and experts.hits.is_contiguous()
                 struct.hits = experts.hits.data_ptr()  # incremented in place (the tensor is never replaced)
-                struct.experts, struct.top_k = experts.num_experts, int(router.top_k)
+                struct.experts = experts.num_experts
+                if experts._fused[2] is not None:
+                    struct.expert_gate = ctypes.addressof(experts._fused[2])
+            if isinstance(experts, PackedExperts) and self.gemma4:  # its router: gemma4.fill
+                struct.top_k = int(layer.router.config.top_k_experts)
+            elif isinstance(experts, PackedExperts):
+                router = router_of(layer.mlp)
+                self._held.append(router.weight)
+                struct.router = router.weight.data_ptr()
+                struct.top_k = int(router.top_k)
                 struct.norm_topk = int(bool(getattr(router, "norm_topk_prob", True)))
                 mode = ROUTERS[type(router).__name__][1]
                 if mode == "gpt_oss":  # its router: biased logits, top-k, softmax of those
@@ -174,9 +188,6 @@ class FusedDecoder:
                     struct.score_bias = router.e_score_correction_bias.data_ptr()
                     struct.routed_scale = float(router.routed_scaling_factor)
                     self._held.append(router.e_score_correction_bias)
-                gate = experts._fused[2]
-                if gate is not None:
-                    struct.expert_gate = ctypes.addressof(gate)
             for field, path in linears_of(layer):
                 self._held.append(_fill_linear(getattr(struct, field), layer.get_submodule(path)))
             shared_gate = getattr(layer.mlp, "shared_expert_gate", None)
@@ -187,7 +198,7 @@ class FusedDecoder:
                 struct.shared_gate = rows.data_ptr()
             struct.attn_gate = int(kind.gated)
             if kind.mixer == "linear":
-                self._fill_delta(struct, layer.linear_attn)
+                self._held += fill_delta(struct, layer.linear_attn)
             sa: Any = getattr(layer, "self_attn", None)
             sinks = getattr(sa, "sinks", None)
             if sinks is not None:
@@ -201,6 +212,8 @@ class FusedDecoder:
                     setattr(struct, f"{name}_eps", norm_eps(norm))
             struct.act = ACTS[activation(cfg)]
             struct.rotary_dim = self.rotary_dim if self.rotary_dim != self.head_dim else 0
+            if self.gemma4:
+                self._held += gemma4.fill(struct, layer, (self.kv_heads, self.head_dim), self.rope_width, self.hidden)
         fn = lib.qm_decode_layers
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 6, ctypes.c_void_p, ctypes.c_float,
@@ -215,24 +228,6 @@ class FusedDecoder:
         # each cache's buffer addresses, read again when its buffers change (reserve() grew it)
         self._buffers: weakref.WeakKeyDictionary[KVCache, Buffers] = weakref.WeakKeyDictionary()
         self._key = next(_keys)  # this model's steps, to the thread governor
-
-    def _fill_delta(self, struct: Layer, la: Any) -> None:
-        """A Gated DeltaNet layer's fields (fused_rules.linear_refusal said it qualifies)."""
-        b, a = dense_rows(la.in_proj_b), dense_rows(la.in_proj_a)
-        assert b is not None and a is not None
-        parts = {"lin_ba": torch.cat([b, a]).contiguous(),  # (2 H_v, hidden): b's rows, then a's
-                 "conv_w": la.conv1d.weight.detach().reshape(la.conv_dim, la.kernel).contiguous(),
-                 "conv_b": la.conv1d.bias.detach() if la.conv1d.bias is not None else None,
-                 "neg_a": -la.A_log.detach().float().exp(),  # as transformers' g: -exp(A_log) * softplus(...)
-                 "dt_bias": la.dt_bias.detach(), "gnorm": la.norm.weight.detach()}
-        for name, t in parts.items():
-            if t is not None:
-                self._held.append(t)
-                setattr(struct, name, t.data_ptr())
-        struct.gnorm_eps = norm_eps(la.norm)
-        struct.lin_kh, struct.lin_vh = la.num_k_heads, la.num_v_heads
-        struct.lin_dk, struct.lin_dv, struct.kernel = la.head_k_dim, la.head_v_dim, la.kernel
-        struct.lin_tiled = int(la.tiled)
 
     @classmethod
     def of(cls, model: CausalLM) -> FusedDecoder | None:
@@ -266,7 +261,8 @@ class FusedDecoder:
         step, so two caches may run at once."""
         windowed = type(cache) is WindowedCache
         plain = type(cache) is (HybridCache if self.hybrid else KVCache)
-        if not (plain and not self.windows or windowed and self.windows) or cache.layer_shapes is not None:
+        if not (plain and not self.windows or windowed and self.windows) or \
+                cache.layer_shapes is not None and list(cache.layer_shapes) != self.shapes:
             return None
         if windowed and cast(WindowedCache, cache).windows != self.layer_windows:
             return None
@@ -274,9 +270,10 @@ class FusedDecoder:
         if known is not None and known.holds(cache):
             return known
         attention = [i for i, s in enumerate(self.linear) if s is None]  # (a hybrid's linear layers hold no K/V)
+        want = self.shapes or [(self.kv_heads, self.head_dim)] * len(self.layers)
         if (len(cache.keys) != len(self.layers) or cache.device.type != "cpu"
-                or any(b.dtype != torch.float32 or b.dim() != 4 or tuple(b.shape[:2]) != (1, self.kv_heads)
-                       or b.shape[3] != self.head_dim or not b.is_contiguous()
+                or any(b.dtype != torch.float32 or b.dim() != 4 or tuple(b.shape[:2]) != (1, want[i][0])
+                       or b.shape[3] != want[i][1] or not b.is_contiguous()
                        for i in attention for b in (cache.keys[i], cache.values[i]))):
             return None
         if self.hybrid and any(not state_fits(cast(HybridCache, cache).states.get(i), s)
@@ -326,7 +323,10 @@ class FusedDecoder:
         sin): one table, or one per layer type (a view's `rope` picks it)."""
         if self.rope_types:
             pairs = [self.rotary(hidden, positions[None], t) for t in self.rope_types]
-            cos, sin = torch.cat([c for c, _ in pairs]), torch.cat([s for _, s in pairs])
+            if self.rope_width:  # Gemma 4's: each type's table its heads' width, padded to the widest
+                cos, sin = gemma4.padded([c for c, _ in pairs], self.rope_width), gemma4.padded([s for _, s in pairs], self.rope_width)
+            else:
+                cos, sin = torch.cat([c for c, _ in pairs]), torch.cat([s for _, s in pairs])
         else:
             cos, sin = self.rotary(hidden, position_ids=positions[None])
         if self.half_rotary:  # gpt-oss's halves rotate by the same frequencies
@@ -432,6 +432,11 @@ class FusedDecoder:
             cache.commit(n)
         out: torch.Tensor = self.norm(hidden[0])  # (n, H)
         return out
+
+
+def _experts(layer: nn.Module) -> nn.Module | None:
+    """A layer's routed experts: its MoE block's (mlp.experts), or Gemma 4's beside its MLP."""
+    return getattr(layer.get_submodule("mlp"), "experts", None) or getattr(layer, "experts", None)
 
 
 def _fill_linear(struct: QmLinear, module: nn.Module) -> tuple[object, ...]:

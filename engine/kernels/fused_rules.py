@@ -63,8 +63,8 @@ def norms_of(layer: nn.Module) -> dict[str, nn.Module | None]:
 
 def plus_one(norm: nn.Module) -> bool:
     """Whether an RMSNorm scales by 1 + weight (Gemma's, Qwen3.5's but its gated one) rather than by weight."""
-    name = type(norm).__name__
-    return name.startswith("Gemma") or name.startswith("Qwen3_5") and name.endswith("RMSNorm")
+    name = type(norm).__name__  # (Gemma 4's scales by its weight)
+    return name.startswith("Gemma") and not name.startswith("Gemma4") or name.startswith("Qwen3_5") and name.endswith("RMSNorm")
 
 
 def norm_weight(norm: nn.Module) -> torch.Tensor:
@@ -127,11 +127,17 @@ def refusal(model: CausalLM) -> str | None:
         return "SPECCHAT_NO_FUSED"
     cfg = model.config
     prefix = FAMILIES.get(cfg.model_type) or MOE_FAMILIES.get(cfg.model_type)
-    if prefix is None:
+    if prefix is None and cfg.model_type != "gemma4_text":
         return f"model type {cfg.model_type}"
     routed, hybrid = cfg.model_type in MOE_FAMILIES, cfg.model_type in HYBRIDS
     if model.streamer is not None or model.device.type != "cpu" or model.dtype != torch.float32:
         return "not resident on the CPU in fp32"
+    if not model.layers:
+        return "no decoder layers"
+    if cfg.model_type == "gemma4_text":  # its own rules (per-layer shapes, its MoE block)
+        from engine.kernels.fused_gemma4 import refusal as gemma4_refusal  # noqa: PLC0415
+
+        return gemma4_refusal(model)
     if any(k.mixer != "attention" and not (hybrid and k.mixer == "linear") or k.gated and not hybrid
            or k.shared_experts and cfg.model_type not in ("glm4_moe", "qwen3_5_moe_text")
            or k.ffn != "dense" and not routed for k in model.kinds) \
@@ -139,8 +145,6 @@ def refusal(model: CausalLM) -> str | None:
         return "a layer other than attention (full or windowed) and a dense or routed MLP"
     if model.per_layer_inputs or model.family.layer_inputs or model.kv_shapes:
         return "per-layer inputs or shapes"
-    if not model.layers:
-        return "no decoder layers"
     if cfg.model_type != "gpt_oss" and activation(cfg) not in ACTS:
         return f"activation {activation(cfg)}"
     if getattr(cfg, "attn_logit_softcapping", None) is not None:
@@ -265,6 +269,28 @@ def linear_refusal(la: Any, hidden: int) -> str | None:
     return None
 
 
+def fill_delta(struct: Any, la: Any) -> list[torch.Tensor]:
+    """A Gated DeltaNet layer's fields of its qm_layer `struct` (linear_refusal said it
+    qualifies); returns the tensors they point into."""
+    b, a = dense_rows(la.in_proj_b), dense_rows(la.in_proj_a)
+    assert b is not None and a is not None
+    parts = {"lin_ba": torch.cat([b, a]).contiguous(),  # (2 H_v, hidden): b's rows, then a's
+             "conv_w": la.conv1d.weight.detach().reshape(la.conv_dim, la.kernel).contiguous(),
+             "conv_b": la.conv1d.bias.detach() if la.conv1d.bias is not None else None,
+             "neg_a": -la.A_log.detach().float().exp(),  # as transformers' g: -exp(A_log) * softplus(...)
+             "dt_bias": la.dt_bias.detach(), "gnorm": la.norm.weight.detach()}
+    held = []
+    for name, t in parts.items():
+        if t is not None:
+            held.append(t)
+            setattr(struct, name, t.data_ptr())
+    struct.gnorm_eps = norm_eps(la.norm)
+    struct.lin_kh, struct.lin_vh = la.num_k_heads, la.num_v_heads
+    struct.lin_dk, struct.lin_dv, struct.kernel = la.head_k_dim, la.head_v_dim, la.kernel
+    struct.lin_tiled = int(la.tiled)
+    return held
+
+
 def dense_rows(module: nn.Module) -> torch.Tensor | None:
     """A bias-free Linear's weight as fp32 rows (a PackedLinear's de-quantised), or None for
     anything else."""
@@ -288,7 +314,9 @@ def linears_of(layer: nn.Module) -> tuple[tuple[str, str], ...]:
     dense MLP's, an MoE layer's shared expert's (GLM-4.5's, Qwen3.5's), or none beside routed
     experts."""
     mlp = getattr(layer, "mlp", None)
-    mixer = LINEAR_ATTN if hasattr(layer, "linear_attn") else LINEARS[:4]
+    mixer: tuple[tuple[str, str], ...] = LINEAR_ATTN if hasattr(layer, "linear_attn") else LINEARS[:4]
+    if getattr(getattr(layer, "self_attn", None), "v_proj", 0) is None:  # Gemma 4's keys as values: no v
+        mixer = tuple(m for m in mixer if m[0] != "v")
     if isinstance(getattr(mlp, "experts", None), PackedExperts) or type(getattr(mlp, "router", None)).__name__ in ROUTERS:
         shared = SHARED if getattr(mlp, "shared_experts", None) is not None else \
             SHARED_GATED if getattr(mlp, "shared_expert", None) is not None else ()

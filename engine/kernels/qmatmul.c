@@ -131,7 +131,7 @@ static const void *row_params(const void *p, int64_t r, int64_t rows, int64_t gr
 /* Floats of expansion scratch for `rows` rows of `groups` (one where nothing is expanded). */
 #define PARAMS_BUF(fmt, rows, groups) ((fmt) == 2 ? (rows) * (groups) : 1)
 
-int qm_version(void) { return 14; }
+int qm_version(void) { return 15; }
 
 int qm_simd(void) { /* 0 plain C, 2 AVX2, 3 AVX-512, 4 AVX-512 VNNI, 5 AVX2 + AVX-VNNI */
 #if defined(QM_VNNI)
@@ -873,11 +873,12 @@ typedef struct {
 /* An experts module's gate where it is not SiLU(gate) * up without biases: gpt-oss's (engine.model.
  * gpt_oss_experts.RowExperts): biases (E x 2I, E x H fp32) added to gate_up's and down's outputs,
  * gate = min(g, limit), up = clamp(u, -limit, limit), act = (up + 1) * gate * sigmoid(alpha * gate),
- * gate and up the halves of gate_up's outputs or (interleaved) its even and odd ones. */
+ * gate and up the halves of gate_up's outputs or (interleaved) its even and odd ones; or, with
+ * gelu (Gemma 4's), GELU (tanh) of gate times up, without biases (both NULL). */
 typedef struct {
     const float *gate_up_bias, *down_bias;
     float alpha, limit;
-    int interleaved;
+    int interleaved, gelu;
 } qm_gate;
 
 typedef struct {
@@ -924,7 +925,34 @@ typedef struct {
     const float *lin_ba, *conv_w, *conv_b, *neg_a, *dt_bias, *gnorm;
     float gnorm_eps;
     int64_t lin_kh, lin_vh, lin_dk, lin_dv, kernel, lin_tiled;
+    /* Gemma 4: the layer's head width and K/V heads where they differ from the call's (0: the
+     * call's); kv_same: no v rows, a head's values are its keys' projection (before k_norm and
+     * the rotation); v_norm: values RMS-normed without a weight (v_eps); rope_width: the rotary
+     * tables' row width where wider than the rotated values (0: the rotated width); layer_scale:
+     * the hidden state's factor after the layer (0: none). Its MoE block beside the MLP (where
+     * pre_experts_norm): the router reads the residual RMS-normed without a weight (router_eps),
+     * times router_scale (hidden) times router_root, each routed weight then times
+     * expert_scale[e]; the experts read the residual normed by pre_experts_norm; the MLP's output
+     * normed by post_mlp1_norm plus the experts' normed by post_experts_norm, that sum normed by
+     * post_mlp_norm, is added to the residual. */
+    int64_t layer_head_dim, layer_kv_heads, kv_same, v_norm, rope_width;
+    float v_eps, layer_scale, router_root, router_eps, pre_experts_eps, post_experts_eps, post_mlp1_eps;
+    const float *router_scale, *expert_scale, *pre_experts_norm, *post_experts_norm, *post_mlp1_norm;
 } qm_layer;
+
+/* A layer's head width, K/V heads and query heads per K/V head (the call's where it names none). */
+static inline int64_t dim_of(const qm_layer *L, int64_t call) { return L->layer_head_dim ? L->layer_head_dim : call; }
+static inline int64_t kvh_of(const qm_layer *L, int64_t call) { return L->layer_kv_heads ? L->layer_kv_heads : call; }
+
+/* The widest head, most K/V heads and most query heads per K/V head of the layers. */
+static void head_widths(const qm_layer *layers, int64_t count, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                        int64_t *D, int64_t *KV, int64_t *G) {
+    *D = head_dim, *KV = kv_heads, *G = heads / kv_heads;
+    for (int64_t l = 0; l < count; l++) {
+        int64_t d = dim_of(layers + l, head_dim), kv = kvh_of(layers + l, kv_heads);
+        *D = d > *D ? d : *D, *KV = kv > *KV ? kv : *KV, *G = heads / kv > *G ? heads / kv : *G;
+    }
+}
 
 /* Where a layer's K/V live: buffers (kv_heads, capacity, head_dim), and window: -1 for a layer
  * that holds every entry (buffer column j is entry j), else which of the call's windows (spans)
@@ -963,6 +991,12 @@ static float rms_scale(const float *y, float eps, int64_t n) {
     float ss = 0.0f;
     for (int64_t i = 0; i < n; i++) ss += y[i] * y[i];
     return 1.0f / sqrtf(ss / (float)n + eps);
+}
+
+/* out = x * rsqrt(mean(x^2) + eps): an RMSNorm without a weight (Gemma 4's values and router). */
+static void rms_plain(const float *x, float eps, int64_t n, float *out) {
+    float r = rms_scale(x, eps, n);
+    for (int64_t i = 0; i < n; i++) out[i] = x[i] * r;
 }
 
 /* x[i] += y[i] for i in [a, b), or, with a norm (Gemma 3's post-norms), its rms_norm of all of
@@ -1084,6 +1118,22 @@ static void norm_and_rotate(float *x, const float *norm, float eps, const float 
     for (int64_t i = h; i < rd; i++) x[i] = tmp[i] * cos[i] + tmp[i - h] * sin[i];
 }
 
+/* Gemma 4's MoE block, one token: sv = post_mlp1_norm(mlp) + post_experts_norm(experts) (every
+ * thread its own copy); returns 1 / rms(sv) for block_add. */
+static float block_sum(const float *mlp, const float *experts, const qm_layer *L, int64_t H, float *sv) {
+    float r1 = rms_scale(mlp, L->post_mlp1_eps, H), r2 = rms_scale(experts, L->post_experts_eps, H);
+    for (int64_t i = 0; i < H; i++) sv[i] = (mlp[i] * r1) * L->post_mlp1_norm[i] + (experts[i] * r2) * L->post_experts_norm[i];
+    return rms_scale(sv, L->post_mlp_eps, H);
+}
+
+/* x = (x + post_mlp_norm(sv)) * layer_scale (where it has one) over rows [a, b); r: block_sum's. */
+static inline void block_add(float *x, const float *sv, const qm_layer *L, float r, int64_t a, int64_t b) {
+    for (int64_t i = a; i < b; i++) {
+        float y = x[i] + (sv[i] * r) * L->post_mlp_norm[i];
+        x[i] = L->layer_scale != 0.0f ? y * L->layer_scale : y;
+    }
+}
+
 /* x: the token's hidden state (hidden), updated in place through every layer. cos, sin:
  * (head_dim) for the token's position. views[l]: layer l's cache buffers, the new entry (entry
  * `length`) going to column length - base, the token reading its columns from lo on; spans:
@@ -1094,10 +1144,11 @@ static void norm_and_rotate(float *x, const float *norm, float eps, const float 
  * lies between two products (a norm, the group sums of a product's input) each thread computes
  * for itself, and each query head rotates its K/V head's new key itself. */
 /* An expert's activation a (I) from its gate/up outputs g (2I): SiLU(gate) * up where gate is
- * NULL, else gpt-oss's gate on them plus expert e's gate_up bias. */
+ * NULL, GELU (tanh) of gate times up where gate->gelu, else gpt-oss's gate on them plus expert
+ * e's gate_up bias. */
 static void activate(const float *g, int64_t I, const qm_gate *gate, int64_t e, float *a) {
-    if (gate == NULL) {
-        for (int64_t i = 0; i < I; i++) a[i] = (g[i] / (1.0f + expf(-g[i]))) * g[I + i];
+    if (gate == NULL || gate->gelu) {
+        for (int64_t i = 0; i < I; i++) a[i] = gated(g[i], g[I + i], gate != NULL);
         return;
     }
     const float *b = gate->gate_up_bias + e * 2 * I;
@@ -1350,8 +1401,10 @@ static void delta_chain(const qm_layer *L, const qm_view *V, int64_t n, const fl
 int qm_decode_layers(const qm_layer *layers, const qm_view *views, int64_t count, int64_t hidden, int64_t heads,
                      int64_t kv_heads, int64_t head_dim, int64_t length, const int64_t *spans, float scale,
                      const float *cos, const float *sin, float *x, int threads) {
-    int64_t D = head_dim, nq = heads * D, nkv = kv_heads * D, group_size = heads / kv_heads;
-    int64_t bkv = (nkv + QM_ROWS - 1) / QM_ROWS; /* blocks of rows */
+    int64_t DM, KVM, GM; /* the widest head, most K/V heads, most query heads per K/V head */
+    head_widths(layers, count, heads, kv_heads, head_dim, &DM, &KVM, &GM);
+    int64_t nq = heads * DM, nkv = KVM * DM, gemma4 = 0;
+    for (int64_t l = 0; l < count; l++) gemma4 |= layers[l].pre_experts_norm != NULL;
     int64_t inter = 0, widest = hidden > nq ? hidden : nq;
     int64_t E = 0, K = 0, I = 0; /* the MoE layers' most experts, top_k and expert width */
     int64_t LC = 0, LV = 0, LH = 0; /* the Gated DeltaNet layers' widest conv, values and value heads */
@@ -1369,10 +1422,12 @@ int qm_decode_layers(const qm_layer *layers, const qm_view *views, int64_t count
      * scores, the normed input, group sums of 16 and of 32, a decoded row or a head */
     int64_t sums = I / 16 + I / 32 + 2;
     size_t moe = (size_t)(E + K + E + K * 3 * I + K * sums);
-    size_t per_thread = (size_t)group_size * (size_t)(length + 2) + 4 * (size_t)widest;
-    int64_t per = heads_together(group_size, kv_heads, threads), parts = (group_size + per - 1) / per;
+    /* (Gemma 4's MoE block: per thread the router's and the experts' inputs and the outputs' sum) */
+    size_t per_thread = (size_t)GM * (size_t)(length + 2) + 4 * (size_t)widest + (gemma4 ? 3 * (size_t)hidden : 0);
     size_t lin = (size_t)(LC + 2 * LV + 2 * LH); /* a Gated DeltaNet layer's raw/conv outputs, z, b and a, core */
-    size_t total = (size_t)(3 * nq + 2 * nkv + inter + hidden + QM_ROWS) + moe + lin + (size_t)threads * per_thread;
+    size_t eouts = gemma4 ? (size_t)(hidden + QM_ROWS) : 0; /* Gemma 4's experts' output (shared) */
+    size_t total = (size_t)(3 * nq + 2 * nkv + inter + hidden + QM_ROWS) + moe + lin + eouts +
+                   (size_t)threads * per_thread;
     float *buf = (float *)malloc(sizeof(float) * total);
     if (!buf) return -1;
     /* q: 2 nq (a gated attention's queries and gates) */
@@ -1380,7 +1435,7 @@ int qm_decode_layers(const qm_layer *layers, const qm_view *views, int64_t count
     float *wts = logits + E, *gu = wts + K + E, *eact = gu + K * 2 * I, *asum = eact + K * I;
     float *out = asum + K * sums; /* a product's whole output, where a post-norm reads it (hidden + a block) */
     float *lraw = out + hidden + QM_ROWS, *lz = lraw + LC, *lba = lz + LV, *core = lba + 2 * LH;
-    float *own = core + LV;
+    float *eout = core + LV, *own = eout + eouts;
     size_t dig_bytes = digits_bytes(widest), edig_bytes = digits_bytes(I > 0 ? I : 1);
     char *dig = (char *)malloc(dig_bytes * (size_t)threads + edig_bytes * (size_t)K + 1); /* each thread's digits
                                                         * of a product's input, then each routed expert's */
@@ -1398,8 +1453,9 @@ int qm_decode_layers(const qm_layer *layers, const qm_view *views, int64_t count
 #ifdef _OPENMP
         t = omp_get_thread_num();
 #endif
-        float *scores = own + (size_t)t * per_thread, *xn = scores + group_size * (length + 2), *s16 = xn + widest;
+        float *scores = own + (size_t)t * per_thread, *xn = scores + GM * (length + 2), *s16 = xn + widest;
         float *s32 = s16 + widest / 16 + 1, *tmp = s16 + widest;
+        float *rn = tmp + 2 * widest, *xe = rn + hidden, *sv = xe + hidden; /* Gemma 4's MoE block */
         char *mine = dig + dig_bytes * (size_t)t;
         qm_digits dg;
         for (int64_t l = 0; l < count; l++) {
@@ -1408,7 +1464,11 @@ int qm_decode_layers(const qm_layer *layers, const qm_view *views, int64_t count
             int64_t base, lo, capacity = V->capacity;
             span_of(V, spans, &base, &lo);
             int64_t at = length - base; /* the new entry's column */
+            int64_t D = dim_of(L, head_dim), KVH = kvh_of(L, kv_heads), group_size = heads / KVH;
+            int64_t per = heads_together(group_size, KVH, threads), parts = (group_size + per - 1) / per;
+            int64_t bkv = (KVH * D + QM_ROWS - 1) / QM_ROWS; /* blocks of K (and V) rows */
             int64_t RD = L->rotary_dim ? L->rotary_dim : D; /* the rotated values of a head */
+            int64_t RW = L->rope_width ? L->rope_width : RD; /* a rotary table's row */
             int64_t QS = L->attn_gate ? 2 * D : D, bq = (L->q.n + QM_ROWS - 1) / QM_ROWS; /* a head's q rows */
             float *lk = V->keys, *lv = V->values;
             rms_norm(x, L->attn_norm, L->attn_eps, hidden, xn);
@@ -1421,25 +1481,32 @@ int qm_decode_layers(const qm_layer *layers, const qm_view *views, int64_t count
                 residual_product(&L->o, core, s16, s32, &dg, tmp, L->post_attn_norm, L->post_attn_eps, out, x, 1.0f);
             } else { /* attention */
 #pragma omp for schedule(static)
-                for (int64_t b = 0; b < bq + 2 * bkv; b++) { /* blocks of QM_ROWS rows of q, k and v */
+                for (int64_t b = 0; b < bq + (L->kv_same ? 1 : 2) * bkv; b++) { /* blocks of QM_ROWS rows of q, k and v */
                     const qm_linear *w = b < bq ? &L->q : b < bq + bkv ? &L->k : &L->v;
                     float *dst = b < bq ? q : b < bq + bkv ? k : v;
                     int64_t r = (b < bq ? b : b < bq + bkv ? b - bq : b - bq - bkv) * QM_ROWS;
                     rows_product(w, r, w->n - r, xn, s16, s32, &dg, tmp, dst + r);
                 }
+                if (L->kv_same || L->v_norm) { /* Gemma 4's values: the keys' projection, normed */
 #pragma omp for schedule(static)
-                for (int64_t u = 0; u < kv_heads * parts; u++) { /* a K/V head's query heads, or a part of them */
+                    for (int64_t g = 0; g < KVH; g++) {
+                        if (L->kv_same) memcpy(v + g * D, k + g * D, sizeof(float) * (size_t)D);
+                        if (L->v_norm) rms_plain(v + g * D, L->v_eps, D, v + g * D);
+                    }
+                }
+#pragma omp for schedule(static)
+                for (int64_t u = 0; u < KVH * parts; u++) { /* a K/V head's query heads, or a part of them */
                     int64_t g = u / parts, h0 = g * group_size + u % parts * per;
                     int64_t G = heads_in_part(group_size, per, u % parts);
                     float *kh = xn, *vh = v + g * D;  /* xn is free until the next norm */
                     memcpy(kh, k + g * D, sizeof(float) * (size_t)D);
-                    norm_and_rotate(kh, L->k_norm, L->k_eps, cos + V->rope * RD, sin + V->rope * RD, D, RD, tmp);
+                    norm_and_rotate(kh, L->k_norm, L->k_eps, cos + V->rope * RW, sin + V->rope * RW, D, RD, tmp);
                     if (u % parts == 0) {  /* the K/V head's first part stores its entry */
                         memcpy(lk + (g * capacity + at) * D, kh, sizeof(float) * (size_t)D);
                         memcpy(lv + (g * capacity + at) * D, vh, sizeof(float) * (size_t)D);
                     }
                     for (int64_t h = h0; h < h0 + G; h++)
-                        norm_and_rotate(q + h * QS, L->q_norm, L->q_eps, cos + V->rope * RD, sin + V->rope * RD, D, RD,
+                        norm_and_rotate(q + h * QS, L->q_norm, L->q_eps, cos + V->rope * RW, sin + V->rope * RW, D, RD,
                                         tmp);
                     attend_group(q + h0 * QS, QS, G, lk + (g * capacity + lo) * D, lv + (g * capacity + lo) * D,
                                  at - lo, NULL, at - lo - 1, kh, vh, D, scale, L->sinks ? L->sinks + h0 : NULL, scores,
@@ -1447,16 +1514,30 @@ int qm_decode_layers(const qm_layer *layers, const qm_view *views, int64_t count
                     for (int64_t h = h0; L->attn_gate && h < h0 + G; h++)
                         for (int64_t i = 0; i < D; i++) attn[h * D + i] *= sigmoidf(q[h * QS + D + i]);
                 }
-                group_sums(attn, nq, s16, s32);
-                make_digits(attn, nq, mine, &dg);
+                group_sums(attn, heads * D, s16, s32);
+                make_digits(attn, heads * D, mine, &dg);
                 residual_product(&L->o, attn, s16, s32, &dg, tmp, L->post_attn_norm, L->post_attn_eps, out, x, 1.0f);
+            }
+            int block = L->pre_experts_norm != NULL; /* Gemma 4's MoE block: its router and experts, then the MLP */
+            if (block) {
+                rms_plain(x, L->router_eps, hidden, rn);
+                for (int64_t i = 0; i < hidden; i++) rn[i] = (rn[i] * L->router_scale[i]) * L->router_root;
+                rms_norm(x, L->pre_experts_norm, L->pre_experts_eps, hidden, xe);
+                group_sums(xe, hidden, s16, s32);
+                make_digits(xe, hidden, mine, &dg);
+#pragma omp for schedule(static)
+                for (int64_t e = 0; e < L->experts; e++) logits[e] = dot(L->router + e * hidden, rn, hidden);
+#pragma omp single
+                route_one(L, logits, ids, wts, L->hits);
+                experts_region(L->expert_gate_up, L->expert_down, ids, wts, L->top_k, xe, s16, s32, &dg, gu, eact,
+                               asum, edig, edig_bytes, ad, tmp, eout, 0, L->expert_gate);
             }
             rms_norm(x, L->mlp_norm, L->mlp_eps, hidden, xn);
             group_sums(xn, hidden, s16, s32);
             make_digits(xn, hidden, mine, &dg);
             /* Qwen3.5's shared expert: scaled by the sigmoid of its gate on the normed input */
             float shared = L->shared_gate ? sigmoidf(dot(L->shared_gate, xn, hidden)) : 1.0f;
-            if (L->experts > 0) { /* routed experts: the router, one thread routing, the experts' rows */
+            if (L->experts > 0 && !block) { /* routed experts: the router, one thread routing, the experts' rows */
 #pragma omp for schedule(static)
                 for (int64_t e = 0; e < L->experts; e++)
                     logits[e] = dot(L->router + e * hidden, xn, hidden) + (L->router_bias ? L->router_bias[e] : 0.0f);
@@ -1475,7 +1556,21 @@ int qm_decode_layers(const qm_layer *layers, const qm_view *views, int64_t count
             }
             group_sums(act, L->gate.n, s16, s32);
             make_digits(act, L->gate.n, mine, &dg);
+            if (block) { /* the MLP's and the experts' outputs, each normed, summed, normed, added */
+#pragma omp for schedule(static)
+                for (int64_t r = 0; r < hidden; r += QM_ROWS)
+                    rows_product(&L->down, r, hidden - r, act, s16, s32, &dg, tmp, out + r);
+                float rs = block_sum(out, eout, L, hidden, sv);
+#pragma omp for schedule(static)
+                for (int64_t r = 0; r < hidden; r += QM_ROWS)
+                    block_add(x, sv, L, rs, r, r + QM_ROWS < hidden ? r + QM_ROWS : hidden);
+                continue;
+            }
             residual_product(&L->down, act, s16, s32, &dg, tmp, L->post_mlp_norm, L->post_mlp_eps, out, x, shared);
+            if (L->layer_scale != 0.0f) {
+#pragma omp for schedule(static)
+                for (int64_t i = 0; i < hidden; i++) x[i] = x[i] * L->layer_scale;
+            }
         }
     }
     free(ids);
@@ -1523,7 +1618,7 @@ static void experts_region(const qm_linear *gate_up, const qm_linear *down, cons
         for (int64_t j = 0; j < k; j++) {
             const float *s16 = asum + j * sums;
             rows_product(&down[ids[j]], r, rows, act + j * I, s16, s16 + I / 16 + 1, &ad[j], tmp, o);
-            if (gate != NULL) {
+            if (gate != NULL && gate->down_bias != NULL) {
                 const float *b = gate->down_bias + ids[j] * H + r;
                 for (int64_t i = 0; i < rows; i++) o[i] += b[i];
             }
@@ -1611,6 +1706,8 @@ static void route_one(const qm_layer *L, const float *logits, int64_t *ids, floa
     } else if (L->norm_topk) {
         for (int64_t j = 0; j < K; j++) w[j] /= picked;
     }
+    if (L->expert_scale) /* Gemma 4: each expert's own factor on its weight */
+        for (int64_t j = 0; j < K; j++) w[j] = w[j] * L->expert_scale[ids[j]];
     for (int64_t j = 1; j < K; j++) /* insertion sort by expert */
         for (int64_t i = j; i > 0 && ids[i - 1] > ids[i]; i--) {
             int64_t ti = ids[i]; ids[i] = ids[i - 1]; ids[i - 1] = ti;
@@ -1889,14 +1986,14 @@ static void transpose_experts(const qm_routed *R, int64_t k, const float *base, 
  * thread n * (2 * QM_PANEL + QM_ROWS) floats; tmp: a decoded panel (QM_PANEL rows, stride
  * widest + QM_PAD). An expert with QM_EXPERT_PANEL_MIN tokens or more (where R->pxt is given) takes
  * the panels, as a dense product of as many tokens does; the others the integer rows. */
-static void routed_pass(const qm_layer *L, int64_t n, int64_t H, const float *xn, const float *tok16,
-                        const float *tok32, int64_t tsum, const qm_digits *tokd, float *logits, float *route,
-                        qm_routed *R, const void **ptrs, float *mine, float *tmp, float *x) {
+static void routed_pass(const qm_layer *L, int64_t n, int64_t H, const float *xn, const float *rin,
+                        const float *tok16, const float *tok32, int64_t tsum, const qm_digits *tokd, float *logits,
+                        float *route, qm_routed *R, const void **ptrs, float *mine, float *tmp, float *x, int add) {
     int64_t E = L->experts, K = L->top_k, P = n * K;
     int64_t I = L->expert_down[0].k, sums = I / 16 + I / 32 + 2;
 #pragma omp for schedule(static)
     for (int64_t s = 0; s < n * E; s++)
-        logits[s] = dot(L->router + (s % E) * H, xn + (s / E) * H, H) + (L->router_bias ? L->router_bias[s % E] : 0.0f);
+        logits[s] = dot(L->router + (s % E) * H, rin + (s / E) * H, H) + (L->router_bias ? L->router_bias[s % E] : 0.0f);
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < n; i++) {
         float *w = route + i * (K + E);
@@ -1993,7 +2090,7 @@ static void routed_pass(const qm_layer *L, int64_t n, int64_t H, const float *xn
                 }
                 unit_for(&L->expert_down[e], r, rows, U, c, xin, s16, s32, dg, tmp, piece, out);
             }
-            const float *db = L->expert_gate ? L->expert_gate->down_bias + e * H + r : NULL;
+            const float *db = L->expert_gate && L->expert_gate->down_bias ? L->expert_gate->down_bias + e * H + r : NULL;
             for (int64_t q = 0; q < c; q++) {
                 int64_t p = R->order[first + q], i = p / K;
                 for (int64_t j = 0; j < rows; j++)
@@ -2001,7 +2098,7 @@ static void routed_pass(const qm_layer *L, int64_t n, int64_t H, const float *xn
             }
         }
         for (int64_t i = 0; i < n; i++)
-            for (int64_t j = 0; j < rows; j++) x[i * H + r + j] = x[i * H + r + j] + acc[i * U + j];
+            for (int64_t j = 0; j < rows; j++) x[i * H + r + j] = add ? x[i * H + r + j] + acc[i * U + j] : acc[i * U + j];
     }
 }
 
@@ -2016,7 +2113,10 @@ int qm_pass_layers(const qm_layer *layers, const qm_view *views, int64_t count, 
                    int64_t kv_heads, int64_t head_dim, int64_t length, int64_t n, const int64_t *spans,
                    const uint8_t *const *masks, float scale, const float *cos, const float *sin,
                    const uint8_t *allowed, const int64_t *parents, float *x, int threads) {
-    int64_t D = head_dim, H = hidden, nq = heads * D, nkv = kv_heads * D, group_size = heads / kv_heads;
+    int64_t DM, KVM, GM, gemma4 = 0; /* the widest head, most K/V heads, most query heads per K/V head */
+    head_widths(layers, count, heads, kv_heads, head_dim, &DM, &KVM, &GM);
+    for (int64_t l = 0; l < count; l++) gemma4 |= layers[l].pre_experts_norm != NULL;
+    int64_t H = hidden, nq = heads * DM, nkv = KVM * DM;
     int64_t inter = 0, total = length + n;
     int64_t E = 0, K = 0, I = 0; /* the MoE layers' most experts, top_k and expert width */
     int64_t LC = 0, LV = 0, LH = 0, LS = 0, KM = 1; /* Gated DeltaNet: widest conv, values, heads; a head's state */
@@ -2068,11 +2168,11 @@ int qm_pass_layers(const qm_layer *layers, const qm_view *views, int64_t count, 
     /* shared: xn | q (a gated attention's queries and gates) | k | v | attn | gate (then the activation) |
      * up | a product's output | Gated DeltaNet: z, b and a, core | shared experts' gates | each node's
      * path (KM - 1 entries); per thread: a decoded tile, scores, a head, a Gated DeltaNet head's states */
-    size_t shared = (size_t)n * (size_t)(H + 2 * nq + 2 * nkv + nq + 2 * inter + H + 2 * LV + 2 * LH + 1 + 2 * KM);
+    size_t shared = (size_t)n * (size_t)(H + 2 * nq + 2 * nkv + nq + 2 * inter + H + 2 * LV + 2 * LH + 1 + 2 * KM +
+                                         (gemma4 ? 3 * H : 0)); /* (Gemma 4: the router's and experts' inputs, their output) */
     size_t tile = (size_t)NB * (size_t)widest, panel = (size_t)QM_PANEL * (size_t)(widest + QM_PAD);
     if (panel > tile) tile = panel; /* a decoded tile, or panel */
-    size_t per_thread = tile + (size_t)group_size * (size_t)(total + 2) + (size_t)D + (size_t)(fold ? 1 : n + 1) * (size_t)LS;
-    int64_t per = heads_together(group_size, n * kv_heads, threads), parts = (group_size + per - 1) / per;
+    size_t per_thread = tile + (size_t)GM * (size_t)(total + 2) + (size_t)DM + (size_t)(fold ? 1 : n + 1) * (size_t)LS;
     float *buf = (float *)malloc(sizeof(float) * (shared + (size_t)threads * per_thread));
     if (!buf) {
         free(routed_mem);
@@ -2082,7 +2182,8 @@ int qm_pass_layers(const qm_layer *layers, const qm_view *views, int64_t count, 
     float *gate = attn + n * nq, *up = gate + n * inter, *out = up + n * inter, *lz = out + n * H;
     float *lba = lz + n * LV, *core = lba + 2 * n * LH, *sgate = core + n * LV;
     int64_t *chains = (int64_t *)(sgate + n); /* (n, KM - 1): int64 in the room of 2 n KM floats */
-    float *own = sgate + n + 2 * n * KM;
+    float *rn = sgate + n + 2 * n * KM, *xe = rn + (gemma4 ? n * H : 0), *eout = xe + (gemma4 ? n * H : 0);
+    float *own = eout + (gemma4 ? n * H : 0);
     for (int64_t i = 0; LH && !fold && i < n; i++) { /* each node's inputs before it along its path, oldest first */
         int64_t a = parents[i], back = 0;
         for (int64_t j = KM - 2; j >= 0; j--) {
@@ -2111,8 +2212,8 @@ int qm_pass_layers(const qm_layer *layers, const qm_view *views, int64_t count, 
 #ifdef _OPENMP
         t = omp_get_thread_num();
 #endif
-        float *wbuf = own + (size_t)t * per_thread, *scores = wbuf + tile, *tmp = scores + group_size * (total + 2);
-        float *states = tmp + D; /* (n + 1) x LS: a Gated DeltaNet head's scratch, then its nodes' states */
+        float *wbuf = own + (size_t)t * per_thread, *scores = wbuf + tile, *tmp = scores + GM * (total + 2);
+        float *states = tmp + DM; /* (n + 1) x LS: a Gated DeltaNet head's scratch, then its nodes' states */
         char *mine = fewmem + few_per * (size_t)t;
         qm_few few;
         const int64_t U = xt ? QM_PANEL : NB; /* the rows of a product's unit: a panel or a tile (unit_rows) */
@@ -2123,7 +2224,11 @@ int qm_pass_layers(const qm_layer *layers, const qm_view *views, int64_t count, 
             span_of(V, spans, &base, &lo);
             int64_t at = length - base, seen = at + n; /* the pass's first column; the columns it reads */
             (void)lo; /* a windowed layer's mask says what each token reads */
+            int64_t D = dim_of(L, head_dim), KVH = kvh_of(L, kv_heads), group_size = heads / KVH;
+            int64_t nkv_l = KVH * D, nq_l = heads * D;
+            int64_t per = heads_together(group_size, n * KVH, threads), parts = (group_size + per - 1) / per;
             int64_t RD = L->rotary_dim ? L->rotary_dim : D; /* the rotated values of a head */
+            int64_t RW = L->rope_width ? L->rope_width : RD; /* a rotary table's row */
             const uint8_t *allow = V->window < 0 ? allowed : masks[V->window]; /* (n, seen) */
             float *lk = V->keys, *lv = V->values;
             int64_t QS = L->attn_gate ? 2 * D : D, qn = L->q.n; /* a head's and a token's q rows */
@@ -2156,35 +2261,41 @@ int qm_pass_layers(const qm_layer *layers, const qm_view *views, int64_t count, 
                 for (int64_t s = 0; s < units_of(&L->q, &few); s++) product(&L->q, s, xn, n, q, wbuf, &few);
 #pragma omp for schedule(static) nowait
                 for (int64_t s = 0; s < units_of(&L->k, &few); s++) product(&L->k, s, xn, n, k, wbuf, &few);
+                if (L->kv_same) { /* Gemma 4's values: its keys' projection (below) */
+#pragma omp barrier
+                } else {
 #pragma omp for schedule(static)
-                for (int64_t s = 0; s < units_of(&L->v, &few); s++) product(&L->v, s, xn, n, v, wbuf, &few);
+                    for (int64_t s = 0; s < units_of(&L->v, &few); s++) product(&L->v, s, xn, n, v, wbuf, &few);
+                }
                 /* rotate every query head; rotate each token's K/V heads into the cache */
 #pragma omp for schedule(static) nowait
                 for (int64_t s = 0; s < n * heads; s++) {
                     int64_t i = s / heads;
-                    norm_and_rotate(q + i * qn + (s % heads) * QS, L->q_norm, L->q_eps, cos + (V->rope * n + i) * RD,
-                                    sin + (V->rope * n + i) * RD, D, RD, tmp);
+                    norm_and_rotate(q + i * qn + (s % heads) * QS, L->q_norm, L->q_eps, cos + (V->rope * n + i) * RW,
+                                    sin + (V->rope * n + i) * RW, D, RD, tmp);
                 }
 #pragma omp for schedule(static)
-                for (int64_t s = 0; s < n * kv_heads; s++) {
-                    int64_t i = s / kv_heads, g = s % kv_heads;
-                    float *kh = k + i * nkv + g * D;
-                    norm_and_rotate(kh, L->k_norm, L->k_eps, cos + (V->rope * n + i) * RD, sin + (V->rope * n + i) * RD, D,
+                for (int64_t s = 0; s < n * KVH; s++) {
+                    int64_t i = s / KVH, g = s % KVH;
+                    float *kh = k + i * nkv_l + g * D, *vh = v + i * nkv_l + g * D;
+                    if (L->kv_same) memcpy(vh, kh, sizeof(float) * (size_t)D);
+                    if (L->v_norm) rms_plain(vh, L->v_eps, D, vh);
+                    norm_and_rotate(kh, L->k_norm, L->k_eps, cos + (V->rope * n + i) * RW, sin + (V->rope * n + i) * RW, D,
                                     RD, tmp);
                     memcpy(lk + (g * capacity + at + i) * D, kh, sizeof(float) * (size_t)D);
-                    memcpy(lv + (g * capacity + at + i) * D, v + i * nkv + g * D, sizeof(float) * (size_t)D);
+                    memcpy(lv + (g * capacity + at + i) * D, vh, sizeof(float) * (size_t)D);
                 }
 #pragma omp for schedule(static)
-                for (int64_t s = 0; s < n * kv_heads * parts; s++) { /* a token's K/V head's query heads, or a part */
-                    int64_t i = s / (kv_heads * parts), g = s / parts % kv_heads, h0 = g * group_size + s % parts * per;
+                for (int64_t s = 0; s < n * KVH * parts; s++) { /* a token's K/V head's query heads, or a part */
+                    int64_t i = s / (KVH * parts), g = s / parts % KVH, h0 = g * group_size + s % parts * per;
                     int64_t G = heads_in_part(group_size, per, s % parts);
                     attend_group(q + i * qn + h0 * QS, QS, G, lk + g * capacity * D, lv + g * capacity * D, seen,
                                  allow ? allow + i * seen : NULL, at + i, NULL, NULL, D, scale,
-                                 L->sinks ? L->sinks + h0 : NULL, scores, attn + i * nq + h0 * D, D);
+                                 L->sinks ? L->sinks + h0 : NULL, scores, attn + i * nq_l + h0 * D, D);
                     for (int64_t h = h0; L->attn_gate && h < h0 + G; h++)
-                        for (int64_t j = 0; j < D; j++) attn[i * nq + h * D + j] *= sigmoidf(q[i * qn + h * QS + D + j]);
+                        for (int64_t j = 0; j < D; j++) attn[i * nq_l + h * D + j] *= sigmoidf(q[i * qn + h * QS + D + j]);
                 }
-                make_inputs(attn, n, nq, mine, xt, &few);
+                make_inputs(attn, n, nq_l, mine, xt, &few);
 #pragma omp for schedule(static)
                 for (int64_t s = 0; s < units_of(&L->o, &few); s++) {
                     product(&L->o, s, attn, n, out, wbuf, &few);
@@ -2198,21 +2309,29 @@ int qm_pass_layers(const qm_layer *layers, const qm_view *views, int64_t count, 
                         add_out(x + i * H, out + i * H, L->post_attn_norm, rms_scale(out + i * H, L->post_attn_eps, H), 0, H);
                 }
             }
+            const float *ein = L->pre_experts_norm ? xe : xn; /* the routed experts' input */
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < n; i++) {
                 rms_norm(x + i * H, L->mlp_norm, L->mlp_eps, H, xn + i * H);
                 /* Qwen3.5's shared expert: scaled by the sigmoid of its gate on the token's normed input */
                 sgate[i] = L->shared_gate ? sigmoidf(dot(L->shared_gate, xn + i * H, H)) : 1.0f;
+                if (L->pre_experts_norm) { /* Gemma 4: the router's and the experts' own inputs */
+                    float *r = rn + i * H;
+                    rms_plain(x + i * H, L->router_eps, H, r);
+                    for (int64_t j = 0; j < H; j++) r[j] = (r[j] * L->router_scale[j]) * L->router_root;
+                    rms_norm(x + i * H, L->pre_experts_norm, L->pre_experts_eps, H, xe + i * H);
+                }
             }
             if (L->experts > 0) { /* routed experts: each token's sums and digits, then routed_pass */
 #pragma omp for schedule(static)
                 for (int64_t i = 0; i < n; i++) {
                     float *t16 = tok16 + i * tsum, *t32 = tok32 + i * tsum;
-                    group_sums(xn + i * H, H, t16, t32);
-                    make_digits(xn + i * H, H, (char *)(t32 + H / 32 + 1), &tokd[i]);
+                    group_sums(ein + i * H, H, t16, t32);
+                    make_digits(ein + i * H, H, (char *)(t32 + H / 32 + 1), &tokd[i]);
                 }
-                routed_pass(L, n, H, xn, tok16, tok32, tsum, tokd, logits, route, &R,
-                            ptrs + (size_t)t * (size_t)(4 * P), mines + (size_t)t * mine_floats, wbuf, x);
+                routed_pass(L, n, H, ein, L->pre_experts_norm ? rn : xn, tok16, tok32, tsum, tokd, logits, route, &R,
+                            ptrs + (size_t)t * (size_t)(4 * P), mines + (size_t)t * mine_floats, wbuf,
+                            L->pre_experts_norm ? eout : x, !L->pre_experts_norm);
                 if (!L->gate.n) continue; /* else its shared expert, as a dense MLP of the same input */
             }
             int64_t I = L->gate.n;
@@ -2226,6 +2345,16 @@ int qm_pass_layers(const qm_layer *layers, const qm_view *views, int64_t count, 
                         gate[i * I + r] = gated(gate[i * I + r], up[i * I + r], L->act);
             }
             make_inputs(gate, n, I, mine, xt, &few);
+            if (L->pre_experts_norm) { /* Gemma 4's MoE block: the MLP's and the experts' outputs, normed, summed */
+#pragma omp for schedule(static)
+                for (int64_t s = 0; s < units_of(&L->down, &few); s++) product(&L->down, s, gate, n, out, wbuf, &few);
+#pragma omp for schedule(static)
+                for (int64_t i = 0; i < n; i++) { /* (rn: the sum, the router being done) */
+                    float r = block_sum(out + i * H, eout + i * H, L, H, rn + i * H);
+                    block_add(x + i * H, rn + i * H, L, r, 0, H);
+                }
+                continue;
+            }
 #pragma omp for schedule(static)
             for (int64_t s = 0; s < units_of(&L->down, &few); s++) {
                 product(&L->down, s, gate, n, out, wbuf, &few);
@@ -2238,6 +2367,10 @@ int qm_pass_layers(const qm_layer *layers, const qm_view *views, int64_t count, 
 #pragma omp for schedule(static)
                 for (int64_t i = 0; i < n; i++)
                     add_out(x + i * H, out + i * H, L->post_mlp_norm, rms_scale(out + i * H, L->post_mlp_eps, H), 0, H);
+            }
+            if (L->layer_scale != 0.0f) {
+#pragma omp for schedule(static)
+                for (int64_t i = 0; i < n * H; i++) x[i] = x[i] * L->layer_scale;
             }
         }
     }

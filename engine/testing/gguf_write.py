@@ -229,9 +229,65 @@ def add_keys(w: GGUFWriter, arch: str, keys: Mapping[str, Any]) -> None:
             w.add_string(full, str(value))
 
 
+def _common_keys(w: GGUFWriter, config: dict) -> None:
+    """The architecture's metadata every llama-style file has, from a transformers-style config."""
+    heads = config["num_attention_heads"]
+    w.add_context_length(config["max_position_embeddings"])
+    w.add_embedding_length(config["hidden_size"])
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(config["num_key_value_heads"])
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    w.add_rope_dimension_count(config.get("rotary_dim") or head_dim)  # (a partial rotary: fewer)
+    if config.get("head_dim"):  # a config that names it (Gemma's differs from hidden / heads)
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    experts = config.get("num_experts") or config.get("num_local_experts")  # transformers 5 keeps the latter
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(config["num_experts_per_tok"])
+        if config.get("moe_intermediate_size"):  # Mixtral's experts are intermediate_size wide
+            w.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    if config.get("sliding_window"):
+        w.add_sliding_window(config["sliding_window"])
+    scaling = config.get("rope_scaling") or {}
+    if scaling.get("rope_type", "default") != "default":
+        w.add_rope_scaling_type(RopeScalingType(scaling["rope_type"]))
+        w.add_rope_scaling_factor(float(scaling["factor"]))
+        if scaling.get("original_max_position_embeddings"):
+            w.add_rope_scaling_orig_ctx_len(int(scaling["original_max_position_embeddings"]))
+    w.add_rope_freq_base(float(config["rope_theta"]))
+    w.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
+
+
+def _tokenizer(w: GGUFWriter, tokenizer: dict, tokens: list[str]) -> None:
+    """The tokenizer's metadata (write_gguf's `tokenizer`), `tokens` padded to the vocabulary."""
+    w.add_vocab_size(len(tokens))
+    w.add_tokenizer_model(tokenizer.get("model", "gpt2"))
+    w.add_tokenizer_pre(tokenizer.get("pre", "default"))
+    w.add_token_list(tokens)
+    special = tokenizer.get("special", ())
+    types = tokenizer.get("types") or [TokenType.CONTROL if t in special else TokenType.NORMAL for t in tokens]
+    w.add_token_types(list(types) + [TokenType.UNUSED] * (len(tokens) - len(types)))
+    if tokenizer.get("scores"):
+        w.add_token_scores(list(tokenizer["scores"]) + [0.0] * (len(tokens) - len(tokenizer["scores"])))
+    if tokenizer["merges"]:
+        w.add_token_merges(tokenizer["merges"])
+    w.add_bos_token_id(tokenizer["bos_id"])
+    w.add_eos_token_id(tokenizer["eos_id"])
+    w.add_pad_token_id(tokenizer["pad_id"])
+    if tokenizer.get("unk_id") is not None:
+        w.add_unk_token_id(tokenizer["unk_id"])
+    w.add_add_bos_token(bool(tokenizer.get("add_bos", False)))
+    if tokenizer.get("chat_template"):
+        w.add_chat_template(tokenizer["chat_template"])
+
+
 def write_gguf(path: Path, arch: str, config: dict, tokenizer: dict,
                tensors: Sequence[tuple[str, tuple[int, ...], Q]], value: Callable[[str], np.ndarray],
-               name: str = "synthetic", parts: int = 1, keys: Mapping[str, Any] | None = None) -> Path:
+               name: str = "synthetic", parts: int = 1, keys: Mapping[str, Any] | None = None,
+               common: bool = True) -> Path:
     """Write a GGUF of architecture `arch` ("llama", "qwen2", ...).
 
     `config`: hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
@@ -252,60 +308,19 @@ def write_gguf(path: Path, arch: str, config: dict, tokenizer: dict,
     is split as llama.cpp's gguf-split does it (gguf-py's writer: `<stem>-00001-of-0000N.gguf`,
     whole tensors per part, the metadata in the first); the first part's path is returned.
     `keys`: more of the architecture's metadata, by name after "<arch>." (add_keys), written
-    after the common ones."""
+    after the common ones; with `common` False, the architecture's whole metadata (Gemma 4's
+    per-layer arrays and widths, which the common keys would name twice): `config` then only
+    names num_hidden_layers, num_attention_heads, num_key_value_heads and vocab_size."""
     layers = config["num_hidden_layers"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     tokens = list(tokenizer["tokens"])
     tokens += [f"<unused{i}>" for i in range(config.get("vocab_size", len(tokens)) - len(tokens))]
     w = GGUFWriter(path, arch, split_max_tensors=-(-len(tensors) // parts) if parts > 1 else 0)
     w.add_name(name)
-    w.add_context_length(config["max_position_embeddings"])
-    w.add_embedding_length(config["hidden_size"])
-    w.add_block_count(layers)
-    w.add_feed_forward_length(config["intermediate_size"])
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    w.add_rope_dimension_count(config.get("rotary_dim") or head_dim)  # (a partial rotary: fewer)
-    if config.get("head_dim"):  # a config that names it (Gemma's differs from hidden / heads)
-        w.add_key_length(head_dim)
-        w.add_value_length(head_dim)
-    experts = config.get("num_experts") or config.get("num_local_experts")  # transformers 5 keeps the latter
-    if experts:
-        w.add_expert_count(experts)
-        w.add_expert_used_count(config["num_experts_per_tok"])
-        if config.get("moe_intermediate_size"):  # Mixtral's experts are intermediate_size wide
-            w.add_expert_feed_forward_length(config["moe_intermediate_size"])
-    if config.get("sliding_window"):
-        w.add_sliding_window(config["sliding_window"])
+    if common:
+        _common_keys(w, config)
     add_keys(w, arch, keys or {})
-    scaling = config.get("rope_scaling") or {}
-    if scaling.get("rope_type", "default") != "default":
-        w.add_rope_scaling_type(RopeScalingType(scaling["rope_type"]))
-        w.add_rope_scaling_factor(float(scaling["factor"]))
-        if scaling.get("original_max_position_embeddings"):
-            w.add_rope_scaling_orig_ctx_len(int(scaling["original_max_position_embeddings"]))
-    w.add_rope_freq_base(float(config["rope_theta"]))
-    w.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
-    w.add_vocab_size(len(tokens))
-    w.add_tokenizer_model(tokenizer.get("model", "gpt2"))
-    w.add_tokenizer_pre(tokenizer.get("pre", "default"))
-    w.add_token_list(tokens)
-    special = tokenizer.get("special", ())
-    types = tokenizer.get("types") or [TokenType.CONTROL if t in special else TokenType.NORMAL for t in tokens]
-    w.add_token_types(list(types) + [TokenType.UNUSED] * (len(tokens) - len(types)))
-    if tokenizer.get("scores"):
-        w.add_token_scores(list(tokenizer["scores"]) + [0.0] * (len(tokens) - len(tokenizer["scores"])))
-    if tokenizer["merges"]:
-        w.add_token_merges(tokenizer["merges"])
-    w.add_bos_token_id(tokenizer["bos_id"])
-    w.add_eos_token_id(tokenizer["eos_id"])
-    w.add_pad_token_id(tokenizer["pad_id"])
-    if tokenizer.get("unk_id") is not None:
-        w.add_unk_token_id(tokenizer["unk_id"])
-    w.add_add_bos_token(bool(tokenizer.get("add_bos", False)))
-    if tokenizer.get("chat_template"):
-        w.add_chat_template(tokenizer["chat_template"])
+    _tokenizer(w, tokenizer, tokens)
     for hf, shape, qtype in tensors:  # the tensor table first: names, shapes, types, sizes
         if qtype in (Q.F32, Q.F16):
             w.add_tensor_info(gguf_name(arch, hf, layers), shape, np.dtype(np.float32 if qtype == Q.F32 else np.float16),

@@ -1,7 +1,8 @@
 """Random GGUF files of chosen sizes, where the bytes and their layout, not the values, set the
 pace (the benchmarks' synthetic models): a Llama (`synthetic_gguf`, TinyLlama's proportions or
 others), a Qwen3-MoE as llama.cpp's qwen3moe stores it (`synthetic_moe_gguf`), a gpt-oss and a
-Qwen3.5-MoE hybrid (`synthetic_gpt_oss_gguf`, `synthetic_qwen35_gguf`). Tensors are
+Qwen3.5-MoE hybrid (`synthetic_gpt_oss_gguf`, `synthetic_qwen35_gguf`), and a Gemma 4 MoE
+(`synthetic_gemma4_gguf`). Tensors are
 random blocks (gguf_write.random_tensor: random codes, fp16 scales setting weights of about
 0.02), written one at a time; the tokenizer is the tiny one of engine.testing.synthetic.
 
@@ -254,6 +255,88 @@ def synthetic_qwen35_gguf(path: Path, hidden: int, layers: int, vocab: int, head
 # Qwen3-Next-80B-A3B's layers in 4 of its 48 (as SYNTHETIC_QWEN35's: the same mixers, 512 experts, 10 routed;
 # its vocabulary has 151,936 tokens): synthetic_qwen35_gguf(..., arch="qwen3next")
 SYNTHETIC_QWEN3NEXT: HybridShape = {**SYNTHETIC_QWEN35, "experts": 512, "top_k": 10}
+
+
+class Gemma4Shape(MoEShape):
+    global_head_dim: int
+    global_kv_heads: int
+    intermediate: int
+    window: int
+
+
+# Gemma 4 26B-A4B's layers (hidden 2816; 16 query heads of 256 and 8 K/V heads on the sliding layers,
+# 16 of 512 and 2 K/V heads, keys as values, on the full ones; an MLP of 2112 beside 128 experts of 704,
+# 8 routed: 25.2 B weights in all, 3.8 B a token) in 6 of its 30 layers, its pattern (five sliding, then
+# one full), a 32,000-token vocabulary (its own has 262,144, tied to the embeddings as here)
+SYNTHETIC_GEMMA4: Gemma4Shape = dict(hidden=2816, layers=6, vocab=32000, heads=16, kv_heads=8, head_dim=256,
+                                     global_head_dim=512, global_kv_heads=2, intermediate=2112, experts=128, top_k=8,
+                                     expert_width=704, window=1024)
+
+
+def synthetic_gemma4_gguf(path: Path, hidden: int, layers: int, vocab: int, heads: int, kv_heads: int, head_dim: int,
+                          global_head_dim: int, global_kv_heads: int, intermediate: int, experts: int, top_k: int,
+                          expert_width: int, window: int, seed: int = 0) -> Path:
+    """A random Gemma 4 MoE GGUF as llama.cpp's converter writes one (gemma4; the metadata of
+    tests/engine/loading/test_gguf_gemma4.py's converter): every sixth layer full attention with
+    keys as values and the proportional rotary of a quarter of its heads (a `rope_freqs` of ones,
+    then 1e30), the rest sliding windows of `window`; Q4_K_M-like types (q/k/o, gate/up and the
+    experts' gate_up Q4_K; v Q6_K; the down projections, 2112 and 704 wide, Q8_0, llama.cpp's
+    fallback where a row is no multiple of 256), norms, router and scales F32, tied embeddings
+    Q6_K. One tensor in memory at a time. Idempotent."""
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    full = [i % 6 == 5 for i in range(layers)]
+    tensors: list[tuple[str, tuple[int, ...], Q]] = [
+        ("rope_freqs.weight", (global_head_dim // 2,), Q.F32), ("token_embd.weight", (vocab, hidden), Q.Q6_K),
+        ("output_norm.weight", (hidden,), Q.F32)]
+    for i in range(layers):
+        d, kv = (global_head_dim, global_kv_heads) if full[i] else (head_dim, kv_heads)
+        b = f"blk.{i}"
+        shapes: dict[str, tuple[tuple[int, ...], Q]] = {
+            "layer_output_scale.weight": ((1,), Q.F32), "attn_q.weight": ((heads * d, hidden), Q.Q4_K),
+            "attn_k.weight": ((kv * d, hidden), Q.Q4_K), "attn_v.weight": ((kv * d, hidden), Q.Q6_K),
+            "attn_output.weight": ((hidden, heads * d), Q.Q4_K), "attn_q_norm.weight": ((d,), Q.F32),
+            "attn_k_norm.weight": ((d,), Q.F32),
+            **{f"{n}.weight": ((hidden,), Q.F32) for n in ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm",
+                                                          "pre_ffw_norm_2", "post_ffw_norm_1", "post_ffw_norm_2")},
+            "ffn_gate.weight": ((intermediate, hidden), Q.Q4_K), "ffn_up.weight": ((intermediate, hidden), Q.Q4_K),
+            "ffn_down.weight": ((hidden, intermediate), Q.Q8_0), "ffn_gate_inp.weight": ((experts, hidden), Q.F32),
+            "ffn_gate_inp.scale": ((hidden,), Q.F32), "ffn_down_exps.scale": ((experts,), Q.F32),
+            "ffn_gate_up_exps.weight": ((experts, 2 * expert_width, hidden), Q.Q4_K),
+            "ffn_down_exps.weight": ((experts, hidden, expert_width), Q.Q8_0)}
+        if full[i]:  # keys as values
+            del shapes["attn_v.weight"]
+        tensors += [(f"{b}.{name}", shape, qtype) for name, (shape, qtype) in shapes.items()]
+    kinds = {name: (shape, qtype) for name, shape, qtype in tensors}
+    rng = np.random.default_rng(seed)
+    rotated = global_head_dim // 8  # a quarter of the head's values: global_head_dim / 4 / 2 frequencies
+
+    def value(name: str) -> np.ndarray:
+        shape, qtype = kinds[name]
+        if name == "rope_freqs.weight":
+            return np.array([1.0] * rotated + [1e30] * (shape[0] - rotated), np.float32)
+        if name.endswith(("norm.weight", ".scale", "layer_output_scale.weight")):  # factors about 1
+            return (1.0 + rng.normal(0.0, 0.02, shape)).astype(np.float32)
+        if qtype == Q.F32:  # the router
+            return rng.normal(0.0, 1.0 / np.sqrt(shape[-1]), shape).astype(np.float32)
+        return random_tensor(qtype, shape, rng)
+
+    keys: dict[str, object] = {
+        "block_count": layers, "context_length": 131072, "embedding_length": hidden, "feed_forward_length": intermediate,
+        "attention.head_count": heads, "attention.head_count_kv": [global_kv_heads if f else kv_heads for f in full],
+        "rope.freq_base": 1_000_000.0, "rope.freq_base_swa": 10_000.0, "attention.layer_norm_rms_epsilon": 1e-6,
+        "attention.key_length": global_head_dim, "attention.value_length": global_head_dim,
+        "attention.key_length_swa": head_dim, "attention.value_length_swa": head_dim, "attention.sliding_window": window,
+        "attention.shared_kv_layers": 0, "embedding_length_per_layer_input": 0,
+        "attention.sliding_window_pattern": [not f for f in full], "rope.dimension_count": global_head_dim,
+        "rope.dimension_count_swa": head_dim, "final_logit_softcapping": 30.0, "expert_count": experts,
+        "expert_used_count": top_k, "expert_feed_forward_length": expert_width}
+    config = dict(num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab)
+    part = path.with_name(path.name + ".part")
+    write_gguf(part, "gemma4", config, synthetic_vocab(), tensors, value, name=path.stem, keys=keys, common=False)
+    os.replace(part, path)
+    return path
 
 
 # TinyLlama-1.1B's proportions: where memory bandwidth, not the interpreter, sets a CPU's pace (bench peer)

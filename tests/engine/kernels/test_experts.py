@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoConfig
+from transformers import AutoConfig, Gemma4TextConfig
+from transformers.models.gemma4.modeling_gemma4 import Gemma4TextExperts
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
@@ -26,6 +27,10 @@ def experts_module(kind: str) -> torch.nn.Module:
     if kind == "mixtral":
         config = AutoConfig.for_model("mixtral", hidden_size=H, intermediate_size=I, num_local_experts=E)
         module = MixtralExperts(config)
+    elif kind == "gemma4":  # GELU (tanh) of gate times up
+        config = Gemma4TextConfig(hidden_size=H, moe_intermediate_size=I, num_experts=E, top_k_experts=2,
+                                  enable_moe_block=True, hidden_size_per_layer_input=0)
+        module = Gemma4TextExperts(config)
     else:
         config = AutoConfig.for_model("qwen3_moe", hidden_size=H, moe_intermediate_size=I, num_experts=E)
         module = Qwen3MoeExperts(config)
@@ -114,16 +119,17 @@ def test_parts_must_tile_the_rows_and_transposed_experts_are_not_taken() -> None
         PackedExperts(GptOssExperts(config), gu, gu)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gemma4"])
 def test_one_token_takes_one_c_call_with_the_loops_result(family: str) -> None:
     """A decode step's token runs all its experts in one C call (qm_experts_one) where the
-    module is SiLU, unbiased and each projection one packed part; it gives what the loop over
-    experts gives, to float rounding, and keeps the same routing statistics."""
+    module is SiLU (or Gemma 4's GELU, tanh), unbiased and each projection one packed part; it
+    gives what the loop over experts gives, to float rounding, and keeps the same routing
+    statistics."""
     module = experts_module(family)
     gu = packed_parts(module.gate_up_proj.data, [(0, I, "q4"), (I, 2 * I, "q4")])
     down = packed_parts(module.down_proj.data, [(0, H, "q8")])
     fused, loop = PackedExperts(module, gu, down), PackedExperts(module, gu, down)
-    assert fused._fused is not None
+    assert fused._fused is not None and fused.gelu_gate == (family == "gemma4")
     loop._fused = None
     g = torch.Generator().manual_seed(2)
     for _ in range(5):

@@ -4,8 +4,9 @@ load and run what the transformers model they were converted from computes.
 Two tiny models from transformers' own Gemma4TextConfig: a dense one with per-layer input
 embeddings, sliding windows shorter than the prompt, full layers with wider heads, one K/V head
 and keys as values, and its last two layers reusing the K/V of earlier ones (no k/v tensors;
-double-wide MLPs); a MoE one (routed experts beside each MLP, as 26B-A4B) with tied embeddings
-and no per-layer inputs. Each runs resident and with every layer streamed, and as NF4. The converter
+double-wide MLPs); a MoE one (routed experts beside each MLP, as 26B-A4B) with tied embeddings,
+no per-layer inputs, and its full layers' keys as values (one K/V head), which decodes in the
+fused CPU step and pass (engine/kernels/fused_gemma4.py). Each runs resident and with every layer streamed, and as NF4. The converter
 follows llama.cpp: norms stored as they are (Gemma 4's norm is x * w), per-layer K/V head
 counts and the sliding pattern as arrays, head widths as key_length / key_length_swa, the full
 layers' proportional rope as a `rope_freqs` tensor (ones, then 1e30 for unrotated pairs), the
@@ -59,16 +60,17 @@ def _cache_dir(model_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 def gemma4_config(tok: PreTrainedTokenizerBase, vocab_size: int, moe: bool) -> Gemma4TextConfig:
     """Dense: per-layer inputs, K=V full layers with one K/V head, the last two layers sharing
-    K/V (with MLPs twice as wide). MoE: 4 experts, top 2, beside each MLP; no per-layer inputs, nothing shared."""
+    K/V (with MLPs twice as wide). MoE: 4 experts, top 2, beside each MLP, K=V full layers with one
+    K/V head; no per-layer inputs, nothing shared."""
     common: dict[str, Any] = dict(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32, sliding_window=WINDOW,
         layer_types=TYPES, max_position_embeddings=256, tie_word_embeddings=moe,
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    if moe:
-        return Gemma4TextConfig(**common, hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=4,
-                                top_k_experts=2, moe_intermediate_size=64)
     dense: dict[str, Any] = dict(num_global_key_value_heads=1)  # read by __post_init__, not a field
+    if moe:
+        return Gemma4TextConfig(**common, **dense, attention_k_eq_v=True, hidden_size_per_layer_input=0,
+                                enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=64)
     return Gemma4TextConfig(**common, **dense, attention_k_eq_v=True, num_kv_shared_layers=2, use_double_wide_mlp=True,
                             hidden_size_per_layer_input=16, vocab_size_per_layer_input=vocab_size,
                             final_logit_softcapping=30.0)
@@ -155,7 +157,7 @@ def block(blk: str, layer: Any) -> Stored:
 
 def gemma4(tok: PreTrainedTokenizerBase, meta: dict, path: Path, moe: bool) -> nn.Module:
     config = gemma4_config(tok, len(meta["tokens"]), moe)
-    hf = {"global_head_dim": 32, "num_global_key_value_heads": None if moe else 1}
+    hf = {"global_head_dim": 32, "num_global_key_value_heads": 1}
     model: Any = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     randomise(model, seed=11 if moe else 9)
     g = torch.Generator().manual_seed(12)

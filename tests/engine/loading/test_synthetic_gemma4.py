@@ -1,0 +1,59 @@
+"""The random Gemma 4 MoE GGUF `specchat bench peer --gemma4` writes (engine.testing.random_gguf), at
+a small size: SpecChat reads it as Gemma 4 (five sliding layers, then a full one whose keys are
+its values, with wider heads and fewer K/V heads; routed experts beside each MLP; tied
+embeddings), decodes it in the fused CPU step and pass, and those give what the same layers
+streamed (the general path: transformers' modules) give, with the window shorter than the text."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.kernels import build
+from engine.loading.load import load_model
+from engine.model.causal_lm import causal_allowed
+from engine.testing.random_gguf import Gemma4Shape, synthetic_gemma4_gguf
+
+SMALL: Gemma4Shape = dict(hidden=256, layers=6, vocab=4096, heads=4, kv_heads=2, head_dim=64, global_head_dim=128,
+                          global_kv_heads=1, intermediate=256, experts=8, top_k=2, expert_width=256, window=8)
+
+
+@pytest.mark.skipif(build.kernels() is None, reason="no C compiler here")
+def test_the_synthetic_gemma4_decodes_fused_as_it_runs_streamed(tmp_path: Path) -> None:
+    path = synthetic_gemma4_gguf(tmp_path / "gemma4.gguf", **SMALL)
+    assert synthetic_gemma4_gguf(path, **SMALL) == path  # idempotent
+    resident, streamed = load_model(path), load_model(path, offload="all")
+    model = resident.model
+    assert model.hf_model.config.model_type == "gemma4_text" and model.hf_model.config.tie_word_embeddings
+    assert [k.window for k in model.kinds] == [8] * 5 + [None]
+    full = model.layers[5].self_attn
+    assert full.v_proj is None and full.head_dim == 128 and model.kv_shapes == [(2, 64)] * 5 + [(1, 128)]
+    fused = model.fused
+    assert fused is not None and streamed.model.fused is None
+    calls = {"step": 0, "pass_": 0}
+    for name in calls:  # counted: the resident side runs in C
+        def counted(*args: object, _run: object = getattr(fused, name), _name: str = name, **kw: object) -> torch.Tensor:
+            calls[_name] += 1
+            return _run(*args, **kw)  # type: ignore[operator]
+        setattr(fused, name, counted)
+    ids = torch.arange(3, 30)
+    caches = [m.model.new_cache(64) for m in (resident, streamed)]
+
+    def both(tokens: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
+        a, b = (m.model.logits(m.model.forward(tokens, positions, c, allowed))
+                for m, c in zip((resident, streamed), caches))
+        assert (a - b).abs().max() <= 1e-4 * b.abs().max()
+        return a
+
+    out = both(ids, torch.arange(len(ids)))  # the prompt: one fused pass
+    at = len(ids)
+    for _ in range(3):  # greedy steps: the fused C step on one side
+        out = both(out[-1:].argmax(-1), torch.tensor([at]))
+        at += 1
+    # a tree of two branches (the fused pass under a mask): 0 -> 1 -> 2 and 0 -> 3
+    allowed = causal_allowed(at, 4)
+    allowed[3, at + 1: at + 3] = False
+    both(torch.tensor([5, 6, 7, 8]), torch.tensor([at, at + 1, at + 2, at + 1]), allowed)
+    assert calls == {"step": 3, "pass_": 2}
