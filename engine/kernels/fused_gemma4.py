@@ -11,11 +11,15 @@ and the 26B-A4B's MoE block beside its MLP: a router of its own (the residual no
 weight, times a learned scale and hidden^-1/2; softmax, top-k, renormalised, then times each
 expert's own scale), the experts' own pre-norm, and the MLP's and the experts' outputs each normed,
 summed, normed again before the residual add. Rotary tables of different widths are padded to the
-widest (`rope_width`); each layer rotates its own head's width.
+widest (`rope_width`); each layer rotates its own head's width. The small E2B / E4B's per-layer
+inputs (`layer_inputs`: the model's own per-token table and projection, computed in PyTorch,
+handed to the call) enter each layer after its MLP, through its gate, GELU, projection and norm;
+its last layers reuse the K/V of the last earlier layer of their type (kv_reuse: no K/V
+products, their views the storing layer's buffers, written earlier in the same call), with MLPs
+twice as wide.
 
-What qualifies: Gemma 4's text layers without per-layer input embeddings and without layers that
-reuse another's K/V (the 26B-A4B and the 31B; the small E2B / E4B keep the general path), every
-Linear packed, the routed experts packed with the one-token kernel's GELU gate.
+What qualifies: Gemma 4's text layers with every Linear packed (the per-layer inputs' projection
+read as fp32 rows), the routed experts packed with the one-token kernel's GELU gate.
 
 What this module does not do: run anything, or read files.
 """
@@ -53,8 +57,6 @@ def refusal(model: CausalLM) -> str | None:
     from engine.kernels.fused_rules import ACTS, activation, attention_refusal, dense_rows, is_vector  # noqa: PLC0415
 
     cfg = model.config
-    if model.per_layer_inputs or int(getattr(cfg, "num_kv_shared_layers", 0) or 0):
-        return "per-layer inputs, or layers reusing another's K/V"
     if activation(cfg) not in ACTS or getattr(cfg, "attn_logit_softcapping", None) is not None:
         return f"activation {activation(cfg)}, or soft-capped attention"
     heads, hidden = int(cfg.num_attention_heads), int(cfg.hidden_size)
@@ -65,8 +67,10 @@ def refusal(model: CausalLM) -> str | None:
         if type(layer).__name__ != f"{PREFIX}DecoderLayer" or type(attn).__name__ != f"{PREFIX}Attention" \
                 or type(getattr(layer, "mlp", None)).__name__ != f"{PREFIX}MLP":
             return f"layer modules {type(layer).__name__}"
-        if getattr(attn, "is_kv_shared_layer", False) or getattr(layer, "hidden_size_per_layer_input", 0):
-            return "a layer reusing another's K/V, or per-layer inputs"
+        if model.per_layer_inputs:
+            why = _inputs_refusal(layer, hidden, int(cfg.hidden_size_per_layer_input), dense_rows)
+            if why is not None:
+                return why
         groups = getattr(attn, "num_key_value_groups", None)
         if not isinstance(groups, int) or groups < 1 or heads % groups:
             return "head sizes"
@@ -75,17 +79,18 @@ def refusal(model: CausalLM) -> str | None:
             return why
         scales.add(float(attn.scaling))
         v_norm = getattr(attn, "v_norm", None)
-        if v_norm is None or getattr(v_norm, "with_scale", True):
+        if not attn.is_kv_shared_layer and (v_norm is None or getattr(v_norm, "with_scale", True)):
             return "values not normed without a weight"
         d, kv = int(attn.head_dim), heads // groups
         want = {"q_proj": (heads * d, hidden), "k_proj": (kv * d, hidden), "v_proj": (kv * d, hidden),
                 "o_proj": (hidden, heads * d)}
-        inter = int(cfg.intermediate_size)
+        inter = int(layer.mlp.intermediate_size)  # (twice the config's where a layer reuses K/V: double-wide)
         want.update(gate_proj=(inter, hidden), up_proj=(inter, hidden), down_proj=(hidden, inter))
         for name, shape in want.items():
             lin = getattr(layer.mlp if name in ("gate_proj", "up_proj", "down_proj") else attn, name, None)
-            if lin is None and name == "v_proj" and attn.use_alternative_attention:
-                continue  # keys as values
+            if lin is None and (name == "v_proj" and attn.use_alternative_attention
+                                or name in ("k_proj", "v_proj") and attn.is_kv_shared_layer):
+                continue  # keys as values, or another layer's K/V
             if not isinstance(lin, PackedLinear) or (lin.qweight.out_features, lin.qweight.in_features) != shape:
                 return f"{name} not packed, or of another shape"
             w = lin.qweight
@@ -93,7 +98,9 @@ def refusal(model: CausalLM) -> str | None:
                 return f"{name} groups of {w.group}, or a bias"
         norms = [getattr(layer, n, None) for n in ("input_layernorm", "post_attention_layernorm",
                                                     "pre_feedforward_layernorm", "post_feedforward_layernorm")]
-        norms += [getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)]
+        norms += [getattr(attn, "q_norm", None)] + ([] if attn.is_kv_shared_layer else [getattr(attn, "k_norm", None)])
+        if model.per_layer_inputs:
+            norms.append(getattr(layer, "post_per_layer_input_norm", None))
         if getattr(cfg, "enable_moe_block", False):
             why = _block_refusal(layer, hidden, dense_rows, is_vector)
             if why is not None:
@@ -117,6 +124,18 @@ def refusal(model: CausalLM) -> str | None:
     return None
 
 
+def _inputs_refusal(layer: Any, hidden: int, width: int, dense_rows: Any) -> str | None:
+    """Why a layer's per-layer input (gate, projection) cannot run in the step, or None."""
+    gate, proj = getattr(layer, "per_layer_input_gate", None), getattr(layer, "per_layer_projection", None)
+    if not isinstance(gate, PackedLinear) or (gate.qweight.out_features, gate.qweight.in_features) != (width, hidden) \
+            or gate.bias is not None or gate.qweight.mins is not None and gate.qweight.group not in (16, 32):
+        return "per-layer input gate not packed, or of another shape"
+    rows = dense_rows(proj) if proj is not None else None
+    if rows is None or tuple(rows.shape) != (hidden, width) or type(layer.act_fn).__name__ not in ("GELUTanh", "PytorchGELUTanh"):
+        return "per-layer input projection or activation"
+    return None
+
+
 def _block_refusal(layer: Any, hidden: int, dense_rows: Any, is_vector: Any) -> str | None:
     """Why a layer's MoE block (router, experts, norms) cannot run in the step, or None."""
     experts: Any = getattr(layer, "experts", None)
@@ -134,7 +153,7 @@ def _block_refusal(layer: Any, hidden: int, dense_rows: Any, is_vector: Any) -> 
     return None
 
 
-def fill(struct: Layer, layer: nn.Module, call: tuple[int, int], rope_width: int, hidden: int) -> list[object]:
+def fill(struct: Layer, layer: nn.Module, call: tuple[int, int], rope_width: int, layers: int) -> list[object]:
     """A Gemma 4 layer's own fields of `struct` (fused_layer.FusedDecoder fills the common ones:
     Linears, norms_of's norms, the router and experts of an MoE): its head width and K/V heads
     where they are not the call's (K/V heads, width), keys as values, the values' norm, the
@@ -147,11 +166,25 @@ def fill(struct: Layer, layer: nn.Module, call: tuple[int, int], rope_width: int
     kv = int(attn.config.num_attention_heads) // int(attn.num_key_value_groups)
     struct.layer_head_dim = d if d != call[1] else 0
     struct.layer_kv_heads = kv if kv != call[0] else 0
-    struct.kv_same = int(attn.v_proj is None)
-    struct.v_norm, struct.v_eps = 1, norm_eps(attn.v_norm)
+    struct.kv_reuse = int(attn.is_kv_shared_layer)
+    struct.kv_same = int(not attn.is_kv_shared_layer and attn.v_proj is None)
+    struct.v_norm = int(not attn.is_kv_shared_layer)
+    struct.v_eps = norm_eps(attn.v_norm) if struct.v_norm else 0.0
     struct.rotary_dim = 0  # each layer's table is its head's width
     struct.rope_width = rope_width if rope_width != d else 0
     struct.layer_scale = float(layer.layer_scalar)  # type: ignore[arg-type]
+    gate: Any = getattr(layer, "per_layer_input_gate", None)
+    if gate is not None:  # the per-layer input
+        held += [gate.qweight, gate.bias]
+        struct.ple_gate.point_at(gate.qweight, gate.bias)
+        proj: Any = layer.per_layer_projection
+        rows = dense_rows(proj)
+        norm: Any = layer.post_per_layer_input_norm
+        assert rows is not None
+        held += [rows, norm.weight]
+        struct.ple_proj, struct.ple_norm, struct.ple_eps = rows.data_ptr(), norm.weight.data_ptr(), norm_eps(norm)
+        struct.ple_dim = int(gate.qweight.out_features)
+        struct.ple_stride = layers * struct.ple_dim
     router: Any = getattr(layer, "router", None)
     if router is not None:
         rows = dense_rows(router.proj)
@@ -167,6 +200,29 @@ def fill(struct: Layer, layer: nn.Module, call: tuple[int, int], rope_width: int
             setattr(struct, f"{field}_norm", norm.weight.data_ptr())
             setattr(struct, f"{field}_eps", norm_eps(norm))
     return held
+
+
+def stores(model: CausalLM) -> list[int]:
+    """Each layer's K/V buffers: its own, or (a layer reusing K/V) those of the last layer of its
+    type before the reusing layers (transformers' "store" layer)."""
+    kinds: Any = [getattr(layer.self_attn, "is_kv_shared_layer", False) for layer in model.layers]
+    types = model.layer_types
+    first = kinds.index(True) if True in kinds else len(kinds)
+    return [max(j for j in range(first) if types[j] == types[i]) if kinds[i] else i for i in range(len(kinds))]
+
+
+def layer_inputs(inner: Any, ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor | None:
+    """The per-layer inputs of a pass's tokens (1, n, layers, width) as CausalLM.forward computes
+    them, fp32; None without (`inner` None)."""
+    if inner is None:
+        return None
+    ids = ids.to(hidden.device)[None]
+    return inner.project_per_layer_inputs(hidden, inner.get_per_layer_inputs(ids, hidden)).float().contiguous()
+
+
+def at(ple: torch.Tensor | None, layer: int) -> int | None:
+    """The address of layer `layer`'s per-layer input of the first token (a run's first layer)."""
+    return None if ple is None else ple.data_ptr() + layer * ple.shape[-1] * ple.element_size()
 
 
 def padded(tables: list[torch.Tensor], width: int) -> torch.Tensor:

@@ -19,10 +19,11 @@ summed in expert order, with gpt-oss's gate and biases, GLM-4.5's shared expert 
 counting the routed tokens into each PackedExperts.hits; a pass reads each woken expert once
 for all its tokens and logs the union it woke), or Qwen3.5 / Qwen3.6 hybrids (qwen3_5_text,
 qwen3_5_moe_text: Gated DeltaNet layers whose conv and recurrent states live in a HybridCache,
-gated attention, the MoE's shared expert under its sigmoid gate), all resident on the CPU in fp32, attention full or over a sliding window (the layer's
-own, as engine.model.family reads it: a WindowedCache's buffers, each window's layers from
-their own first column) with gpt-oss's sinks where it has them, SiLU or GELU (tanh) MLPs,
-every Linear of every layer a PackedLinear (minimums, where present, in groups of 16 or 32).
+gated attention, the MoE's shared expert under its sigmoid gate), or Gemma 4 (fused_gemma4.py),
+all resident on the CPU in fp32, attention full or over a sliding window (the layer's own, as
+engine.model.family reads it: a WindowedCache's buffers, each window's layers from their own
+first column) with gpt-oss's sinks where it has them, SiLU or GELU (tanh) MLPs, every Linear of
+every layer a PackedLinear (minimums, where present, in groups of 16 or 32).
 `takes(cache)` says per step whether the cache is a plain KVCache, or a WindowedCache of the
 model's windows, of this shape. engine.kernels.fused_rules says which models qualify.
 SPECCHAT_NO_FUSED=1 in the environment (read when a model is loaded) switches the path off.
@@ -40,9 +41,8 @@ accepted path); a prompt's chunk (committed text, no mask) is folded into the st
 as that many steps would (a Stop between runs of layers puts back the states it advanced); a pass
 on pending entries keeps the general path's blocks.
 
-What this module does not do: streamed layers, Qwen3-Next's fused projections, Gemma 4's
-per-layer inputs (its E2B / E4B; its 26B-A4B and 31B run here: fused_gemma4.py), or GPUs
-(CausalLM.forward's general path runs those), or choose which weights are packed.
+What this module does not do: streamed layers or GPUs (CausalLM.forward's general path runs
+those), or choose which weights are packed.
 """
 
 from __future__ import annotations
@@ -62,9 +62,10 @@ from engine.kernels import fused_gemma4 as gemma4
 from engine.kernels.build import kernels
 from engine.kernels.governor import governor
 from engine.kernels.experts import PackedExperts
-from engine.kernels.fused_rules import (ACTS, LINEARS, ROUTERS, activation, dense_rows, fill_delta, linears_of, norm_eps,
-                                       norm_weight, norms_of, refusal, router_of, rotary_width)
-from engine.kernels.linear import PackedLinear, QmLinear
+from engine.kernels.fused_rules import (ACTS, LINEARS, ROUTERS, activation, dense_rows, experts_of, fill_delta,
+                                       fill_linear, linears_of, norm_eps, norm_weight, norms_of, refusal, router_of,
+                                       rotary_width)
+from engine.kernels.linear import QmLinear
 from engine.kernels.fused_views import Buffers, View, node_inputs, pending_outputs, state_fits
 from engine.model.cache import KVCache
 from engine.model.hybrid_cache import HybridCache
@@ -105,7 +106,9 @@ class Layer(ctypes.Structure):
                 *((name, ctypes.c_float) for name in ("v_eps", "layer_scale", "router_root", "router_eps", "pre_experts_eps",
                                                       "post_experts_eps", "post_mlp1_eps")),
                 *((name, ctypes.c_void_p) for name in ("router_scale", "expert_scale", "pre_experts_norm",
-                                                       "post_experts_norm", "post_mlp1_norm"))]
+                                                       "post_experts_norm", "post_mlp1_norm")),
+                *((name, ctypes.c_int64) for name in ("kv_reuse", "ple_dim", "ple_stride")), ("ple_gate", QmLinear),
+                ("ple_proj", ctypes.c_void_p), ("ple_norm", ctypes.c_void_p), ("ple_eps", ctypes.c_float)]
 
 
 INTERRUPT_RUNS = 8  # an interruptible pass's runs of layers: a Stop waits for one (CausalLM.interruptible)
@@ -125,14 +128,18 @@ class FusedDecoder:
     """The fused plain decoding step of one CausalLM (see the module docstring)."""
 
     def __init__(self, model: CausalLM, lib: ctypes.CDLL) -> None:
-        # the model's outer modules, not the model (which holds this object: no reference cycle)
+        # the model's outer modules, not the model (which holds this object: no reference cycle),
+        # and where Gemma 4 has per-layer inputs its inner model, which computes them
         self.embed, self.rotary, self.norm, self.device = model.embed, model.rotary, model.norm, model.device
+        self.inner = model.inner if model.per_layer_inputs else None
         attn: Any = next(layer.self_attn for layer in model.layers if hasattr(layer, "self_attn"))
         cfg = model.config
         self.heads = int(cfg.num_attention_heads)
         # Gemma 4: each layer's (K/V heads, head width), the call's being the first layer's
         self.gemma4 = cfg.model_type == "gemma4_text"
         self.shapes = gemma4.shapes(model) if self.gemma4 else None
+        self.kv_of = gemma4.stores(model) if self.gemma4 else None  # (a K/V-reusing layer reads another's buffers)
+        self.cache_shapes = [tuple(s) for s in model.kv_shapes] if model.kv_shapes else None
         self.kv_heads, self.head_dim = self.shapes[0] if self.shapes else (int(cfg.num_key_value_heads), int(attn.head_dim))
         self.hidden = int(cfg.hidden_size)
         self.scale = float(attn.scaling)
@@ -140,7 +147,7 @@ class FusedDecoder:
         self._held: list[object] = []  # what the structs point into, alive as long as they are
         layer: Any
         # an MoE's routed layers (the step counts their routed tokens into each PackedExperts.hits)
-        moe: list[PackedExperts] = [e for layer in model.layers if isinstance(e := _experts(layer), PackedExperts)]
+        moe: list[PackedExperts] = [e for layer in model.layers if isinstance(e := experts_of(layer), PackedExperts)]
         self.moe = bool(moe)
         self._experts = moe
         # gpt-oss: its cos/sin are half a head wide (each frequency rotates x[i] with x[i + D/2])
@@ -159,7 +166,7 @@ class FusedDecoder:
         self.linear = list(model.linear)
         self.hybrid = any(s is not None for s in self.linear)
         for layer, struct, kind in zip(model.layers, self.layers, model.kinds):
-            experts = _experts(layer)
+            experts = experts_of(layer)
             if isinstance(experts, PackedExperts):
                 assert experts._fused is not None
                 self._held += [experts._fused, experts.hits]
@@ -189,7 +196,7 @@ class FusedDecoder:
                     struct.routed_scale = float(router.routed_scaling_factor)
                     self._held.append(router.e_score_correction_bias)
             for field, path in linears_of(layer):
-                self._held.append(_fill_linear(getattr(struct, field), layer.get_submodule(path)))
+                self._held.append(fill_linear(getattr(struct, field), layer.get_submodule(path)))
             shared_gate = getattr(layer.mlp, "shared_expert_gate", None)
             if shared_gate is not None:  # Qwen3.5-MoE's shared expert, scaled by sigmoid(gate . x)
                 rows = dense_rows(shared_gate)
@@ -213,17 +220,17 @@ class FusedDecoder:
             struct.act = ACTS[activation(cfg)]
             struct.rotary_dim = self.rotary_dim if self.rotary_dim != self.head_dim else 0
             if self.gemma4:
-                self._held += gemma4.fill(struct, layer, (self.kv_heads, self.head_dim), self.rope_width, self.hidden)
+                self._held += gemma4.fill(struct, layer, (self.kv_heads, self.head_dim), self.rope_width, len(self.layers))
         fn = lib.qm_decode_layers
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 6, ctypes.c_void_p, ctypes.c_float,
-                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
         self._fn = fn
         many = lib.qm_pass_layers
         many.restype = ctypes.c_int
         many.argtypes = [ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 7, ctypes.c_void_p, ctypes.c_void_p,
                          ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                         ctypes.c_void_p, ctypes.c_int]
+                         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
         self._many = many
         # each cache's buffer addresses, read again when its buffers change (reserve() grew it)
         self._buffers: weakref.WeakKeyDictionary[KVCache, Buffers] = weakref.WeakKeyDictionary()
@@ -262,7 +269,7 @@ class FusedDecoder:
         windowed = type(cache) is WindowedCache
         plain = type(cache) is (HybridCache if self.hybrid else KVCache)
         if not (plain and not self.windows or windowed and self.windows) or \
-                cache.layer_shapes is not None and list(cache.layer_shapes) != self.shapes:
+                cache.layer_shapes is not None and list(cache.layer_shapes) != self.cache_shapes:
             return None
         if windowed and cast(WindowedCache, cache).windows != self.layer_windows:
             return None
@@ -270,7 +277,8 @@ class FusedDecoder:
         if known is not None and known.holds(cache):
             return known
         attention = [i for i, s in enumerate(self.linear) if s is None]  # (a hybrid's linear layers hold no K/V)
-        want = self.shapes or [(self.kv_heads, self.head_dim)] * len(self.layers)
+        want = self.cache_shapes or [(self.kv_heads, self.head_dim)] * len(self.layers)
+        attention = [i for i in attention if want[i][1]]  # (a K/V-reusing layer holds none)
         if (len(cache.keys) != len(self.layers) or cache.device.type != "cpu"
                 or any(b.dtype != torch.float32 or b.dim() != 4 or tuple(b.shape[:2]) != (1, want[i][0])
                        or b.shape[3] != want[i][1] or not b.is_contiguous()
@@ -279,7 +287,7 @@ class FusedDecoder:
         if self.hybrid and any(not state_fits(cast(HybridCache, cache).states.get(i), s)
                                for i, s in enumerate(self.linear) if s is not None):
             return None
-        known = self._buffers[cache] = Buffers(cache, self.window_of, self.rope_of)
+        known = self._buffers[cache] = Buffers(cache, self.window_of, self.rope_of, self.kv_of)
         return known
 
     def _room(self, cache: KVCache, n: int) -> Buffers:
@@ -343,6 +351,7 @@ class FusedDecoder:
         spans = self._spans(cache, int(positions[0]) if self.windows else None)
         hidden = self.embed(input_ids.to(self.device)[None]).float().contiguous()  # (1, 1, H)
         cos, sin = self._rope(hidden, positions)  # (1, 1, D) each
+        ple = gemma4.layer_inputs(self.inner, input_ids, hidden)
         chosen = governor()
         threads = chosen.threads()
         start = time.perf_counter()
@@ -351,7 +360,7 @@ class FusedDecoder:
                 kept[a] = hidden[0].clone()
             layers, views = self._at(buffers, a)
             rc = self._fn(layers, views, b - a, self.hidden, self.heads, self.kv_heads, self.head_dim, cache.length,
-                          spans, self.scale, cos.data_ptr(), sin.data_ptr(), hidden.data_ptr(), threads)
+                          spans, self.scale, cos.data_ptr(), sin.data_ptr(), hidden.data_ptr(), gemma4.at(ple, a), threads)
             if rc != 0:
                 raise torch.OutOfMemoryError("The fused CPU decoding step could not allocate its scratch memory.")
         chosen.record(self._key, threads, time.perf_counter() - start)
@@ -401,6 +410,7 @@ class FusedDecoder:
             masks = (ctypes.c_void_p * len(held))(*(m.data_ptr() for m in held))
         hidden = self.embed(input_ids.to(self.device)[None]).float().contiguous()  # (1, n, H)
         cos, sin = self._rope(hidden, positions)  # (1, n, D) each
+        ple = gemma4.layer_inputs(self.inner, input_ids, hidden)
         threads = governor().threads()
         before = [e.hits.clone() for e in self._experts]  # the pass counts its routed tokens into hits
         for a, b in self._pieces(grab, interrupt_every(len(self.layers)) if stop is not None else 0):
@@ -418,7 +428,8 @@ class FusedDecoder:
             rc = self._many(layers, views, b - a, self.hidden, self.heads, self.kv_heads, self.head_dim, past, n,
                             spans, masks, self.scale, cos.data_ptr(), sin.data_ptr(),
                             mask.data_ptr() if mask is not None else None,
-                            parents.data_ptr() if parents is not None else None, hidden.data_ptr(), threads)
+                            parents.data_ptr() if parents is not None else None, hidden.data_ptr(), gemma4.at(ple, a),
+                            threads)
             if rc != 0:
                 raise torch.OutOfMemoryError("The fused CPU pass could not allocate its scratch memory.")
         for e, seen in zip(self._experts, before):  # the union each layer woke, for the tree's price
@@ -432,15 +443,3 @@ class FusedDecoder:
             cache.commit(n)
         out: torch.Tensor = self.norm(hidden[0])  # (n, H)
         return out
-
-
-def _experts(layer: nn.Module) -> nn.Module | None:
-    """A layer's routed experts: its MoE block's (mlp.experts), or Gemma 4's beside its MLP."""
-    return getattr(layer.get_submodule("mlp"), "experts", None) or getattr(layer, "experts", None)
-
-
-def _fill_linear(struct: QmLinear, module: nn.Module) -> tuple[object, ...]:
-    """Point `struct` at a PackedLinear's weight and bias; returns what it points into."""
-    assert isinstance(module, PackedLinear)
-    struct.point_at(module.qweight, module.bias)
-    return module.qweight, module.bias

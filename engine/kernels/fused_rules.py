@@ -269,6 +269,18 @@ def linear_refusal(la: Any, hidden: int) -> str | None:
     return None
 
 
+def experts_of(layer: nn.Module) -> nn.Module | None:
+    """A layer's routed experts: its MoE block's (mlp.experts), or Gemma 4's beside its MLP."""
+    return getattr(layer.get_submodule("mlp"), "experts", None) or getattr(layer, "experts", None)
+
+
+def fill_linear(struct: Any, module: nn.Module) -> tuple[object, ...]:
+    """Point a qm_linear `struct` at a PackedLinear's weight and bias; returns what it points into."""
+    assert isinstance(module, PackedLinear)
+    struct.point_at(module.qweight, module.bias)
+    return module.qweight, module.bias
+
+
 def fill_delta(struct: Any, la: Any) -> list[torch.Tensor]:
     """A Gated DeltaNet layer's fields of its qm_layer `struct` (linear_refusal said it
     qualifies); returns the tensors they point into."""
@@ -315,13 +327,22 @@ def linears_of(layer: nn.Module) -> tuple[tuple[str, str], ...]:
     experts."""
     mlp = getattr(layer, "mlp", None)
     mixer: tuple[tuple[str, str], ...] = LINEAR_ATTN if hasattr(layer, "linear_attn") else LINEARS[:4]
-    if getattr(getattr(layer, "self_attn", None), "v_proj", 0) is None:  # Gemma 4's keys as values: no v
-        mixer = tuple(m for m in mixer if m[0] != "v")
+    # Gemma 4's keys as values (no v), and its layers reusing another's K/V (no k or v)
+    mixer = tuple(m for m in mixer if _present(layer, m[1]))
     if isinstance(getattr(mlp, "experts", None), PackedExperts) or type(getattr(mlp, "router", None)).__name__ in ROUTERS:
         shared = SHARED if getattr(mlp, "shared_experts", None) is not None else \
             SHARED_GATED if getattr(mlp, "shared_expert", None) is not None else ()
         return mixer + shared
     return mixer + LINEARS[4:]
+
+
+def _present(module: nn.Module, path: str) -> bool:
+    """Whether `module` has a submodule at dotted `path` (not missing, not None)."""
+    for name in path.split("."):
+        module = getattr(module, name, None)  # type: ignore[assignment]
+        if module is None:
+            return False
+    return True
 
 
 def is_vector(t: object, n: int) -> bool:

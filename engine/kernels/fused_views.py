@@ -28,10 +28,15 @@ class Buffers:
     cache's buffers are replaced when it grows, a windowed layer's apart from the rest, and
     must be freed then)."""
 
-    def __init__(self, cache: KVCache, window_of: list[int], rope_of: list[int]) -> None:
+    def __init__(self, cache: KVCache, window_of: list[int], rope_of: list[int], kv_of: list[int] | None = None) -> None:
+        """`kv_of`: the layer whose buffers each layer's view reads (Gemma 4's K/V-reusing layers
+        read an earlier layer's); None: its own."""
         n = len(cache.keys)
         self.views = (View * n)()
-        for view, k, v, w, rope in zip(self.views, cache.keys, cache.values, window_of, rope_of):
+        keys, values = cache.keys, cache.values
+        if kv_of is not None:
+            keys, values = [keys[j] for j in kv_of], [values[j] for j in kv_of]
+        for view, k, v, w, rope in zip(self.views, keys, values, window_of, rope_of):
             view.keys, view.values, view.capacity, view.window = k.data_ptr(), v.data_ptr(), int(k.shape[2]), w
             view.rope = rope
         for i, state in _states(cache).items():  # a hybrid's Gated DeltaNet states, updated in place by a step

@@ -938,6 +938,15 @@ typedef struct {
     int64_t layer_head_dim, layer_kv_heads, kv_same, v_norm, rope_width;
     float v_eps, layer_scale, router_root, router_eps, pre_experts_eps, post_experts_eps, post_mlp1_eps;
     const float *router_scale, *expert_scale, *pre_experts_norm, *post_experts_norm, *post_mlp1_norm;
+    /* Gemma 4's small models: kv_reuse, a layer with no K/V of its own (its view's buffers are an
+     * earlier layer's, written earlier in the same call); a per-layer input (ple_dim > 0): after
+     * the MLP, x += ple_norm(ple_proj (GELU(ple_gate x) * the token's input for this layer)), the
+     * inputs the call's `ple` (tokens x ple_stride floats: this layer's ple_dim at l * ple_dim,
+     * l counted from the call's first layer), ple_proj fp32 rows (hidden x ple_dim). */
+    int64_t kv_reuse, ple_dim, ple_stride;
+    qm_linear ple_gate;
+    const float *ple_proj, *ple_norm;
+    float ple_eps;
 } qm_layer;
 
 /* A layer's head width, K/V heads and query heads per K/V head (the call's where it names none). */
@@ -1126,12 +1135,30 @@ static float block_sum(const float *mlp, const float *experts, const qm_layer *L
     return rms_scale(sv, L->post_mlp_eps, H);
 }
 
-/* x = (x + post_mlp_norm(sv)) * layer_scale (where it has one) over rows [a, b); r: block_sum's. */
+/* x += post_mlp_norm(sv) over rows [a, b); r: block_sum's. */
 static inline void block_add(float *x, const float *sv, const qm_layer *L, float r, int64_t a, int64_t b) {
-    for (int64_t i = a; i < b; i++) {
-        float y = x[i] + (sv[i] * r) * L->post_mlp_norm[i];
-        x[i] = L->layer_scale != 0.0f ? y * L->layer_scale : y;
+    for (int64_t i = a; i < b; i++) x[i] = x[i] + (sv[i] * r) * L->post_mlp_norm[i];
+}
+
+/* Gemma 4's per-layer input, one token (every thread): pg (ple_dim) = GELU(ple_gate x) * input,
+ * then out (hidden) = ple_proj pg, then x += ple_norm(out). s16, s32, mine, dg: the calling
+ * thread's scratch for x's sums and digits; tmp a row. */
+static void ple_token(const qm_layer *L, float *x, int64_t H, const float *input, float *pg, float *out, float *s16,
+                      float *s32, char *mine, qm_digits *dg, float *tmp) {
+    int64_t P = L->ple_dim;
+    group_sums(x, H, s16, s32);
+    make_digits(x, H, mine, dg);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < P; r += QM_ROWS) {
+        float g[QM_ROWS];
+        rows_product(&L->ple_gate, r, P - r, x, s16, s32, dg, tmp, g);
+        for (int64_t i = 0; i < QM_ROWS && r + i < P; i++) pg[r + i] = gated(g[i], input[r + i], 1);
     }
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < H; r++) out[r] = dot(L->ple_proj + r * P, pg, P);
+    float rs = rms_scale(out, L->ple_eps, H);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < H; r += QM_ROWS) add_out(x, out, L->ple_norm, rs, r, r + QM_ROWS < H ? r + QM_ROWS : H);
 }
 
 /* x: the token's hidden state (hidden), updated in place through every layer. cos, sin:
@@ -1400,7 +1427,7 @@ static void delta_chain(const qm_layer *L, const qm_view *V, int64_t n, const fl
 
 int qm_decode_layers(const qm_layer *layers, const qm_view *views, int64_t count, int64_t hidden, int64_t heads,
                      int64_t kv_heads, int64_t head_dim, int64_t length, const int64_t *spans, float scale,
-                     const float *cos, const float *sin, float *x, int threads) {
+                     const float *cos, const float *sin, float *x, const float *ple, int threads) {
     int64_t DM, KVM, GM; /* the widest head, most K/V heads, most query heads per K/V head */
     head_widths(layers, count, heads, kv_heads, head_dim, &DM, &KVM, &GM);
     int64_t nq = heads * DM, nkv = KVM * DM, gemma4 = 0;
@@ -1426,6 +1453,9 @@ int qm_decode_layers(const qm_layer *layers, const qm_view *views, int64_t count
     size_t per_thread = (size_t)GM * (size_t)(length + 2) + 4 * (size_t)widest + (gemma4 ? 3 * (size_t)hidden : 0);
     size_t lin = (size_t)(LC + 2 * LV + 2 * LH); /* a Gated DeltaNet layer's raw/conv outputs, z, b and a, core */
     size_t eouts = gemma4 ? (size_t)(hidden + QM_ROWS) : 0; /* Gemma 4's experts' output (shared) */
+    int64_t PD = 0; /* the widest per-layer input */
+    for (int64_t l = 0; l < count; l++) PD = layers[l].ple_dim > PD ? layers[l].ple_dim : PD;
+    eouts += (size_t)(PD ? PD + QM_ROWS : 0); /* its gated inputs (shared) */
     size_t total = (size_t)(3 * nq + 2 * nkv + inter + hidden + QM_ROWS) + moe + lin + eouts +
                    (size_t)threads * per_thread;
     float *buf = (float *)malloc(sizeof(float) * total);
@@ -1435,7 +1465,7 @@ int qm_decode_layers(const qm_layer *layers, const qm_view *views, int64_t count
     float *wts = logits + E, *gu = wts + K + E, *eact = gu + K * 2 * I, *asum = eact + K * I;
     float *out = asum + K * sums; /* a product's whole output, where a post-norm reads it (hidden + a block) */
     float *lraw = out + hidden + QM_ROWS, *lz = lraw + LC, *lba = lz + LV, *core = lba + 2 * LH;
-    float *eout = core + LV, *own = eout + eouts;
+    float *eout = core + LV, *pg = eout + (gemma4 ? hidden + QM_ROWS : 0), *own = eout + eouts;
     size_t dig_bytes = digits_bytes(widest), edig_bytes = digits_bytes(I > 0 ? I : 1);
     char *dig = (char *)malloc(dig_bytes * (size_t)threads + edig_bytes * (size_t)K + 1); /* each thread's digits
                                                         * of a product's input, then each routed expert's */
@@ -1481,13 +1511,13 @@ int qm_decode_layers(const qm_layer *layers, const qm_view *views, int64_t count
                 residual_product(&L->o, core, s16, s32, &dg, tmp, L->post_attn_norm, L->post_attn_eps, out, x, 1.0f);
             } else { /* attention */
 #pragma omp for schedule(static)
-                for (int64_t b = 0; b < bq + (L->kv_same ? 1 : 2) * bkv; b++) { /* blocks of QM_ROWS rows of q, k and v */
+                for (int64_t b = 0; b < bq + (L->kv_reuse ? 0 : L->kv_same ? 1 : 2) * bkv; b++) { /* q, k and v rows */
                     const qm_linear *w = b < bq ? &L->q : b < bq + bkv ? &L->k : &L->v;
                     float *dst = b < bq ? q : b < bq + bkv ? k : v;
                     int64_t r = (b < bq ? b : b < bq + bkv ? b - bq : b - bq - bkv) * QM_ROWS;
                     rows_product(w, r, w->n - r, xn, s16, s32, &dg, tmp, dst + r);
                 }
-                if (L->kv_same || L->v_norm) { /* Gemma 4's values: the keys' projection, normed */
+                if ((L->kv_same || L->v_norm) && !L->kv_reuse) { /* Gemma 4's values: the keys' projection, normed */
 #pragma omp for schedule(static)
                     for (int64_t g = 0; g < KVH; g++) {
                         if (L->kv_same) memcpy(v + g * D, k + g * D, sizeof(float) * (size_t)D);
@@ -1499,9 +1529,13 @@ int qm_decode_layers(const qm_layer *layers, const qm_view *views, int64_t count
                     int64_t g = u / parts, h0 = g * group_size + u % parts * per;
                     int64_t G = heads_in_part(group_size, per, u % parts);
                     float *kh = xn, *vh = v + g * D;  /* xn is free until the next norm */
-                    memcpy(kh, k + g * D, sizeof(float) * (size_t)D);
-                    norm_and_rotate(kh, L->k_norm, L->k_eps, cos + V->rope * RW, sin + V->rope * RW, D, RD, tmp);
-                    if (u % parts == 0) {  /* the K/V head's first part stores its entry */
+                    if (L->kv_reuse) /* the new entry is in the buffers already (an earlier layer's) */
+                        kh = vh = NULL;
+                    else {
+                        memcpy(kh, k + g * D, sizeof(float) * (size_t)D);
+                        norm_and_rotate(kh, L->k_norm, L->k_eps, cos + V->rope * RW, sin + V->rope * RW, D, RD, tmp);
+                    }
+                    if (u % parts == 0 && kh) {  /* the K/V head's first part stores its entry */
                         memcpy(lk + (g * capacity + at) * D, kh, sizeof(float) * (size_t)D);
                         memcpy(lv + (g * capacity + at) * D, vh, sizeof(float) * (size_t)D);
                     }
@@ -1509,8 +1543,8 @@ int qm_decode_layers(const qm_layer *layers, const qm_view *views, int64_t count
                         norm_and_rotate(q + h * QS, L->q_norm, L->q_eps, cos + V->rope * RW, sin + V->rope * RW, D, RD,
                                         tmp);
                     attend_group(q + h0 * QS, QS, G, lk + (g * capacity + lo) * D, lv + (g * capacity + lo) * D,
-                                 at - lo, NULL, at - lo - 1, kh, vh, D, scale, L->sinks ? L->sinks + h0 : NULL, scores,
-                                 attn + h0 * D, D);
+                                 at - lo + !kh, NULL, at - lo - !!kh, kh, vh, D, scale, L->sinks ? L->sinks + h0 : NULL,
+                                 scores, attn + h0 * D, D);
                     for (int64_t h = h0; L->attn_gate && h < h0 + G; h++)
                         for (int64_t i = 0; i < D; i++) attn[h * D + i] *= sigmoidf(q[h * QS + D + i]);
                 }
@@ -1564,9 +1598,9 @@ int qm_decode_layers(const qm_layer *layers, const qm_view *views, int64_t count
 #pragma omp for schedule(static)
                 for (int64_t r = 0; r < hidden; r += QM_ROWS)
                     block_add(x, sv, L, rs, r, r + QM_ROWS < hidden ? r + QM_ROWS : hidden);
-                continue;
-            }
-            residual_product(&L->down, act, s16, s32, &dg, tmp, L->post_mlp_norm, L->post_mlp_eps, out, x, shared);
+            } else
+                residual_product(&L->down, act, s16, s32, &dg, tmp, L->post_mlp_norm, L->post_mlp_eps, out, x, shared);
+            if (L->ple_dim) ple_token(L, x, hidden, ple + l * L->ple_dim, pg, out, s16, s32, mine, &dg, tmp);
             if (L->layer_scale != 0.0f) {
 #pragma omp for schedule(static)
                 for (int64_t i = 0; i < hidden; i++) x[i] = x[i] * L->layer_scale;
@@ -2112,7 +2146,7 @@ static void routed_pass(const qm_layer *L, int64_t n, int64_t H, const float *xn
 int qm_pass_layers(const qm_layer *layers, const qm_view *views, int64_t count, int64_t hidden, int64_t heads,
                    int64_t kv_heads, int64_t head_dim, int64_t length, int64_t n, const int64_t *spans,
                    const uint8_t *const *masks, float scale, const float *cos, const float *sin,
-                   const uint8_t *allowed, const int64_t *parents, float *x, int threads) {
+                   const uint8_t *allowed, const int64_t *parents, float *x, const float *ple, int threads) {
     int64_t DM, KVM, GM, gemma4 = 0; /* the widest head, most K/V heads, most query heads per K/V head */
     head_widths(layers, count, heads, kv_heads, head_dim, &DM, &KVM, &GM);
     for (int64_t l = 0; l < count; l++) gemma4 |= layers[l].pre_experts_norm != NULL;
@@ -2168,8 +2202,11 @@ int qm_pass_layers(const qm_layer *layers, const qm_view *views, int64_t count, 
     /* shared: xn | q (a gated attention's queries and gates) | k | v | attn | gate (then the activation) |
      * up | a product's output | Gated DeltaNet: z, b and a, core | shared experts' gates | each node's
      * path (KM - 1 entries); per thread: a decoded tile, scores, a head, a Gated DeltaNet head's states */
+    int64_t PD = 0; /* the widest per-layer input (Gemma 4's small models) */
+    for (int64_t l = 0; l < count; l++) PD = layers[l].ple_dim > PD ? layers[l].ple_dim : PD;
+    /* (Gemma 4: the router's and experts' inputs, their output; the gated per-layer inputs) */
     size_t shared = (size_t)n * (size_t)(H + 2 * nq + 2 * nkv + nq + 2 * inter + H + 2 * LV + 2 * LH + 1 + 2 * KM +
-                                         (gemma4 ? 3 * H : 0)); /* (Gemma 4: the router's and experts' inputs, their output) */
+                                         (gemma4 ? 3 * H : 0) + PD);
     size_t tile = (size_t)NB * (size_t)widest, panel = (size_t)QM_PANEL * (size_t)(widest + QM_PAD);
     if (panel > tile) tile = panel; /* a decoded tile, or panel */
     size_t per_thread = tile + (size_t)GM * (size_t)(total + 2) + (size_t)DM + (size_t)(fold ? 1 : n + 1) * (size_t)LS;
@@ -2183,7 +2220,7 @@ int qm_pass_layers(const qm_layer *layers, const qm_view *views, int64_t count, 
     float *lba = lz + n * LV, *core = lba + 2 * n * LH, *sgate = core + n * LV;
     int64_t *chains = (int64_t *)(sgate + n); /* (n, KM - 1): int64 in the room of 2 n KM floats */
     float *rn = sgate + n + 2 * n * KM, *xe = rn + (gemma4 ? n * H : 0), *eout = xe + (gemma4 ? n * H : 0);
-    float *own = eout + (gemma4 ? n * H : 0);
+    float *pgs = eout + (gemma4 ? n * H : 0), *own = pgs + n * PD;
     for (int64_t i = 0; LH && !fold && i < n; i++) { /* each node's inputs before it along its path, oldest first */
         int64_t a = parents[i], back = 0;
         for (int64_t j = KM - 2; j >= 0; j--) {
@@ -2261,7 +2298,7 @@ int qm_pass_layers(const qm_layer *layers, const qm_view *views, int64_t count, 
                 for (int64_t s = 0; s < units_of(&L->q, &few); s++) product(&L->q, s, xn, n, q, wbuf, &few);
 #pragma omp for schedule(static) nowait
                 for (int64_t s = 0; s < units_of(&L->k, &few); s++) product(&L->k, s, xn, n, k, wbuf, &few);
-                if (L->kv_same) { /* Gemma 4's values: its keys' projection (below) */
+                if (L->kv_same || L->kv_reuse) { /* Gemma 4's values: its keys' projection (below), or none */
 #pragma omp barrier
                 } else {
 #pragma omp for schedule(static)
@@ -2275,7 +2312,7 @@ int qm_pass_layers(const qm_layer *layers, const qm_view *views, int64_t count, 
                                     sin + (V->rope * n + i) * RW, D, RD, tmp);
                 }
 #pragma omp for schedule(static)
-                for (int64_t s = 0; s < n * KVH; s++) {
+                for (int64_t s = 0; s < (L->kv_reuse ? 0 : n * KVH); s++) { /* (a reusing layer's are there) */
                     int64_t i = s / KVH, g = s % KVH;
                     float *kh = k + i * nkv_l + g * D, *vh = v + i * nkv_l + g * D;
                     if (L->kv_same) memcpy(vh, kh, sizeof(float) * (size_t)D);
@@ -2353,20 +2390,36 @@ int qm_pass_layers(const qm_layer *layers, const qm_view *views, int64_t count, 
                     float r = block_sum(out + i * H, eout + i * H, L, H, rn + i * H);
                     block_add(x + i * H, rn + i * H, L, r, 0, H);
                 }
-                continue;
-            }
+            } else {
 #pragma omp for schedule(static)
-            for (int64_t s = 0; s < units_of(&L->down, &few); s++) {
-                product(&L->down, s, gate, n, out, wbuf, &few);
-                if (!L->post_mlp_norm)
+                for (int64_t s = 0; s < units_of(&L->down, &few); s++) {
+                    product(&L->down, s, gate, n, out, wbuf, &few);
+                    if (!L->post_mlp_norm)
+                        for (int64_t i = 0; i < n; i++)
+                            for (int64_t r = s * U; r < H && r < (s + 1) * U; r++)
+                                x[i * H + r] += sgate[i] * out[i * H + r];
+                }
+                if (L->post_mlp_norm) {
+#pragma omp for schedule(static)
                     for (int64_t i = 0; i < n; i++)
-                        for (int64_t r = s * U; r < H && r < (s + 1) * U; r++)
-                            x[i * H + r] += sgate[i] * out[i * H + r];
+                        add_out(x + i * H, out + i * H, L->post_mlp_norm, rms_scale(out + i * H, L->post_mlp_eps, H), 0, H);
+                }
             }
-            if (L->post_mlp_norm) {
+            if (L->ple_dim) { /* Gemma 4's per-layer input: x += norm(proj(GELU(gate x) * input)) */
+                int64_t PL = L->ple_dim;
+                make_inputs(x, n, H, mine, xt, &few);
+#pragma omp for schedule(static)
+                for (int64_t s = 0; s < units_of(&L->ple_gate, &few); s++) {
+                    product(&L->ple_gate, s, x, n, pgs, wbuf, &few);
+                    for (int64_t i = 0; i < n; i++)
+                        for (int64_t r = s * U; r < PL && r < (s + 1) * U; r++)
+                            pgs[i * PL + r] = gated(pgs[i * PL + r], ple[i * L->ple_stride + l * PL + r], 1);
+                }
+#pragma omp for schedule(static)
+                for (int64_t s = 0; s < n * H; s++) out[s] = dot(L->ple_proj + (s % H) * PL, pgs + (s / H) * PL, PL);
 #pragma omp for schedule(static)
                 for (int64_t i = 0; i < n; i++)
-                    add_out(x + i * H, out + i * H, L->post_mlp_norm, rms_scale(out + i * H, L->post_mlp_eps, H), 0, H);
+                    add_out(x + i * H, out + i * H, L->ple_norm, rms_scale(out + i * H, L->ple_eps, H), 0, H);
             }
             if (L->layer_scale != 0.0f) {
 #pragma omp for schedule(static)

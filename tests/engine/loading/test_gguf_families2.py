@@ -564,11 +564,9 @@ def assert_logits_and_greedy_text_equal(converted: tuple, offload: str) -> None:
         experts = [mod for name, mod in m.model.hf_model.named_modules() if name.endswith(".experts")]
         theirs = [name for name, _ in ref.named_modules() if name.endswith(".experts")]
         assert len(experts) == len(theirs) and all(isinstance(e, PackedExperts) for e in experts)
-        # gpt-oss, GLM-4.5, Qwen3.5 and Gemma 4 without per-layer inputs decode in the fused C step
-        # (engine/kernels/fused_layer.py)
-        cfg = m.model.hf_model.config
-        fused = cfg.model_type in ("gpt_oss", "glm4_moe", "qwen3_5_text", "qwen3_5_moe_text") or (
-            cfg.model_type == "gemma4_text" and not cfg.hidden_size_per_layer_input)
+        # gpt-oss, GLM-4.5, Qwen3.5 and Gemma 4 decode in the fused C step (engine/kernels/fused_layer.py)
+        fused = m.model.hf_model.config.model_type in ("gpt_oss", "glm4_moe", "qwen3_5_text", "qwen3_5_moe_text",
+                                                       "gemma4_text")
         assert (m.model.fused is not None) == fused
     engine = Engine(m.model, m.tokenizer)
     for prompt in PROMPTS:

@@ -5,8 +5,9 @@ Two tiny models from transformers' own Gemma4TextConfig: a dense one with per-la
 embeddings, sliding windows shorter than the prompt, full layers with wider heads, one K/V head
 and keys as values, and its last two layers reusing the K/V of earlier ones (no k/v tensors;
 double-wide MLPs); a MoE one (routed experts beside each MLP, as 26B-A4B) with tied embeddings,
-no per-layer inputs, and its full layers' keys as values (one K/V head), which decodes in the
-fused CPU step and pass (engine/kernels/fused_gemma4.py). Each runs resident and with every layer streamed, and as NF4. The converter
+no per-layer inputs, and its full layers' keys as values (one K/V head). Both decode in the
+fused CPU step and pass (engine/kernels/fused_gemma4.py: per-layer inputs, reused K/V and the
+MoE block in C). Each runs resident and with every layer streamed, and as NF4. The converter
 follows llama.cpp: norms stored as they are (Gemma 4's norm is x * w), per-layer K/V head
 counts and the sliding pattern as arrays, head widths as key_length / key_length_swa, the full
 layers' proportional rope as a `rope_freqs` tensor (ones, then 1e30 for unrotated pairs), the
