@@ -13,7 +13,7 @@ Per GGUF (default: the starter's Q4_1 file and a Q8_0 rewrite of it, engine.test
 a random MoE with Qwen3-30B-A3B's layers in Q4_0 and Q4_K_M; `--gpt-oss`: a random gpt-oss with
 gpt-oss-20b's layers, MXFP4 experts; `--qwen35`: a random Qwen3.5-MoE hybrid with Qwen3.6-35B-A3B's
 layers, Q4_K_M; `--qwen3next`: the same with Qwen3-Next-80B-A3B's, as a qwen3next file; `--gemma4`: a
-random Gemma 4 MoE with Gemma 4 26B-A4B's layers;
+random Gemma 4 MoE with Gemma 4 26B-A4B's layers and a small dense one with per-layer inputs;
 engine.testing.random_gguf; `--upcycled`: the starter as a
 128-expert MoE that writes the starter's text, engine.testing.upcycle, where speculation on an MoE
 is accepted as on a real model),
@@ -294,11 +294,13 @@ def run_bench_peer(args: argparse.Namespace) -> int:
         models = [(synthetic_qwen35_gguf(root / "synthetic-qwen3next-q4_k_m.gguf", **SYNTHETIC_QWEN3NEXT,
                                          arch="qwen3next"), "synthetic Qwen3-Next Q4_K_M")]
     elif args.gemma4:
-        from engine.testing.random_gguf import SYNTHETIC_GEMMA4, synthetic_gemma4_gguf  # noqa: PLC0415
+        from engine.testing.random_gguf import SYNTHETIC_GEMMA4, SYNTHETIC_GEMMA4_DENSE, synthetic_gemma4_gguf  # noqa: PLC0415
 
-        say("writing a synthetic Gemma 4 MoE GGUF (once)")
+        say("writing synthetic Gemma 4 GGUFs (once)")
         models = [(synthetic_gemma4_gguf(root / "synthetic-gemma4-moe-q4_k.gguf", **SYNTHETIC_GEMMA4),
-                   "synthetic Gemma 4 MoE Q4_K")]
+                   "synthetic Gemma 4 MoE Q4_K"),
+                  (synthetic_gemma4_gguf(root / "synthetic-gemma4-dense-q4_k.gguf", **SYNTHETIC_GEMMA4_DENSE,
+                                         per_layer=256, shared=6), "synthetic Gemma 4 small Q4_K")]
     elif args.upcycled:
         from engine.testing.upcycle import moe_from_dense  # noqa: PLC0415
 

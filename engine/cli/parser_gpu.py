@@ -85,7 +85,8 @@ def add_bench_gpu(kinds: argparse._SubParsersAction) -> None:
                       "expert) in Q4_K_M, as llama.cpp's qwen3next writes it")
     peer.add_argument("--gemma4", action="store_true", help="a random Gemma 4 MoE with Gemma 4 26B-A4B's layers (5 "
                       "sliding and 1 full of its 30; 128 experts of 704, 8 routed, beside a dense MLP; keys as values on "
-                      "the full layer) in Q4_K with Q8_0 down projections (engine.testing.random_gguf)")
+                      "the full layer) in Q4_K with Q8_0 down projections, and a small dense one with per-layer inputs and "
+                      "layers reusing K/V (engine.testing.random_gguf)")
     peer.add_argument("--upcycled", action="store_true", help="the starter as an MoE that writes its text: 128 experts "
                       "(16 copies of 8 slices of its MLP), 8 routed, Q4_1 and Q8_0 (engine.testing.upcycle); where "
                       "speculation on an MoE can be measured without a downloaded checkpoint")

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
@@ -129,6 +129,7 @@ def materialise(weights: Weights, config: PretrainedConfig, settings: Materialis
             log.info("%s: %s layers made resident at load (%.2f GiB in RAM%s)", weights.path.name, packing,
                      resident_bytes_cpu / GIB, ", packed CPU kernels" if kernel_layers(packing) else "")
             _pack_head(hf, weights, device)
+            _pack_projection(hf, weights)
         else:
             placement = plan_layers(hf, layouts, settings, packing)
         log.info("placement of %s: %s", weights.path.name, placement.describe())
@@ -186,6 +187,19 @@ def _pack_head(hf: PreTrainedModel, weights: Weights, device: torch.device) -> N
     head = cpu_packed.packed_head(*found)
     if head is not None:
         hf.lm_head = head
+
+
+def _pack_projection(hf: PreTrainedModel, weights: Weights) -> None:
+    """Gemma 4's per-layer inputs' projection (hidden -> layers x width, every token: 19 MB of
+    fp32 a token for a small model's) as a packed-kernel Linear, as the head."""
+    blocks = getattr(weights, "blocks", None)
+    projection: Any = getattr(hf.model, "per_layer_model_projection", None)
+    if blocks is None or type(projection) is not nn.Linear or projection.bias is not None:
+        return
+    found = blocks("model.per_layer_model_projection.weight")
+    packed = cpu_packed.packed_head(*found) if found is not None else None
+    if packed is not None:
+        hf.model.per_layer_model_projection = packed
 
 
 def layer_template(hf: PreTrainedModel) -> Callable[[int], nn.Module]:

@@ -273,16 +273,28 @@ SYNTHETIC_GEMMA4: Gemma4Shape = dict(hidden=2816, layers=6, vocab=32000, heads=1
                                      expert_width=704, window=1024)
 
 
+# a small dense Gemma 4 with per-layer inputs, after its E2B (hidden 1536, 8 query heads and one K/V
+# head, an MLP of 6144, twice as wide where a layer reuses K/V, per-layer inputs of 256): 12 layers,
+# with shared=6 the last 6 reusing layers 4's and 5's K/V as llama.cpp expects (the last layer before
+# them full); proportions of our choosing, not a checkpoint's; Q4_K as above
+SYNTHETIC_GEMMA4_DENSE: Gemma4Shape = dict(hidden=1536, layers=12, vocab=32000, heads=8, kv_heads=1, head_dim=256,
+                                           global_head_dim=512, global_kv_heads=1, intermediate=6144, experts=0,
+                                           top_k=0, expert_width=0, window=512)
+
+
 def synthetic_gemma4_gguf(path: Path, hidden: int, layers: int, vocab: int, heads: int, kv_heads: int, head_dim: int,
                           global_head_dim: int, global_kv_heads: int, intermediate: int, experts: int, top_k: int,
-                          expert_width: int, window: int, seed: int = 0) -> Path:
+                          expert_width: int, window: int, per_layer: int = 0, shared: int = 0, seed: int = 0) -> Path:
     """A random Gemma 4 MoE GGUF as llama.cpp's converter writes one (gemma4; the metadata of
     tests/engine/loading/test_gguf_gemma4.py's converter): every sixth layer full attention with
     keys as values and the proportional rotary of a quarter of its heads (a `rope_freqs` of ones,
     then 1e30), the rest sliding windows of `window`; Q4_K_M-like types (q/k/o, gate/up and the
     experts' gate_up Q4_K; v Q6_K; the down projections, 2112 and 704 wide, Q8_0, llama.cpp's
     fallback where a row is no multiple of 256), norms, router and scales F32, tied embeddings
-    Q6_K. One tensor in memory at a time. Idempotent."""
+    Q6_K. `experts` 0: a dense model, as Gemma 4's small ones, with `per_layer` > 0 their per-layer
+    inputs (a table of layers x per_layer values a token, Q8_0, and its projection) and `shared`
+    last layers reusing the K/V of the last earlier layer of their type, their MLPs twice as wide.
+    One tensor in memory at a time. Idempotent."""
     if path.is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -290,6 +302,11 @@ def synthetic_gemma4_gguf(path: Path, hidden: int, layers: int, vocab: int, head
     tensors: list[tuple[str, tuple[int, ...], Q]] = [
         ("rope_freqs.weight", (global_head_dim // 2,), Q.F32), ("token_embd.weight", (vocab, hidden), Q.Q6_K),
         ("output_norm.weight", (hidden,), Q.F32)]
+    if per_layer:
+        tensors += [("per_layer_token_embd.weight", (vocab, layers * per_layer), Q.Q8_0),
+                    ("per_layer_model_proj.weight", (layers * per_layer, hidden), Q.Q8_0),
+                    ("per_layer_proj_norm.weight", (per_layer,), Q.F32)]
+    widths = [intermediate * (2 if i >= layers - shared else 1) for i in range(layers)]
     for i in range(layers):
         d, kv = (global_head_dim, global_kv_heads) if full[i] else (head_dim, kv_heads)
         b = f"blk.{i}"
@@ -300,13 +317,22 @@ def synthetic_gemma4_gguf(path: Path, hidden: int, layers: int, vocab: int, head
             "attn_k_norm.weight": ((d,), Q.F32),
             **{f"{n}.weight": ((hidden,), Q.F32) for n in ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm",
                                                           "pre_ffw_norm_2", "post_ffw_norm_1", "post_ffw_norm_2")},
-            "ffn_gate.weight": ((intermediate, hidden), Q.Q4_K), "ffn_up.weight": ((intermediate, hidden), Q.Q4_K),
-            "ffn_down.weight": ((hidden, intermediate), Q.Q8_0), "ffn_gate_inp.weight": ((experts, hidden), Q.F32),
+            "ffn_gate.weight": ((widths[i], hidden), Q.Q4_K), "ffn_up.weight": ((widths[i], hidden), Q.Q4_K),
+            "ffn_down.weight": ((hidden, widths[i]), Q.Q8_0), "ffn_gate_inp.weight": ((experts, hidden), Q.F32),
             "ffn_gate_inp.scale": ((hidden,), Q.F32), "ffn_down_exps.scale": ((experts,), Q.F32),
             "ffn_gate_up_exps.weight": ((experts, 2 * expert_width, hidden), Q.Q4_K),
             "ffn_down_exps.weight": ((experts, hidden, expert_width), Q.Q8_0)}
         if full[i]:  # keys as values
             del shapes["attn_v.weight"]
+        if i >= layers - shared:  # another layer's K/V
+            for name in ("attn_k.weight", "attn_v.weight", "attn_k_norm.weight"):
+                shapes.pop(name, None)
+        if not experts:
+            for name in [n for n in shapes if "exps" in n or "gate_inp" in n or n.endswith(("_1.weight", "_2.weight"))]:
+                del shapes[name]
+        if per_layer:
+            shapes.update({"inp_gate.weight": ((per_layer, hidden), Q.Q8_0), "proj.weight": ((hidden, per_layer), Q.Q8_0),
+                           "post_norm.weight": ((hidden,), Q.F32)})
         tensors += [(f"{b}.{name}", shape, qtype) for name, (shape, qtype) in shapes.items()]
     kinds = {name: (shape, qtype) for name, shape, qtype in tensors}
     rng = np.random.default_rng(seed)
@@ -323,15 +349,16 @@ def synthetic_gemma4_gguf(path: Path, hidden: int, layers: int, vocab: int, head
         return random_tensor(qtype, shape, rng)
 
     keys: dict[str, object] = {
-        "block_count": layers, "context_length": 131072, "embedding_length": hidden, "feed_forward_length": intermediate,
+        "block_count": layers, "context_length": 131072, "embedding_length": hidden, "feed_forward_length": widths if shared else intermediate,
         "attention.head_count": heads, "attention.head_count_kv": [global_kv_heads if f else kv_heads for f in full],
         "rope.freq_base": 1_000_000.0, "rope.freq_base_swa": 10_000.0, "attention.layer_norm_rms_epsilon": 1e-6,
         "attention.key_length": global_head_dim, "attention.value_length": global_head_dim,
         "attention.key_length_swa": head_dim, "attention.value_length_swa": head_dim, "attention.sliding_window": window,
-        "attention.shared_kv_layers": 0, "embedding_length_per_layer_input": 0,
+        "attention.shared_kv_layers": shared, "embedding_length_per_layer_input": per_layer,
         "attention.sliding_window_pattern": [not f for f in full], "rope.dimension_count": global_head_dim,
-        "rope.dimension_count_swa": head_dim, "final_logit_softcapping": 30.0, "expert_count": experts,
-        "expert_used_count": top_k, "expert_feed_forward_length": expert_width}
+        "rope.dimension_count_swa": head_dim, "final_logit_softcapping": 30.0}
+    if experts:
+        keys.update({"expert_count": experts, "expert_used_count": top_k, "expert_feed_forward_length": expert_width})
     config = dict(num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab)
     part = path.with_name(path.name + ".part")
     write_gguf(part, "gemma4", config, synthetic_vocab(), tensors, value, name=path.stem, keys=keys, common=False)
