@@ -45,7 +45,8 @@ VERSION = 15  # qmatmul.c qm_version(): 2 K-quant scales (QM_KSC), 3 MoE layers 
 # (transposed tokens, 16 decoded rows), 12 a pass's routed experts of 17+ tokens in panels, 13 a K/V head's
 # query heads attend together (attend_group: keys and values a tile at a time), 14 a hybrid's prompt chunk
 # folded into its Gated DeltaNet states in the pass (delta_chain), 15 Gemma 4's layers (per-layer head widths,
-# keys as values, value norms, its MoE block beside the MLP, layer scales; experts' GELU gate: qm_gate.gelu)
+# keys as values, value norms, its MoE block beside the MLP, layer scales, per-layer inputs, reused K/V; experts'
+# GELU gate: qm_gate.gelu; the MLPs' SiLU and GELU gates in one branch-free form that vectorises: qm_expf)
 SIMD_NAMES = {0: "plain C", 2: "AVX2", 3: "AVX-512", 4: "AVX-512 VNNI integer rows", 5: "AVX2, AVX-VNNI integer rows"}
 
 _lock = threading.Lock()

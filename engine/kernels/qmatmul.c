@@ -1026,10 +1026,33 @@ static void residual_product(const qm_linear *w, const float *in, const float *s
                              const qm_digits *dg, float *tmp, const float *norm, float eps, float *out, float *x,
                              float mul);
 
-/* The MLP's gate of g times up: SiLU (act 0) or GELU with tanh (act 1, gelu_pytorch_tanh). */
+/* e^x, branch-free so that loops of it vectorise (libm's expf does not): x clamped to [-87.3,
+ * 88.3] (the result's exponent stays normal; a gate's e^-g only ever feeds 1 / (1 + e^-g)), x = n
+ * ln2 + r with |r| <= ln2 / 2 (ln2 in two parts, Cody-Waite), e^r by Cephes' degree-7 polynomial,
+ * 2^n through the exponent bits: within 2 ulp of expf over that range. */
+static inline float qm_expf(float x) {
+    x = x < -87.3f ? -87.3f : x > 88.3f ? 88.3f : x;
+    float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union { int32_t i; float f; } two = {.i = ((int32_t)n + 127) << 23};
+    return p * two.f;
+}
+
+/* The MLP's gate of g times up: SiLU (act 0), g / (1 + e^-g), or GELU with tanh (act 1,
+ * gelu_pytorch_tanh), 0.5 g (1 + tanh(u)) with u = sqrt(2 / pi) (g + 0.044715 g^3), computed as
+ * g / (1 + e^-2u) (the same function: 1 + tanh(u) = 2 / (1 + e^-2u)), so both are one branch-free
+ * form that vectorises. */
 static inline float gated(float g, float up, int64_t act) {
-    if (act == 1) return 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g))) * up;
-    return (g / (1.0f + expf(-g))) * up;
+    float z = act == 1 ? 1.5957691216057308f * (g + 0.044715f * g * g * g) : g;
+    return (g / (1.0f + qm_expf(-z))) * up;
 }
 
 /* Sums of x over each group of 16 and of 32 (the minimums' share of a row's product). */
