@@ -78,3 +78,10 @@ def on_device(w: QuantWeight, device: torch.device | str) -> QuantWeight:
         return w
     return w.like(w.codes.to(device), w.scales.to(device), w.mins.to(device) if w.mins is not None else None,
                   w.out_features)
+
+
+def gelu_tanh(act: object) -> bool:
+    """Whether an activation module is GELU with the tanh approximation (gelu_pytorch_tanh),
+    which qmatmul.c's gated() computes: transformers' GELUTanh / PytorchGELUTanh, or nn.GELU("tanh")."""
+    name = type(act).__name__
+    return name in ("GELUTanh", "PytorchGELUTanh") or isinstance(act, nn.GELU) and act.approximate == "tanh"

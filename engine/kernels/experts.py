@@ -55,17 +55,9 @@ from transformers.integrations import moe as moe_integration
 
 from engine.kernels.build import kernels
 from engine.kernels.governor import governor
-from engine.kernels.expert_parts import Part, merged, on_device, supports
-from engine.kernels.linear import QmLinear, dequantize, qlinear
+from engine.kernels.expert_parts import Part, gelu_tanh, merged, on_device, supports
+from engine.kernels.linear import QmGate, QmLinear, dequantize, qlinear
 from engine.model.gpt_oss_experts import RowExperts
-
-
-class QmGate(ctypes.Structure):
-    """qmatmul.c's qm_gate: gpt-oss's gate and biases for qm_experts_one, or (gelu) Gemma 4's GELU
-    (tanh) of gate times up without biases."""
-
-    _fields_ = [("gate_up_bias", ctypes.c_void_p), ("down_bias", ctypes.c_void_p), ("alpha", ctypes.c_float),
-                ("limit", ctypes.c_float), ("interleaved", ctypes.c_int), ("gelu", ctypes.c_int)]
 
 
 # one expert's (gate_up, down) matrices where they run, and their biases (None: none)
@@ -124,9 +116,9 @@ class PackedExperts(nn.Module):
 
     def _one_token_call(self, original: nn.Module) -> tuple[ctypes.Array, ctypes.Array, QmGate | None] | None:
         """qmatmul.c's qm_experts_one, for one token at a time, where its arithmetic is this
-        module's: SiLU(gate) * up (the default gate of a SiLU module) without biases, or gpt-oss's
-        gate with its biases (RowExperts); each projection one packed part. Its arguments: each
-        expert's gate_up and down as the C structs, and the gate (None: SiLU)."""
+        module's: SiLU(gate) * up (the default gate of a SiLU module; Gemma 4's GELU) without biases,
+        or gpt-oss's gate with its biases (RowExperts); each projection one packed part. Its
+        arguments: each expert's gate_up and down as the C structs, and the gate (None: SiLU)."""
         lib = kernels()
         if (lib is None or not self.has_gate or len(self.gate_up) != 1 or len(self.down) != 1
                 or self.gate_up[0].packed is None or self.down[0].packed is None):
@@ -138,12 +130,11 @@ class PackedExperts(nn.Module):
             gate = QmGate(self.gate_up_bias.data_ptr(), self.down_bias.data_ptr(), original.alpha, original.limit,
                           int(original.interleaved))
         elif (getattr(type(original), "_apply_gate", None) is not moe_integration._default_apply_gate
-              or self.gate_up_bias is not None or self.down_bias is not None):
+              or self.gate_up_bias is not None or self.down_bias is not None
+              or not isinstance(self.act_fn, (SiLUActivation, nn.SiLU)) and not gelu_tanh(self.act_fn)):
             return None
         elif gelu_tanh(self.act_fn):  # Gemma 4's experts
             gate = QmGate(None, None, 0.0, 0.0, 0, 1)
-        elif not isinstance(self.act_fn, (SiLUActivation, nn.SiLU)):
-            return None
         gate_up, down = (QmLinear * self.num_experts)(), (QmLinear * self.num_experts)()
         for e in range(self.num_experts):
             gate_up[e].point_at(self.gate_up[0].packed[e])
@@ -153,11 +144,6 @@ class PackedExperts(nn.Module):
     @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in (*self.gate_up, *self.down))
-
-    @property
-    def gelu_gate(self) -> bool:
-        """Whether the one-token kernel runs these experts with a GELU (tanh) gate (Gemma 4's)."""
-        return self._fused is not None and self._fused[2] is not None and bool(self._fused[2].gelu)
 
     @property
     def packed_nbytes(self) -> int:
@@ -456,10 +442,3 @@ def _by_expert(experts: list[int], keep: list[bool] | None = None) -> dict[int, 
         if keep is None or keep[i]:
             out.setdefault(e, []).append(i)
     return out
-
-
-def gelu_tanh(act: object) -> bool:
-    """Whether an activation module is GELU with the tanh approximation (gelu_pytorch_tanh),
-    which qmatmul.c's gated() computes: transformers' GELUTanh / PytorchGELUTanh, or nn.GELU("tanh")."""
-    name = type(act).__name__
-    return name in ("GELUTanh", "PytorchGELUTanh") or isinstance(act, nn.GELU) and act.approximate == "tanh"

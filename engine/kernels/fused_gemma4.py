@@ -140,7 +140,8 @@ def _block_refusal(layer: Any, hidden: int, dense_rows: Any, is_vector: Any) -> 
     """Why a layer's MoE block (router, experts, norms) cannot run in the step, or None."""
     experts: Any = getattr(layer, "experts", None)
     router: Any = getattr(layer, "router", None)
-    if type(router).__name__ != f"{PREFIX}Router" or not isinstance(experts, PackedExperts) or not experts.gelu_gate:
+    gate = experts._fused[2] if isinstance(experts, PackedExperts) and experts._fused is not None else None
+    if type(router).__name__ != f"{PREFIX}Router" or gate is None or not gate.gelu:  # (its one-token kernel's GELU)
         return "routed experts the one-call kernel does not run"
     e = experts.num_experts
     rows = dense_rows(router.proj)

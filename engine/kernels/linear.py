@@ -409,6 +409,13 @@ class QmLinear(ctypes.Structure):
         self.kind, self.n, self.k, self.group = kind, w.out_features, w.in_features, w.group
 
 
+class QmGate(ctypes.Structure):
+    """qmatmul.c's qm_gate for qm_experts_one: gpt-oss's gate and biases, or (gelu) Gemma 4's GELU."""
+
+    _fields_ = [("gate_up_bias", ctypes.c_void_p), ("down_bias", ctypes.c_void_p), ("alpha", ctypes.c_float),
+                ("limit", ctypes.c_float), ("interleaved", ctypes.c_int), ("gelu", ctypes.c_int)]
+
+
 class PackedLinear(nn.Module):
     """An inference Linear over a QuantWeight (fp32 in, fp32 out)."""
 
