@@ -31,7 +31,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from engine.kernels.expert_parts import gelu_tanh
 from engine.kernels.experts import PackedExperts
+from engine.kernels.fused_rules import ACTS, activation, attention_refusal, dense_rows, is_vector, norm_eps
 from engine.kernels.linear import PackedLinear
 
 if TYPE_CHECKING:
@@ -54,8 +56,6 @@ def shapes(model: CausalLM) -> list[tuple[int, int]]:
 def refusal(model: CausalLM) -> str | None:
     """Why a Gemma 4 model (resident on the CPU in fp32: fused_rules.refusal asked) cannot take the
     fused step, or None."""
-    from engine.kernels.fused_rules import ACTS, activation, attention_refusal, dense_rows, is_vector  # noqa: PLC0415
-
     cfg = model.config
     if activation(cfg) not in ACTS or getattr(cfg, "attn_logit_softcapping", None) is not None:
         return f"activation {activation(cfg)}, or soft-capped attention"
@@ -68,7 +68,7 @@ def refusal(model: CausalLM) -> str | None:
                 or type(getattr(layer, "mlp", None)).__name__ != f"{PREFIX}MLP":
             return f"layer modules {type(layer).__name__}"
         if model.per_layer_inputs:
-            why = _inputs_refusal(layer, hidden, int(cfg.hidden_size_per_layer_input), dense_rows)
+            why = _inputs_refusal(layer, hidden, int(cfg.hidden_size_per_layer_input))
             if why is not None:
                 return why
         groups = getattr(attn, "num_key_value_groups", None)
@@ -102,7 +102,7 @@ def refusal(model: CausalLM) -> str | None:
         if model.per_layer_inputs:
             norms.append(getattr(layer, "post_per_layer_input_norm", None))
         if getattr(cfg, "enable_moe_block", False):
-            why = _block_refusal(layer, hidden, dense_rows, is_vector)
+            why = _block_refusal(layer, hidden)
             if why is not None:
                 return why
             norms += [getattr(layer, n) for _, n in BLOCK_NORMS]
@@ -124,19 +124,19 @@ def refusal(model: CausalLM) -> str | None:
     return None
 
 
-def _inputs_refusal(layer: Any, hidden: int, width: int, dense_rows: Any) -> str | None:
+def _inputs_refusal(layer: Any, hidden: int, width: int) -> str | None:
     """Why a layer's per-layer input (gate, projection) cannot run in the step, or None."""
     gate, proj = getattr(layer, "per_layer_input_gate", None), getattr(layer, "per_layer_projection", None)
     if not isinstance(gate, PackedLinear) or (gate.qweight.out_features, gate.qweight.in_features) != (width, hidden) \
             or gate.bias is not None or gate.qweight.mins is not None and gate.qweight.group not in (16, 32):
         return "per-layer input gate not packed, or of another shape"
     rows = dense_rows(proj) if proj is not None else None
-    if rows is None or tuple(rows.shape) != (hidden, width) or type(layer.act_fn).__name__ not in ("GELUTanh", "PytorchGELUTanh"):
+    if rows is None or tuple(rows.shape) != (hidden, width) or not gelu_tanh(layer.act_fn):
         return "per-layer input projection or activation"
     return None
 
 
-def _block_refusal(layer: Any, hidden: int, dense_rows: Any, is_vector: Any) -> str | None:
+def _block_refusal(layer: Any, hidden: int) -> str | None:
     """Why a layer's MoE block (router, experts, norms) cannot run in the step, or None."""
     experts: Any = getattr(layer, "experts", None)
     router: Any = getattr(layer, "router", None)
@@ -159,8 +159,6 @@ def fill(struct: Layer, layer: nn.Module, call: tuple[int, int], rope_width: int
     Linears, norms_of's norms, the router and experts of an MoE): its head width and K/V heads
     where they are not the call's (K/V heads, width), keys as values, the values' norm, the
     rotary tables' width, its scale, its MoE block. Returns the tensors the struct points into."""
-    from engine.kernels.fused_rules import dense_rows, norm_eps  # noqa: PLC0415
-
     attn: Any = layer.self_attn
     held: list[object] = []
     d = int(attn.head_dim)
