@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from engine.offload.host_store import HostStore
+from engine.offload import routed
 from engine.offload.layout import LayerLayout, bind
 from engine.offload.unpack import Unpacker
 
@@ -78,6 +79,8 @@ class LayerStreamer:
         self.dense_layout = dense_layouts[0]
         self._dense_params: list[dict[str, torch.Tensor]] = []
         self._dense_templates: list[nn.Module] = []
+        # an MoE kind's experts de-quantised as routed (routed.py): the rest before the pass
+        self._routed: list[routed.RoutedExperts | None] = []
         self._templates: list[list[nn.Module]] = []
         if self._unpack is not None:
             # one dense buffer: the compute stream de-quantises into it, then runs the layer
@@ -88,6 +91,7 @@ class LayerStreamer:
                 bind(template, params)
                 self._dense_params.append(params)
                 self._dense_templates.append(template)
+                self._routed.append(routed.attach(template, self.layouts[i], params))
         else:
             for i in first:
                 templates = []
@@ -191,18 +195,13 @@ class LayerStreamer:
             if home.module is not None:
                 hidden = call(home.module, i, hidden)
             elif home.packed is not None:  # packed, resident on the device
-                assert self._unpack is not None
-                kind = self._kind[i]
-                self._unpack(self.layouts[i], home.packed, self._dense_params[kind])
-                hidden = call(self._dense_templates[kind], i, hidden)
+                hidden = self._unpacked(i, home.packed, hidden, call)
             else:
                 pos = self._pos
                 k = self._acquire(pos)
                 kind = self._kind[i]
                 if self._unpack is not None:
-                    self._unpack(self.layouts[i], self._slots[k], self._dense_params[kind])
-                    self._release(k)  # the slot is free once dequantised
-                    hidden = call(self._dense_templates[kind], i, hidden)
+                    hidden = self._unpacked(i, self._slots[k], hidden, call, slot=k)
                 else:
                     hidden = call(self._templates[kind][k], i, hidden)
                     self._release(k)
@@ -214,6 +213,27 @@ class LayerStreamer:
         # positions keep counting across passes (each pass consumes exactly m), so a slot
         # prefetched at the end of one pass is found at the start of the next
         return hidden
+
+    def _unpacked(self, i: int, packed: torch.Tensor, hidden: torch.Tensor, call: LayerCall,
+                  slot: int | None = None) -> torch.Tensor:
+        """Layer i from its packed bytes (in ring slot `slot`, released once read): de-quantised
+        into its kind's dense template (an MoE's routed experts as the router picks them, from
+        the bytes still in the slot: routed.py), then run."""
+        assert self._unpack is not None
+        kind, layout = self._kind[i], self.layouts[i]
+        hook = self._routed[kind]
+        self._unpack(layout, packed, self._dense_params[kind], only=routed.eager(layout, hook))
+        if hook is None:
+            if slot is not None:
+                self._release(slot)  # the slot is free once dequantised
+            return call(self._dense_templates[kind], i, hidden)
+        hook.current = (layout, packed)
+        try:
+            return call(self._dense_templates[kind], i, hidden)
+        finally:
+            hook.current = None
+            if slot is not None:
+                self._release(slot)
 
     def close(self, close_store: bool = True) -> None:
         """Wait for copies in flight and stop the copy thread; `close_store=False` keeps the

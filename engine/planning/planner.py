@@ -195,11 +195,11 @@ def layer_seconds(profile: HardwareProfile, target: ModelShape, placement: Place
         cpu = (1.0 - cached) * expert_seconds(profile, target, tokens)
         gpu = cached * cached_expert_seconds(profile, target, tokens)
         return always + max(cpu, gpu) + target.moe_fraction * EXPERTS_SYNC_S
-    # the experts de-quantised where they live: the union read once, each token computing its top-k
-    timing, active = profile.layer_timing, target.active_params
-    return (timing.scaled_seconds(target.union_params(tokens), 1)
-            + timing.scaled_seconds(active, tokens) - timing.scaled_seconds(active, 1)
-            + unpack_seconds(profile, target.layer_params, quant, form))  # the whole layer, when a pass unpacks it
+    # the experts de-quantised where they live: the union read once, each token computing its top-k;
+    # a pass that unpacks a GGUF layer de-quantises the union alone (engine.offload.routed), others all
+    timing, active, union = profile.layer_timing, target.active_params, target.union_params(tokens)
+    return (timing.scaled_seconds(union, 1) + timing.scaled_seconds(active, tokens) - timing.scaled_seconds(active, 1)
+            + unpack_seconds(profile, union if quant == "gguf" else target.layer_params, quant, form))
 
 
 def target_pass_seconds(profile: HardwareProfile, target: ModelShape, placement: Placement, tokens: int) -> float:
