@@ -20,14 +20,19 @@ def moe_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return synthetic_moe_gguf(tmp_path_factory.mktemp("routed") / "moe.gguf", **SYNTHETIC_MOE_SMALL)
 
 
-def test_streamed_experts_are_de_quantised_as_routed(moe_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    lazy = load_model(moe_gguf, offload="all").model
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def test_streamed_experts_are_de_quantised_as_routed(moe_gguf: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     device: str) -> None:
+    """Every layer streamed (on a GPU: copied over the link into the ring, then de-quantised there,
+    its slot released after the routed experts ran); the same logits with and without."""
+    lazy = load_model(moe_gguf, device, offload="all").model
     streamer = lazy.streamer
     assert streamer is not None
     hooks = [h for h in streamer._routed if h is not None]
     assert len(hooks) == 1 and hooks[0].prefix == "mlp.experts."
     monkeypatch.setattr(routed, "attach", lambda *args: None)
-    whole = load_model(moe_gguf, offload="all").model
+    whole = load_model(moe_gguf, device, offload="all").model
     assert whole.streamer is not None and not any(whole.streamer._routed)
     experts, top_k, layers = SYNTHETIC_MOE_SMALL["experts"], SYNTHETIC_MOE_SMALL["top_k"], SYNTHETIC_MOE_SMALL["layers"]
     caches = [lazy.new_cache(64), whole.new_cache(64)]
