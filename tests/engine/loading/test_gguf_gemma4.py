@@ -27,7 +27,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader
-from test_gguf_families import logits
+from test_gguf_families import assert_experts_on_cpu_beside_gpu, greedy, logits
 from test_gguf_families2 import (
     PROMPTS,
     Stored,
@@ -41,6 +41,7 @@ from test_gguf_families2 import (
 from torch import nn
 from transformers import AutoModelForCausalLM, Gemma4TextConfig, PreTrainedTokenizerBase
 
+from engine.decoding.generation import Engine
 from engine.errors import UnsupportedModel
 from engine.loading.gguf import GGUFWeights, gguf_config
 from engine.loading.load import load_model
@@ -226,6 +227,36 @@ def test_every_parameter_is_the_files_and_layers_stay_packed(converted: tuple) -
 @pytest.mark.parametrize("offload", ["none", "all"])
 def test_logits_and_greedy_text_equal_transformers(converted: tuple, offload: str) -> None:
     assert_logits_and_greedy_text_equal(converted, offload)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("experts", ["cpu", "gpu"])
+def test_moe_on_a_gpu_gives_transformers_text(converted: tuple, experts: str) -> None:
+    """The MoE on a GPU: its routed experts packed in RAM beside it (run by the CPU kernel), or
+    every layer resident in its GGUF blocks, a pass de-quantising the routed experts alone
+    (engine/offload/routed.py): logits within 1e-4 of transformers' on the GPU, its greedy text."""
+    path, ref, tok = converted
+    if not ref.config.enable_moe_block:
+        pytest.skip("dense")
+    if experts == "cpu":
+        assert_experts_on_cpu_beside_gpu(path, ref, tok, PROMPTS, 16)
+        return
+    m = load_model(path, "cuda", torch.float32, offload="none", experts="gpu")
+    assert m.model.streamer is not None and any(h is not None for h in m.model.streamer._routed)
+    ref = ref.to("cuda")
+    engine = Engine(m.model, m.tokenizer)
+    for prompt in PROMPTS:
+        ids = tok(prompt)["input_ids"]
+        with torch.inference_mode():
+            theirs = ref(torch.tensor([ids], device="cuda")).logits[0].float().cpu()
+        ours = logits(m, ids).cpu()
+        assert (ours - theirs).abs().max() <= 1e-4 * theirs.abs().max(), prompt
+        x = torch.tensor([ids], device="cuda")
+        want = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=16, do_sample=False,
+                            pad_token_id=tok.pad_token_id)[0, len(ids):].tolist()
+        got = greedy(engine, prompt, n=16)
+        assert list(got.token_ids) == (want[: len(got.token_ids)] if got.finish_reason == "eos" else want), prompt
 
 
 def test_nf4_gives_each_kind_of_layer_its_own_layout(converted: tuple, tmp_path: Path) -> None:
