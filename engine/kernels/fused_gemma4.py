@@ -19,7 +19,8 @@ products, their views the storing layer's buffers, written earlier in the same c
 twice as wide.
 
 What qualifies: Gemma 4's text layers with every Linear packed (the per-layer inputs' projection
-read as fp32 rows), the routed experts packed with the one-token kernel's GELU gate.
+packed, or read as fp32 rows where the file holds it in 16 bits), the routed experts packed with
+the one-token kernel's GELU gate.
 
 What this module does not do: run anything, or read files.
 """
@@ -177,11 +178,17 @@ def fill(struct: Layer, layer: nn.Module, call: tuple[int, int], rope_width: int
         held += [gate.qweight, gate.bias]
         struct.ple_gate.point_at(gate.qweight, gate.bias)
         proj: Any = layer.per_layer_projection
-        rows = dense_rows(proj)
         norm: Any = layer.post_per_layer_input_norm
-        assert rows is not None
-        held += [rows, norm.weight]
-        struct.ple_proj, struct.ple_norm, struct.ple_eps = rows.data_ptr(), norm.weight.data_ptr(), norm_eps(norm)
+        if isinstance(proj, PackedLinear) and proj.bias is None:  # read packed, as every Linear
+            held.append(proj.qweight)
+            struct.ple_out.point_at(proj.qweight)
+        else:  # (a 16-bit file tensor: fp32 rows)
+            rows = dense_rows(proj)
+            assert rows is not None
+            held.append(rows)
+            struct.ple_proj = rows.data_ptr()
+        held.append(norm.weight)
+        struct.ple_norm, struct.ple_eps = norm.weight.data_ptr(), norm_eps(norm)
         struct.ple_dim = int(gate.qweight.out_features)
         struct.ple_stride = layers * struct.ple_dim
     router: Any = getattr(layer, "router", None)

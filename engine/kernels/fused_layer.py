@@ -108,7 +108,7 @@ class Layer(ctypes.Structure):
                 *((name, ctypes.c_void_p) for name in ("router_scale", "expert_scale", "pre_experts_norm",
                                                        "post_experts_norm", "post_mlp1_norm")),
                 *((name, ctypes.c_int64) for name in ("kv_reuse", "ple_dim", "ple_stride")), ("ple_gate", QmLinear),
-                ("ple_proj", ctypes.c_void_p), ("ple_norm", ctypes.c_void_p), ("ple_eps", ctypes.c_float)]
+                ("ple_out", QmLinear), ("ple_proj", ctypes.c_void_p), ("ple_norm", ctypes.c_void_p), ("ple_eps", ctypes.c_float)]
 
 
 INTERRUPT_RUNS = 8  # an interruptible pass's runs of layers: a Stop waits for one (CausalLM.interruptible)

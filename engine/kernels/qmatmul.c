@@ -942,9 +942,10 @@ typedef struct {
      * earlier layer's, written earlier in the same call); a per-layer input (ple_dim > 0): after
      * the MLP, x += ple_norm(ple_proj (GELU(ple_gate x) * the token's input for this layer)), the
      * inputs the call's `ple` (tokens x ple_stride floats: this layer's ple_dim at l * ple_dim,
-     * l counted from the call's first layer), ple_proj fp32 rows (hidden x ple_dim). */
+     * l counted from the call's first layer), ple_proj packed (ple_out, where n > 0) or fp32 rows
+     * (hidden x ple_dim). */
     int64_t kv_reuse, ple_dim, ple_stride;
-    qm_linear ple_gate;
+    qm_linear ple_gate, ple_out;
     const float *ple_proj, *ple_norm;
     float ple_eps;
 } qm_layer;
@@ -1177,6 +1178,12 @@ static void ple_token(const qm_layer *L, float *x, int64_t H, const float *input
         float g[QM_ROWS];
         rows_product(&L->ple_gate, r, P - r, x, s16, s32, dg, tmp, g);
         for (int64_t i = 0; i < QM_ROWS && r + i < P; i++) pg[r + i] = gated(g[i], input[r + i], 1);
+    }
+    if (L->ple_out.n) { /* the projection packed: its rows, normed, added */
+        group_sums(pg, P, s16, s32);
+        make_digits(pg, P, mine, dg);
+        residual_product(&L->ple_out, pg, s16, s32, dg, tmp, L->ple_norm, L->ple_eps, out, x, 1.0f);
+        return;
     }
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < H; r++) out[r] = dot(L->ple_proj + r * P, pg, P);
@@ -2439,8 +2446,15 @@ int qm_pass_layers(const qm_layer *layers, const qm_view *views, int64_t count, 
                         for (int64_t r = s * U; r < PL && r < (s + 1) * U; r++)
                             pgs[i * PL + r] = gated(pgs[i * PL + r], ple[i * L->ple_stride + l * PL + r], 1);
                 }
+                if (L->ple_out.n) { /* the projection packed */
+                    make_inputs(pgs, n, PL, mine, xt, &few);
 #pragma omp for schedule(static)
-                for (int64_t s = 0; s < n * H; s++) out[s] = dot(L->ple_proj + (s % H) * PL, pgs + (s / H) * PL, PL);
+                    for (int64_t s = 0; s < units_of(&L->ple_out, &few); s++)
+                        product(&L->ple_out, s, pgs, n, out, wbuf, &few);
+                } else {
+#pragma omp for schedule(static)
+                    for (int64_t s = 0; s < n * H; s++) out[s] = dot(L->ple_proj + (s % H) * PL, pgs + (s / H) * PL, PL);
+                }
 #pragma omp for schedule(static)
                 for (int64_t i = 0; i < n; i++)
                     add_out(x + i * H, out + i * H, L->ple_norm, rms_scale(out + i * H, L->ple_eps, H), 0, H);
