@@ -34,7 +34,8 @@ from torch import nn
 
 from engine.kernels.expert_parts import gelu_tanh
 from engine.kernels.experts import PackedExperts
-from engine.kernels.fused_rules import ACTS, activation, attention_refusal, dense_rows, is_vector, norm_eps
+from engine.kernels.fused_rules import (ACTS, activation, attention_refusal, dense_rows, is_vector, norm_eps,
+                                       rows_shape)
 from engine.kernels.linear import PackedLinear
 
 if TYPE_CHECKING:
@@ -131,8 +132,7 @@ def _inputs_refusal(layer: Any, hidden: int, width: int) -> str | None:
     if not isinstance(gate, PackedLinear) or (gate.qweight.out_features, gate.qweight.in_features) != (width, hidden) \
             or gate.bias is not None or gate.qweight.mins is not None and gate.qweight.group not in (16, 32):
         return "per-layer input gate not packed, or of another shape"
-    rows = dense_rows(proj) if proj is not None else None
-    if rows is None or tuple(rows.shape) != (hidden, width) or not gelu_tanh(layer.act_fn):
+    if rows_shape(proj) != (hidden, width) or not gelu_tanh(layer.act_fn):
         return "per-layer input projection or activation"
     return None
 
@@ -145,8 +145,7 @@ def _block_refusal(layer: Any, hidden: int) -> str | None:
     if type(router).__name__ != f"{PREFIX}Router" or gate is None or not gate.gelu:  # (its one-token kernel's GELU)
         return "routed experts the one-call kernel does not run"
     e = experts.num_experts
-    rows = dense_rows(router.proj)
-    if rows is None or tuple(rows.shape) != (e, hidden):
+    if rows_shape(router.proj) != (e, hidden):
         return "router weight"
     if not is_vector(router.scale, hidden) or not is_vector(router.per_expert_scale, e):
         return "router scales"

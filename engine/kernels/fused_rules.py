@@ -303,6 +303,15 @@ def fill_delta(struct: Any, la: Any) -> list[torch.Tensor]:
     return held
 
 
+def rows_shape(module: object) -> tuple[int, int] | None:
+    """(out, in) of what dense_rows would give, without de-quantising it: a refusal's check."""
+    if isinstance(module, PackedLinear) and module.bias is None:
+        return module.qweight.out_features, module.qweight.in_features
+    if type(module) is nn.Linear and module.bias is None and module.weight.device.type == "cpu":
+        return int(module.weight.shape[0]), int(module.weight.shape[1])
+    return None
+
+
 def dense_rows(module: nn.Module) -> torch.Tensor | None:
     """A bias-free Linear's weight as fp32 rows (a PackedLinear's de-quantised), or None for
     anything else."""
