@@ -8,6 +8,8 @@ short keeps what it measured):
 
   environment  the packages the engine needs and their versions, the device, the RAM
   (a caller's sections: scripts/gpu_proof.py's tests and installer)
+  lean         a one-token step's cost a layer beyond its weights, general path against the lean
+               step's CUDA graphs (engine.cli.bench_gpu_lean), on two tiny models
   profile      the hardware profile `bench hardware` measures: the planner's inputs
   build        the Llama-3.1-70B-shaped target in NF4 with random codes straight into pinned RAM,
                the Llama-3.2-1B-shaped random draft on the device
@@ -53,11 +55,11 @@ from engine.threads import set_threads
 log = logging.getLogger(__name__)
 
 JSON_NAME, PNG_NAME, TESTS_LOG = "gpu_bench.json", "gpu_bench.png", "gpu_tests.log"
-SECTIONS = ("profile", "streaming", "caps")
+SECTIONS = ("lean", "profile", "streaming", "caps")
 PACKAGES = ("torch", "transformers", "bitsandbytes", "huggingface-hub", "httpx2", "safetensors", "tokenizers",
             "accelerate", "psutil", "platformdirs", "nvidia-ml-py", "gguf", "matplotlib", "pytest")
 # seconds per section (full, quick); the run also stops starting work at --max-minutes
-BUDGETS = {"profile": (180, 120), "build": (300, 240),
+BUDGETS = {"lean": (120, 90), "profile": (180, 120), "build": (300, 240),
            "streaming": (150, 60), "cap": (240, 120)}
 FULL_BUDGETS, QUICK_BUDGETS, DRY_BUDGETS = (64, 128, 256, 512, 1024, 2048), (64, 512, 2048), (4, 16)
 FULL_TOKENS, QUICK_TOKENS, DRY_TOKENS = (1, 256, 2048), (1, 2048), (1, 16)
@@ -191,6 +193,8 @@ def run_bench_gpu(args: argparse.Namespace, before: Sequence[Section] = ()) -> i
     report.section("environment", 30, lambda d, p: environment(dry))
     for name, budget_s, fn in before:
         report.section(name, budget_s, fn)
+    if "lean" in sections:
+        report.section("lean", BUDGETS["lean"][pick], functools.partial(_lean, device, dtype, dry))
     if {"profile", "streaming", "caps"} & set(sections):
         _model_sections(report, args, sections, caps, budgets, quick, dry, device, dtype, pick)
     report.data["finished"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
@@ -242,3 +246,10 @@ def _model_sections(report: Report, args: argparse.Namespace, sections: list[str
 
 def _raise(exc: BaseException) -> dict:
     raise exc
+
+
+def _lean(device: str, dtype: torch.dtype, dry: bool, deadline: Deadline, partial: Callable[[dict], None]) -> dict:
+    from engine.cli.bench_gpu_lean import lean_section
+
+    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+    return lean_section(dev, dtype, dry)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from engine.cli.bench_gpu_lean import lean_lines
 from engine.units import GB, GIB
 
 STREAM_GOAL, PLANNER_GOAL = 0.85, 0.20
@@ -73,6 +74,7 @@ def format_summary(data: dict[str, Any]) -> str:
                      f"{build['layer_bytes'] / 1e6:.1f} MB each, {build['host_bytes'] / GB:.1f} GB in RAM "
                      f"(pinned: {'yes' if build['pinned'] else 'NO'}); embeddings and head {build['embeddings']}; "
                      f"draft {build['draft']}, {build['draft_params'] / 1e6:,.1f} M parameters, resident; {build['dtype']}")
+    lines += lean_lines(_result(data, "lean"))
     lines += _streaming_lines(_result(data, "streaming"), dry)
     measured = [(name, entry["result"]) for name, entry in cap_sections(data) if entry.get("result")]
     for name, cap in measured:

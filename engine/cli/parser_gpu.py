@@ -14,7 +14,7 @@ from engine.cli.parser import HANDLER, float_in, int_at_least
 def add_bench_gpu(kinds: argparse._SubParsersAction) -> None:
     """`specchat bench gpu`: the command that measures the GPU path (engine/cli/bench_gpu.py);
     scripts/gpu_proof.py adds the gpu-marked tests and the installer's check from a checkout."""
-    sections = ("profile", "streaming", "caps")
+    sections = ("lean", "profile", "streaming", "caps")
 
     def numbers(kind: type, low: float, what: str) -> Callable[[str], tuple]:
         def parse(text: str) -> tuple:

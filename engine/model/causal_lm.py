@@ -34,6 +34,7 @@ from engine.kernels.fused_layer import HYBRID_PASS_TOKENS, FusedDecoder, PassInt
 from engine.model.cache import KVCache
 from engine.model.family import family_of, layer_kinds, supported_types
 from engine.model.hybrid_cache import HybridCache, LinearSpec
+from engine.model.lean_step import LeanStep
 from engine.model.linear_attention import install as install_linear
 from engine.model.window_cache import WindowedCache
 from engine.offload.streamer import LayerStreamer
@@ -63,6 +64,7 @@ class CausalLM:
     # keeps them for `head_states` (read_layer_inputs)
     aux_inputs: tuple[int, ...] = ()
     _aux: torch.Tensor | None = None
+    lean: LeanStep | None = None  # (heads built without __init__ have none)
 
     def __init__(self, hf_model: PreTrainedModel, streamer: LayerStreamer | None = None,
                  placement: Placement | None = None, fingerprint: str = "") -> None:
@@ -110,6 +112,8 @@ class CausalLM:
         self.placement = placement
         # plain decoding steps of a packed llama-family model on the CPU: one C call (None: not eligible)
         self.fused = FusedDecoder.of(self)
+        # a GPU's plain decoding step in fixed buffers, replayed as CUDA graphs (lean_step)
+        self.lean = LeanStep.of(self) if self.fused is None else None
         self.interrupt: threading.Event | None = None  # a Stop checked between runs of layers (interruptible)
 
     def free_memory(self) -> int:
@@ -204,6 +208,9 @@ class CausalLM:
                 out = self.fused.pass_(input_ids, positions, cache, allowed, grab, kept, self.interrupt)
             self._keep(kept)
             return out
+        if self.lean is not None and self.lean.takes(cache, n, allowed, grab):
+            self._keep(kept)
+            return self.lean.step(input_ids, positions, cache)
         if isinstance(cache, HybridCache):
             cache.begin_pass(allowed, n)
         # one token that sees the whole cache (a plain decoding step) needs no mask: SDPA's masked
