@@ -171,7 +171,12 @@ def print_projection(as_json: bool) -> int:
     if as_json:
         print(json.dumps({"projection": True, "model": projection.MODEL, "llama_cpp_tok_s": projection.LLAMA_CPP_TOK_S,
                           "rows": [{**asdict(r), "tree_share": r.tree_share, "vs_llama_cpp": r.vs_llama_cpp}
-                                   for r in rows]}))
+                                   for r in rows],
+                          "by_gpu_layer_overhead": [{"machine": m, "expert_gbps": g, "overhead_s": list(projection.OVERHEADS_S),
+                                                     "best_tok_s": [p[0] for p in pts], "budget": [p[1] for p in pts]}
+                                                    for m, g, pts in projection.overhead_sensitivity()]}))
     else:
         print("\n".join(projection.format_projection(rows)))
+        print()
+        print("\n".join(projection.format_sensitivity(projection.overhead_sensitivity())))
     return 0

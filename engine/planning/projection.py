@@ -26,6 +26,13 @@ The figure to beat: llama.cpp with `--n-cpu-moe` runs Qwen3-30B-A3B Q4_K_M at 36
 8 GB RTX 2080 (the issue's cited measurement); its experts are larger than this model's (48
 layers of 8 x 3 x 2048 x 768 a token against 40 of 8 x 3 x 2048 x 512).
 
+`overhead_sensitivity` holds everything but a decoder layer's cost on the GPU beyond its bytes
+and FLOPs: the general path's measured 0.86 ms (engine.planning.reference), and less, down to
+none. The lean step (engine.model.lean_step: CUDA graphs, one launch a run of layers between routed
+experts) exists for that cost; `specchat bench gpu --only lean` measures what it leaves of it, and
+no session has had a GPU since it was written. The table says what such a figure would buy and
+what it cannot: with no overhead at all the CPU's experts still set the pace.
+
 What this module does not do: measure anything, or claim its figures were measured.
 """
 
@@ -37,9 +44,9 @@ from dataclasses import dataclass
 
 from engine.planning import planner
 from engine.planning.calibration import AcceptanceCurve
-from engine.planning.profile import ExpertTiming
-from engine.planning.reference import reference_profile
-from engine.shapes import ModelShape
+from engine.planning.profile import ExpertTiming, HardwareProfile
+from engine.planning.reference import GPU_LAYER_OVERHEAD_S, reference_profile
+from engine.shapes import ModelShape, Placement
 
 MODEL = "Qwen3.6-35B-A3B (GGUF, 4-bit experts)"
 LLAMA_CPP_TOK_S = 36.7  # Qwen3-30B-A3B Q4_K_M, llama.cpp --n-cpu-moe, RTX 2080 8 GB (issue 31)
@@ -51,6 +58,8 @@ CPU_THREADS = 8
 ROW_S_PER_PARAM_ONE_THREAD = 2.9e-11
 FILE_BYTES_PER_PARAM = 0.6  # Q4_K_M experts in the file (what llama.cpp reads) against the kernel's 0.62
 BUDGETS = (1, 2, 4, 8, 16, 32, 64, 128)
+OVERHEADS_S = (GPU_LAYER_OVERHEAD_S, 4e-4, 2e-4, 1e-4, 0.0)  # a GPU layer's cost beyond its bytes and FLOPs: the measured
+# general path's, then what a leaner step might leave
 
 
 @dataclass(frozen=True)
@@ -104,6 +113,17 @@ def mtp_draft_pass(profile_gpu: planner.HardwareProfile, target: ModelShape) -> 
     return lambda nodes: planner.draft_pass_seconds(profile_gpu, layer, nodes)
 
 
+def _plan(machine: Machine, read: float, target: ModelShape,
+          overhead_s: float = GPU_LAYER_OVERHEAD_S) -> tuple[Placement, planner.Plan, HardwareProfile]:
+    timing = ExpertTiming(1, 1, read, ROW_S_PER_PARAM_ONE_THREAD / CPU_THREADS, CPU_THREADS)
+    profile = reference_profile(machine.gpu, pinned_gbps=machine.pcie_gbps, ram_gb=machine.ram_gb, cpu_experts=timing,
+                                layer_overhead_s=overhead_s)
+    placement = planner.estimate_placement(profile, target, "gguf")
+    plan = planner.choose_budget(profile, target, target, placement, AcceptanceCurve(), budgets=BUDGETS,
+                                 draft_pass=mtp_draft_pass(profile, target))
+    return placement, plan, profile
+
+
 def project(machines: tuple[Machine, ...] = MACHINES, gbps: tuple[float, ...] = EXPERT_READ_GBPS) -> list[ProjectionRow]:
     target = target_shape()
     rows = []
@@ -111,18 +131,37 @@ def project(machines: tuple[Machine, ...] = MACHINES, gbps: tuple[float, ...] = 
         for read in gbps:
             for experts_at, scale in (("kernel bytes", 1.0),
                                       ("file bytes", planner.KERNEL_EXPERT_BYTES_PER_PARAM / FILE_BYTES_PER_PARAM)):
-                timing = ExpertTiming(1, 1, read * scale, ROW_S_PER_PARAM_ONE_THREAD / CPU_THREADS, CPU_THREADS)
-                profile = reference_profile(machine.gpu, pinned_gbps=machine.pcie_gbps, ram_gb=machine.ram_gb,
-                                            cpu_experts=timing)
-                placement = planner.estimate_placement(profile, target, "gguf")
-                plan = planner.choose_budget(profile, target, target, placement, AcceptanceCurve(), budgets=BUDGETS,
-                                             draft_pass=mtp_draft_pass(profile, target))
+                placement, plan, profile = _plan(machine, read * scale, target)
                 best = max(plan.curve, key=lambda p: p.tokens_per_second)
                 rows.append(ProjectionRow(machine.label, read, experts_at, placement.describe(),
                                           plan.autoregressive_tokens_per_second, plan.tokens_per_second,
                                           plan.budget, best.tokens_per_pass if plan.budget else 1.0,
                                           planner.stream_pays_from(profile, target), placement.cached_experts))
     return rows
+
+
+def overhead_sensitivity(machines: tuple[Machine, ...] = MACHINES, gbps: tuple[float, ...] = EXPERT_READ_GBPS,
+                         overheads: tuple[float, ...] = OVERHEADS_S) -> list[tuple[str, float, list[tuple[float, int]]]]:
+    """Per machine and expert read speed (kernel bytes): the planner's best tok/s and its budget
+    (0: autoregressive) at each GPU layer overhead of `overheads`."""
+    target = target_shape()
+    return [(machine.label, read, [(plan.tokens_per_second, plan.budget)
+                                   for plan in (_plan(machine, read, target, o)[1] for o in overheads)])
+            for machine in machines for read in gbps]
+
+
+def format_sensitivity(rows: list[tuple[str, float, list[tuple[float, int]]]],
+                       overheads: tuple[float, ...] = OVERHEADS_S) -> list[str]:
+    head = "".join(f"{f'{1e3 * o:.2f} ms':>16}" for o in overheads)
+    lines = ["PROJECTION by the GPU side's cost a layer beyond its weights (best tok/s, x llama.cpp; "
+             "0.86 ms: the general path, measured; below: what a leaner step would leave, not measured)",
+             f"{'machine':<44}{'expert GB/s':>12}{head}"]
+    for label, read, points in rows:
+        cells = "".join(f"{f'{tok_s:.1f} {tok_s / LLAMA_CPP_TOK_S:.2f}x' + ('' if budget else ' AR'):>16}"
+                        for tok_s, budget in points)
+        lines.append(f"{label:<44}{read:>12.0f}{cells}")
+    lines.append("'AR': no tree pays there (each further token's experts cost the CPU more than the tree saves)")
+    return lines
 
 
 def format_projection(rows: list[ProjectionRow]) -> list[str]:

@@ -58,18 +58,20 @@ GPU_LAYER_OVERHEAD_S = 8.6e-4
 
 def reference_profile(gpu: str = "rtx4090", pinned_gbps: float = 25.0, ram_gb: float = 128.0,
                       disk_gbps: float = 3.0, layer_shape: str = "llama-70b",
-                      cpu_experts: ExpertTiming | None = None) -> HardwareProfile:
+                      cpu_experts: ExpertTiming | None = None,
+                      layer_overhead_s: float = GPU_LAYER_OVERHEAD_S) -> HardwareProfile:
     """A profile built from datasheet figures instead of measurements: the layer curve is a
     roofline, overhead + max(bytes / (0.8 x memory bandwidth), flops / (0.6 x tensor rate)).
     `pinned_gbps` is the host-to-device rate (PCIe 4 x16 pinned copies reach ~25 GB/s);
-    `cpu_experts` the CPU's packed-expert timing (default: the planner's prior from RAM speed)."""
+    `cpu_experts` the CPU's packed-expert timing (default: the planner's prior from RAM speed);
+    `layer_overhead_s` a layer's cost beyond its bytes and FLOPs (default: the general path's, measured)."""
     ref = REFERENCE_GPUS[gpu]
     shape = LAYER_SHAPES[layer_shape]
     nbytes = shape.params * 2
-    points = tuple((n, GPU_LAYER_OVERHEAD_S + max(nbytes / (ref.memory_gbps * GB * MEMORY_EFFICIENCY),
+    points = tuple((n, layer_overhead_s + max(nbytes / (ref.memory_gbps * GB * MEMORY_EFFICIENCY),
                                                   shape.flops(n) / (ref.fp16_tflops * 1e12 * COMPUTE_EFFICIENCY)))
                    for n in GPU_TOKENS)
-    timing = LayerTiming(shape, "cuda:0", "bfloat16", nbytes, points, GPU_LAYER_OVERHEAD_S)
+    timing = LayerTiming(shape, "cuda:0", "bfloat16", nbytes, points, layer_overhead_s)
     card = GpuProfile(0, ref.name, int(ref.vram_gb * GB), int((ref.vram_gb - 0.5) * GB), ref.pcie_gen, 16,
                       ref.pcie_gen, 16, ref.pcie_gen, 16, pinned_gbps, pinned_gbps * 0.5, ref.memory_gbps * MEMORY_EFFICIENCY,
                       ref.fp16_tflops, ref.fp16_tflops, True)

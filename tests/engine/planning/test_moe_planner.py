@@ -171,6 +171,15 @@ def test_bench_plan_moe_prints_a_labelled_projection(capsys: pytest.CaptureFixtu
         assert tok_s <= by.get((machine, gbps + 15, at), tok_s)
         assert tok_s <= by[(machine, gbps, "file bytes")]
     assert min(r["cached"] for r in rows if "16 GB" in r["machine"]) > 2 * max(r["cached"] for r in rows if "8 GB" in r["machine"])
+    # by the GPU side's cost a layer: the first column is the table's own (the general path's
+    # measured overhead), and a cheaper GPU layer is never slower
+    best = {(r["machine"], r["expert_gbps"]): r["best"] for r in rows if r["experts_at"] == "kernel bytes"}
+    sens = got["by_gpu_layer_overhead"]
+    assert len(sens) == 6 and all(s["overhead_s"][0] == 8.6e-4 and s["overhead_s"][-1] == 0.0 for s in sens)
+    for s in sens:
+        assert s["best_tok_s"][0] == pytest.approx(best[(s["machine"], s["expert_gbps"])])
+        assert s["best_tok_s"] == sorted(s["best_tok_s"])
+    assert "PROJECTION by the GPU side's cost a layer" in out and "not measured" in out
     assert main(["bench", "plan"]) == 2
     assert "--target" in capsys.readouterr().err
 
