@@ -2,9 +2,11 @@
 through the general path (transformers' modules, ~70 eager launches a layer) and through the lean
 step (engine.model.lean_step: CUDA graphs, one replay a run of layers between routed experts).
 
-Two tiny models, so the times are the launches and Python and not the weights: a llama of 8 layers
-(one graph a step) and a Qwen3-MoE GGUF of 8 layers whose routed experts run packed on the CPU
-(`--experts cpu`: a replay, the states to the CPU and the experts' sum back, a layer). Each runs
+Three tiny models, so the times are the launches and Python and not the weights: a llama of 8
+layers (one graph a step), a Qwen3-MoE GGUF and a Qwen3.5-MoE GGUF (the projection's architecture:
+Gated DeltaNet layers, gated attention, a shared expert) of 8 layers each, whose routed experts run
+packed on the CPU (`--experts cpu`: a replay, the states to the CPU and the experts' sum back, a
+layer). Each runs
 the same tokens through both paths on twin caches: the time a step and a layer, and the largest
 difference of their outputs. The planner's GPU_LAYER_OVERHEAD_S (engine.planning.reference) is the
 general path's figure; this section measures what the lean step leaves of it.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,12 +28,13 @@ from engine import paths
 from engine.loading.load import load_model
 from engine.model.causal_lm import CausalLM
 from engine.model.lean_step import LeanStep, refusal
-from engine.testing.random_gguf import synthetic_moe_gguf
+from engine.testing.random_gguf import synthetic_moe_gguf, synthetic_qwen35_gguf
 from engine.testing.synthetic import tiny_model
 
 LAYERS = 8
 TINY_MOE = dict(hidden=256, layers=LAYERS, vocab=4096, heads=4, kv_heads=2, head_dim=64, experts=32, top_k=4,
                 expert_width=256)
+TINY_QWEN35 = dict(TINY_MOE, linear_k_heads=2, linear_v_heads=4, linear_head_dim=64)
 PROMPT, WARM, STEPS = 16, 8, 64
 
 
@@ -40,11 +44,14 @@ def _models(device: torch.device, dtype: torch.dtype) -> list[tuple[str, Callabl
     def dense() -> CausalLM:
         return load_model(tiny_model("llama", layers=LAYERS), str(device), dtype).model
 
-    def moe() -> CausalLM:
-        path = synthetic_moe_gguf(root / "lean-bench-moe.gguf", **TINY_MOE)  # type: ignore[arg-type]
+    def gguf(path: Path) -> CausalLM:
         return load_model(path, str(device), dtype, experts="cpu" if device.type == "cuda" else "auto").model
 
-    return [("tiny llama, 8 layers", dense), ("tiny Qwen3-MoE GGUF, 8 layers, experts on the CPU", moe)]
+    return [("tiny llama, 8 layers", dense),
+            ("tiny Qwen3-MoE GGUF, 8 layers, experts on the CPU",
+             lambda: gguf(synthetic_moe_gguf(root / "lean-bench-moe.gguf", **TINY_MOE))),  # type: ignore[arg-type]
+            ("tiny Qwen3.5-MoE GGUF, 8 layers (6 Gated DeltaNet), experts on the CPU",
+             lambda: gguf(synthetic_qwen35_gguf(root / "lean-bench-qwen35moe.gguf", **TINY_QWEN35)))]  # type: ignore[arg-type]
 
 
 def _sync(device: torch.device) -> None:

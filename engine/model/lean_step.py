@@ -3,32 +3,39 @@ run of decoder layers between routed experts, instead of ~70 eager operations a 
 
 Why: `specchat bench gpu` measured the general path's decoder layer at 0.86 ms of launches and
 Python on an H200 host before any weight is read (one tiny layer at one token), and an MoE whose
-routed experts run on the CPU (`--experts cpu`) pays that in each of its 48 layers every token:
-~41 ms, which caps Qwen3-30B-A3B's projection at ~0.5x llama.cpp's measured figure on an 8 GB card
-(`bench plan --moe`). A step here is the same modules and functions (transformers' norms,
-projections, rotary and SDPA attention, the model's router and experts), over buffers whose
-shapes do not change between steps, so a CUDA graph can hold each run of layers:
+routed experts run on the CPU (`--experts cpu`) pays that in each of its 40-48 layers every token,
+which caps the Qwen3.6-35B-A3B projection at ~0.5x llama.cpp's measured figure on an 8 GB card
+(`bench plan --moe`, whose second table prices that cost). A step here calls the decoder layers
+themselves, as the general path does, over buffers whose shapes do not change between steps, so a
+CUDA graph can hold each run of layers:
 
-- the token's K/V is written at a slot given by a device tensor (`index_copy_`), and attention
-  reads the cache's whole capacity under a boolean mask of its valid entries (set per step,
-  outside the graphs), so no shape depends on the cache's length;
+- the layers' cache is `_Slots`: attention's `update` writes the token's K/V at a column given by
+  a device tensor (`index_copy_`) and hands back the cache's whole capacity, read under a boolean
+  mask of the valid entries (set per step, outside the graphs), so no shape depends on the
+  cache's length; a Gated DeltaNet layer (Qwen3.5 / Qwen3.6 / Qwen3-Next) reads its committed
+  state and folds the token into it in place (linear_attention.advance), as the general path's
+  commit does for committed text;
 - the embedding and the rotary cos/sin are computed eagerly once a step and copied into the
   graphs' inputs;
-- a segment ends at an MoE layer's router: its normed input, top-k experts and weights come out,
-  the experts run eagerly (PackedExperts: the hot set on the GPU, the rest packed on the CPU,
-  as in the general path) and their sum is the next segment's input.
+- a segment ends with an MoE layer: its routed experts are a stand-in that keeps their input,
+  experts and weights and gives zeros, so the layer's output is the residual plus whatever else
+  the block adds (a shared expert); the real experts then run eagerly (PackedExperts: the hot set
+  on the GPU, the rest packed on the CPU, as in the general path) and their sum goes into the next
+  segment's input. Where the block has a shared expert, the sum is taken in another order than
+  transformers' (residual + shared, then + routed): a rounding difference, like the masked
+  attention kernel's.
 
 Graphs are captured per cache buffer set (a cache that grew has new buffers: captured again) and
 dropped with it. Capture can fail (an operation a graph cannot hold, out of memory): the step
-then runs the same functions eagerly and says why once. On the CPU nothing is captured and the
-step is those functions run eagerly: the tests run it there against the general path and
-transformers' own decoding, so the logic the GPU replays is the logic the CPU tests.
+then runs the same calls eagerly and says why once. On the CPU nothing is captured and the step
+is those calls run eagerly: the tests run it there against the general path and transformers'
+own decoding, so the logic the GPU replays is the logic the CPU tests.
 
-Qualifies (`LeanStep.of`): llama, mistral and qwen2/qwen3 dense layers and Qwen3-MoE / Mixtral
-MoE layers, all resident on one CUDA device (no streamer), attention full (no sliding windows or
-sinks), SDPA attention, full-width rotary. A step that must keep layer inputs for a draft head
-(`grab`) or sees a mask takes the general path. SPECCHAT_NO_LEAN=1 switches the path off;
-SPECCHAT_NO_GRAPHS=1 keeps it eager.
+Qualifies (`LeanStep.of`): the families in FAMILIES, all layers resident on one CUDA device (no
+streamer), no sliding windows or per-layer inputs, SDPA attention. A step that must keep layer
+inputs for a draft head (`grab`), sees a mask, or finds a hybrid's cache with a tree pending
+takes the general path. SPECCHAT_NO_LEAN=1 switches the path off; SPECCHAT_NO_GRAPHS=1 keeps it
+eager.
 
 What this module does not do: passes of several tokens (trees, prompts: the general path), or
 the fused C step on the CPU (engine.kernels.fused_layer), which a CPU model takes instead.
@@ -38,25 +45,27 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from engine.model.cache import KVCache
+from engine.model.hybrid_cache import HybridCache
+from engine.model.linear_attention import advance
+from engine.model.linear_state import LinearLayerState, LinearPending, NodeInputs, PassTree
 
 if TYPE_CHECKING:
     from engine.model.causal_lm import CausalLM
 
 log = logging.getLogger(__name__)
 
-DENSE_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
-MOE_TYPES = frozenset({"qwen3_moe", "mixtral"})
+# decoder layers the general path calls as layer(h, attention_mask, position_ids, past_key_values,
+# position_embeddings) and that read only update() (and a hybrid's linear-cache calls) on the cache
+FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "qwen3_5_text",
+                      "qwen3_5_moe_text", "qwen3_next"})
 
 
 def _switched_off(name: str) -> bool:
@@ -67,7 +76,7 @@ def refusal(model: CausalLM) -> str | None:
     """Why `model` cannot take the lean step (None: it can). Device aside: `LeanStep.of` checks it."""
     cfg = model.config
     kind = getattr(cfg, "model_type", "")
-    if kind not in DENSE_TYPES | MOE_TYPES:
+    if kind not in FAMILIES:
         return f"model type {kind!r}"
     if _switched_off("SPECCHAT_NO_LEAN"):
         return "SPECCHAT_NO_LEAN"
@@ -79,29 +88,63 @@ def refusal(model: CausalLM) -> str | None:
         return f"attention {cfg._attn_implementation!r}, not sdpa"
     if any(p.is_meta for p in model.hf_model.parameters()):
         return "layers on the meta device"
-    modeling = sys.modules.get(type(model.layers[0]).__module__)
-    if modeling is None or not callable(getattr(modeling, "apply_rotary_pos_emb", None)):
-        return "no apply_rotary_pos_emb in the layers' module"
     layer: Any  # transformers' decoder layers: their submodules by name
     for i, layer in enumerate(model.layers):
-        a = getattr(layer, "self_attn", None)
-        if a is None or not all(hasattr(a, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")):
-            return f"layer {i}: not a q/k/v/o attention"
-        if getattr(a, "sliding_window", None) or hasattr(a, "sinks"):
-            return f"layer {i}: sliding window or sinks"
-        if not hasattr(layer, "input_layernorm") or not hasattr(layer, "post_attention_layernorm"):
-            return f"layer {i}: not a pre-norm layer"
-        mlp = layer.mlp
-        if _routed(mlp):
-            if kind not in MOE_TYPES or hasattr(mlp, "shared_expert"):
-                return f"layer {i}: an MoE block this step does not run"
-        elif not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
-            return f"layer {i}: not a gated MLP"
+        if model.linear[i] is None and getattr(getattr(layer, "self_attn", None), "sliding_window", None):
+            return f"layer {i}: a sliding window"
+        if hasattr(getattr(layer, "self_attn", None), "sinks"):
+            return f"layer {i}: attention sinks"
     return None
 
 
-def _routed(mlp: nn.Module) -> bool:
-    return hasattr(mlp, "gate") and hasattr(mlp, "experts") and hasattr(getattr(mlp, "gate"), "top_k")
+def _routed(layer: nn.Module) -> nn.Module | None:
+    """The layer's routed experts module (None: a dense MLP)."""
+    experts = getattr(getattr(layer, "mlp", None), "experts", None)
+    return experts if isinstance(experts, nn.Module) else None
+
+
+class _Held(nn.Module):
+    """Stands in for a layer's routed experts inside a segment: keeps their inputs (the graph's
+    outputs) and gives zeros, so the layer's output leaves the routed sum to be added after."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+                ) -> torch.Tensor:
+        self.inputs = hidden_states, top_k_index, top_k_weights
+        return torch.zeros_like(hidden_states)
+
+
+class _Slots:
+    """The cache the layers see during a lean step: fixed buffers, the new entry at `slot`.
+    Attention's `update`, and for a hybrid the linear layers' LinearCache calls on committed text
+    (a chain of one token kept whole: its end state folded into the committed one in place)."""
+
+    def __init__(self, cache: KVCache, slot: torch.Tensor) -> None:
+        self.cache, self.slot = cache, slot
+        self.chain = PassTree.of_chain(1, cache.device, kept_whole=True)
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: object,
+               **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = self.cache.keys[layer_idx], self.cache.values[layer_idx]
+        keys.index_copy_(2, self.slot, key)
+        values.index_copy_(2, self.slot, value)
+        return keys, values
+
+    def pass_tree(self) -> PassTree:
+        return self.chain
+
+    def linear_state(self, layer_idx: int) -> LinearLayerState:
+        assert isinstance(self.cache, HybridCache)
+        return self.cache.states[layer_idx]
+
+    def linear_prior(self, layer_idx: int) -> NodeInputs | None:
+        return None
+
+    def linear_pending(self, layer_idx: int, pending: LinearPending) -> None:
+        advance(self.linear_state(layer_idx), pending, None)
 
 
 @dataclass
@@ -109,10 +152,11 @@ class _Buffers:
     """One cache buffer set's fixed tensors and, on a GPU, its graphs (one per segment)."""
 
     key: tuple[int, ...]
-    hidden: torch.Tensor  # (1, 1, H): the embedding in, each segment's residual stream
-    cos: torch.Tensor  # (1, 1, D)
+    slots: _Slots
+    hidden: torch.Tensor  # (1, 1, H): the embedding in
+    cos: torch.Tensor  # (1, 1, rotary width)
     sin: torch.Tensor
-    slot: torch.Tensor  # (1,) long: the new entry's column
+    position: torch.Tensor  # (1, 1) long
     mask: torch.Tensor  # (1, 1, 1, capacity) bool: the valid entries and the new one
     experts_out: torch.Tensor  # (1, 1, H): the last MoE layer's routed sum, read by the next segment
     outs: list[dict[str, torch.Tensor]] = field(default_factory=list)  # each segment's outputs
@@ -125,17 +169,17 @@ class LeanStep:
     def __init__(self, model: CausalLM) -> None:
         self.model = model
         self.layers: list[Any] = list(model.layers)  # transformers' decoder layers: their submodules by name
-        modeling = sys.modules[type(model.layers[0]).__module__]
-        self._rotate: Callable[..., tuple[torch.Tensor, torch.Tensor]] = modeling.apply_rotary_pos_emb
-        self.moe = [_routed(layer.mlp) for layer in self.layers]
-        # segments: runs of layers, each ending after an MoE layer's router (or at the last layer)
+        self.experts = [_routed(layer) for layer in self.layers]
+        self.linear = [spec is not None for spec in model.linear]
+        # segments: runs of layers, each ending with an MoE layer (or at the last layer)
         self.segments: list[tuple[int, int]] = []
         start = 0
-        for i, routed in enumerate(self.moe):
-            if routed:
+        for i, experts in enumerate(self.experts):
+            if experts is not None:
                 self.segments.append((start, i + 1))
                 start = i + 1
         self.segments.append((start, len(self.layers)))  # the dense rest and the final norm (maybe no layers)
+        self._held = _Held()
         self.graphed = model.device.type == "cuda" and not _switched_off("SPECCHAT_NO_GRAPHS")
         self.why_eager: str | None = None if self.graphed else "not on a GPU" if model.device.type != "cuda" else \
             "SPECCHAT_NO_GRAPHS"
@@ -157,46 +201,44 @@ class LeanStep:
         return cls(model)
 
     def takes(self, cache: KVCache, n: int, allowed: torch.Tensor | None, grab: tuple[int, ...]) -> bool:
-        """Whether this step can run: one token seeing the whole cache, a plain KVCache of the
-        model's device, no layer inputs to keep."""
-        if n != 1 or grab or type(cache) is not KVCache or cache.device.type != self.model.device.type:
+        """Whether this step can run: one token seeing the whole cache, a KVCache of the model's
+        device (a hybrid's HybridCache with nothing pending), no layer inputs to keep."""
+        if n != 1 or grab or cache.device.type != self.model.device.type:
+            return False
+        if any(self.linear):
+            if type(cache) is not HybridCache or not cache.complete:
+                return False
+        elif type(cache) is not KVCache:
             return False
         return allowed is None or bool(allowed.all())
 
-    # ---- the segments: the same modules and functions as transformers' layers ----
+    # ---- the segments: the model's own decoder layers over the fixed buffers ----
 
-    def _attention(self, i: int, h: torch.Tensor, bufs: _Buffers, keys: torch.Tensor,
-                   values: torch.Tensor) -> torch.Tensor:
-        layer = self.layers[i]
-        a = layer.self_attn
-        x = layer.input_layernorm(h)
-        shape = (1, 1, -1, a.head_dim)
-        q, k, v = a.q_proj(x).view(shape), a.k_proj(x).view(shape), a.v_proj(x).view(shape)
-        if hasattr(a, "q_norm"):
-            q, k = a.q_norm(q), a.k_norm(k)
-        q, k = self._rotate(q.transpose(1, 2), k.transpose(1, 2), bufs.cos, bufs.sin)
-        keys.index_copy_(2, bufs.slot, k)
-        values.index_copy_(2, bufs.slot, v.transpose(1, 2))
-        out, _ = sdpa_attention_forward(a, q, keys, values, bufs.mask, dropout=0.0, scaling=a.scaling)
-        return h + a.o_proj(out.reshape(1, 1, -1))
-
-    def _segment(self, s: int, bufs: _Buffers, cache: KVCache) -> None:
-        """Segment s over `bufs`: its layers, then an MoE layer's router or the final norm; its
-        outputs in bufs.outs[s] (the same tensors each replay, on a GPU)."""
+    def _segment(self, s: int, bufs: _Buffers) -> None:
+        """Segment s over `bufs`: its layers (an MoE layer's routed experts held back), then the
+        final norm in the last; its outputs in bufs.outs[s] (the same tensors each replay, on a GPU)."""
         a, b = self.segments[s]
         h = bufs.hidden if s == 0 else bufs.outs[s - 1]["hidden"] + bufs.experts_out
         out: dict[str, torch.Tensor] = {}
         for i in range(a, b):
-            h = self._attention(i, h, bufs, cache.keys[i], cache.values[i])
             layer = self.layers[i]
-            x = layer.post_attention_layernorm(h)
-            if self.moe[i]:  # the last layer of the segment: its router's choice comes out
-                flat = x.view(-1, x.shape[-1])
-                _, weights, index = layer.mlp.gate(flat)
-                out.update(normed=flat, index=index, weights=weights)
-            else:
+            mask = None if self.linear[i] else bufs.mask
+            if self.experts[i] is None:
+                h = layer(h, attention_mask=mask, position_ids=bufs.position, past_key_values=bufs.slots,
+                          position_embeddings=(bufs.cos, bufs.sin))
+            else:  # the last layer of the segment: its experts' inputs come out
                 mlp = layer.mlp
-                h = h + mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
+                mlp.experts = self._held
+                try:
+                    h = layer(h, attention_mask=mask, position_ids=bufs.position, past_key_values=bufs.slots,
+                              position_embeddings=(bufs.cos, bufs.sin))
+                finally:
+                    mlp.experts = self.experts[i]
+                assert self._held.inputs is not None, f"layer {i}'s block did not call its experts"
+                out.update(zip(("normed", "index", "weights"), self._held.inputs))
+                self._held.inputs = None
+            if isinstance(h, tuple):  # older layer signatures return (hidden, ...)
+                h = h[0]
         out["hidden"] = h
         if s == len(self.segments) - 1:  # the dense rest (or no layers, after a last MoE layer)
             out["final"] = self.model.norm(h[0])
@@ -207,11 +249,14 @@ class LeanStep:
 
     # ---- buffers and graphs ----
 
-    def _ready(self, cache: KVCache) -> _Buffers:
-        """`cache`'s fixed tensors, made again when its buffers were replaced (it grew). New ones
-        zero the cache's unwritten columns: attention reads the whole capacity under the mask,
-        and a masked entry's weight is 0, but 0 x NaN is not."""
-        key = (cache.capacity, len(cache.keys), *(t.data_ptr() for t in (*cache.keys, *cache.values)))
+    def _ready(self, cache: KVCache, cos: torch.Tensor) -> _Buffers:
+        """`cache`'s fixed tensors, made again when its buffers (or a hybrid's states) were
+        replaced. New ones zero the cache's unwritten columns: attention reads the whole capacity
+        under the mask, and a masked entry's weight is 0, but 0 x NaN is not."""
+        tensors = [*cache.keys, *cache.values]
+        if isinstance(cache, HybridCache):
+            tensors += [t for state in cache.states.values() for t in state.tensors()]
+        key = (cache.capacity, len(tensors), *(t.data_ptr() for t in tensors))
         known = self._buffers.get(cache)
         if known is not None and known.key == key:
             return known
@@ -220,33 +265,34 @@ class LeanStep:
                 t[:, :, cache.length :].zero_()
             device, dtype = cache.device, self.model.dtype
             hidden_size = self.model.embed.weight.shape[1]
-            d = self.layers[0].self_attn.head_dim
-            bufs = _Buffers(key, torch.zeros(1, 1, hidden_size, dtype=dtype, device=device),
-                            torch.zeros(1, 1, d, dtype=dtype, device=device), torch.zeros(1, 1, d, dtype=dtype, device=device),
-                            torch.zeros(1, dtype=torch.long, device=device),
+            slot = torch.zeros(1, dtype=torch.long, device=device)
+            bufs = _Buffers(key, _Slots(cache, slot), torch.zeros(1, 1, hidden_size, dtype=dtype, device=device),
+                            torch.zeros_like(cos), torch.zeros_like(cos), torch.zeros(1, 1, dtype=torch.long, device=device),
                             torch.zeros(1, 1, 1, cache.capacity, dtype=torch.bool, device=device),
                             torch.zeros(1, 1, hidden_size, dtype=dtype, device=device))
         self._buffers[cache] = bufs
         return bufs
 
     def _capture(self, bufs: _Buffers, cache: KVCache) -> None:
-        """CUDA graphs of every segment over `bufs` (inputs set for this step: the warm-up runs
-        write only the new entry's column, which the replay writes again). On failure the step
-        stays eager, said once."""
+        """CUDA graphs of every segment over `bufs`. The warm-up runs write the new entry's column
+        (which the replay writes again) and fold the token into a hybrid's states, so those are
+        kept and put back. On failure the step stays eager, said once."""
+        states = [(t, t.clone()) for st in getattr(cache, "states", {}).values() for t in st.tensors()]
+        here = torch.cuda.current_stream(cache.device)
+        side = torch.cuda.Stream(device=cache.device)
         try:
-            side = torch.cuda.Stream(device=cache.device)
-            side.wait_stream(torch.cuda.current_stream(cache.device))
+            side.wait_stream(here)
             with torch.cuda.stream(side):
                 for _ in range(2):  # allocations and lazy initialisation out of the capture
                     for s in range(len(self.segments)):
-                        self._segment(s, bufs, cache)
-            torch.cuda.current_stream(cache.device).wait_stream(side)
+                        self._segment(s, bufs)
+            here.wait_stream(side)
             pool = torch.cuda.graph_pool_handle()
             graphs = []
             for s in range(len(self.segments)):
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                    self._segment(s, bufs, cache)
+                    self._segment(s, bufs)
                 graphs.append(graph)
             bufs.graphs = graphs
             self.captures += 1
@@ -254,22 +300,29 @@ class LeanStep:
             self.graphed = False
             self.why_eager = f"{type(e).__name__}: {e}"
             bufs.graphs = None
+            bufs.outs.clear()
             log.warning("decoding steps run without CUDA graphs (%s)", self.why_eager)
+        finally:
+            here.wait_stream(side)  # (a warm-up cut short by an error may still be running there)
+            for t, saved in states:
+                t.copy_(saved)
 
     @torch.inference_mode()
     def step(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """One token (input_ids and positions of shape (1,)) through every layer; its K/V appended
-        to `cache` (reserved and positioned by the caller; `takes` true). The final normed hidden
-        state (1, hidden), as CausalLM.forward returns it."""
+        to `cache` (reserved and positioned by the caller; `takes` true), a hybrid's states folded.
+        The final normed hidden state (1, hidden), as CausalLM.forward returns it."""
         model = self.model
-        bufs = self._ready(cache)
         at = cache.length
         hidden = model.embed(input_ids.to(model.device)[None])  # (1, 1, H)
-        cos, sin = model.rotary(hidden, position_ids=positions.to(model.device)[None])
+        position = positions.to(model.device)[None]
+        cos, sin = model.rotary(hidden, position_ids=position)
+        bufs = self._ready(cache, cos)
         bufs.hidden.copy_(hidden)
         bufs.cos.copy_(cos)
         bufs.sin.copy_(sin)
-        bufs.slot.fill_(at)
+        bufs.position.copy_(position)
+        bufs.slots.slot.fill_(at)
         bufs.mask[..., : at + 1] = True
         bufs.mask[..., at + 1 :] = False
         if self.graphed and bufs.graphs is None:
@@ -279,13 +332,16 @@ class LeanStep:
                 bufs.graphs[s].replay()
                 self.replays += 1
             else:
-                self._segment(s, bufs, cache)
+                self._segment(s, bufs)
             out = bufs.outs[s]
-            if "index" in out:  # an MoE layer: its routed experts, wherever they run
-                layer = self.layers[self.segments[s][1] - 1]
-                routed = layer.mlp.experts(out["normed"], out["index"], out["weights"])
+            experts = self.experts[self.segments[s][1] - 1] if self.segments[s][1] > self.segments[s][0] else None
+            if experts is not None:  # an MoE layer: its routed experts, wherever they run
+                routed = experts(out["normed"], out["index"], out["weights"])
                 bufs.experts_out.copy_(routed.view_as(bufs.experts_out))
         final = bufs.outs[-1]["final"]  # (the last segment always ends in the final norm)
-        cache.commit(1)
+        if isinstance(cache, HybridCache):
+            cache.folded(1)  # the linear layers folded the token into their states in place
+        else:
+            cache.commit(1)
         self.steps += 1
         return final.clone()  # (1, H): the graphs' output is overwritten by the next step

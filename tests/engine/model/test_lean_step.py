@@ -1,7 +1,9 @@
 """The lean one-token step (engine.model.lean_step), run eagerly on the CPU as the GPU replays it
-in CUDA graphs: the same hidden states as the general path, step after step, across a cache
-that grows, that is pruned by a tree's accepted path and whose unwritten columns hold NaN;
-greedy text equal to transformers' own decoding; the models it must refuse."""
+in CUDA graphs: the same hidden states as the general path, step after step, for dense, MoE
+(shared experts too) and Gated DeltaNet hybrid families, the Qwen3.5-MoE GGUF with its experts
+packed among them, across a cache that grows, that is pruned by a tree's accepted path and whose
+unwritten columns hold NaN; greedy text equal to transformers' own decoding; the models it must
+refuse."""
 
 from __future__ import annotations
 
@@ -9,67 +11,28 @@ from pathlib import Path
 
 import pytest
 import torch
+from lean_checks import assert_twin_steps, forced, twin_steps
 from test_families import LAYERS, reference, run
 
 from engine.decoding.generation import Engine
 from engine.loading.load import load_model
-from engine.model.cache import KVCache
 from engine.model.causal_lm import CausalLM
 from engine.model.lean_step import LeanStep, refusal
 from engine.testing.synthetic import tiny_model
 
 
-def forced(model: CausalLM) -> LeanStep:
-    lean = LeanStep.of(model, anywhere=True)
-    assert lean is not None, refusal(model)
-    return lean
-
-
-def twin_steps(model: CausalLM, lean: LeanStep, steps: int, capacity: int,
-               poison: bool = False) -> tuple[float, KVCache]:
-    """The same tokens through the general path and the lean step, each on its own cache of
-    `capacity` (grown by the steps): the largest difference of their outputs, and the lean
-    step's cache. `poison`: its unwritten columns hold NaN first."""
-    caches = model.new_cache(capacity), model.new_cache(capacity)
-    prompt = torch.arange(3, 10)
-    worst = 0.0
-    with torch.inference_mode():
-        for c in caches:
-            model.forward(prompt, torch.arange(len(prompt)), c, None)
-        if poison:  # what torch.empty may hold: attention reads the whole capacity under its mask
-            for t in (*caches[1].keys, *caches[1].values):
-                t[:, :, caches[1].length :] = float("nan")
-        for i in range(steps):
-            tok, at = torch.tensor([11 + 7 * i % 90]), torch.tensor([len(prompt) + i])
-            model.lean = None
-            a = model.forward(tok, at, caches[0], None)
-            model.lean = lean
-            b = model.forward(tok, at, caches[1], None)
-            model.lean = None
-            worst = max(worst, float((a - b).abs().nan_to_num(nan=float("inf")).max()))  # (NaN counts)
-    return worst, caches[1]
-
-
-@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "mixtral", "glm4_moe", "qwen3_5_text", "qwen3_next"])
 def test_steps_give_the_general_paths_states_across_a_growing_cache(arch: str, model_cache: Path) -> None:
     model = load_model(tiny_model(arch, seed=0, layers=LAYERS, cache_dir=model_cache)).model
     assert model.lean is None, "on the CPU only a forced lean step runs"
-    lean = forced(model)
-    worst, cache = twin_steps(model, lean, steps=24, capacity=8)
-    assert cache.capacity > 8 and cache.length == 7 + 24
-    assert lean.steps == 24 and lean.replays == 0 and lean.why_eager == "not on a GPU"
-    assert worst < 2e-5, worst
-    worst, cache = twin_steps(model, lean, steps=6, capacity=32, poison=True)  # 19 NaN columns
-    assert cache.capacity == 32 and worst < 2e-5, worst
-    # a segment ends at each MoE layer's router; the last one ends in the final norm
-    routed = [i for i, layer in enumerate(model.layers) if hasattr(layer.mlp, "experts")]
-    assert len(lean.segments) == len(routed) + 1
-    assert [b for _, b in lean.segments[:-1]] == [i + 1 for i in routed]
-    assert lean.segments[-1][1] == len(model.layers)
+    assert_twin_steps(model)
 
 
-def test_a_step_after_a_pruned_tree_reads_the_kept_entries(model_cache: Path) -> None:
-    model = load_model(tiny_model("qwen3_moe", seed=0, layers=LAYERS, cache_dir=model_cache)).model
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_text"])
+def test_a_step_after_a_pruned_tree_reads_the_kept_entries(arch: str, model_cache: Path) -> None:
+    """A tree pass (the general path) then its second branch kept: the next step reads the kept
+    entries (and a hybrid's states, replayed along the kept path) as the general path does."""
+    model = load_model(tiny_model(arch, seed=0, layers=LAYERS, cache_dir=model_cache)).model
     lean = forced(model)
     prompt, tree = torch.arange(3, 12), torch.tensor([40, 41, 42, 43])
     outs = []
@@ -84,6 +47,8 @@ def test_a_step_after_a_pruned_tree_reads_the_kept_entries(model_cache: Path) ->
             allowed = torch.ones(4, cache.length + 4, dtype=torch.bool)
             allowed[:, cache.length:] = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]]).bool()
             model.forward(tree, torch.tensor([n + 1, n + 2, n + 1, n + 2]), cache, allowed)
+            if use is not None and any(model.linear):  # the tree is pending in the states: not this step's
+                assert not lean.takes(cache, 1, None, ())
             cache.keep(torch.cat([torch.arange(n + 1), torch.tensor([n + 3, n + 4])]))
             outs.append(model.forward(torch.tensor([7]), torch.tensor([n + 3]), cache, None))
             model.lean = None
@@ -91,7 +56,7 @@ def test_a_step_after_a_pruned_tree_reads_the_kept_entries(model_cache: Path) ->
     torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=0)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "qwen3_5_text"])
 def test_greedy_text_through_lean_steps_equals_transformers(arch: str, model_cache: Path) -> None:
     path = tiny_model(arch, seed=0, layers=LAYERS, cache_dir=model_cache)
     target = load_model(path)
@@ -106,7 +71,7 @@ def test_greedy_text_through_lean_steps_equals_transformers(arch: str, model_cac
     assert lean.steps > steps  # (a pass that chose no tree is a single token)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "gpt_oss", "gemma3_text", "qwen3_5_text"])
+@pytest.mark.parametrize("arch", ["qwen3", "gpt_oss", "gemma3_text", "gemma4_text"])
 def test_models_it_cannot_run_are_refused(arch: str, model_cache: Path) -> None:
     model = load_model(tiny_model(arch, seed=0, layers=LAYERS, cache_dir=model_cache)).model
     why = refusal(model)
@@ -143,6 +108,6 @@ def test_cuda_graphs_replay_the_general_paths_steps(arch: str, model_cache: Path
     worst, cache = twin_steps(model, lean, steps=24, capacity=8)
     assert lean.why_eager is None, lean.why_eager
     assert lean.captures >= 2 and lean.replays == 24 * len(lean.segments)  # 8 -> 16 -> 32 columns
-    assert worst < 2e-5, worst
+    assert worst < 5e-6, worst
     worst, cache = twin_steps(model, lean, steps=6, capacity=32, poison=True)
-    assert cache.capacity == 32 and worst < 2e-5, worst
+    assert cache.capacity == 32 and worst < 5e-6, worst

@@ -1,0 +1,60 @@
+"""Helpers of the lean step's tests (tests/engine/model/test_lean_step.py,
+tests/engine/loading/test_lean_hybrid.py): its outputs beside the general path's."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.model.cache import KVCache
+from engine.model.causal_lm import CausalLM
+from engine.model.lean_step import LeanStep, refusal
+
+
+def forced(model: CausalLM) -> LeanStep:
+    lean = LeanStep.of(model, anywhere=True)
+    assert lean is not None, refusal(model)
+    return lean
+
+
+def twin_steps(model: CausalLM, lean: LeanStep, steps: int, capacity: int,
+               poison: bool = False) -> tuple[float, KVCache]:
+    """The same tokens through the general path and the lean step, each on its own cache of
+    `capacity` (grown by the steps): the largest difference of their outputs relative to the
+    largest value, and the lean step's cache. `poison`: its unwritten columns hold NaN first."""
+    caches = model.new_cache(capacity), model.new_cache(capacity)
+    prompt = torch.arange(3, 10)
+    worst = 0.0
+    with torch.inference_mode():
+        for c in caches:
+            model.forward(prompt, torch.arange(len(prompt)), c, None)
+        if poison:  # what torch.empty may hold: attention reads the whole capacity under its mask
+            for t in (*caches[1].keys, *caches[1].values):
+                t[:, :, caches[1].length :] = float("nan")
+        for i in range(steps):
+            tok, at = torch.tensor([11 + 7 * i % 90]), torch.tensor([len(prompt) + i])
+            model.lean = None
+            a = model.forward(tok, at, caches[0], None)
+            model.lean = lean
+            b = model.forward(tok, at, caches[1], None)
+            model.lean = None
+            diff = (a - b).abs().nan_to_num(nan=float("inf")).max() / a.abs().max()  # (NaN counts)
+            worst = max(worst, float(diff))
+    return worst, caches[1]
+
+
+def assert_twin_steps(model: CausalLM, within: float = 5e-6) -> None:
+    """The lean step's outputs within `within` (relative) of the general path's, over 24 steps of
+    a cache that grows (8 columns to 32) and 6 of one whose unwritten columns hold NaN, and its
+    segments ending at the MoE layers."""
+    lean = forced(model)
+    worst, cache = twin_steps(model, lean, steps=24, capacity=8)
+    assert cache.capacity > 8 and cache.length == 7 + 24
+    assert lean.steps == 24 and lean.replays == 0 and lean.why_eager == "not on a GPU"
+    assert worst < within, worst
+    worst, cache = twin_steps(model, lean, steps=6, capacity=32, poison=True)  # 19 NaN columns
+    assert cache.capacity == 32 and worst < within, worst
+    # a segment ends at each MoE layer's router; the last one ends in the final norm
+    routed = [i for i, layer in enumerate(model.layers) if hasattr(layer.mlp, "experts")]
+    assert len(lean.segments) == len(routed) + 1
+    assert [b for _, b in lean.segments[:-1]] == [i + 1 for i in routed]
+    assert lean.segments[-1][1] == len(model.layers)
