@@ -187,6 +187,7 @@ class LeanStep:
         self.steps = 0
         self.replays = 0  # graph launches (tests and the benchmark read them)
         self.captures = 0
+        self._stream: Any = None  # torch.cuda.Stream of the warm-ups and captures, once made
 
     @classmethod
     def of(cls, model: CausalLM, anywhere: bool = False) -> LeanStep | None:
@@ -279,7 +280,12 @@ class LeanStep:
         kept and put back. On failure the step stays eager, said once."""
         states = [(t, t.clone()) for st in getattr(cache, "states", {}).values() for t in st.tensors()]
         here = torch.cuda.current_stream(cache.device)
-        side = torch.cuda.Stream(device=cache.device)
+        # one stream for the warm-ups and every capture: libraries keep handles and workspaces per
+        # stream, made on first use, which must not happen inside a capture (and a pool shared by
+        # captures wants the same stream each time)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=cache.device)
+        side = self._stream
         try:
             side.wait_stream(here)
             with torch.cuda.stream(side):
@@ -291,7 +297,7 @@ class LeanStep:
             graphs = []
             for s in range(len(self.segments)):
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"):
                     self._segment(s, bufs)
                 graphs.append(graph)
             bufs.graphs = graphs
