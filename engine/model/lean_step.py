@@ -10,9 +10,11 @@ themselves, as the general path does, over buffers whose shapes do not change be
 CUDA graph can hold each run of layers:
 
 - the layers' cache is `_Slots`: attention's `update` writes the token's K/V at a column given by
-  a device tensor (`index_copy_`) and hands back the cache's whole capacity, read under a boolean
-  mask of the valid entries (set per step, outside the graphs), so no shape depends on the
-  cache's length; a Gated DeltaNet layer (Qwen3.5 / Qwen3.6 / Qwen3-Next) reads its committed
+  a device tensor (`index_copy_`) and hands back the cache's first W columns, read under a
+  boolean mask of the valid entries (set per step, outside the graphs), W the least power of two
+  (from MIN_COLUMNS) past the text, so no shape depends on the cache's length and attention reads
+  at most twice what it needs however far the cache grew for trees (each W has its own graphs:
+  captured again when the text doubles); a Gated DeltaNet layer (Qwen3.5 / Qwen3.6 / Qwen3-Next) reads its committed
   state and folds the token into it in place (linear_attention.advance), as the general path's
   commit does for committed text;
 - the embedding and the rotary cos/sin are computed eagerly once a step and copied into the
@@ -66,6 +68,17 @@ log = logging.getLogger(__name__)
 # position_embeddings) and that read only update() (and a hybrid's linear-cache calls) on the cache
 FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "qwen3_5_text",
                       "qwen3_5_moe_text", "qwen3_next"})
+
+
+# attention reads the first W columns of the cache, W the least power of two (at least MIN_COLUMNS)
+# holding the valid entries and the new one: at most twice what a step needs however large the
+# cache grew for trees, each W its own graphs (captured again when the text doubles)
+MIN_COLUMNS = 256
+
+
+def columns_for(length: int, capacity: int) -> int:
+    """The columns attention reads for a step after `length` entries of a cache of `capacity`."""
+    return min(capacity, max(MIN_COLUMNS, 1 << length.bit_length()))  # (> length: the new entry's column too)
 
 
 def _switched_off(name: str) -> bool:
@@ -122,8 +135,8 @@ class _Slots:
     Attention's `update`, and for a hybrid the linear layers' LinearCache calls on committed text
     (a chain of one token kept whole: its end state folded into the committed one in place)."""
 
-    def __init__(self, cache: KVCache, slot: torch.Tensor) -> None:
-        self.cache, self.slot = cache, slot
+    def __init__(self, cache: KVCache, slot: torch.Tensor, columns: int) -> None:
+        self.cache, self.slot, self.columns = cache, slot, columns
         self.chain = PassTree.of_chain(1, cache.device, kept_whole=True)
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: object,
@@ -131,7 +144,7 @@ class _Slots:
         keys, values = self.cache.keys[layer_idx], self.cache.values[layer_idx]
         keys.index_copy_(2, self.slot, key)
         values.index_copy_(2, self.slot, value)
-        return keys, values
+        return keys[:, :, : self.columns], values[:, :, : self.columns]
 
     def pass_tree(self) -> PassTree:
         return self.chain
@@ -157,7 +170,7 @@ class _Buffers:
     cos: torch.Tensor  # (1, 1, rotary width)
     sin: torch.Tensor
     position: torch.Tensor  # (1, 1) long
-    mask: torch.Tensor  # (1, 1, 1, capacity) bool: the valid entries and the new one
+    mask: torch.Tensor  # (1, 1, 1, columns) bool: the valid entries and the new one
     experts_out: torch.Tensor  # (1, 1, H): the last MoE layer's routed sum, read by the next segment
     outs: list[dict[str, torch.Tensor]] = field(default_factory=list)  # each segment's outputs
     graphs: list[Any] | None = None  # torch.cuda.CUDAGraph per segment, once captured
@@ -252,12 +265,14 @@ class LeanStep:
 
     def _ready(self, cache: KVCache, cos: torch.Tensor) -> _Buffers:
         """`cache`'s fixed tensors, made again when its buffers (or a hybrid's states) were
-        replaced. New ones zero the cache's unwritten columns: attention reads the whole capacity
-        under the mask, and a masked entry's weight is 0, but 0 x NaN is not."""
+        replaced or attention must read more columns (columns_for). New ones zero the cache's
+        unwritten columns: attention reads them under the mask, and a masked entry's weight is 0,
+        but 0 x NaN is not."""
+        columns = columns_for(cache.length, cache.capacity)
         tensors = [*cache.keys, *cache.values]
         if isinstance(cache, HybridCache):
             tensors += [t for state in cache.states.values() for t in state.tensors()]
-        key = (cache.capacity, len(tensors), *(t.data_ptr() for t in tensors))
+        key = (cache.capacity, columns, len(tensors), *(t.data_ptr() for t in tensors))
         known = self._buffers.get(cache)
         if known is not None and known.key == key:
             return known
@@ -267,9 +282,9 @@ class LeanStep:
             device, dtype = cache.device, self.model.dtype
             hidden_size = self.model.embed.weight.shape[1]
             slot = torch.zeros(1, dtype=torch.long, device=device)
-            bufs = _Buffers(key, _Slots(cache, slot), torch.zeros(1, 1, hidden_size, dtype=dtype, device=device),
+            bufs = _Buffers(key, _Slots(cache, slot, columns), torch.zeros(1, 1, hidden_size, dtype=dtype, device=device),
                             torch.zeros_like(cos), torch.zeros_like(cos), torch.zeros(1, 1, dtype=torch.long, device=device),
-                            torch.zeros(1, 1, 1, cache.capacity, dtype=torch.bool, device=device),
+                            torch.zeros(1, 1, 1, columns, dtype=torch.bool, device=device),
                             torch.zeros(1, 1, hidden_size, dtype=dtype, device=device))
         self._buffers[cache] = bufs
         return bufs

@@ -16,7 +16,7 @@ from test_families import LAYERS, reference, run
 
 from engine.decoding.generation import Engine
 from engine.loading.load import load_model
-from engine.model.causal_lm import CausalLM
+from engine.model import lean_step
 from engine.model.lean_step import LeanStep, refusal
 from engine.testing.synthetic import tiny_model
 
@@ -26,6 +26,20 @@ def test_steps_give_the_general_paths_states_across_a_growing_cache(arch: str, m
     model = load_model(tiny_model(arch, seed=0, layers=LAYERS, cache_dir=model_cache)).model
     assert model.lean is None, "on the CPU only a forced lean step runs"
     assert_twin_steps(model)
+
+
+def test_attention_reads_a_power_of_two_of_columns_past_the_text(model_cache: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """However far a cache grew (for trees), a step reads the least power of two of its columns
+    past the text (from MIN_COLUMNS, here 8): 8, 16, 32, 64 over 40 steps of a 128-column cache."""
+    monkeypatch.setattr(lean_step, "MIN_COLUMNS", 8)
+    assert [lean_step.columns_for(n, 128) for n in (0, 7, 8, 46, 127)] == [8, 8, 16, 64, 128]
+    assert lean_step.columns_for(300, 310) == 310
+    model = load_model(tiny_model("qwen3_moe", seed=0, layers=LAYERS, cache_dir=model_cache)).model
+    lean = forced(model)
+    worst, cache = twin_steps(model, lean, steps=40, capacity=128, poison=True)
+    assert cache.capacity == 128 and cache.length == 47 and worst < 5e-6, worst
+    assert lean._buffers[cache].mask.shape[-1] == 64
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_text"])
