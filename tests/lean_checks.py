@@ -58,3 +58,47 @@ def assert_twin_steps(model: CausalLM, within: float = 5e-6) -> None:
     assert len(lean.segments) == len(routed) + 1
     assert [b for _, b in lean.segments[:-1]] == [i + 1 for i in routed]
     assert lean.segments[-1][1] == len(model.layers)
+
+
+def twin_passes(model: CausalLM, lean: LeanStep, sizes: list[int], seed: int = 0) -> float:
+    """Passes of each size in `sizes` through the general path and the lean step on twin caches,
+    alternately chains and random trees (each node's parent an earlier node or the last committed
+    token); after a tree both caches keep the same root-to-leaf path. The largest difference of
+    their outputs relative to the largest value."""
+    g = torch.Generator().manual_seed(seed)
+    caches = model.new_cache(16), model.new_cache(16)
+    prompt = torch.arange(3, 10)
+    worst = 0.0
+    with torch.inference_mode():
+        for c in caches:
+            model.forward(prompt, torch.arange(len(prompt)), c, None)
+        for k, n in enumerate(sizes):
+            at = caches[0].length
+            tokens = torch.randint(3, 90, (n,), generator=g)
+            allowed: torch.Tensor | None = None
+            positions = torch.arange(at, at + n)
+            path: list[int] = []
+            if k % 2:  # a tree: parents, depths, each node's ancestors-or-self after the whole cache
+                parents = [-1] + [int(torch.randint(-1, i, (1,), generator=g)) for i in range(1, n)]
+                depth, anc = [], torch.zeros(n, n, dtype=torch.bool)
+                for i, p in enumerate(parents):
+                    depth.append(1 if p < 0 else depth[p] + 1)
+                    anc[i, i] = True
+                    if p >= 0:
+                        anc[i] |= anc[p]
+                allowed = torch.cat([torch.ones(n, at, dtype=torch.bool), anc], 1)
+                positions = at - 1 + torch.tensor(depth)
+                leaf = n - 1
+                while leaf >= 0:
+                    path.insert(0, leaf)
+                    leaf = parents[leaf]
+            outs = []
+            for use, cache in zip((None, lean), caches):
+                model.lean = use
+                outs.append(model.forward(tokens, positions, cache, allowed))
+                if path:
+                    cache.keep(torch.cat([torch.arange(at), at + torch.tensor(path)]))
+            model.lean = None
+            diff = (outs[0] - outs[1]).abs().nan_to_num(nan=float("inf")).max() / outs[0].abs().max()
+            worst = max(worst, float(diff))
+    return worst

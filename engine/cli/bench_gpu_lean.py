@@ -8,8 +8,8 @@ Gated DeltaNet layers, gated attention, a shared expert) of 8 layers each, whose
 packed on the CPU (`--experts cpu`: a replay, the states to the CPU and the experts' sum back, a
 layer). Each runs
 the same tokens through both paths on twin caches: the time a step and a layer, and the largest
-difference of their outputs; and a pass of 8 tokens through the general path, which tree passes
-still take (what graphs of passes would have to beat). The planner's GPU_LAYER_OVERHEAD_S (engine.planning.reference) is the
+difference of their outputs; and a pass of 8 tokens both ways (a hybrid's passes keep the general
+path). The planner's GPU_LAYER_OVERHEAD_S (engine.planning.reference) is the
 general path's figure; this section measures what the lean step leaves of it.
 
 On the CPU (the dry run) the lean step runs eagerly: the code path is checked, the times are not
@@ -78,11 +78,11 @@ def _run(model: CausalLM, lean: LeanStep | None, tokens: list[int]) -> tuple[flo
     return (time.perf_counter() - start) / STEPS, out.float().cpu()
 
 
-def _passes(model: CausalLM, tokens: list[int], n: int = PASS_TOKENS) -> float:
-    """Seconds a pass of n new tokens (a chain) takes through the general path, which tree passes
-    still take on a GPU: what graphs of passes would have to beat."""
+def _passes(model: CausalLM, lean: LeanStep | None, tokens: list[int], n: int = PASS_TOKENS) -> float:
+    """Seconds a pass of n new tokens (a chain: a tree's cost in launches) takes through the
+    general path (`lean` None) or the lean step."""
     device = model.device
-    model.lean = None
+    model.lean = lean
     count = STEPS // n
     cache = model.new_cache(PROMPT + (count + 2) * n + 8)
     with torch.inference_mode():
@@ -113,13 +113,15 @@ def lean_section(device: torch.device, dtype: torch.dtype, dry: bool) -> dict[st
         tokens = torch.randint(3, model.shape.vocab_size, (PROMPT + WARM + STEPS,), generator=g).tolist()
         general, a = _run(model, None, tokens)
         fast, b = _run(model, lean, tokens)
-        passes = _passes(model, tokens)
+        passes = _passes(model, None, tokens)
+        lean_passes = _passes(model, lean, tokens) if lean.takes(model.new_cache(1), PASS_TOKENS, None, ()) else None
         model.lean = own
         rows.append({**row, "general_ms": general * 1e3, "lean_ms": fast * 1e3,
                      "general_layer_ms": general * 1e3 / len(model.layers), "lean_layer_ms": fast * 1e3 / len(model.layers),
                      "segments": len(lean.segments), "graphs": lean.graphed, "why_eager": lean.why_eager,
                      "replays": lean.replays, "captures": lean.captures, "max_diff": float((a - b).abs().max()),
-                     "pass_tokens": PASS_TOKENS, "general_pass_layer_ms": passes * 1e3 / len(model.layers)})
+                     "pass_tokens": PASS_TOKENS, "general_pass_layer_ms": passes * 1e3 / len(model.layers),
+                     "lean_pass_layer_ms": None if lean_passes is None else lean_passes * 1e3 / len(model.layers)})
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -137,6 +139,8 @@ def lean_lines(result: dict[str, Any] | None) -> list[str]:
         lines.append(f"  {r['model']}: {r['general_ms']:.2f} -> {r['lean_ms']:.2f} ms a step, "
                      f"{r['general_layer_ms']:.3f} -> {r['lean_layer_ms']:.3f} ms a layer "
                      f"({r['segments']} segments, graphs {'on' if r['graphs'] else 'off: ' + str(r['why_eager'])}, "
-                     f"outputs within {r['max_diff']:.1e}); a pass of {r['pass_tokens']} (general path) "
-                     f"{r['general_pass_layer_ms']:.3f} ms a layer")
+                     f"outputs within {r['max_diff']:.1e}); a pass of {r['pass_tokens']}: "
+                     f"{r['general_pass_layer_ms']:.3f} -> "
+                     + (f"{r['lean_pass_layer_ms']:.3f} ms a layer" if r["lean_pass_layer_ms"] is not None
+                        else "(the general path's: a hybrid's trees)"))
     return lines

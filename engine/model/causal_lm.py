@@ -210,7 +210,7 @@ class CausalLM:
             return out
         if self.lean is not None and self.lean.takes(cache, n, allowed, grab):
             self._keep(kept)
-            return self.lean.step(input_ids, positions, cache)
+            return self.lean.step(input_ids, positions, cache, allowed)
         if isinstance(cache, HybridCache):
             cache.begin_pass(allowed, n)
         # one token that sees the whole cache (a plain decoding step) needs no mask: SDPA's masked

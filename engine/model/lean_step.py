@@ -1,46 +1,53 @@
-"""A plain decoding step on a GPU in fixed buffers, replayed as CUDA graphs: one launch for each
-run of decoder layers between routed experts, instead of ~70 eager operations a layer.
+"""Decoding steps and small passes on a GPU in fixed buffers, replayed as CUDA graphs: one launch
+for each run of decoder layers between routed experts, instead of ~70 eager operations a layer.
 
 Why: `specchat bench gpu` measured the general path's decoder layer at 0.86 ms of launches and
 Python on an H200 host before any weight is read (one tiny layer at one token), and an MoE whose
 routed experts run on the CPU (`--experts cpu`) pays that in each of its 40-48 layers every token,
 which caps the Qwen3.6-35B-A3B projection at ~0.5x llama.cpp's measured figure on an 8 GB card
-(`bench plan --moe`, whose second table prices that cost). A step here calls the decoder layers
-themselves, as the general path does, over buffers whose shapes do not change between steps, so a
-CUDA graph can hold each run of layers:
+(`bench plan --moe`, whose second table prices that cost); a resident draft pays it in every
+level of every tree it grows. A pass here calls the decoder layers themselves, as the general
+path does, over buffers whose shapes do not change between passes, so a CUDA graph can hold each
+run of layers:
 
-- the layers' cache is `_Slots`: attention's `update` writes the token's K/V at a column given by
+- a pass of n tokens runs as a bucket of B = the least power of two >= n (up to MAX_TOKENS): the
+  pads repeat the first token at the last position, attend only to themselves (a row that sees
+  nothing is NaN on some kernels), write their K/V past the pass's own columns, are never
+  committed, and never reach the routed experts;
+- the layers' cache is `_Slots`: attention's `update` writes the bucket's K/V at columns given by
   a device tensor (`index_copy_`) and hands back the cache's first W columns, read under a
-  boolean mask of the valid entries (set per step, outside the graphs), W the least power of two
-  (from MIN_COLUMNS) past the text, so no shape depends on the cache's length and attention reads
-  at most twice what it needs however far the cache grew for trees (each W has its own graphs:
-  captured again when the text doubles); a Gated DeltaNet layer (Qwen3.5 / Qwen3.6 / Qwen3-Next) reads its committed
-  state and folds the token into it in place (linear_attention.advance), as the general path's
-  commit does for committed text;
-- the embedding and the rotary cos/sin are computed eagerly once a step and copied into the
+  boolean mask (the tree's `allowed`, or the chain's causal one, set per pass outside the
+  graphs), W the least power of two (from MIN_COLUMNS) past the pass, so no shape depends on the
+  cache's length and attention reads at most twice what it needs however far the cache grew for
+  trees (each W has its own graphs: captured again when the text doubles); a Gated DeltaNet layer
+  (Qwen3.5 / Qwen3.6 / Qwen3-Next) reads its committed state and folds a single token into it in
+  place (linear_attention.advance), as the general path's commit does for committed text (a
+  hybrid's trees and chains need per-pass tables: the general path);
+- the embedding and the rotary cos/sin are computed eagerly once a pass and copied into the
   graphs' inputs;
 - a segment ends with an MoE layer: its routed experts are a stand-in that keeps their input,
   experts and weights and gives zeros, so the layer's output is the residual plus whatever else
-  the block adds (a shared expert); the real experts then run eagerly (PackedExperts: the hot set
-  on the GPU, the rest packed on the CPU, as in the general path) and their sum goes into the next
-  segment's input. Where the block has a shared expert, the sum is taken in another order than
-  transformers' (residual + shared, then + routed): a rounding difference, like the masked
-  attention kernel's.
+  the block adds (a shared expert); the real experts then run eagerly on the pass's own tokens
+  (PackedExperts: the hot set on the GPU, the rest packed on the CPU, as in the general path)
+  and their sum goes into the next segment's input. Where the block has a shared expert, the sum
+  is taken in another order than transformers' (residual + shared, then + routed): a rounding
+  difference, like the masked attention kernel's.
 
-Graphs are captured per cache buffer set (a cache that grew has new buffers: captured again) and
-dropped with it. Capture can fail (an operation a graph cannot hold, out of memory): the step
-then runs the same calls eagerly and says why once. On the CPU nothing is captured and the step
-is those calls run eagerly: the tests run it there against the general path and transformers'
-own decoding, so the logic the GPU replays is the logic the CPU tests.
+Graphs are captured per cache buffer set, bucket and W, at the third pass over them (CAPTURE_AT: a
+capture costs about three eager passes, and each answer's caches are new), again when a cache
+grew (new buffers), and dropped with the cache. Capture can fail (an operation a graph cannot hold, out of
+memory): the passes then run the same calls eagerly and say why once. On the CPU nothing is
+captured and a pass is those calls run eagerly: the tests run it there against the general path
+and transformers' own decoding, so the logic the GPU replays is the logic the CPU tests.
 
 Qualifies (`LeanStep.of`): the families in FAMILIES, all layers resident on one CUDA device (no
-streamer), no sliding windows or per-layer inputs, SDPA attention. A step that must keep layer
-inputs for a draft head (`grab`), sees a mask, or finds a hybrid's cache with a tree pending
-takes the general path. SPECCHAT_NO_LEAN=1 switches the path off; SPECCHAT_NO_GRAPHS=1 keeps it
-eager.
+streamer), no sliding windows or per-layer inputs, SDPA attention. A pass longer than MAX_TOKENS,
+one that must keep layer inputs for a draft head (`grab`), or a hybrid's other than one token on
+committed text takes the general path. SPECCHAT_NO_LEAN=1 switches the path off;
+SPECCHAT_NO_GRAPHS=1 keeps it eager.
 
-What this module does not do: passes of several tokens (trees, prompts: the general path), or
-the fused C step on the CPU (engine.kernels.fused_layer), which a CPU model takes instead.
+What this module does not do: the fused C step and pass on the CPU (engine.kernels.fused_layer),
+which a CPU model takes instead, or interrupt a pass between layers (a lean pass is short).
 """
 
 from __future__ import annotations
@@ -74,6 +81,18 @@ FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtra
 # holding the valid entries and the new one: at most twice what a step needs however large the
 # cache grew for trees, each W its own graphs (captured again when the text doubles)
 MIN_COLUMNS = 256
+# a pass of n tokens (a tree's nodes, a draft's level, a chain) runs as a bucket of the least power
+# of two >= n, the rest padding (each pad attends to itself only and is never committed); longer
+# passes take the general path (their compute, not launches, sets their time)
+MAX_TOKENS = 256
+# a bucket's graphs are captured at its CAPTURE_AT-th pass over the same buffers, not its first: a
+# capture costs about three eager passes, and a new cache (each answer has its own) would pay
+# that for every bucket a draft's levels touch once
+CAPTURE_AT = 3
+
+
+def bucket_for(n: int) -> int:
+    return 1 << (n - 1).bit_length()
 
 
 def columns_for(length: int, capacity: int) -> int:
@@ -164,7 +183,6 @@ class _Slots:
 class _Buffers:
     """One cache buffer set's fixed tensors and, on a GPU, its graphs (one per segment)."""
 
-    key: tuple[int, ...]
     slots: _Slots
     hidden: torch.Tensor  # (1, 1, H): the embedding in
     cos: torch.Tensor  # (1, 1, rotary width)
@@ -174,6 +192,7 @@ class _Buffers:
     experts_out: torch.Tensor  # (1, 1, H): the last MoE layer's routed sum, read by the next segment
     outs: list[dict[str, torch.Tensor]] = field(default_factory=list)  # each segment's outputs
     graphs: list[Any] | None = None  # torch.cuda.CUDAGraph per segment, once captured
+    passes: int = 0  # passes run over these buffers
 
 
 class LeanStep:
@@ -196,7 +215,9 @@ class LeanStep:
         self.graphed = model.device.type == "cuda" and not _switched_off("SPECCHAT_NO_GRAPHS")
         self.why_eager: str | None = None if self.graphed else "not on a GPU" if model.device.type != "cuda" else \
             "SPECCHAT_NO_GRAPHS"
-        self._buffers: weakref.WeakKeyDictionary[KVCache, _Buffers] = weakref.WeakKeyDictionary()
+        # each cache's buffer addresses, and its fixed tensors (and graphs) by bucket and columns
+        self._buffers: weakref.WeakKeyDictionary[KVCache, tuple[tuple[int, ...], dict[tuple[int, int], _Buffers]]] = \
+            weakref.WeakKeyDictionary()
         self.steps = 0
         self.replays = 0  # graph launches (tests and the benchmark read them)
         self.captures = 0
@@ -215,16 +236,15 @@ class LeanStep:
         return cls(model)
 
     def takes(self, cache: KVCache, n: int, allowed: torch.Tensor | None, grab: tuple[int, ...]) -> bool:
-        """Whether this step can run: one token seeing the whole cache, a KVCache of the model's
-        device (a hybrid's HybridCache with nothing pending), no layer inputs to keep."""
-        if n != 1 or grab or cache.device.type != self.model.device.type:
+        """Whether a pass of n tokens under `allowed` can run here: up to MAX_TOKENS on a KVCache
+        of the model's device, no layer inputs to keep; a hybrid's only one token that sees the
+        whole cache on a HybridCache with nothing pending (a tree's nodes need its tables)."""
+        if not 1 <= n <= MAX_TOKENS or grab or cache.device.type != self.model.device.type:
             return False
         if any(self.linear):
-            if type(cache) is not HybridCache or not cache.complete:
-                return False
-        elif type(cache) is not KVCache:
-            return False
-        return allowed is None or bool(allowed.all())
+            return (type(cache) is HybridCache and cache.complete and n == 1
+                    and (allowed is None or bool(allowed.all())))
+        return type(cache) is KVCache
 
     # ---- the segments: the model's own decoder layers over the fixed buffers ----
 
@@ -263,30 +283,37 @@ class LeanStep:
 
     # ---- buffers and graphs ----
 
-    def _ready(self, cache: KVCache, cos: torch.Tensor) -> _Buffers:
-        """`cache`'s fixed tensors, made again when its buffers (or a hybrid's states) were
-        replaced or attention must read more columns (columns_for). New ones zero the cache's
-        unwritten columns: attention reads them under the mask, and a masked entry's weight is 0,
-        but 0 x NaN is not."""
-        columns = columns_for(cache.length, cache.capacity)
+    def _ready(self, cache: KVCache, cos: torch.Tensor, bucket: int) -> _Buffers:
+        """`cache`'s fixed tensors for passes of `bucket` tokens reading `columns_for` columns,
+        all made again when its buffers (or a hybrid's states) were replaced (kept per bucket and
+        columns: a tree's levels grow the text and the kept path shrinks it back). A new buffer
+        set has its unwritten columns zeroed: attention reads them under the mask, and a masked
+        entry's weight is 0, but 0 x NaN is not (torch.empty's)."""
+        columns = columns_for(cache.length + bucket - 1, cache.capacity)
         tensors = [*cache.keys, *cache.values]
         if isinstance(cache, HybridCache):
             tensors += [t for state in cache.states.values() for t in state.tensors()]
-        key = (cache.capacity, columns, len(tensors), *(t.data_ptr() for t in tensors))
-        known = self._buffers.get(cache)
-        if known is not None and known.key == key:
+        key = (cache.capacity, len(tensors), *(t.data_ptr() for t in tensors))
+        held = self._buffers.get(cache)
+        if held is None or held[0] != key:
+            with torch.inference_mode():
+                for t in (*cache.keys, *cache.values):
+                    t[:, :, cache.length :].zero_()
+            held = self._buffers[cache] = (key, {})
+        known = held[1].get((bucket, columns))
+        if known is not None:
             return known
         with torch.inference_mode():
-            for t in (*cache.keys, *cache.values):
-                t[:, :, cache.length :].zero_()
             device, dtype = cache.device, self.model.dtype
             hidden_size = self.model.embed.weight.shape[1]
-            slot = torch.zeros(1, dtype=torch.long, device=device)
-            bufs = _Buffers(key, _Slots(cache, slot, columns), torch.zeros(1, 1, hidden_size, dtype=dtype, device=device),
-                            torch.zeros_like(cos), torch.zeros_like(cos), torch.zeros(1, 1, dtype=torch.long, device=device),
-                            torch.zeros(1, 1, 1, columns, dtype=torch.bool, device=device),
-                            torch.zeros(1, 1, hidden_size, dtype=dtype, device=device))
-        self._buffers[cache] = bufs
+            slot = torch.zeros(bucket, dtype=torch.long, device=device)
+            bufs = _Buffers(_Slots(cache, slot, columns),
+                            torch.zeros(1, bucket, hidden_size, dtype=dtype, device=device),
+                            torch.zeros_like(cos), torch.zeros_like(cos),
+                            torch.zeros(1, bucket, dtype=torch.long, device=device),
+                            torch.zeros(1, 1, bucket, columns, dtype=torch.bool, device=device),
+                            torch.zeros(1, bucket, hidden_size, dtype=dtype, device=device))
+        held[1][(bucket, columns)] = bufs
         return bufs
 
     def _capture(self, bufs: _Buffers, cache: KVCache) -> None:
@@ -329,24 +356,35 @@ class LeanStep:
                 t.copy_(saved)
 
     @torch.inference_mode()
-    def step(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """One token (input_ids and positions of shape (1,)) through every layer; its K/V appended
-        to `cache` (reserved and positioned by the caller; `takes` true), a hybrid's states folded.
-        The final normed hidden state (1, hidden), as CausalLM.forward returns it."""
-        model = self.model
-        at = cache.length
-        hidden = model.embed(input_ids.to(model.device)[None])  # (1, 1, H)
-        position = positions.to(model.device)[None]
-        cos, sin = model.rotary(hidden, position_ids=position)
-        bufs = self._ready(cache, cos)
+    def step(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+             allowed: torch.Tensor | None = None) -> torch.Tensor:
+        """n tokens (input_ids and positions of shape (n,)) through every layer under `allowed`
+        ((n, length + n) bool; None: a chain after the cache), their K/V appended to `cache`
+        (reserved and positioned by the caller; `takes` true), a hybrid's token folded into its
+        states. The final normed hidden states (n, hidden), as CausalLM.forward returns them."""
+        model, device = self.model, self.model.device
+        n, at = int(input_ids.shape[0]), cache.length
+        bucket = bucket_for(n)
+        cache.reserve(bucket)  # (the pads' columns: written, never committed)
+        ids = input_ids.to(device)
+        position = positions.to(device)
+        if bucket > n:  # pads: the first token again, at the last position
+            ids = torch.cat([ids, ids[:1].expand(bucket - n)])
+            position = torch.cat([position, position[-1:].expand(bucket - n)])
+        hidden = model.embed(ids[None])  # (1, B, H)
+        cos, sin = model.rotary(hidden, position_ids=position[None])
+        bufs = self._ready(cache, cos, bucket)
         bufs.hidden.copy_(hidden)
         bufs.cos.copy_(cos)
         bufs.sin.copy_(sin)
-        bufs.position.copy_(position)
-        bufs.slots.slot.fill_(at)
-        bufs.mask[..., : at + 1] = True
-        bufs.mask[..., at + 1 :] = False
-        if self.graphed and bufs.graphs is None:
+        bufs.position.copy_(position[None])
+        if bucket == 1:
+            bufs.slots.slot.fill_(at)
+        else:
+            bufs.slots.slot.copy_(torch.arange(at, at + bucket, device=device))
+        self._mask(bufs.mask[0, 0], at, n, allowed)
+        bufs.passes += 1
+        if self.graphed and bufs.graphs is None and bufs.passes >= CAPTURE_AT:
             self._capture(bufs, cache)
         for s in range(len(self.segments)):
             if bufs.graphs is not None:
@@ -356,13 +394,34 @@ class LeanStep:
                 self._segment(s, bufs)
             out = bufs.outs[s]
             experts = self.experts[self.segments[s][1] - 1] if self.segments[s][1] > self.segments[s][0] else None
-            if experts is not None:  # an MoE layer: its routed experts, wherever they run
-                routed = experts(out["normed"], out["index"], out["weights"])
-                bufs.experts_out.copy_(routed.view_as(bufs.experts_out))
-        final = bufs.outs[-1]["final"]  # (the last segment always ends in the final norm)
+            if experts is not None:  # an MoE layer: its routed experts (the pads' not), wherever they run
+                routed = experts(out["normed"][:n], out["index"][:n], out["weights"][:n])
+                bufs.experts_out[0, :n].copy_(routed.view(n, -1))
+                if bucket > n:
+                    bufs.experts_out[0, n:].zero_()
+        final = bufs.outs[-1]["final"][:n]  # (the last segment always ends in the final norm)
         if isinstance(cache, HybridCache):
             cache.folded(1)  # the linear layers folded the token into their states in place
         else:
-            cache.commit(1)
+            cache.commit(n)
         self.steps += 1
-        return final.clone()  # (1, H): the graphs' output is overwritten by the next step
+        return final.clone()  # (n, H): the graphs' output is overwritten by the next pass
+
+    @staticmethod
+    def _mask(mask: torch.Tensor, at: int, n: int, allowed: torch.Tensor | None) -> None:
+        """(B, W) in place: row i < n the entries token i sees (`allowed`, or the cache and the
+        chain before it); a pad only itself."""
+        bucket = mask.shape[0]
+        if n == 1 and (allowed is None or bool(allowed.all())):
+            mask[0, : at + 1] = True
+            mask[0, at + 1 :] = False
+        else:
+            mask.zero_()
+            if allowed is None:
+                mask[:n, :at] = True
+                mask[:n, at : at + n] = torch.ones(n, n, dtype=torch.bool, device=mask.device).tril()
+            else:
+                mask[:n, : at + n] = allowed.to(mask.device)
+        if bucket > n:
+            pads = torch.arange(n, bucket, device=mask.device)
+            mask[pads, at + pads] = True

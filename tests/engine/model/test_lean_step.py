@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from lean_checks import assert_twin_steps, forced, twin_steps
+from lean_checks import assert_twin_steps, forced, twin_passes, twin_steps
 from test_families import LAYERS, reference, run
 
 from engine.decoding.generation import Engine
@@ -28,6 +28,18 @@ def test_steps_give_the_general_paths_states_across_a_growing_cache(arch: str, m
     assert_twin_steps(model)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "mixtral", "glm4_moe"])
+def test_passes_in_buckets_give_the_general_paths_states(arch: str, model_cache: Path) -> None:
+    """Chains and trees of 1 to 40 tokens, each run as a bucket of the next power of two (pads
+    attend to themselves, are never committed, and never reach the routed experts): the general
+    path's outputs, a pruned tree's kept path read back by the next pass."""
+    model = load_model(tiny_model(arch, seed=0, layers=LAYERS, cache_dir=model_cache)).model
+    lean = forced(model)
+    sizes = [2, 3, 5, 8, 13, 1, 20, 32, 40, 7, 1, 16]
+    worst = twin_passes(model, lean, sizes)
+    assert lean.steps == len(sizes) and worst < 5e-6, worst
+
+
 def test_attention_reads_a_power_of_two_of_columns_past_the_text(model_cache: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """However far a cache grew (for trees), a step reads the least power of two of its columns
@@ -39,7 +51,7 @@ def test_attention_reads_a_power_of_two_of_columns_past_the_text(model_cache: Pa
     lean = forced(model)
     worst, cache = twin_steps(model, lean, steps=40, capacity=128, poison=True)
     assert cache.capacity == 128 and cache.length == 47 and worst < 5e-6, worst
-    assert lean._buffers[cache].mask.shape[-1] == 64
+    assert sorted(lean._buffers[cache][1]) == [(1, 8), (1, 16), (1, 32), (1, 64)]  # (bucket, columns)
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_text"])
@@ -66,7 +78,7 @@ def test_a_step_after_a_pruned_tree_reads_the_kept_entries(arch: str, model_cach
             cache.keep(torch.cat([torch.arange(n + 1), torch.tensor([n + 3, n + 4])]))
             outs.append(model.forward(torch.tensor([7]), torch.tensor([n + 3]), cache, None))
             model.lean = None
-    assert lean.steps == 2
+    assert lean.steps == (2 if any(model.linear) else 3)  # a hybrid's tree: the general path
     torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=0)
 
 
@@ -80,9 +92,18 @@ def test_greedy_text_through_lean_steps_equals_transformers(arch: str, model_cac
     assert lean.steps >= len(plain.token_ids) - 1
     assert list(plain.token_ids) == reference(path, ids, target.tokenizer.pad_token_id)
     steps = lean.steps
-    _, trees = run(engine)  # draft-free trees: passes take the general path, single tokens this one
+    _, trees = run(engine)  # draft-free trees (a hybrid's: the general path; single tokens here)
     assert trees.token_ids == plain.token_ids
-    assert lean.steps > steps  # (a pass that chose no tree is a single token)
+    assert lean.steps > steps
+    if any(target.model.linear):
+        return
+    # a noisy-copy draft's passes (each tree level a pass) and the target's trees, lean both
+    draft = load_model(tiny_model(arch, seed=0, noise=0.05, layers=LAYERS, cache_dir=model_cache))
+    drafting = draft.model.lean = forced(draft.model)
+    steps = lean.steps
+    _, drafted = run(Engine(target.model, target.tokenizer, draft.model), budget=16, max_depth=6)
+    assert drafted.token_ids == plain.token_ids and drafted.stats.tokens_per_pass > 1.3
+    assert drafting.steps > drafted.stats.target_passes and lean.steps - steps == drafted.stats.target_passes
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "gpt_oss", "gemma3_text", "gemma4_text"])
@@ -104,10 +125,11 @@ def test_switches(model_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cache = model.new_cache(8)
     with torch.inference_mode():
         model.forward(torch.arange(3, 8), torch.arange(5), cache, None)
-    assert lean.takes(cache, 1, None, ())
-    assert not lean.takes(cache, 2, None, ())  # passes of several tokens: the general path
+    assert lean.takes(cache, 1, None, ()) and lean.takes(cache, 2, None, ())
+    assert lean.takes(cache, 1, torch.tensor([[True] * 4 + [False, True]]), ())
+    assert lean.takes(cache, lean_step.MAX_TOKENS, None, ())
+    assert not lean.takes(cache, lean_step.MAX_TOKENS + 1, None, ())  # long passes: the general path
     assert not lean.takes(cache, 1, None, (1,))  # a draft head's layer inputs: the general path
-    assert not lean.takes(cache, 1, torch.tensor([[True] * 5 + [False, True]]), ())
 
 
 @pytest.mark.gpu
@@ -121,7 +143,12 @@ def test_cuda_graphs_replay_the_general_paths_steps(arch: str, model_cache: Path
     assert lean is not None and lean.graphed, refusal(model)
     worst, cache = twin_steps(model, lean, steps=24, capacity=8)
     assert lean.why_eager is None, lean.why_eager
-    assert lean.captures >= 2 and lean.replays == 24 * len(lean.segments)  # 8 -> 16 -> 32 columns
+    # graphs from a buffer set's CAPTURE_AT-th pass: the 8-column cache sees one step, the 16- and
+    # 32-column ones (grown) 8 and 15, their first CAPTURE_AT - 1 eager
+    assert lean.captures == 2 and lean.replays == (24 - 1 - 2 * (lean_step.CAPTURE_AT - 1)) * len(lean.segments)
     assert worst < 5e-6, worst
     worst, cache = twin_steps(model, lean, steps=6, capacity=32, poison=True)
     assert cache.capacity == 32 and worst < 5e-6, worst
+    captures = lean.captures
+    assert twin_passes(model, lean, [3, 8, 13] * 3 + [2]) < 5e-6  # buckets of 4, 8, 16: captured at the third
+    assert lean.captures > captures
