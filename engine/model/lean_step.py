@@ -46,8 +46,12 @@ one that must keep layer inputs for a draft head (`grab`), or a hybrid's other t
 committed text takes the general path. SPECCHAT_NO_LEAN=1 switches the path off;
 SPECCHAT_NO_GRAPHS=1 keeps it eager.
 
+A pass of several tokens checks the model's Stop (CausalLM.interruptible) between segments, as
+the general path does between runs of layers: an MoE's segments are its layers, and their experts
+may be on the CPU.
+
 What this module does not do: the fused C step and pass on the CPU (engine.kernels.fused_layer),
-which a CPU model takes instead, or interrupt a pass between layers (a lean pass is short).
+which a CPU model takes instead.
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from engine.kernels.fused_layer import PassInterrupted
 from engine.model.cache import KVCache
 from engine.model.hybrid_cache import HybridCache
 from engine.model.linear_attention import advance
@@ -386,7 +391,10 @@ class LeanStep:
         bufs.passes += 1
         if self.graphed and bufs.graphs is None and bufs.passes >= CAPTURE_AT:
             self._capture(bufs, cache)
+        stop = model.interrupt if n > 1 else None  # a pass checks the Stop between segments (nothing committed)
         for s in range(len(self.segments)):
+            if stop is not None and s and stop.is_set():
+                raise PassInterrupted(f"stopped before layer {self.segments[s][0]}")
             if bufs.graphs is not None:
                 bufs.graphs[s].replay()
                 self.replays += 1

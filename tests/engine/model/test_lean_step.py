@@ -7,6 +7,7 @@ refuse."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from lean_checks import assert_twin_steps, forced, twin_passes, twin_steps
 from test_families import LAYERS, reference, run
 
 from engine.decoding.generation import Engine
+from engine.kernels.fused_layer import PassInterrupted
 from engine.loading.load import load_model
 from engine.model import lean_step
 from engine.model.lean_step import LeanStep, refusal
@@ -38,6 +40,20 @@ def test_passes_in_buckets_give_the_general_paths_states(arch: str, model_cache:
     sizes = [2, 3, 5, 8, 13, 1, 20, 32, 40, 7, 1, 16]
     worst = twin_passes(model, lean, sizes)
     assert lean.steps == len(sizes) and worst < 5e-6, worst
+
+
+def test_a_stop_ends_a_pass_between_segments_committing_nothing(model_cache: Path) -> None:
+    model = load_model(tiny_model("qwen3_moe", seed=0, layers=LAYERS, cache_dir=model_cache)).model
+    model.lean = forced(model)
+    cache = model.new_cache(32)
+    stop = threading.Event()
+    with torch.inference_mode(), model.interruptible(stop):
+        model.forward(torch.arange(3, 10), torch.arange(7), cache, None)
+        stop.set()
+        model.forward(torch.tensor([5]), torch.tensor([7]), cache, None)  # one token: no check
+        with pytest.raises(PassInterrupted, match="stopped before layer 2"):
+            model.forward(torch.arange(20, 25), torch.arange(8, 13), cache, None)
+    assert cache.length == 8 and model.lean.steps == 2  # the prompt and the step
 
 
 def test_attention_reads_a_power_of_two_of_columns_past_the_text(model_cache: Path,
