@@ -8,8 +8,8 @@ short keeps what it measured):
 
   environment  the packages the engine needs and their versions, the device, the RAM
   (a caller's sections: scripts/gpu_proof.py's tests and installer)
-  lean         a one-token step's cost a layer beyond its weights, general path against the lean
-               step's CUDA graphs (engine.cli.bench_gpu_lean), on two tiny models
+  lean         a one-token step's and an 8-token pass's cost a layer beyond the weights, general
+               path against the lean step's CUDA graphs (engine.cli.bench_gpu_lean), three tiny models
   profile      the hardware profile `bench hardware` measures: the planner's inputs
   build        the Llama-3.1-70B-shaped target in NF4 with random codes straight into pinned RAM,
                the Llama-3.2-1B-shaped random draft on the device

@@ -112,7 +112,7 @@ class CausalLM:
         self.placement = placement
         # plain decoding steps of a packed llama-family model on the CPU: one C call (None: not eligible)
         self.fused = FusedDecoder.of(self)
-        # a GPU's plain decoding step in fixed buffers, replayed as CUDA graphs (lean_step)
+        # a GPU's decoding steps and small passes in fixed buffers, replayed as CUDA graphs (lean_step)
         self.lean = LeanStep.of(self) if self.fused is None else None
         self.interrupt: threading.Event | None = None  # a Stop checked between runs of layers (interruptible)
 

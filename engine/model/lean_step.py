@@ -83,7 +83,7 @@ FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtra
 
 
 # attention reads the first W columns of the cache, W the least power of two (at least MIN_COLUMNS)
-# holding the valid entries and the new one: at most twice what a step needs however large the
+# holding the valid entries and the pass's: at most twice what a pass needs however large the
 # cache grew for trees, each W its own graphs (captured again when the text doubles)
 MIN_COLUMNS = 256
 # a pass of n tokens (a tree's nodes, a draft's level, a chain) runs as a bucket of the least power
@@ -101,7 +101,8 @@ def bucket_for(n: int) -> int:
 
 
 def columns_for(length: int, capacity: int) -> int:
-    """The columns attention reads for a step after `length` entries of a cache of `capacity`."""
+    """The columns attention reads when its last new entry goes to column `length` of a cache of
+    `capacity` entries."""
     return min(capacity, max(MIN_COLUMNS, 1 << length.bit_length()))  # (> length: the new entry's column too)
 
 
