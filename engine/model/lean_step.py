@@ -17,12 +17,12 @@ run of layers:
 - the layers' cache is `_Slots`: attention's `update` writes the bucket's K/V at columns given by
   a device tensor (`index_copy_`) and hands back the cache's first W columns, read under a
   boolean mask (the tree's `allowed`, or the chain's causal one, set per pass outside the
-  graphs), W the least power of two (from MIN_COLUMNS) past the pass, so no shape depends on the
-  cache's length and attention reads at most twice what it needs however far the cache grew for
-  trees (each W has its own graphs: captured again when the text doubles); a Gated DeltaNet layer
-  (Qwen3.5 / Qwen3.6 / Qwen3-Next) reads its committed state and folds a single token into it in
-  place (linear_attention.advance), as the general path's commit does for committed text (a
-  hybrid's trees and chains need per-pass tables: the general path);
+  graphs), W a multiple of max(MIN_COLUMNS, an eighth of the text's power of two) past the pass
+  (columns_for), so no shape depends on the cache's length and attention reads at most a quarter
+  more than it needs however far the cache grew for trees (each W has its own graphs); a Gated
+  DeltaNet layer (Qwen3.5 / Qwen3.6 / Qwen3-Next) reads its committed state and folds a single
+  token into it in place (linear_attention.advance), as the general path's commit does for
+  committed text (a hybrid's trees and chains need per-pass tables: the general path);
 - the embedding and the rotary cos/sin are computed eagerly once a pass and copied into the
   graphs' inputs;
 - a segment ends with an MoE layer: its routed experts are a stand-in that keeps their input,
@@ -82,9 +82,10 @@ FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtra
                       "qwen3_5_moe_text", "qwen3_next"})
 
 
-# attention reads the first W columns of the cache, W the least power of two (at least MIN_COLUMNS)
-# holding the valid entries and the pass's: at most twice what a pass needs however large the
-# cache grew for trees, each W its own graphs (captured again when the text doubles)
+# attention reads the first W columns of the cache: W the least multiple of max(MIN_COLUMNS, an
+# eighth of the text's power of two) past the pass's last entry, so at most a quarter more than a
+# pass needs however large the cache grew for trees (a masked column is still read), and about
+# eight W's, each with its own graphs, each time the text doubles
 MIN_COLUMNS = 256
 # a pass of n tokens (a tree's nodes, a draft's level, a chain) runs as a bucket of the least power
 # of two >= n, the rest padding (each pad attends to itself only and is never committed); longer
@@ -103,7 +104,8 @@ def bucket_for(n: int) -> int:
 def columns_for(length: int, capacity: int) -> int:
     """The columns attention reads when its last new entry goes to column `length` of a cache of
     `capacity` entries."""
-    return min(capacity, max(MIN_COLUMNS, 1 << length.bit_length()))  # (> length: the new entry's column too)
+    step = max(MIN_COLUMNS, 1 << max(0, length.bit_length() - 3))
+    return min(capacity, (length // step + 1) * step)  # (> length: that entry's column too)
 
 
 def _switched_off(name: str) -> bool:

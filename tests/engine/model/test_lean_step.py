@@ -56,18 +56,21 @@ def test_a_stop_ends_a_pass_between_segments_committing_nothing(model_cache: Pat
     assert cache.length == 8 and model.lean.steps == 2  # the prompt and the step
 
 
-def test_attention_reads_a_power_of_two_of_columns_past_the_text(model_cache: Path,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """However far a cache grew (for trees), a step reads the least power of two of its columns
-    past the text (from MIN_COLUMNS, here 8): 8, 16, 32, 64 over 40 steps of a 128-column cache."""
+def test_attention_reads_columns_a_little_past_the_text(model_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """However far a cache grew (for trees), a step reads the least multiple of max(MIN_COLUMNS,
+    an eighth of the text's power of two) of its columns past the text (MIN_COLUMNS here 8)."""
     monkeypatch.setattr(lean_step, "MIN_COLUMNS", 8)
-    assert [lean_step.columns_for(n, 128) for n in (0, 7, 8, 46, 127)] == [8, 8, 16, 64, 128]
+    assert [lean_step.columns_for(n, 128) for n in (0, 7, 8, 46, 100, 127)] == [8, 8, 16, 48, 112, 128]
+    monkeypatch.setattr(lean_step, "MIN_COLUMNS", 256)
+    assert [lean_step.columns_for(n, 1 << 20) for n in (0, 255, 256, 2047, 2048, 20000)] == \
+        [256, 256, 512, 2048, 2560, 20480]  # never more than a quarter past the text from 2048 on
     assert lean_step.columns_for(300, 310) == 310
+    monkeypatch.setattr(lean_step, "MIN_COLUMNS", 8)
     model = load_model(tiny_model("qwen3_moe", seed=0, layers=LAYERS, cache_dir=model_cache)).model
     lean = forced(model)
     worst, cache = twin_steps(model, lean, steps=40, capacity=128, poison=True)
     assert cache.capacity == 128 and cache.length == 47 and worst < 5e-6, worst
-    assert sorted(lean._buffers[cache][1]) == [(1, 8), (1, 16), (1, 32), (1, 64)]  # (bucket, columns)
+    assert sorted(lean._buffers[cache][1]) == [(1, w) for w in (8, 16, 24, 32, 40, 48)]  # (bucket, columns)
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_text"])
