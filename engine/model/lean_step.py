@@ -48,7 +48,9 @@ SPECCHAT_NO_GRAPHS=1 keeps it eager.
 
 A pass of several tokens checks the model's Stop (CausalLM.interruptible) between segments, as
 the general path does between runs of layers: an MoE's segments are its layers, and their experts
-may be on the CPU.
+may be on the CPU. While a segment runs eagerly or is captured, its MoE layer's `mlp.experts` is
+the stand-in: one model's passes must not run in two threads at once (the engine runs one
+generation at a time: engine.serving.scheduler); a replay touches no module.
 
 What this module does not do: the fused C step and pass on the CPU (engine.kernels.fused_layer),
 which a CPU model takes instead.
