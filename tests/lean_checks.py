@@ -60,13 +60,13 @@ def assert_twin_steps(model: CausalLM, within: float = 5e-6) -> None:
     assert lean.segments[-1][1] == len(model.layers)
 
 
-def twin_passes(model: CausalLM, lean: LeanStep, sizes: list[int], seed: int = 0) -> float:
+def twin_passes(model: CausalLM, lean: LeanStep, sizes: list[int], seed: int = 0, capacity: int = 16) -> float:
     """Passes of each size in `sizes` through the general path and the lean step on twin caches,
     alternately chains and random trees (each node's parent an earlier node or the last committed
     token); after a tree both caches keep the same root-to-leaf path. The largest difference of
-    their outputs relative to the largest value."""
+    their outputs relative to the largest value. `capacity`: the caches' at first (they grow)."""
     g = torch.Generator().manual_seed(seed)
-    caches = model.new_cache(16), model.new_cache(16)
+    caches = model.new_cache(capacity), model.new_cache(capacity)
     prompt = torch.arange(3, 10)
     worst = 0.0
     with torch.inference_mode():

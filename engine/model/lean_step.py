@@ -58,9 +58,11 @@ which a CPU model takes instead.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -205,6 +207,38 @@ class _Buffers:
     passes: int = 0  # passes run over these buffers
 
 
+class CudaGraphs:
+    """How a LeanStep warms up, captures and replays on a CUDA device: one stream of its own for
+    the warm-ups and every capture (libraries make handles and workspaces per stream on first
+    use, which must not happen inside a capture; a pool shared by captures wants the same stream
+    each time). The tests stand a fake in for it (a replay that runs the segment again): only
+    the GPU is faked, the bookkeeping around it is the real one."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)
+
+    def warm(self, run: Callable[[], object]) -> None:
+        here = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(here)
+        with torch.cuda.stream(self.stream):
+            run()
+        here.wait_stream(self.stream)
+
+    def pool(self) -> Any:
+        return torch.cuda.graph_pool_handle()
+
+    def capture(self, run: Callable[[], object], pool: Any) -> Any:
+        """A torch.cuda.CUDAGraph of `run` (its replay() repeats it)."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=self.stream, capture_error_mode="thread_local"):
+            run()
+        return graph
+
+    def settle(self) -> None:
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+
 class LeanStep:
     """The lean one-token step of one model (see the module's docstring)."""
 
@@ -231,7 +265,7 @@ class LeanStep:
         self.steps = 0
         self.replays = 0  # graph launches (tests and the benchmark read them)
         self.captures = 0
-        self._stream: Any = None  # torch.cuda.Stream of the warm-ups and captures, once made
+        self._stream: CudaGraphs | None = None  # the warm-ups' and captures' stream, once made
 
     @classmethod
     def of(cls, model: CausalLM, anywhere: bool = False) -> LeanStep | None:
@@ -327,41 +361,34 @@ class LeanStep:
         return bufs
 
     def _capture(self, bufs: _Buffers, cache: KVCache) -> None:
-        """CUDA graphs of every segment over `bufs`. The warm-up runs write the new entry's column
-        (which the replay writes again) and fold the token into a hybrid's states, so those are
-        kept and put back. On failure the step stays eager, said once."""
+        """Graphs of every segment over `bufs` (CudaGraphs). The warm-up runs write the pass's
+        columns (which the replay writes again) and fold the token into a hybrid's states, so
+        those are kept and put back. On failure the passes stay eager, said once."""
         states = [(t, t.clone()) for st in getattr(cache, "states", {}).values() for t in st.tensors()]
-        here = torch.cuda.current_stream(cache.device)
-        # one stream for the warm-ups and every capture: libraries keep handles and workspaces per
-        # stream, made on first use, which must not happen inside a capture (and a pool shared by
-        # captures wants the same stream each time)
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device=cache.device)
-        side = self._stream
         try:
-            side.wait_stream(here)
-            with torch.cuda.stream(side):
-                for _ in range(2):  # allocations and lazy initialisation out of the capture
+            if self._stream is None:
+                self._stream = CudaGraphs(cache.device)
+            backend = self._stream
+            try:
+                def every() -> None:
                     for s in range(len(self.segments)):
                         self._segment(s, bufs)
-            here.wait_stream(side)
-            pool = torch.cuda.graph_pool_handle()
-            graphs = []
-            for s in range(len(self.segments)):
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"):
-                    self._segment(s, bufs)
-                graphs.append(graph)
-            bufs.graphs = graphs
-            self.captures += 1
-        except Exception as e:  # noqa: BLE001 - any failure to capture leaves the eager step, which is correct
+
+                for _ in range(2):  # allocations and lazy initialisation out of the capture
+                    backend.warm(every)
+                pool = backend.pool()
+                bufs.graphs = [backend.capture(functools.partial(self._segment, s, bufs), pool)
+                               for s in range(len(self.segments))]
+                self.captures += 1
+            finally:
+                backend.settle()  # (a warm-up cut short by an error may still be running)
+        except Exception as e:  # noqa: BLE001 - any failure to capture leaves the eager passes, which are correct
             self.graphed = False
             self.why_eager = f"{type(e).__name__}: {e}"
             bufs.graphs = None
             bufs.outs.clear()
             log.warning("decoding steps run without CUDA graphs (%s)", self.why_eager)
         finally:
-            here.wait_stream(side)  # (a warm-up cut short by an error may still be running there)
             for t, saved in states:
                 t.copy_(saved)
 

@@ -8,7 +8,9 @@ refuse."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,6 +21,7 @@ from engine.decoding.generation import Engine
 from engine.kernels.fused_layer import PassInterrupted
 from engine.loading.load import load_model
 from engine.model import lean_step
+from engine.model.causal_lm import CausalLM
 from engine.model.lean_step import LeanStep, refusal
 from engine.testing.synthetic import tiny_model
 
@@ -151,16 +154,62 @@ def test_switches(model_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert not lean.takes(cache, 1, None, (1,))  # a draft head's layer inputs: the general path
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
-def test_cuda_graphs_replay_the_general_paths_steps(arch: str, model_cache: Path) -> None:
-    """On a GPU the step is taken by itself and replays one graph a segment: the general path's
-    states, across a cache that grows (captured again) and whose unwritten columns hold NaN."""
-    model = load_model(tiny_model(arch, seed=0, layers=LAYERS, cache_dir=model_cache), "cuda").model
-    lean = model.lean
-    assert lean is not None and lean.graphed, refusal(model)
-    worst, cache = twin_steps(model, lean, steps=24, capacity=8)
+class FakeGraphs:
+    """Stands in for lean_step.CudaGraphs on the CPU (only the GPU is faked): a capture keeps its
+    segment and a replay runs it again, so the bookkeeping around graphs (when to capture, which
+    buffers, the states the warm-ups fold, replays) runs as on a GPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.warmed = 0
+
+    def warm(self, run: Callable[[], object]) -> None:
+        self.warmed += 1
+        run()
+
+    def pool(self) -> None:
+        return None
+
+    def capture(self, run: Callable[[], object], pool: None) -> SimpleNamespace:
+        return SimpleNamespace(replay=run)
+
+    def settle(self) -> None:
+        pass
+
+
+class BrokenGraphs(FakeGraphs):
+    def capture(self, run: Callable[[], object], pool: None) -> SimpleNamespace:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_text"])
+def test_graph_bookkeeping_with_a_fake_gpu(arch: str, model_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Captured at a buffer set's CAPTURE_AT-th pass, again for a grown cache, replayed once a
+    segment a pass; the warm-ups' folds into a hybrid's states put back (else the replays would
+    fold the tokens again and the outputs would differ)."""
+    monkeypatch.setattr(lean_step, "CudaGraphs", FakeGraphs)
+    model = load_model(tiny_model(arch, seed=0, layers=LAYERS, cache_dir=model_cache)).model
+    lean = forced(model)
+    lean.graphed, lean.why_eager = True, None
+    assert_graphs_replay(model, lean, passes=not any(model.linear))
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_text"])
+def test_a_failed_capture_leaves_eager_passes_and_the_states_as_they_were(
+        arch: str, model_cache: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(lean_step, "CudaGraphs", BrokenGraphs)
+    model = load_model(tiny_model(arch, seed=0, layers=LAYERS, cache_dir=model_cache)).model
+    lean = forced(model)
+    lean.graphed, lean.why_eager = True, None
+    with caplog.at_level("WARNING", logger="engine.model.lean_step"):
+        worst, _ = twin_steps(model, lean, steps=12, capacity=32)
+    assert worst < 5e-6, worst
+    assert not lean.graphed and lean.why_eager == "RuntimeError: operation not permitted when stream is capturing"
+    assert lean.captures == 0 and lean.replays == 0
+    assert sum("without CUDA graphs" in r.getMessage() for r in caplog.records) == 1  # said once
+
+
+def assert_graphs_replay(model: CausalLM, lean: LeanStep, passes: bool = True) -> None:
+    worst, _ = twin_steps(model, lean, steps=24, capacity=8)
     assert lean.why_eager is None, lean.why_eager
     # graphs from a buffer set's CAPTURE_AT-th pass: the 8-column cache sees one step, the 16- and
     # 32-column ones (grown) 8 and 15, their first CAPTURE_AT - 1 eager
@@ -168,6 +217,22 @@ def test_cuda_graphs_replay_the_general_paths_steps(arch: str, model_cache: Path
     assert worst < 5e-6, worst
     worst, cache = twin_steps(model, lean, steps=6, capacity=32, poison=True)
     assert cache.capacity == 32 and worst < 5e-6, worst
-    captures = lean.captures
-    assert twin_passes(model, lean, [3, 8, 13] * 3 + [2]) < 5e-6  # buckets of 4, 8, 16: captured at the third
-    assert lean.captures > captures
+    if passes:
+        captures = lean.captures
+        # buckets of 4, 8 and 16 tokens reading 256 columns (a cache that never grows): captured at
+        # their third pass; the bucket of 2 runs once, eagerly
+        assert twin_passes(model, lean, [3, 8, 13] * 3 + [2], capacity=512) < 5e-6
+        assert lean.captures == captures + 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_cuda_graphs_replay_the_general_paths_steps(arch: str, model_cache: Path) -> None:
+    """On a GPU the step is taken by itself and replays one graph a segment: the general path's
+    states, across a cache that grows (captured again) and whose unwritten columns hold NaN, and
+    passes in buckets."""
+    model = load_model(tiny_model(arch, seed=0, layers=LAYERS, cache_dir=model_cache), "cuda").model
+    lean = model.lean
+    assert lean is not None and lean.graphed, refusal(model)
+    assert_graphs_replay(model, lean)
