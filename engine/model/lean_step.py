@@ -162,9 +162,10 @@ class _Held(nn.Module):
 
 
 class _Slots:
-    """The cache the layers see during a lean step: fixed buffers, the new entry at `slot`.
-    Attention's `update`, and for a hybrid the linear layers' LinearCache calls on committed text
-    (a chain of one token kept whole: its end state folded into the committed one in place)."""
+    """The cache the layers see during a lean pass: fixed buffers, the bucket's entries at the
+    columns in `slot`, attention reading the first `columns`. Attention's `update`, and for a
+    hybrid the linear layers' LinearCache calls on committed text (a chain of one token kept
+    whole: its end state folded into the committed one in place)."""
 
     def __init__(self, cache: KVCache, slot: torch.Tensor, columns: int) -> None:
         self.cache, self.slot, self.columns = cache, slot, columns
@@ -193,15 +194,16 @@ class _Slots:
 
 @dataclass
 class _Buffers:
-    """One cache buffer set's fixed tensors and, on a GPU, its graphs (one per segment)."""
+    """The fixed tensors of one cache buffer set, bucket (B) and columns and, on a GPU, their
+    graphs (one per segment)."""
 
     slots: _Slots
-    hidden: torch.Tensor  # (1, 1, H): the embedding in
-    cos: torch.Tensor  # (1, 1, rotary width)
+    hidden: torch.Tensor  # (1, B, H): the embeddings in
+    cos: torch.Tensor  # (1, B, rotary width)
     sin: torch.Tensor
-    position: torch.Tensor  # (1, 1) long
-    mask: torch.Tensor  # (1, 1, 1, columns) bool: the valid entries and the new one
-    experts_out: torch.Tensor  # (1, 1, H): the last MoE layer's routed sum, read by the next segment
+    position: torch.Tensor  # (1, B) long
+    mask: torch.Tensor  # (1, 1, B, columns) bool: what each token sees
+    experts_out: torch.Tensor  # (1, B, H): the last MoE layer's routed sums, read by the next segment
     outs: list[dict[str, torch.Tensor]] = field(default_factory=list)  # each segment's outputs
     graphs: list[Any] | None = None  # torch.cuda.CUDAGraph per segment, once captured
     passes: int = 0  # passes run over these buffers
@@ -240,7 +242,7 @@ class CudaGraphs:
 
 
 class LeanStep:
-    """The lean one-token step of one model (see the module's docstring)."""
+    """The lean steps and passes of one model (see the module's docstring)."""
 
     def __init__(self, model: CausalLM) -> None:
         self.model = model
@@ -265,7 +267,7 @@ class LeanStep:
         self.steps = 0
         self.replays = 0  # graph launches (tests and the benchmark read them)
         self.captures = 0
-        self._stream: CudaGraphs | None = None  # the warm-ups' and captures' stream, once made
+        self._backend: CudaGraphs | None = None  # the warm-ups' and captures' stream, once made
 
     @classmethod
     def of(cls, model: CausalLM, anywhere: bool = False) -> LeanStep | None:
@@ -366,9 +368,9 @@ class LeanStep:
         those are kept and put back. On failure the passes stay eager, said once."""
         states = [(t, t.clone()) for st in getattr(cache, "states", {}).values() for t in st.tensors()]
         try:
-            if self._stream is None:
-                self._stream = CudaGraphs(cache.device)
-            backend = self._stream
+            if self._backend is None:
+                self._backend = CudaGraphs(cache.device)
+            backend = self._backend
             try:
                 def every() -> None:
                     for s in range(len(self.segments)):
