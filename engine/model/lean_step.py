@@ -62,7 +62,6 @@ import functools
 import logging
 import os
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -71,6 +70,7 @@ from torch import nn
 
 from engine.kernels.fused_layer import PassInterrupted
 from engine.model.cache import KVCache
+from engine.model.cuda_graphs import CudaGraphs
 from engine.model.hybrid_cache import HybridCache
 from engine.model.linear_attention import advance
 from engine.model.linear_state import LinearLayerState, LinearPending, NodeInputs, PassTree
@@ -207,38 +207,6 @@ class _Buffers:
     outs: list[dict[str, torch.Tensor]] = field(default_factory=list)  # each segment's outputs
     graphs: list[Any] | None = None  # torch.cuda.CUDAGraph per segment, once captured
     passes: int = 0  # passes run over these buffers
-
-
-class CudaGraphs:
-    """How a LeanStep warms up, captures and replays on a CUDA device: one stream of its own for
-    the warm-ups and every capture (libraries make handles and workspaces per stream on first
-    use, which must not happen inside a capture; a pool shared by captures wants the same stream
-    each time). The tests stand a fake in for it (a replay that runs the segment again): only
-    the GPU is faked, the bookkeeping around it is the real one."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.stream = torch.cuda.Stream(device=device)
-
-    def warm(self, run: Callable[[], object]) -> None:
-        here = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(here)
-        with torch.cuda.stream(self.stream):
-            run()
-        here.wait_stream(self.stream)
-
-    def pool(self) -> Any:
-        return torch.cuda.graph_pool_handle()
-
-    def capture(self, run: Callable[[], object], pool: Any) -> Any:
-        """A torch.cuda.CUDAGraph of `run` (its replay() repeats it)."""
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, stream=self.stream, capture_error_mode="thread_local"):
-            run()
-        return graph
-
-    def settle(self) -> None:
-        torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
 
 class LeanStep:
