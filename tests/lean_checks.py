@@ -34,8 +34,10 @@ def twin_steps(model: CausalLM, lean: LeanStep, steps: int, capacity: int,
             tok, at = torch.tensor([11 + 7 * i % 90]), torch.tensor([len(prompt) + i])
             model.lean = None
             a = model.forward(tok, at, caches[0], None)
+            a = torch.cat([a, model.head_states(a)], -1) if model.aux_inputs else a  # (a draft head's inputs too)
             model.lean = lean
             b = model.forward(tok, at, caches[1], None)
+            b = torch.cat([b, model.head_states(b)], -1) if model.aux_inputs else b
             model.lean = None
             diff = (a - b).abs().nan_to_num(nan=float("inf")).max() / a.abs().max()  # (NaN counts)
             worst = max(worst, float(diff))
@@ -95,7 +97,8 @@ def twin_passes(model: CausalLM, lean: LeanStep, sizes: list[int], seed: int = 0
             outs = []
             for use, cache in zip((None, lean), caches):
                 model.lean = use
-                outs.append(model.forward(tokens, positions, cache, allowed))
+                out = model.forward(tokens, positions, cache, allowed)
+                outs.append(torch.cat([out, model.head_states(out)], -1) if model.aux_inputs else out)
                 if path:
                     cache.keep(torch.cat([torch.arange(at), at + torch.tensor(path)]))
             model.lean = None

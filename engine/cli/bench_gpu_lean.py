@@ -114,7 +114,7 @@ def lean_section(device: torch.device, dtype: torch.dtype, dry: bool) -> dict[st
         general, a = _run(model, None, tokens)
         fast, b = _run(model, lean, tokens)
         passes = _passes(model, None, tokens)
-        lean_passes = _passes(model, lean, tokens) if lean.takes(model.new_cache(1), PASS_TOKENS, None, ()) else None
+        lean_passes = _passes(model, lean, tokens) if lean.takes(model.new_cache(1), PASS_TOKENS, None) else None
         model.lean = own
         rows.append({**row, "general_ms": general * 1e3, "lean_ms": fast * 1e3,
                      "general_layer_ms": general * 1e3 / len(model.layers), "lean_layer_ms": fast * 1e3 / len(model.layers),

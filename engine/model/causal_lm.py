@@ -208,9 +208,10 @@ class CausalLM:
                 out = self.fused.pass_(input_ids, positions, cache, allowed, grab, kept, self.interrupt)
             self._keep(kept)
             return out
-        if self.lean is not None and self.lean.takes(cache, n, allowed, grab):
+        if self.lean is not None and self.lean.takes(cache, n, allowed):
+            out = self.lean.step(input_ids, positions, cache, allowed, grab, kept)
             self._keep(kept)
-            return self.lean.step(input_ids, positions, cache, allowed)
+            return out
         if isinstance(cache, HybridCache):
             cache.begin_pass(allowed, n)
         # one token that sees the whole cache (a plain decoding step) needs no mask: SDPA's masked

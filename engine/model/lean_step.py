@@ -42,8 +42,8 @@ and transformers' own decoding, so the logic the GPU replays is the logic the CP
 
 Qualifies (`LeanStep.of`): the families in FAMILIES, all layers resident on one CUDA device (no
 streamer), no sliding windows or per-layer inputs, SDPA attention. A pass longer than MAX_TOKENS,
-one that must keep layer inputs for a draft head (`grab`), or a hybrid's other than one token on
-committed text takes the general path. SPECCHAT_NO_LEAN=1 switches the path off;
+or a hybrid's other than one token on committed text takes the general path. The layer inputs a
+draft head reads (EAGLE-3: CausalLM.read_layer_inputs) come out of the segments as outputs too. SPECCHAT_NO_LEAN=1 switches the path off;
 SPECCHAT_NO_GRAPHS=1 keeps it eager.
 
 A pass of several tokens checks the model's Stop (CausalLM.interruptible) between segments, as
@@ -204,6 +204,7 @@ class _Buffers:
     position: torch.Tensor  # (1, B) long
     mask: torch.Tensor  # (1, 1, B, columns) bool: what each token sees
     experts_out: torch.Tensor  # (1, B, H): the last MoE layer's routed sums, read by the next segment
+    grab: tuple[int, ...] = ()  # the layers whose inputs come out (a draft head's)
     outs: list[dict[str, torch.Tensor]] = field(default_factory=list)  # each segment's outputs
     graphs: list[Any] | None = None  # torch.cuda.CUDAGraph per segment, once captured
     passes: int = 0  # passes run over these buffers
@@ -229,8 +230,8 @@ class LeanStep:
         self.graphed = model.device.type == "cuda" and not _switched_off("SPECCHAT_NO_GRAPHS")
         self.why_eager: str | None = None if self.graphed else "not on a GPU" if model.device.type != "cuda" else \
             "SPECCHAT_NO_GRAPHS"
-        # each cache's buffer addresses, and its fixed tensors (and graphs) by bucket and columns
-        self._buffers: weakref.WeakKeyDictionary[KVCache, tuple[tuple[int, ...], dict[tuple[int, int], _Buffers]]] = \
+        # each cache's buffer addresses, and its fixed tensors (and graphs) by bucket, columns and grab
+        self._buffers: weakref.WeakKeyDictionary[KVCache, tuple[tuple[int, ...], dict[tuple[Any, ...], _Buffers]]] = \
             weakref.WeakKeyDictionary()
         self.steps = 0
         self.replays = 0  # graph launches (tests and the benchmark read them)
@@ -249,11 +250,11 @@ class LeanStep:
             return None
         return cls(model)
 
-    def takes(self, cache: KVCache, n: int, allowed: torch.Tensor | None, grab: tuple[int, ...]) -> bool:
+    def takes(self, cache: KVCache, n: int, allowed: torch.Tensor | None) -> bool:
         """Whether a pass of n tokens under `allowed` can run here: up to MAX_TOKENS on a KVCache
         of the model's device, no layer inputs to keep; a hybrid's only one token that sees the
         whole cache on a HybridCache with nothing pending (a tree's nodes need its tables)."""
-        if not 1 <= n <= MAX_TOKENS or grab or cache.device.type != self.model.device.type:
+        if not 1 <= n <= MAX_TOKENS or cache.device.type != self.model.device.type:
             return False
         if any(self.linear):
             return (type(cache) is HybridCache and cache.complete and n == 1
@@ -269,6 +270,8 @@ class LeanStep:
         h = bufs.hidden if s == 0 else bufs.outs[s - 1]["hidden"] + bufs.experts_out
         out: dict[str, torch.Tensor] = {}
         for i in range(a, b):
+            if i in bufs.grab:
+                out[f"input {i}"] = h
             layer = self.layers[i]
             mask = None if self.linear[i] else bufs.mask
             if self.experts[i] is None:
@@ -297,7 +300,7 @@ class LeanStep:
 
     # ---- buffers and graphs ----
 
-    def _ready(self, cache: KVCache, cos: torch.Tensor, bucket: int) -> _Buffers:
+    def _ready(self, cache: KVCache, cos: torch.Tensor, bucket: int, grab: tuple[int, ...]) -> _Buffers:
         """`cache`'s fixed tensors for passes of `bucket` tokens reading `columns_for` columns,
         all made again when its buffers (or a hybrid's states) were replaced (kept per bucket and
         columns: a tree's levels grow the text and the kept path shrinks it back). A new buffer
@@ -314,7 +317,7 @@ class LeanStep:
                 for t in (*cache.keys, *cache.values):
                     t[:, :, cache.length :].zero_()
             held = self._buffers[cache] = (key, {})
-        known = held[1].get((bucket, columns))
+        known = held[1].get((bucket, columns, grab))
         if known is not None:
             return known
         with torch.inference_mode():
@@ -327,7 +330,8 @@ class LeanStep:
                             torch.zeros(1, bucket, dtype=torch.long, device=device),
                             torch.zeros(1, 1, bucket, columns, dtype=torch.bool, device=device),
                             torch.zeros(1, bucket, hidden_size, dtype=dtype, device=device))
-        held[1][(bucket, columns)] = bufs
+        bufs.grab = grab
+        held[1][(bucket, columns, grab)] = bufs
         return bufs
 
     def _capture(self, bufs: _Buffers, cache: KVCache) -> None:
@@ -364,11 +368,13 @@ class LeanStep:
 
     @torch.inference_mode()
     def step(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-             allowed: torch.Tensor | None = None) -> torch.Tensor:
+             allowed: torch.Tensor | None = None, grab: tuple[int, ...] = (),
+             kept: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
         """n tokens (input_ids and positions of shape (n,)) through every layer under `allowed`
         ((n, length + n) bool; None: a chain after the cache), their K/V appended to `cache`
         (reserved and positioned by the caller; `takes` true), a hybrid's token folded into its
-        states. The final normed hidden states (n, hidden), as CausalLM.forward returns them."""
+        states; the inputs of the layers in `grab` into `kept` (n, hidden) each. The final normed
+        hidden states (n, hidden), as CausalLM.forward returns them."""
         model, device = self.model, self.model.device
         n, at = int(input_ids.shape[0]), cache.length
         bucket = bucket_for(n)
@@ -380,7 +386,7 @@ class LeanStep:
             position = torch.cat([position, position[-1:].expand(bucket - n)])
         hidden = model.embed(ids[None])  # (1, B, H)
         cos, sin = model.rotary(hidden, position_ids=position[None])
-        bufs = self._ready(cache, cos, bucket)
+        bufs = self._ready(cache, cos, bucket, tuple(sorted(set(grab))))
         bufs.hidden.copy_(hidden)
         bufs.cos.copy_(cos)
         bufs.sin.copy_(sin)
@@ -410,6 +416,11 @@ class LeanStep:
                 if bucket > n:
                     bufs.experts_out[0, n:].zero_()
         final = bufs.outs[-1]["final"][:n]  # (the last segment always ends in the final norm)
+        if kept is not None:
+            for out in bufs.outs:
+                for i in bufs.grab:
+                    if f"input {i}" in out:
+                        kept[i] = out[f"input {i}"][0, :n].clone()
         if isinstance(cache, HybridCache):
             cache.folded(1)  # the linear layers folded the token into their states in place
         else:

@@ -73,7 +73,7 @@ def test_attention_reads_columns_a_little_past_the_text(model_cache: Path, monke
     lean = forced(model)
     worst, cache = twin_steps(model, lean, steps=40, capacity=128, poison=True)
     assert cache.capacity == 128 and cache.length == 47 and worst < 5e-6, worst
-    assert sorted(lean._buffers[cache][1]) == [(1, w) for w in (8, 16, 24, 32, 40, 48)]  # (bucket, columns)
+    assert sorted(lean._buffers[cache][1]) == [(1, w, ()) for w in (8, 16, 24, 32, 40, 48)]  # (bucket, columns, grab)
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_text"])
@@ -96,7 +96,7 @@ def test_a_step_after_a_pruned_tree_reads_the_kept_entries(arch: str, model_cach
             allowed[:, cache.length:] = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]]).bool()
             model.forward(tree, torch.tensor([n + 1, n + 2, n + 1, n + 2]), cache, allowed)
             if use is not None and any(model.linear):  # the tree is pending in the states: not this step's
-                assert not lean.takes(cache, 1, None, ())
+                assert not lean.takes(cache, 1, None)
             cache.keep(torch.cat([torch.arange(n + 1), torch.tensor([n + 3, n + 4])]))
             outs.append(model.forward(torch.tensor([7]), torch.tensor([n + 3]), cache, None))
             model.lean = None
@@ -147,11 +147,10 @@ def test_switches(model_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cache = model.new_cache(8)
     with torch.inference_mode():
         model.forward(torch.arange(3, 8), torch.arange(5), cache, None)
-    assert lean.takes(cache, 1, None, ()) and lean.takes(cache, 2, None, ())
-    assert lean.takes(cache, 1, torch.tensor([[True] * 4 + [False, True]]), ())
-    assert lean.takes(cache, lean_step.MAX_TOKENS, None, ())
-    assert not lean.takes(cache, lean_step.MAX_TOKENS + 1, None, ())  # long passes: the general path
-    assert not lean.takes(cache, 1, None, (1,))  # a draft head's layer inputs: the general path
+    assert lean.takes(cache, 1, None) and lean.takes(cache, 2, None)
+    assert lean.takes(cache, 1, torch.tensor([[True] * 4 + [False, True]]))
+    assert lean.takes(cache, lean_step.MAX_TOKENS, None)
+    assert not lean.takes(cache, lean_step.MAX_TOKENS + 1, None)  # long passes: the general path
 
 
 class FakeGraphs:
@@ -191,6 +190,22 @@ def test_graph_bookkeeping_with_a_fake_gpu(arch: str, model_cache: Path, monkeyp
     lean = forced(model)
     lean.graphed, lean.why_eager = True, None
     assert_graphs_replay(model, lean, passes=not any(model.linear))
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_a_draft_heads_layer_inputs_come_out_of_the_segments(graphs: bool, model_cache: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """An EAGLE-3 head reads the inputs of some layers (CausalLM.read_layer_inputs): the first
+    layer's (the embedding), and layers that start a segment (after an MoE layer) or sit inside
+    one, eager or from (fake) graphs, as the general path keeps them."""
+    monkeypatch.setattr(lean_step, "CudaGraphs", FakeGraphs)
+    model = load_model(tiny_model("qwen3_moe", seed=0, layers=LAYERS, cache_dir=model_cache)).model
+    lean = forced(model)
+    lean.graphed, lean.why_eager = graphs, None
+    model.read_layer_inputs((0, 1, 2))  # layer 0 dense, 1-3 MoE: segments (0, 2), (2, 3), ...
+    worst, _ = twin_steps(model, lean, steps=12, capacity=32)
+    assert worst < 5e-6 and lean.steps == 12 and lean.replays == (10 * len(lean.segments) if graphs else 0), worst
+    assert twin_passes(model, lean, [3, 8, 1, 5] * 3, capacity=512) < 5e-6
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_text"])
