@@ -16,31 +16,47 @@ def forced(model: CausalLM) -> LeanStep:
     return lean
 
 
+PROMPT = torch.arange(3, 10)
+
+
+def _twin_caches(model: CausalLM, capacity: int) -> tuple[KVCache, KVCache]:
+    """Two caches of `capacity`, each holding PROMPT read by the general path."""
+    caches = model.new_cache(capacity), model.new_cache(capacity)
+    model.lean = None
+    for c in caches:
+        model.forward(PROMPT, torch.arange(len(PROMPT)), c, None)
+    return caches
+
+
+def _through(model: CausalLM, lean: LeanStep | None, tokens: torch.Tensor, positions: torch.Tensor,
+             cache: KVCache, allowed: torch.Tensor | None) -> torch.Tensor:
+    """A pass through the general path (`lean` None) or the lean step: its outputs, and beside
+    them the layer inputs a draft head reads where the model keeps some."""
+    model.lean = lean
+    out = model.forward(tokens, positions, cache, allowed)
+    model.lean = None
+    return torch.cat([out, model.head_states(out)], -1) if model.aux_inputs else out
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().nan_to_num(nan=float("inf")).max() / a.abs().max())  # (NaN counts)
+
+
 def twin_steps(model: CausalLM, lean: LeanStep, steps: int, capacity: int,
                poison: bool = False) -> tuple[float, KVCache]:
     """The same tokens through the general path and the lean step, each on its own cache of
     `capacity` (grown by the steps): the largest difference of their outputs relative to the
     largest value, and the lean step's cache. `poison`: its unwritten columns hold NaN first."""
-    caches = model.new_cache(capacity), model.new_cache(capacity)
-    prompt = torch.arange(3, 10)
     worst = 0.0
     with torch.inference_mode():
-        for c in caches:
-            model.forward(prompt, torch.arange(len(prompt)), c, None)
+        caches = _twin_caches(model, capacity)
         if poison:  # what torch.empty may hold: attention reads the whole capacity under its mask
             for t in (*caches[1].keys, *caches[1].values):
                 t[:, :, caches[1].length :] = float("nan")
         for i in range(steps):
-            tok, at = torch.tensor([11 + 7 * i % 90]), torch.tensor([len(prompt) + i])
-            model.lean = None
-            a = model.forward(tok, at, caches[0], None)
-            a = torch.cat([a, model.head_states(a)], -1) if model.aux_inputs else a  # (a draft head's inputs too)
-            model.lean = lean
-            b = model.forward(tok, at, caches[1], None)
-            b = torch.cat([b, model.head_states(b)], -1) if model.aux_inputs else b
-            model.lean = None
-            diff = (a - b).abs().nan_to_num(nan=float("inf")).max() / a.abs().max()  # (NaN counts)
-            worst = max(worst, float(diff))
+            tok, at = torch.tensor([11 + 7 * i % 90]), torch.tensor([len(PROMPT) + i])
+            a = _through(model, None, tok, at, caches[0], None)
+            worst = max(worst, _relative(a, _through(model, lean, tok, at, caches[1], None)))
     return worst, caches[1]
 
 
@@ -68,12 +84,9 @@ def twin_passes(model: CausalLM, lean: LeanStep, sizes: list[int], seed: int = 0
     token); after a tree both caches keep the same root-to-leaf path. The largest difference of
     their outputs relative to the largest value. `capacity`: the caches' at first (they grow)."""
     g = torch.Generator().manual_seed(seed)
-    caches = model.new_cache(capacity), model.new_cache(capacity)
-    prompt = torch.arange(3, 10)
     worst = 0.0
     with torch.inference_mode():
-        for c in caches:
-            model.forward(prompt, torch.arange(len(prompt)), c, None)
+        caches = _twin_caches(model, capacity)
         for k, n in enumerate(sizes):
             at = caches[0].length
             tokens = torch.randint(3, 90, (n,), generator=g)
@@ -94,14 +107,9 @@ def twin_passes(model: CausalLM, lean: LeanStep, sizes: list[int], seed: int = 0
                 while leaf >= 0:
                     path.insert(0, leaf)
                     leaf = parents[leaf]
-            outs = []
-            for use, cache in zip((None, lean), caches):
-                model.lean = use
-                out = model.forward(tokens, positions, cache, allowed)
-                outs.append(torch.cat([out, model.head_states(out)], -1) if model.aux_inputs else out)
-                if path:
+            a, b = (_through(model, use, tokens, positions, cache, allowed) for use, cache in zip((None, lean), caches))
+            worst = max(worst, _relative(a, b))
+            if path:
+                for cache in caches:
                     cache.keep(torch.cat([torch.arange(at), at + torch.tensor(path)]))
-            model.lean = None
-            diff = (outs[0] - outs[1]).abs().nan_to_num(nan=float("inf")).max() / outs[0].abs().max()
-            worst = max(worst, float(diff))
     return worst
