@@ -226,6 +226,8 @@ class LeanStep:
                 self.segments.append((start, i + 1))
                 start = i + 1
         self.segments.append((start, len(self.layers)))  # the dense rest and the final norm (maybe no layers)
+        # each segment's last MoE layer's experts, run after it (None: the segment ends dense)
+        self.ends = [self.experts[b - 1] if b > a else None for a, b in self.segments]
         self._held = _Held()
         self.graphed = model.device.type == "cuda" and not _switched_off("SPECCHAT_NO_GRAPHS")
         self.why_eager: str | None = None if self.graphed else "not on a GPU" if model.device.type != "cuda" else \
@@ -409,7 +411,7 @@ class LeanStep:
             else:
                 self._segment(s, bufs)
             out = bufs.outs[s]
-            experts = self.experts[self.segments[s][1] - 1] if self.segments[s][1] > self.segments[s][0] else None
+            experts = self.ends[s]
             if experts is not None:  # an MoE layer: its routed experts (the pads' not), wherever they run
                 routed = experts(out["normed"][:n], out["index"][:n], out["weights"][:n])
                 bufs.experts_out[0, :n].copy_(routed.view(n, -1))
