@@ -29,6 +29,7 @@ from engine import paths
 from engine.loading.load import load_model
 from engine.model.causal_lm import CausalLM
 from engine.model.lean_step import LeanStep, refusal
+from engine.planning.lean_timing import step_seconds
 from engine.testing.random_gguf import synthetic_moe_gguf, synthetic_qwen35_gguf
 from engine.testing.synthetic import tiny_model
 
@@ -59,23 +60,6 @@ def _models(device: torch.device, dtype: torch.dtype) -> list[tuple[str, Callabl
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _run(model: CausalLM, lean: LeanStep | None, tokens: list[int]) -> tuple[float, torch.Tensor]:
-    """Seconds a step over STEPS timed steps (after the prompt and WARM steps), and the last output."""
-    device = model.device
-    model.lean = lean
-    cache = model.new_cache(PROMPT + WARM + STEPS + 8)
-    out = torch.empty(0)
-    with torch.inference_mode():
-        model.forward(torch.tensor(tokens[:PROMPT]), torch.arange(PROMPT), cache, None)
-        for i, tok in enumerate(tokens[PROMPT:]):
-            if i == WARM:
-                _sync(device)
-                start = time.perf_counter()
-            out = model.forward(torch.tensor([tok]), torch.tensor([PROMPT + i]), cache, None)
-        _sync(device)
-    return (time.perf_counter() - start) / STEPS, out.float().cpu()
 
 
 def _passes(model: CausalLM, lean: LeanStep | None, tokens: list[int], n: int = PASS_TOKENS) -> float:
@@ -111,8 +95,8 @@ def lean_section(device: torch.device, dtype: torch.dtype, dry: bool) -> dict[st
             rows.append({**row, "refused": refusal(model) or "not on a GPU"})
             continue
         tokens = torch.randint(3, model.shape.vocab_size, (PROMPT + WARM + STEPS,), generator=g).tolist()
-        general, a = _run(model, None, tokens)
-        fast, b = _run(model, lean, tokens)
+        general, a = step_seconds(model, None, tokens, PROMPT, WARM)
+        fast, b = step_seconds(model, lean, tokens, PROMPT, WARM)
         passes = _passes(model, None, tokens)
         lean_passes = _passes(model, lean, tokens) if lean.takes(model.new_cache(1), PASS_TOKENS, None) else None
         model.lean = own

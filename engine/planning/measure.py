@@ -45,6 +45,7 @@ from transformers.models.llama.modeling_llama import (
 from engine import paths
 from engine.errors import Cancelled
 from engine.model.cache import KVCache, steady_attention
+from engine.planning.lean_timing import lean_layer_overhead
 from engine.planning.profile import (
     GPU_TOKENS,
     LAYER_SHAPES,
@@ -248,8 +249,12 @@ def _layer_timing(shape: LayerShape, device: str, tokens: tuple[int, ...], note:
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     overhead = _time_layer(LAYER_SHAPES["tiny"], device, dtype, (1,), context)[0][1]
     points = _time_layer(shape, device, dtype, tokens, context, note)
+    if device.startswith("cuda"):
+        note(0.0, "timing the lean step (CUDA graphs)")
+    lean = lean_layer_overhead(device, dtype)
     elem = torch.finfo(dtype).bits // 8
-    return LayerTiming(shape, device, str(dtype).removeprefix("torch."), shape.params * elem, tuple(points), overhead)
+    return LayerTiming(shape, device, str(dtype).removeprefix("torch."), shape.params * elem, tuple(points), overhead,
+                       lean)
 
 
 @torch.inference_mode()

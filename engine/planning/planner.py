@@ -41,6 +41,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+from engine.planning import lean_timing
 from engine.planning.calibration import AcceptanceCurve
 from engine.planning.moe import cached_expert_seconds, expert_union
 from engine.planning.placement import MemoryNeeds, activation_bytes, plan_placement
@@ -205,6 +206,8 @@ def layer_seconds(profile: HardwareProfile, target: ModelShape, placement: Place
 def target_pass_seconds(profile: HardwareProfile, target: ModelShape, placement: Placement, tokens: int) -> float:
     """One target pass over `tokens` tree tokens (the decoder layers; the head is separate)."""
     compute = layer_seconds(profile, target, placement, tokens)
+    if profile.gpu is not None:  # a model whose layers all live on the GPU: its steps in CUDA graphs
+        compute -= lean_timing.saving(profile.layer_timing, target, tokens, placement)
     total = placement.gpu_layers * compute
     gpu = profile.gpu
     if placement.ram_layers:
@@ -229,7 +232,8 @@ def head_seconds(profile: HardwareProfile, model: ModelShape, rows: int, placeme
 
 
 def draft_pass_seconds(profile: HardwareProfile, draft: ModelShape, nodes: int) -> float:
-    return (draft.num_layers * compute_seconds(profile, draft.layer_params, nodes)
+    lean = lean_timing.saving(profile.layer_timing, draft, nodes) if profile.gpu is not None else 0.0
+    return (draft.num_layers * (compute_seconds(profile, draft.layer_params, nodes) - lean)
             + head_seconds(profile, draft, nodes))
 
 

@@ -51,7 +51,9 @@ class LayerTiming:
     points: measured (tokens, seconds), ascending; beyond the last one `seconds()` grows
     linearly with the slope of the last two (compute-bound), below the first it is flat.
     overhead_s: one tiny layer at 1 token on the same device: the per-layer cost that does not
-    scale with the weights (kernel launches, Python), used to rescale to other shapes."""
+    scale with the weights (kernel launches, Python), used to rescale to other shapes.
+    lean_overhead_s: that cost in a step through the lean step (CUDA graphs), measured on a GPU
+    (engine.planning.lean_timing); None: not measured (a CPU, a profile from before it)."""
 
     shape: LayerShape
     device: str
@@ -59,6 +61,7 @@ class LayerTiming:
     layer_bytes: int
     points: tuple[tuple[int, float], ...]
     overhead_s: float
+    lean_overhead_s: float | None = None
 
     def seconds(self, tokens: int) -> float:
         pts = self.points
@@ -195,7 +198,8 @@ class HardwareProfile:
             lines.append("GPU: none (CUDA not available to PyTorch)")
         measured = ", ".join(f"{n}: {s * 1e3:.0f} ms" for n, s in lt.points)
         lines.append(f"One {lt.shape.name} layer ({lt.layer_bytes / GB:.2f} GB {lt.dtype}) on {lt.device}, "
-                     f"tokens: {measured}; per-layer overhead {lt.overhead_s * 1e3:.2f} ms")
+                     f"tokens: {measured}; per-layer overhead {lt.overhead_s * 1e3:.2f} ms"
+                     + (f" ({lt.lean_overhead_s * 1e3:.3f} ms in the lean step)" if lt.lean_overhead_s is not None else ""))
         if self.cpu_experts is not None:
             ex = self.cpu_experts
             lines.append(f"MoE experts on the CPU (packed 4-bit, {ex.threads} threads): read {ex.read_gbps:.1f} GB/s, "
@@ -284,6 +288,8 @@ def check_profile(profile: HardwareProfile) -> None:
            ("hidden_size", "intermediate_size", "num_attention_heads", "num_kv_heads", "head_dim")},
     }
     non_negative: dict[str, float] = {"ram_available": profile.ram_available, "overhead_s": lt.overhead_s}
+    if lt.lean_overhead_s is not None:
+        non_negative["lean_overhead_s"] = lt.lean_overhead_s
     for g in profile.gpus:  # the planner divides by the first two
         positive.update({f"GPU {g.index} {k}": getattr(g, k) for k in ("pinned_h2d_gbps", "device_memory_gbps")})
         non_negative.update({f"GPU {g.index} {k}": getattr(g, k) for k in

@@ -29,9 +29,10 @@ layers of 8 x 3 x 2048 x 768 a token against 40 of 8 x 3 x 2048 x 512).
 `overhead_sensitivity` holds everything but a decoder layer's cost on the GPU beyond its bytes
 and FLOPs: the general path's measured 0.86 ms (engine.planning.reference), and less, down to
 none. The lean step (engine.model.lean_step: CUDA graphs, one launch a run of layers between routed
-experts) exists for that cost; `specchat bench gpu --only lean` measures what it leaves of it, and
-no session has had a GPU since it was written. The table says what such a figure would buy and
-what it cannot: with no overhead at all the CPU's experts still set the pace.
+experts) exists for that cost; `specchat bench gpu --only lean` measures what it leaves of it, a
+hardware profile measured on a GPU keeps it for the planner (engine.planning.lean_timing), and no
+session has had a GPU since it was written. The table says what such a figure would buy and what
+it cannot: with no overhead at all the CPU's experts still set the pace.
 
 What this module does not do: measure anything, or claim its figures were measured.
 """
