@@ -31,7 +31,8 @@ engine.kernels.expert_unions, engine.planning.moe.fit_sharing) are measured from
 
 On a GPU machine (`--experts cpu`, engine.loading.layer_plan.experts_on_cpu) the model's other
 parts run on the GPU and call this module with states on the GPU: the states (a few KB a token)
-and routing come to the CPU, the sum goes back. Some experts may be cached on the GPU (`cache`:
+and routing come to the CPU, the sum goes back (engine.kernels.handoff: pinned buffers, one wait
+a call). Some experts may be cached on the GPU (`cache`:
 de-quantised there from the packed bytes, in the model's dtype): their products are queued on the
 GPU first, so they compute while the CPU runs the token's other experts; a decode step's cached
 experts take a fixed handful of GPU operations read from the router's tensors there
@@ -53,6 +54,7 @@ from torch.nn import functional as F
 from transformers.activations import SiLUActivation
 from transformers.integrations import moe as moe_integration
 
+from engine.kernels import handoff
 from engine.kernels.build import kernels
 from engine.kernels.governor import governor
 from engine.kernels.expert_parts import Part, gelu_tanh, merged, on_device, supports
@@ -242,8 +244,7 @@ class PackedExperts(nn.Module):
         home = hidden_states.device
         routed = top_k_index, top_k_weights  # where the router left them (the cache reads them there)
         if home.type != "cpu":  # a model on a GPU whose experts stay here: the states come over, the sum goes back
-            x = x.to("cpu", torch.float32)
-            top_k_index, top_k_weights = top_k_index.cpu(), top_k_weights.to("cpu", torch.float32)
+            x, top_k_index, top_k_weights = handoff.to_host(x, top_k_index, top_k_weights)
         k = top_k_index.shape[-1]
         flat = top_k_index.reshape(-1)
         weights = top_k_weights.reshape(-1)
@@ -268,7 +269,7 @@ class PackedExperts(nn.Module):
         else:
             out = self._loop(x, flat, weights, cold, k)
         if home.type != "cpu":
-            out = out.to(home, non_blocking=False)
+            out = handoff.to_device(out, home)
         if hot_sum is not None:
             out = out.to(hot_sum.device) + hot_sum
         return out.to(hidden_states.dtype).view(hidden_states.shape)
