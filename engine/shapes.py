@@ -310,6 +310,7 @@ class Placement:
     # packed in RAM, run by the CPU kernel, the rest de-quantised at load on the GPU
     resident_form: Literal["", "kernel", "dequantised", "experts-cpu"] = ""
     cached_experts: float = 0.0  # "experts-cpu": the share of routed experts cached in VRAM (expert_cache)
+    experts_streamed: bool = False  # "experts-cpu" with `--experts stream`: every pass's experts run on the GPU
 
     @property
     def unpacks_each_pass(self) -> bool:
@@ -338,6 +339,8 @@ class Placement:
 
     def experts_where(self) -> str:
         """"experts: 12 % in VRAM, rest on CPU" (an "experts-cpu" placement)."""
+        if self.experts_streamed:
+            return "experts: in RAM, each pass's streamed to the GPU"
         share = self.cached_experts * 100
         pct = f"{share:.0f}" if share >= 1 or share == 0 else f"{share:.1f}"
         return f"experts: {pct} % in VRAM, rest on CPU"

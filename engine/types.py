@@ -20,7 +20,7 @@ StepMode = Literal["specexec", "context", "autoregressive"]  # how an answer was
 Device = Literal["auto", "cpu", "cuda"]
 Quant = Literal["none", "nf4"]
 Offload = Literal["auto", "none", "all"]
-Experts = Literal["auto", "cpu", "gpu"]  # where an MoE target's routed experts run (LoadSettings)
+Experts = Literal["auto", "cpu", "gpu", "stream"]  # where an MoE target's routed experts run (LoadSettings)
 TreeMode = Literal["specexec", "sequoia"]
 Fit = Literal["fits", "slow", "too big"]
 LoadStage = Literal["starter", "target", "draft", "ready"]
@@ -239,7 +239,9 @@ class LoadSettings:
     KV cache the placement reserves room for (None = the model's maximum, capped at 8192).
     experts: where an MoE GGUF's routed experts run on a GPU machine: "cpu" keeps them packed in
     RAM, run by the CPU kernel, and everything else on the GPU; "gpu" places them with their
-    layers; "auto" is "cpu" when the layers would not all fit on the GPU. expert_cache: with the
+    layers; "stream" keeps them in RAM and copies every pass's to the GPU to run there (a
+    benchmark's mode: nothing cached); "auto" is "cpu" when the layers would not all fit on the
+    GPU, with the passes long enough (prompt chunks) streaming theirs. expert_cache: with the
     experts on the CPU, the most used of them kept in the VRAM left once both models are loaded
     (bytes at most; None = all of it, 0 = none; engine.kernels.expert_cache).
     cache: the KV caches kept between turns and saved to disk.

@@ -126,10 +126,12 @@ def engine_options() -> argparse.ArgumentParser:
     models.add_argument("--offload", choices=("auto", "none", "all"), default="auto",
                         help="auto: keep as many target layers on --device as fit and stream the rest "
                         "from RAM (then disk); all: stream every layer; none: all on --device (default: auto)")
-    models.add_argument("--experts", choices=("auto", "cpu", "gpu"), default="auto",
+    models.add_argument("--experts", choices=("auto", "cpu", "gpu", "stream"), default="auto",
                         help="an MoE GGUF on a GPU: cpu = routed experts packed in RAM, run by the CPU, the rest "
-                        "on the GPU; gpu = experts with their layers; auto: cpu when the layers do not all fit "
-                        "on the GPU (default: auto)")
+                        "on the GPU; gpu = experts with their layers; stream = experts packed in RAM, each pass's "
+                        "copied to the GPU and run there (for benchmarks); auto: cpu when the layers do not all "
+                        "fit on the GPU, the experts of long passes (prompt chunks) streamed where the cost model "
+                        "says that pays (default: auto)")
     models.add_argument("--expert-cache", type=float_in(0.0, 1e6), default=None, metavar="GB",
                         help="with an MoE's routed experts on the CPU beside a GPU: most GPU memory (GB) for a "
                         "cache of the most used experts, run there beside the CPU's; 0 = none (default: all "

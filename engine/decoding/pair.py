@@ -152,10 +152,13 @@ def load_engine(
         draft_model = None
         choice = manual_choice("none", NONE_LABEL, "chosen by hand: draft-free")
     if tmodel.placement is not None and tmodel.placement.resident_form == "experts-cpu":
-        report("draft", 0.95, "caching the most used experts in the GPU memory left")
         placed = MaterialiseSettings(device=device, dtype=dtype, context_length=settings.context_length,
                                      expert_cache=settings.expert_cache)
-        cache_experts(tmodel, placed)
+        if settings.experts == "stream":  # every pass's experts copied to the GPU (a benchmark's point): no cache
+            stream_experts(tmodel, placed, 1)
+        else:
+            report("draft", 0.95, "caching the most used experts in the GPU memory left")
+            cache_experts(tmodel, placed)
         if settings.experts == "auto":  # "cpu" keeps every expert on the CPU (a benchmark's point)
             stream_experts(tmodel, placed, stream_from(tmodel))
     report("ready", 1.0, "ready")

@@ -88,7 +88,8 @@ def unpack_at_load(layouts: list[LayerLayout], settings: MaterialiseSettings, la
 
 def experts_on_cpu(hf: PreTrainedModel, layouts: list[LayerLayout], settings: MaterialiseSettings) -> bool:
     """Whether an MoE GGUF on a GPU keeps its routed experts packed in RAM, run by the CPU kernel,
-    with everything else resident on the GPU (de-quantised at load): `--experts cpu`, or "auto"
+    with everything else resident on the GPU (de-quantised at load): `--experts cpu` (or `stream`:
+    then every pass's experts go to the GPU, stream_experts), or "auto"
     when its packed layers with the KV cache and a tree's activations would not all fit the free
     GPU memory (streaming whole MoE layers would move every expert over the link each pass for
     the few a token uses). Needs a GGUF, the kernel, and experts it runs in every MoE layer."""
@@ -99,7 +100,7 @@ def experts_on_cpu(hf: PreTrainedModel, layouts: list[LayerLayout], settings: Ma
     moe = [(layer, layout) for layer, layout in zip(layers, layouts, strict=True)
            if any(len(e.shape) == 3 and not e.side for e in layout.entries)]
     packable = [cpu_packed.packs_experts(layer, layout) for layer, layout in moe]
-    if settings.experts == "cpu":  # the layers whose experts the kernel cannot run keep theirs on the GPU
+    if settings.experts in ("cpu", "stream"):  # the layers whose experts the kernel cannot run keep theirs on the GPU
         if not all(packable):
             log.info("--experts cpu: %d of %d MoE layers have experts in types the CPU kernel does not run; "
                      "theirs stay on the GPU", packable.count(False), len(packable))
@@ -248,4 +249,6 @@ def stream_experts(model: CausalLM, settings: MaterialiseSettings, from_tokens: 
         m.stream(settings.device, settings.dtype, from_tokens)
     if modules:
         log.info("experts of passes of %d tokens or more run on the GPU (streamed from RAM)", from_tokens)
+        if from_tokens <= 1:
+            model.placement = replace(placement, experts_streamed=True)
     return len(modules)

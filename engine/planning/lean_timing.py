@@ -32,15 +32,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.model.lean_step import MAX_TOKENS, LeanStep
 from engine.planning.profile import LayerTiming
 from engine.shapes import ModelShape, Placement
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # (the planner imports this module: nothing here may pull in the models at import)
     from engine.model.causal_lm import CausalLM
+    from engine.model.lean_step import LeanStep
 
 log = logging.getLogger(__name__)
 
+MAX_TOKENS = 256  # engine.model.lean_step.MAX_TOKENS, the longest pass it takes (a test holds the two together)
 LAYERS = (2, 8)  # the tiny llamas timed: the difference a layer is the figure
 PROMPT, WARM, STEPS = 16, 8, 64  # (WARM steps: more than the lean step's CAPTURE_AT, so graphs are captured)
 

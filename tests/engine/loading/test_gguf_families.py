@@ -335,6 +335,32 @@ def test_experts_on_the_cpu_beside_a_gpu_give_transformers_text(family_pair: tup
     assert_experts_on_cpu_beside_gpu(path, ref, tok, PROMPTS, 20)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_experts_streamed_every_pass_give_the_same_text(model_cache: Path) -> None:
+    """`--experts stream` (a benchmark's mode): the experts packed in RAM, every pass's (a step's
+    too) de-quantised on the GPU; nothing cached, nothing run by the CPU; the text `--experts cpu`
+    gives, and the status bar says so."""
+    from engine.decoding.pair import load_engine
+    from engine.types import LoadSettings
+
+    if build.kernels() is None:
+        pytest.skip("no C compiler here")
+    path = tiny(model_cache=model_cache, arch="qwen3_moe")
+    texts = {}
+    for mode in ("cpu", "stream"):
+        engine = load_engine(path, None, LoadSettings(device="cuda", experts=mode))  # type: ignore[arg-type]
+        packed = [m for m in engine.target.hf_model.modules() if isinstance(m, PackedExperts)]
+        placement = engine.target.placement
+        assert packed and placement is not None and placement.resident_form == "experts-cpu"
+        assert ("streamed to the GPU" in placement.describe()) == (mode == "stream")
+        texts[mode] = greedy(engine, PROMPTS[0], n=16).token_ids
+        if mode == "stream":
+            assert all(m._stream is not None and m._stream[2] == 1 and m._hot is None for m in packed)
+            assert all(m.streamed_passes > 0 for m in packed)
+    assert texts["stream"] == texts["cpu"]
+
+
 def assert_experts_on_cpu_beside_gpu(path: Path, ref: nn.Module, tok: object, prompts: list[str], n: int) -> None:
     """`--experts cpu` on a GPU: routed experts packed in RAM (run by the CPU kernel; a layer whose
     experts are in a type it does not read keeps them on the GPU), everything else on the GPU;

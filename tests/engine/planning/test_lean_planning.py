@@ -1,6 +1,6 @@
 """The planner prices a model the lean step takes (engine.model.lean_step: CUDA graphs) at the
 lean step's measured cost a layer, where the engine would run it that way: steps and passes up to
-MAX_TOKENS of a model whose layers all live on the GPU, a hybrid's steps only, nothing windowed.
+lean_step.MAX_TOKENS of a model whose layers all live on the GPU, a hybrid's steps only, nothing windowed.
 The figure is measured by the hardware profile on a GPU (engine.planning.lean_timing) and kept in
 it; without it (a CPU, an older profile) every price is what it was."""
 
@@ -15,7 +15,7 @@ import torch
 from transformers import Gemma3TextConfig, LlamaConfig, Qwen3MoeConfig
 from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
 
-from engine.model.lean_step import MAX_TOKENS
+from engine.model import lean_step
 from engine.planning import lean_timing, planner
 from engine.planning.profile import HardwareProfile, check_profile, load_profile, save_profile
 from engine.planning.reference import reference_profile
@@ -40,12 +40,12 @@ def test_steps_and_small_passes_of_a_resident_model_cost_the_lean_figure_a_layer
     fast = lean(general)
     cut = general.layer_timing.overhead_s - LEAN_S
     place = resident(LLAMA_8B)
-    for n in (1, 7, MAX_TOKENS):
+    for n in (1, 7, lean_step.MAX_TOKENS):
         before = planner.target_pass_seconds(general, LLAMA_8B, place, n)
         assert planner.target_pass_seconds(fast, LLAMA_8B, place, n) == pytest.approx(before - LLAMA_8B.num_layers * cut)
     # a longer pass takes the general path
-    assert planner.target_pass_seconds(fast, LLAMA_8B, place, MAX_TOKENS + 1) == \
-        planner.target_pass_seconds(general, LLAMA_8B, place, MAX_TOKENS + 1)
+    assert planner.target_pass_seconds(fast, LLAMA_8B, place, lean_step.MAX_TOKENS + 1) == \
+        planner.target_pass_seconds(general, LLAMA_8B, place, lean_step.MAX_TOKENS + 1)
     assert planner.autoregressive_tokens_per_second(fast, LLAMA_8B, place) > \
         planner.autoregressive_tokens_per_second(general, LLAMA_8B, place)
     # a resident draft's levels too
@@ -114,6 +114,10 @@ def test_the_figure_is_kept_in_the_profile(tmp_path: Path) -> None:
     assert not any("lean step" in line for line in old.summary_lines())
     with pytest.raises(ValueError, match="lean_overhead_s"):
         check_profile(lean(reference_profile("rtx4090"), -1e-5))
+
+
+def test_the_planner_knows_the_lean_steps_longest_pass() -> None:
+    assert lean_timing.MAX_TOKENS == lean_step.MAX_TOKENS
 
 
 def test_the_figure_is_measured_only_on_a_gpu() -> None:

@@ -133,6 +133,9 @@ def test_an_moe_gguf_too_big_for_the_gpu_keeps_its_experts_on_the_cpu(gpu: str, 
         assert passes == sorted(passes, reverse=True) and passes[-1] < 0.65 * passes[0]  # (the layers' GPU overhead stays)
         bigger = planner.estimate_placement(reference_profile("rtx4060ti-16gb", ram_gb=ram_gb), QWEN3_30B, "gguf")
         assert bigger.resident_form == "experts-cpu" and bigger.cached_experts > 2 * placement.cached_experts
+        streamed = replace(placement, cached_experts=0.0, experts_streamed=True)  # `--experts stream`
+        assert streamed.describe() == f"all {QWEN3_30B.num_layers} layers on GPU, experts: in RAM, each pass's " \
+                                      "streamed to the GPU (GGUF blocks)"
 
 
 def test_the_cpu_expert_timing_is_measured_and_kept_in_the_profile(tmp_path: Path) -> None:
