@@ -8,8 +8,8 @@ Gated DeltaNet layers, gated attention, a shared expert) of 8 layers each, whose
 packed on the CPU (`--experts cpu`: a replay, the states to the CPU and the experts' sum back, a
 layer). Each runs
 the same tokens through both paths on twin caches: the time a step and a layer, and the largest
-difference of their outputs; and a pass of 8 tokens both ways (a hybrid's passes keep the general
-path). The planner's GPU_LAYER_OVERHEAD_S (engine.planning.reference) is the
+difference of their outputs; and a tree pass of 8 tokens both ways, its chain of nodes kept after
+it (a hybrid's too: its trees on committed text take the lean step). The planner's GPU_LAYER_OVERHEAD_S (engine.planning.reference) is the
 general path's figure; this section measures what the lean step leaves of it.
 
 On the CPU (the dry run) the lean step runs eagerly: the code path is checked, the times are not
@@ -63,8 +63,9 @@ def _sync(device: torch.device) -> None:
 
 
 def _passes(model: CausalLM, lean: LeanStep | None, tokens: list[int], n: int = PASS_TOKENS) -> float:
-    """Seconds a pass of n new tokens (a chain: a tree's cost in launches) takes through the
-    general path (`lean` None) or the lean step."""
+    """Seconds a pass of n new tokens takes through the general path (`lean` None) or the lean
+    step: a tree pass (its mask given) whose nodes make a chain, all kept after it, as a verified
+    tree's accepted path is (a hybrid replays it through its Gated DeltaNet states)."""
     device = model.device
     model.lean = lean
     count = STEPS // n
@@ -77,7 +78,9 @@ def _passes(model: CausalLM, lean: LeanStep | None, tokens: list[int], n: int = 
                 start = time.perf_counter()
             at = PROMPT + i * n
             chunk = [tokens[(at + j) % len(tokens)] for j in range(n)]
-            model.forward(torch.tensor(chunk), torch.arange(at, at + n), cache, None)
+            allowed = torch.ones(n, at + n, dtype=torch.bool).tril(at)
+            model.forward(torch.tensor(chunk), torch.arange(at, at + n), cache, allowed)
+            cache.keep(torch.arange(at + n))
         _sync(device)
     return (time.perf_counter() - start) / count
 
@@ -98,14 +101,14 @@ def lean_section(device: torch.device, dtype: torch.dtype, dry: bool) -> dict[st
         general, a = step_seconds(model, None, tokens, PROMPT, WARM)
         fast, b = step_seconds(model, lean, tokens, PROMPT, WARM)
         passes = _passes(model, None, tokens)
-        lean_passes = _passes(model, lean, tokens) if lean.takes(model.new_cache(1), PASS_TOKENS, None) else None
+        lean_passes = _passes(model, lean, tokens)
         model.lean = own
         rows.append({**row, "general_ms": general * 1e3, "lean_ms": fast * 1e3,
                      "general_layer_ms": general * 1e3 / len(model.layers), "lean_layer_ms": fast * 1e3 / len(model.layers),
                      "segments": len(lean.segments), "graphs": lean.graphed, "why_eager": lean.why_eager,
                      "replays": lean.replays, "captures": lean.captures, "max_diff": float((a - b).abs().max()),
                      "pass_tokens": PASS_TOKENS, "general_pass_layer_ms": passes * 1e3 / len(model.layers),
-                     "lean_pass_layer_ms": None if lean_passes is None else lean_passes * 1e3 / len(model.layers)})
+                     "lean_pass_layer_ms": lean_passes * 1e3 / len(model.layers)})
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -125,6 +128,5 @@ def lean_lines(result: dict[str, Any] | None) -> list[str]:
                      f"({r['segments']} segments, graphs {'on' if r['graphs'] else 'off: ' + str(r['why_eager'])}, "
                      f"outputs within {r['max_diff']:.1e}); a pass of {r['pass_tokens']}: "
                      f"{r['general_pass_layer_ms']:.3f} -> "
-                     + (f"{r['lean_pass_layer_ms']:.3f} ms a layer" if r["lean_pass_layer_ms"] is not None
-                        else "(the general path's: a hybrid's trees)"))
+                     + f"{r['lean_pass_layer_ms']:.3f} ms a layer")
     return lines

@@ -14,15 +14,17 @@ run of layers:
   pads repeat the first token at the last position, attend only to themselves (a row that sees
   nothing is NaN on some kernels), write their K/V past the pass's own columns, are never
   committed, and never reach the routed experts;
-- the layers' cache is `_Slots`: attention's `update` writes the bucket's K/V at columns given by
+- the layers' cache is a `Slots` (lean_slots.py): attention's `update` writes the bucket's K/V at columns given by
   a device tensor (`index_copy_`) and hands back the cache's first W columns, read under a
   boolean mask (the tree's `allowed`, or the chain's causal one, set per pass outside the
   graphs), W a multiple of max(MIN_COLUMNS, an eighth of the text's power of two) past the pass
   (columns_for), so no shape depends on the cache's length and attention reads at most a quarter
   more than it needs however far the cache grew for trees (each W has its own graphs); a Gated
   DeltaNet layer (Qwen3.5 / Qwen3.6 / Qwen3-Next) reads its committed state and folds a single
-  token into it in place (linear_attention.advance), as the general path's commit does for
-  committed text (a hybrid's trees and chains need per-pass tables: the general path);
+  token of committed text into it in place (linear_attention.advance), as the general path's
+  commit does, or, in a tree on committed text, reads the tree's tables (fixed, filled before
+  the pass; the pads are roots of their own) and hands each node's inputs to the cache until the
+  accepted path is known, as the general path's layers do;
 - the embedding and the rotary cos/sin are computed eagerly once a pass and copied into the
   graphs' inputs;
 - a segment ends with an MoE layer: its routed experts are a stand-in that keeps their input,
@@ -41,10 +43,12 @@ captured and a pass is those calls run eagerly: the tests run it there against t
 and transformers' own decoding, so the logic the GPU replays is the logic the CPU tests.
 
 Qualifies (`LeanStep.of`): the families in FAMILIES, all layers resident on one CUDA device (no
-streamer), no sliding windows or per-layer inputs, SDPA attention. A pass longer than MAX_TOKENS,
-or a hybrid's other than one token on committed text takes the general path. The layer inputs a
-draft head reads (EAGLE-3: CausalLM.read_layer_inputs) come out of the segments as outputs too. SPECCHAT_NO_LEAN=1 switches the path off;
-SPECCHAT_NO_GRAPHS=1 keeps it eager.
+streamer), no sliding windows or per-layer inputs, SDPA attention. A pass longer than MAX_TOKENS
+takes the general path, and so do a hybrid's chains of committed text longer than one token
+(prompt chunks) and its trees over an earlier pass's pending nodes (a draft's tree grown level by
+level). The layer inputs a draft head reads (EAGLE-3: CausalLM.read_layer_inputs) come out of the
+segments as outputs too. SPECCHAT_NO_LEAN=1 switches the path off; SPECCHAT_NO_GRAPHS=1 keeps it
+eager.
 
 A pass of several tokens checks the model's Stop (CausalLM.interruptible) between segments, as
 the general path does between runs of layers: an MoE's segments are its layers, and their experts
@@ -72,8 +76,7 @@ from engine.kernels.fused_layer import PassInterrupted
 from engine.model.cache import KVCache
 from engine.model.cuda_graphs import CudaGraphs
 from engine.model.hybrid_cache import HybridCache
-from engine.model.linear_attention import advance
-from engine.model.linear_state import LinearLayerState, LinearPending, NodeInputs, PassTree
+from engine.model.lean_slots import Slots
 
 if TYPE_CHECKING:
     from engine.model.causal_lm import CausalLM
@@ -161,43 +164,12 @@ class _Held(nn.Module):
         return torch.zeros_like(hidden_states)
 
 
-class _Slots:
-    """The cache the layers see during a lean pass: fixed buffers, the bucket's entries at the
-    columns in `slot`, attention reading the first `columns`. Attention's `update`, and for a
-    hybrid the linear layers' LinearCache calls on committed text (a chain of one token kept
-    whole: its end state folded into the committed one in place)."""
-
-    def __init__(self, cache: KVCache, slot: torch.Tensor, columns: int) -> None:
-        self.cache, self.slot, self.columns = cache, slot, columns
-        self.chain = PassTree.of_chain(1, cache.device, kept_whole=True)
-
-    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: object,
-               **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
-        keys, values = self.cache.keys[layer_idx], self.cache.values[layer_idx]
-        keys.index_copy_(2, self.slot, key)
-        values.index_copy_(2, self.slot, value)
-        return keys[:, :, : self.columns], values[:, :, : self.columns]
-
-    def pass_tree(self) -> PassTree:
-        return self.chain
-
-    def linear_state(self, layer_idx: int) -> LinearLayerState:
-        assert isinstance(self.cache, HybridCache)
-        return self.cache.states[layer_idx]
-
-    def linear_prior(self, layer_idx: int) -> NodeInputs | None:
-        return None
-
-    def linear_pending(self, layer_idx: int, pending: LinearPending) -> None:
-        advance(self.linear_state(layer_idx), pending, None)
-
-
 @dataclass
 class _Buffers:
     """The fixed tensors of one cache buffer set, bucket (B) and columns and, on a GPU, their
     graphs (one per segment)."""
 
-    slots: _Slots
+    slots: Slots
     hidden: torch.Tensor  # (1, B, H): the embeddings in
     cos: torch.Tensor  # (1, B, rotary width)
     sin: torch.Tensor
@@ -254,14 +226,19 @@ class LeanStep:
 
     def takes(self, cache: KVCache, n: int, allowed: torch.Tensor | None) -> bool:
         """Whether a pass of n tokens under `allowed` can run here: up to MAX_TOKENS on a KVCache
-        of the model's device, no layer inputs to keep; a hybrid's only one token that sees the
-        whole cache on a HybridCache with nothing pending (a tree's nodes need its tables)."""
+        of the model's device. A hybrid's on a HybridCache with nothing pending: one token of
+        committed text, or a tree (`allowed` given) on committed text; its committed chains of
+        several tokens (prompt chunks) and trees over an earlier pass's nodes take the general
+        path."""
         if not 1 <= n <= MAX_TOKENS or cache.device.type != self.model.device.type:
             return False
         if any(self.linear):
-            return (type(cache) is HybridCache and cache.complete and n == 1
-                    and (allowed is None or bool(allowed.all())))
+            return type(cache) is HybridCache and cache.complete and (n == 1 or allowed is not None)
         return type(cache) is KVCache
+
+    def _tree(self, n: int, allowed: torch.Tensor | None) -> bool:
+        """Whether a hybrid's pass is a tree (per-node inputs kept) rather than committed text."""
+        return any(self.linear) and not (n == 1 and (allowed is None or bool(allowed.all())))
 
     # ---- the segments: the model's own decoder layers over the fixed buffers ----
 
@@ -302,7 +279,7 @@ class LeanStep:
 
     # ---- buffers and graphs ----
 
-    def _ready(self, cache: KVCache, cos: torch.Tensor, bucket: int, grab: tuple[int, ...]) -> _Buffers:
+    def _ready(self, cache: KVCache, cos: torch.Tensor, bucket: int, grab: tuple[int, ...], tree: bool) -> _Buffers:
         """`cache`'s fixed tensors for passes of `bucket` tokens reading `columns_for` columns,
         all made again when its buffers (or a hybrid's states) were replaced (kept per bucket and
         columns: a tree's levels grow the text and the kept path shrinks it back). A new buffer
@@ -319,21 +296,21 @@ class LeanStep:
                 for t in (*cache.keys, *cache.values):
                     t[:, :, cache.length :].zero_()
             held = self._buffers[cache] = (key, {})
-        known = held[1].get((bucket, columns, grab))
+        known = held[1].get((bucket, columns, grab, tree))
         if known is not None:
             return known
         with torch.inference_mode():
             device, dtype = cache.device, self.model.dtype
             hidden_size = self.model.embed.weight.shape[1]
             slot = torch.zeros(bucket, dtype=torch.long, device=device)
-            bufs = _Buffers(_Slots(cache, slot, columns),
+            bufs = _Buffers(Slots(cache, slot, columns, bucket if tree else None),
                             torch.zeros(1, bucket, hidden_size, dtype=dtype, device=device),
                             torch.zeros_like(cos), torch.zeros_like(cos),
                             torch.zeros(1, bucket, dtype=torch.long, device=device),
                             torch.zeros(1, 1, bucket, columns, dtype=torch.bool, device=device),
                             torch.zeros(1, bucket, hidden_size, dtype=dtype, device=device))
         bufs.grab = grab
-        held[1][(bucket, columns, grab)] = bufs
+        held[1][(bucket, columns, grab, tree)] = bufs
         return bufs
 
     def _capture(self, bufs: _Buffers, cache: KVCache) -> None:
@@ -388,7 +365,12 @@ class LeanStep:
             position = torch.cat([position, position[-1:].expand(bucket - n)])
         hidden = model.embed(ids[None])  # (1, B, H)
         cos, sin = model.rotary(hidden, position_ids=position[None])
-        bufs = self._ready(cache, cos, bucket, tuple(sorted(set(grab))))
+        tree = self._tree(n, allowed)
+        bufs = self._ready(cache, cos, bucket, tuple(sorted(set(grab))), tree)
+        if tree:  # a hybrid's tree on committed text: each node's parent, the tables its layers read
+            assert isinstance(cache, HybridCache)
+            cache.begin_pass(allowed, n, tables=False)
+            bufs.slots.set_tree(cache.parents[at : at + n] - at)
         bufs.hidden.copy_(hidden)
         bufs.cos.copy_(cos)
         bufs.sin.copy_(sin)
@@ -404,6 +386,8 @@ class LeanStep:
         stop = model.interrupt if n > 1 else None  # a pass checks the Stop between segments (nothing committed)
         for s in range(len(self.segments)):
             if stop is not None and s and stop.is_set():
+                if isinstance(cache, HybridCache):
+                    cache.abandon_pass()  # (its states were only read)
                 raise PassInterrupted(f"stopped before layer {self.segments[s][0]}")
             if bufs.graphs is not None:
                 bufs.graphs[s].replay()
@@ -423,7 +407,11 @@ class LeanStep:
                 for i in bufs.grab:
                     if f"input {i}" in out:
                         kept[i] = out[f"input {i}"][0, :n].clone()
-        if isinstance(cache, HybridCache):
+        if tree:
+            assert isinstance(cache, HybridCache)
+            bufs.slots.hand_over(cache, n)  # each node's inputs, until the accepted path is known
+            cache.commit(n)
+        elif isinstance(cache, HybridCache):
             cache.folded(1)  # the linear layers folded the token into their states in place
         else:
             cache.commit(n)

@@ -46,11 +46,13 @@ LAYERS = (2, 8)  # the tiny llamas timed: the difference a layer is the figure
 PROMPT, WARM, STEPS = 16, 8, 64  # (WARM steps: more than the lean step's CAPTURE_AT, so graphs are captured)
 
 
-def saving(timing: LayerTiming, shape: ModelShape, tokens: int, placement: Placement | None = None) -> float:
+def saving(timing: LayerTiming, shape: ModelShape, tokens: int, placement: Placement | None = None,
+           levels: bool = False) -> float:
     """Seconds the lean step takes off one decoder layer's priced time in a pass of `tokens`
     tokens of a model of `shape` whose layers all live on the GPU (`placement`, where given: none
     streamed or de-quantised each pass); 0 where the lean step would not take that pass or its
-    figure was not measured."""
+    figure was not measured. `levels`: the pass is a draft's level, reading the earlier levels'
+    nodes (a hybrid's: the general path)."""
     if timing.lean_overhead_s is None or not 1 <= tokens <= MAX_TOKENS:
         return 0.0
     if placement is not None and (placement.device == "cpu" or placement.ram_layers or placement.disk_layers
@@ -59,8 +61,8 @@ def saving(timing: LayerTiming, shape: ModelShape, tokens: int, placement: Place
     kinds = shape.cache_layers
     if any(c.window is not None or (c.head_dim == 0 and c.state_elements == 0) for c in kinds):
         return 0.0  # windows, or layers reading another's K/V: the general path
-    if tokens > 1 and any(c.state_elements for c in kinds):
-        return 0.0  # a hybrid's trees and chains: the general path
+    if levels and tokens > 1 and any(c.state_elements for c in kinds):
+        return 0.0  # a hybrid draft's levels over its pending nodes: the general path
     return max(timing.overhead_s - timing.lean_overhead_s, 0.0)
 
 

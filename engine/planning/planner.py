@@ -232,7 +232,7 @@ def head_seconds(profile: HardwareProfile, model: ModelShape, rows: int, placeme
 
 
 def draft_pass_seconds(profile: HardwareProfile, draft: ModelShape, nodes: int) -> float:
-    lean = lean_timing.saving(profile.layer_timing, draft, nodes) if profile.gpu is not None else 0.0
+    lean = lean_timing.saving(profile.layer_timing, draft, nodes, levels=True) if profile.gpu is not None else 0.0
     return (draft.num_layers * (compute_seconds(profile, draft.layer_params, nodes) - lean)
             + head_seconds(profile, draft, nodes))
 

@@ -67,7 +67,7 @@ def test_the_cpu_dry_run_runs_every_section_and_says_gpu_figures_need_a_gpu(
                                                                           (9, False, "not on a GPU")]
     assert all(r["max_diff"] < 1e-4 and r["general_ms"] > 0 and r["lean_ms"] > 0 and r["general_pass_layer_ms"] > 0
                for r in lean)
-    assert [r["lean_pass_layer_ms"] is None for r in lean] == [False, False, True]  # a hybrid's passes: general
+    assert all(r["lean_pass_layer_ms"] > 0 for r in lean)  # a hybrid's tree passes too
     assert "lean step (CPU dry run" in printed.out
     assert data["mode"] == "cpu dry run" and data["finished"]
 

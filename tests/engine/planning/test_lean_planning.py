@@ -1,6 +1,7 @@
 """The planner prices a model the lean step takes (engine.model.lean_step: CUDA graphs) at the
 lean step's measured cost a layer, where the engine would run it that way: steps and passes up to
-lean_step.MAX_TOKENS of a model whose layers all live on the GPU, a hybrid's steps only, nothing windowed.
+lean_step.MAX_TOKENS of a model whose layers all live on the GPU (a hybrid draft's later levels
+not), nothing windowed.
 The figure is measured by the hardware profile on a GPU (engine.planning.lean_timing) and kept in
 it; without it (a CPU, an older profile) every price is what it was."""
 
@@ -43,7 +44,7 @@ def test_steps_and_small_passes_of_a_resident_model_cost_the_lean_figure_a_layer
     for n in (1, 7, lean_step.MAX_TOKENS):
         before = planner.target_pass_seconds(general, LLAMA_8B, place, n)
         assert planner.target_pass_seconds(fast, LLAMA_8B, place, n) == pytest.approx(before - LLAMA_8B.num_layers * cut)
-    # a longer pass takes the general path
+    # a longer pass takes the general path (the MAX_TOKENS of lean_step)
     assert planner.target_pass_seconds(fast, LLAMA_8B, place, lean_step.MAX_TOKENS + 1) == \
         planner.target_pass_seconds(general, LLAMA_8B, place, lean_step.MAX_TOKENS + 1)
     assert planner.autoregressive_tokens_per_second(fast, LLAMA_8B, place) > \
@@ -77,10 +78,12 @@ def test_no_saving_where_the_engine_streams_or_runs_on_the_cpu(case: str) -> Non
 def test_which_passes_of_which_families_are_lean() -> None:
     timing = lean(reference_profile("rtx4090")).layer_timing
     cut = timing.overhead_s - LEAN_S
-    hybrid = ModelShape.from_config(Qwen3_5MoeTextConfig())  # Gated DeltaNet layers: steps only
-    assert lean_timing.saving(timing, hybrid, 1) == pytest.approx(cut)
-    assert lean_timing.saving(timing, hybrid, 2) == 0.0
     moe = ModelShape.from_config(Qwen3MoeConfig(num_hidden_layers=48, head_dim=128))
+    hybrid = ModelShape.from_config(Qwen3_5MoeTextConfig())  # Gated DeltaNet layers: steps, trees
+    assert lean_timing.saving(timing, hybrid, 1) == pytest.approx(cut)
+    assert lean_timing.saving(timing, hybrid, 16) == pytest.approx(cut)
+    assert lean_timing.saving(timing, hybrid, 16, levels=True) == 0.0  # a hybrid draft's later levels
+    assert lean_timing.saving(timing, moe, 16, levels=True) == pytest.approx(cut)
     assert lean_timing.saving(timing, moe, 64) == pytest.approx(cut)
     windowed = ModelShape.from_config(Gemma3TextConfig(num_hidden_layers=12))
     assert any(c.window for c in windowed.cache_layers)
@@ -99,7 +102,9 @@ def test_experts_on_the_cpu_keep_their_price_beside_the_lean_layers() -> None:
     fast = planner.target_pass_seconds(lean(general), moe, place, 1)
     assert fast == pytest.approx(step - moe.num_layers * (general.layer_timing.overhead_s - LEAN_S))
     assert fast > moe.num_layers * planner.expert_seconds(general, moe, 1)
-    assert planner.target_pass_seconds(lean(general), moe, place, 8) == planner.target_pass_seconds(general, moe, place, 8)
+    tree = planner.target_pass_seconds(general, moe, place, 8)  # a tree of 8: the same cut a layer
+    assert planner.target_pass_seconds(lean(general), moe, place, 8) == \
+        pytest.approx(tree - moe.num_layers * (general.layer_timing.overhead_s - LEAN_S))
 
 
 def test_the_figure_is_kept_in_the_profile(tmp_path: Path) -> None:
