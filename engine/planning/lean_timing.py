@@ -30,12 +30,12 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-import torch
-
 from engine.planning.profile import LayerTiming
 from engine.shapes import ModelShape, Placement
 
-if TYPE_CHECKING:  # (the planner imports this module: nothing here may pull in the models at import)
+if TYPE_CHECKING:  # (the planner imports this module: nothing here may pull in torch or the models at import)
+    import torch
+
     from engine.model.causal_lm import CausalLM
     from engine.model.lean_step import LeanStep
 
@@ -71,6 +71,8 @@ def step_seconds(model: CausalLM, lean: LeanStep | None, tokens: list[int], prom
     """Seconds a one-token step of `model` takes through the general path (`lean`
     None) or the lean step, over the steps after a prompt of `prompt` tokens and `warm` steps;
     and the last step's output. `tokens`: the prompt's and every step's token."""
+    import torch
+
     device = model.device
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     kept = model.lean
@@ -94,6 +96,8 @@ def step_seconds(model: CausalLM, lean: LeanStep | None, tokens: list[int], prom
 def lean_layer_overhead(device: str, dtype: torch.dtype) -> float | None:
     """Seconds a decoder layer of a one-token lean step costs on `device` beyond its weights
     (module docstring); None off CUDA, or where the lean step does not take the tiny llama."""
+    import torch
+
     if not device.startswith("cuda") or not torch.cuda.is_available():
         return None
     from engine.loading.load import load_model  # (loading imports the planner: not at import time)
