@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 
 MAX_TOKENS = 256  # engine.model.lean_step.MAX_TOKENS, the longest pass it takes (a test holds the two together)
 LAYERS = (2, 8)  # the tiny llamas timed: the difference a layer is the figure
+TINY_VOCAB = 384
 PROMPT, WARM, STEPS = 16, 8, 64  # (WARM steps: more than the lean step's CAPTURE_AT, so graphs are captured)
 
 
@@ -93,25 +94,46 @@ def step_seconds(model: CausalLM, lean: LeanStep | None, tokens: list[int], prom
     return (time.perf_counter() - start) / max(len(tokens) - prompt - warm, 1), out.float().cpu()
 
 
-def lean_layer_overhead(device: str, dtype: torch.dtype) -> float | None:
+def lean_layer_overhead(device: str, dtype: torch.dtype, anywhere: bool = False) -> float | None:
     """Seconds a decoder layer of a one-token lean step costs on `device` beyond its weights
-    (module docstring); None off CUDA, or where the lean step does not take the tiny llama."""
+    (module docstring); None off CUDA (unless `anywhere`: the CPU tests run the same code, the
+    lean step forced and eager), or where the lean step does not take the tiny llama."""
     import torch
 
-    if not device.startswith("cuda") or not torch.cuda.is_available():
-        return None
-    from engine.loading.load import load_model  # (loading imports the planner: not at import time)
-    from engine.testing.synthetic import tiny_model
+    from engine.model.lean_step import LeanStep
 
+    if not anywhere and (not device.startswith("cuda") or not torch.cuda.is_available()):
+        return None
     g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(3, 300, (PROMPT + WARM + STEPS,), generator=g).tolist()
+    tokens = torch.randint(3, TINY_VOCAB, (PROMPT + WARM + STEPS,), generator=g).tolist()
     seconds = []
     for layers in LAYERS:
-        model = load_model(tiny_model("llama", layers=layers), device, dtype).model
-        if model.lean is None:
+        model = _tiny_llama(layers, device, dtype)
+        lean = model.lean or (LeanStep.of(model, anywhere=True) if anywhere else None)
+        if lean is None:
             log.info("the lean step does not take a tiny llama on %s; the planner keeps the general path's cost",
                      device)
             return None
-        seconds.append(min(step_seconds(model, model.lean, tokens)[0] for _ in range(2)))
+        seconds.append(min(step_seconds(model, lean, tokens)[0] for _ in range(2)))
         del model
     return max(seconds[1] - seconds[0], 0.0) / (LAYERS[1] - LAYERS[0])
+
+
+def _tiny_llama(layers: int, device: str, dtype: torch.dtype) -> CausalLM:
+    """A random llama of `layers` tiny layers on `device` (its arithmetic is what is timed)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from engine.model.cache import steady_attention
+    from engine.model.causal_lm import CausalLM
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=172, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, num_hidden_layers=layers, vocab_size=TINY_VOCAB,
+                         max_position_embeddings=1024)
+    config._attn_implementation = "sdpa"
+    if device != "cpu":
+        steady_attention()  # as load_model does
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(config)
+    torch.nn.Module.to(hf, device=device, dtype=dtype)  # (in place)
+    return CausalLM(hf)

@@ -127,6 +127,9 @@ def test_the_planner_knows_the_lean_steps_longest_pass() -> None:
 
 def test_the_figure_is_measured_only_on_a_gpu() -> None:
     assert lean_timing.lean_layer_overhead("cpu", torch.float32) is None
+    # the same code on the CPU with the lean step forced (eager): a figure, not a GPU's
+    forced = lean_timing.lean_layer_overhead("cpu", torch.float32, anywhere=True)
+    assert forced is not None and forced >= 0
 
 
 @pytest.mark.gpu
