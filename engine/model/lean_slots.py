@@ -75,7 +75,7 @@ class Slots:
         assert tree is not None
         bucket, n = tree.n, int(parents.shape[0])
         full = torch.cat([parents.to("cpu", torch.long), torch.full((bucket - n,), -1, dtype=torch.long)])
-        built = PassTree.from_parents(full, tree.parents.device, chain_ok=False)
+        built = PassTree.from_parents(full, "cpu", chain_ok=False)  # (on the host: a few small ops a depth)
         assert built.ancestors is not None and tree.ancestors is not None
         tree.parents.copy_(built.parents)
         tree.ancestors.copy_(built.ancestors)
