@@ -9,8 +9,10 @@ packed on the CPU (`--experts cpu`: a replay, the states to the CPU and the expe
 layer). Each runs
 the same tokens through both paths on twin caches: the time a step and a layer, and the largest
 difference of their outputs; and a tree pass of 8 tokens both ways, its chain of nodes kept after
-it (a hybrid's too: its trees on committed text take the lean step). The planner's GPU_LAYER_OVERHEAD_S (engine.planning.reference) is the
-general path's figure; this section measures what the lean step leaves of it.
+it (a hybrid's too: its trees on committed text take the lean step). The planner's
+GPU_LAYER_OVERHEAD_S (engine.planning.reference) is the general path's figure; this section
+measures what the lean step leaves of it (the hardware profile measures it too, for the planner:
+engine.planning.lean_timing).
 
 On the CPU (the dry run) the lean step runs eagerly: the code path is checked, the times are not
 the GPU's.

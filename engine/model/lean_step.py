@@ -14,9 +14,9 @@ run of layers:
   pads repeat the first token at the last position, attend only to themselves (a row that sees
   nothing is NaN on some kernels), write their K/V past the pass's own columns, are never
   committed, and never reach the routed experts;
-- the layers' cache is a `Slots` (lean_slots.py): attention's `update` writes the bucket's K/V at columns given by
-  a device tensor (`index_copy_`) and hands back the cache's first W columns, read under a
-  boolean mask (the tree's `allowed`, or the chain's causal one, set per pass outside the
+- the layers' cache is a `Slots` (lean_slots.py): attention's `update` writes the bucket's K/V
+  at columns given by a device tensor (`index_copy_`) and hands back the cache's first W
+  columns, read under a boolean mask (the tree's `allowed`, or the chain's causal one, set per pass outside the
   graphs), W a multiple of max(MIN_COLUMNS, an eighth of the text's power of two) past the pass
   (columns_for), so no shape depends on the cache's length and attention reads at most a quarter
   more than it needs however far the cache grew for trees (each W has its own graphs); a Gated
