@@ -38,7 +38,8 @@ run of layers:
 Graphs are captured per cache buffer set, bucket and W, at the third pass over them (CAPTURE_AT: a
 capture costs about three eager passes, and each answer's caches are new), again when a cache
 grew (new buffers), and dropped with the cache. Capture can fail (an operation a graph cannot hold, out of
-memory): the passes then run the same calls eagerly and say why once. On the CPU nothing is
+memory): the passes then run the same calls eagerly and say why once; where it is a hybrid's tree
+that fails, only its trees go back to the general path (its steps keep their graphs). On the CPU nothing is
 captured and a pass is those calls run eagerly: the tests run it there against the general path
 and transformers' own decoding, so the logic the GPU replays is the logic the CPU tests.
 
@@ -202,6 +203,7 @@ class LeanStep:
         self.ends = [self.experts[b - 1] if b > a else None for a, b in self.segments]
         self._held = _Held()
         self.graphed = model.device.type == "cuda" and not _switched_off("SPECCHAT_NO_GRAPHS")
+        self.why_no_trees: str | None = None  # why a hybrid's trees left the lean step (their capture failed)
         self.why_eager: str | None = None if self.graphed else "not on a GPU" if model.device.type != "cuda" else \
             "SPECCHAT_NO_GRAPHS"
         # each cache's buffer addresses, and its fixed tensors (and graphs) by bucket, columns and grab
@@ -233,7 +235,9 @@ class LeanStep:
         if not 1 <= n <= MAX_TOKENS or cache.device.type != self.model.device.type:
             return False
         if any(self.linear):
-            return type(cache) is HybridCache and cache.complete and (n == 1 or allowed is not None)
+            if type(cache) is not HybridCache or not cache.complete or not (n == 1 or allowed is not None):
+                return False
+            return self.why_no_trees is None or not self._tree(n, allowed)
         return type(cache) is KVCache
 
     def _tree(self, n: int, allowed: torch.Tensor | None) -> bool:
@@ -336,11 +340,15 @@ class LeanStep:
             finally:
                 backend.settle()  # (a warm-up cut short by an error may still be running)
         except Exception as e:  # noqa: BLE001 - any failure to capture leaves the eager passes, which are correct
-            self.graphed = False
-            self.why_eager = f"{type(e).__name__}: {e}"
+            why = f"{type(e).__name__}: {e}"
             bufs.graphs = None
             bufs.outs.clear()
-            log.warning("decoding steps run without CUDA graphs (%s)", self.why_eager)
+            if bufs.slots.tree is not None:  # a hybrid's tree: its trees go back to the general path, its steps keep theirs
+                self.why_no_trees = why
+                log.warning("a hybrid model's tree passes run on the general path (%s)", why)
+            else:
+                self.graphed, self.why_eager = False, why
+                log.warning("decoding steps run without CUDA graphs (%s)", why)
         finally:
             for t, saved in states:
                 t.copy_(saved)

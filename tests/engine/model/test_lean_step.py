@@ -247,6 +247,31 @@ def test_a_failed_capture_leaves_eager_passes_and_the_states_as_they_were(
     assert sum("without CUDA graphs" in r.getMessage() for r in caplog.records) == 1  # said once
 
 
+class TreeBrokenGraphs(FakeGraphs):
+    """Captures a step's segments, fails on a hybrid tree's (a Gated DeltaNet tree op a graph
+    could not hold)."""
+
+    def capture(self, run: Callable[[], object], pool: None) -> SimpleNamespace:
+        if run.args[1].slots.tree is not None:  # type: ignore[attr-defined]  # functools.partial(_segment, s, bufs)
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return super().capture(run, pool)
+
+
+def test_a_hybrid_tree_that_cannot_be_captured_leaves_the_steps_their_graphs(
+        model_cache: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(lean_step, "CudaGraphs", TreeBrokenGraphs)
+    model = load_model(tiny_model("qwen3_5_text", seed=0, layers=LAYERS, cache_dir=model_cache)).model
+    lean = forced(model)
+    lean.graphed, lean.why_eager = True, None
+    with caplog.at_level("WARNING", logger="engine.model.lean_step"):
+        worst = twin_passes(model, lean, [1, 6, 1, 7, 1, 5, 1, 8, 1, 6], capacity=64)
+    assert worst < 2e-5, worst
+    assert lean.graphed and lean.why_eager is None and lean.why_no_trees is not None
+    assert lean.captures == 1 and lean.replays == 3 * len(lean.segments)  # the one-token steps' bucket
+    assert lean.steps == 5 + 3  # the steps, and the trees until the third failed to be captured
+    assert sum("tree passes run on the general path" in r.getMessage() for r in caplog.records) == 1
+
+
 def assert_graphs_replay(model: CausalLM, lean: LeanStep, passes: bool = True) -> None:
     worst, _ = twin_steps(model, lean, steps=24, capacity=8)
     assert lean.why_eager is None, lean.why_eager
